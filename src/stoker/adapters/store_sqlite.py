@@ -1,0 +1,663 @@
+"""SQLite store: the embedded default (`sqlite:///./stoker.db`).
+
+One connection, used from the event loop without threads: every method is one short
+transaction with no `await` inside, so transactions of one process never interleave and
+the loop's (possibly virtual) clock sees no hidden I/O. Writers from other processes are
+serialised by `BEGIN IMMEDIATE`; WAL lets readers proceed meanwhile.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from stoker.adapters._rows import (
+    CLAIM_SELECT,
+    WORKER_COLUMNS,
+    WORKER_SELECT,
+    claim_from_row,
+    claim_to_row,
+    column_value,
+    dump_json,
+    instance_from_row,
+    lease_from_row,
+    worker_from_row,
+    worker_to_row,
+)
+from stoker.domain.errors import StoreError
+from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.states import (
+    LIVE,
+    TRANSITIONS,
+    ClaimState,
+    WorkerState,
+    check_org_change,
+    check_transition,
+)
+from stoker.ports.store import (
+    MUTABLE_WORKER_FIELDS,
+    ReserveResult,
+    SpawnRequest,
+    SpawnResult,
+    StateCount,
+)
+
+#: Versioned migrations; version N is applied once, in order, inside one transaction.
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """CREATE TABLE workers (
+                id TEXT PRIMARY KEY,
+                pool TEXT NOT NULL,
+                revision TEXT NOT NULL,
+                state TEXT NOT NULL,
+                epoch INTEGER NOT NULL DEFAULT 0,
+                owner TEXT NOT NULL,
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL,
+                org TEXT,
+                claim_id TEXT,
+                endpoint TEXT,
+                runtime_ref TEXT NOT NULL DEFAULT '{}',
+                activated INTEGER NOT NULL DEFAULT 0,
+                heartbeat_at REAL NOT NULL,
+                idle_since REAL,
+                ttl_s REAL,
+                reason TEXT
+            )""",
+            "CREATE INDEX workers_pool_state ON workers (pool, state, revision)",
+            "CREATE INDEX workers_pool_org ON workers (pool, org, state)",
+            "CREATE INDEX workers_owner ON workers (owner, state)",
+            "CREATE INDEX workers_state ON workers (state)",
+            """CREATE TABLE claims (
+                id TEXT PRIMARY KEY,
+                pool TEXT NOT NULL,
+                org TEXT NOT NULL,
+                worker_id TEXT NOT NULL,
+                worker_epoch INTEGER NOT NULL,
+                source TEXT NOT NULL,
+                mode TEXT NOT NULL,
+                state TEXT NOT NULL,
+                token TEXT NOT NULL,
+                endpoint TEXT NOT NULL,
+                lease_s REAL NOT NULL,
+                expires_at REAL NOT NULL,
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL,
+                owner TEXT NOT NULL,
+                ttl_s REAL,
+                ended_at REAL,
+                reason TEXT
+            )""",
+            "CREATE INDEX claims_state_expires ON claims (state, expires_at)",
+            "CREATE INDEX claims_worker ON claims (worker_id)",
+            """CREATE TABLE instances (
+                id TEXT PRIMARY KEY,
+                started_at REAL NOT NULL,
+                heartbeat_at REAL NOT NULL,
+                state TEXT NOT NULL,
+                meta TEXT NOT NULL DEFAULT '{}'
+            )""",
+            """CREATE TABLE leases (
+                name TEXT PRIMARY KEY,
+                holder TEXT NOT NULL,
+                epoch INTEGER NOT NULL,
+                renewed_at REAL NOT NULL,
+                duration_s REAL NOT NULL
+            )""",
+        ],
+    ),
+]
+
+_LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
+
+
+class SqliteStore:
+    """The Store port on one SQLite file (or `:memory:`)."""
+
+    def __init__(self, path: str, *, busy_timeout_s: float = 5.0) -> None:
+        self.path = path
+        self._busy_timeout_s = busy_timeout_s
+        self._db: sqlite3.Connection | None = None
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError("store is not open")
+        return self._db
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: BEGIN IMMEDIATE ... COMMIT, rolled back on any error."""
+        db = self.db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"sqlite: {exc}") from exc
+        try:
+            yield db
+        except sqlite3.Error as exc:
+            db.execute("ROLLBACK")
+            raise StoreError(f"sqlite: {exc}") from exc
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        else:
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                db.execute("ROLLBACK")
+                raise StoreError(f"sqlite: {exc}") from exc
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        try:
+            return self.db.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"sqlite: {exc}") from exc
+
+    async def open(self) -> None:
+        """Open the file, switch to WAL and apply migrations."""
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open sqlite store {self.path!r}: {exc}") from exc
+        self._db = db
+        with self._tx() as tx:
+            tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
+            applied = {r[0] for r in tx.execute("SELECT version FROM schema_migrations")}
+            for version, statements in MIGRATIONS:
+                if version in applied:
+                    continue
+                for sql in statements:
+                    tx.execute(sql)
+                tx.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))
+
+    async def close(self) -> None:
+        """Close the connection."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    async def schema_version(self) -> int:
+        """The highest applied migration."""
+        rows = self._read("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
+        return int(rows[0][0])
+
+    # -- workers --------------------------------------------------------------------------
+
+    def _get(self, db: sqlite3.Connection, worker_id: str) -> Worker | None:
+        row = db.execute(
+            f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,)
+        ).fetchone()
+        return worker_from_row(row) if row else None
+
+    def _count_live(self, db: sqlite3.Connection, pool: str, org: str | None = None) -> int:
+        if org is None:
+            sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN {_LIVE_SQL}"
+            return int(db.execute(sql, (pool,)).fetchone()[0])
+        sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND org = ? AND state IN {_LIVE_SQL}"
+        return int(db.execute(sql, (pool, org)).fetchone()[0])
+
+    async def reserve_spawn_slots(
+        self, req: SpawnRequest, ids: Sequence[str], now: float
+    ) -> SpawnResult:
+        """Insert spawning rows within the caps and the target, in one transaction."""
+        with self._tx() as db:
+            room, limited_by = min(req.count, len(ids)), None
+            limits: list[tuple[str, int]] = []
+            if req.pool_cap > 0:
+                limits.append(("pool_cap", req.pool_cap - self._count_live(db, req.pool)))
+            if req.org is not None and req.org_cap > 0:
+                limits.append(("org_cap", req.org_cap - self._count_live(db, req.pool, req.org)))
+            if req.target is not None:
+                limits.append(
+                    ("target", req.target - self._count_neutral(db, req.pool, req.revision))
+                )
+            for name, left in limits:
+                if left < room:
+                    room, limited_by = max(0, left), name
+            rows = [
+                Worker(
+                    id=worker_id,
+                    pool=req.pool,
+                    revision=req.revision,
+                    state=WorkerState.SPAWNING,
+                    epoch=0,
+                    owner=req.owner,
+                    created_at=now,
+                    updated_at=now,
+                    org=req.org,
+                    heartbeat_at=now,
+                )
+                for worker_id in ids[:room]
+            ]
+            placeholders = ", ".join("?" for _ in WORKER_COLUMNS)
+            db.executemany(
+                f"INSERT INTO workers ({WORKER_SELECT}) VALUES ({placeholders})",
+                [worker_to_row(w) for w in rows],
+            )
+            return SpawnResult(rows, limited_by)
+
+    def _count_neutral(self, db: sqlite3.Connection, pool: str, revision: str) -> int:
+        """Warm plus neutral spawning workers of one pool revision."""
+        sql = (
+            "SELECT COUNT(*) FROM workers WHERE pool = ? AND revision = ? AND "
+            "(state = 'warm' OR (state = 'spawning' AND org IS NULL))"
+        )
+        return int(db.execute(sql, (pool, revision)).fetchone()[0])
+
+    def _cas(
+        self,
+        db: sqlite3.Connection,
+        current: Worker,
+        *,
+        to: WorkerState,
+        now: float,
+        bump_epoch: bool,
+        changes: Mapping[str, Any],
+    ) -> Worker | None:
+        """Apply a checked transition to `current` (already read in this transaction)."""
+        unknown = set(changes) - MUTABLE_WORKER_FIELDS
+        if unknown:
+            raise ValueError(f"cannot set worker fields {sorted(unknown)}")
+        if to is not current.state:
+            check_transition(current.state, to, activated=current.activated)
+        if "org" in changes:
+            check_org_change(current.org, changes["org"], to=to, activated=current.activated)
+        new = current.evolve(
+            state=to,
+            epoch=current.epoch + 1 if bump_epoch else current.epoch,
+            updated_at=now,
+            **changes,
+        )
+        sets = ["state = ?", "epoch = ?", "updated_at = ?"]
+        params: list[Any] = [to.value, new.epoch, now]
+        for name, value in changes.items():
+            sets.append(f"{name} = ?")
+            params.append(column_value(name, value))
+        params += [current.id, current.state.value, current.epoch]
+        cur = db.execute(
+            f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND state = ? AND epoch = ?",
+            params,
+        )
+        return new if cur.rowcount == 1 else None
+
+    async def transition(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        to: WorkerState,
+        now: float,
+        bump_epoch: bool = False,
+        changes: Mapping[str, Any] | None = None,
+    ) -> Worker | None:
+        """CAS `(id, expect, epoch)` -> `to`; None on a miss."""
+        if to is not expect and to not in TRANSITIONS[expect]:
+            # Illegal moves raise even when the row would not match.
+            check_transition(expect, to)
+        with self._tx() as db:
+            current = self._get(db, worker_id)
+            if current is None or current.state is not expect or current.epoch != epoch:
+                return None
+            return self._cas(
+                db, current, to=to, now=now, bump_epoch=bump_epoch, changes=changes or {}
+            )
+
+    def _reserve_row(
+        self,
+        db: sqlite3.Connection,
+        current: Worker,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+    ) -> ReserveResult:
+        if current.state is WorkerState.HOT_IDLE and current.org != org:
+            return ReserveResult(None)
+        if (
+            current.state is WorkerState.WARM
+            and org_cap > 0
+            and self._count_live(db, current.pool, org) >= org_cap
+        ):
+            return ReserveResult(None, at_org_cap=True)
+        worker = self._cas(
+            db,
+            current,
+            to=WorkerState.RESERVED,
+            now=now,
+            bump_epoch=True,
+            changes={"org": org, "owner": owner, "heartbeat_at": now},
+        )
+        return ReserveResult(worker)
+
+    async def reserve(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+    ) -> ReserveResult:
+        """CAS one warm or hot_idle worker to reserved for `org`."""
+        with self._tx() as db:
+            current = self._get(db, worker_id)
+            if current is None or current.state is not expect or current.epoch != epoch:
+                return ReserveResult(None)
+            return self._reserve_row(db, current, org, org_cap, owner, now)
+
+    async def reserve_any(
+        self,
+        pool: str,
+        revision: str,
+        *,
+        expect: WorkerState,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+    ) -> ReserveResult:
+        """Reserve the oldest matching worker of the pool revision."""
+        with self._tx() as db:
+            if expect is WorkerState.HOT_IDLE:
+                sql = (
+                    f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? "
+                    "AND state = ? AND org = ? ORDER BY updated_at, id LIMIT 1"
+                )
+                row = db.execute(sql, (pool, revision, expect.value, org)).fetchone()
+            else:
+                sql = (
+                    f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? "
+                    "AND state = ? ORDER BY updated_at, id LIMIT 1"
+                )
+                row = db.execute(sql, (pool, revision, expect.value)).fetchone()
+            if row is None:
+                return ReserveResult(None)
+            return self._reserve_row(db, worker_from_row(row), org, org_cap, owner, now)
+
+    async def get_worker(self, worker_id: str) -> Worker | None:
+        """One worker row."""
+        rows = self._read(f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,))
+        return worker_from_row(rows[0]) if rows else None
+
+    async def list_workers(
+        self,
+        *,
+        pool: str | None = None,
+        states: Collection[WorkerState] | None = None,
+        org: str | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Worker]:
+        """Rows matching every filter, oldest first."""
+        where, params = _filters(pool=pool, org=org, owner=owner, states=states)
+        sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [worker_from_row(r) for r in self._read(sql, params)]
+
+    async def count_workers(self) -> list[StateCount]:
+        """Live workers grouped by pool, revision, state and binding."""
+        sql = (
+            "SELECT pool, revision, state, org IS NOT NULL, COUNT(*) FROM workers "
+            f"WHERE state IN {_LIVE_SQL} GROUP BY pool, revision, state, org IS NOT NULL"
+        )
+        return [
+            StateCount(pool, revision, WorkerState(state), bool(bound), int(n))
+            for pool, revision, state, bound, n in self._read(sql)
+        ]
+
+    # -- claims ---------------------------------------------------------------------------
+
+    def _get_claim(self, db: sqlite3.Connection, claim_id: str) -> Claim | None:
+        row = db.execute(f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,)).fetchone()
+        return claim_from_row(row) if row else None
+
+    async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
+        """activating -> hot and insert the claim, atomically."""
+        with self._tx() as db:
+            current = self._get(db, worker_id)
+            if current is None or current.state is not WorkerState.ACTIVATING:
+                return None
+            if current.epoch != epoch or current.org != claim.org:
+                return None
+            worker = self._cas(
+                db,
+                current,
+                to=WorkerState.HOT,
+                now=now,
+                bump_epoch=False,
+                changes={"claim_id": claim.id, "idle_since": None},
+            )
+            if worker is None:
+                return None
+            placeholders = ", ".join("?" for _ in claim_to_row(claim))
+            db.execute(
+                f"INSERT INTO claims ({CLAIM_SELECT}) VALUES ({placeholders})", claim_to_row(claim)
+            )
+            return worker
+
+    async def end_claim(
+        self,
+        claim_id: str,
+        *,
+        state: ClaimState,
+        worker_to: WorkerState,
+        now: float,
+        reason: str | None = None,
+        worker_changes: Mapping[str, Any] | None = None,
+    ) -> tuple[Claim, Worker] | None:
+        """End a bound claim and move its hot worker, atomically."""
+        if state is ClaimState.BOUND:
+            raise ValueError("end_claim needs a final claim state")
+        with self._tx() as db:
+            claim = self._get_claim(db, claim_id)
+            if claim is None or claim.state is not ClaimState.BOUND:
+                return None
+            current = self._get(db, claim.worker_id)
+            if (
+                current is None
+                or current.state is not WorkerState.HOT
+                or current.epoch != claim.worker_epoch
+                or current.claim_id != claim.id
+            ):
+                return None
+            changes = {"claim_id": None, **(worker_changes or {})}
+            worker = self._cas(
+                db, current, to=worker_to, now=now, bump_epoch=False, changes=changes
+            )
+            if worker is None:
+                return None
+            ended = claim.evolve(state=state, updated_at=now, ended_at=now, reason=reason)
+            db.execute(
+                "UPDATE claims SET state = ?, updated_at = ?, ended_at = ?, reason = ? "
+                "WHERE id = ? AND state = ?",
+                (state.value, now, now, reason, claim_id, ClaimState.BOUND.value),
+            )
+            return ended, worker
+
+    async def fail_claim(self, claim_id: str, *, now: float, reason: str) -> Claim | None:
+        """Mark a bound claim failed."""
+        with self._tx() as db:
+            claim = self._get_claim(db, claim_id)
+            if claim is None or claim.state is not ClaimState.BOUND:
+                return None
+            db.execute(
+                "UPDATE claims SET state = ?, updated_at = ?, ended_at = ?, reason = ? "
+                "WHERE id = ? AND state = ?",
+                (ClaimState.FAILED.value, now, now, reason, claim_id, ClaimState.BOUND.value),
+            )
+            return claim.evolve(
+                state=ClaimState.FAILED, updated_at=now, ended_at=now, reason=reason
+            )
+
+    async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
+        """Extend a bound claim's lease."""
+        with self._tx() as db:
+            claim = self._get_claim(db, claim_id)
+            if claim is None or claim.state is not ClaimState.BOUND:
+                return None
+            db.execute(
+                "UPDATE claims SET expires_at = ?, updated_at = ? WHERE id = ? AND state = ?",
+                (expires_at, now, claim_id, ClaimState.BOUND.value),
+            )
+            return claim.evolve(expires_at=expires_at, updated_at=now)
+
+    async def get_claim(self, claim_id: str) -> Claim | None:
+        """One claim."""
+        rows = self._read(f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,))
+        return claim_from_row(rows[0]) if rows else None
+
+    async def list_claims(
+        self,
+        *,
+        states: Collection[ClaimState] | None = None,
+        expires_before: float | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Claim]:
+        """Claims matching every filter, oldest first."""
+        where, params = _filters(owner=owner, states=states)
+        if expires_before is not None:
+            where += (" AND" if where else " WHERE") + " expires_at <= ?"
+            params.append(expires_before)
+        sql = f"SELECT {CLAIM_SELECT} FROM claims{where} ORDER BY created_at, id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [claim_from_row(r) for r in self._read(sql, params)]
+
+    # -- replicas and leases ----------------------------------------------------------------
+
+    async def register_instance(
+        self, instance_id: str, *, now: float, meta: Mapping[str, Any]
+    ) -> None:
+        """Insert an active replica."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO instances (id, started_at, heartbeat_at, state, meta) "
+                "VALUES (?, ?, ?, 'active', ?)",
+                (instance_id, now, now, dump_json(meta)),
+            )
+
+    async def heartbeat_instance(self, instance_id: str, *, now: float) -> bool:
+        """Stamp the heartbeat of an active replica."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE instances SET heartbeat_at = ? WHERE id = ? AND state = 'active'",
+                (now, instance_id),
+            )
+            return cur.rowcount == 1
+
+    async def expire_instances(self, *, before: float, now: float) -> list[str]:
+        """Expire active replicas with a heartbeat older than `before`."""
+        with self._tx() as db:
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT id FROM instances WHERE state = 'active' AND heartbeat_at < ?",
+                    (before,),
+                )
+            ]
+            db.executemany(
+                "UPDATE instances SET state = 'expired' WHERE id = ? AND state = 'active'",
+                [(i,) for i in ids],
+            )
+            return ids
+
+    async def stop_instance(self, instance_id: str, *, now: float) -> None:
+        """Mark a replica stopped."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE instances SET state = 'stopped', heartbeat_at = ? WHERE id = ?",
+                (now, instance_id),
+            )
+
+    async def list_instances(self) -> list[Instance]:
+        """All replicas."""
+        rows = self._read(
+            "SELECT id, started_at, heartbeat_at, state, meta FROM instances "
+            "ORDER BY started_at, id"
+        )
+        return [instance_from_row(r) for r in rows]
+
+    async def acquire_lease(
+        self, name: str, *, holder: str, now: float, duration_s: float
+    ) -> LeaseRecord | None:
+        """Take or renew the lease by CAS."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?",
+                (name,),
+            ).fetchone()
+            if row is None:
+                lease = LeaseRecord(name, holder, 1, now, duration_s)
+                db.execute(
+                    "INSERT INTO leases (name, holder, epoch, renewed_at, duration_s) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (name, holder, 1, now, duration_s),
+                )
+                return lease
+            current = lease_from_row(row)
+            if current.holder == holder and not current.expired(now):
+                lease = LeaseRecord(name, holder, current.epoch, now, duration_s)
+            elif current.holder == "" or current.expired(now):
+                lease = LeaseRecord(name, holder, current.epoch + 1, now, duration_s)
+            else:
+                return None
+            cur = db.execute(
+                "UPDATE leases SET holder = ?, epoch = ?, renewed_at = ?, duration_s = ? "
+                "WHERE name = ? AND holder = ? AND epoch = ?",
+                (holder, lease.epoch, now, duration_s, name, current.holder, current.epoch),
+            )
+            return lease if cur.rowcount == 1 else None
+
+    async def release_lease(self, name: str, *, holder: str, now: float) -> bool:
+        """Give the lease up if we hold it."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE leases SET holder = '', renewed_at = ? WHERE name = ? AND holder = ?",
+                (now, name, holder),
+            )
+            return cur.rowcount == 1
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        """The lease row."""
+        rows = self._read(
+            "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?", (name,)
+        )
+        return lease_from_row(rows[0]) if rows else None
+
+
+def _filters(
+    *,
+    pool: str | None = None,
+    org: str | None = None,
+    owner: str | None = None,
+    states: Collection[Any] | None = None,
+) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (("pool", pool), ("org", org), ("owner", owner)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    if states is not None:
+        values = [s.value for s in states]
+        if not values:
+            clauses.append("1 = 0")
+        else:
+            clauses.append(f"state IN ({', '.join('?' for _ in values)})")
+            params += values
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

@@ -1,0 +1,335 @@
+"""Reconcile, reap and sweep: the janitor (fleet-wide, leader only) and the fallback reaper
+(every replica, its own workers).
+
+Each pass is a passive *sync* that reads the world into a `World` snapshot, followed by an
+active *step* that decides from that snapshot and acts. Every action is a fenced write
+through the pool manager, so two janitors at once are harmless (I7): the second one's CAS
+misses, spawn slots are reserved against the target inside the store, and scale-down
+picks its victims deterministically.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from stoker.control import logs
+from stoker.control.pool_manager import PoolManager
+from stoker.domain.errors import RuntimeFailure, StoreError
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import LIVE, ClaimState, RetireReason, WorkerState
+from stoker.policy.reaping import expired_claims, hot_idle_to_reap, stuck_workers
+from stoker.policy.scaling import (
+    PoolCounts,
+    desired_warm,
+    retirements_due,
+    spawns_needed,
+)
+from stoker.ports.runtime import RuntimeObject
+from stoker.ports.store import StateCount
+
+S = WorkerState
+DemandSource = Callable[[str, float], Awaitable[int]]
+
+
+class Scope(Enum):
+    """Fleet: the leader's janitor. Own: a replica's fallback reaper."""
+
+    FLEET = "fleet"
+    OWN = "own"
+
+
+@dataclass(slots=True)
+class World:
+    """What one sync read."""
+
+    now: float
+    counts: list[StateCount] = field(default_factory=list)
+    warm: list[Worker] = field(default_factory=list)
+    hot_idle: list[Worker] = field(default_factory=list)
+    in_flight: list[Worker] = field(default_factory=list)
+    expired: list[Claim] = field(default_factory=list)
+    live_instances: set[str] = field(default_factory=set)
+    orphans: list[Worker] = field(default_factory=list)
+    objects: list[RuntimeObject] | None = None
+
+
+@dataclass(slots=True)
+class PassReport:
+    """What one step did, for logs and tests."""
+
+    spawned: dict[str, int] = field(default_factory=dict)
+    retired: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    adopted: int = 0
+    expired_claims: int = 0
+    stranded_stopped: int = 0
+
+    def count(self, reason: RetireReason) -> None:
+        self.retired[reason.value] += 1
+
+
+class Janitor:
+    """One kind of pass; `Scope.FLEET` for the leader, `Scope.OWN` for the fallback reaper."""
+
+    def __init__(
+        self,
+        manager: PoolManager,
+        *,
+        scope: Scope,
+        demand: DemandSource | None = None,
+        stranded_every: int = 15,
+    ) -> None:
+        self.m = manager
+        self.scope = scope
+        self._demand = demand or self._local_demand
+        self._excess_since: dict[str, float] = {}
+        #: What the last pass decided per pool (shown by `GET /v1/pools`).
+        self.desired: dict[str, int] = {}
+        self.demand: dict[str, int] = {}
+        self._stranded_every = stranded_every
+        self._passes = 0
+
+    async def _local_demand(self, pool: str, now: float) -> int:
+        """Misses this replica saw since the last pass plus its queued claims."""
+        return self.m.misses[pool].consume(now) + self.m.waiting(pool)
+
+    # -- the pass ---------------------------------------------------------------------------
+
+    async def run_pass(self) -> PassReport:
+        """Sync then step. Raises StoreError when the world could not be read."""
+        world = await self.sync()
+        report = PassReport()
+        await self.step(world, report)
+        self._passes += 1
+        return report
+
+    async def sync(self) -> World:
+        """Passive: read the world (store rows, replicas, runtime objects)."""
+        store, now = self.m.store, self.m.clock.now()
+        world = World(now=now)
+        own = self.m.instance_id if self.scope is Scope.OWN else None
+        if self.scope is Scope.FLEET:
+            await store.expire_instances(before=now - self.m.settings.instance_expiry_s, now=now)
+        world.live_instances = {i.id for i in await store.list_instances() if i.state == "active"}
+        world.live_instances.add(self.m.instance_id)
+        world.hot_idle = await store.list_workers(states=[S.HOT_IDLE])
+        world.expired = await store.list_claims(
+            states=[ClaimState.BOUND], expires_before=now, owner=own
+        )
+        if self.scope is Scope.FLEET:
+            world.counts = await store.count_workers()
+            world.warm = await store.list_workers(states=[S.WARM])
+            world.in_flight = await store.list_workers(
+                states=[S.SPAWNING, S.RESERVED, S.ACTIVATING, S.DRAINING]
+            )
+            live = await store.list_workers(states=LIVE - {S.HOT_IDLE, S.WARM})
+            candidates = world.warm + world.hot_idle + live
+            world.orphans = [w for w in candidates if w.owner not in world.live_instances]
+            if self._passes % self._stranded_every == 0:
+                try:
+                    world.objects = await self.m.runtime.list_objects()
+                except RuntimeFailure as exc:
+                    logs.event("list_objects_failed", error=str(exc), level=logs.WARNING)
+        return world
+
+    async def step(self, world: World, report: PassReport) -> None:
+        """Active: decide from the snapshot and act through fenced writes."""
+        await self._settle_pending()
+        if self.scope is Scope.FLEET:
+            await self._adopt_orphans(world, report)
+            await self._scale(world, report)
+            await self._sweep_stuck(world, report)
+            if world.objects is not None:
+                await self._stop_stranded(world, report)
+            self._gauges(world)
+        await self._reap_hot_idle(world, report)
+        await self._expire_leases(world, report)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    async def _settle_pending(self) -> None:
+        """Retry runtime facts whose write failed earlier (persist before mutate)."""
+        for worker_id in list(self.m.pending_lost):
+            await self.m.settle_lost(worker_id)
+        for worker_id in list(self.m.pending_ready):
+            await self.m.settle_ready(worker_id)
+
+    async def _adopt_orphans(self, world: World, report: PassReport) -> None:
+        """Workers of expired replicas: keep serving ones, retire in-flight ones."""
+        for worker in world.orphans:
+            if worker.state in (S.WARM, S.HOT, S.HOT_IDLE):
+                adopted = await self.m.lifecycle.move(
+                    worker, worker.state, owner=self.m.instance_id
+                )
+                if adopted is None:
+                    continue
+                if not await self.m.runtime.adopt(adopted):
+                    await self._lost_on_adopt(adopted, report)
+                    continue
+                self.m.load([adopted])
+                report.adopted += 1
+                logs.worker_event("worker_adopted", adopted, previous_owner=worker.owner)
+            elif worker.state is S.DRAINING:
+                await self.m.retire(worker, RetireReason.ORPHANED)
+            elif await self.m.retire(worker, RetireReason.ORPHANED):
+                report.count(RetireReason.ORPHANED)
+
+    async def _lost_on_adopt(self, worker: Worker, report: PassReport) -> None:
+        if worker.state is S.HOT and worker.claim_id:
+            await self.m.lifecycle.fail_claim(worker.claim_id, "worker_lost")
+        if await self.m.retire(worker, RetireReason.LOST, stop=False):
+            report.count(RetireReason.LOST)
+
+    def _pool_counts(self, world: World) -> dict[str, PoolCounts]:
+        warm: dict[str, int] = defaultdict(int)
+        stale: dict[str, int] = defaultdict(int)
+        neutral: dict[str, int] = defaultdict(int)
+        live: dict[str, int] = defaultdict(int)
+        for c in world.counts:
+            pool = self.m.pools.get(c.pool)
+            if pool is None:
+                continue
+            live[c.pool] += c.count
+            current = c.revision == pool.revision
+            if c.state is S.WARM:
+                (warm if current else stale)[c.pool] += c.count
+            elif c.state is S.SPAWNING and not c.bound and current:
+                neutral[c.pool] += c.count
+        return {
+            name: PoolCounts(
+                warm=warm[name],
+                spawning_neutral=neutral[name],
+                live=live[name],
+                warm_stale=stale[name],
+            )
+            for name in self.m.pools
+        }
+
+    async def _scale(self, world: World, report: PassReport) -> None:
+        """Spawn towards desired warm; retire stale and (after the delay) excess warm."""
+        counts = self._pool_counts(world)
+        warm_by_pool: dict[str, list[Worker]] = defaultdict(list)
+        for w in world.warm:
+            if w.id not in self.m.in_flight():
+                warm_by_pool[w.pool].append(w)
+        for name, pool in self.m.pools.items():
+            c = counts[name]
+            cap = self.m.pool_cap(pool)
+            demand = await self._demand(name, world.now)
+            desired = desired_warm(pool.warm_target, demand, cap)
+            self.desired[name], self.demand[name] = desired, demand
+            self.m.metrics.demand.labels(name).set(demand)
+            self.m.metrics.warm_desired.labels(name).set(desired)
+            self.m.metrics.pool_cap.labels(name).set(cap)
+            need = spawns_needed(desired, c, cap)
+            if need:
+                report.spawned[name] = await self.m.spawn_warm(pool, need, target=desired)
+            if c.warm > desired:
+                self._excess_since.setdefault(name, world.now)
+            else:
+                self._excess_since.pop(name, None)
+            due = retirements_due(
+                desired,
+                c,
+                excess_since=self._excess_since.get(name),
+                now=world.now,
+                scale_down_delay=pool.scale_down_delay,
+            )
+            if due:
+                await self._retire_warm(pool.revision, warm_by_pool[name], due, report)
+
+    async def _retire_warm(
+        self, revision: str, warm: list[Worker], due: int, report: PassReport
+    ) -> None:
+        # Stale revisions first, then oldest: a deterministic choice, so two janitors
+        # acting on the same snapshot pick the same victims and the second CAS misses.
+        victims = sorted(warm, key=lambda w: (w.revision == revision, w.created_at, w.id))[:due]
+        for w in victims:
+            reason = RetireReason.EXCESS if w.revision == revision else RetireReason.ROLLOUT
+            if await self.m.retire(w, reason):
+                report.count(reason)
+
+    async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
+        """hot_idle past its TTL (keeping the org floor), and stale revisions."""
+        mine = self.m.instance_id
+        candidates = world.hot_idle
+        if self.scope is Scope.OWN:
+            candidates = [
+                w for w in candidates if w.owner == mine or w.owner not in world.live_instances
+            ]
+        stale = []
+        if self.scope is Scope.FLEET:
+            # A parked worker of an old revision can never be reused: retire it.
+            stale = [
+                w
+                for w in candidates
+                if (p := self.m.pools.get(w.pool)) and w.revision != p.revision
+            ]
+            for w in stale:
+                if await self.m.retire(w, RetireReason.ROLLOUT):
+                    report.count(RetireReason.ROLLOUT)
+        gone = {w.id for w in stale}
+        for w in hot_idle_to_reap(candidates, world.now, self.m.min_hot_idle):
+            if w.id not in gone and await self.m.retire(w, RetireReason.TTL):
+                report.count(RetireReason.TTL)
+
+    async def _expire_leases(self, world: World, report: PassReport) -> None:
+        for claim in expired_claims(world.expired, world.now):
+            if await self.m.expire(claim):
+                report.expired_claims += 1
+                report.count(RetireReason.LEASE_EXPIRED)
+
+    async def _sweep_stuck(self, world: World, report: PassReport) -> None:
+        """In-flight rows past their timeout are retired (I4); draining rows retried."""
+        timeouts = {name: pool.timeouts for name, pool in self.m.pools.items()}
+        busy = self.m.in_flight()
+        for w in stuck_workers(world.in_flight, world.now, timeouts):
+            if w.id in busy or w.owner not in world.live_instances:
+                continue
+            if w.state is S.DRAINING:
+                await self.m.retire(w, RetireReason.STUCK)
+                continue
+            if await self.m.retire(w, RetireReason.STUCK):
+                report.count(RetireReason.STUCK)
+                logs.worker_event("worker_stuck", w, level=logs.WARNING)
+
+    async def _stop_stranded(self, world: World, report: PassReport) -> None:
+        """Runtime objects with stoker's labels but no live row, older than the grace."""
+        grace = self.m.settings.stranded_grace_s
+        for obj in world.objects or []:
+            if world.now - obj.created_at < grace:
+                continue
+            try:
+                row = await self.m.store.get_worker(obj.worker_id)
+            except StoreError:
+                return
+            if row is not None and row.state is not S.RETIRED:
+                continue
+            ghost = Worker(
+                id=obj.worker_id,
+                pool=obj.pool,
+                revision="",
+                state=S.RETIRED,
+                epoch=0,
+                owner="",
+                created_at=obj.created_at,
+                updated_at=obj.created_at,
+                runtime_ref=obj.ref,
+            )
+            try:
+                await self.m.runtime.stop(ghost, 0.0)
+            except RuntimeFailure as exc:
+                logs.event("stranded_stop_failed", worker=obj.worker_id, error=str(exc))
+                continue
+            report.stranded_stopped += 1
+            logs.event("stranded_stopped", worker=obj.worker_id, pool=obj.pool)
+
+    def _gauges(self, world: World) -> None:
+        by: dict[tuple[str, str], int] = defaultdict(int)
+        for c in world.counts:
+            by[(c.pool, c.state.value)] += c.count
+        for name in self.m.pools:
+            for state in LIVE:
+                self.m.metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))

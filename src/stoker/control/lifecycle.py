@@ -1,0 +1,202 @@
+"""The only module that writes a worker's state.
+
+Every write goes to the store first (persist before mutate). A write that fails keeps the
+worker in its old state: the caller gets None, `stoker_persist_failures` counts it, and the
+next pass retries. A CAS that finds the row changed also returns None and counts a fence
+miss. On success one structured log line records the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stoker.control import logs
+from stoker.control.metrics import Metrics
+from stoker.domain.errors import StoreError
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import ClaimState, WorkerState
+from stoker.ports.clock import Clock
+from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, Store
+
+
+class Lifecycle:
+    """Fenced, persisted worker transitions, each logged and counted."""
+
+    def __init__(self, store: Store, clock: Clock, metrics: Metrics) -> None:
+        self.store = store
+        self.clock = clock
+        self.metrics = metrics
+
+    def _persist_failed(self, label: str, exc: StoreError) -> None:
+        self.metrics.persist_failures.labels(label).inc()
+        logs.event("persist_failed", transition=label, error=str(exc), level=logs.WARNING)
+
+    def _written(self, old_state: WorkerState | None, new: Worker, reason: str | None) -> None:
+        self.metrics.transitions.labels(new.pool, new.state.value).inc()
+        logs.worker_event(
+            "worker_transition",
+            new,
+            **{"from": old_state.value if old_state else None},
+            reason=reason,
+        )
+
+    async def move(
+        self,
+        worker: Worker,
+        to: WorkerState,
+        *,
+        bump_epoch: bool = False,
+        **changes: Any,
+    ) -> Worker | None:
+        """CAS `worker` (as last read) to `to` with `changes`; None if not written."""
+        label = f"{worker.state.value}->{to.value}"
+        try:
+            new = await self.store.transition(
+                worker.id,
+                expect=worker.state,
+                epoch=worker.epoch,
+                to=to,
+                now=self.clock.now(),
+                bump_epoch=bump_epoch,
+                changes=changes,
+            )
+        except StoreError as exc:
+            self._persist_failed(label, exc)
+            return None
+        if new is None:
+            self.metrics.fence_misses.labels(label).inc()
+            return None
+        if to is not worker.state:
+            self._written(worker.state, new, changes.get("reason"))
+        return new
+
+    async def reserve_slots(self, req: SpawnRequest, ids: Sequence[str]) -> SpawnResult:
+        """Spawn slots within caps and target; an empty result when the write failed."""
+        try:
+            result = await self.store.reserve_spawn_slots(req, ids, self.clock.now())
+        except StoreError as exc:
+            self._persist_failed("new->spawning", exc)
+            return SpawnResult([], "store")
+        for w in result.workers:
+            self._written(None, w, None)
+        return result
+
+    async def reserve(self, worker: Worker, *, org: str, org_cap: int, owner: str) -> ReserveResult:
+        """CAS a warm or hot_idle worker to reserved for `org` (epoch bumped)."""
+        label = f"{worker.state.value}->reserved"
+        try:
+            result = await self.store.reserve(
+                worker.id,
+                expect=worker.state,
+                epoch=worker.epoch,
+                org=org,
+                org_cap=org_cap,
+                owner=owner,
+                now=self.clock.now(),
+            )
+        except StoreError as exc:
+            self._persist_failed(label, exc)
+            return ReserveResult(None)
+        if result.worker is not None:
+            self._written(worker.state, result.worker, None)
+        elif not result.at_org_cap:
+            self.metrics.fence_misses.labels(label).inc()
+        return result
+
+    async def reserve_any(
+        self,
+        pool: str,
+        revision: str,
+        *,
+        expect: WorkerState,
+        org: str,
+        org_cap: int,
+        owner: str,
+    ) -> ReserveResult:
+        """Reserve any matching worker found in the store (the queues are only hints)."""
+        try:
+            result = await self.store.reserve_any(
+                pool,
+                revision,
+                expect=expect,
+                org=org,
+                org_cap=org_cap,
+                owner=owner,
+                now=self.clock.now(),
+            )
+        except StoreError as exc:
+            self._persist_failed(f"{expect.value}->reserved", exc)
+            return ReserveResult(None)
+        if result.worker is not None:
+            self._written(expect, result.worker, "store_pick")
+        return result
+
+    async def bind(self, worker: Worker, claim: Claim) -> Worker | None:
+        """activating -> hot with the claim inserted, atomically."""
+        try:
+            new = await self.store.bind(
+                worker.id, epoch=worker.epoch, claim=claim, now=self.clock.now()
+            )
+        except StoreError as exc:
+            self._persist_failed("activating->hot", exc)
+            return None
+        if new is None:
+            self.metrics.fence_misses.labels("activating->hot").inc()
+            return None
+        self._written(worker.state, new, None)
+        return new
+
+    async def end_claim(
+        self,
+        claim: Claim,
+        *,
+        state: ClaimState,
+        worker_to: WorkerState,
+        reason: str | None = None,
+        **worker_changes: Any,
+    ) -> tuple[Claim, Worker] | None:
+        """End a bound claim and move its hot worker in one write; None if not written."""
+        label = f"hot->{worker_to.value}"
+        try:
+            result = await self.store.end_claim(
+                claim.id,
+                state=state,
+                worker_to=worker_to,
+                now=self.clock.now(),
+                reason=reason,
+                worker_changes=worker_changes,
+            )
+        except StoreError as exc:
+            self._persist_failed(label, exc)
+            raise
+        if result is None:
+            self.metrics.fence_misses.labels(label).inc()
+            return None
+        logs.event("claim_ended", claim=claim.id, org=claim.org, state=state.value, reason=reason)
+        self._written(WorkerState.HOT, result[1], worker_changes.get("reason", reason))
+        return result
+
+    async def fail_claim(self, claim_id: str, reason: str) -> Claim | None:
+        """Mark a bound claim failed because its worker is gone."""
+        try:
+            claim = await self.store.fail_claim(claim_id, now=self.clock.now(), reason=reason)
+        except StoreError as exc:
+            self._persist_failed("claim->failed", exc)
+            return None
+        if claim is not None:
+            logs.event("claim_failed", claim=claim.id, org=claim.org, reason=reason)
+        return claim
+
+    async def heartbeat(self, worker: Worker) -> Worker | None:
+        """Re-stamp `heartbeat_at` of an activating worker (keeps the stuck sweep away)."""
+        return await self.move(worker, worker.state, heartbeat_at=self.clock.now())
+
+    def retired(self, worker: Worker) -> None:
+        """Count a retirement by its reason (called once the row is terminal)."""
+        self.metrics.retirements.labels(worker.pool, worker.reason or "unknown").inc()
+
+    @staticmethod
+    def changes_for(worker: Worker, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Only the fields whose value differs from the worker's."""
+        return {k: v for k, v in fields.items() if getattr(worker, k) != v}

@@ -1,0 +1,41 @@
+"""Structured logs: one `key=value` line per event, one event per worker state change."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stoker.domain.records import Worker
+
+logger = logging.getLogger("stoker")
+
+DEBUG, INFO, WARNING, ERROR = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
+
+
+def _fmt(value: Any) -> str:
+    text = str(value)
+    if not text or any(c in text for c in ' ="'):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def event(name: str, *, level: int = logging.INFO, **fields: Any) -> None:
+    """Log `event=<name>` with the fields as key=value pairs (None values left out)."""
+    if not logger.isEnabledFor(level):
+        return
+    parts = [f"event={name}"]
+    parts += [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None]
+    logger.log(level, " ".join(parts))
+
+
+def worker_event(name: str, worker: Worker, **fields: Any) -> None:
+    """Log an event about one worker with its id, pool, org, epoch and state."""
+    event(
+        name,
+        worker=worker.id,
+        pool=worker.pool,
+        org=worker.org,
+        epoch=worker.epoch,
+        state=worker.state.value,
+        **fields,
+    )

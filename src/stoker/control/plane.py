@@ -1,0 +1,289 @@
+"""`ControlPlane`: one stoker replica, composed from ports.
+
+It starts the store (migrations), registers the replica, starts the runtime, and runs three
+loops: the janitor (while leader), the fallback reaper and the replica heartbeat. Claims,
+releases and renewals go to the pool manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stoker.control import logs
+from stoker.control.ids import Ids
+from stoker.control.janitor import DemandSource, Janitor, PassReport, Scope
+from stoker.control.metrics import Metrics
+from stoker.control.pool_manager import PoolManager
+from stoker.domain.errors import StokerError, Unavailable
+from stoker.domain.records import Claim, ClaimRequest, Worker
+from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
+from stoker.domain.states import LIVE, RetireReason, WorkerState
+from stoker.ports.clock import Clock, LoopClock
+from stoker.ports.elector import Elector, SoleLeader
+from stoker.ports.runtime import Runtime
+from stoker.ports.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    """What `GET /v1/pools/{name}` and `stoker status` show of one pool."""
+
+    name: str
+    revision: str
+    warm_target: int
+    desired_warm: int
+    demand: int
+    cap: int
+    max_workers_per_org: int
+    reuse: str
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+
+class ControlPlane:
+    """One control-plane replica."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        runtime: Runtime,
+        pools: Iterable[PoolSpec],
+        orgs: Iterable[OrgSpec] = (),
+        settings: PlaneSettings | None = None,
+        clock: Clock | None = None,
+        elector: Elector | None = None,
+        ids: Ids | None = None,
+        metrics: Metrics | None = None,
+        demand: DemandSource | None = None,
+        instance_id: str | None = None,
+    ) -> None:
+        self.settings = settings or PlaneSettings()
+        self.clock = clock or LoopClock()
+        self.ids = ids or Ids()
+        self.instance_id = instance_id or self.ids.instance()
+        self.store = store
+        self.runtime = runtime
+        self.elector = elector or SoleLeader()
+        self.metrics = metrics or Metrics()
+        pool_map = {p.name: p for p in pools}
+        self.manager = PoolManager(
+            store=store,
+            runtime=runtime,
+            clock=self.clock,
+            metrics=self.metrics,
+            pools=pool_map,
+            orgs={o.name: o for o in orgs},
+            settings=self.settings,
+            instance_id=self.instance_id,
+            ids=self.ids,
+        )
+        self.janitor = Janitor(self.manager, scope=Scope.FLEET, demand=demand)
+        self.reaper = Janitor(self.manager, scope=Scope.OWN)
+        self._loops: list[asyncio.Task[None]] = []
+        self.started = False
+        self.reconciled = False
+
+    # -- lifecycle of the replica -------------------------------------------------------------
+
+    async def start(self, *, loops: bool = True) -> None:
+        """Open the store, register, start the runtime, adopt, then start the loops.
+
+        With `loops=False` nothing runs in the background: tests drive passes themselves.
+        """
+        await self.store.open()
+        await self.store.register_instance(
+            self.instance_id, now=self.clock.now(), meta={"runtime": self.runtime.kind}
+        )
+        self.runtime.subscribe(self.manager)
+        await self.runtime.start()
+        self.started = True
+        for pool in self.manager.pools.values():
+            self._log_cap(pool)
+        logs.event("control_plane_started", instance=self.instance_id, runtime=self.runtime.kind)
+        # The first janitor pass adopts what a previous run left (DESIGN.md: reconcile
+        # the store and the runtime at start: adopt live, retire dead).
+        if self.elector.is_leader:
+            await self._guarded("janitor", self.janitor.run_pass)
+        self.reconciled = True
+        if loops:
+            self._loops = [
+                asyncio.create_task(self._elect(), name="elector"),
+                asyncio.create_task(
+                    self._every(self.settings.janitor_interval_s, "janitor", self._janitor_pass),
+                    name="janitor",
+                ),
+                asyncio.create_task(
+                    self._every(self.settings.reaper_interval_s, "reaper", self._reaper_pass),
+                    name="reaper",
+                ),
+                asyncio.create_task(
+                    self._every(self.settings.instance_heartbeat_s, "heartbeat", self._heartbeat),
+                    name="heartbeat",
+                ),
+            ]
+
+    def _log_cap(self, pool: PoolSpec) -> None:
+        if pool.max_workers > 0:
+            logs.event("pool_cap", pool=pool.name, cap=pool.max_workers, source="max_workers")
+            return
+        derived = self.runtime.derived_cap(pool)
+        if derived > 0:
+            logs.event(
+                "pool_cap",
+                pool=pool.name,
+                cap=derived,
+                source="memory_budget",
+                detail="max_workers is 0 in local mode: cap = memory budget / worker memory",
+            )
+        else:
+            logs.event("pool_cap", pool=pool.name, cap="unbounded", source="max_workers=0")
+
+    async def stop(self, *, stop_workers: bool = False) -> None:
+        """Stop taking claims, finish in-flight ones, then leave workers for the next start
+        to adopt (or stop them with `stop_workers`)."""
+        if not self.started:
+            return
+        await self.manager.drain_claims(self.settings.shutdown_grace_s)
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._loops = []
+        if stop_workers:
+            await self._stop_own_workers()
+        await self.manager.wait_background(self.settings.shutdown_grace_s)
+        with contextlib.suppress(StokerError):
+            await self.elector.resign()
+        with contextlib.suppress(StokerError):
+            await self.store.stop_instance(self.instance_id, now=self.clock.now())
+        await self.runtime.close()
+        await self.store.close()
+        self.started = False
+        logs.event("control_plane_stopped", instance=self.instance_id, stop_workers=stop_workers)
+
+    async def _stop_own_workers(self) -> None:
+        workers = await self.store.list_workers(states=LIVE, owner=self.instance_id)
+        for worker in workers:
+            if worker.state is WorkerState.HOT and worker.claim_id:
+                await self.manager.lifecycle.fail_claim(worker.claim_id, "shutdown")
+            await self.manager.retire(worker, RetireReason.SHUTDOWN)
+
+    # -- loops ------------------------------------------------------------------------------
+
+    async def _every(self, interval: float, name: str, body: Callable[[], Awaitable[Any]]) -> None:
+        while True:
+            await self.clock.sleep(interval)
+            await self._guarded(name, body)
+
+    async def _guarded(self, name: str, body: Callable[[], Awaitable[Any]]) -> bool:
+        started = self.clock.monotonic()
+        try:
+            await body()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.metrics.pass_failures.labels(name).inc()
+            logs.event("pass_failed", loop=name, error=repr(exc), level=logs.WARNING)
+            return False
+        self.metrics.pass_seconds.labels(name).observe(self.clock.monotonic() - started)
+        return True
+
+    async def _elect(self) -> None:
+        await self.elector.run()
+
+    async def _janitor_pass(self) -> PassReport | None:
+        self.metrics.is_leader.set(1 if self.elector.is_leader else 0)
+        if not self.elector.is_leader:
+            return None
+        report = await self.janitor.run_pass()
+        self.metrics.janitor_last_success.set(self.clock.now())
+        return report
+
+    async def _reaper_pass(self) -> PassReport:
+        report = await self.reaper.run_pass()
+        # Stamped only after a successful pass: a store outage shows as a stale gauge.
+        self.metrics.reaper_last_success.set(self.clock.now())
+        return report
+
+    async def _heartbeat(self) -> None:
+        if not await self.store.heartbeat_instance(self.instance_id, now=self.clock.now()):
+            logs.event("instance_expired_while_alive", instance=self.instance_id, level=logs.ERROR)
+
+    async def run_janitor_pass(self) -> PassReport:
+        """One janitor pass now (tests and tools)."""
+        report = await self.janitor.run_pass()
+        self.metrics.janitor_last_success.set(self.clock.now())
+        return report
+
+    async def run_reaper_pass(self) -> PassReport:
+        """One fallback-reaper pass now (tests and tools)."""
+        return await self._reaper_pass()
+
+    # -- the claim API ----------------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if not self.started:
+            raise Unavailable("control plane is not running")
+
+    async def claim(self, req: ClaimRequest) -> Claim:
+        """Claim a worker (see `PoolManager.claim`)."""
+        self._check_running()
+        return await self.manager.claim(req)
+
+    async def release(self, claim_id: str) -> Claim:
+        """Release a claim's worker."""
+        self._check_running()
+        return await self.manager.release(claim_id)
+
+    async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:
+        """Extend a claim's lease."""
+        self._check_running()
+        return await self.manager.renew(claim_id, lease_s)
+
+    async def get_claim(self, claim_id: str) -> Claim:
+        """A claim by id."""
+        self._check_running()
+        return await self.manager.get_claim(claim_id)
+
+    async def pool_status(self) -> list[PoolStatus]:
+        """Targets, demand and counts by state of every pool."""
+        self._check_running()
+        counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for c in await self.store.count_workers():
+            counts[c.pool][c.state.value] += c.count
+        out = []
+        for name, pool in self.manager.pools.items():
+            out.append(
+                PoolStatus(
+                    name=name,
+                    revision=pool.revision,
+                    warm_target=pool.warm_target,
+                    desired_warm=self.janitor.desired.get(name, pool.warm_target),
+                    demand=self.janitor.demand.get(name, 0),
+                    cap=self.manager.pool_cap(pool),
+                    max_workers_per_org=pool.max_workers_per_org,
+                    reuse=pool.reuse.value,
+                    counts={s.value: counts[name].get(s.value, 0) for s in LIVE},
+                )
+            )
+        return out
+
+    async def list_workers(
+        self,
+        *,
+        pool: str | None = None,
+        state: WorkerState | None = None,
+        org: str | None = None,
+        limit: int | None = None,
+    ) -> list[Worker]:
+        """Workers matching the filters (admin)."""
+        self._check_running()
+        return await self.store.list_workers(
+            pool=pool, states=[state] if state else None, org=org, limit=limit
+        )

@@ -1,0 +1,109 @@
+"""Durable records as the store returns them. Immutable: a change is a new record."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One worker: exactly one row in the store describes it."""
+
+    id: str
+    pool: str
+    revision: str
+    state: WorkerState
+    epoch: int
+    owner: str
+    created_at: float
+    updated_at: float
+    org: str | None = None
+    claim_id: str | None = None
+    endpoint: str | None = None
+    #: Runtime handle: pid and start time of a process, or the name of a pod.
+    runtime_ref: Mapping[str, Any] = field(default_factory=dict)
+    #: True once the worker entered `activating`: it has seen an org and is never neutral again.
+    activated: bool = False
+    heartbeat_at: float = 0.0
+    idle_since: float | None = None
+    ttl_s: float | None = None
+    reason: str | None = None
+
+    def evolve(self, **changes: Any) -> Worker:
+        """A copy with `changes` applied."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A claim bound to a worker: the session's lease."""
+
+    id: str
+    pool: str
+    org: str
+    worker_id: str
+    worker_epoch: int
+    source: ClaimSource
+    mode: ClaimMode
+    state: ClaimState
+    token: str
+    endpoint: str
+    lease_s: float
+    expires_at: float
+    created_at: float
+    updated_at: float
+    owner: str
+    ttl_s: float | None = None
+    ended_at: float | None = None
+    reason: str | None = None
+
+    def evolve(self, **changes: Any) -> Claim:
+        """A copy with `changes` applied."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One control-plane replica as registered in the store."""
+
+    id: str
+    started_at: float
+    heartbeat_at: float
+    state: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """A leadership lease: who holds it, since when, and its fencing epoch."""
+
+    name: str
+    holder: str
+    epoch: int
+    renewed_at: float
+    duration_s: float
+
+    def expired(self, now: float) -> bool:
+        """True once the holder failed to renew within the duration."""
+        return now >= self.renewed_at + self.duration_s
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """What a client asks for (DESIGN.md §7, `POST /v1/claims`)."""
+
+    pool: str
+    org: str
+    mode: ClaimMode = ClaimMode.PREFER_WARM
+    #: How long to wait for a worker; None uses the pool's `claim_timeout_s`.
+    timeout_s: float | None = None
+    #: Lease length; None uses the pool's `lease_s`.
+    lease_s: float | None = None
+    #: hot_idle TTL wanted after release; None falls back to org, pool, 60 s.
+    ttl_s: float | None = None
+    #: Late-bound config handed to the worker at activation.
+    config: Mapping[str, Any] = field(default_factory=dict)

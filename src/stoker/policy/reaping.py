@@ -1,0 +1,95 @@
+"""What to reap: TTL resolution, expired hot_idle workers under the org floor, stuck rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+
+from stoker.domain.records import Claim, Worker
+from stoker.domain.specs import DEFAULT_HOT_IDLE_TTL_S, Timeouts
+from stoker.domain.states import ClaimState, WorkerState
+
+
+def resolve_ttl(
+    claim_ttl: float | None,
+    org_ttl: float | None,
+    pool_ttl: float | None,
+    max_ttl: float,
+) -> float:
+    """TTL of a hot_idle worker: claim -> org -> pool -> 60 s, clamped by `max_ttl` (> 0)."""
+    for ttl in (claim_ttl, org_ttl, pool_ttl):
+        if ttl is not None:
+            chosen = ttl
+            break
+    else:
+        chosen = DEFAULT_HOT_IDLE_TTL_S
+    if max_ttl > 0:
+        chosen = min(chosen, max_ttl)
+    return max(0.0, chosen)
+
+
+def idle_expires_at(worker: Worker) -> float:
+    """When a hot_idle worker's TTL runs out."""
+    since = worker.idle_since if worker.idle_since is not None else worker.updated_at
+    ttl = worker.ttl_s if worker.ttl_s is not None else DEFAULT_HOT_IDLE_TTL_S
+    return since + ttl
+
+
+def hot_idle_to_reap(
+    hot_idle: Iterable[Worker],
+    now: float,
+    floor: Callable[[str, str], int],
+) -> list[Worker]:
+    """Expired hot_idle workers to retire, oldest first, keeping each org's `min_hot_idle`.
+
+    `hot_idle` must hold *every* hot_idle worker of the pools concerned, expired or not,
+    because the floor counts all of an org's parked workers.
+    """
+    by_group: dict[tuple[str, str], list[Worker]] = defaultdict(list)
+    for w in hot_idle:
+        if w.state is WorkerState.HOT_IDLE and w.org is not None:
+            by_group[(w.pool, w.org)].append(w)
+    victims: list[Worker] = []
+    for (pool, org), group in by_group.items():
+        keep = floor(pool, org)
+        expired = sorted(
+            (w for w in group if idle_expires_at(w) <= now),
+            key=lambda w: (idle_expires_at(w), w.id),
+        )
+        removable = max(0, len(group) - keep)
+        victims.extend(expired[:removable])
+    return victims
+
+
+def stuck_deadline(worker: Worker, timeouts: Timeouts) -> float | None:
+    """When an in-flight or draining worker counts as stuck, or None for other states."""
+    match worker.state:
+        case WorkerState.SPAWNING:
+            return worker.updated_at + timeouts.spawn_s
+        case WorkerState.RESERVED:
+            return worker.updated_at + timeouts.reserve_s
+        case WorkerState.ACTIVATING:
+            # The owner re-stamps heartbeat_at while activation lasts: a live one is not stuck.
+            return max(worker.heartbeat_at, worker.updated_at) + timeouts.activation_s
+        case WorkerState.DRAINING:
+            return worker.updated_at + timeouts.drain_s
+        case _:
+            return None
+
+
+def stuck_workers(
+    workers: Iterable[Worker], now: float, timeouts_of: Mapping[str, Timeouts]
+) -> list[Worker]:
+    """In-flight rows that outlived their timeout (I4); unknown pools use default timeouts."""
+    default = Timeouts()
+    out = []
+    for w in workers:
+        deadline = stuck_deadline(w, timeouts_of.get(w.pool, default))
+        if deadline is not None and now >= deadline:
+            out.append(w)
+    return out
+
+
+def expired_claims(claims: Iterable[Claim], now: float) -> list[Claim]:
+    """Bound claims whose lease ran out."""
+    return [c for c in claims if c.state is ClaimState.BOUND and c.expires_at <= now]

@@ -1,0 +1,1 @@
+"""Ports: the interfaces control code talks to (Store, Runtime, Elector, Clock, ClusterAPI)."""

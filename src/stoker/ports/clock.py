@@ -1,0 +1,102 @@
+"""The Clock port: the only place in stoker that reads the wall clock.
+
+Control code reads time only through a `Clock`. `LoopClock` is built on `loop.time()`, so an
+event loop with a virtual clock (looptime, the simulator) makes hours pass in seconds;
+`VirtualClock` additionally lets a test jump `now()` forward without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Time as control code sees it."""
+
+    def now(self) -> float:
+        """Seconds since the Unix epoch, for timestamps in the store."""
+        ...
+
+    def monotonic(self) -> float:
+        """Seconds on a monotonic scale, for durations."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep `seconds` of this clock's time."""
+        ...
+
+
+class LoopClock:
+    """The system clock: `loop.time()` mapped once onto wall time.
+
+    The mapping is taken at the first read, so virtual loops (looptime, the simulator's) run
+    this very clock at their own pace. Pass `epoch` to fix the mapping (deterministic runs).
+    """
+
+    def __init__(self, epoch: float | None = None) -> None:
+        self._epoch = epoch
+        self._offset: float | None = None
+
+    def _loop_time(self) -> float:
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            # Outside a loop (start-up code, CLI): fall back to the process clock.
+            return time.monotonic()
+
+    def monotonic(self) -> float:
+        """`loop.time()` of the running loop."""
+        return self._loop_time()
+
+    def now(self) -> float:
+        """Wall time derived from the loop clock."""
+        t = self._loop_time()
+        if self._offset is None:
+            base = self._epoch if self._epoch is not None else time.time()
+            self._offset = base - t
+        return self._offset + t
+
+    async def sleep(self, seconds: float) -> None:
+        """`asyncio.sleep`, which follows the loop's (possibly virtual) clock."""
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class VirtualClock(LoopClock):
+    """A loop clock that a test can move forward at once with `advance`.
+
+    Sleepers wake as soon as either the loop clock or an `advance` reaches their deadline,
+    so a test can make a TTL pass without waiting for it.
+    """
+
+    def __init__(self, epoch: float = 1_700_000_000.0) -> None:
+        super().__init__(epoch)
+        self._skipped = 0.0
+        self._advanced = asyncio.Event()
+
+    def monotonic(self) -> float:
+        """Loop time plus everything skipped by `advance`."""
+        return super().monotonic() + self._skipped
+
+    def now(self) -> float:
+        """Wall time plus everything skipped by `advance`."""
+        return super().now() + self._skipped
+
+    def advance(self, seconds: float) -> None:
+        """Jump forward by `seconds` and wake sleepers whose deadline passed."""
+        if seconds < 0:
+            raise ValueError("time only moves forward")
+        self._skipped += seconds
+        self._advanced.set()
+        self._advanced = asyncio.Event()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep until the deadline on this clock, whichever way time gets there."""
+        deadline = self.monotonic() + max(0.0, seconds)
+        while (remaining := deadline - self.monotonic()) > 0:
+            advanced = self._advanced
+            try:
+                await asyncio.wait_for(advanced.wait(), timeout=remaining)
+            except TimeoutError:
+                pass

@@ -1,0 +1,102 @@
+"""The Runtime port: where workers actually run (local processes, Kubernetes pods).
+
+A runtime creates, activates and stops runtime objects and reports what happens to them
+through `RuntimeListener` events. It never writes the store: the pool manager turns its
+events into fenced transitions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from stoker.domain.records import Worker
+from stoker.domain.specs import PoolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationPayload:
+    """What a worker receives at activation (DESIGN.md §7, worker activation protocol)."""
+
+    worker_id: str
+    org: str
+    epoch: int
+    token: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeObject:
+    """A process or pod carrying stoker's labels, as the runtime sees it now."""
+
+    worker_id: str
+    pool: str
+    ref: Mapping[str, Any]
+    created_at: float
+    alive: bool
+    ready: bool = False
+    endpoint: str | None = None
+    instance: str | None = None
+
+
+class RuntimeListener(Protocol):
+    """Receives runtime events; implemented by the pool manager."""
+
+    def worker_ready(self, worker_id: str, endpoint: str) -> None:
+        """The worker answers its readiness probe at `endpoint`."""
+        ...
+
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        """The worker's process or pod is gone (`lost`, `evicted`, `spawn_failure`, ...)."""
+        ...
+
+
+class Runtime(Protocol):
+    """Creates and stops workers; reports readiness and loss as events."""
+
+    #: "local" or "kubernetes".
+    kind: str
+
+    def subscribe(self, listener: RuntimeListener) -> None:
+        """Route events to `listener` (one listener per runtime)."""
+        ...
+
+    async def start(self) -> None:
+        """Begin watching runtime objects."""
+        ...
+
+    async def close(self) -> None:
+        """Stop watching; leaves workers running (they are adopted on the next start)."""
+        ...
+
+    def derived_cap(self, pool: PoolSpec) -> int:
+        """The pool cap when `max_workers` is 0: 0 (unbounded) in cluster modes."""
+        ...
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        """Create the runtime object; returns its ref (pid and start time, pod name).
+
+        Readiness arrives later as `worker_ready`; a failure to create raises `RuntimeFailure`.
+        """
+        ...
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        """Hand the worker its org and late-bound config; raises `RuntimeFailure`."""
+        ...
+
+    async def stop(self, worker: Worker, grace_s: float) -> None:
+        """Stop the worker's runtime object if it is still the one in `worker.runtime_ref`."""
+        ...
+
+    async def adopt(self, worker: Worker) -> bool:
+        """Resume watching a live worker after a control-plane restart; False if it is gone."""
+        ...
+
+    async def list_objects(self) -> list[RuntimeObject]:
+        """Every runtime object of this fleet, to find stranded ones."""
+        ...
+
+    async def set_busy(self, worker: Worker, busy: bool) -> None:
+        """Mark a worker as not to be disrupted by the cluster while bound to an org."""
+        ...

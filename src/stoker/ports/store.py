@@ -1,0 +1,268 @@
+"""The Store port: durable state of workers, claims, replicas and leases.
+
+The store is the authority. Every worker state change is a compare-and-set on
+`(id, state, epoch)` checked against the transition table; a CAS that misses returns None
+and changes nothing. Terminal rows are never written again. Times are passed in by the
+caller (SQL never reads a clock), so the store runs unchanged on virtual time.
+
+Adapters: `stoker.adapters.store_sqlite` and `stoker.adapters.store_postgres`; both pass
+the contract suite in `tests/store_contract.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.states import ClaimState, WorkerState
+
+#: Fields of a worker row that a transition may set besides `state`.
+MUTABLE_WORKER_FIELDS = frozenset(
+    {
+        "org",
+        "owner",
+        "claim_id",
+        "endpoint",
+        "runtime_ref",
+        "activated",
+        "heartbeat_at",
+        "idle_since",
+        "ttl_s",
+        "reason",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnRequest:
+    """Spawn slots to reserve atomically against the pool and org caps."""
+
+    pool: str
+    revision: str
+    count: int
+    owner: str
+    #: Set for a cold spawn on behalf of one org's claim; None for a neutral warm spawn.
+    org: str | None = None
+    #: Live workers allowed in the pool (0 = unbounded).
+    pool_cap: int = 0
+    #: Live workers allowed per org in the pool (0 = unbounded).
+    org_cap: int = 0
+    #: For neutral spawns: fill only up to this many warm + neutral spawning workers of the
+    #: revision, so two reconcilers acting at once cannot overshoot a target (I7).
+    target: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnResult:
+    """Slots reserved, and which limit stopped the rest (None when all were reserved)."""
+
+    workers: list[Worker]
+    limited_by: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResult:
+    """Outcome of reserving a warm or hot_idle worker for a claim."""
+
+    worker: Worker | None
+    #: True when nothing was reserved because the org is at its cap.
+    at_org_cap: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StateCount:
+    """Number of live workers of one pool, revision, state and binding."""
+
+    pool: str
+    revision: str
+    state: WorkerState
+    bound: bool
+    count: int
+
+
+class Store(Protocol):
+    """Durable state; see the module docstring for the rules every adapter keeps."""
+
+    async def open(self) -> None:
+        """Connect and apply pending schema migrations (safe from several replicas at once)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+    async def schema_version(self) -> int:
+        """The applied schema version."""
+        ...
+
+    # -- workers --------------------------------------------------------------------------
+
+    async def reserve_spawn_slots(
+        self, req: SpawnRequest, ids: Sequence[str], now: float
+    ) -> SpawnResult:
+        """Insert up to `req.count` `spawning` rows (ids taken in order) within the caps.
+
+        Fewer rows than asked when a cap or the target stops it (`limited_by` is then
+        "pool_cap", "org_cap" or "target"). Two callers at once can never together exceed
+        a cap or a target (I5, I7).
+        """
+        ...
+
+    async def transition(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        to: WorkerState,
+        now: float,
+        bump_epoch: bool = False,
+        changes: Mapping[str, Any] | None = None,
+    ) -> Worker | None:
+        """CAS `(id, expect, epoch)` -> `to` with `changes`; None on a miss.
+
+        Raises `IllegalTransition` for a move the table forbids. `to == expect` updates
+        fields without a state change (adoption, endpoint, heartbeat).
+        """
+        ...
+
+    async def reserve(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+    ) -> ReserveResult:
+        """CAS a `warm` or `hot_idle` worker to `reserved` for `org`, bumping its epoch.
+
+        A warm worker is reserved only while the org holds fewer than `org_cap` live workers
+        of its pool; a hot_idle worker must already belong to `org`.
+        """
+        ...
+
+    async def reserve_any(
+        self,
+        pool: str,
+        revision: str,
+        *,
+        expect: WorkerState,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+    ) -> ReserveResult:
+        """Like `reserve`, for any matching worker of the pool revision (one round trip)."""
+        ...
+
+    async def get_worker(self, worker_id: str) -> Worker | None:
+        """One worker row, terminal or not."""
+        ...
+
+    async def list_workers(
+        self,
+        *,
+        pool: str | None = None,
+        states: Collection[WorkerState] | None = None,
+        org: str | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Worker]:
+        """Rows matching every filter given, oldest first."""
+        ...
+
+    async def count_workers(self) -> list[StateCount]:
+        """Counts of live workers grouped by pool, revision, state and binding."""
+        ...
+
+    # -- claims ---------------------------------------------------------------------------
+
+    async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
+        """Atomically move an `activating` worker to `hot` and insert its bound claim."""
+        ...
+
+    async def end_claim(
+        self,
+        claim_id: str,
+        *,
+        state: ClaimState,
+        worker_to: WorkerState,
+        now: float,
+        reason: str | None = None,
+        worker_changes: Mapping[str, Any] | None = None,
+    ) -> tuple[Claim, Worker] | None:
+        """Atomically end a bound claim and move its `hot` worker to `worker_to`.
+
+        None when the claim is not bound any more or its worker is not the claim's hot
+        worker at the claim's epoch (then nothing changes).
+        """
+        ...
+
+    async def fail_claim(self, claim_id: str, *, now: float, reason: str) -> Claim | None:
+        """Mark a bound claim failed (its worker is gone); None if it was not bound."""
+        ...
+
+    async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
+        """Extend a bound claim's lease; None if it is not bound."""
+        ...
+
+    async def get_claim(self, claim_id: str) -> Claim | None:
+        """One claim."""
+        ...
+
+    async def list_claims(
+        self,
+        *,
+        states: Collection[ClaimState] | None = None,
+        expires_before: float | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Claim]:
+        """Claims matching every filter given, oldest first."""
+        ...
+
+    # -- replicas and leases ----------------------------------------------------------------
+
+    async def register_instance(
+        self, instance_id: str, *, now: float, meta: Mapping[str, Any]
+    ) -> None:
+        """Record a new replica as active."""
+        ...
+
+    async def heartbeat_instance(self, instance_id: str, *, now: float) -> bool:
+        """Stamp a replica's heartbeat; False if it was expired meanwhile."""
+        ...
+
+    async def expire_instances(self, *, before: float, now: float) -> list[str]:
+        """Mark active replicas whose heartbeat is older than `before` expired; their ids."""
+        ...
+
+    async def stop_instance(self, instance_id: str, *, now: float) -> None:
+        """Mark a replica stopped on a clean shutdown."""
+        ...
+
+    async def list_instances(self) -> list[Instance]:
+        """All replicas the store knows."""
+        ...
+
+    async def acquire_lease(
+        self, name: str, *, holder: str, now: float, duration_s: float
+    ) -> LeaseRecord | None:
+        """Take or renew a lease by CAS: free, expired or already ours. None if held by another.
+
+        Taking the lease from another holder bumps its epoch (the fencing token).
+        """
+        ...
+
+    async def release_lease(self, name: str, *, holder: str, now: float) -> bool:
+        """Give a lease up if we hold it."""
+        ...
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        """The lease as stored."""
+        ...
