@@ -1,4 +1,7 @@
-"""Row <-> record mapping shared by the SQL store adapters (column order lives here)."""
+"""What the SQL store adapters share: row <-> record mapping (column order lives here) and
+the checks every worker write makes before it reaches a table, so both adapters refuse the
+same writes.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,20 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stoker.domain.errors import IllegalTransition
 from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
-from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
+from stoker.domain.states import (
+    RESERVABLE,
+    TERMINAL,
+    TRANSITIONS,
+    ClaimMode,
+    ClaimSource,
+    ClaimState,
+    WorkerState,
+    check_org_change,
+    check_transition,
+)
+from stoker.ports.store import MUTABLE_WORKER_FIELDS, SpawnRequest
 
 WORKER_COLUMNS = (
     "id",
@@ -85,7 +100,7 @@ def worker_from_row(row: Sequence[Any]) -> Worker:
         org=org,
         claim_id=claim_id,
         endpoint=endpoint,
-        runtime_ref=json.loads(runtime_ref) if runtime_ref else {},
+        runtime_ref=load_json_object(runtime_ref),
         activated=bool(activated),
         heartbeat_at=float(heartbeat_at),
         idle_since=None if idle_since is None else float(idle_since),
@@ -193,7 +208,7 @@ def instance_from_row(row: Sequence[Any]) -> Instance:
         started_at=float(started_at),
         heartbeat_at=float(heartbeat_at),
         state=state,
-        meta=json.loads(meta) if meta else {},
+        meta=load_json_object(meta),
     )
 
 
@@ -209,6 +224,15 @@ def lease_from_row(row: Sequence[Any]) -> LeaseRecord:
     )
 
 
+def load_json_object(value: Any) -> dict[str, Any]:
+    """A JSON object column: text (SQLite) or jsonb already decoded by the driver (PostgreSQL)."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str | bytes | bytearray):
+        return dict(json.loads(value))
+    return dict(value)
+
+
 def dump_json(value: Mapping[str, Any]) -> str:
     """Compact, key-sorted JSON (stable bytes for the same value)."""
     return json.dumps(dict(value), sort_keys=True, separators=(",", ":"))
@@ -221,3 +245,106 @@ def column_value(name: str, value: Any) -> Any:
     if name == "activated":
         return bool(value)
     return value
+
+
+# -- write checks ----------------------------------------------------------------------------
+
+
+def check_fields(changes: Mapping[str, Any]) -> None:
+    """Raise ValueError unless every changed field is one a transition may set."""
+    unknown = set(changes) - MUTABLE_WORKER_FIELDS
+    if unknown:
+        raise ValueError(f"cannot set worker fields {sorted(unknown)}")
+
+
+def check_move(expect: WorkerState, to: WorkerState, changes: Mapping[str, Any]) -> None:
+    """The checks that need no row: they raise even when the CAS would miss.
+
+    A same-state update of a terminal row is a write to it too, so it is illegal.
+    """
+    check_fields(changes)
+    if to not in TRANSITIONS[expect] and (to is not expect or expect in TERMINAL):
+        check_transition(expect, to)
+
+
+def check_reservable(expect: WorkerState) -> None:
+    """Only warm and hot_idle workers are reserved for a claim."""
+    if expect not in RESERVABLE:
+        raise ValueError(f"cannot reserve a {expect} worker (only {sorted(RESERVABLE)})")
+
+
+def checked_changes(current: Worker, to: WorkerState, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked field changes of moving `current` (as read) to `to` (DESIGN.md §3).
+
+    Beyond the table and the org rule: a warm worker is neutral (no org), and `activated` is
+    set on entering `activating` and never cleared, since a worker that saw an org's data
+    must never become warm again (I2). Raises IllegalTransition or ValueError.
+    """
+    check_move(current.state, to, changes)
+    if to is not current.state:
+        check_transition(current.state, to, activated=current.activated)
+    if "org" in changes:
+        check_org_change(current.org, changes["org"], to=to, activated=current.activated)
+    out = dict(changes)
+    if to is WorkerState.ACTIVATING:
+        out.setdefault("activated", True)
+    if (current.activated or to is WorkerState.ACTIVATING) and not out.get("activated", True):
+        raise IllegalTransition(f"worker {current.id} was activated; that is never undone")
+    if to is WorkerState.WARM and out.get("org", current.org) is not None:
+        raise IllegalTransition(f"a warm worker is neutral: clear the org of {current.id}")
+    return out
+
+
+def check_claim_for(worker_id: str, epoch: int, claim: Claim) -> None:
+    """A claim to bind must be bound, and name the worker and the epoch it is bound at."""
+    if claim.state is not ClaimState.BOUND:
+        raise ValueError(f"claim {claim.id} to bind is {claim.state}, not bound")
+    if (claim.worker_id, claim.worker_epoch) != (worker_id, epoch):
+        raise ValueError(
+            f"claim {claim.id} names worker {claim.worker_id} at epoch {claim.worker_epoch}, "
+            f"not {worker_id} at {epoch}"
+        )
+
+
+def spawn_room(
+    req: SpawnRequest, n_ids: int, *, pool_live: int, org_live: int, neutral: int
+) -> tuple[int, str | None]:
+    """How many spawn slots fit, and the limit that stopped the rest (the tightest one).
+
+    `pool_live` and `org_live` count live workers of the pool (and of `req.org`), `neutral`
+    the warm and neutral spawning workers of the revision, all read under the adapter's
+    serialisation so that two callers cannot both see the same room.
+    """
+    if req.count < 0:
+        raise ValueError(f"spawn count must not be negative, got {req.count}")
+    room, limited_by = min(req.count, n_ids), None
+    limits: list[tuple[str, int]] = []
+    if req.pool_cap > 0:
+        limits.append(("pool_cap", req.pool_cap - pool_live))
+    if req.org is not None and req.org_cap > 0:
+        limits.append(("org_cap", req.org_cap - org_live))
+    if req.target is not None:
+        limits.append(("target", req.target - neutral))
+    for name, left in limits:
+        if left < room:
+            room, limited_by = max(0, left), name
+    return room, limited_by
+
+
+def spawning_workers(req: SpawnRequest, ids: Sequence[str], now: float) -> list[Worker]:
+    """The rows of new spawn slots: `spawning`, epoch 0, the org of a cold spawn or none."""
+    return [
+        Worker(
+            id=worker_id,
+            pool=req.pool,
+            revision=req.revision,
+            state=WorkerState.SPAWNING,
+            epoch=0,
+            owner=req.owner,
+            created_at=now,
+            updated_at=now,
+            org=req.org,
+            heartbeat_at=now,
+        )
+        for worker_id in ids
+    ]

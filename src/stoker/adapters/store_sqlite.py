@@ -17,32 +17,25 @@ from stoker.adapters._rows import (
     CLAIM_SELECT,
     WORKER_COLUMNS,
     WORKER_SELECT,
+    check_claim_for,
+    check_move,
+    check_reservable,
+    checked_changes,
     claim_from_row,
     claim_to_row,
     column_value,
     dump_json,
     instance_from_row,
     lease_from_row,
+    spawn_room,
+    spawning_workers,
     worker_from_row,
     worker_to_row,
 )
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
-from stoker.domain.states import (
-    LIVE,
-    TRANSITIONS,
-    ClaimState,
-    WorkerState,
-    check_org_change,
-    check_transition,
-)
-from stoker.ports.store import (
-    MUTABLE_WORKER_FIELDS,
-    ReserveResult,
-    SpawnRequest,
-    SpawnResult,
-    StateCount,
-)
+from stoker.domain.states import LIVE, ClaimState, WorkerState
+from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
 #: Versioned migrations; version N is applied once, in order, inside one transaction.
 MIGRATIONS: list[tuple[int, list[str]]] = [
@@ -142,16 +135,16 @@ class SqliteStore:
         try:
             yield db
         except sqlite3.Error as exc:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise StoreError(f"sqlite: {exc}") from exc
         except BaseException:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise
         else:
             try:
                 db.execute("COMMIT")
             except sqlite3.Error as exc:
-                db.execute("ROLLBACK")
+                _rollback(db)
                 raise StoreError(f"sqlite: {exc}") from exc
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
@@ -161,24 +154,36 @@ class SqliteStore:
             raise StoreError(f"sqlite: {exc}") from exc
 
     async def open(self) -> None:
-        """Open the file, switch to WAL and apply migrations."""
+        """Open the file, switch to WAL and apply migrations; a no-op when already open."""
+        if self._db is not None:
+            return
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open sqlite store {self.path!r}: {exc}") from exc
         self._db = db
-        with self._tx() as tx:
-            tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
-            applied = {r[0] for r in tx.execute("SELECT version FROM schema_migrations")}
-            for version, statements in MIGRATIONS:
-                if version in applied:
-                    continue
-                for sql in statements:
-                    tx.execute(sql)
-                tx.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))
+        try:
+            db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            with self._tx() as tx:
+                tx.execute(
+                    "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)"
+                )
+                applied = {r[0] for r in tx.execute("SELECT version FROM schema_migrations")}
+                for version, statements in MIGRATIONS:
+                    if version in applied:
+                        continue
+                    for sql in statements:
+                        tx.execute(sql)
+                    tx.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))
+        except BaseException as exc:
+            # A store that failed to open holds no connection: a retry starts afresh.
+            self._db = None
+            db.close()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"cannot open sqlite store {self.path!r}: {exc}") from exc
+            raise
 
     async def close(self) -> None:
         """Close the connection."""
@@ -211,34 +216,20 @@ class SqliteStore:
     ) -> SpawnResult:
         """Insert spawning rows within the caps and the target, in one transaction."""
         with self._tx() as db:
-            room, limited_by = min(req.count, len(ids)), None
-            limits: list[tuple[str, int]] = []
-            if req.pool_cap > 0:
-                limits.append(("pool_cap", req.pool_cap - self._count_live(db, req.pool)))
-            if req.org is not None and req.org_cap > 0:
-                limits.append(("org_cap", req.org_cap - self._count_live(db, req.pool, req.org)))
-            if req.target is not None:
-                limits.append(
-                    ("target", req.target - self._count_neutral(db, req.pool, req.revision))
-                )
-            for name, left in limits:
-                if left < room:
-                    room, limited_by = max(0, left), name
-            rows = [
-                Worker(
-                    id=worker_id,
-                    pool=req.pool,
-                    revision=req.revision,
-                    state=WorkerState.SPAWNING,
-                    epoch=0,
-                    owner=req.owner,
-                    created_at=now,
-                    updated_at=now,
-                    org=req.org,
-                    heartbeat_at=now,
-                )
-                for worker_id in ids[:room]
-            ]
+            room, limited_by = spawn_room(
+                req,
+                len(ids),
+                pool_live=self._count_live(db, req.pool) if req.pool_cap > 0 else 0,
+                org_live=(
+                    self._count_live(db, req.pool, req.org)
+                    if req.org is not None and req.org_cap > 0
+                    else 0
+                ),
+                neutral=(
+                    self._count_neutral(db, req.pool, req.revision) if req.target is not None else 0
+                ),
+            )
+            rows = spawning_workers(req, ids[:room], now)
             placeholders = ", ".join("?" for _ in WORKER_COLUMNS)
             db.executemany(
                 f"INSERT INTO workers ({WORKER_SELECT}) VALUES ({placeholders})",
@@ -265,13 +256,7 @@ class SqliteStore:
         changes: Mapping[str, Any],
     ) -> Worker | None:
         """Apply a checked transition to `current` (already read in this transaction)."""
-        unknown = set(changes) - MUTABLE_WORKER_FIELDS
-        if unknown:
-            raise ValueError(f"cannot set worker fields {sorted(unknown)}")
-        if to is not current.state:
-            check_transition(current.state, to, activated=current.activated)
-        if "org" in changes:
-            check_org_change(current.org, changes["org"], to=to, activated=current.activated)
+        changes = checked_changes(current, to, changes)
         new = current.evolve(
             state=to,
             epoch=current.epoch + 1 if bump_epoch else current.epoch,
@@ -302,9 +287,8 @@ class SqliteStore:
         changes: Mapping[str, Any] | None = None,
     ) -> Worker | None:
         """CAS `(id, expect, epoch)` -> `to`; None on a miss."""
-        if to is not expect and to not in TRANSITIONS[expect]:
-            # Illegal moves raise even when the row would not match.
-            check_transition(expect, to)
+        # Illegal moves and unknown fields raise even when the row would not match.
+        check_move(expect, to, changes or {})
         with self._tx() as db:
             current = self._get(db, worker_id)
             if current is None or current.state is not expect or current.epoch != epoch:
@@ -352,6 +336,7 @@ class SqliteStore:
         now: float,
     ) -> ReserveResult:
         """CAS one warm or hot_idle worker to reserved for `org`."""
+        check_reservable(expect)
         with self._tx() as db:
             current = self._get(db, worker_id)
             if current is None or current.state is not expect or current.epoch != epoch:
@@ -370,6 +355,7 @@ class SqliteStore:
         now: float,
     ) -> ReserveResult:
         """Reserve the oldest matching worker of the pool revision."""
+        check_reservable(expect)
         with self._tx() as db:
             if expect is WorkerState.HOT_IDLE:
                 sql = (
@@ -427,6 +413,7 @@ class SqliteStore:
 
     async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
         """activating -> hot and insert the claim, atomically."""
+        check_claim_for(worker_id, epoch, claim)
         with self._tx() as db:
             current = self._get(db, worker_id)
             if current is None or current.state is not WorkerState.ACTIVATING:
@@ -462,6 +449,7 @@ class SqliteStore:
         """End a bound claim and move its hot worker, atomically."""
         if state is ClaimState.BOUND:
             raise ValueError("end_claim needs a final claim state")
+        check_move(WorkerState.HOT, worker_to, worker_changes or {})
         with self._tx() as db:
             claim = self._get_claim(db, claim_id)
             if claim is None or claim.state is not ClaimState.BOUND:
@@ -638,6 +626,16 @@ class SqliteStore:
             "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?", (name,)
         )
         return lease_from_row(rows[0]) if rows else None
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    """Roll back what is left of a failed transaction.
+
+    After some errors (a full disk, I/O) SQLite has already rolled back on its own, and a
+    second ROLLBACK would raise and mask the error being reported.
+    """
+    if db.in_transaction:
+        db.execute("ROLLBACK")
 
 
 def _filters(

@@ -61,6 +61,8 @@ class PassReport:
     """What one step did, for logs and tests."""
 
     spawned: dict[str, int] = field(default_factory=dict)
+    #: Pools whose cap held spawning below desired warm in this pass.
+    capped: set[str] = field(default_factory=set)
     retired: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     adopted: int = 0
     expired_claims: int = 0
@@ -178,8 +180,10 @@ class Janitor:
 
     async def _lost_on_adopt(self, worker: Worker, report: PassReport) -> None:
         if worker.state is S.HOT and worker.claim_id:
-            await self.m.lifecycle.fail_claim(worker.claim_id, "worker_lost")
-        if await self.m.retire(worker, RetireReason.LOST, stop=False):
+            done = await self.m.fail_session(worker, RetireReason.LOST)
+        else:
+            done = await self.m.retire(worker, RetireReason.LOST, stop=False)
+        if done:
             report.count(RetireReason.LOST)
 
     def _pool_counts(self, world: World) -> dict[str, PoolCounts]:
@@ -224,6 +228,8 @@ class Janitor:
             self.m.metrics.warm_desired.labels(name).set(desired)
             self.m.metrics.pool_cap.labels(name).set(cap)
             need = spawns_needed(desired, c, cap)
+            if need < spawns_needed(desired, c, 0):
+                report.capped.add(name)
             if need:
                 report.spawned[name] = await self.m.spawn_warm(pool, need, target=desired)
             if c.warm > desired:

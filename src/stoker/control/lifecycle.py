@@ -153,10 +153,14 @@ class Lifecycle:
         *,
         state: ClaimState,
         worker_to: WorkerState,
-        reason: str | None = None,
+        claim_reason: str | None = None,
         **worker_changes: Any,
     ) -> tuple[Claim, Worker] | None:
-        """End a bound claim and move its hot worker in one write; None if not written."""
+        """End a bound claim and move its hot worker in one write; None if not written.
+
+        `claim_reason` is recorded on the claim; `worker_changes` (including a retire
+        `reason`) on the worker.
+        """
         label = f"hot->{worker_to.value}"
         try:
             result = await self.store.end_claim(
@@ -164,7 +168,7 @@ class Lifecycle:
                 state=state,
                 worker_to=worker_to,
                 now=self.clock.now(),
-                reason=reason,
+                reason=claim_reason,
                 worker_changes=worker_changes,
             )
         except StoreError as exc:
@@ -173,20 +177,11 @@ class Lifecycle:
         if result is None:
             self.metrics.fence_misses.labels(label).inc()
             return None
-        logs.event("claim_ended", claim=claim.id, org=claim.org, state=state.value, reason=reason)
-        self._written(WorkerState.HOT, result[1], worker_changes.get("reason", reason))
+        logs.event(
+            "claim_ended", claim=claim.id, org=claim.org, state=state.value, reason=claim_reason
+        )
+        self._written(WorkerState.HOT, result[1], worker_changes.get("reason"))
         return result
-
-    async def fail_claim(self, claim_id: str, reason: str) -> Claim | None:
-        """Mark a bound claim failed because its worker is gone."""
-        try:
-            claim = await self.store.fail_claim(claim_id, now=self.clock.now(), reason=reason)
-        except StoreError as exc:
-            self._persist_failed("claim->failed", exc)
-            return None
-        if claim is not None:
-            logs.event("claim_failed", claim=claim.id, org=claim.org, reason=reason)
-        return claim
 
     async def heartbeat(self, worker: Worker) -> Worker | None:
         """Re-stamp `heartbeat_at` of an activating worker (keeps the stuck sweep away)."""

@@ -171,8 +171,9 @@ class ControlPlane:
         workers = await self.store.list_workers(states=LIVE, owner=self.instance_id)
         for worker in workers:
             if worker.state is WorkerState.HOT and worker.claim_id:
-                await self.manager.lifecycle.fail_claim(worker.claim_id, "shutdown")
-            await self.manager.retire(worker, RetireReason.SHUTDOWN)
+                await self.manager.fail_session(worker, RetireReason.SHUTDOWN)
+            else:
+                await self.manager.retire(worker, RetireReason.SHUTDOWN)
 
     # -- loops ------------------------------------------------------------------------------
 

@@ -56,6 +56,9 @@ from stoker.ports.runtime import ActivationPayload, Runtime
 from stoker.ports.store import SpawnRequest, Store
 
 S = WorkerState
+#: Deadlines count as reached this close to them: on a virtual clock a float-rounding
+#: residue of 1e-12 s would otherwise be a timer that never advances time.
+_EPS = 1e-6
 
 
 @dataclass(eq=False)
@@ -77,6 +80,11 @@ class _Attempt:
     def gone(self) -> bool:
         """True once the requester gave up (a method, so checks are never narrowed away)."""
         return self.abandoned
+
+    def left(self, now: float) -> float:
+        """Seconds left before the deadline (0 when reached)."""
+        remaining = self.deadline - now
+        return remaining if remaining > _EPS else 0.0
 
     def wake(self) -> None:
         if self.wakeup is not None and not self.wakeup.done():
@@ -237,15 +245,45 @@ class PoolManager:
         if worker is None or worker.state is S.RETIRED:
             self.pending_lost.pop(worker_id, None)
             return
-        if worker.state is S.HOT and worker.claim_id:
-            # Never silently swapped (I6): the session fails with a clear reason.
-            await self.lifecycle.fail_claim(worker.claim_id, f"worker_{reason}")
         why = RetireReason.EVICTED if reason == "evicted" else RetireReason.LOST
+        if worker.state is S.HOT and worker.claim_id:
+            # Never silently swapped (I6): the session fails with a clear reason, in the
+            # same write that drains the worker. A failed write is retried next pass.
+            if await self.fail_session(worker, why):
+                self.pending_lost.pop(worker_id, None)
+            return
         if worker.state is S.SPAWNING:
             why = RetireReason.SPAWN_FAILURE
             self.metrics.spawn_failures.labels(worker.pool, reason).inc()
         if await self.retire(worker, why, stop=worker.state is not S.DRAINING):
             self.pending_lost.pop(worker_id, None)
+
+    async def fail_session(self, worker: Worker, why: RetireReason) -> bool:
+        """Fail a hot worker's claim and drain the worker in one write (never one alone).
+
+        False when that write failed; the caller retries later.
+        """
+        claim = await self.store.get_claim(worker.claim_id or "")
+        if claim is None or claim.state is not ClaimState.BOUND:
+            # The claim ended meanwhile: its worker left `hot` in the same write.
+            fresh = await self.store.get_worker(worker.id)
+            return fresh is not None and await self.retire(fresh, why)
+        try:
+            ended = await self.lifecycle.end_claim(
+                claim,
+                state=ClaimState.FAILED,
+                worker_to=S.DRAINING,
+                claim_reason=f"worker_{why.value}",
+                reason=why.value,
+            )
+        except StoreError:
+            return False
+        if ended is None:
+            return False
+        self.remember(ended[1])
+        self.metrics.claims.labels(claim.pool, claim.source.value, "failed").inc()
+        self.spawn_task(self._stop_and_retire(ended[1], stop=True), f"stop:{worker.id}")
+        return True
 
     def offer_warm(self, worker: Worker) -> None:
         """Queue a warm worker and wake the first claim waiting for one."""
@@ -437,7 +475,7 @@ class PoolManager:
     async def _serve(self, a: _Attempt) -> None:
         """Try until bound, abandoned or past the deadline; then settle the future."""
         try:
-            while not a.gone() and self.clock.monotonic() < a.deadline:
+            while not a.gone() and a.left(self.clock.monotonic()):
                 picked = await self._acquire(a)
                 if picked is None:
                     continue
@@ -465,7 +503,8 @@ class PoolManager:
             return
         a.missed = True
         self.metrics.misses.labels(a.pool.name, reason.value).inc()
-        if reason is not MissReason.ORG_CAP:
+        # A require_warm claim counts as demand while it is queued (`waiting`), not twice.
+        if reason is not MissReason.ORG_CAP and a.req.mode is not ClaimMode.REQUIRE_WARM:
             self.misses[a.pool.name].record(self.clock.now())
 
     async def _wait(self, a: _Attempt, register: Callable[[], None]) -> None:
@@ -474,8 +513,8 @@ class PoolManager:
         register()
         self.metrics.claims_waiting.labels(a.pool.name).inc()
         try:
-            remaining = a.deadline - self.clock.monotonic()
-            if remaining > 0:
+            remaining = a.left(self.clock.monotonic())
+            if remaining:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
                         await asyncio.shield(a.wakeup)
@@ -797,6 +836,7 @@ class PoolManager:
                 claim,
                 state=ClaimState.EXPIRED,
                 worker_to=S.DRAINING,
+                claim_reason=RetireReason.LEASE_EXPIRED.value,
                 reason=RetireReason.LEASE_EXPIRED.value,
             )
         except StoreError:

@@ -34,7 +34,10 @@ class TokenBucket:
         """Take one token, waiting as long as the rate requires."""
         async with self._lock:
             self._refill()
-            while self._tokens < 1:
+            if self._tokens < 1:
                 await self._clock.sleep((1 - self._tokens) / self.rate)
                 self._refill()
+                # The wait was exactly long enough: float rounding must not leave the token
+                # a hair short (on a virtual clock a 1e-12 s sleep never advances time).
+                self._tokens = max(self._tokens, 1.0)
             self._tokens -= 1

@@ -1,0 +1,362 @@
+"""The built-in demo worker: a tiny HTTP/1.1 server speaking the activation protocol.
+
+Run as ``python -m stoker.demo_worker --port P --worker-id W [--host 127.0.0.1]``.
+
+It implements the worker side of DESIGN.md §7: ``GET /healthz`` answers once the socket
+listens; ``POST /activate`` binds the worker to one org for good, fenced by a strictly
+increasing epoch; afterwards every request but ``/healthz`` and ``/activate`` must carry
+the current session token. ``GET /`` shows what the worker holds.
+
+Standard library only, and nothing from stoker: hundreds of these run on one machine, so
+every imported module is resident memory multiplied by the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Largest request body accepted (an activation carries a config, not a data set).
+MAX_BODY_BYTES = 1024 * 1024
+#: Largest request line plus headers.
+MAX_HEAD_BYTES = 16 * 1024
+#: An idle keep-alive connection is closed after this long; it outlives the control plane's
+#: pooled client expiry (httpx: 5 s), so the client is the side that normally closes.
+IDLE_TIMEOUT_S = 30.0
+#: A client that stalls in the middle of a request body is dropped after this long.
+BODY_TIMEOUT_S = 10.0
+#: At shutdown, connections get this long to finish the response they are writing.
+SHUTDOWN_GRACE_S = 1.0
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+}
+
+#: Allowed methods per path; also the routing table.
+_ROUTES: dict[str, tuple[str, ...]] = {
+    "/": ("GET",),
+    "/healthz": ("GET",),
+    "/activate": ("POST",),
+}
+
+
+@dataclass(slots=True)
+class ActivationState:
+    """What the worker holds: its identity and, once activated, its org binding."""
+
+    worker_id: str
+    org: str | None = None
+    epoch: int | None = None
+    token: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def activate(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Apply an activation payload; returns the HTTP status and the JSON answer.
+
+        Fencing (DESIGN.md §3 rule 2): another worker's id, a second org, or an epoch
+        not strictly newer than the one held is a 409. The same org with a newer epoch
+        replaces the token, which revokes the previous session's.
+        """
+        worker_id = body.get("worker_id")
+        org = body.get("org")
+        epoch = body.get("epoch")
+        token = body.get("token")
+        config = body.get("config", {})
+        if not isinstance(worker_id, str) or not worker_id:
+            return _problem(400, "invalid-activation", "worker_id must be a non-empty string")
+        if not isinstance(org, str) or not org:
+            return _problem(400, "invalid-activation", "org must be a non-empty string")
+        # bool is an int subclass; an epoch of `true` is malformed, not epoch 1.
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            return _problem(400, "invalid-activation", "epoch must be a non-negative integer")
+        if not isinstance(token, str) or not token:
+            return _problem(400, "invalid-activation", "token must be a non-empty string")
+        if not isinstance(config, dict):
+            return _problem(400, "invalid-activation", "config must be an object")
+        if worker_id != self.worker_id:
+            return _problem(409, "wrong-worker", f"this is worker {self.worker_id!r}")
+        if self.org is not None and org != self.org:
+            return _problem(409, "second-org", "worker already activated for another org")
+        if self.epoch is not None and epoch <= self.epoch:
+            return _problem(409, "stale-epoch", f"epoch {epoch} is not newer than {self.epoch}")
+        self.org, self.epoch, self.token, self.config = org, epoch, token, config
+        return 200, {"worker_id": self.worker_id, "org": org, "epoch": epoch}
+
+    def authorized(self, authorization: str | None) -> bool:
+        """True before activation, else only for `Bearer <current token>`."""
+        if self.token is None:
+            return True
+        if authorization is None:
+            return False
+        scheme, _, credential = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # Constant-time, so the token cannot be guessed byte by byte from response times.
+        return hmac.compare_digest(credential.strip().encode(), self.token.encode())
+
+    def describe(self) -> dict[str, Any]:
+        """The body of `GET /`."""
+        return {
+            "worker_id": self.worker_id,
+            "org": self.org,
+            "epoch": self.epoch,
+            "config_keys": sorted(self.config),
+        }
+
+
+@dataclass(slots=True)
+class Request:
+    """One parsed HTTP request."""
+
+    method: str
+    path: str
+    version: str
+    headers: dict[str, str]
+    body: bytes = b""
+
+    def keep_alive(self) -> bool:
+        """HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 only if asked."""
+        connection = self.headers.get("connection", "").lower()
+        if self.version == "HTTP/1.0":
+            return connection == "keep-alive"
+        return connection != "close"
+
+
+class BadRequest(Exception):
+    """The bytes on the wire are not a request this server can answer."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+
+def _problem(status: int, code: str, detail: str) -> tuple[int, dict[str, Any]]:
+    """An RFC 9457 problem body; `code` is a stable machine-readable extension member."""
+    return status, {
+        "type": "about:blank",
+        "title": _REASONS.get(status, "Error"),
+        "status": status,
+        "detail": detail,
+        "code": code,
+    }
+
+
+def parse_head(head: bytes) -> Request:
+    """Parse a request line and headers (everything up to the blank line)."""
+    # Header bytes are latin-1 by definition (RFC 9110 §5.5), so decoding never fails.
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(400, "malformed-request", "malformed request line")
+    method, target, version = parts
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise BadRequest(400, "malformed-request", "malformed header line")
+        headers[name.lower()] = value.strip()
+    path = target.split("?", 1)[0]
+    return Request(method=method, path=path, version=version, headers=headers)
+
+
+def body_length(request: Request) -> int:
+    """The declared Content-Length (0 when absent); rejects what this server cannot read."""
+    if "transfer-encoding" in request.headers:
+        raise BadRequest(
+            411, "length-required", "chunked bodies are not supported; send Content-Length"
+        )
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return 0
+    if not raw.isdigit():
+        raise BadRequest(400, "malformed-request", "Content-Length must be a non-negative integer")
+    length = int(raw)
+    if length > MAX_BODY_BYTES:
+        raise BadRequest(413, "body-too-large", f"body larger than {MAX_BODY_BYTES} bytes")
+    return length
+
+
+def route(state: ActivationState, request: Request) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Answer one request: status, JSON body and extra headers."""
+    allowed = _ROUTES.get(request.path)
+    if request.path == "/healthz" and request.method == "GET":
+        return 200, {"status": "ok"}, {}
+    # /activate is the control plane's channel; it is fenced by epoch, not by token.
+    if request.path != "/activate" and not state.authorized(request.headers.get("authorization")):
+        status, body = _problem(401, "unauthorized", "missing or wrong bearer token")
+        return status, body, {"WWW-Authenticate": "Bearer"}
+    if allowed is None:
+        status, body = _problem(404, "not-found", f"no such path {request.path!r}")
+        return status, body, {}
+    if request.method not in allowed:
+        status, body = _problem(405, "method-not-allowed", f"{request.method} not allowed")
+        return status, body, {"Allow": ", ".join(allowed)}
+    if request.path == "/":
+        return 200, state.describe(), {}
+    try:
+        payload = json.loads(request.body)
+    except (UnicodeDecodeError, ValueError):
+        status, body = _problem(400, "invalid-json", "the body is not valid JSON")
+        return status, body, {}
+    if not isinstance(payload, dict):
+        status, body = _problem(400, "invalid-activation", "the body must be a JSON object")
+        return status, body, {}
+    status, body = state.activate(payload)
+    return status, body, {}
+
+
+def render(
+    status: int, body: Mapping[str, Any], *, keep_alive: bool, headers: Mapping[str, str]
+) -> bytes:
+    """Serialise one response."""
+    content = json.dumps(body, separators=(",", ":")).encode()
+    content_type = "application/problem+json" if status >= 400 else "application/json"
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(content)}",
+        f"Connection: {'keep-alive' if keep_alive else 'close'}",
+        *(f"{name}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + content
+
+
+class Server:
+    """Serves one worker's HTTP connections until `close`."""
+
+    def __init__(self, state: ActivationState) -> None:
+        self.state = state
+        self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve requests on one connection, one after another, while it is kept alive."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections[task] = writer
+        try:
+            while await self._serve_one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            # The peer went away or stalled: nothing left to answer.
+            return
+        finally:
+            if task is not None:
+                self._connections.pop(task, None)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read and answer one request; False when the connection should close."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IDLE_TIMEOUT_S)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                await self._reject(
+                    writer, BadRequest(400, "malformed-request", "incomplete request head")
+                )
+            return False
+        except asyncio.LimitOverrunError:
+            await self._reject(writer, BadRequest(431, "head-too-large", "request head too large"))
+            return False
+        try:
+            request = parse_head(head[:-4])
+            length = body_length(request)
+        except BadRequest as exc:
+            await self._reject(writer, exc)
+            return False
+        if length:
+            if request.headers.get("expect", "").lower() == "100-continue":
+                # curl asks before sending a larger body; the size was checked above.
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
+        status, body, headers = route(self.state, request)
+        keep_alive = request.keep_alive()
+        writer.write(render(status, body, keep_alive=keep_alive, headers=headers))
+        await writer.drain()
+        return keep_alive
+
+    async def _reject(self, writer: asyncio.StreamWriter, error: BadRequest) -> None:
+        # The stream position is unknown after a bad head, so the connection closes.
+        _status, body = _problem(error.status, error.code, error.detail)
+        writer.write(render(error.status, body, keep_alive=False, headers={}))
+        await writer.drain()
+
+    async def close(self) -> None:
+        """Close every open connection and wait for their handlers to finish.
+
+        Idle keep-alive connections would otherwise linger; waiting lets each handler end
+        on its own instead of being cancelled mid-write when the loop shuts down.
+        """
+        for writer in self._connections.values():
+            writer.close()
+        handlers = set(self._connections)
+        if handlers:
+            _done, pending = await asyncio.wait(handlers, timeout=SHUTDOWN_GRACE_S)
+            for handler in pending:
+                handler.cancel()
+            if pending:
+                await asyncio.wait(pending)
+
+
+async def serve(host: str, port: int, worker_id: str) -> None:
+    """Listen on `host:port` until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    server = Server(ActivationState(worker_id=worker_id))
+    listener = await asyncio.start_server(server.handle, host, port, limit=MAX_HEAD_BYTES)
+    bound = listener.sockets[0].getsockname()[1]
+    authority = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+    print(f"demo_worker listening worker_id={worker_id} endpoint=http://{authority}", flush=True)
+    async with listener:
+        await stop.wait()
+        listener.close()
+        await server.close()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(
+        prog="python -m stoker.demo_worker", description="stoker's built-in demo worker"
+    )
+    parser.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
+    parser.add_argument("--worker-id", required=True, help="the id this worker answers to")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the worker; returns the process exit status (0 after SIGTERM or SIGINT)."""
+    args = parse_args(argv)
+    try:
+        asyncio.run(serve(args.host, args.port, args.worker_id))
+    except OSError as exc:
+        print(f"demo_worker cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

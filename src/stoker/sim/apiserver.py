@@ -1,0 +1,502 @@
+"""`FakeApiServer`: an in-process Kubernetes API server for pods and leases.
+
+It is the cluster of the tests and of the fleet simulator, so it keeps the semantics that
+control code relies on exactly, not approximately:
+
+- one global resourceVersion that every write bumps; a write that changes nothing (a
+  no-op patch) does not bump it, as in Kubernetes;
+- create of an existing name, and an update of a Lease with a stale resourceVersion, are
+  `Conflict`s; an empty resourceVersion updates unconditionally;
+- `watch_pods(selector, rv)` replays every change after `rv` from a bounded history, then
+  streams live changes, and raises `Gone` when `rv` is older than the history kept; a pod
+  whose labels stop (start) matching a selector is DELETED from (ADDED to) that watch;
+- a graceful deletion stamps `deletion_timestamp` and removes the pod after the grace
+  period on the injected `Clock`; a pod that is not scheduled to a node, or has already
+  finished, is removed at once (the API server's own rule for pods).
+
+The cluster side (a later kubelet, scheduler or node autoscaler) drives pods through
+`set_pod_status` and `evict`; tests inject faults with `fail_next`, `drop_watches` and
+`set_latency`. Nothing here starts a thread or does I/O, so it runs on a virtual-time loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field, replace
+
+from stoker.ports.clock import Clock
+from stoker.ports.cluster import (
+    ClusterError,
+    Conflict,
+    Gone,
+    Invalid,
+    Lease,
+    ObjectNotFound,
+    Pod,
+    PodList,
+    PodPhase,
+    Selector,
+    WatchEvent,
+    WatchEventType,
+)
+
+#: The port calls that count in `calls` and that `fail_next` and `set_latency` can target.
+OPERATIONS = frozenset(
+    {
+        "create_pod",
+        "delete_pod",
+        "patch_pod",
+        "get_pod",
+        "list_pods",
+        "watch_pods",
+        "get_lease",
+        "create_lease",
+        "update_lease",
+    }
+)
+
+# Object names are DNS-1123 subdomains; label names and values follow the label syntax.
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name or len(name) > 253 or not _NAME.fullmatch(name):
+        raise Invalid(f"{kind} name {name!r} is not a DNS-1123 subdomain", status=422)
+
+
+def _check_labels(labels: Mapping[str, str]) -> None:
+    for key, value in labels.items():
+        prefix, _, name = key.rpartition("/")
+        if "/" in key and (not prefix or len(prefix) > 253 or not _NAME.fullmatch(prefix)):
+            raise Invalid(f"label key {key!r}: invalid prefix", status=422)
+        if len(name) > 63 or not _LABEL_NAME.fullmatch(name):
+            raise Invalid(f"label key {key!r}: invalid name", status=422)
+        if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+            raise Invalid(f"label {key!r}: invalid value {value!r}", status=422)
+
+
+def _matches(labels: Mapping[str, str], selector: Selector) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def _merge(current: Mapping[str, str], patch: Mapping[str, str | None] | None) -> dict[str, str]:
+    merged = dict(current)
+    for key, value in (patch or {}).items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    """One write to a pod: its state before (None when created) and after.
+
+    For a deletion `after` is the last state, stamped with the deletion's resourceVersion.
+    """
+
+    rv: int
+    type: WatchEventType
+    before: Pod | None
+    after: Pod
+
+    def seen_through(self, selector: Selector) -> WatchEvent | None:
+        """The event a watch with `selector` receives, as the watch cache computes it."""
+        now = _matches(self.after.labels, selector)
+        was = self.before is not None and _matches(self.before.labels, selector)
+        if self.type is WatchEventType.MODIFIED:
+            if was and now:
+                return WatchEvent(WatchEventType.MODIFIED, self.after)
+            if now:
+                return WatchEvent(WatchEventType.ADDED, self.after)
+            if was:
+                return WatchEvent(WatchEventType.DELETED, self.after)
+            return None
+        return WatchEvent(self.type, self.after) if now else None
+
+
+@dataclass(slots=True, eq=False)  # compared by identity: each open watch is its own
+class _Watch:
+    selector: Selector
+    # None ends the watch: the server dropped it.
+    queue: asyncio.Queue[_Change | None] = field(default_factory=asyncio.Queue)
+
+
+class FakeApiServer:
+    """An in-process API server holding the pods and leases of one namespace.
+
+    `history_size` is how many pod changes a watch can resume across; `default_grace_s`
+    is the grace period of a pod that sets none (Kubernetes' default is 30 s).
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        namespace: str = "default",
+        history_size: int = 1000,
+        default_grace_s: float = 30.0,
+    ) -> None:
+        if history_size < 1:
+            raise ValueError("history_size must be >= 1")
+        self._clock = clock
+        self._namespace = namespace
+        self._history_size = history_size
+        self._default_grace_s = default_grace_s
+        self._rv = 0
+        self._pods: dict[str, Pod] = {}
+        self._leases: dict[str, Lease] = {}
+        self._history: deque[_Change] = deque()
+        # A watch from any rv >= this one misses nothing; older ones get Gone.
+        self._oldest_rv = 0
+        self._watches: set[_Watch] = set()
+        self._terminations: dict[str, asyncio.Task[None]] = {}
+        self._faults: dict[str, deque[ClusterError]] = {}
+        self._latency: dict[str | None, float] = {}
+        self._closed = False
+        #: How often each port operation was called (failed calls included).
+        self.calls: Counter[str] = Counter()
+
+    # -- the ClusterAPI port -------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        """The namespace every call acts in."""
+        return self._namespace
+
+    async def create_pod(self, pod: Pod) -> Pod:
+        """Store a new pod in phase Pending; `Conflict` if the name is taken."""
+        await self._enter("create_pod")
+        _check_name("pod", pod.name)
+        _check_labels(pod.labels)
+        if pod.namespace and pod.namespace != self._namespace:
+            raise Invalid(f"pod namespace {pod.namespace!r} is not {self._namespace!r}", status=400)
+        if not pod.spec.containers:
+            raise Invalid(f"pod {pod.name!r} has no containers", status=422)
+        if pod.name in self._pods:
+            raise Conflict(f'pods "{pod.name}" already exists', status=409)
+        created = replace(
+            pod,
+            namespace=self._namespace,
+            labels=dict(pod.labels),
+            annotations=dict(pod.annotations),
+            phase=PodPhase.PENDING,
+            ready=False,
+            pod_ip=None,
+            node_name=None,
+            reason=None,
+            deletion_timestamp=None,
+            resource_version=self._next_rv(),
+            created_at=self._clock.now(),
+        )
+        self._pods[pod.name] = created
+        self._record(WatchEventType.ADDED, None, created)
+        return created
+
+    async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
+        """Delete gracefully; a missing pod is already gone, which is fine."""
+        await self._enter("delete_pod")
+        self._delete(name, grace_s)
+
+    async def patch_pod(
+        self,
+        name: str,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Pod:
+        """Merge-patch labels and annotations; `None` removes a key."""
+        await self._enter("patch_pod")
+        pod = self._pod(name)
+        new_labels = _merge(pod.labels, labels)
+        _check_labels(new_labels)
+        new_annotations = _merge(pod.annotations, annotations)
+        if new_labels == pod.labels and new_annotations == pod.annotations:
+            return pod
+        return self._update_pod(pod, labels=new_labels, annotations=new_annotations)
+
+    async def get_pod(self, name: str) -> Pod | None:
+        """The pod, or None."""
+        await self._enter("get_pod")
+        return self._pods.get(name)
+
+    async def list_pods(self, selector: Selector) -> PodList:
+        """Matching pods, ordered by name as the API server orders them, and the current rv."""
+        await self._enter("list_pods")
+        items = tuple(
+            pod for _, pod in sorted(self._pods.items()) if _matches(pod.labels, selector)
+        )
+        return PodList(items=items, resource_version=str(self._rv))
+
+    async def watch_pods(
+        self, selector: Selector, resource_version: str
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Replay changes after `resource_version` from history, then stream live ones."""
+        await self._enter("watch_pods")
+        selector = dict(selector)
+        watch = _Watch(selector)
+        # Choosing the backlog and subscribing happen with no await in between, so no
+        # change can fall between them or be delivered twice.
+        backlog: list[WatchEvent]
+        if resource_version in ("", "0"):
+            backlog = [
+                WatchEvent(WatchEventType.ADDED, pod)
+                for _, pod in sorted(self._pods.items())
+                if _matches(pod.labels, selector)
+            ]
+        else:
+            since = self._parse_rv(resource_version)
+            if since < self._oldest_rv:
+                raise Gone(f"too old resource version: {since} ({self._oldest_rv})", status=410)
+            backlog = [
+                event
+                for change in self._history
+                if change.rv > since and (event := change.seen_through(selector)) is not None
+            ]
+        self._watches.add(watch)
+        try:
+            for event in backlog:
+                yield event
+            while (change := await watch.queue.get()) is not None:
+                event = change.seen_through(selector)
+                if event is not None:
+                    yield event
+        finally:
+            self._watches.discard(watch)
+
+    async def get_lease(self, name: str) -> Lease | None:
+        """The lease, or None."""
+        await self._enter("get_lease")
+        return self._leases.get(name)
+
+    async def create_lease(self, lease: Lease) -> Lease:
+        """Store a new lease; `Conflict` if it exists."""
+        await self._enter("create_lease")
+        _check_name("lease", lease.name)
+        if lease.namespace and lease.namespace != self._namespace:
+            raise Invalid(
+                f"lease namespace {lease.namespace!r} is not {self._namespace!r}", status=400
+            )
+        if lease.name in self._leases:
+            raise Conflict(f'leases.coordination.k8s.io "{lease.name}" already exists', status=409)
+        created = replace(lease, namespace=self._namespace, resource_version=self._next_rv())
+        self._leases[lease.name] = created
+        return created
+
+    async def update_lease(self, lease: Lease) -> Lease:
+        """Replace the lease if `lease.resource_version` is still current (compare-and-set)."""
+        await self._enter("update_lease")
+        current = self._leases.get(lease.name)
+        if current is None:
+            raise ObjectNotFound(f'leases.coordination.k8s.io "{lease.name}" not found', status=404)
+        if lease.resource_version and lease.resource_version != current.resource_version:
+            raise Conflict(
+                f'Operation cannot be fulfilled on leases.coordination.k8s.io "{lease.name}": '
+                "the object has been modified; please apply your changes to the latest version",
+                status=409,
+            )
+        updated = replace(lease, namespace=self._namespace, resource_version=self._next_rv())
+        self._leases[lease.name] = updated
+        return updated
+
+    async def close(self) -> None:
+        """Shut the cluster down: open watches end, pending deletions stop, calls fail."""
+        self._closed = True
+        self.drop_watches()
+        pending = list(self._terminations.values())
+        self._terminations.clear()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- the cluster side: what kubelet, scheduler and autoscaler would do ---------------
+
+    @property
+    def resource_version(self) -> str:
+        """The current global resourceVersion."""
+        return str(self._rv)
+
+    @property
+    def open_watches(self) -> int:
+        """How many watches are streaming right now."""
+        return len(self._watches)
+
+    def set_pod_status(
+        self,
+        name: str,
+        *,
+        phase: str | None = None,
+        ready: bool | None = None,
+        pod_ip: str | None = None,
+        node_name: str | None = None,
+        reason: str | None = None,
+    ) -> Pod:
+        """Change the pod's status as the scheduler or kubelet would; None leaves a field.
+
+        Returns the pod as stored; a change that changes nothing writes nothing.
+        """
+        pod = self._pod(name)
+        wanted = {
+            "phase": phase,
+            "ready": ready,
+            "pod_ip": pod_ip,
+            "node_name": node_name,
+            "reason": reason,
+        }
+        if all(value is None or getattr(pod, key) == value for key, value in wanted.items()):
+            return pod
+        return self._update_pod(
+            pod, phase=phase, ready=ready, pod_ip=pod_ip, node_name=node_name, reason=reason
+        )
+
+    def evict(self, name: str, *, delete: bool = False) -> None:
+        """Evict the pod.
+
+        By default as the kubelet does under node pressure: the pod stays, Failed with
+        reason "Evicted". With `delete=True` as the Eviction API does (node drain, node
+        autoscaler): a graceful deletion with the pod's own grace period.
+        """
+        pod = self._pod(name)
+        if delete:
+            self._delete(name, None)
+        else:
+            self._update_pod(pod, phase=PodPhase.FAILED, ready=False, reason="Evicted")
+
+    def compact(self) -> None:
+        """Forget the whole change history, as an etcd compaction does: older watches get Gone."""
+        self._history.clear()
+        self._oldest_rv = self._rv
+
+    # -- fault injection -----------------------------------------------------------------
+
+    def fail_next(self, operation: str, error: ClusterError, times: int = 1) -> None:
+        """Make the next `times` calls of `operation` raise `error` (after any latency)."""
+        if operation not in OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+        self._faults.setdefault(operation, deque()).extend([error] * times)
+
+    def drop_watches(self) -> None:
+        """End every open watch, as an API server restart or a load balancer would."""
+        for watch in self._watches:
+            watch.queue.put_nowait(None)
+
+    def set_latency(self, seconds: float, operation: str | None = None) -> None:
+        """Delay every call of `operation` (all of them if None) by `seconds` of clock time."""
+        if operation is not None and operation not in OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+        if seconds < 0:
+            raise ValueError("latency must be >= 0")
+        self._latency[operation] = seconds
+
+    # -- internals -----------------------------------------------------------------------
+
+    async def _enter(self, operation: str) -> None:
+        if self._closed:
+            raise ClusterError("the fake API server is closed")
+        self.calls[operation] += 1
+        delay = self._latency.get(operation, self._latency.get(None, 0.0))
+        if delay > 0:
+            await self._clock.sleep(delay)
+        faults = self._faults.get(operation)
+        if faults:
+            # A copy, so that a fault injected N times does not share one traceback.
+            raise copy.copy(faults.popleft())
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _parse_rv(self, resource_version: str) -> int:
+        try:
+            return int(resource_version)
+        except ValueError:
+            raise Invalid(f"invalid resourceVersion {resource_version!r}", status=400) from None
+
+    def _pod(self, name: str) -> Pod:
+        pod = self._pods.get(name)
+        if pod is None:
+            raise ObjectNotFound(f'pods "{name}" not found', status=404)
+        return pod
+
+    def _update_pod(
+        self,
+        pod: Pod,
+        *,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        phase: str | None = None,
+        ready: bool | None = None,
+        pod_ip: str | None = None,
+        node_name: str | None = None,
+        reason: str | None = None,
+        deletion_timestamp: float | None = None,
+    ) -> Pod:
+        updated = replace(
+            pod,
+            labels=pod.labels if labels is None else labels,
+            annotations=pod.annotations if annotations is None else annotations,
+            phase=pod.phase if phase is None else phase,
+            ready=pod.ready if ready is None else ready,
+            pod_ip=pod.pod_ip if pod_ip is None else pod_ip,
+            node_name=pod.node_name if node_name is None else node_name,
+            reason=pod.reason if reason is None else reason,
+            deletion_timestamp=(
+                pod.deletion_timestamp if deletion_timestamp is None else deletion_timestamp
+            ),
+            resource_version=self._next_rv(),
+        )
+        self._pods[pod.name] = updated
+        self._record(WatchEventType.MODIFIED, pod, updated)
+        return updated
+
+    def _delete(self, name: str, grace_s: float | None) -> None:
+        pod = self._pods.get(name)
+        if pod is None:
+            return
+        if grace_s is None:
+            grace_s = pod.spec.termination_grace_period_s
+        if grace_s is None:
+            grace_s = self._default_grace_s
+        # The API server deletes a pod that no kubelet runs, or that has finished, at once.
+        if pod.node_name is None or pod.phase in (PodPhase.SUCCEEDED, PodPhase.FAILED):
+            grace_s = 0.0
+        if grace_s <= 0:
+            self._remove(name)
+            return
+        deadline = self._clock.now() + grace_s
+        if pod.deletion_timestamp is not None and pod.deletion_timestamp <= deadline:
+            return  # already terminating, at least as soon: a longer grace never extends it
+        self._update_pod(pod, deletion_timestamp=deadline)
+        previous = self._terminations.pop(name, None)
+        if previous is not None:
+            previous.cancel()
+        self._terminations[name] = asyncio.get_running_loop().create_task(
+            self._finish_termination(name, grace_s), name=f"fake-apiserver-terminate-{name}"
+        )
+
+    async def _finish_termination(self, name: str, grace_s: float) -> None:
+        await self._clock.sleep(grace_s)
+        self._terminations.pop(name, None)
+        self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        pod = self._pods.pop(name)
+        # A termination that finishes has already forgotten itself; any other one is moot.
+        task = self._terminations.pop(name, None)
+        if task is not None:
+            task.cancel()
+        self._record(WatchEventType.DELETED, pod, replace(pod, resource_version=self._next_rv()))
+
+    def _record(self, kind: WatchEventType, before: Pod | None, after: Pod) -> None:
+        change = _Change(int(after.resource_version), kind, before, after)
+        self._history.append(change)
+        while len(self._history) > self._history_size:
+            self._oldest_rv = self._history.popleft().rv
+        for watch in self._watches:
+            watch.queue.put_nowait(change)

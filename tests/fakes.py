@@ -1,0 +1,279 @@
+"""In-memory stand-ins for the control-plane tests that cannot afford real processes.
+
+`MemoryRuntime` replaces worker processes in the unit and property tests of the pool
+manager and janitor: a hypothesis state machine runs thousands of lifecycles, which real
+processes would make minutes long. It keeps the worker side of the activation protocol
+(second org and stale epochs are rejected) so control-plane fencing bugs still surface.
+Integration tests use the real local-process runtime and demo workers instead.
+
+`FaultyStore` wraps a real store and fails chosen writes *before* they reach it, the way a
+lost connection does, to test persist-before-mutate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
+from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.specs import PoolSpec
+from stoker.domain.states import ClaimState, WorkerState
+from stoker.ports.runtime import ActivationPayload, RuntimeListener, RuntimeObject
+from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount, Store
+
+
+@dataclass
+class FakeProcess:
+    """What the memory runtime knows of one worker."""
+
+    worker_id: str
+    pool: str
+    alive: bool = True
+    ready: bool = False
+    org: str | None = None
+    epoch: int = 0
+    token: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    activations: int = 0
+    busy: bool = False
+    stopped: bool = False
+
+
+class MemoryRuntime:
+    """A runtime whose workers are dictionary entries (see the module docstring)."""
+
+    kind = "memory"
+
+    def __init__(self, *, auto_ready: bool = True, ready_delay: float = 0.0, cap: int = 0) -> None:
+        self.auto_ready = auto_ready
+        self.ready_delay = ready_delay
+        self.cap = cap
+        self.procs: dict[str, FakeProcess] = {}
+        self.listener: RuntimeListener | None = None
+        self.fail_spawns = 0
+        self.fail_activations = 0
+        self.activation_delay = 0.0
+        self.spawn_calls = 0
+        self.stop_calls: list[str] = []
+        #: Activations a real worker would refuse; a correct control plane never sends one.
+        self.fencing_violations: list[str] = []
+
+    def subscribe(self, listener: RuntimeListener) -> None:
+        self.listener = listener
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def derived_cap(self, pool: PoolSpec) -> int:
+        return self.cap
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        self.spawn_calls += 1
+        if self.fail_spawns:
+            self.fail_spawns -= 1
+            raise RuntimeFailure("injected spawn failure")
+        self.procs[worker.id] = FakeProcess(worker.id, worker.pool)
+        if self.auto_ready:
+            asyncio.get_running_loop().call_later(self.ready_delay, self.make_ready, worker.id)
+        return {"fake": worker.id}
+
+    def make_ready(self, worker_id: str) -> None:
+        proc = self.procs.get(worker_id)
+        if proc is None or not proc.alive or proc.ready or proc.stopped:
+            return
+        proc.ready = True
+        assert self.listener is not None
+        self.listener.worker_ready(worker_id, f"mem://{worker_id}")
+
+    def kill(self, worker_id: str, reason: str = "lost") -> None:
+        """The process dies on its own (the runtime reports it)."""
+        proc = self.procs[worker_id]
+        if not proc.alive:
+            return
+        proc.alive = False
+        assert self.listener is not None
+        self.listener.worker_lost(worker_id, reason)
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        proc = self.procs.get(worker.id)
+        if self.activation_delay:
+            await asyncio.sleep(self.activation_delay)
+        if proc is None or not proc.alive:
+            raise RuntimeFailure(f"worker {worker.id} is gone")
+        if self.fail_activations:
+            self.fail_activations -= 1
+            raise RuntimeFailure("injected activation failure")
+        refusal = None
+        if payload.worker_id != worker.id:
+            refusal = "wrong worker id"
+        elif proc.org is not None and proc.org != payload.org:
+            refusal = f"{worker.id} bound to {proc.org}, refused {payload.org}"
+        elif payload.epoch <= proc.epoch:
+            refusal = f"{worker.id}: stale epoch {payload.epoch} <= {proc.epoch}"
+        if refusal is not None:
+            self.fencing_violations.append(refusal)
+            raise ActivationRejected(refusal)
+        proc.org, proc.epoch, proc.token = payload.org, payload.epoch, payload.token
+        proc.config = dict(payload.config)
+        proc.activations += 1
+
+    async def stop(self, worker: Worker, grace_s: float) -> None:
+        self.stop_calls.append(worker.id)
+        proc = self.procs.get(worker.id)
+        if proc is not None:
+            proc.alive = False
+            proc.stopped = True
+
+    async def adopt(self, worker: Worker) -> bool:
+        proc = self.procs.get(worker.id)
+        return proc is not None and proc.alive
+
+    async def list_objects(self) -> list[RuntimeObject]:
+        return [
+            RuntimeObject(p.worker_id, p.pool, {"fake": p.worker_id}, 0.0, True, p.ready)
+            for p in self.procs.values()
+            if p.alive
+        ]
+
+    async def set_busy(self, worker: Worker, busy: bool) -> None:
+        proc = self.procs.get(worker.id)
+        if proc is not None:
+            proc.busy = busy
+
+    def alive(self) -> set[str]:
+        return {wid for wid, p in self.procs.items() if p.alive}
+
+
+_WRITES = frozenset(
+    {
+        "reserve_spawn_slots",
+        "transition",
+        "reserve",
+        "reserve_any",
+        "bind",
+        "end_claim",
+        "fail_claim",
+        "renew_claim",
+    }
+)
+
+
+class FaultyStore:
+    """A store whose writes fail on demand, before reaching the real store."""
+
+    def __init__(self, inner: Store, *, rate: float = 0.0, seed: int = 0) -> None:
+        self.inner = inner
+        self.rate = rate
+        self.fail_next = 0
+        self.failures = 0
+        self._rng = random.Random(seed)
+
+    def _maybe_fail(self, op: str) -> None:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+        elif not (self.rate and self._rng.random() < self.rate):
+            return
+        self.failures += 1
+        raise StoreError(f"injected failure of {op}")
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def schema_version(self) -> int:
+        return await self.inner.schema_version()
+
+    async def reserve_spawn_slots(
+        self, req: SpawnRequest, ids: Sequence[str], now: float
+    ) -> SpawnResult:
+        self._maybe_fail("reserve_spawn_slots")
+        return await self.inner.reserve_spawn_slots(req, ids, now)
+
+    async def transition(self, worker_id: str, **kw: Any) -> Worker | None:
+        self._maybe_fail("transition")
+        return await self.inner.transition(worker_id, **kw)
+
+    async def reserve(self, worker_id: str, **kw: Any) -> ReserveResult:
+        self._maybe_fail("reserve")
+        return await self.inner.reserve(worker_id, **kw)
+
+    async def reserve_any(self, pool: str, revision: str, **kw: Any) -> ReserveResult:
+        self._maybe_fail("reserve_any")
+        return await self.inner.reserve_any(pool, revision, **kw)
+
+    async def get_worker(self, worker_id: str) -> Worker | None:
+        return await self.inner.get_worker(worker_id)
+
+    async def list_workers(self, **kw: Any) -> list[Worker]:
+        return await self.inner.list_workers(**kw)
+
+    async def count_workers(self) -> list[StateCount]:
+        return await self.inner.count_workers()
+
+    async def bind(self, worker_id: str, **kw: Any) -> Worker | None:
+        self._maybe_fail("bind")
+        return await self.inner.bind(worker_id, **kw)
+
+    async def end_claim(self, claim_id: str, **kw: Any) -> tuple[Claim, Worker] | None:
+        self._maybe_fail("end_claim")
+        return await self.inner.end_claim(claim_id, **kw)
+
+    async def fail_claim(self, claim_id: str, **kw: Any) -> Claim | None:
+        self._maybe_fail("fail_claim")
+        return await self.inner.fail_claim(claim_id, **kw)
+
+    async def renew_claim(self, claim_id: str, **kw: Any) -> Claim | None:
+        self._maybe_fail("renew_claim")
+        return await self.inner.renew_claim(claim_id, **kw)
+
+    async def get_claim(self, claim_id: str) -> Claim | None:
+        return await self.inner.get_claim(claim_id)
+
+    async def list_claims(
+        self,
+        *,
+        states: Collection[ClaimState] | None = None,
+        expires_before: float | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Claim]:
+        return await self.inner.list_claims(
+            states=states, expires_before=expires_before, owner=owner, limit=limit
+        )
+
+    async def register_instance(self, instance_id: str, **kw: Any) -> None:
+        await self.inner.register_instance(instance_id, **kw)
+
+    async def heartbeat_instance(self, instance_id: str, **kw: Any) -> bool:
+        return await self.inner.heartbeat_instance(instance_id, **kw)
+
+    async def expire_instances(self, **kw: Any) -> list[str]:
+        return await self.inner.expire_instances(**kw)
+
+    async def stop_instance(self, instance_id: str, **kw: Any) -> None:
+        await self.inner.stop_instance(instance_id, **kw)
+
+    async def list_instances(self) -> list[Instance]:
+        return await self.inner.list_instances()
+
+    async def acquire_lease(self, name: str, **kw: Any) -> LeaseRecord | None:
+        return await self.inner.acquire_lease(name, **kw)
+
+    async def release_lease(self, name: str, **kw: Any) -> bool:
+        return await self.inner.release_lease(name, **kw)
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        return await self.inner.get_lease(name)
+
+
+def live_states() -> set[WorkerState]:
+    return set(WorkerState) - {WorkerState.RETIRED}

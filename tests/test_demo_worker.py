@@ -1,0 +1,305 @@
+"""The demo worker over real HTTP: the worker side of the activation protocol (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.processes
+
+START_TIMEOUT_S = 10.0
+
+
+@dataclass
+class DemoWorker:
+    """A running demo worker process and where it listens."""
+
+    process: asyncio.subprocess.Process
+    worker_id: str
+    endpoint: str
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+
+StartWorker = Callable[[str], Awaitable[DemoWorker]]
+
+
+@pytest.fixture
+async def start_worker() -> AsyncIterator[StartWorker]:
+    """Start demo workers on a free port; every one is killed and reaped afterwards."""
+    started: list[asyncio.subprocess.Process] = []
+
+    async def start(worker_id: str) -> DemoWorker:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "stoker.demo_worker", "--port", "0", "--worker-id", worker_id),
+            stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        started.append(process)
+        assert process.stdout is not None
+        # The start line is printed once the socket listens: it is the readiness event.
+        line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+        fields = dict(part.split("=", 1) for part in line.decode().split() if "=" in part)
+        assert fields["worker_id"] == worker_id
+        return DemoWorker(process=process, worker_id=worker_id, endpoint=fields["endpoint"])
+
+    yield start
+    for process in started:
+        if process.returncode is None:
+            process.kill()
+        await asyncio.wait_for(process.wait(), 10)
+        assert process.stdout is not None
+        # Drain to EOF so the pipe transport closes before the loop does.
+        await asyncio.wait_for(process.stdout.read(), 10)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture
+async def worker(start_worker: StartWorker) -> DemoWorker:
+    return await start_worker("w-1")
+
+
+def activation(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "worker_id": "w-1",
+        "org": "acme",
+        "epoch": 1,
+        "token": "tok-1",
+        "config": {"region": "eu", "dsn": "x"},
+    }
+    body.update(overrides)
+    return body
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def raw_exchange(port: int, *requests: bytes) -> list[bytes]:
+    """Send `requests` on one connection and read one response per request."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    responses = []
+    try:
+        for request in requests:
+            writer.write(request)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            body = await asyncio.wait_for(reader.readexactly(length), 5)
+            responses.append(head + body)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    return responses
+
+
+async def test_healthz_and_state_before_activation(
+    worker: DemoWorker, client: httpx.AsyncClient
+) -> None:
+    health = await client.get(f"{worker.endpoint}/healthz")
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    state = await client.get(f"{worker.endpoint}/")
+    assert state.status_code == 200
+    assert state.json() == {"worker_id": "w-1", "org": None, "epoch": None, "config_keys": []}
+
+
+async def test_activation_binds_the_org_and_requires_the_token(
+    worker: DemoWorker, client: httpx.AsyncClient
+) -> None:
+    activated = await client.post(f"{worker.endpoint}/activate", json=activation())
+    assert activated.status_code == 200
+    assert activated.json() == {"worker_id": "w-1", "org": "acme", "epoch": 1}
+
+    missing = await client.get(f"{worker.endpoint}/")
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert missing.headers["content-type"] == "application/problem+json"
+    assert missing.json()["status"] == 401
+    wrong = await client.get(f"{worker.endpoint}/", headers=bearer("tok-2"))
+    assert wrong.status_code == 401
+    other_scheme = await client.get(f"{worker.endpoint}/", headers={"Authorization": "Basic x"})
+    assert other_scheme.status_code == 401
+
+    state = await client.get(f"{worker.endpoint}/", headers=bearer("tok-1"))
+    assert state.status_code == 200
+    assert state.json() == {
+        "worker_id": "w-1",
+        "org": "acme",
+        "epoch": 1,
+        "config_keys": ["dsn", "region"],
+    }
+    # Liveness stays open: the control plane probes without a session token.
+    assert (await client.get(f"{worker.endpoint}/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code"),
+    [
+        ({"org": "globex", "epoch": 2}, "second-org"),
+        ({"epoch": 1, "token": "tok-9"}, "stale-epoch"),
+        ({"epoch": 0, "token": "tok-9"}, "stale-epoch"),
+        ({"worker_id": "w-2", "epoch": 2}, "wrong-worker"),
+    ],
+)
+async def test_fencing_rejects_with_409_and_keeps_the_binding(
+    worker: DemoWorker, client: httpx.AsyncClient, overrides: dict[str, Any], code: str
+) -> None:
+    assert (await client.post(f"{worker.endpoint}/activate", json=activation())).status_code == 200
+
+    rejected = await client.post(f"{worker.endpoint}/activate", json=activation(**overrides))
+    assert rejected.status_code == 409
+    assert rejected.json()["code"] == code
+
+    # The first session is untouched: same org and epoch, and its token still works.
+    state = await client.get(f"{worker.endpoint}/", headers=bearer("tok-1"))
+    assert state.status_code == 200
+    assert (state.json()["org"], state.json()["epoch"]) == ("acme", 1)
+
+
+async def test_wrong_worker_id_is_rejected_before_any_activation(
+    worker: DemoWorker, client: httpx.AsyncClient
+) -> None:
+    rejected = await client.post(f"{worker.endpoint}/activate", json=activation(worker_id="w-9"))
+    assert rejected.status_code == 409
+    state = await client.get(f"{worker.endpoint}/")
+    assert state.json()["org"] is None
+
+
+async def test_reactivation_by_the_same_org_revokes_the_old_token(
+    worker: DemoWorker, client: httpx.AsyncClient
+) -> None:
+    assert (await client.post(f"{worker.endpoint}/activate", json=activation())).status_code == 200
+    again = await client.post(
+        f"{worker.endpoint}/activate",
+        json=activation(epoch=5, token="tok-2", config={"fresh": True}),
+    )
+    assert again.status_code == 200
+    assert again.json()["epoch"] == 5
+
+    assert (await client.get(f"{worker.endpoint}/", headers=bearer("tok-1"))).status_code == 401
+    state = await client.get(f"{worker.endpoint}/", headers=bearer("tok-2"))
+    assert state.status_code == 200
+    assert state.json() == {"worker_id": "w-1", "org": "acme", "epoch": 5, "config_keys": ["fresh"]}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b'{"worker_id": "w-1", "org": "acme", "epoch": 1}',
+        b'{"worker_id": "w-1", "org": "", "epoch": 1, "token": "t"}',
+        b'{"worker_id": "w-1", "org": "acme", "epoch": true, "token": "t"}',
+        b'{"worker_id": "w-1", "org": "acme", "epoch": "1", "token": "t"}',
+        b'{"worker_id": "w-1", "org": "acme", "epoch": 1, "token": "t", "config": []}',
+    ],
+)
+async def test_malformed_activation_is_400(
+    worker: DemoWorker, client: httpx.AsyncClient, content: bytes
+) -> None:
+    response = await client.post(f"{worker.endpoint}/activate", content=content)
+    assert response.status_code == 400
+    assert response.json()["status"] == 400
+    # Nothing was bound by a rejected request.
+    assert (await client.get(f"{worker.endpoint}/")).json()["org"] is None
+
+
+async def test_unknown_paths_and_wrong_methods(
+    worker: DemoWorker, client: httpx.AsyncClient
+) -> None:
+    assert (await client.get(f"{worker.endpoint}/nope")).status_code == 404
+    wrong = await client.get(f"{worker.endpoint}/activate")
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "POST"
+    assert (await client.post(f"{worker.endpoint}/healthz")).status_code == 405
+    assert (await client.delete(f"{worker.endpoint}/")).status_code == 405
+
+
+async def test_oversized_and_chunked_bodies_are_refused(worker: DemoWorker) -> None:
+    (too_large,) = await raw_exchange(
+        worker.port,
+        b"POST /activate HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n",
+    )
+    assert too_large.startswith(b"HTTP/1.1 413 ")
+    (chunked,) = await raw_exchange(
+        worker.port,
+        b"POST /activate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+    )
+    assert chunked.startswith(b"HTTP/1.1 411 ")
+    (garbage,) = await raw_exchange(worker.port, b"HELLO\r\n\r\n")
+    assert garbage.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_expect_100_continue_is_answered_before_the_body(worker: DemoWorker) -> None:
+    body = b'{"worker_id": "w-1", "org": "acme", "epoch": 1, "token": "t"}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", worker.port)
+    try:
+        writer.write(
+            b"POST /activate HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert final.startswith(b"HTTP/1.1 200 ")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_keep_alive_serves_several_requests_on_one_connection(worker: DemoWorker) -> None:
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    responses = await raw_exchange(worker.port, request, request, request)
+    assert len(responses) == 3
+    for response in responses:
+        assert response.startswith(b"HTTP/1.1 200 ")
+        assert b"Connection: keep-alive" in response
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_exits_zero_promptly_with_an_open_connection(
+    worker: DemoWorker, client: httpx.AsyncClient, signum: signal.Signals
+) -> None:
+    # A pooled keep-alive connection stays open across the signal.
+    assert (await client.get(f"{worker.endpoint}/healthz")).status_code == 200
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    worker.process.send_signal(signum)
+    code = await asyncio.wait_for(worker.process.wait(), 5)
+    assert code == 0
+    assert loop.time() - started < 2.0
+
+
+async def test_idle_memory(start_worker: StartWorker, client: httpx.AsyncClient) -> None:
+    worker = await start_worker("w-mem")
+    body = activation(worker_id="w-mem")
+    assert (await client.post(f"{worker.endpoint}/activate", json=body)).status_code == 200
+    for _ in range(20):
+        response = await client.get(f"{worker.endpoint}/", headers=bearer("tok-1"))
+        assert response.status_code == 200
+    memory = psutil.Process(worker.process.pid).memory_full_info()
+    print(
+        f"\ndemo worker idle memory: rss={memory.rss / 2**20:.1f} MiB "
+        f"uss={memory.uss / 2**20:.1f} MiB pss={memory.pss / 2**20:.1f} MiB"
+    )

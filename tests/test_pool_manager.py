@@ -1,0 +1,556 @@
+"""The pool manager and janitor of one replica, on virtual time (looptime).
+
+Workers are `MemoryRuntime` entries (see tests/fakes.py for why); the store is the real
+SQLite adapter. Every claim path of DESIGN.md §3 and §7 is driven here; the same paths
+with real processes are in tests/test_integration_local.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fakes import FaultyStore, MemoryRuntime
+from stoker.adapters.store_sqlite import SqliteStore
+from stoker.control.plane import ControlPlane
+from stoker.domain.errors import CapacityError, ClaimConflict, NotFound, OrgCapError, StoreError
+from stoker.domain.records import ClaimRequest, Worker
+from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec, ProcessTemplate, Timeouts
+from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, Reuse, WorkerState
+from stoker.ports.clock import VirtualClock
+
+pytestmark = pytest.mark.looptime
+
+S = WorkerState
+TEMPLATE = ProcessTemplate(argv=("worker", "{port}"))
+
+
+def pool(**kw: Any) -> PoolSpec:
+    base: dict[str, Any] = {"name": "p", "template": TEMPLATE, "warm_target": 2}
+    base.update(kw)
+    return PoolSpec(**base)
+
+
+@dataclass
+class Harness:
+    plane: ControlPlane
+    runtime: MemoryRuntime
+    store: FaultyStore
+    clock: VirtualClock
+
+    async def settle(self, seconds: float = 1.0) -> None:
+        """Let virtual time pass so readiness events and background stops land."""
+        await asyncio.sleep(seconds)
+
+    async def tick(self) -> Any:
+        report = await self.plane.run_janitor_pass()
+        await self.settle()
+        return report
+
+    async def workers(self, *states: WorkerState) -> list[Worker]:
+        return await self.store.list_workers(states=states or None)
+
+    async def claim(self, org: str = "acme", **kw: Any) -> Any:
+        kw.setdefault("timeout_s", 5.0)
+        return await self.plane.claim(ClaimRequest(pool=kw.pop("pool", "p"), org=org, **kw))
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.plane.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+
+@asynccontextmanager
+async def running(
+    path: Path,
+    pools: Iterable[PoolSpec] = (),
+    *,
+    runtime: MemoryRuntime | None = None,
+    orgs: Iterable[OrgSpec] = (),
+    settings: PlaneSettings | None = None,
+) -> AsyncIterator[Harness]:
+    """A started control plane, stopped on exit.
+
+    Built inside the test (not in a fixture) because looptime makes only the test body
+    virtual: a fixture would start the clock and the token bucket in real time.
+    """
+    store = FaultyStore(SqliteStore(str(path / "stoker.db")))
+    runtime = runtime or MemoryRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    plane = ControlPlane(
+        store=store,
+        runtime=runtime,
+        pools=list(pools) or [pool()],
+        orgs=orgs,
+        settings=settings or PlaneSettings(),
+        clock=clock,
+    )
+    await plane.start(loops=False)
+    h = Harness(plane, runtime, store, clock)
+    await h.settle()
+    try:
+        yield h
+    finally:
+        await plane.stop()
+
+
+# -- warm, reuse, cold -------------------------------------------------------------------
+
+
+async def test_start_fills_the_warm_target(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        warm = await h.workers(S.WARM)
+        assert len(warm) == 2
+        assert all(w.org is None and w.endpoint for w in warm)
+
+
+async def test_warm_claim_activates_with_late_bound_config(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim(config={"dsn": "postgres://x", "role": "ro"})
+        assert claim.source is ClaimSource.WARM
+        assert claim.state is ClaimState.BOUND
+        proc = h.runtime.procs[claim.worker_id]
+        assert proc.org == "acme"
+        assert proc.epoch == claim.worker_epoch
+        assert proc.token == claim.token and claim.token
+        assert proc.config == {"dsn": "postgres://x", "role": "ro"}
+        worker = await h.store.get_worker(claim.worker_id)
+        assert worker is not None and worker.state is S.HOT and worker.claim_id == claim.id
+
+
+async def test_release_parks_hot_idle_and_same_org_reuses_it(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        first = await h.claim()
+        await h.plane.release(first.id)
+        parked = await h.store.get_worker(first.worker_id)
+        assert parked is not None and parked.state is S.HOT_IDLE and parked.org == "acme"
+
+        second = await h.claim()
+        assert second.source is ClaimSource.REUSE
+        assert second.worker_id == first.worker_id
+        assert second.worker_epoch > first.worker_epoch
+        assert second.token != first.token
+        assert h.runtime.procs[first.worker_id].activations == 2
+
+
+async def test_another_org_never_gets_a_worker_that_served_acme(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        first = await h.claim("acme")
+        await h.plane.release(first.id)
+        others = [await h.claim(f"org{i}") for i in range(4)]
+        assert first.worker_id not in {c.worker_id for c in others}
+        assert all(h.runtime.procs[c.worker_id].org == c.org for c in others)
+
+
+async def test_reuse_never_retires_on_release(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(reuse=Reuse.NEVER)]) as h:
+        await h.settle()
+        claim = await h.claim()
+        released = await h.plane.release(claim.id)
+        assert released.state is ClaimState.RELEASED
+        await h.settle()
+        worker = await h.store.get_worker(claim.worker_id)
+        assert worker is not None and worker.state is S.RETIRED and worker.reason == "no_reuse"
+        assert claim.worker_id in h.runtime.stop_calls
+
+
+async def test_cold_mode_spawns_a_dedicated_worker(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim(mode=ClaimMode.COLD)
+        assert claim.source is ClaimSource.COLD
+        assert len(await h.workers(S.WARM)) == 2
+
+
+async def test_prefer_warm_falls_back_to_cold_and_counts_a_miss(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)]) as h:
+        claim = await h.claim()
+        assert claim.source is ClaimSource.COLD
+        assert h.metric("stoker_misses_total", pool="p", reason="no_warm") == 1
+
+
+async def test_release_is_idempotent_and_renew_needs_a_bound_claim(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim()
+        first = await h.plane.release(claim.id)
+        again = await h.plane.release(claim.id)
+        assert first.state is again.state is ClaimState.RELEASED
+        with pytest.raises(ClaimConflict):
+            await h.plane.renew(claim.id)
+
+
+async def test_unknown_pool_and_claim(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        with pytest.raises(NotFound):
+            await h.claim(pool="nope")
+        with pytest.raises(NotFound):
+            await h.plane.get_claim("c-missing")
+
+    # -- waiting, timeouts, caps -------------------------------------------------------------
+
+
+async def test_require_warm_waits_for_the_reconciler(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)]) as h:
+        task = asyncio.create_task(h.claim(mode=ClaimMode.REQUIRE_WARM, timeout_s=30))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        assert h.runtime.spawn_calls == 0
+        report = await h.plane.run_janitor_pass()
+        assert report.spawned == {"p": 1}
+        claim = await task
+        assert claim.source is ClaimSource.WARM
+
+
+async def test_require_warm_times_out_with_no_capacity(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)]) as h:
+        with pytest.raises(CapacityError) as err:
+            await h.claim(mode=ClaimMode.REQUIRE_WARM, timeout_s=3)
+        assert err.value.reason == "no_capacity"
+
+
+async def test_org_cap_waits_then_fails_with_retry_after(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_workers_per_org=1)]) as h:
+        await h.settle()
+        await h.claim()
+        with pytest.raises(OrgCapError) as err:
+            await h.claim(timeout_s=2)
+        assert err.value.retry_after > 0
+        # A cap miss is not demand: it must not grow the warm pool.
+        assert h.plane.manager.misses["p"].pending() == 0
+
+
+async def test_org_cap_waiter_gets_the_released_worker(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_workers_per_org=1)]) as h:
+        await h.settle()
+        first = await h.claim()
+        waiting = asyncio.create_task(h.claim(timeout_s=30))
+        await asyncio.sleep(1)
+        assert not waiting.done()
+        await h.plane.release(first.id)
+        second = await waiting
+        assert second.source is ClaimSource.REUSE and second.worker_id == first.worker_id
+
+
+async def test_org_override_of_the_cap(tmp_path: Path) -> None:
+    async with running(
+        tmp_path, [pool(max_workers_per_org=1)], orgs=[OrgSpec("big", max_workers=3)]
+    ) as h:
+        await h.settle()
+        claims = [await h.claim("big") for _ in range(3)]
+        assert len({c.worker_id for c in claims}) == 3
+        with pytest.raises(OrgCapError):
+            await h.claim("big", timeout_s=1)
+
+
+async def test_pool_cap_fails_with_pool_cap_reason(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=1, max_workers=1)]) as h:
+        await h.settle()
+        await h.claim("a")
+        with pytest.raises(CapacityError) as err:
+            await h.claim("b", timeout_s=2)
+        assert err.value.reason == "pool_cap"
+
+
+# -- requesters that leave ---------------------------------------------------------------
+
+
+async def test_abandoned_cold_spawn_becomes_warm_not_leaked(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)], runtime=MemoryRuntime(ready_delay=10)) as h:
+        with pytest.raises(CapacityError):
+            await h.claim(timeout_s=2)
+        await h.settle(15)
+        warm = await h.workers(S.WARM)
+        assert len(warm) == 1 and warm[0].org is None
+        assert h.runtime.procs[warm[0].id].activations == 0
+        # The neutral worker serves the next claim of any org.
+        claim = await h.claim("globex")
+        assert claim.source is ClaimSource.WARM and claim.worker_id == warm[0].id
+
+
+async def test_abandoned_activation_parks_the_worker_for_its_org(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        h.runtime.activation_delay = 5
+        with pytest.raises(CapacityError):
+            await h.claim(timeout_s=1)
+        await h.settle(10)
+        parked = await h.workers(S.HOT_IDLE)
+        assert len(parked) == 1 and parked[0].org == "acme"
+        assert await h.store.list_claims(states=[ClaimState.BOUND]) == []
+        h.runtime.activation_delay = 0
+        again = await h.claim("acme")
+        assert again.source is ClaimSource.REUSE and again.worker_id == parked[0].id
+
+
+async def test_cancelled_requester_leaves_nothing_bound(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        h.runtime.activation_delay = 2
+        task = asyncio.create_task(h.claim(timeout_s=30))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await h.settle(5)
+        assert await h.store.list_claims(states=[ClaimState.BOUND]) == []
+        assert await h.workers(S.RESERVED, S.ACTIVATING, S.HOT) == []
+
+    # -- failures ----------------------------------------------------------------------------
+
+
+async def test_activation_failure_retires_and_retries_with_another_worker(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        h.runtime.fail_activations = 1
+        claim = await h.claim()
+        assert claim.state is ClaimState.BOUND
+        await h.settle()
+        retired = await h.workers(S.RETIRED)
+        assert [w.reason for w in retired] == ["activation_failure"]
+        assert retired[0].id != claim.worker_id
+
+
+async def test_spawn_failure_frees_its_slot_at_once(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0, max_workers=1)]) as h:
+        h.runtime.fail_spawns = 1
+        claim = await h.claim(timeout_s=10)
+        assert claim.source is ClaimSource.COLD
+        retired = await h.workers(S.RETIRED)
+        assert [w.reason for w in retired] == ["spawn_failure"]
+        assert h.metric("stoker_spawn_failures_total", pool="p", reason="create") == 1
+
+
+async def test_lost_hot_worker_fails_its_claim_and_is_replaced(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim()
+        h.runtime.kill(claim.worker_id)
+        await h.settle()
+        failed = await h.plane.get_claim(claim.id)
+        assert failed.state is ClaimState.FAILED and failed.reason == "worker_lost"
+        worker = await h.store.get_worker(claim.worker_id)
+        assert worker is not None and worker.state is S.RETIRED and worker.reason == "lost"
+        await h.tick()
+        assert len(await h.workers(S.WARM)) == 2
+
+
+async def test_lost_warm_worker_is_replaced_to_target(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        for w in await h.workers(S.WARM):
+            h.runtime.kill(w.id)
+        await h.settle()
+        assert await h.workers(S.WARM) == []
+        await h.tick()
+        assert len(await h.workers(S.WARM)) == 2
+
+
+async def test_failed_release_write_keeps_the_old_state(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim()
+        h.store.fail_next = 1
+        with pytest.raises(StoreError):
+            await h.plane.release(claim.id)
+        still = await h.plane.get_claim(claim.id)
+        worker = await h.store.get_worker(claim.worker_id)
+        assert still.state is ClaimState.BOUND
+        assert worker is not None and worker.state is S.HOT
+        assert h.metric("stoker_persist_failures_total", transition="hot->hot_idle") == 1
+        released = await h.plane.release(claim.id)
+        assert released.state is ClaimState.RELEASED
+
+
+async def test_failed_ready_write_is_retried_by_the_next_pass(tmp_path: Path) -> None:
+    async with running(
+        tmp_path, [pool(warm_target=1)], runtime=MemoryRuntime(auto_ready=False)
+    ) as h:
+        [slot] = await h.workers(S.SPAWNING)
+        h.store.fail_next = 1
+        h.runtime.make_ready(slot.id)
+        await h.settle()
+        assert [w.state for w in await h.workers()] == [S.SPAWNING]
+        await h.tick()
+        assert [w.state for w in await h.workers()] == [S.WARM]
+
+
+# -- leases and TTLs ---------------------------------------------------------------------
+
+
+async def test_expired_lease_retires_the_worker(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim(lease_s=30)
+        h.clock.advance(31)
+        report = await h.tick()
+        assert report.expired_claims == 1
+        expired = await h.plane.get_claim(claim.id)
+        assert expired.state is ClaimState.EXPIRED
+        worker = await h.store.get_worker(claim.worker_id)
+        assert worker is not None and worker.state is S.RETIRED and worker.reason == "lease_expired"
+
+
+async def test_renew_keeps_the_lease_alive(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        claim = await h.claim(lease_s=30)
+        for _ in range(5):
+            h.clock.advance(20)
+            renewed = await h.plane.renew(claim.id)
+            assert renewed.expires_at > h.clock.now()
+            await h.tick()
+        assert (await h.plane.get_claim(claim.id)).state is ClaimState.BOUND
+
+
+async def test_hot_idle_ttl_reaping_resolves_claim_ttl_first(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        short = await h.claim("a", ttl_s=10)
+        default = await h.claim("b")
+        await h.plane.release(short.id)
+        await h.plane.release(default.id)
+        h.clock.advance(11)
+        await h.tick()
+        gone = await h.store.get_worker(short.worker_id)
+        kept = await h.store.get_worker(default.worker_id)
+        assert gone is not None and gone.state is S.RETIRED and gone.reason == "ttl"
+        assert kept is not None and kept.state is S.HOT_IDLE
+        h.clock.advance(60)
+        await h.tick()
+        kept = await h.store.get_worker(default.worker_id)
+        assert kept is not None and kept.state is S.RETIRED
+
+
+async def test_min_hot_idle_floor_is_kept(tmp_path: Path) -> None:
+    async with running(
+        tmp_path, [pool(hot_idle_ttl=10)], orgs=[OrgSpec("acme", min_hot_idle=1)]
+    ) as h:
+        await h.settle()
+        claims = [await h.claim() for _ in range(3)]
+        for c in claims:
+            await h.plane.release(c.id)
+        h.clock.advance(100)
+        await h.tick()
+        assert len(await h.workers(S.HOT_IDLE)) == 1
+
+
+async def test_max_ttl_clamps_a_claims_ttl(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_ttl=20)]) as h:
+        await h.settle()
+        claim = await h.claim(ttl_s=3600)
+        await h.plane.release(claim.id)
+        worker = await h.store.get_worker(claim.worker_id)
+        assert worker is not None and worker.ttl_s == 20
+
+
+# -- reconciler --------------------------------------------------------------------------
+
+
+async def test_thirty_misses_reserve_target_plus_thirty_slots_in_one_tick(tmp_path: Path) -> None:
+    # duckgres #597: a static target with 1:1 replenish crept 5 -> 11 and never reached 30.
+    async with running(
+        tmp_path, [pool(warm_target=2)], runtime=MemoryRuntime(auto_ready=False)
+    ) as h:
+        assert len(await h.workers(S.SPAWNING)) == 2
+        tasks = [
+            asyncio.create_task(h.claim(f"org{i}", mode=ClaimMode.REQUIRE_WARM, timeout_s=60))
+            for i in range(30)
+        ]
+        await asyncio.sleep(0.1)
+        report = await h.plane.run_janitor_pass()
+        assert report.spawned == {"p": 30}
+        assert len(await h.workers(S.SPAWNING)) == 2 + 30
+        await h.settle()
+        for w in await h.workers(S.SPAWNING):
+            h.runtime.make_ready(w.id)
+        claims = await asyncio.gather(*tasks)
+        assert len({c.worker_id for c in claims}) == 30
+
+
+async def test_zero_max_workers_hands_out_thirty_without_a_cap(tmp_path: Path) -> None:
+    # duckgres #597: a derived cap held a 30-tenant load test at 11 workers.
+    async with running(tmp_path, [pool(warm_target=0, max_workers=0)]) as h:
+        claims = await asyncio.gather(*(h.claim(f"org{i}", timeout_s=30) for i in range(30)))
+        assert len({c.worker_id for c in claims}) == 30
+        assert h.metric("stoker_claims_total", pool="p", source="none", outcome="pool_cap") == 0
+
+
+async def test_demand_raises_the_warm_pool_then_scale_down_is_slow(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=1, scale_down_delay=60)]) as h:
+        await h.settle()
+        claims = await asyncio.gather(*(h.claim(f"o{i}", lease_s=3600) for i in range(20)))
+        report = await h.tick()
+        # Target 1 plus 19 misses (the first claim took the one warm worker).
+        assert report.spawned["p"] == 20
+        assert len(await h.workers(S.WARM)) == 20
+        # No demand now: excess is held for scale_down_delay, then retired 10 % per pass at most.
+        assert (await h.tick()).retired == {}
+        h.clock.advance(61)
+        live = len(await h.workers(*(set(S) - {S.RETIRED})))
+        assert live == 40
+        report = await h.tick()
+        assert report.retired == {"excess": 4}
+        for c in claims:
+            await h.plane.release(c.id)
+
+
+async def test_stuck_spawn_is_retired_after_its_timeout(tmp_path: Path) -> None:
+    async with running(
+        tmp_path,
+        [pool(warm_target=1, timeouts=Timeouts(spawn_s=30))],
+        runtime=MemoryRuntime(auto_ready=False),
+    ) as h:
+        [slot] = await h.workers(S.SPAWNING)
+        h.clock.advance(31)
+        report = await h.tick()
+        assert report.retired.get("stuck") == 1
+        worker = await h.store.get_worker(slot.id)
+        assert worker is not None and worker.state is S.RETIRED
+
+
+async def test_rollout_retires_stale_warm_and_spawns_the_new_revision(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=2)]) as h:
+        await h.settle()
+        new = replace(
+            pool(warm_target=2), template=ProcessTemplate(argv=("worker2", "{port}")), revision=""
+        )
+        h.plane.manager.pools["p"] = new
+        await h.tick()
+        await h.tick()
+        warm = await h.workers(S.WARM)
+        assert {w.revision for w in warm} == {new.revision}
+        reasons = sorted(w.reason or "" for w in await h.workers(S.RETIRED))
+        assert reasons == ["rollout", "rollout"]
+
+
+# -- restart -----------------------------------------------------------------------------
+
+
+async def test_restart_adopts_live_workers_and_sessions(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        hot = await h.claim("acme")
+        parked = await h.claim("globex")
+        await h.plane.release(parked.id)
+    async with running(tmp_path, runtime=h.runtime) as h2:
+        owners = {w.owner for w in await h2.workers(S.WARM, S.HOT, S.HOT_IDLE)}
+        assert owners == {h2.plane.instance_id}
+        again = await h2.claim("globex")
+        assert again.source is ClaimSource.REUSE and again.worker_id == parked.worker_id
+        released = await h2.plane.release(hot.id)
+        assert released.state is ClaimState.RELEASED
+        # The sessions' workers were adopted, not replaced.
+        assert hot.worker_id in h2.plane.manager.known
+
+
+async def test_restart_retires_workers_that_died_meanwhile(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        pass
+    dead = next(iter(h.runtime.alive()))
+    h.runtime.procs[dead].alive = False
+    async with running(tmp_path, runtime=h.runtime) as h2:
+        worker = await h2.store.get_worker(dead)
+        assert worker is not None and worker.state is S.RETIRED and worker.reason == "lost"
+        await h2.tick()
+        assert len(await h2.workers(S.WARM)) == 2
+
+
+async def test_stop_workers_retires_everything(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await h.claim()
+        await h.plane.stop(stop_workers=True)
+        assert h.runtime.alive() == set()
