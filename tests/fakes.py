@@ -61,6 +61,7 @@ class MemoryRuntime:
         self.stop_calls: list[str] = []
         #: Activations a real worker would refuse; a correct control plane never sends one.
         self.fencing_violations: list[str] = []
+        self.headroom_calls = 0
 
     def subscribe(self, listener: RuntimeListener) -> None:
         self.listener = listener
@@ -146,6 +147,9 @@ class MemoryRuntime:
         proc = self.procs.get(worker.id)
         if proc is not None:
             proc.busy = busy
+
+    async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
+        self.headroom_calls += 1
 
     def alive(self) -> set[str]:
         return {wid for wid, p in self.procs.items() if p.alive}

@@ -81,7 +81,6 @@ class Janitor:
         *,
         scope: Scope,
         demand: DemandSource | None = None,
-        stranded_every: int = 15,
     ) -> None:
         self.m = manager
         self.scope = scope
@@ -90,8 +89,7 @@ class Janitor:
         #: What the last pass decided per pool (shown by `GET /v1/pools`).
         self.desired: dict[str, int] = {}
         self.demand: dict[str, int] = {}
-        self._stranded_every = stranded_every
-        self._passes = 0
+        self._last_scan: float | None = None
 
     async def _local_demand(self, pool: str, now: float) -> int:
         """Misses this replica saw since the last pass plus its queued claims."""
@@ -104,7 +102,6 @@ class Janitor:
         world = await self.sync()
         report = PassReport()
         await self.step(world, report)
-        self._passes += 1
         return report
 
     async def sync(self) -> World:
@@ -129,7 +126,9 @@ class Janitor:
             live = await store.list_workers(states=LIVE - {S.HOT_IDLE, S.WARM})
             candidates = world.warm + world.hot_idle + live
             world.orphans = [w for w in candidates if w.owner not in world.live_instances]
-            if self._passes % self._stranded_every == 0:
+            scan_due = self.m.clock.monotonic() - self.m.settings.stranded_scan_s
+            if self._last_scan is None or self._last_scan <= scan_due:
+                self._last_scan = self.m.clock.monotonic()
                 try:
                     world.objects = await self.m.runtime.list_objects()
                 except RuntimeFailure as exc:
@@ -145,6 +144,7 @@ class Janitor:
             await self._sweep_stuck(world, report)
             if world.objects is not None:
                 await self._stop_stranded(world, report)
+            await self._headroom()
             self._gauges(world)
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
@@ -331,6 +331,12 @@ class Janitor:
                 continue
             report.stranded_stopped += 1
             logs.event("stranded_stopped", worker=obj.worker_id, pool=obj.pool)
+
+    async def _headroom(self) -> None:
+        try:
+            await self.m.runtime.reconcile_headroom(list(self.m.pools.values()))
+        except RuntimeFailure as exc:
+            logs.event("headroom_failed", error=str(exc), level=logs.WARNING)
 
     def _gauges(self, world: World) -> None:
         by: dict[tuple[str, str], int] = defaultdict(int)

@@ -137,6 +137,8 @@ class PlaneSettings:
     instance_expiry_s: float = 20.0
     #: Runtime objects with no live row are stopped once older than this (duckgres: 2 min).
     stranded_grace_s: float = 120.0
+    #: How often the janitor lists runtime objects to find stranded ones.
+    stranded_scan_s: float = 60.0
     #: Spawns per second and burst: the runtime's API budget (client-go: QPS 50, burst 100).
     spawn_rate: float = 50.0
     spawn_burst: int = 100

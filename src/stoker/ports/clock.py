@@ -67,7 +67,9 @@ class VirtualClock(LoopClock):
     so a test can make a TTL pass without waiting for it.
     """
 
-    def __init__(self, epoch: float = 1_700_000_000.0) -> None:
+    def __init__(self, epoch: float | None = 1_700_000_000.0) -> None:
+        # A fixed default epoch keeps runs reproducible; None maps to the wall clock like
+        # `LoopClock` (for tests that compare with times the OS reports).
         super().__init__(epoch)
         self._skipped = 0.0
         self._advanced = asyncio.Event()

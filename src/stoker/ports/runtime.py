@@ -7,7 +7,7 @@ events into fenced transitions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,4 +99,8 @@ class Runtime(Protocol):
 
     async def set_busy(self, worker: Worker, busy: bool) -> None:
         """Mark a worker as not to be disrupted by the cluster while bound to an org."""
+        ...
+
+    async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
+        """Keep each pool's `headroom_nodes` placeholders (cluster runtimes; leader only)."""
         ...
