@@ -157,6 +157,8 @@ class Janitor:
             await self.m.settle_lost(worker_id)
         for worker_id in list(self.m.pending_ready):
             await self.m.settle_ready(worker_id)
+        for worker_id in list(self.m.pending_retire):
+            await self.m.settle_retire(worker_id)
 
     async def _adopt_orphans(self, world: World, report: PassReport) -> None:
         """Workers of expired replicas: keep serving ones, retire in-flight ones."""

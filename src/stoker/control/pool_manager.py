@@ -133,6 +133,8 @@ class PoolManager:
         #: Facts from the runtime not yet persisted (a failed write is retried by the next pass).
         self.pending_ready: dict[str, str] = {}
         self.pending_lost: dict[str, str] = {}
+        #: Retirements whose write failed: (state, epoch) they were decided on, reason, stop.
+        self.pending_retire: dict[str, tuple[WorkerState, int, str, bool]] = {}
         self._warm_waiters: dict[str, deque[_Attempt]] = defaultdict(deque)
         self._cap_waiters: dict[tuple[str, str], list[_Attempt]] = defaultdict(list)
         self.misses: dict[str, MissCounter] = {
@@ -336,16 +338,39 @@ class PoolManager:
         elif worker.state is S.SPAWNING and not worker.runtime_ref and not stop:
             # Nothing was created: free the slot at once.
             done = await self.lifecycle.move(worker, S.RETIRED, reason=str(reason))
-            if done is not None:
-                self._retired(done)
-            return done is not None
+            if done is None:
+                self._retry_retire(worker, reason, stop)
+                return False
+            self._retired(done)
+            return True
         else:
             draining = await self.lifecycle.move(worker, S.DRAINING, reason=str(reason))
         if draining is None:
+            self._retry_retire(worker, reason, stop)
             return False
+        self.pending_retire.pop(worker.id, None)
         self.remember(draining)
         self.spawn_task(self._stop_and_retire(draining, stop=stop), f"stop:{worker.id}")
         return True
+
+    def _retry_retire(self, worker: Worker, reason: RetireReason | str, stop: bool) -> None:
+        """Remember a retirement whose write did not happen; the next pass retries it if
+        the row is still as it was (a fence miss means someone else moved it: then not)."""
+        self.pending_retire[worker.id] = (worker.state, worker.epoch, str(reason), stop)
+
+    async def settle_retire(self, worker_id: str) -> None:
+        """Retry one remembered retirement against a fresh read of the row."""
+        pending = self.pending_retire.pop(worker_id, None)
+        if pending is None:
+            return
+        state, epoch, reason, stop = pending
+        try:
+            fresh = await self.store.get_worker(worker_id)
+        except StoreError:
+            self.pending_retire[worker_id] = pending
+            return
+        if fresh is not None and (fresh.state, fresh.epoch) == (state, epoch):
+            await self.retire(fresh, reason, stop=stop)
 
     async def _stop_and_retire(self, worker: Worker, *, stop: bool) -> None:
         pool = self.pools.get(worker.pool)
@@ -357,7 +382,9 @@ class PoolManager:
                 logs.worker_event("stop_failed", worker, error=str(exc), level=logs.WARNING)
                 return
         retired = await self.lifecycle.move(worker, S.RETIRED)
-        if retired is not None:
+        if retired is None:
+            self._retry_retire(worker, worker.reason or "unknown", False)
+        else:
             self._retired(retired)
 
     def _retired(self, worker: Worker) -> None:
