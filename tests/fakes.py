@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
-from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.runtime import ActivationPayload, RuntimeListener, RuntimeObject
@@ -277,6 +277,19 @@ class FaultyStore:
 
     async def get_lease(self, name: str) -> LeaseRecord | None:
         return await self.inner.get_lease(name)
+
+    async def record_demand(
+        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+    ) -> None:
+        self._maybe_fail("record_demand")
+        await self.inner.record_demand(instance_id, demand, now=now)
+
+    async def read_demand(self) -> list[DemandRecord]:
+        return await self.inner.read_demand()
+
+    async def purge(self, *, before: float) -> int:
+        self._maybe_fail("purge")
+        return await self.inner.purge(before=before)
 
 
 def live_states() -> set[WorkerState]:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoker.domain.errors import IllegalTransition, StoreError
-from stoker.domain.records import Claim, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, LeaseRecord, Worker
 from stoker.domain.states import (
     TERMINAL,
     TRANSITIONS,
@@ -1432,6 +1432,51 @@ class StoreContract:
         assert (must(a).holder, must(b).holder) == ("cp-a", "cp-b")
         assert await store.release_lease("janitor", holder="cp-a", now=T0 + 1)
         assert await store.get_lease("reaper") == b
+
+    # -- demand and housekeeping -------------------------------------------------------------
+
+    async def test_demand_rows_are_upserted_per_pool_and_replica(self, store: Store) -> None:
+        assert await store.read_demand() == []
+        await store.record_demand("cp-a", {"p": (3, 1), "q": (0, 0)}, now=T0)
+        await store.record_demand("cp-b", {"p": (5, 2)}, now=T0 + 1)
+        await store.record_demand("cp-a", {"p": (7, 0)}, now=T0 + 2)
+        await store.record_demand("cp-c", {}, now=T0 + 3)
+        rows = await store.read_demand()
+        assert rows == [
+            DemandRecord("p", "cp-a", 7, 0, T0 + 2),
+            DemandRecord("p", "cp-b", 5, 2, T0 + 1),
+            DemandRecord("q", "cp-a", 0, 0, T0),
+        ]
+
+    async def test_purge_deletes_only_old_terminal_history(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        old_retired = await fleet.retired()
+        _, bound = await fleet.hot("org-a")
+        ended_worker = await fleet.hot_idle("org-b")
+        live_warm = await fleet.warm()
+        await store.register_instance("cp-old", now=fleet.tick(), meta={})
+        await store.stop_instance("cp-old", now=fleet.now)
+        await store.record_demand("cp-old", {"p": (1, 0)}, now=fleet.now)
+        await store.register_instance("cp-live", now=fleet.tick(), meta={})
+        await store.record_demand("cp-live", {"p": (2, 0)}, now=fleet.now)
+        cutoff = fleet.tick()
+        young_retired = await fleet.retired()
+
+        deleted = await store.purge(before=cutoff)
+
+        # The retired worker, the released claim of the hot_idle one, the stopped
+        # replica and its demand row.
+        assert deleted == 4
+        assert await store.get_worker(old_retired.id) is None
+        assert must(await store.get_worker(young_retired.id)).state is S.RETIRED
+        assert must(await store.get_worker(live_warm.id)).state is S.WARM
+        assert must(await store.get_worker(ended_worker.id)).state is S.HOT_IDLE
+        assert must(await store.get_claim(bound.id)).state is ClaimState.BOUND
+        assert [c.state for c in await store.list_claims()] == [ClaimState.BOUND]
+        assert [i.id for i in await store.list_instances()] == ["cp-live"]
+        assert [(d.instance, d.misses) for d in await store.read_demand()] == [("cp-live", 2)]
+        assert await store.purge(before=cutoff) == 0
 
     # -- property: the fence and the table, over random histories -----------------------------
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from stoker.domain.records import Claim, Worker
+from stoker.domain.records import Claim, DemandRecord, Worker
 from stoker.domain.specs import Timeouts
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
-from stoker.policy.demand import MissCounter
+from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import (
     expired_claims,
     hot_idle_to_reap,
@@ -108,14 +108,38 @@ def test_stale_revisions_retire_without_waiting() -> None:
 # -- demand ----------------------------------------------------------------------------
 
 
-def test_misses_count_once_and_age_out() -> None:
-    misses = MissCounter(window_s=60)
-    misses.record(100, 30)
-    assert misses.pending() == 30
-    assert misses.consume(101) == 30
-    assert misses.consume(102) == 0
-    misses.record(0, 5)
-    assert misses.consume(100) == 0
+def test_misses_count_once_per_pass() -> None:
+    ledger = DemandLedger()
+    assert ledger.demand([], now=0, fresh_after=-20) == {}
+    rows = [DemandRecord("p", "cp-a", 30, 0, 5)]
+    assert ledger.demand(rows, now=10, fresh_after=-10) == {"p": 30}
+    assert ledger.demand(rows, now=12, fresh_after=-8) == {"p": 0}
+    rows = [DemandRecord("p", "cp-a", 33, 0, 13)]
+    assert ledger.demand(rows, now=14, fresh_after=-6) == {"p": 3}
+
+
+def test_every_replicas_misses_and_queued_claims_add_up() -> None:
+    ledger = DemandLedger()
+    ledger.demand([], now=0, fresh_after=-20)
+    rows = [
+        DemandRecord("p", "cp-a", 4, 2, 1),
+        DemandRecord("p", "cp-b", 6, 1, 1),
+        DemandRecord("q", "cp-b", 1, 0, 1),
+    ]
+    assert ledger.demand(rows, now=2, fresh_after=-18) == {"p": 13, "q": 1}
+
+
+def test_a_new_leader_takes_existing_counters_as_baseline() -> None:
+    ledger = DemandLedger()
+    rows = [DemandRecord("p", "cp-a", 500, 0, 1)]
+    assert ledger.demand(rows, now=2, fresh_after=-18) == {"p": 0}
+
+
+def test_a_dead_replicas_queue_is_not_demand() -> None:
+    ledger = DemandLedger()
+    ledger.demand([], now=0, fresh_after=-20)
+    rows = [DemandRecord("p", "cp-dead", 0, 9, 1), DemandRecord("p", "cp-live", 0, 2, 99)]
+    assert ledger.demand(rows, now=100, fresh_after=80) == {"p": 2}
 
 
 # -- reaping ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.postgres
 
 S = WorkerState
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
-TABLES = {"workers", "claims", "instances", "leases", "schema_migrations"}
+TABLES = {"workers", "claims", "instances", "leases", "demand", "schema_migrations"}
 
 
 def _where(url: str) -> str:

@@ -60,7 +60,7 @@ from stoker.adapters._rows import (
     worker_to_row,
 )
 from stoker.domain.errors import StoreError
-from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.states import LIVE, ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
@@ -140,6 +140,21 @@ def _migrations(s: str) -> list[tuple[int, list[str]]]:
                     renewed_at double precision NOT NULL,
                     duration_s double precision NOT NULL
                 )""",
+            ],
+        ),
+        (
+            2,
+            [
+                f"""CREATE TABLE {s}.demand (
+                    pool text NOT NULL,
+                    instance text NOT NULL,
+                    misses bigint NOT NULL,
+                    waiting integer NOT NULL,
+                    updated_at double precision NOT NULL,
+                    PRIMARY KEY (pool, instance)
+                )""",
+                f"CREATE INDEX workers_purge ON {s}.workers (state, updated_at)",
+                f"CREATE INDEX claims_purge ON {s}.claims (state, updated_at)",
             ],
         ),
     ]
@@ -767,6 +782,54 @@ class PostgresStore:
             (name,),
         )
         return lease_from_row(row) if row else None
+
+    # -- demand and housekeeping -------------------------------------------------------------
+
+    async def record_demand(
+        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+    ) -> None:
+        """Upsert this replica's demand rows in one statement."""
+        if not demand:
+            return
+        pools = sorted(demand)
+        async with self._connection() as conn:
+            await conn.execute(
+                f"INSERT INTO {self._s}.demand (pool, instance, misses, waiting, updated_at) "
+                "SELECT p, %s, m, w, %s FROM unnest(%s::text[], %s::bigint[], %s::int[]) "
+                "AS t(p, m, w) ON CONFLICT (pool, instance) DO UPDATE SET "
+                "misses = EXCLUDED.misses, waiting = EXCLUDED.waiting, "
+                "updated_at = EXCLUDED.updated_at",
+                (
+                    instance_id,
+                    now,
+                    pools,
+                    [demand[p][0] for p in pools],
+                    [demand[p][1] for p in pools],
+                ),
+            )
+
+    async def read_demand(self) -> list[DemandRecord]:
+        """Every replica's demand rows."""
+        rows = await self._all(
+            f"SELECT pool, instance, misses, waiting, updated_at FROM {self._s}.demand "
+            "ORDER BY pool, instance"
+        )
+        return [DemandRecord(p, i, int(m), int(w), float(u)) for p, i, m, w, u in rows]
+
+    async def purge(self, *, before: float) -> int:
+        """Delete terminal history older than `before`, in one transaction."""
+        async with self._tx() as conn:
+            deleted = 0
+            for sql in (
+                f"DELETE FROM {self._s}.workers WHERE state = 'retired' AND updated_at < %s",
+                f"DELETE FROM {self._s}.claims WHERE state <> 'bound' AND updated_at < %s",
+                f"DELETE FROM {self._s}.demand WHERE instance IN (SELECT id FROM "
+                f"{self._instances} WHERE state <> 'active' AND heartbeat_at < %s)",
+                f"DELETE FROM {self._instances} WHERE state <> 'active' AND heartbeat_at < %s",
+            ):
+                cur = await conn.execute(sql, (before,))
+                deleted += cur.rowcount
+            return deleted
 
 
 def _filters(

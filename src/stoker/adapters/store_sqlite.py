@@ -33,7 +33,7 @@ from stoker.adapters._rows import (
     worker_to_row,
 )
 from stoker.domain.errors import StoreError
-from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.states import LIVE, ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
@@ -101,6 +101,21 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                 renewed_at REAL NOT NULL,
                 duration_s REAL NOT NULL
             )""",
+        ],
+    ),
+    (
+        2,
+        [
+            """CREATE TABLE demand (
+                pool TEXT NOT NULL,
+                instance TEXT NOT NULL,
+                misses INTEGER NOT NULL,
+                waiting INTEGER NOT NULL,
+                updated_at REAL NOT NULL,
+                PRIMARY KEY (pool, instance)
+            )""",
+            "CREATE INDEX workers_purge ON workers (state, updated_at)",
+            "CREATE INDEX claims_purge ON claims (state, updated_at)",
         ],
     ),
 ]
@@ -626,6 +641,47 @@ class SqliteStore:
             "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?", (name,)
         )
         return lease_from_row(rows[0]) if rows else None
+
+    # -- demand and housekeeping -------------------------------------------------------------
+
+    async def record_demand(
+        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+    ) -> None:
+        """Upsert this replica's demand rows."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (pool, instance) DO UPDATE SET "
+                "misses = excluded.misses, waiting = excluded.waiting, "
+                "updated_at = excluded.updated_at",
+                [(pool, instance_id, m, w, now) for pool, (m, w) in sorted(demand.items())],
+            )
+
+    async def read_demand(self) -> list[DemandRecord]:
+        """Every replica's demand rows."""
+        rows = self._read(
+            "SELECT pool, instance, misses, waiting, updated_at FROM demand ORDER BY pool, instance"
+        )
+        return [DemandRecord(p, i, int(m), int(w), float(u)) for p, i, m, w, u in rows]
+
+    async def purge(self, *, before: float) -> int:
+        """Delete terminal history older than `before`."""
+        with self._tx() as db:
+            deleted = db.execute(
+                "DELETE FROM workers WHERE state = 'retired' AND updated_at < ?", (before,)
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM claims WHERE state <> 'bound' AND updated_at < ?", (before,)
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM demand WHERE instance IN (SELECT id FROM instances "
+                "WHERE state <> 'active' AND heartbeat_at < ?)",
+                (before,),
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM instances WHERE state <> 'active' AND heartbeat_at < ?", (before,)
+            ).rowcount
+            return int(deleted)
 
 
 def _rollback(db: sqlite3.Connection) -> None:

@@ -20,6 +20,7 @@ from stoker.control.pool_manager import PoolManager
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import LIVE, ClaimState, RetireReason, WorkerState
+from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import expired_claims, hot_idle_to_reap, stuck_workers
 from stoker.policy.scaling import (
     PoolCounts,
@@ -84,22 +85,30 @@ class Janitor:
     ) -> None:
         self.m = manager
         self.scope = scope
-        self._demand = demand or self._local_demand
+        self._demand = demand or self._store_demand
+        self._ledger = DemandLedger()
+        self._demand_now: dict[str, int] | None = None
         self._excess_since: dict[str, float] = {}
         #: What the last pass decided per pool (shown by `GET /v1/pools`).
         self.desired: dict[str, int] = {}
         self.demand: dict[str, int] = {}
         self._last_scan: float | None = None
 
-    async def _local_demand(self, pool: str, now: float) -> int:
-        """Misses this replica saw since the last pass plus its queued claims."""
-        return self.m.misses[pool].consume(now) + self.m.waiting(pool)
+    async def _store_demand(self, pool: str, now: float) -> int:
+        """Misses every replica saw since the last pass plus the claims they queue."""
+        if self._demand_now is None:
+            await self.m.publish_demand()
+            rows = await self.m.store.read_demand()
+            fresh_after = now - self.m.settings.instance_expiry_s
+            self._demand_now = self._ledger.demand(rows, now=now, fresh_after=fresh_after)
+        return self._demand_now.get(pool, 0)
 
     # -- the pass ---------------------------------------------------------------------------
 
     async def run_pass(self) -> PassReport:
         """Sync then step. Raises StoreError when the world could not be read."""
         world = await self.sync()
+        self._demand_now = None
         report = PassReport()
         await self.step(world, report)
         return report

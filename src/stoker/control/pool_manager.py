@@ -48,7 +48,6 @@ from stoker.domain.states import (
     Reuse,
     WorkerState,
 )
-from stoker.policy.demand import MissCounter
 from stoker.policy.reaping import resolve_ttl
 from stoker.policy.scaling import effective_cap
 from stoker.ports.clock import Clock
@@ -135,11 +134,13 @@ class PoolManager:
         self.pending_lost: dict[str, str] = {}
         #: Retirements whose write failed: (state, epoch) they were decided on, reason, stop.
         self.pending_retire: dict[str, tuple[WorkerState, int, str, bool]] = {}
+        #: Workers whose stop task is running.
+        self._stopping: set[str] = set()
         self._warm_waiters: dict[str, deque[_Attempt]] = defaultdict(deque)
         self._cap_waiters: dict[tuple[str, str], list[_Attempt]] = defaultdict(list)
-        self.misses: dict[str, MissCounter] = {
-            name: MissCounter(settings.demand_window_s) for name in self.pools
-        }
+        #: Cumulative misses per pool (the demand signal this replica publishes).
+        self.misses_total: dict[str, int] = dict.fromkeys(self.pools, 0)
+        self._demand_flush: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._claims_in_flight = 0
         self.closing = False
@@ -196,6 +197,26 @@ class PoolManager:
     def waiting(self, pool: str) -> int:
         """Claims of `pool` queued for a warm worker (part of demand)."""
         return sum(1 for a in self._warm_waiters.get(pool, ()) if not a.abandoned)
+
+    def demand_snapshot(self) -> dict[str, tuple[int, int]]:
+        """(cumulative misses, claims waiting now) per pool."""
+        return {name: (self.misses_total[name], self.waiting(name)) for name in self.pools}
+
+    def publish_demand_soon(self) -> None:
+        """Publish demand once the current burst of claims has been seen (coalesced)."""
+        if self._demand_flush is None or self._demand_flush.done():
+            self._demand_flush = self.spawn_task(self.publish_demand(), "demand")
+
+    async def publish_demand(self) -> None:
+        """Write this replica's demand rows so the leader's janitor sees them."""
+        await asyncio.sleep(0)  # let the claims of the same burst record their misses first
+        try:
+            await self.store.record_demand(
+                self.instance_id, self.demand_snapshot(), now=self.clock.now()
+            )
+        except StoreError as exc:
+            # The next miss or pass publishes again: counters are cumulative, nothing is lost.
+            logs.event("demand_publish_failed", error=str(exc), level=logs.WARNING)
 
     def in_flight(self) -> frozenset[str]:
         """Workers this replica is handing out right now (the sweeps leave them alone)."""
@@ -284,7 +305,7 @@ class PoolManager:
             return False
         self.remember(ended[1])
         self.metrics.claims.labels(claim.pool, claim.source.value, "failed").inc()
-        self.spawn_task(self._stop_and_retire(ended[1], stop=True), f"stop:{worker.id}")
+        self._stop_soon(ended[1], stop=True)
         return True
 
     def offer_warm(self, worker: Worker) -> None:
@@ -334,7 +355,15 @@ class PoolManager:
         if worker.state is S.RETIRED:
             return False
         if worker.state is S.DRAINING:
-            draining: Worker | None = worker
+            if worker.id in self._stopping:
+                return True  # its stop is under way
+            # A draining row from a snapshot may have been retired since: read it again.
+            try:
+                draining: Worker | None = await self.store.get_worker(worker.id)
+            except StoreError:
+                return False
+            if draining is None or (draining.state, draining.epoch) != (S.DRAINING, worker.epoch):
+                return False
         elif worker.state is S.SPAWNING and not worker.runtime_ref and not stop:
             # Nothing was created: free the slot at once.
             done = await self.lifecycle.move(worker, S.RETIRED, reason=str(reason))
@@ -350,8 +379,16 @@ class PoolManager:
             return False
         self.pending_retire.pop(worker.id, None)
         self.remember(draining)
-        self.spawn_task(self._stop_and_retire(draining, stop=stop), f"stop:{worker.id}")
+        self._stop_soon(draining, stop=stop)
         return True
+
+    def _stop_soon(self, worker: Worker, *, stop: bool) -> None:
+        """Stop and retire a draining worker in the background, once at a time per worker."""
+        if worker.id in self._stopping:
+            return
+        self._stopping.add(worker.id)
+        task = self.spawn_task(self._stop_and_retire(worker, stop=stop), f"stop:{worker.id}")
+        task.add_done_callback(lambda _t: self._stopping.discard(worker.id))
 
     def _retry_retire(self, worker: Worker, reason: RetireReason | str, stop: bool) -> None:
         """Remember a retirement whose write did not happen; the next pass retries it if
@@ -532,13 +569,15 @@ class PoolManager:
         self.metrics.misses.labels(a.pool.name, reason.value).inc()
         # A require_warm claim counts as demand while it is queued (`waiting`), not twice.
         if reason is not MissReason.ORG_CAP and a.req.mode is not ClaimMode.REQUIRE_WARM:
-            self.misses[a.pool.name].record(self.clock.now())
+            self.misses_total[a.pool.name] += 1
+            self.publish_demand_soon()
 
     async def _wait(self, a: _Attempt, register: Callable[[], None]) -> None:
         """Sleep until woken by a release, a new warm worker or a freed slot, or the deadline."""
         a.wakeup = asyncio.get_running_loop().create_future()
         register()
         self.metrics.claims_waiting.labels(a.pool.name).inc()
+        self.publish_demand_soon()
         try:
             remaining = a.left(self.clock.monotonic())
             if remaining:
@@ -872,7 +911,7 @@ class PoolManager:
             return False
         self.remember(ended[1])
         self.metrics.claims.labels(claim.pool, claim.source.value, "expired").inc()
-        self.spawn_task(self._stop_and_retire(ended[1], stop=True), f"stop:{ended[1].id}")
+        self._stop_soon(ended[1], stop=True)
         return True
 
     async def _end(self, claim: Claim, state: ClaimState) -> Claim:
@@ -914,7 +953,7 @@ class PoolManager:
                 self._wake_cap_waiters(moved.pool, moved.org)
         else:
             self.remember(moved)
-            self.spawn_task(self._stop_and_retire(moved, stop=True), f"stop:{moved.id}")
+            self._stop_soon(moved, stop=True)
         return done
 
     # -- start-up and shutdown --------------------------------------------------------------

@@ -78,6 +78,17 @@ class Instance:
 
 
 @dataclass(frozen=True, slots=True)
+class DemandRecord:
+    """One replica's demand signal for one pool: cumulative misses and claims queued now."""
+
+    pool: str
+    instance: str
+    misses: int
+    waiting: int
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseRecord:
     """A leadership lease: who holds it, since when, and its fencing epoch."""
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.states import ClaimState, WorkerState
 
 #: Fields of a worker row that a transition may set besides `state`.
@@ -265,4 +265,25 @@ class Store(Protocol):
 
     async def get_lease(self, name: str) -> LeaseRecord | None:
         """The lease as stored."""
+        ...
+
+    # -- demand and housekeeping -------------------------------------------------------------
+
+    async def record_demand(
+        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+    ) -> None:
+        """Publish this replica's demand per pool: (cumulative misses, claims waiting now).
+
+        The leader's janitor reads every replica's rows, so misses seen by any replica
+        raise the warm target (DESIGN.md §6).
+        """
+        ...
+
+    async def read_demand(self) -> list[DemandRecord]:
+        """Every replica's last published demand."""
+        ...
+
+    async def purge(self, *, before: float) -> int:
+        """Delete history older than `before`: retired workers, ended claims, the rows of
+        stopped or expired replicas and their demand. Returns the rows deleted."""
         ...
