@@ -177,6 +177,8 @@ class FaultyStore:
         self.rate = rate
         self.fail_next = 0
         self.failures = 0
+        #: While set, lease writes fail (a lease-renewal blip).
+        self.fail_leases = False
         self._rng = random.Random(seed)
 
     def _maybe_fail(self, op: str) -> None:
@@ -270,9 +272,13 @@ class FaultyStore:
         return await self.inner.list_instances()
 
     async def acquire_lease(self, name: str, **kw: Any) -> LeaseRecord | None:
+        if self.fail_leases:
+            raise StoreError("injected failure of acquire_lease")
         return await self.inner.acquire_lease(name, **kw)
 
     async def release_lease(self, name: str, **kw: Any) -> bool:
+        if self.fail_leases:
+            raise StoreError("injected failure of release_lease")
         return await self.inner.release_lease(name, **kw)
 
     async def get_lease(self, name: str) -> LeaseRecord | None:

@@ -61,6 +61,8 @@ class ActivationState:
     """What the worker holds: its identity and, once activated, its org binding."""
 
     worker_id: str
+    #: False while the (simulated) engine is still starting: /healthz answers 503.
+    started: bool = True
     org: str | None = None
     epoch: int | None = None
     token: str | None = None
@@ -200,6 +202,9 @@ def route(state: ActivationState, request: Request) -> tuple[int, dict[str, Any]
     """Answer one request: status, JSON body and extra headers."""
     allowed = _ROUTES.get(request.path)
     if request.path == "/healthz" and request.method == "GET":
+        if not state.started:
+            status, body = _problem(503, "starting", "the worker is still starting")
+            return status, body, {}
         return 200, {"status": "ok"}, {}
     # /activate is the control plane's channel; it is fenced by epoch, not by token.
     if request.path != "/activate" and not state.authorized(request.headers.get("authorization")):
@@ -319,13 +324,17 @@ class Server:
                 await asyncio.wait(pending)
 
 
-async def serve(host: str, port: int, worker_id: str) -> None:
-    """Listen on `host:port` until SIGTERM or SIGINT."""
+async def serve(host: str, port: int, worker_id: str, start_delay: float = 0.0) -> None:
+    """Listen on `host:port` until SIGTERM or SIGINT; ready after `start_delay` seconds."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    server = Server(ActivationState(worker_id=worker_id))
+    state = ActivationState(worker_id=worker_id, started=start_delay <= 0)
+    if start_delay > 0:
+        # Stands in for an engine that takes a while to start (tests of slow spawns).
+        loop.call_later(start_delay, setattr, state, "started", True)
+    server = Server(state)
     listener = await asyncio.start_server(server.handle, host, port, limit=MAX_HEAD_BYTES)
     bound = listener.sockets[0].getsockname()[1]
     authority = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
@@ -344,6 +353,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     parser.add_argument("--worker-id", required=True, help="the id this worker answers to")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument(
+        "--start-delay",
+        type=float,
+        default=0.0,
+        help="seconds before /healthz answers 200 (simulates a slow engine start)",
+    )
     return parser.parse_args(argv)
 
 
@@ -351,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the worker; returns the process exit status (0 after SIGTERM or SIGINT)."""
     args = parse_args(argv)
     try:
-        asyncio.run(serve(args.host, args.port, args.worker_id))
+        asyncio.run(serve(args.host, args.port, args.worker_id, args.start_delay))
     except OSError as exc:
         print(f"demo_worker cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

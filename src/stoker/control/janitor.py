@@ -93,6 +93,7 @@ class Janitor:
         self.desired: dict[str, int] = {}
         self.demand: dict[str, int] = {}
         self._last_scan: float | None = None
+        self._last_purge: float | None = None
 
     async def _store_demand(self, pool: str, now: float) -> int:
         """Misses every replica saw since the last pass plus the claims they queue."""
@@ -120,7 +121,14 @@ class Janitor:
         own = self.m.instance_id if self.scope is Scope.OWN else None
         if self.scope is Scope.FLEET:
             await store.expire_instances(before=now - self.m.settings.instance_expiry_s, now=now)
-        world.live_instances = {i.id for i in await store.list_instances() if i.state == "active"}
+        # Liveness by heartbeat age, not only by state: the fallback reaper must recognise
+        # a dead replica's orphans while no leader runs the instance expiry.
+        fresh_after = now - self.m.settings.instance_expiry_s
+        world.live_instances = {
+            i.id
+            for i in await store.list_instances()
+            if i.state == "active" and i.heartbeat_at >= fresh_after
+        }
         world.live_instances.add(self.m.instance_id)
         world.hot_idle = await store.list_workers(states=[S.HOT_IDLE])
         world.expired = await store.list_claims(
@@ -154,6 +162,7 @@ class Janitor:
             if world.objects is not None:
                 await self._stop_stranded(world, report)
             await self._headroom()
+            await self._purge(world.now)
             self._gauges(world)
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
@@ -342,6 +351,20 @@ class Janitor:
                 continue
             report.stranded_stopped += 1
             logs.event("stranded_stopped", worker=obj.worker_id, pool=obj.pool)
+
+    async def _purge(self, now: float) -> None:
+        """Delete old history now and then, so the store stays small over months."""
+        settings = self.m.settings
+        if self._last_purge is not None and now - self._last_purge < settings.purge_interval_s:
+            return
+        self._last_purge = now
+        try:
+            deleted = await self.m.store.purge(before=now - settings.history_retention_s)
+        except StoreError as exc:
+            logs.event("purge_failed", error=str(exc), level=logs.WARNING)
+            return
+        if deleted:
+            logs.event("history_purged", rows=deleted)
 
     async def _headroom(self) -> None:
         try:

@@ -194,6 +194,17 @@ class PoolManager:
             self.known[worker.id] = worker
         return worker
 
+    async def refresh(self, worker_id: str) -> Worker | None:
+        """Re-read a worker after a missed CAS: another replica may have taken it over."""
+        try:
+            fresh = await self.store.get_worker(worker_id)
+        except StoreError:
+            return None
+        if fresh is None:
+            self.known.pop(worker_id, None)
+            return None
+        return self.remember(fresh)
+
     def waiting(self, pool: str) -> int:
         """Claims of `pool` queued for a warm worker (part of demand)."""
         return sum(1 for a in self._warm_waiters.get(pool, ()) if not a.abandoned)
@@ -252,6 +263,9 @@ class PoolManager:
             return
         warm = await self.lifecycle.move(worker, S.WARM, endpoint=endpoint, org=None)
         if warm is None:
+            fresh = await self.refresh(worker_id)
+            if fresh is None or fresh.state is not S.SPAWNING or fresh.owner != self.instance_id:
+                self.pending_ready.pop(worker_id, None)  # someone else moved it on
             return
         self.pending_ready.pop(worker_id, None)
         self.offer_warm(self.remember(warm))
@@ -630,6 +644,7 @@ class PoolManager:
                 self._in_flight.discard(worker_id)
             if result.worker is not None:
                 return self.remember(result.worker)
+            await self.refresh(worker_id)
         result = await self.lifecycle.reserve_any(
             pool.name, pool.revision, expect=S.HOT_IDLE, org=org, org_cap=0, owner=self.instance_id
         )
@@ -656,6 +671,7 @@ class PoolManager:
             if result.at_org_cap:
                 queue.appendleft(worker_id)
                 return None, True
+            await self.refresh(worker_id)
         result = await self.lifecycle.reserve_any(
             pool.name,
             pool.revision,

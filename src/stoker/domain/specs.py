@@ -139,6 +139,10 @@ class PlaneSettings:
     stranded_grace_s: float = 120.0
     #: How often the janitor lists runtime objects to find stranded ones.
     stranded_scan_s: float = 60.0
+    #: Retired workers and ended claims are deleted once this old.
+    history_retention_s: float = 86_400.0
+    #: How often the janitor deletes old history.
+    purge_interval_s: float = 600.0
     #: Spawns per second and burst: the runtime's API budget (client-go: QPS 50, burst 100).
     spawn_rate: float = 50.0
     spawn_burst: int = 100
