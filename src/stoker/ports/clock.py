@@ -96,7 +96,10 @@ class VirtualClock(LoopClock):
         while (remaining := deadline - self.monotonic()) > 0:
             advanced = self._advanced
             try:
-                await asyncio.wait_for(advanced.wait(), timeout=remaining)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that lands in the same step as an `advance`.
+                async with asyncio.timeout(remaining):
+                    await advanced.wait()
             except TimeoutError:
                 # The loop clock covered `remaining`. Re-checking could find a float-rounding
                 # residue, and a 1e-12 s timer never advances a virtual loop clock.

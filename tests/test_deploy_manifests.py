@@ -1,0 +1,368 @@
+"""The Kubernetes manifests in deploy/kubernetes/: valid objects, consistent, least privilege.
+
+No Kubernetes cluster can run where these tests run, so the manifests are validated against
+the API's own JSON schema (kubernetes-validate, strict: unknown fields are errors), and the
+Role is checked against the calls the code makes: derived from the source of the runtime
+and the elector, and recorded while they run against the fake cluster. A Role that grants
+a verb nobody calls, or misses one that is called, fails here instead of in production.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+from collections import Counter
+from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+import stoker.adapters.elector_k8s as elector_k8s
+import stoker.adapters.runtime_kubernetes as runtime_kubernetes
+from stoker.adapters.elector_k8s import KubernetesLeaseElector
+from stoker.adapters.runtime_kubernetes import KubernetesRuntime
+from stoker.domain.records import Worker
+from stoker.domain.specs import PodTemplate, PoolSpec
+from stoker.domain.states import WorkerState
+from stoker.ports.clock import LoopClock
+from stoker.ports.cluster import ClusterAPI, Lease, Pod, PodList, PodPhase, Selector, WatchEvent
+from stoker.sim.apiserver import FakeApiServer
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.37"
+
+#: How each ClusterAPI operation reaches the API server (see cluster_lightkube): the
+#: (API group, resource, verb) that RBAC must allow for it.
+RBAC_OF: dict[str, tuple[str, str, str]] = {
+    "create_pod": ("", "pods", "create"),
+    "delete_pod": ("", "pods", "delete"),
+    "patch_pod": ("", "pods", "patch"),
+    "get_pod": ("", "pods", "get"),
+    "list_pods": ("", "pods", "list"),
+    "watch_pods": ("", "pods", "watch"),
+    "get_lease": ("coordination.k8s.io", "leases", "get"),
+    "create_lease": ("coordination.k8s.io", "leases", "create"),
+    "update_lease": ("coordination.k8s.io", "leases", "update"),
+}
+Grant = tuple[str, str, str]
+
+
+def documents() -> list[tuple[str, dict[str, Any]]]:
+    """(file name, object) for every object of every manifest, in apply order."""
+    found = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if document is not None:
+                found.append((path.name, document))
+    return found
+
+
+def one(kind: str, name: str | None = None) -> dict[str, Any]:
+    matches = [
+        doc
+        for _, doc in documents()
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def role_grants() -> set[Grant]:
+    grants = set()
+    for rule in one("Role")["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    grants.add((group, resource, verb))
+    return grants
+
+
+# -- every object is valid -------------------------------------------------------------------
+
+
+def test_the_manifests_hold_every_object_the_deployment_needs() -> None:
+    """Namespace, accounts, Role and binding, priority classes, config, Deployment, PDB,
+    Service: each once, all in one namespace (PriorityClasses are cluster-scoped)."""
+    kinds = Counter(doc["kind"] for _, doc in documents())
+    assert kinds == {
+        "Namespace": 1,
+        "PriorityClass": 2,
+        "ServiceAccount": 2,
+        "Role": 1,
+        "RoleBinding": 1,
+        "ConfigMap": 1,
+        "Deployment": 1,
+        "Service": 1,
+        "PodDisruptionBudget": 1,
+    }
+    namespace = one("Namespace")["metadata"]["name"]
+    for _, doc in documents():
+        if doc["kind"] not in ("Namespace", "PriorityClass"):
+            assert doc["metadata"]["namespace"] == namespace, doc["metadata"]["name"]
+    # `kubectl apply -f deploy/kubernetes/` goes in file-name order: the namespace first.
+    assert documents()[0][1]["kind"] == "Namespace"
+
+
+@pytest.mark.parametrize(
+    ("file", "document"),
+    documents(),
+    ids=[f"{file}:{doc['kind']}/{doc['metadata']['name']}" for file, doc in documents()],
+)
+def test_each_object_is_valid_against_the_kubernetes_schema(
+    file: str, document: dict[str, Any]
+) -> None:
+    """Strict validation: a misspelt or misplaced field is an error, not silently dropped."""
+    assert kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_an_invalid_object_is_caught() -> None:
+    """The validator does reject what the API server would (a test that can fail)."""
+    broken = one("Deployment")
+    broken = {**broken, "spec": {**broken["spec"], "replica": 3}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+# -- the Role grants exactly what the code calls ---------------------------------------------
+
+
+def port_operations() -> set[str]:
+    """The ClusterAPI port's request-making operations."""
+    members = {
+        name
+        for name, member in inspect.getmembers(ClusterAPI)
+        if not name.startswith("_") and callable(member)
+    }
+    return members - {"close"}
+
+
+def called_operations(*modules: Any) -> set[str]:
+    """ClusterAPI operations called anywhere in the source of `modules` (`x.create_pod(...)`)."""
+    operations = port_operations()
+    called = set()
+    for module in modules:
+        tree = ast.parse(inspect.getsource(module))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in operations
+            ):
+                called.add(node.func.attr)
+    return called
+
+
+def test_every_port_operation_has_its_rbac_verb() -> None:
+    """A new ClusterAPI operation must say which verb it needs before it can be used."""
+    assert set(RBAC_OF) == port_operations()
+
+
+def test_the_role_grants_exactly_the_verbs_the_code_calls() -> None:
+    """Derived from the source of the runtime and the elector: no more, no less."""
+    called = called_operations(runtime_kubernetes, elector_k8s)
+    assert role_grants() == {RBAC_OF[operation] for operation in called}
+
+
+class RecordingCluster:
+    """The fake cluster, recording which port operations are called."""
+
+    def __init__(self, server: FakeApiServer) -> None:
+        self.server = server
+        self.called: set[str] = set()
+
+    @property
+    def namespace(self) -> str:
+        return self.server.namespace
+
+    async def create_pod(self, pod: Pod) -> Pod:
+        self.called.add("create_pod")
+        return await self.server.create_pod(pod)
+
+    async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
+        self.called.add("delete_pod")
+        await self.server.delete_pod(name, grace_s)
+
+    async def patch_pod(
+        self,
+        name: str,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Pod:
+        self.called.add("patch_pod")
+        return await self.server.patch_pod(name, labels, annotations)
+
+    async def get_pod(self, name: str) -> Pod | None:
+        self.called.add("get_pod")
+        return await self.server.get_pod(name)
+
+    async def list_pods(self, selector: Selector) -> PodList:
+        self.called.add("list_pods")
+        return await self.server.list_pods(selector)
+
+    def watch_pods(
+        self, selector: Selector, resource_version: str
+    ) -> AsyncGenerator[WatchEvent, None]:
+        self.called.add("watch_pods")
+        return self.server.watch_pods(selector, resource_version)
+
+    async def get_lease(self, name: str) -> Lease | None:
+        self.called.add("get_lease")
+        return await self.server.get_lease(name)
+
+    async def create_lease(self, lease: Lease) -> Lease:
+        self.called.add("create_lease")
+        return await self.server.create_lease(lease)
+
+    async def update_lease(self, lease: Lease) -> Lease:
+        self.called.add("update_lease")
+        return await self.server.update_lease(lease)
+
+    async def close(self) -> None:
+        await self.server.close()
+
+
+@pytest.mark.looptime
+async def test_everything_the_runtime_and_elector_do_is_granted() -> None:
+    """Run every path (spawn and its retry, busy, adopt, stop, headroom, informer, elect,
+    renew, resign) against the fake cluster: each call made is granted by the Role, and
+    every grant is used."""
+    clock = LoopClock(epoch=1_700_000_000.0)
+    server = FakeApiServer(clock=clock, namespace="stoker")
+    cluster = RecordingCluster(server)
+    template = PodTemplate(image="worker:1", cpu="1", memory="1Gi")
+    pool = PoolSpec(name="duck", template=template, headroom_nodes=1)
+
+    async def no_activation(worker: Worker, payload: Any, timeout: float) -> None:
+        return None
+
+    runtime = KubernetesRuntime(
+        cluster=cluster,
+        clock=clock,
+        fleet="stoker",
+        instance_id="cp-new",
+        activator=no_activation,
+        placeholder_priority_class="stoker-placeholder",
+    )
+    elector = KubernetesLeaseElector(cluster=cluster, clock=clock, identity="cp-new")
+    worker = Worker(
+        id="w-1",
+        pool="duck",
+        revision=pool.revision,
+        state=WorkerState.SPAWNING,
+        epoch=0,
+        owner="cp-old",
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    await runtime.start()
+    electing = asyncio.create_task(elector.run())
+    try:
+        await runtime.spawn(worker, pool)
+        await runtime.spawn(worker, pool)  # a retried create meets its own pod
+        server.set_pod_status(
+            "w-1", node_name="n", phase=PodPhase.RUNNING, ready=True, pod_ip="10.0.0.1"
+        )
+        await asyncio.sleep(3)  # elected, and renewed once
+        assert await runtime.adopt(worker)
+        await runtime.set_busy(worker, True)
+        await runtime.reconcile_headroom([pool])
+        await runtime.stop(worker, 0)
+        await elector.resign()
+    finally:
+        electing.cancel()
+        await asyncio.gather(electing, return_exceptions=True)
+        await runtime.close()
+        await server.close()
+    called = {RBAC_OF[operation] for operation in cluster.called}
+    assert called == role_grants()
+
+
+# -- the objects fit together ----------------------------------------------------------------
+
+
+def test_the_role_is_bound_to_the_control_planes_account() -> None:
+    """The binding names the Role and the account the Deployment runs as."""
+    binding = one("RoleBinding")
+    deployment = one("Deployment")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": one("Role")["metadata"]["name"],
+    }
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account,
+            "namespace": deployment["metadata"]["namespace"],
+        }
+    ]
+    one("ServiceAccount", account)
+
+
+def test_the_deployment_runs_three_probed_replicas() -> None:
+    """3 replicas; readiness on /readyz and liveness on /healthz of the API port; secrets
+    from the Secret, never inline."""
+    deployment = one("Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["labels"] == deployment["spec"]["selector"]["matchLabels"]
+    (container,) = pod["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    secrets = {
+        env["name"]: env["valueFrom"]["secretKeyRef"]
+        for env in container["env"]
+        if "secretKeyRef" in env.get("valueFrom", {})
+    }
+    assert set(secrets) >= {"STOKER_STORE", "STOKER_API__ADMIN_TOKENS"}
+    assert {ref["name"] for ref in secrets.values()} == {"stoker-secrets"}
+    assert all("value" not in env for env in container["env"])
+    # The server drains claims for 30 s on SIGTERM; the kubelet must wait longer.
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 30
+
+
+def test_the_service_and_the_budget_select_the_control_plane() -> None:
+    """Service and PodDisruptionBudget select exactly the Deployment's pods."""
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert one("Service")["spec"]["selector"] == labels
+    assert one("Service")["spec"]["ports"][0]["targetPort"] == "http"
+    budget = one("PodDisruptionBudget")["spec"]
+    assert budget["selector"]["matchLabels"] == labels
+    assert budget["maxUnavailable"] == 1
+
+
+def test_placeholders_give_way_to_workers_and_stay_visible_to_the_autoscaler() -> None:
+    """worker > 0 > placeholder >= -10 (Cluster Autoscaler's expendable cutoff); a
+    placeholder never preempts anything."""
+    worker = one("PriorityClass", "stoker-worker")
+    placeholder = one("PriorityClass", "stoker-placeholder")
+    assert worker["value"] > 0 > placeholder["value"] >= -10
+    assert placeholder["preemptionPolicy"] == "Never"
+    assert not worker["globalDefault"] and not placeholder["globalDefault"]
+
+
+def test_the_configuration_refers_to_objects_that_exist() -> None:
+    """The config runs on Kubernetes with a Lease elector, and every priority class and
+    account it names is one of these manifests; the workers' account has no token."""
+    config = yaml.safe_load(one("ConfigMap")["data"]["stoker.yaml"])
+    assert config["runtime"]["kind"] == "kubernetes"
+    assert config["leader_election"] == "kubernetes"
+    assert config["api"]["host"] == "0.0.0.0"
+    classes = {doc["metadata"]["name"] for _, doc in documents() if doc["kind"] == "PriorityClass"}
+    assert config["runtime"]["placeholder_priority_class"] in classes
+    for pool in config["pools"]:
+        assert pool["pod"]["priority_class"] in classes
+        account = one("ServiceAccount", pool["pod"]["service_account"])
+        assert account["automountServiceAccountToken"] is False
+        assert pool["max_workers"] == 0
+    budget = config["runtime"]
+    assert (config["intervals"]["spawn_rate"], config["intervals"]["spawn_burst"]) == (
+        budget["qps"],
+        budget["burst"],
+    )

@@ -1,0 +1,220 @@
+"""The Kubernetes runtime through the lightkube adapter, at the HTTP level (kmock).
+
+No Kubernetes cluster can run where these tests run; kmock's emulator (extended in
+`tests/test_cluster_lightkube.py` with resourceVersions and label selectors) stands in for
+the API server, so the exact requests the runtime makes are recorded and asserted: the
+pod body it creates (labels, annotations, requests equal to limits, restartPolicy Never,
+no owner references), the merge patches of the do-not-disrupt annotation, the delete with
+its grace, and the informer's list and watch of its own fleet only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from stoker.adapters.cluster_lightkube import LightkubeCluster
+from stoker.adapters.runtime_kubernetes import KubernetesRuntime
+from stoker.domain.records import Worker
+from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts
+from stoker.domain.states import WorkerState
+from stoker.ports.clock import LoopClock
+from stoker.ports.cluster import Container, Pod, PodSpec
+from stoker.ports.runtime import ActivationPayload
+from test_cluster_lightkube import (
+    NAMESPACE,
+    PODS,
+    PODS_PATH,
+    ContractEmulator,
+    StepClock,
+    client_for,
+)
+
+pytestmark = pytest.mark.kmock(cls=ContractEmulator)
+
+FLEET = "fleet-a"
+TEMPLATE = PodTemplate(
+    image="ghcr.io/example/worker:1",
+    command=("/usr/bin/worker",),
+    args=("--port", "{port}"),
+    env={"MODE": "pooled"},
+    cpu="2",
+    memory="4Gi",
+    port=8816,
+    node_selector={"stoker.dev/nodes": "workers"},
+    tolerations=({"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"},),
+    priority_class="stoker-worker",
+    service_account="stoker-worker",
+    annotations={"example.com/owner": "data"},
+)
+POOL = PoolSpec(
+    name="duck", template=TEMPLATE, timeouts=Timeouts(stop_grace_s=30), headroom_nodes=1
+)
+
+
+async def never_activate(worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+    raise AssertionError("no activation in these tests")
+
+
+def worker(worker_id: str) -> Worker:
+    return Worker(
+        id=worker_id,
+        pool=POOL.name,
+        revision=POOL.revision,
+        state=WorkerState.SPAWNING,
+        epoch=0,
+        owner="cp-one",
+        created_at=0.0,
+        updated_at=0.0,
+    )
+
+
+MakeRuntime = Callable[[], Awaitable[KubernetesRuntime]]
+
+
+@pytest.fixture
+async def make_runtime(kmock: ContractEmulator) -> AsyncIterator[MakeRuntime]:
+    """Runtimes on a LightkubeCluster talking to kmock; all closed at the end."""
+    made: list[tuple[KubernetesRuntime, LightkubeCluster]] = []
+
+    async def make() -> KubernetesRuntime:
+        cluster = LightkubeCluster(
+            namespace=NAMESPACE, clock=StepClock(), client=client_for(str(kmock.url))
+        )
+        runtime = KubernetesRuntime(
+            cluster=cluster,
+            clock=LoopClock(),
+            fleet=FLEET,
+            instance_id="cp-one",
+            activator=never_activate,
+            placeholder_priority_class="stoker-placeholder",
+        )
+        made.append((runtime, cluster))
+        return runtime
+
+    yield make
+    for runtime, cluster in made:
+        await runtime.close()
+        await cluster.close()
+
+
+async def test_the_worker_pod_body_on_the_wire(
+    kmock: ContractEmulator, make_runtime: MakeRuntime
+) -> None:
+    """One POST with stoker's labels, requests == limits, restartPolicy Never, no owner."""
+    runtime = await make_runtime()
+    await runtime.spawn(worker("w-1"), POOL)
+
+    (post,) = kmock["post", PODS]
+    assert post.url.path == PODS_PATH
+    sent = json.loads(post.body)
+    assert (sent["apiVersion"], sent["kind"]) == ("v1", "Pod")
+    assert sent["metadata"] == {
+        "name": "w-1",
+        "namespace": NAMESPACE,
+        "labels": {
+            "app.kubernetes.io/managed-by": "stoker",
+            "stoker.dev/fleet": FLEET,
+            "stoker.dev/pool": "duck",
+            "stoker.dev/revision": POOL.revision,
+            "stoker.dev/worker-id": "w-1",
+            "stoker.dev/instance": "cp-one",
+        },
+        "annotations": {"example.com/owner": "data"},
+    }
+    assert "ownerReferences" not in sent["metadata"]
+    (container,) = sent["spec"]["containers"]
+    assert container["resources"] == {
+        "requests": {"cpu": "2", "memory": "4Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
+    assert container["args"] == ["--port", "8816"]
+    assert container["ports"] == [{"containerPort": 8816}]
+    assert {"name": "STOKER_WORKER_ID", "value": "w-1"} in container["env"]
+    assert sent["spec"] == {
+        "containers": [container],
+        "nodeSelector": {"stoker.dev/nodes": "workers"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "priorityClassName": "stoker-worker",
+        "serviceAccountName": "stoker-worker",
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 30,
+    }
+
+
+async def test_do_not_disrupt_and_stop_on_the_wire(
+    kmock: ContractEmulator, make_runtime: MakeRuntime
+) -> None:
+    """Busy: a merge patch setting the annotation; idle: one removing it; stop: a DELETE
+    with the pool's grace in whole seconds."""
+    runtime = await make_runtime()
+    one = worker("w-1")
+    await runtime.spawn(one, POOL)
+    await runtime.set_busy(one, True)
+    await runtime.set_busy(one, False)
+    await runtime.stop(one, 2.5)
+
+    pin, unpin = kmock["patch", PODS]
+    for request in (pin, unpin):
+        assert request.url.path == f"{PODS_PATH}/w-1"
+        assert request.headers["Content-Type"] == "application/merge-patch+json"
+    assert json.loads(pin.body) == {
+        "metadata": {"annotations": {"karpenter.sh/do-not-disrupt": "true"}}
+    }
+    assert json.loads(unpin.body) == {
+        "metadata": {"annotations": {"karpenter.sh/do-not-disrupt": None}}
+    }
+    (delete,) = kmock["delete", PODS]
+    assert delete.url.path == f"{PODS_PATH}/w-1"
+    assert delete.params == {"gracePeriodSeconds": "3"}
+
+
+async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Until `check` holds (real HTTP I/O: wall time), failing after `timeout` seconds."""
+    async with asyncio.timeout(timeout):
+        while not await check():
+            await asyncio.sleep(0.01)
+
+
+async def test_the_informer_lists_and_watches_its_fleet_only(
+    kmock: ContractEmulator, make_runtime: MakeRuntime
+) -> None:
+    """One list with the fleet selector, then a watch from the list's version; pods of
+    other fleets never reach the cache; placeholders go out with their priority class."""
+    other = await make_runtime()
+    await other.spawn(worker("w-0"), POOL)  # before the list
+    runtime = await make_runtime()
+    await runtime.start()
+    assert [o.worker_id for o in await runtime.list_objects()] == ["w-0"]
+    foreign = Pod(
+        name="w-foreign",
+        labels={"stoker.dev/fleet": "fleet-b", "stoker.dev/worker-id": "w-foreign"},
+        spec=PodSpec(containers=(Container(name="worker", image="other:1"),)),
+    )
+    await other.cluster.create_pod(foreign)
+    # Created after the foreign pod: once w-1 is cached, the foreign one would be too.
+    await runtime.spawn(worker("w-1"), POOL)
+
+    async def seen() -> bool:
+        return {o.worker_id for o in await runtime.list_objects()} == {"w-0", "w-1"}
+
+    await wait_for(seen)
+    await runtime.reconcile_headroom([POOL])
+
+    (listing,) = kmock["list", PODS]
+    assert listing.params == {"labelSelector": "stoker.dev/fleet=fleet-a"}
+    (watch,) = kmock["watch", PODS]
+    assert watch.params["labelSelector"] == "stoker.dev/fleet=fleet-a"
+    assert int(watch.params["resourceVersion"]) >= 1
+    placeholder = json.loads(kmock["post", PODS][-1].body)
+    assert placeholder["metadata"]["labels"]["stoker.dev/placeholder"] == "duck"
+    assert "stoker.dev/worker-id" not in placeholder["metadata"]["labels"]
+    assert placeholder["spec"]["priorityClassName"] == "stoker-placeholder"
+    assert placeholder["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "2", "memory": "4Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
+    assert placeholder["spec"]["restartPolicy"] == "Never"
