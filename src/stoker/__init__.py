@@ -7,11 +7,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from stoker._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "AsyncClient",
+    "CapacityError",
+    "ClaimConflict",
+    "ClaimInfo",
+    "Client",
+    "Forbidden",
+    "InvalidRequest",
+    "NotFound",
+    "OrgCapError",
+    "PoolInfo",
+    "ServerError",
+    "ServerUnreachable",
+    "Session",
+    "StokerError",
+    "Unauthorized",
+    "Unavailable",
+    "WorkerInfo",
+    "__version__",
+]
 
-_LAZY: dict[str, str] = {}
+#: Public names and the module each one loads from on first use: the SDK.
+_LAZY: dict[str, str] = dict.fromkeys((n for n in __all__ if n != "__version__"), "stoker.sdk")
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +43,22 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    pass
+    from stoker.sdk import (
+        AsyncClient,
+        CapacityError,
+        ClaimConflict,
+        ClaimInfo,
+        Client,
+        Forbidden,
+        InvalidRequest,
+        NotFound,
+        OrgCapError,
+        PoolInfo,
+        ServerError,
+        ServerUnreachable,
+        Session,
+        StokerError,
+        Unauthorized,
+        Unavailable,
+        WorkerInfo,
+    )

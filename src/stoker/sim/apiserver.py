@@ -14,9 +14,12 @@ control code relies on exactly, not approximately:
   period on the injected `Clock`; a pod that is not scheduled to a node, or has already
   finished, is removed at once (the API server's own rule for pods).
 
-The cluster side (a later kubelet, scheduler or node autoscaler) drives pods through
-`set_pod_status` and `evict`; tests inject faults with `fail_next`, `drop_watches` and
-`set_latency`. Nothing here starts a thread or does I/O, so it runs on a virtual-time loop.
+The cluster side (the simulator's kubelet, scheduler, controllers and node autoscaler)
+drives pods through `set_pod_status`, `evict`, `create_pod_nowait`, `delete_pod_nowait`
+and `finish_deletion`, and follows every change through `add_listener`; tests inject
+faults with `fail_next`, `drop_watches` and `set_latency`. Nothing here starts a thread
+or does I/O, so it runs on a virtual-time loop, and nothing iterates in an order that
+depends on object addresses or string hashing, so a seeded simulation replays exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import asyncio
 import copy
 import re
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from stoker.ports.clock import Clock
@@ -70,8 +73,15 @@ def _check_name(kind: str, name: str) -> None:
         raise Invalid(f"{kind} name {name!r} is not a DNS-1123 subdomain", status=422)
 
 
+# Label pairs already found valid: a simulated fleet creates the same ones many times.
+_VALID_LABELS: set[tuple[str, str]] = set()
+_VALID_LABELS_MAX = 100_000
+
+
 def _check_labels(labels: Mapping[str, str]) -> None:
     for key, value in labels.items():
+        if (key, value) in _VALID_LABELS:
+            continue
         prefix, _, name = key.rpartition("/")
         if "/" in key and (not prefix or len(prefix) > 253 or not _NAME.fullmatch(prefix)):
             raise Invalid(f"label key {key!r}: invalid prefix", status=422)
@@ -79,10 +89,17 @@ def _check_labels(labels: Mapping[str, str]) -> None:
             raise Invalid(f"label key {key!r}: invalid name", status=422)
         if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
             raise Invalid(f"label {key!r}: invalid value {value!r}", status=422)
+        if len(_VALID_LABELS) >= _VALID_LABELS_MAX:
+            _VALID_LABELS.clear()
+        _VALID_LABELS.add((key, value))
 
 
 def _matches(labels: Mapping[str, str], selector: Selector) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
+
+
+def _selector_key(selector: Selector) -> _SelectorKey:
+    return tuple(sorted(selector.items()))
 
 
 def _merge(current: Mapping[str, str], patch: Mapping[str, str | None] | None) -> dict[str, str]:
@@ -96,10 +113,11 @@ def _merge(current: Mapping[str, str], patch: Mapping[str, str | None] | None) -
 
 
 @dataclass(frozen=True, slots=True)
-class _Change:
+class PodChange:
     """One write to a pod: its state before (None when created) and after.
 
     For a deletion `after` is the last state, stamped with the deletion's resourceVersion.
+    Listeners (`FakeApiServer.add_listener`) receive every change in order.
     """
 
     rv: int
@@ -122,18 +140,33 @@ class _Change:
         return WatchEvent(self.type, self.after) if now else None
 
 
+#: A selector in a hashable, order-independent form: watches with equal selectors share
+#: one match per change.
+_SelectorKey = tuple[tuple[str, str], ...]
+
+#: Called with every change, after the watches got it; must not write to the server.
+PodListener = Callable[[PodChange], None]
+#: Called when a graceful deletion starts (or is shortened) with the pod as stamped and
+#: the grace in seconds; it owns finishing the deletion through `finish_deletion`.
+TerminationHook = Callable[[Pod, float], None]
+
+
 @dataclass(slots=True, eq=False)  # compared by identity: each open watch is its own
 class _Watch:
     selector: Selector
+    #: Who opened it (a client view's name), so that faults can drop one client's watches.
+    owner: str | None = None
     # None ends the watch: the server dropped it.
-    queue: asyncio.Queue[_Change | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[WatchEvent | None] = field(default_factory=asyncio.Queue)
 
 
 class FakeApiServer:
     """An in-process API server holding the pods and leases of one namespace.
 
     `history_size` is how many pod changes a watch can resume across; `default_grace_s`
-    is the grace period of a pod that sets none (Kubernetes' default is 30 s).
+    is the grace period of a pod that sets none (Kubernetes' default is 30 s). Without
+    `on_terminating` a graceful deletion completes when its grace period ends; with it,
+    the hook (a simulated kubelet) decides when the containers have stopped.
     """
 
     def __init__(
@@ -143,6 +176,7 @@ class FakeApiServer:
         namespace: str = "default",
         history_size: int = 1000,
         default_grace_s: float = 30.0,
+        on_terminating: TerminationHook | None = None,
     ) -> None:
         if history_size < 1:
             raise ValueError("history_size must be >= 1")
@@ -153,10 +187,13 @@ class FakeApiServer:
         self._rv = 0
         self._pods: dict[str, Pod] = {}
         self._leases: dict[str, Lease] = {}
-        self._history: deque[_Change] = deque()
+        self._history: deque[PodChange] = deque()
         # A watch from any rv >= this one misses nothing; older ones get Gone.
         self._oldest_rv = 0
-        self._watches: set[_Watch] = set()
+        # Insertion-ordered dicts, not sets: delivery order must not depend on addresses.
+        self._watches: dict[_SelectorKey, dict[_Watch, None]] = {}
+        self._listeners: list[PodListener] = []
+        self._on_terminating = on_terminating
         self._terminations: dict[str, asyncio.Task[None]] = {}
         self._faults: dict[str, deque[ClusterError]] = {}
         self._latency: dict[str | None, float] = {}
@@ -174,31 +211,7 @@ class FakeApiServer:
     async def create_pod(self, pod: Pod) -> Pod:
         """Store a new pod in phase Pending; `Conflict` if the name is taken."""
         await self._enter("create_pod")
-        _check_name("pod", pod.name)
-        _check_labels(pod.labels)
-        if pod.namespace and pod.namespace != self._namespace:
-            raise Invalid(f"pod namespace {pod.namespace!r} is not {self._namespace!r}", status=400)
-        if not pod.spec.containers:
-            raise Invalid(f"pod {pod.name!r} has no containers", status=422)
-        if pod.name in self._pods:
-            raise Conflict(f'pods "{pod.name}" already exists', status=409)
-        created = replace(
-            pod,
-            namespace=self._namespace,
-            labels=dict(pod.labels),
-            annotations=dict(pod.annotations),
-            phase=PodPhase.PENDING,
-            ready=False,
-            pod_ip=None,
-            node_name=None,
-            reason=None,
-            deletion_timestamp=None,
-            resource_version=self._next_rv(),
-            created_at=self._clock.now(),
-        )
-        self._pods[pod.name] = created
-        self._record(WatchEventType.ADDED, None, created)
-        return created
+        return self.create_pod_nowait(pod)
 
     async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
         """Delete gracefully; a missing pod is already gone, which is fine."""
@@ -217,9 +230,16 @@ class FakeApiServer:
         new_labels = _merge(pod.labels, labels)
         _check_labels(new_labels)
         new_annotations = _merge(pod.annotations, annotations)
-        if new_labels == pod.labels and new_annotations == pod.annotations:
+        same_labels = new_labels == pod.labels
+        same_annotations = new_annotations == pod.annotations
+        if same_labels and same_annotations:
             return pod
-        return self._update_pod(pod, labels=new_labels, annotations=new_annotations)
+        # An unchanged map keeps its identity, so listeners can tell what changed cheaply.
+        return self._update_pod(
+            pod,
+            labels=None if same_labels else new_labels,
+            annotations=None if same_annotations else new_annotations,
+        )
 
     async def get_pod(self, name: str) -> Pod | None:
         """The pod, or None."""
@@ -234,41 +254,11 @@ class FakeApiServer:
         )
         return PodList(items=items, resource_version=str(self._rv))
 
-    async def watch_pods(
+    def watch_pods(
         self, selector: Selector, resource_version: str
     ) -> AsyncGenerator[WatchEvent, None]:
         """Replay changes after `resource_version` from history, then stream live ones."""
-        await self._enter("watch_pods")
-        selector = dict(selector)
-        watch = _Watch(selector)
-        # Choosing the backlog and subscribing happen with no await in between, so no
-        # change can fall between them or be delivered twice.
-        backlog: list[WatchEvent]
-        if resource_version in ("", "0"):
-            backlog = [
-                WatchEvent(WatchEventType.ADDED, pod)
-                for _, pod in sorted(self._pods.items())
-                if _matches(pod.labels, selector)
-            ]
-        else:
-            since = self._parse_rv(resource_version)
-            if since < self._oldest_rv:
-                raise Gone(f"too old resource version: {since} ({self._oldest_rv})", status=410)
-            backlog = [
-                event
-                for change in self._history
-                if change.rv > since and (event := change.seen_through(selector)) is not None
-            ]
-        self._watches.add(watch)
-        try:
-            for event in backlog:
-                yield event
-            while (change := await watch.queue.get()) is not None:
-                event = change.seen_through(selector)
-                if event is not None:
-                    yield event
-        finally:
-            self._watches.discard(watch)
+        return self.open_watch(selector, resource_version)
 
     async def get_lease(self, name: str) -> Lease | None:
         """The lease, or None."""
@@ -325,7 +315,95 @@ class FakeApiServer:
     @property
     def open_watches(self) -> int:
         """How many watches are streaming right now."""
-        return len(self._watches)
+        return sum(len(group) for group in self._watches.values())
+
+    def add_listener(self, listener: PodListener) -> None:
+        """Call `listener` with every pod change, synchronously, in resourceVersion order.
+
+        It runs after the change reached the watches and must not write to the server
+        (a nested write would reach listeners before the change that caused it).
+        """
+        self._listeners.append(listener)
+
+    async def open_watch(
+        self, selector: Selector, resource_version: str, *, owner: str | None = None
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """`watch_pods`, tagged with the `owner` that `drop_watches(owner)` can target."""
+        await self._enter("watch_pods")
+        selector = dict(selector)
+        key = _selector_key(selector)
+        watch = _Watch(selector, owner)
+        # Choosing the backlog and subscribing happen with no await in between, so no
+        # change can fall between them or be delivered twice.
+        backlog: list[WatchEvent]
+        if resource_version in ("", "0"):
+            backlog = [
+                WatchEvent(WatchEventType.ADDED, pod)
+                for _, pod in sorted(self._pods.items())
+                if _matches(pod.labels, selector)
+            ]
+        else:
+            since = self._parse_rv(resource_version)
+            if since < self._oldest_rv:
+                raise Gone(f"too old resource version: {since} ({self._oldest_rv})", status=410)
+            backlog = [
+                event
+                for change in self._history
+                if change.rv > since and (event := change.seen_through(selector)) is not None
+            ]
+        self._watches.setdefault(key, {})[watch] = None
+        try:
+            for event in backlog:
+                yield event
+            while (live := await watch.queue.get()) is not None:
+                yield live
+        finally:
+            group = self._watches.get(key)
+            if group is not None:
+                group.pop(watch, None)
+                if not group:
+                    del self._watches[key]
+
+    def create_pod_nowait(self, pod: Pod) -> Pod:
+        """`create_pod` as an in-cluster controller does it: no latency, faults or counting."""
+        _check_name("pod", pod.name)
+        _check_labels(pod.labels)
+        if pod.namespace and pod.namespace != self._namespace:
+            raise Invalid(f"pod namespace {pod.namespace!r} is not {self._namespace!r}", status=400)
+        if not pod.spec.containers:
+            raise Invalid(f"pod {pod.name!r} has no containers", status=422)
+        if pod.name in self._pods:
+            raise Conflict(f'pods "{pod.name}" already exists', status=409)
+        created = replace(
+            pod,
+            namespace=self._namespace,
+            labels=dict(pod.labels),
+            annotations=dict(pod.annotations),
+            phase=PodPhase.PENDING,
+            ready=False,
+            pod_ip=None,
+            node_name=None,
+            reason=None,
+            deletion_timestamp=None,
+            resource_version=self._next_rv(),
+            created_at=self._clock.now(),
+        )
+        self._pods[pod.name] = created
+        self._record(WatchEventType.ADDED, None, created)
+        return created
+
+    def delete_pod_nowait(self, name: str, grace_s: float | None = None) -> None:
+        """`delete_pod` as an in-cluster controller does it: no latency, faults or counting."""
+        self._delete(name, grace_s)
+
+    def finish_deletion(self, name: str) -> None:
+        """The kubelet reports the terminating pod's containers stopped: remove the pod.
+
+        A pod that is gone, or that is not terminating, is left alone.
+        """
+        pod = self._pods.get(name)
+        if pod is not None and pod.deletion_timestamp is not None:
+            self._remove(name)
 
     def set_pod_status(
         self,
@@ -336,9 +414,11 @@ class FakeApiServer:
         pod_ip: str | None = None,
         node_name: str | None = None,
         reason: str | None = None,
+        clear_reason: bool = False,
     ) -> Pod:
         """Change the pod's status as the scheduler or kubelet would; None leaves a field.
 
+        `clear_reason` removes `reason` (a pod that was Unschedulable got a node).
         Returns the pod as stored; a change that changes nothing writes nothing.
         """
         pod = self._pod(name)
@@ -349,10 +429,19 @@ class FakeApiServer:
             "node_name": node_name,
             "reason": reason,
         }
-        if all(value is None or getattr(pod, key) == value for key, value in wanted.items()):
+        unchanged = all(
+            value is None or getattr(pod, key) == value for key, value in wanted.items()
+        )
+        if unchanged and not (clear_reason and pod.reason is not None):
             return pod
         return self._update_pod(
-            pod, phase=phase, ready=ready, pod_ip=pod_ip, node_name=node_name, reason=reason
+            pod,
+            phase=phase,
+            ready=ready,
+            pod_ip=pod_ip,
+            node_name=node_name,
+            reason=reason,
+            clear_reason=clear_reason,
         )
 
     def evict(self, name: str, *, delete: bool = False) -> None:
@@ -381,10 +470,12 @@ class FakeApiServer:
             raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
         self._faults.setdefault(operation, deque()).extend([error] * times)
 
-    def drop_watches(self) -> None:
-        """End every open watch, as an API server restart or a load balancer would."""
-        for watch in self._watches:
-            watch.queue.put_nowait(None)
+    def drop_watches(self, owner: str | None = None) -> None:
+        """End every open watch (or only `owner`'s), as an API server restart would."""
+        for group in self._watches.values():
+            for watch in group:
+                if owner is None or watch.owner == owner:
+                    watch.queue.put_nowait(None)
 
     def set_latency(self, seconds: float, operation: str | None = None) -> None:
         """Delay every call of `operation` (all of them if None) by `seconds` of clock time."""
@@ -436,7 +527,12 @@ class FakeApiServer:
         node_name: str | None = None,
         reason: str | None = None,
         deletion_timestamp: float | None = None,
+        clear_reason: bool = False,
     ) -> Pod:
+        if clear_reason and reason is None:
+            new_reason = None
+        else:
+            new_reason = pod.reason if reason is None else reason
         updated = replace(
             pod,
             labels=pod.labels if labels is None else labels,
@@ -445,7 +541,7 @@ class FakeApiServer:
             ready=pod.ready if ready is None else ready,
             pod_ip=pod.pod_ip if pod_ip is None else pod_ip,
             node_name=pod.node_name if node_name is None else node_name,
-            reason=pod.reason if reason is None else reason,
+            reason=new_reason,
             deletion_timestamp=(
                 pod.deletion_timestamp if deletion_timestamp is None else deletion_timestamp
             ),
@@ -472,7 +568,10 @@ class FakeApiServer:
         deadline = self._clock.now() + grace_s
         if pod.deletion_timestamp is not None and pod.deletion_timestamp <= deadline:
             return  # already terminating, at least as soon: a longer grace never extends it
-        self._update_pod(pod, deletion_timestamp=deadline)
+        stamped = self._update_pod(pod, deletion_timestamp=deadline)
+        if self._on_terminating is not None:
+            self._on_terminating(stamped, grace_s)
+            return
         previous = self._terminations.pop(name, None)
         if previous is not None:
             previous.cancel()
@@ -494,9 +593,15 @@ class FakeApiServer:
         self._record(WatchEventType.DELETED, pod, replace(pod, resource_version=self._next_rv()))
 
     def _record(self, kind: WatchEventType, before: Pod | None, after: Pod) -> None:
-        change = _Change(int(after.resource_version), kind, before, after)
+        change = PodChange(int(after.resource_version), kind, before, after)
         self._history.append(change)
         while len(self._history) > self._history_size:
             self._oldest_rv = self._history.popleft().rv
-        for watch in self._watches:
-            watch.queue.put_nowait(change)
+        for group in self._watches.values():
+            # All watches of a group share the selector: match once, deliver to each.
+            event = change.seen_through(next(iter(group)).selector)
+            if event is not None:
+                for watch in group:
+                    watch.queue.put_nowait(event)
+        for listener in self._listeners:
+            listener(change)

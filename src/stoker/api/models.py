@@ -1,0 +1,271 @@
+"""Request and response bodies of the HTTP API (DESIGN.md §7).
+
+Request models forbid unknown fields and bound every value, so that no input can reach the
+control plane in a shape it does not expect. Response models document the answers in the
+OpenAPI document; handlers build them with `model_construct` from records that are already
+valid, which keeps validation off the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from stoker.control.plane import PoolStatus
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
+
+#: Largest nesting of the late-bound config (objects and arrays).
+CONFIG_MAX_DEPTH = 32
+#: Longest name of a pool or an org.
+NAME_MAX = 128
+
+
+def _printable_name(value: str) -> str:
+    # Printable unicode is welcome; control characters and lone surrogates are not (the
+    # latter cannot even be stored as UTF-8).
+    if not value.isprintable() or value != value.strip():
+        raise ValueError("must be printable, without leading or trailing spaces")
+    return value
+
+
+def _json_config(value: dict[str, Any]) -> dict[str, Any]:
+    """Reject what the worker could not receive: deep nesting, NaN, unencodable strings."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > CONFIG_MAX_DEPTH:
+            raise ValueError(f"config nests deeper than {CONFIG_MAX_DEPTH} levels")
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                _encodable(key)
+                stack.append((sub, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((sub, depth + 1) for sub in item)
+        elif isinstance(item, str):
+            _encodable(item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError("config numbers must be finite")
+    return value
+
+
+def _encodable(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("config strings must be valid unicode (no lone surrogates)") from None
+
+
+Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX), AfterValidator(_printable_name)]
+ClaimConfig = Annotated[dict[str, Any], AfterValidator(_json_config)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ClaimCreate(_Request):
+    """`POST /v1/claims`."""
+
+    pool: Name
+    org: Name
+    mode: ClaimMode = ClaimMode.PREFER_WARM
+    #: Longest wait for a worker; default: the pool's claim_timeout_s.
+    timeout_s: float | None = Field(None, ge=0, le=3600)
+    #: Lease length; default: the pool's lease_s.
+    lease_s: float | None = Field(None, ge=1, le=86400)
+    #: hot_idle TTL wanted after release; default: org, then pool, then 60 s.
+    ttl_s: float | None = Field(None, ge=0, le=86400)
+    #: Late-bound config handed to the worker at activation.
+    config: ClaimConfig = Field(default_factory=dict)
+
+
+class ClaimRenew(_Request):
+    """`POST /v1/claims/{id}/renew`: a new lease length (default: the claim's own)."""
+
+    lease_s: float | None = Field(None, ge=1, le=86400)
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def timestamp(seconds: float) -> str:
+    """RFC 3339 UTC with milliseconds."""
+    text = datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
+    return text.replace("+00:00", "Z")
+
+
+def optional_timestamp(seconds: float | None) -> str | None:
+    """`timestamp`, or None for None."""
+    return None if seconds is None else timestamp(seconds)
+
+
+class WorkerRef(BaseModel):
+    """The worker serving a claim."""
+
+    id: str
+    endpoint: str
+    #: Session credential the worker demands (`Authorization: Bearer <token>`); null once
+    #: the claim ended, or for pools with `activation: none`.
+    token: str | None
+    epoch: int
+
+
+class ClaimOut(BaseModel):
+    """A claim: the session's lease on one worker."""
+
+    id: str
+    pool: str
+    org: str
+    state: ClaimState
+    source: ClaimSource
+    mode: ClaimMode
+    worker: WorkerRef
+    lease_s: float
+    expires_at: str
+    created_at: str
+    ended_at: str | None
+    reason: str | None
+    ttl_s: float | None
+
+    @classmethod
+    def of(cls, claim: Claim) -> ClaimOut:
+        """The response body of `claim`."""
+        bound = claim.state is ClaimState.BOUND
+        return cls.model_construct(
+            id=claim.id,
+            pool=claim.pool,
+            org=claim.org,
+            state=claim.state,
+            source=claim.source,
+            mode=claim.mode,
+            worker=WorkerRef.model_construct(
+                id=claim.worker_id,
+                endpoint=claim.endpoint,
+                token=claim.token if bound and claim.token else None,
+                epoch=claim.worker_epoch,
+            ),
+            lease_s=claim.lease_s,
+            expires_at=timestamp(claim.expires_at),
+            created_at=timestamp(claim.created_at),
+            ended_at=optional_timestamp(claim.ended_at),
+            reason=claim.reason,
+            ttl_s=claim.ttl_s,
+        )
+
+
+class PoolOut(BaseModel):
+    """A pool's targets, demand and workers by state."""
+
+    name: str
+    revision: str
+    warm_target: int
+    desired_warm: int
+    demand: int
+    #: Live workers allowed in the pool; 0 = unbounded.
+    cap: int
+    max_workers_per_org: int
+    reuse: str
+    counts: dict[str, int]
+
+    @classmethod
+    def of(cls, status: PoolStatus) -> PoolOut:
+        """The response body of one pool."""
+        return cls.model_construct(
+            name=status.name,
+            revision=status.revision,
+            warm_target=status.warm_target,
+            desired_warm=status.desired_warm,
+            demand=status.demand,
+            cap=status.cap,
+            max_workers_per_org=status.max_workers_per_org,
+            reuse=status.reuse,
+            counts=dict(status.counts),
+        )
+
+
+class PoolList(BaseModel):
+    """`GET /v1/pools`."""
+
+    pools: list[PoolOut]
+
+
+class WorkerOut(BaseModel):
+    """One worker as the store records it (admin view)."""
+
+    id: str
+    pool: str
+    revision: str
+    state: WorkerState
+    epoch: int
+    org: str | None
+    claim_id: str | None
+    endpoint: str | None
+    owner: str
+    activated: bool
+    created_at: str
+    updated_at: str
+    idle_since: str | None
+    ttl_s: float | None
+    reason: str | None
+
+    @classmethod
+    def of(cls, worker: Worker) -> WorkerOut:
+        """The response body of one worker."""
+        return cls.model_construct(
+            id=worker.id,
+            pool=worker.pool,
+            revision=worker.revision,
+            state=worker.state,
+            epoch=worker.epoch,
+            org=worker.org,
+            claim_id=worker.claim_id,
+            endpoint=worker.endpoint,
+            owner=worker.owner,
+            activated=worker.activated,
+            created_at=timestamp(worker.created_at),
+            updated_at=timestamp(worker.updated_at),
+            idle_since=optional_timestamp(worker.idle_since),
+            ttl_s=worker.ttl_s,
+            reason=worker.reason,
+        )
+
+
+class WorkerList(BaseModel):
+    """`GET /v1/workers`."""
+
+    workers: list[WorkerOut]
+
+
+class Health(BaseModel):
+    """`GET /healthz` and `GET /readyz` when all is well."""
+
+    status: str
+
+
+class FieldError(BaseModel):
+    """One reason a request body or parameter was rejected."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem: every error answer of the API."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    #: Stable machine-readable code (the last segment of `type`).
+    code: str
+    #: 503: why no worker came (`no_capacity`, `pool_cap`, `shutting_down`, ...).
+    reason: str | None = None
+    #: 429: seconds after which a retry may succeed (also in the `Retry-After` header).
+    retry_after: float | None = None
+    #: 422: what was wrong with which field.
+    errors: list[FieldError] | None = None

@@ -1,0 +1,183 @@
+"""Problem details (RFC 9457): the one mapping from stoker's errors to HTTP answers.
+
+Every error the API returns goes through `problem_response`, with `application/problem+json`
+as its media type: domain errors by `STATUS_OF`, request validation as 422, malformed JSON
+as 400, routing as 404/405, oversized bodies as 413. Nothing here ever puts a traceback or
+the offending input into a response.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from stoker.domain import errors
+
+PROBLEM_JSON = "application/problem+json"
+
+#: HTTP status of each error class; the most specific class in the MRO wins.
+STATUS_OF: dict[type[errors.StokerError], int] = {
+    errors.InvalidRequest: 400,
+    errors.Unauthorized: 401,
+    errors.Forbidden: 403,
+    errors.NotFound: 404,
+    errors.ClaimConflict: 409,
+    errors.OrgCapError: 429,
+    errors.CapacityError: 503,
+    errors.Unavailable: 503,
+    # A store or runtime that fails under a request is an outage, not the caller's fault;
+    # 503 tells a client that the same request may succeed later.
+    errors.StoreError: 503,
+    errors.RuntimeFailure: 503,
+    errors.ConfigError: 500,
+    errors.IllegalTransition: 500,
+    errors.StokerError: 500,
+}
+
+#: `code` of the problems that do not come from a domain error.
+CODE_OF_STATUS = {
+    400: "malformed-request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not-found",
+    405: "method-not-allowed",
+    413: "body-too-large",
+    415: "unsupported-media-type",
+    422: "invalid-request",
+    500: "internal-error",
+}
+
+
+def status_of(exc: errors.StokerError) -> int:
+    """The HTTP status of a domain error."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return 500
+
+
+def problem_body(status: int, code: str, detail: str, **extra: Any) -> dict[str, Any]:
+    """The JSON members of one problem."""
+    body: dict[str, Any] = {
+        "type": f"urn:stoker:problem:{code}",
+        "title": title(status),
+        "status": status,
+        "detail": detail,
+        "code": code,
+    }
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return body
+
+
+def title(status: int) -> str:
+    """The reason phrase of `status` (the problem `title`)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def problem_response(
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> Response:
+    """A `application/problem+json` response."""
+    content = json.dumps(problem_body(status, code, detail, **extra), ensure_ascii=False)
+    return Response(content, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+
+
+def problem_bytes(status: int, code: str, detail: str, **extra: Any) -> bytes:
+    """The encoded body of one problem (for answers sent below the framework)."""
+    return json.dumps(problem_body(status, code, detail, **extra), ensure_ascii=False).encode()
+
+
+def from_domain(exc: errors.StokerError) -> Response:
+    """The answer to a domain error."""
+    status = status_of(exc)
+    headers: dict[str, str] = {}
+    extra: dict[str, Any] = {}
+    if isinstance(exc, errors.OrgCapError):
+        # Retry-After takes whole seconds; round up so a client never retries too early.
+        seconds = max(1, math.ceil(exc.retry_after))
+        headers["Retry-After"] = str(seconds)
+        extra["retry_after"] = exc.retry_after
+    elif isinstance(exc, errors.CapacityError):
+        extra["reason"] = exc.reason
+    elif isinstance(exc, errors.Unavailable):
+        extra["reason"] = "shutting_down" if "shutting down" in str(exc) else "unavailable"
+    elif isinstance(exc, errors.StoreError):
+        extra["reason"] = "store_unavailable"
+    elif isinstance(exc, errors.RuntimeFailure):
+        extra["reason"] = "runtime_unavailable"
+    elif isinstance(exc, errors.Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
+    detail = str(exc) if status < 500 or status == 503 else "internal error"
+    return problem_response(status, exc.code, detail, headers=headers, **extra)
+
+
+async def handle_domain_error(request: Request, exc: Exception) -> Response:
+    """Exception handler for `StokerError`."""
+    assert isinstance(exc, errors.StokerError)
+    return from_domain(exc)
+
+
+async def handle_http_error(request: Request, exc: Exception) -> Response:
+    """Exception handler for routing and framework errors (404, 405, 400, 413, ...)."""
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
+    if status == 404 and detail == "Not Found":
+        detail = f"no route for {request.url.path!r}"
+    elif status == 405 and detail == "Method Not Allowed":
+        detail = f"{request.method} is not allowed on {request.url.path!r}"
+    elif status == 400 and detail == "There was an error parsing the body":
+        detail = "the body is not valid JSON"
+    code = CODE_OF_STATUS.get(status, "error")
+    return problem_response(status, code, detail, headers=exc.headers)
+
+
+async def handle_validation_error(request: Request, exc: Exception) -> Response:
+    """Exception handler for request validation: 400 for broken JSON, else 422."""
+    assert isinstance(exc, RequestValidationError)
+    raw = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in raw):
+        return problem_response(400, "malformed-request", "the body is not valid JSON")
+    return problem_response(
+        422,
+        "invalid-request",
+        _summary(raw),
+        errors=[
+            {
+                "loc": [p if isinstance(p, int) else str(p) for p in e.get("loc", ())],
+                "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", "")),
+            }
+            for e in raw[:20]
+        ],
+    )
+
+
+def _summary(raw: Sequence[Any]) -> str:
+    if not raw:
+        return "the request is invalid"
+    first = raw[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    more = f" (and {len(raw) - 1} more)" if len(raw) > 1 else ""
+    return f"{loc or 'body'}: {first.get('msg', 'invalid')}{more}"
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """Last resort: a 500 problem without any detail of the failure (it is logged)."""
+    return problem_response(500, "internal-error", "internal error")

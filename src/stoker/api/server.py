@@ -1,0 +1,148 @@
+"""Runs the API app on uvicorn: socket binding, graceful SIGTERM, and the exposure rule.
+
+`serve` binds the listening socket itself, so an address in use is one clear error rather
+than a log line and an exit from deep inside the server. SIGTERM (or Ctrl-C) first marks
+the API as draining — `/readyz` turns 503 and new claims are refused — then uvicorn stops
+accepting connections, lets in-flight requests finish (up to the shutdown grace), and the
+app's lifespan stops the control plane, leaving live workers for the next start to adopt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import signal
+import socket
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from stoker.api.app import StokerApp
+from stoker.config import ApiConfig
+from stoker.domain.errors import ConfigError, StokerError
+
+
+class ServeError(StokerError):
+    """The server could not start: address in use, exposure without tokens, failed start."""
+
+    code = "serve-failed"
+
+
+def loopback_only(host: str) -> bool:
+    """True when every address `host` resolves to is a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    addresses = {str(info[4][0]) for info in infos}
+    return bool(addresses) and all(
+        ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses
+    )
+
+
+def check_exposure(api: ApiConfig) -> None:
+    """Refuse a non-loopback address without tokens (DESIGN.md §7), saying why."""
+    if api.has_tokens or loopback_only(api.host):
+        return
+    raise ConfigError(
+        f"config error: api.host: {api.host!r} is reachable from other machines, and no "
+        "tokens are configured; set api.admin_tokens or api.org_tokens (for example "
+        "STOKER_API__ADMIN_TOKENS=<a random token of 16+ characters>), or listen on "
+        "127.0.0.1"
+    )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port` (port 0: any free port)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _name, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def bound_url(sock: socket.socket) -> str:
+    """`http://host:port` of a bound socket."""
+    host, port = sock.getsockname()[:2]
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"http://{authority}"
+
+
+def fast_loop() -> str:
+    """uvloop when installed (it serves HTTP noticeably faster), else asyncio."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+def fast_http() -> str:
+    """httptools when installed, else h11."""
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with draining on the first signal and an exit status of 0 after it."""
+
+    def __init__(
+        self, config: uvicorn.Config, app: StokerApp, on_started: Callable[[], None]
+    ) -> None:
+        super().__init__(config)
+        self.app = app
+        self.on_started = on_started
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain and shut down gracefully; a second Ctrl-C forces the exit."""
+        self.app.api_state.draining = True
+        # Unlike uvicorn's own handler, the signal is not re-raised after the graceful
+        # shutdown: a SIGTERM that was handled is a clean exit (status 0).
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start (plane first, via the lifespan), then announce the address."""
+        await super().startup(sockets)
+        if not self.should_exit:
+            self.on_started()
+
+
+def serve(
+    app: StokerApp,
+    sock: socket.socket,
+    *,
+    shutdown_grace_s: float,
+    on_started: Callable[[], None],
+) -> None:
+    """Serve `app` on `sock` until SIGTERM/SIGINT. Raises `ServeError` if it could not start."""
+    config = uvicorn.Config(
+        app,
+        loop=fast_loop(),
+        http=fast_http(),
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        server_header=False,
+        timeout_graceful_shutdown=max(1, int(shutdown_grace_s)),
+        backlog=2048,
+    )
+    server = _Server(config, app, on_started)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as exc:
+        # uvicorn exits this way when the lifespan start failed.
+        error = app.api_state.startup_error or f"the server exited with status {exc.code}"
+        raise ServeError(f"could not start: {error}") from None
+    finally:
+        sock.close()
+    if app.api_state.startup_error is not None:
+        raise ServeError(f"could not start: {app.api_state.startup_error}")

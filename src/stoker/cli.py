@@ -1,0 +1,313 @@
+"""The `stoker` command: serve, claim, release, status, version.
+
+`serve` runs the control plane and its HTTP API; the other commands are clients of a
+running server (through the SDK), found at `--url` / `$STOKER_URL` (default
+http://127.0.0.1:8080) with `--token` / `$STOKER_TOKEN`. Every failure is one line on
+stderr and a non-zero exit status (2 for bad usage, 1 for everything else), never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from stoker._version import __version__
+from stoker.sdk import Client, PoolInfo, StokerError
+
+app = typer.Typer(
+    name="stoker",
+    help="Keep a fleet of workers warm; claim them over HTTP.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+#: Column order of the state counts in `stoker status`.
+STATES = ("spawning", "warm", "reserved", "activating", "hot", "hot_idle", "draining")
+
+UrlOption = Annotated[
+    str | None,
+    typer.Option("--url", envvar="STOKER_URL", help="Server URL [default: http://127.0.0.1:8080]"),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option("--token", envvar="STOKER_TOKEN", help="Bearer token", show_default=False),
+]
+
+
+class Mode(StrEnum):
+    """Claim modes of DESIGN.md §7."""
+
+    prefer_warm = "prefer_warm"
+    require_warm = "require_warm"
+    cold = "cold"
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    print(f"stoker: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _client(url: str | None, token: str | None) -> Client:
+    return Client(url, token=token)
+
+
+def _print_json(body: Any) -> None:
+    print(json.dumps(body, indent=2, ensure_ascii=False))
+
+
+def _sdk_error(exc: StokerError) -> NoReturn:
+    _fail(str(exc))
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            envvar="STOKER_CONFIG",
+            help="YAML config file (default: the built-in defaults)",
+            dir_okay=False,
+        ),
+    ] = None,
+    stop_workers: Annotated[
+        bool,
+        typer.Option(
+            "--stop-workers",
+            help="On shutdown, stop this server's workers instead of leaving them to adopt",
+        ),
+    ] = False,
+) -> None:
+    """Run the control plane and its HTTP API until SIGTERM or Ctrl-C."""
+    # Imported here: the client commands need none of the server's code.
+    from stoker.api.app import create_app
+    from stoker.api.server import bind, bound_url, check_exposure
+    from stoker.api.server import serve as run_server
+    from stoker.bootstrap import build_control_plane, configure_logging
+    from stoker.config import load_config
+    from stoker.domain.errors import ConfigError
+    from stoker.domain.errors import StokerError as ServerSideError
+
+    try:
+        loaded = load_config(config_file)
+        config = loaded.config
+        check_exposure(config.api)
+    except ConfigError as exc:
+        # Already one `config error: <key>: <problem>` line per problem.
+        print(str(exc), file=sys.stderr)
+        raise typer.Exit(1) from None
+    configure_logging(config.log_level, config.log_format)
+    try:
+        sock = bind(config.api.host, config.api.port)
+    except ServerSideError as exc:
+        _fail(str(exc))
+    url = bound_url(sock)
+    plane = build_control_plane(config)
+    api = create_app(plane, config.api, stop_workers=stop_workers)
+    overrides = f" + {', '.join(loaded.overrides)}" if loaded.overrides else ""
+    pools = ", ".join(p.name for p in config.pools)
+    auth = "bearer tokens" if config.api.has_tokens else "loopback only, no tokens"
+
+    def announce() -> None:
+        print(
+            f"stoker {__version__} listening on {url} (config: {loaded.source}{overrides}; "
+            f"store: {config.store}; pools: {pools}; auth: {auth})",
+            flush=True,
+        )
+
+    try:
+        run_server(
+            api,
+            sock,
+            shutdown_grace_s=config.intervals.shutdown_grace_s,
+            on_started=announce,
+        )
+    except ServerSideError as exc:
+        _fail(str(exc))
+    print("stoker stopped", flush=True)
+
+
+# -- client commands ------------------------------------------------------------------------
+
+
+def _parse_config_items(items: Sequence[str]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            _fail(f"--config expects KEY=VALUE, got {item!r}", code=2)
+        try:
+            # Numbers, booleans, null and JSON objects keep their type; the rest is text.
+            config[key] = json.loads(raw)
+        except ValueError:
+            config[key] = raw
+    return config
+
+
+@app.command()
+def claim(
+    pool: Annotated[str, typer.Option("--pool", "-p", help="Pool to claim from")],
+    org: Annotated[str, typer.Option("--org", "-o", help="Org the session belongs to")],
+    mode: Annotated[
+        Mode | None,
+        typer.Option("--mode", "-m", help="How the claim may be served [default: prefer_warm]"),
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", "-t", min=0, max=3600, help="Seconds to wait for a worker"),
+    ] = None,
+    lease: Annotated[
+        float | None, typer.Option("--lease", min=1, max=86400, help="Lease length in seconds")
+    ] = None,
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="KEY=VALUE handed to the worker at activation (repeatable)",
+            show_default=False,
+        ),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Claim a worker and print the claim as JSON (release it with `stoker release ID`)."""
+    settings = _parse_config_items(config or [])
+    with _client(url, token) as client:
+        try:
+            info = client.create_claim(
+                pool,
+                org,
+                mode=mode.value if mode is not None else None,
+                timeout_s=timeout,
+                lease_s=lease,
+                config=settings,
+            )
+        except StokerError as exc:
+            _sdk_error(exc)
+    _print_json(dict(info.raw))
+
+
+@app.command()
+def release(
+    claim_id: Annotated[str, typer.Argument(metavar="ID", help="Claim id")],
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Release a claim and print it as JSON: the worker parks for its org or retires."""
+    with _client(url, token) as client:
+        try:
+            info = client.release(claim_id)
+        except StokerError as exc:
+            _sdk_error(exc)
+    _print_json(dict(info.raw))
+
+
+def _status_table(pools: Sequence[PoolInfo], url: str) -> Table:
+    table = Table(title=f"stoker at {url}", title_justify="left")
+    table.add_column("pool")
+    for name in ("target", "desired", "demand", "cap", *STATES):
+        table.add_column(name, justify="right")
+    for p in pools:
+        cap = str(p.cap) if p.cap else "-"
+        counts = [str(p.counts.get(s, 0)) for s in STATES]
+        table.add_row(p.name, str(p.warm_target), str(p.desired_warm), str(p.demand), cap, *counts)
+    return table
+
+
+@app.command()
+def status(
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C")] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.2, max=3600, help="Seconds between refreshes")
+    ] = 2.0,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Pools with their target, demand and workers by state."""
+    console = Console()
+    if not console.is_terminal:
+        # Piped or captured: no terminal width to fit, so never squeeze the columns.
+        console = Console(width=200)
+    with _client(url, token) as client:
+        try:
+            table = _status_table(client.pools(), client.url)
+        except StokerError as exc:
+            _sdk_error(exc)
+        try:
+            if watch and console.is_terminal:
+                _watch_live(client, console, table, interval)
+                return
+            console.print(table)
+            # Piped: a table per refresh, one after the other (a log of the pools).
+            while watch:
+                time.sleep(interval)
+                console.print(_refreshed_table(client))
+        except KeyboardInterrupt:
+            return
+
+
+def _refreshed_table(client: Client) -> Table:
+    try:
+        return _status_table(client.pools(), client.url)
+    except StokerError as exc:
+        _sdk_error(exc)
+
+
+def _watch_live(client: Client, console: Console, table: Table, interval: float) -> None:
+    """Redraw the table in place until Ctrl-C."""
+    with Live(table, console=console, auto_refresh=False, transient=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(_refreshed_table(client), refresh=True)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    print(f"stoker {__version__}")
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Console entry point: run a command, turning every failure into one line."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(
+            args=list(argv) if argv is not None else None, prog_name="stoker", standalone_mode=False
+        )
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("stoker: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.TyperException as exc:
+        # Bad usage (exit status 2) and other command-line errors.
+        code = int(getattr(exc, "exit_code", 1))
+        format_message = getattr(exc, "format_message", None)
+        message = format_message() if callable(format_message) else str(exc)
+        if "\n" in message:
+            # `stoker` alone: the help text.
+            print(message, file=sys.stderr)
+        else:
+            ctx = getattr(exc, "ctx", None)
+            path = getattr(ctx, "command_path", None)
+            hint = f" (see '{path} --help')" if code == 2 and path else ""
+            print(f"stoker: {message}{hint}", file=sys.stderr)
+        sys.exit(code)
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,45 @@
+"""The Python SDK: `Client` and `AsyncClient` over the HTTP API, with typed results and
+one exception per kind of error. It depends on httpx only, never on the server's code."""
+
+from __future__ import annotations
+
+from stoker.sdk._client import AsyncClaim, AsyncClient, AsyncSession, Client, Session
+from stoker.sdk._errors import (
+    CapacityError,
+    ClaimConflict,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    OrgCapError,
+    ServerError,
+    ServerUnreachable,
+    StokerError,
+    Unauthorized,
+    Unavailable,
+    error_from_response,
+)
+from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo, WorkerRef
+
+__all__ = [
+    "AsyncClaim",
+    "AsyncClient",
+    "AsyncSession",
+    "CapacityError",
+    "ClaimConflict",
+    "ClaimInfo",
+    "Client",
+    "Forbidden",
+    "InvalidRequest",
+    "NotFound",
+    "OrgCapError",
+    "PoolInfo",
+    "ServerError",
+    "ServerUnreachable",
+    "Session",
+    "StokerError",
+    "Unauthorized",
+    "Unavailable",
+    "WorkerInfo",
+    "WorkerRef",
+    "error_from_response",
+]

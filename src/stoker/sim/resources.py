@@ -1,0 +1,158 @@
+"""Resource quantities and the instance types a simulated node can be.
+
+CPU is kept in integer millicores and memory in integer bytes, so the scheduler's sums
+are exact and a simulation never depends on float rounding. `cpu_millis("500m")` and
+`memory_bytes("1Gi")` parse Kubernetes quantities the way the API server does, rounding
+up to the unit (a request of 0.0001 cores takes one millicore).
+
+The default catalogue is three AWS general-purpose, compute and memory families with
+their us-east-1 on-demand Linux list prices; allocatable capacity follows the formulas
+Karpenter uses to predict a node before it exists (see `InstanceType.allocatable`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+
+from stoker.domain.errors import ConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+_DECIMAL: dict[str, Fraction] = {
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+}
+
+
+@lru_cache(maxsize=4096)
+def parse_quantity(text: str) -> Fraction:
+    """A Kubernetes quantity ("500m", "1.5Gi", "2", "1e3") as an exact fraction."""
+    value = text.strip()
+    for suffix in sorted((*_BINARY, *_DECIMAL), key=len, reverse=True):
+        if suffix and value.endswith(suffix):
+            number = value[: -len(suffix)]
+            scale = Fraction(_BINARY[suffix]) if suffix in _BINARY else Fraction(_DECIMAL[suffix])
+            break
+    else:
+        number, scale = value, Fraction(1)
+    try:
+        amount = Fraction(number)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"invalid resource quantity {text!r}") from None
+    if amount < 0:
+        raise ConfigError(f"negative resource quantity {text!r}")
+    product: Fraction = amount * scale
+    return product
+
+
+def cpu_millis(text: str) -> int:
+    """CPU quantity in millicores, rounded up."""
+    return math.ceil(parse_quantity(text) * 1000)
+
+
+def memory_bytes(text: str) -> int:
+    """Memory quantity in bytes, rounded up."""
+    return math.ceil(parse_quantity(text))
+
+
+@dataclass(frozen=True, slots=True)
+class Allocatable:
+    """What the scheduler may place on a node: millicores, bytes and a pod count."""
+
+    cpu_m: int
+    memory_b: int
+    pods: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceType:
+    """A machine shape a node pool can launch.
+
+    `cpu` in cores and `memory_gib` in GiB are the nominal capacity; `price_per_hour`
+    is in USD; `max_pods` is the kubelet's `maxPods` (its default is 110).
+    """
+
+    name: str
+    cpu: float
+    memory_gib: float
+    price_per_hour: float
+    max_pods: int = 110
+
+    def __post_init__(self) -> None:
+        if self.cpu <= 0 or self.memory_gib <= 0 or self.price_per_hour < 0 or self.max_pods < 1:
+            raise ConfigError(f"instance type {self.name!r}: invalid capacity or price")
+
+    def allocatable(
+        self, *, vm_memory_overhead: float = 0.075, daemon_cpu_m: int = 0, daemon_memory_b: int = 0
+    ) -> Allocatable:
+        """Capacity minus what the node keeps for itself, as Karpenter predicts it.
+
+        - memory: the hypervisor's share (Karpenter's `vmMemoryOverheadPercent`, 7.5 %),
+          kube-reserved `11 MiB * maxPods + 255 MiB` and the 100 MiB hard eviction
+          threshold (the EKS AMI and Karpenter defaults);
+        - cpu: kube-reserved 6 % of the first core, 1 % of the second, 0.5 % of the
+          third and fourth and 0.25 % of every further core (same source);
+        - DaemonSet pods (CNI, kube-proxy, log agents) as a flat per-node overhead.
+        """
+        cores = self.cpu
+        reserved_cpu = 60 * min(cores, 1) + 10 * min(max(cores - 1, 0), 1)
+        reserved_cpu += 5 * min(max(cores - 2, 0), 2) + 2.5 * max(cores - 4, 0)
+        cpu_m = int(cores * 1000) - math.ceil(reserved_cpu) - daemon_cpu_m
+        memory = math.floor(self.memory_gib * GIB * (1 - vm_memory_overhead))
+        memory -= (11 * self.max_pods + 255) * MIB + 100 * MIB + daemon_memory_b
+        return Allocatable(cpu_m=max(cpu_m, 0), memory_b=max(memory, 0), pods=self.max_pods)
+
+
+def _family(prefix: str, sizes: list[tuple[str, float, float, float]]) -> list[InstanceType]:
+    return [InstanceType(f"{prefix}.{size}", cpu, mem, price) for size, cpu, mem, price in sizes]
+
+
+#: AWS m5 / c5 / r5, us-east-1 on-demand Linux list prices (USD per hour).
+DEFAULT_INSTANCE_TYPES: tuple[InstanceType, ...] = tuple(
+    _family(
+        "m5",
+        [
+            ("large", 2, 8, 0.096),
+            ("xlarge", 4, 16, 0.192),
+            ("2xlarge", 8, 32, 0.384),
+            ("4xlarge", 16, 64, 0.768),
+            ("8xlarge", 32, 128, 1.536),
+            ("12xlarge", 48, 192, 2.304),
+            ("16xlarge", 64, 256, 3.072),
+        ],
+    )
+    + _family(
+        "c5",
+        [
+            ("large", 2, 4, 0.085),
+            ("xlarge", 4, 8, 0.17),
+            ("2xlarge", 8, 16, 0.34),
+            ("4xlarge", 16, 32, 0.68),
+            ("9xlarge", 36, 72, 1.53),
+        ],
+    )
+    + _family(
+        "r5",
+        [
+            ("large", 2, 16, 0.126),
+            ("xlarge", 4, 32, 0.252),
+            ("2xlarge", 8, 64, 0.504),
+            ("4xlarge", 16, 128, 1.008),
+            ("8xlarge", 32, 256, 2.016),
+        ],
+    )
+)
+
+INSTANCE_TYPES_BY_NAME = {itype.name: itype for itype in DEFAULT_INSTANCE_TYPES}

@@ -1,0 +1,693 @@
+"""The HTTP API of DESIGN.md §7: every route, every error status, auth and org isolation.
+
+These tests call the ASGI app in-process through `httpx.ASGITransport`, on virtual time
+(looptime), with `MemoryRuntime` workers (tests/fakes.py) and the real SQLite store: the
+subject here is the HTTP layer — routing, validation, auth, problem details, status
+mapping — and hundreds of requests against real worker processes would make the suite
+minutes long without testing more of it. The same routes run against a real server with
+real demo workers in tests/test_sdk.py, tests/test_cli.py and tests/test_quickstart.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fakes import MemoryRuntime
+from stoker.api import StokerApp, create_app
+from stoker.bootstrap import build_control_plane
+from stoker.config import ApiConfig, StokerConfig
+from stoker.control.plane import ControlPlane
+from stoker.domain.states import ClaimState, WorkerState
+
+pytestmark = pytest.mark.looptime
+
+ADMIN = "admin-token-0123456789"
+ACME = "acme-token-0123456789"
+GLOBEX = "globex-token-0123456789"
+TOKENS = ApiConfig(admin_tokens=[ADMIN], org_tokens={ACME: "acme", GLOBEX: "globex"})
+
+
+def pool(name: str = "demo", **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"name": name, "command": ["worker", "{port}"], "warm_target": 2}
+    base.update(kw)
+    return base
+
+
+@dataclass
+class Api:
+    app: StokerApp
+    plane: ControlPlane
+    runtime: MemoryRuntime
+    http: httpx.AsyncClient
+
+    async def claim(self, org: str = "acme", pool: str = "demo", **kw: Any) -> httpx.Response:
+        token = kw.pop("token", None)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        body = {"pool": pool, "org": org, **kw}
+        return await self.http.post("/v1/claims", json=body, headers=headers)
+
+    async def claims(self) -> list[Any]:
+        return await self.plane.store.list_claims()
+
+    async def snapshot(self) -> tuple[Any, ...]:
+        """Everything a request could change: claims and workers with their states."""
+        workers = await self.plane.store.list_workers()
+        claims = await self.plane.store.list_claims()
+        return (
+            sorted((w.id, w.state.value, w.epoch, w.org) for w in workers),
+            sorted((c.id, c.state.value, c.expires_at) for c in claims),
+        )
+
+
+@asynccontextmanager
+async def running(
+    tmp_path: Path,
+    pools: Iterable[dict[str, Any]] = (),
+    *,
+    api: ApiConfig | None = None,
+    client: tuple[str, int] = ("127.0.0.1", 40000),
+    headers: dict[str, str] | None = None,
+    start: bool = True,
+    **config: Any,
+) -> AsyncIterator[Api]:
+    """A started plane (no background loops) behind the app, and a client for it.
+
+    Built inside each test, not in a fixture: looptime makes only the test body virtual.
+    """
+    cfg = StokerConfig.model_validate(
+        {
+            "store": f"sqlite:///{tmp_path}/stoker.db",
+            "pools": list(pools) or [pool()],
+            "api": (api or ApiConfig()).model_dump(),
+            **config,
+        }
+    )
+    runtime = MemoryRuntime(ready_delay=0.2)
+    plane = build_control_plane(cfg, runtime=runtime)
+    app = create_app(plane, cfg.api, manage_plane=False)
+    if start:
+        await plane.start(loops=False)
+        await asyncio.sleep(1)
+    transport = httpx.ASGITransport(app=app, client=client)
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://stoker", headers=headers or {}
+    ) as http:
+        try:
+            yield Api(app, plane, runtime, http)
+        finally:
+            await plane.stop()
+
+
+def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body = response.json()
+    assert body["status"] == status
+    assert body["type"].startswith("urn:stoker:problem:")
+    assert body["title"] and body["detail"] and body["code"]
+    assert "Traceback" not in response.text
+    return body
+
+
+# -- claims ---------------------------------------------------------------------------------
+
+
+async def test_claim_get_renew_release(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        created = await api.claim(config={"dsn": "postgres://x", "role": "ro"})
+        assert created.status_code == 201, created.text
+        claim = created.json()
+        assert created.headers["location"] == f"/v1/claims/{claim['id']}"
+        assert claim["pool"] == "demo" and claim["org"] == "acme"
+        assert claim["state"] == "bound" and claim["source"] == "warm"
+        assert claim["mode"] == "prefer_warm"
+        worker = claim["worker"]
+        assert worker["endpoint"].startswith("mem://") and worker["token"]
+        proc = api.runtime.procs[worker["id"]]
+        assert proc.org == "acme" and proc.token == worker["token"]
+        assert proc.config == {"dsn": "postgres://x", "role": "ro"}
+
+        got = await api.http.get(f"/v1/claims/{claim['id']}")
+        assert got.status_code == 200 and got.json() == claim
+
+        await asyncio.sleep(10)
+        renewed = await api.http.post(f"/v1/claims/{claim['id']}/renew", json={"lease_s": 120})
+        assert renewed.status_code == 200
+        assert renewed.json()["expires_at"] > claim["expires_at"]
+        bare = await api.http.post(f"/v1/claims/{claim['id']}/renew")
+        assert bare.status_code == 200
+
+        released = await api.http.delete(f"/v1/claims/{claim['id']}")
+        assert released.status_code == 200
+        body = released.json()
+        assert body["state"] == "released" and body["ended_at"] is not None
+        assert body["worker"]["token"] is None
+        again = await api.http.delete(f"/v1/claims/{claim['id']}")
+        assert again.status_code == 200 and again.json()["state"] == "released"
+
+        late = await api.http.post(f"/v1/claims/{claim['id']}/renew")
+        assert assert_problem(late, 409)["code"] == "claim-conflict"
+
+
+async def test_release_then_claim_reuses_the_same_worker(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        first = (await api.claim()).json()
+        await api.http.delete(f"/v1/claims/{first['id']}")
+        second = (await api.claim()).json()
+        assert second["source"] == "reuse"
+        assert second["worker"]["id"] == first["worker"]["id"]
+        assert second["worker"]["epoch"] > first["worker"]["epoch"]
+        assert second["worker"]["token"] != first["worker"]["token"]
+
+
+async def test_modes_are_served(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        cold = await api.claim(mode="cold")
+        assert cold.status_code == 201 and cold.json()["source"] == "cold"
+        warm = await api.claim(mode="require_warm")
+        assert warm.status_code == 201 and warm.json()["source"] == "warm"
+
+
+async def test_unicode_names_are_accepted(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        response = await api.claim(org="Zürich-组织-🚀")
+        assert response.status_code == 201
+        claim = response.json()
+        assert claim["org"] == "Zürich-组织-🚀"
+        got = await api.http.get(f"/v1/claims/{claim['id']}")
+        assert got.json()["org"] == "Zürich-组织-🚀"
+
+
+async def test_unknown_pool_and_claim_are_404(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        before = await api.snapshot()
+        assert assert_problem(await api.claim(pool="nope"), 404)["code"] == "not-found"
+        assert_problem(await api.claim(pool="пул"), 404)
+        assert_problem(await api.http.get("/v1/claims/c-missing"), 404)
+        assert_problem(await api.http.post("/v1/claims/c-missing/renew"), 404)
+        assert_problem(await api.http.delete("/v1/claims/c-missing"), 404)
+        assert_problem(await api.http.get("/v1/pools/nope"), 404)
+        assert await api.snapshot() == before
+
+
+# -- capacity and caps ----------------------------------------------------------------------
+
+
+async def test_org_cap_is_429_with_retry_after(tmp_path: Path) -> None:
+    async with running(
+        tmp_path, [pool(max_workers_per_org=1)], intervals={"org_cap_retry_after_s": 12.5}
+    ) as api:
+        first = await api.claim()
+        assert first.status_code == 201
+        capped = await api.claim(timeout_s=1)
+        body = assert_problem(capped, 429)
+        assert body["code"] == "org-cap" and body["retry_after"] == 12.5
+        assert capped.headers["retry-after"] == "13"
+        # Another org is not affected by acme's cap.
+        assert (await api.claim(org="globex")).status_code == 201
+
+
+async def test_no_capacity_within_the_timeout_is_503_with_the_reason(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)]) as api:
+        response = await api.claim(mode="require_warm", timeout_s=0.5)
+        body = assert_problem(response, 503)
+        assert body["code"] == "no-capacity" and body["reason"] == "no_capacity"
+        assert await api.claims() == []
+
+
+async def test_pool_cap_is_503_with_the_reason(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=1, max_workers=1)]) as api:
+        assert (await api.claim()).status_code == 201
+        body = assert_problem(await api.claim(org="globex", timeout_s=1), 503)
+        assert body["reason"] == "pool_cap"
+
+
+async def test_claims_are_refused_while_draining(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        held = (await api.claim()).json()
+        api.app.api_state.draining = True
+        body = assert_problem(await api.claim(), 503)
+        assert body["reason"] == "shutting_down"
+        # Sessions in flight may still end.
+        released = await api.http.delete(f"/v1/claims/{held['id']}")
+        assert released.status_code == 200
+
+
+# -- pools, workers, health -----------------------------------------------------------------
+
+
+async def test_pools_show_targets_demand_and_counts(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(), pool("other", warm_target=1, max_workers=5)]) as api:
+        await api.claim()
+        listed = await api.http.get("/v1/pools")
+        assert listed.status_code == 200
+        pools = {p["name"]: p for p in listed.json()["pools"]}
+        assert set(pools) == {"demo", "other"}
+        demo = pools["demo"]
+        assert demo["warm_target"] == 2 and demo["revision"]
+        assert demo["counts"]["hot"] == 1 and demo["counts"]["warm"] == 1
+        assert set(demo["counts"]) == {s.value for s in WorkerState if s.value != "retired"}
+        assert pools["other"]["cap"] == 5
+        one = await api.http.get("/v1/pools/other")
+        assert one.status_code == 200 and one.json() == pools["other"]
+
+
+async def test_workers_are_listed_with_filters(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(), pool("other", warm_target=1)]) as api:
+        claim = (await api.claim()).json()
+        everyone = (await api.http.get("/v1/workers")).json()["workers"]
+        assert len(everyone) == 3
+        demo = (await api.http.get("/v1/workers", params={"pool": "demo"})).json()["workers"]
+        assert {w["pool"] for w in demo} == {"demo"} and len(demo) == 2
+        hot = (await api.http.get("/v1/workers", params={"state": "hot"})).json()["workers"]
+        assert [w["id"] for w in hot] == [claim["worker"]["id"]]
+        assert hot[0]["org"] == "acme" and hot[0]["claim_id"] == claim["id"]
+        acme = (await api.http.get("/v1/workers", params={"org": "acme"})).json()["workers"]
+        assert [w["id"] for w in acme] == [claim["worker"]["id"]]
+        one = (await api.http.get("/v1/workers", params={"limit": 1})).json()["workers"]
+        assert len(one) == 1
+        await api.http.delete(f"/v1/claims/{claim['id']}")
+        retired = await api.http.get("/v1/workers", params={"state": "retired"})
+        assert retired.json()["workers"] == []
+
+
+async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        assert (await api.http.get("/healthz")).json() == {"status": "ok"}
+        ready = await api.http.get("/readyz")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+        await api.claim()
+        metrics = await api.http.get("/metrics")
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+        assert 'stoker_claims_total{outcome="bound",pool="demo",source="warm"} 1.0' in metrics.text
+        api.app.api_state.draining = True
+        assert assert_problem(await api.http.get("/readyz"), 503)["reason"] == "shutting_down"
+
+
+async def test_not_ready_until_started(tmp_path: Path) -> None:
+    async with running(tmp_path, start=False) as api:
+        assert (await api.http.get("/healthz")).status_code == 200
+        body = assert_problem(await api.http.get("/readyz"), 503)
+        assert body["reason"] == "starting"
+        assert assert_problem(await api.claim(), 503)["code"] == "unavailable"
+        assert_problem(await api.http.get("/v1/pools"), 503)
+        assert_problem(await api.http.get("/v1/workers"), 503)
+        await api.plane.start(loops=False)
+        assert (await api.http.get("/readyz")).status_code == 200
+
+
+async def test_openapi_document_lists_every_route(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        doc = (await api.http.get("/openapi.json")).json()
+        paths = doc["paths"]
+        assert set(paths["/v1/claims"]) == {"post"}
+        assert set(paths["/v1/claims/{claim_id}"]) == {"get", "delete"}
+        assert set(paths["/v1/claims/{claim_id}/renew"]) == {"post"}
+        for path in ("/v1/pools", "/v1/pools/{name}", "/v1/workers", "/healthz", "/readyz"):
+            assert "get" in paths[path], path
+        assert "/metrics" in paths
+        errors = paths["/v1/claims"]["post"]["responses"]
+        assert {"400", "404", "413", "422", "429", "503"} <= set(errors)
+        assert "application/problem+json" in errors["503"]["content"]
+
+
+# -- auth -----------------------------------------------------------------------------------
+
+
+async def test_tokens_are_required_when_configured(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        missing = await api.http.get("/v1/pools")
+        assert assert_problem(missing, 401)["code"] == "unauthorized"
+        assert missing.headers["www-authenticate"] == "Bearer"
+        wrong = await api.http.get("/v1/pools", headers={"Authorization": "Bearer nope-nope"})
+        assert_problem(wrong, 401)
+        basic = await api.http.get("/v1/pools", headers={"Authorization": f"Basic {ADMIN}"})
+        assert_problem(basic, 401)
+        before = await api.snapshot()
+        assert_problem(await api.claim(), 401)
+        assert await api.snapshot() == before
+        ok = await api.http.get("/v1/pools", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert ok.status_code == 200
+        # Probes and metrics stay open for the orchestrator and the scraper.
+        assert (await api.http.get("/healthz")).status_code == 200
+        assert (await api.http.get("/readyz")).status_code == 200
+        assert (await api.http.get("/metrics")).status_code == 200
+        doc = (await api.http.get("/openapi.json")).json()
+        assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+async def test_org_token_acts_only_for_its_org(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        theirs = await api.claim(org="globex", token=GLOBEX)
+        assert theirs.status_code == 201
+        claim = theirs.json()
+        before = await api.snapshot()
+
+        acme = {"Authorization": f"Bearer {ACME}"}
+        body = assert_problem(await api.claim(org="globex", token=ACME), 403)
+        assert body["code"] == "forbidden"
+        assert_problem(await api.http.get(f"/v1/claims/{claim['id']}", headers=acme), 403)
+        renew = await api.http.post(f"/v1/claims/{claim['id']}/renew", headers=acme)
+        assert_problem(renew, 403)
+        assert_problem(await api.http.delete(f"/v1/claims/{claim['id']}", headers=acme), 403)
+        assert_problem(await api.http.get("/v1/workers", headers=acme), 403)
+        assert await api.snapshot() == before
+
+        # Its own org works, and so does an admin for any org.
+        assert (await api.http.get("/v1/pools", headers=acme)).status_code == 200
+        mine = await api.claim(org="acme", token=ACME)
+        assert mine.status_code == 201
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        got = await api.http.get(f"/v1/claims/{claim['id']}", headers=admin)
+        assert got.status_code == 200 and got.json()["org"] == "globex"
+
+
+async def test_an_org_never_receives_a_worker_that_served_another(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=2)], api=TOKENS) as api:
+        globex_workers = set()
+        for _ in range(3):
+            claim = (await api.claim(org="globex", token=GLOBEX)).json()
+            globex_workers.add(claim["worker"]["id"])
+            headers = {"Authorization": f"Bearer {GLOBEX}"}
+            await api.http.delete(f"/v1/claims/{claim['id']}", headers=headers)
+        acme_workers = set()
+        for _ in range(4):
+            response = await api.claim(org="acme", token=ACME)
+            assert response.status_code == 201
+            acme_workers.add(response.json()["worker"]["id"])
+            await api.plane.run_janitor_pass()
+            await asyncio.sleep(1)
+        assert globex_workers and acme_workers
+        assert not globex_workers & acme_workers
+        assert api.runtime.fencing_violations == []
+
+
+async def test_without_tokens_only_loopback_clients_are_served(tmp_path: Path) -> None:
+    async with running(tmp_path, client=("10.1.2.3", 5000)) as api:
+        body = assert_problem(await api.http.get("/v1/pools"), 403)
+        assert "loopback" in body["detail"]
+        assert_problem(await api.claim(), 403)
+        assert await api.claims() == []
+    async with running(tmp_path, client=("::1", 5000)) as api:
+        assert (await api.http.get("/v1/pools")).status_code == 200
+
+
+# -- malformed input ------------------------------------------------------------------------
+
+OK_BODY = {"pool": "demo", "org": "acme"}
+
+
+def raw(text: str) -> dict[str, Any]:
+    return {"content": text.encode(), "headers": {"content-type": "application/json"}}
+
+
+def body(**changes: Any) -> dict[str, Any]:
+    return {"json": {**OK_BODY, **changes}}
+
+
+def deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = {"k": value}
+    return value
+
+
+MALFORMED: list[tuple[str, str, str, dict[str, Any], int]] = [
+    ("missing org", "POST", "/v1/claims", {"json": {"pool": "demo"}}, 422),
+    ("missing body", "POST", "/v1/claims", {}, 422),
+    ("body is an array", "POST", "/v1/claims", {"json": [OK_BODY]}, 422),
+    ("body is a string", "POST", "/v1/claims", {"json": "demo"}, 422),
+    ("not JSON", "POST", "/v1/claims", raw("{pool: demo"), 400),
+    ("truncated JSON", "POST", "/v1/claims", raw('{"pool": "demo", "org": "a"'), 400),
+    (
+        "number too long",
+        "POST",
+        "/v1/claims",
+        raw('{"pool": "demo", "timeout_s": ' + "9" * 5000 + "}"),
+        400,
+    ),
+    ("org wrong type", "POST", "/v1/claims", body(org=123), 422),
+    ("pool wrong type", "POST", "/v1/claims", body(pool=["demo"]), 422),
+    ("unknown field", "POST", "/v1/claims", body(priority=1), 422),
+    ("unknown mode", "POST", "/v1/claims", body(mode="hot"), 422),
+    ("negative timeout", "POST", "/v1/claims", body(timeout_s=-1), 422),
+    ("huge timeout", "POST", "/v1/claims", body(timeout_s=1e12), 422),
+    ("timeout is text", "POST", "/v1/claims", body(timeout_s="soon"), 422),
+    (
+        "NaN timeout",
+        "POST",
+        "/v1/claims",
+        raw('{"pool": "demo", "org": "a", "timeout_s": NaN}'),
+        422,
+    ),
+    (
+        "infinite timeout",
+        "POST",
+        "/v1/claims",
+        raw('{"pool": "demo", "org": "a", "timeout_s": 1e400}'),
+        422,
+    ),
+    ("zero lease", "POST", "/v1/claims", body(lease_s=0), 422),
+    ("lease over a day", "POST", "/v1/claims", body(lease_s=86401), 422),
+    ("negative ttl", "POST", "/v1/claims", body(ttl_s=-5), 422),
+    ("huge integer ttl", "POST", "/v1/claims", body(ttl_s=10**30), 422),
+    ("empty pool", "POST", "/v1/claims", body(pool=""), 422),
+    ("empty org", "POST", "/v1/claims", body(org=""), 422),
+    ("long org", "POST", "/v1/claims", body(org="a" * 129), 422),
+    ("NUL in org", "POST", "/v1/claims", body(org="a\x00b"), 422),
+    ("newline in org", "POST", "/v1/claims", body(org="a\nb"), 422),
+    ("padded org", "POST", "/v1/claims", body(org=" acme "), 422),
+    ("lone surrogate in org", "POST", "/v1/claims", raw('{"pool": "demo", "org": "\\ud800"}'), 422),
+    ("config is a list", "POST", "/v1/claims", body(config=[1, 2]), 422),
+    ("config nested too deep", "POST", "/v1/claims", body(config=deep(40)), 422),
+    (
+        "NaN in config",
+        "POST",
+        "/v1/claims",
+        raw('{"pool": "demo", "org": "a", "config": {"x": NaN}}'),
+        422,
+    ),
+    (
+        "surrogate in config",
+        "POST",
+        "/v1/claims",
+        raw('{"pool": "demo", "org": "a", "config": {"\\udfff": 1}}'),
+        422,
+    ),
+    ("body over 64 KiB", "POST", "/v1/claims", body(config={"blob": "x" * 70_000}), 413),
+    ("claim id too long", "GET", "/v1/claims/" + "c" * 129, {}, 422),
+    ("renew with bad lease", "POST", "/v1/claims/c-x/renew", {"json": {"lease_s": -1}}, 422),
+    ("renew with unknown field", "POST", "/v1/claims/c-x/renew", {"json": {"extend": 5}}, 422),
+    ("renew with a list", "POST", "/v1/claims/c-x/renew", {"json": [1]}, 422),
+    ("workers limit zero", "GET", "/v1/workers?limit=0", {}, 422),
+    ("workers limit text", "GET", "/v1/workers?limit=many", {}, 422),
+    ("workers limit huge", "GET", "/v1/workers?limit=99999999999999999999", {}, 422),
+    ("workers unknown state", "GET", "/v1/workers?state=sleeping", {}, 422),
+    ("wrong method", "PUT", "/v1/claims", {"json": OK_BODY}, 405),
+    ("no id to delete", "DELETE", "/v1/claims", {}, 405),
+    ("unknown route", "GET", "/v1/clams", {}, 404),
+    ("unknown root route", "GET", "/admin", {}, 404),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status"),
+    [pytest.param(m, p, k, s, id=name) for name, m, p, k, s in MALFORMED],
+)
+async def test_malformed_requests_are_rejected_without_effect(
+    tmp_path: Path, method: str, path: str, kwargs: dict[str, Any], status: int
+) -> None:
+    async with running(tmp_path) as api:
+        before = await api.snapshot()
+        response = await api.http.request(method, path, **kwargs)
+        problem = assert_problem(response, status)
+        if status == 405:
+            assert response.headers["allow"]
+        if status == 422 and path == "/v1/claims":
+            assert problem["errors"] and all("loc" in e for e in problem["errors"])
+        assert await api.snapshot() == before
+
+
+async def test_a_chunked_body_over_the_limit_is_413(tmp_path: Path) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"pool": "demo", "org": "acme", "config": {"blob": "'
+        for _ in range(20):
+            yield b"x" * 4096
+        yield b'"}}'
+
+    async with running(tmp_path) as api:
+        before = await api.snapshot()
+        response = await api.http.post(
+            "/v1/claims", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert assert_problem(response, 413)["code"] == "body-too-large"
+        assert await api.snapshot() == before
+
+
+async def test_a_body_just_under_the_limit_is_accepted(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        filler = "x" * (65536 - 200)
+        response = await api.claim(config={"blob": filler})
+        assert response.status_code == 201
+        assert api.runtime.procs[response.json()["worker"]["id"]].config == {"blob": filler}
+
+
+# -- disconnects and lifespan ---------------------------------------------------------------
+
+
+async def _post_then_disconnect(app: StokerApp, payload: dict[str, Any], after: float) -> list[Any]:
+    """Send a claim as a raw ASGI request whose client disconnects after `after` seconds."""
+    body = json.dumps(payload).encode()
+    sent: list[Any] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(after)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/claims",
+        "raw_path": b"/v1/claims",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"stoker")],
+        "client": ("127.0.0.1", 40001),
+        "server": ("127.0.0.1", 8080),
+    }
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_client_that_leaves_while_waiting_leaves_nothing_behind(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)]) as api:
+        payload = {**OK_BODY, "mode": "require_warm", "timeout_s": 60}
+        sent = await asyncio.wait_for(_post_then_disconnect(api.app, payload, after=2), 10)
+        assert sent[0]["status"] == 499
+        assert api.plane.manager.waiting("demo") == 0
+        # A warm worker that arrives later stays warm: nobody claims it for the gone client.
+        await api.plane.run_janitor_pass()
+        await asyncio.sleep(1)
+        assert await api.claims() == []
+        assert api.plane.manager.in_flight() == frozenset()
+
+
+async def test_a_client_that_leaves_during_a_cold_spawn_gets_no_worker(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=0)]) as api:
+        api.runtime.ready_delay = 5
+        payload = {**OK_BODY, "mode": "cold", "timeout_s": 60}
+        sent = await asyncio.wait_for(_post_then_disconnect(api.app, payload, after=1), 10)
+        assert sent[0]["status"] == 499
+        await asyncio.sleep(10)
+        # The spawned worker was given back neutral (never activated): warm, no claim.
+        [worker] = await api.plane.store.list_workers(states=[WorkerState.WARM])
+        assert worker.org is None and api.runtime.procs[worker.id].activations == 0
+        assert await api.claims() == []
+
+
+async def test_a_client_that_stays_gets_its_claim(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        sent = await asyncio.wait_for(_post_then_disconnect(api.app, OK_BODY, after=30), 10)
+        assert sent[0]["status"] == 201
+        [claim] = await api.claims()
+        assert claim.state is ClaimState.BOUND
+
+
+async def _lifespan(app: StokerApp, *events: str) -> list[dict[str, Any]]:
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for event in events:
+        queue.put_nowait({"type": event})
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(dict(message))
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}}, queue.get, send)
+    return sent
+
+
+async def test_lifespan_starts_the_plane_and_leaves_workers_on_shutdown(tmp_path: Path) -> None:
+    cfg = StokerConfig.model_validate(
+        {"store": f"sqlite:///{tmp_path}/stoker.db", "pools": [pool()]}
+    )
+    runtime = MemoryRuntime(ready_delay=0.2)
+    plane = build_control_plane(cfg, runtime=runtime)
+    app = create_app(plane, cfg.api)
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(dict(message))
+
+    lifespan = asyncio.ensure_future(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}}, queue.get, send)
+    )
+    await queue.put({"type": "lifespan.startup"})
+    await asyncio.sleep(1)
+    assert sent == [{"type": "lifespan.startup.complete"}]
+    assert plane.started and plane.reconciled
+    alive = runtime.alive()
+    assert len(alive) == 2
+    await queue.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(lifespan, 60)
+    assert sent[-1] == {"type": "lifespan.shutdown.complete"}
+    assert not plane.started
+    assert app.api_state.draining
+    # Left running for the next start to adopt.
+    assert runtime.alive() == alive
+
+
+async def test_lifespan_stops_workers_when_asked(tmp_path: Path) -> None:
+    cfg = StokerConfig.model_validate(
+        {"store": f"sqlite:///{tmp_path}/stoker.db", "pools": [pool()]}
+    )
+    runtime = MemoryRuntime(ready_delay=0.2)
+    plane = build_control_plane(cfg, runtime=runtime)
+    app = create_app(plane, cfg.api, stop_workers=True)
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    lifespan = asyncio.ensure_future(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}}, queue.get, send)
+    )
+    await queue.put({"type": "lifespan.startup"})
+    await asyncio.sleep(1)
+    assert len(runtime.alive()) == 2
+    await queue.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(lifespan, 60)
+    assert runtime.alive() == set()
+
+
+async def test_a_failed_start_is_reported_in_one_line(tmp_path: Path) -> None:
+    cfg = StokerConfig.model_validate(
+        {"store": f"sqlite:///{tmp_path}/no/such/dir/stoker.db", "pools": [pool()]}
+    )
+    plane = build_control_plane(cfg, runtime=MemoryRuntime())
+    app = create_app(plane, cfg.api)
+    sent = await _lifespan(app, "lifespan.startup")
+    assert sent == [{"type": "lifespan.startup.failed", "message": ""}]
+    error = app.api_state.startup_error
+    assert error is not None and "cannot open sqlite store" in error and "\n" not in error
