@@ -157,6 +157,18 @@ def _migrations(s: str) -> list[tuple[int, list[str]]]:
                 f"CREATE INDEX claims_purge ON {s}.claims (state, updated_at)",
             ],
         ),
+        (
+            3,
+            [
+                # Each index is rewritten by every write that touches its columns: keep only
+                # those a query needs (`workers_state` and `claims_state_expires` serve the
+                # purge; nothing looks workers up by owner alone, nor claims by worker).
+                f"DROP INDEX {s}.workers_purge",
+                f"DROP INDEX {s}.workers_owner",
+                f"DROP INDEX {s}.claims_purge",
+                f"DROP INDEX {s}.claims_worker",
+            ],
+        ),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from stoker.domain.records import Worker
@@ -12,9 +13,12 @@ logger = logging.getLogger("stoker")
 DEBUG, INFO, WARNING, ERROR = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
 
 
+_NEEDS_QUOTES = re.compile(r'[ ="]')
+
+
 def _fmt(value: Any) -> str:
-    text = str(value)
-    if not text or any(c in text for c in ' ="'):
+    text = value if type(value) is str else str(value)
+    if not text or _NEEDS_QUOTES.search(text):
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return text
 

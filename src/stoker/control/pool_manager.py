@@ -781,7 +781,10 @@ class PoolManager:
                 await self._give_back(worker)
                 return None
             self.remember(activating)
-            self.spawn_task(self._set_busy(activating, True), f"busy:{worker.id}")
+            if not worker.activated:
+                # First activation: from now on the worker holds an org's data. A reused
+                # worker is still marked busy from its first session.
+                self.spawn_task(self._set_busy(activating, True), f"busy:{worker.id}")
             token = self.ids.token()
             started = self.clock.monotonic()
             if pool.activation is Activation.HTTP:
@@ -792,7 +795,11 @@ class PoolManager:
                     token=token,
                     config=dict(a.req.config),
                 )
-                heartbeat = self.spawn_task(self._heartbeat(activating.id), f"hb:{worker.id}")
+                # The heartbeat starts only if activation outlasts one interval: most take
+                # milliseconds, and a timer is cheaper than a task on the claim path.
+                heartbeat = asyncio.get_running_loop().call_later(
+                    pool.timeouts.activation_s / 3, self._start_heartbeat, activating.id
+                )
                 try:
                     await self.runtime.activate(activating, payload, pool.timeouts.activation_s)
                 except RuntimeFailure as exc:
@@ -853,6 +860,9 @@ class PoolManager:
         )
         return claim
 
+    def _start_heartbeat(self, worker_id: str) -> None:
+        self.spawn_task(self._heartbeat(worker_id), f"hb:{worker_id}")
+
     async def _heartbeat(self, worker_id: str) -> None:
         """Re-stamp an activating worker so the stuck sweep knows its activation is alive."""
         worker = self.known.get(worker_id)
@@ -861,13 +871,13 @@ class PoolManager:
         pool = self.pools.get(worker.pool)
         interval = (pool.timeouts.activation_s if pool else 30.0) / 3
         while True:
-            await self.clock.sleep(interval)
             current = self.known.get(worker_id)
             if current is None or current.state is not S.ACTIVATING:
                 return
             stamped = await self.lifecycle.heartbeat(current)
             if stamped is not None:
                 self.remember(stamped)
+            await self.clock.sleep(interval)
 
     async def _set_busy(self, worker: Worker, busy: bool) -> None:
         try:
@@ -932,7 +942,8 @@ class PoolManager:
 
     async def _end(self, claim: Claim, state: ClaimState) -> Claim:
         pool = self.pools.get(claim.pool)
-        worker = await self.store.get_worker(claim.worker_id)
+        # Only the revision is needed, which never changes: memory will do when it knows.
+        worker = self.known.get(claim.worker_id) or await self.store.get_worker(claim.worker_id)
         reuse = (
             pool is not None
             and pool.reuse is Reuse.SAME_ORG
