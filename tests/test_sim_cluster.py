@@ -681,6 +681,50 @@ async def test_the_background_follows_its_target(make_cluster: MakeCluster) -> N
     assert settled.live_pods == settled.desired_pods  # all created within 30 s
 
 
+# -- what the report reads -------------------------------------------------------------------
+
+
+async def test_the_snapshot_accounts_nodes_pods_resources_and_cost(
+    make_cluster: MakeCluster,
+) -> None:
+    """Counts by state, type and phase; requests by class and tracked label; node-hours."""
+    cluster = await make_cluster(
+        node_pools=(pool(initial_nodes={"m5.xlarge": 2}),), track_labels=("stoker.dev/state",)
+    )
+    await cluster.api.create_pod(pod("hot", labels={"stoker.dev/state": "hot"}))
+    await cluster.api.create_pod(pod("warm", cpu="500m", labels={"stoker.dev/state": "warm"}))
+    await cluster.api.create_pod(pod("huge", cpu="64"))
+    await at(cluster, 5)
+    early = cluster.snapshot()
+    assert early.pods_by_phase == {"Pending": 3}
+    assert (early.pods_starting, early.pods_unschedulable) == (2, 1)
+    await at(cluster, 3600)
+    snapshot = cluster.snapshot()
+    assert snapshot.nodes_by_state == {"launching": 0, "ready": 2, "draining": 0, "terminated": 0}
+    assert snapshot.nodes_by_instance_type == {"m5.xlarge": 2}
+    assert snapshot.pods_by_phase == {"Running": 2, "Pending": 1}
+    assert snapshot.pods_by_namespace == {"default": 3, "background": 0}
+    assert snapshot.allocatable.cpu == 2 * 3.795
+    assert snapshot.requested.cpu == 1.5 and snapshot.requested.pods == 2
+    assert snapshot.requested_by_priority_class[WORKER].cpu == 1.5
+    by_state = snapshot.requested_by_label["stoker.dev/state"]
+    assert (by_state["hot"].cpu, by_state["warm"].cpu) == (1.0, 0.5)
+    assert snapshot.node_cost_usd == pytest.approx(2 * 0.192)  # two nodes for one hour
+    assert snapshot.node_cost_usd_per_hour == pytest.approx(2 * 0.192)
+
+    await cluster.api.patch_pod("warm", labels={"stoker.dev/state": "hot"})
+    assert cluster.snapshot().requested_by_label["stoker.dev/state"]["hot"].cpu == 1.5
+    usage = {u.name: u for u in cluster.pod_usage()}
+    assert (usage["hot"].cpu, usage["hot"].memory_bytes, usage["hot"].priority) == (
+        1.0,
+        1 << 30,
+        10_000,
+    )
+    (node, _) = cluster.nodes()
+    assert (node.requested.cpu, node.requested.pods) == (1.5, 2)
+    assert json.loads(json.dumps(snapshot.as_dict()))["requested"]["cpu"] == 1.5
+
+
 # -- the API server and its faults -----------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ import re
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import (
@@ -73,25 +74,24 @@ def _check_name(kind: str, name: str) -> None:
         raise Invalid(f"{kind} name {name!r} is not a DNS-1123 subdomain", status=422)
 
 
-# Label pairs already found valid: a simulated fleet creates the same ones many times.
-_VALID_LABELS: set[tuple[str, str]] = set()
-_VALID_LABELS_MAX = 100_000
-
-
 def _check_labels(labels: Mapping[str, str]) -> None:
     for key, value in labels.items():
-        if (key, value) in _VALID_LABELS:
-            continue
-        prefix, _, name = key.rpartition("/")
-        if "/" in key and (not prefix or len(prefix) > 253 or not _NAME.fullmatch(prefix)):
-            raise Invalid(f"label key {key!r}: invalid prefix", status=422)
-        if len(name) > 63 or not _LABEL_NAME.fullmatch(name):
-            raise Invalid(f"label key {key!r}: invalid name", status=422)
-        if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
-            raise Invalid(f"label {key!r}: invalid value {value!r}", status=422)
-        if len(_VALID_LABELS) >= _VALID_LABELS_MAX:
-            _VALID_LABELS.clear()
-        _VALID_LABELS.add((key, value))
+        problem = _label_problem(key, value)
+        if problem is not None:
+            raise Invalid(problem, status=422)
+
+
+# Cached: a simulated fleet creates the same label pairs on thousands of pods.
+@lru_cache(maxsize=65536)
+def _label_problem(key: str, value: str) -> str | None:
+    prefix, _, name = key.rpartition("/")
+    if "/" in key and (not prefix or len(prefix) > 253 or not _NAME.fullmatch(prefix)):
+        return f"label key {key!r}: invalid prefix"
+    if len(name) > 63 or not _LABEL_NAME.fullmatch(name):
+        return f"label key {key!r}: invalid name"
+    if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+        return f"label {key!r}: invalid value {value!r}"
+    return None
 
 
 def _matches(labels: Mapping[str, str], selector: Selector) -> bool:

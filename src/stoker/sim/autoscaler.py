@@ -2,27 +2,33 @@
 
 Provisioning batches the pods the scheduler marked Unschedulable: a batch closes
 `batch_idle_s` after the last new pod or `batch_max_s` after the first (Karpenter's
-`BATCH_IDLE_DURATION` 1 s and `BATCH_MAX_DURATION` 10 s). The pods are packed first
-into nodes still launching (their capacity is already on the way, as Karpenter counts
-in-flight NodeClaims), then, largest first, into new nodes of the largest instance type
-that fits; each new node is then shrunk to the cheapest type that holds what was packed
-into it, and launched. It becomes Ready after the pool's provisioning delay; the
-scheduler, not the plan, decides where pods go.
+`BATCH_IDLE_DURATION` 1 s and `BATCH_MAX_DURATION` 10 s). Like Karpenter's scheduling
+simulation, the plan first counts room left on Ready nodes (the scheduler, bound by its
+bind rate, may just not have reached those pods yet) and on nodes still launching
+(in-flight NodeClaims); what is left goes, largest shapes first, into new nodes of the
+largest instance type that fits, each then shrunk to the cheapest type that holds what
+was packed into it, within the pool's CPU limit. A node becomes Ready after the pool's
+provisioning delay; the scheduler, not the plan, decides where pods go.
 
-Consolidation runs every `consolidation_interval_s` (Karpenter's disruption controller
+Consolidation polls every `consolidation_interval_s` (Karpenter's disruption controller
 polls every 10 s). Per pool it takes nodes whose last pod was bound or removed at least
 `consolidate_after` ago and that hold no `karpenter.sh/do-not-disrupt` pod, no pod whose
-PodDisruptionBudget allows no eviction, and no capacity held for a preemptor. Empty
-nodes go first; with `WhenEmptyOrUnderutilized`, so do nodes whose pods all fit on the
-other Ready nodes (a scheduling simulation; the nodes with the most free CPU are tried
-first, at most `max_underutilized_candidates` per pass, where Karpenter orders by a
-disruption cost that counts pods). The pool's budget (`nodes: 10%` by
-default, minus nodes already draining) caps how many start per pass. A chosen node is
-cordoned and drained through the Eviction API: a 429 from a budget is retried every
-`eviction_retry_s` (2 s, as bigfleet's drain does), do-not-disrupt pods that appear
-during the drain are waited for, and the node is terminated when its last pod is gone.
-Karpenter's replacement consolidation (a cheaper node instead of a deletion) is not
-modelled.
+PodDisruptionBudget allows no eviction, and no capacity held for a preemptor. A poll
+makes one command per pool: its empty candidates if there are any, else (with
+`WhenEmptyOrUnderutilized`) the under-used nodes whose pods all fit on the other Ready
+nodes (a scheduling simulation; candidates come from the nodes with the most free CPU
+and are tried fewest pods first, at most `max_underutilized_candidates` of them and
+`max_simulated_pods` pods per poll). The pool's budget (`nodes: 10%` by default, minus
+nodes already draining) caps the command. As in Karpenter, a command is held for
+`validation_s` (its `consolidationTTL`, 15 s) and re-checked — a node that got or lost
+a pod meanwhile, or got a do-not-disrupt pod, is spared — and the disruption loop waits
+for it: the next poll comes `consolidation_interval_s` after it ran.
+
+A chosen node is cordoned and drained through the Eviction API: a 429 from a budget is
+retried every `eviction_retry_s` (2 s, as bigfleet's drain does), do-not-disrupt pods
+that appear during the drain are waited for, and the node is terminated when its last
+pod is gone. Karpenter's replacement consolidation (a cheaper node instead of a
+deletion), drift and expiry are not modelled.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from stoker.sim.disruption import DisruptionBudgets, EvictionVerdict, PodDisruptionBudget
+from stoker.sim.disruption import PodDisruptionBudget
 from stoker.sim.model import (
     LABEL_HOSTNAME,
     LABEL_INSTANCE_TYPE,
@@ -56,7 +62,8 @@ Shape = tuple[int, int, list[SimPod]]
 
 @dataclass(frozen=True, slots=True)
 class AutoscalerConfig:
-    """Switches and timings; per-pool settings live in `NodePoolConfig`."""
+    """Switches and timings (sources in the module docstring); per-pool settings such as
+    `consolidate_after_s` and the node budget live in `NodePoolConfig`."""
 
     provisioning: bool = True
     consolidation: bool = True
@@ -66,6 +73,9 @@ class AutoscalerConfig:
     validation_s: float = 15.0
     eviction_retry_s: float = 2.0
     max_underutilized_candidates: int = 20
+    #: Pods one poll may simulate moving (Karpenter bounds its consolidation searches by
+    #: time; a bound on work keeps a large simulated cluster cheap and deterministic).
+    max_simulated_pods: int = 400
 
 
 @dataclass(slots=True)
@@ -114,6 +124,7 @@ class _Bin:
         self.free_pods -= len(pods)
 
     def used(self) -> tuple[int, int, int]:
+        """Millicores, bytes and pods planned onto this node."""
         return (
             self.alloc_cpu - self.free_cpu,
             self.alloc_mem - self.free_mem,
@@ -215,8 +226,9 @@ class Provisioner:
     ) -> list[tuple[InstanceType, list[SimPod]]]:
         """New nodes (the cheapest type for what each holds) for pods of these shapes.
 
-        With `in_flight`, nodes of the pool still launching take pods first. Pods of one
-        shape are packed in bulk: as many as fit go into the best-fitting node at once.
+        With `in_flight`, room left on Ready nodes and nodes still launching take pods
+        first. Pods of one shape are packed in bulk: as many as fit go into the
+        best-fitting node at once.
         """
         wanted_type = dict(node_filter).get(LABEL_INSTANCE_TYPE)
         types = [
@@ -230,27 +242,52 @@ class Provisioner:
                 if node.state is NodeState.LAUNCHING:
                     bins.add(_Bin(node.instance_type, pool.allocatable[node.instance_type.name]))
         new_bins: list[_Bin] = []
-        for cpu, mem, pods in shapes:
-            placed = 0
-            while placed < len(pods):
-                slot = best_fit(bins, cpu, mem, candidates=4)
-                if slot is None:
-                    itype = _largest_fitting(pool, types, cpu, mem)
-                    if itype is None:
-                        self._counters.unprovisionable_pods += len(pods) - placed
-                        break
-                    slot = _Bin(itype, pool.allocatable[itype.name])
-                    new_bins.append(slot)
-                    bins.add(slot)
-                count = min(len(pods) - placed, slot.free_pods)
-                if cpu:
-                    count = min(count, slot.free_cpu // cpu)
-                if mem:
-                    count = min(count, slot.free_mem // mem)
-                slot.hold(pods[placed : placed + count], cpu, mem)
-                bins.update(slot)
-                placed += count
+        held: list[tuple[SimNode, int, int, int]] = []
+        try:
+            for cpu, mem, pods in shapes:
+                placed = 0
+                if in_flight:
+                    # Room left on Ready nodes comes first: the scheduler may simply not
+                    # have reached these pods yet (its bind rate), as Karpenter's
+                    # simulation counts existing nodes before it launches any.
+                    while placed < len(pods):
+                        ready = best_fit(
+                            pool.index, cpu, mem, candidates=4, node_filter=node_filter
+                        )
+                        if ready is None:
+                            break
+                        count = _fitting(ready, cpu, mem, len(pods) - placed)
+                        ready.take(cpu * count, mem * count, count)
+                        held.append((ready, cpu * count, mem * count, count))
+                        placed += count
+                while placed < len(pods):
+                    slot = best_fit(bins, cpu, mem, candidates=4)
+                    if slot is None:
+                        itype = _largest_fitting(pool, types, cpu, mem)
+                        if itype is None:
+                            self._counters.unprovisionable_pods += len(pods) - placed
+                            break
+                        slot = _Bin(itype, pool.allocatable[itype.name])
+                        new_bins.append(slot)
+                        bins.add(slot)
+                    count = _fitting(slot, cpu, mem, len(pods) - placed)
+                    slot.hold(pods[placed : placed + count], cpu, mem)
+                    bins.update(slot)
+                    placed += count
+        finally:
+            for node, cpu_held, mem_held, count in held:
+                node.take(-cpu_held, -mem_held, -count)
         return [(_cheapest_holding(pool, types, *b.used()), b.members) for b in new_bins]
+
+
+def _fitting(slot: SimNode | _Bin, cpu: int, mem: int, wanted: int) -> int:
+    """How many of `wanted` pods of this shape fit in the slot's free capacity."""
+    count = min(wanted, slot.free_pods)
+    if cpu:
+        count = min(count, slot.free_cpu // cpu)
+    if mem:
+        count = min(count, slot.free_mem // mem)
+    return count
 
 
 def _largest_fitting(
@@ -293,7 +330,6 @@ class Consolidator:
         config: AutoscalerConfig,
         fleet: NodeFleet,
         scheduler: Scheduler,
-        budgets: DisruptionBudgets,
         evict: Callable[[SimPod], bool],
         timeline: Timeline,
         counters: AutoscalerCounters,
@@ -301,7 +337,6 @@ class Consolidator:
         self._config = config
         self._fleet = fleet
         self._scheduler = scheduler
-        self._budgets = budgets
         self._evict = evict
         self._timeline = timeline
         self._counters = counters
@@ -369,6 +404,7 @@ class Consolidator:
         now = self._timeline.now()
 
         def eligible(node: SimNode) -> bool:
+            """Not pinned, nothing reserved on it, quiet for `consolidate_after`."""
             return not node.dnd_pods and not node.nominated and now - node.last_pod_event >= after
 
         empty: list[SimNode] = []
@@ -381,8 +417,9 @@ class Consolidator:
             return _EMPTY, empty
         if pool.config.consolidation_policy is not ConsolidationPolicy.WHEN_EMPTY_OR_UNDERUTILIZED:
             return _EMPTY, []
-        # The emptiest nodes first (most free CPU): the cheapest to move, the likeliest
-        # to fit elsewhere. The scan is bounded so that a full cluster costs little.
+        # Candidates come from the emptiest nodes (most free CPU), the likeliest to fit
+        # elsewhere, and are tried fewest pods first (Karpenter's disruption cost counts
+        # pods). The scan is bounded so that a full cluster costs little.
         wanted = self._config.max_underutilized_candidates
         candidates: list[SimNode] = []
         for scanned, node in enumerate(pool.index.descending()):
@@ -390,6 +427,7 @@ class Consolidator:
                 break
             if node.pods and eligible(node):
                 candidates.append(node)
+        candidates.sort(key=lambda node: (len(node.pods), node.seq))
         return _UNDERUTILIZED, self._simulate(candidates, allowed, leaving=[])
 
     def _simulate(
@@ -410,9 +448,13 @@ class Consolidator:
         targets: dict[SimNode, None] = {}
         budget_left: dict[PodDisruptionBudget, int] = {}
         chosen: list[SimNode] = []
+        # Shapes that found no room: capacity only shrinks during the pass, so a pod at
+        # least as large (with the same eligibility) finds none either.
+        hopeless: list[tuple[int, int, tuple[NodePool, ...], NodeFilter]] = []
+        simulated = 0
         try:
             for node in candidates:
-                if len(chosen) >= allowed:
+                if len(chosen) >= allowed or simulated >= self._config.max_simulated_pods:
                     break
                 if node in targets or not self._evictable(node, budget_left):
                     continue
@@ -424,8 +466,19 @@ class Consolidator:
                 for pod in sorted(node.pods, key=lambda p: (-p.cpu, -p.mem, p.seq)):
                     if pod.terminating:
                         continue
+                    simulated += 1
+                    if any(
+                        pod.cpu >= cpu
+                        and pod.mem >= mem
+                        and pod.pools == pools
+                        and pod.node_filter == node_filter
+                        for cpu, mem, pools, node_filter in hopeless
+                    ):
+                        fits = False
+                        break
                     target = self._scheduler.find_node(pod)
                     if target is None:
+                        hopeless.append((pod.cpu, pod.mem, pod.pools, pod.node_filter))
                         fits = False
                         break
                     target.take(pod.cpu, pod.mem, 1)
@@ -454,14 +507,13 @@ class Consolidator:
         """Every pod can be evicted under its budget, counting evictions planned this pass."""
         wanted: dict[PodDisruptionBudget, int] = {}
         for pod in node.pods:
-            if pod.terminating:
+            budgets = pod.pdbs
+            if not budgets or pod.terminating:
                 continue
-            verdict = self._budgets.verdict(pod)
-            if verdict is EvictionVerdict.AMBIGUOUS:
-                return False
-            if pod.pdbs and pod.ready:
-                budget = pod.pdbs[0]
-                wanted[budget] = wanted.get(budget, 0) + 1
+            if len(budgets) > 1:
+                return False  # the Eviction API answers 500 for such a pod
+            if pod.ready:
+                wanted[budgets[0]] = wanted.get(budgets[0], 0) + 1
         for budget, count in wanted.items():
             left = budget_left.get(budget, budget.disruptions_allowed())
             if count > left:

@@ -211,6 +211,7 @@ class _Totals:
         self.by_label: dict[str, dict[str, list[int]]] = {key: {} for key in track_labels}
 
     def add(self, pod: SimPod, sign: int) -> None:
+        """Count `pod` in (sign +1) or out (sign -1)."""
         self.cpu += sign * pod.cpu
         self.mem += sign * pod.mem
         self.pods += sign
@@ -288,7 +289,6 @@ class SimCluster:
             config=config.autoscaler,
             fleet=self.fleet,
             scheduler=self.scheduler,
-            budgets=self.budgets,
             evict=self._evict,
             timeline=self.timeline,
             counters=self._autoscaler_counters,
@@ -737,6 +737,7 @@ class SimCluster:
 
     def _collector(self, pod: SimPod) -> Callable[[], None]:
         def collect() -> None:
+            """Force-delete the orphaned pod unless it went meanwhile."""
             if not pod.gone:
                 pod.server.delete_pod_nowait(pod.name, 0)
 

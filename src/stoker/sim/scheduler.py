@@ -115,6 +115,8 @@ class Scheduler:
         self._groups: dict[_GroupKey, _Group] = {}
         self._nominated: dict[SimPod, None] = {}
         self._retry = False
+        #: (cpu, mem, priority, pools, filter) of preemptions that found no node this pass.
+        self._hopeless: list[tuple[int, int, int, _GroupKey]] = []
         self._tokens = float(config.bind_burst)
         self._stamp: float | None = None
         self._trigger = Trigger(timeline, self._pass)
@@ -215,6 +217,7 @@ class Scheduler:
             for group in self._groups.values():
                 self._queue_group(group)
         failed: list[_GroupKey] = []
+        self._hopeless = []
         while self._queue and self._tokens >= 1.0:
             _, _, counter, item = heapq.heappop(self._queue)
             if isinstance(item, SimPod):
@@ -314,6 +317,22 @@ class Scheduler:
     # -- preemption ------------------------------------------------------------------------
 
     def _preempt(self, pod: SimPod) -> bool:
+        key = _group_key(pod)
+        for cpu, mem, priority, known in self._hopeless:
+            # Larger and less important than a pod that found no victims: no victims either.
+            if (
+                pod.cpu >= cpu
+                and pod.mem >= mem
+                and pod.priority <= priority
+                and key[2:] == known[2:]
+            ):
+                return False
+        found = self._try_preempt(pod)
+        if not found:
+            self._hopeless.append((pod.cpu, pod.mem, pod.priority, key))
+        return found
+
+    def _try_preempt(self, pod: SimPod) -> bool:
         best: tuple[tuple[int, int, int, int], SimNode, list[SimPod]] | None = None
         evaluated = 0
         seen: dict[SimNode, None] = {}
@@ -323,6 +342,8 @@ class Scheduler:
                     if node in seen or node.state is not NodeState.READY:
                         continue
                     seen[node] = None
+                    if node.alloc_cpu < pod.cpu or node.alloc_mem < pod.mem:
+                        continue
                     if pod.node_filter and not all(
                         node.labels.get(k) == v for k, v in pod.node_filter
                     ):
