@@ -201,6 +201,24 @@ def test_serve_rejects_a_bad_config_naming_the_key(tmp_path: Path) -> None:
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
 
 
+def test_serve_announces_its_runtime_and_elector(server: Server) -> None:
+    line = server.lines[-1]
+    assert "store: sqlite:///./stoker.db; runtime: local; leader election: none;" in line
+
+
+def test_serve_names_the_key_when_kubernetes_credentials_do_not_load(tmp_path: Path) -> None:
+    (tmp_path / "k8s.yaml").write_text(
+        f"runtime: {{kind: kubernetes, kubeconfig: {tmp_path}/missing}}\n"
+        "api: {port: 0}\npools:\n  - {name: db, pod: {image: 'worker:1'}}\n"
+    )
+    result = run(["serve", "-c", str(tmp_path / "k8s.yaml")])
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("config error: runtime.kubeconfig: cannot load the Kubernetes")
+    assert f"{tmp_path}/missing" in line
+    assert "listening" not in result.stdout
+
+
 def test_serve_refuses_a_public_address_without_tokens(tmp_path: Path) -> None:
     result = subprocess.run(
         [STOKER, "serve"],
@@ -248,13 +266,27 @@ def test_serve_with_a_store_it_cannot_open_says_why(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def settled(url: str, fleet: str) -> bool:
+    """Nothing spawning, the pool at its desired warm count, one process per live worker."""
+    pool = httpx.get(f"{url}/v1/pools/demo", timeout=5).json()
+    counts = pool["counts"]
+    return (
+        counts["spawning"] == 0
+        and counts["warm"] >= pool["desired_warm"]
+        and len(fleet_processes(fleet)) == sum(counts.values())
+    )
+
+
 def test_sigterm_drains_and_leaves_workers_for_the_next_start(tmp_path: Path) -> None:
     fleet = f"test-{uuid.uuid4().hex[:8]}"
     try:
         first = start_server(tmp_path, config=config(fleet, warm_target=2))
         claimed = json.loads(run(["claim", "-p", "demo", "-o", "acme"], url=first.url).stdout)
-        assert wait_until(lambda: len(fleet_processes(fleet)) >= 2, timeout=10)
+        # Wait for the pool to settle (the claim makes the janitor spawn a replacement),
+        # so that the workers counted here are all the workers there will be.
+        assert wait_until(lambda: settled(first.url, fleet), timeout=15)
         workers = {p.pid for p in fleet_processes(fleet)}
+        assert len(workers) >= 2
         assert first.stop(signal.SIGTERM) == 0
         assert "stoker stopped" in first.tail
         assert "event=control_plane_stopped" in first.log()

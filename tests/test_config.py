@@ -7,16 +7,19 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stoker.config import (
     DEMO_COMMAND,
     IntervalsConfig,
+    KubernetesRuntimeConfig,
     StokerConfig,
+    is_label_value,
     load_config,
     to_domain,
 )
 from stoker.domain.errors import ConfigError
-from stoker.domain.specs import Activation, PlaneSettings, ProcessTemplate
+from stoker.domain.specs import Activation, PlaneSettings, PodTemplate, ProcessTemplate
 from stoker.domain.states import Reuse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,16 +138,9 @@ def test_a_wrong_key_or_value_names_the_key(tmp_path: Path, text: str, expected:
     assert expected in errors_of(tmp_path, text)
 
 
-def test_kubernetes_runtime_is_refused_until_it_exists(tmp_path: Path) -> None:
-    [line] = errors_of(tmp_path, "runtime: {kind: kubernetes, namespace: workers}\n")
-    assert line.startswith("config error: runtime: ")
-    assert "'kubernetes' is not available in this version" in line
-    assert "supported: local" in line
-
-
 def test_unknown_runtime_kind(tmp_path: Path) -> None:
     [line] = errors_of(tmp_path, "runtime: {kind: nomad}\n")
-    assert "unknown kind 'nomad'" in line
+    assert line == "config error: runtime: unknown kind 'nomad'; supported: kubernetes, local"
 
 
 def test_short_tokens_are_rejected_without_printing_them(tmp_path: Path) -> None:
@@ -251,3 +247,472 @@ def test_fleet_name_follows_the_store(tmp_path: Path) -> None:
     pg2 = StokerConfig(store="postgresql://u:secret2@db/stoker")
     # A rotated password is the same fleet.
     assert pg1.fleet_name() == pg2.fleet_name()
+
+
+# -- the kubernetes runtime, pod templates and leader election -------------------------------
+
+K8S_POOL = "pools:\n  - {name: db, pod: {image: 'ghcr.io/acme/db-worker:1.2'}}\n"
+K8S = "runtime: {kind: kubernetes}\n" + K8S_POOL
+
+FULL_KUBERNETES = """
+fleet: acme-prod
+store: postgresql://stoker@db/stoker
+leader_election:
+  kind: kubernetes
+  lease_name: acme-janitor
+  lease_duration_s: 30
+  renew_deadline_s: 20
+  retry_period_s: 4
+runtime:
+  kind: kubernetes
+  namespace: workers
+  kubeconfig: /etc/stoker/kubeconfig
+  context: prod
+  qps: 20
+  burst: 40
+  resync_s: 120
+  placeholder_priority_class: stoker-placeholder
+  placeholder_image: registry.example/pause:3.10
+  placeholder_size: {cpu: 8, memory: 32Gi}
+pools:
+  - name: db
+    pod:
+      image: ghcr.io/acme/db-worker:1.2
+      command: [/bin/engine]
+      args: [--port, "{port}"]
+      env: {MODE: fast}
+      cpu: "2"
+      memory: 4Gi
+      port: 9000
+      node_selector: {node.kubernetes.io/instance-type: m7i.2xlarge}
+      tolerations:
+        - {key: dedicated, operator: Equal, value: db, effect: NoSchedule}
+        - {key: spot, operator: Exists, effect: NoExecute, tolerationSeconds: 30}
+      priority_class: stoker-worker
+      service_account: db-worker
+      labels: {team: data}
+      annotations: {example.com/owner: data-team}
+    warm_target: 4
+    headroom_nodes: 2
+"""
+
+
+def test_the_kubernetes_runtime_takes_every_key(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, FULL_KUBERNETES), {}).config
+    runtime = config.runtime
+    assert isinstance(runtime, KubernetesRuntimeConfig)
+    assert (runtime.namespace, runtime.kubeconfig, runtime.context) == (
+        "workers",
+        "/etc/stoker/kubeconfig",
+        "prod",
+    )
+    assert (runtime.qps, runtime.burst, runtime.resync_s) == (20, 40, 120)
+    assert runtime.placeholder_priority_class == "stoker-placeholder"
+    assert runtime.placeholder_image == "registry.example/pause:3.10"
+    assert runtime.placeholder_size is not None
+    assert (runtime.placeholder_size.cpu, runtime.placeholder_size.memory) == ("8", "32Gi")
+    assert config.elector_kind() == "kubernetes"
+    assert config.janitor_lease_name() == "acme-janitor"
+    election = config.leader_election
+    assert (election.lease_duration_s, election.renew_deadline_s, election.retry_period_s) == (
+        30,
+        20,
+        4,
+    )
+
+
+def test_kubernetes_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, K8S), {}).config
+    runtime = config.runtime
+    assert isinstance(runtime, KubernetesRuntimeConfig)
+    assert (runtime.namespace, runtime.kubeconfig, runtime.context) == (None, None, None)
+    assert (runtime.qps, runtime.burst, runtime.resync_s) == (50, 100, 300)
+    assert runtime.placeholder_priority_class is None
+    assert runtime.placeholder_image == "registry.k8s.io/pause:3.10"
+    assert runtime.placeholder_size is None
+    assert config.pools[0].headroom_nodes == 0
+    # SQLite: one replica, no elector.
+    assert (config.elector_kind(), config.janitor_lease_name()) == ("none", None)
+
+
+def test_a_pod_maps_onto_the_domain_pod_template(tmp_path: Path) -> None:
+    domain = to_domain(load_config(write(tmp_path, FULL_KUBERNETES), {}).config)
+    [pool] = domain.pools
+    assert pool.template == PodTemplate(
+        image="ghcr.io/acme/db-worker:1.2",
+        command=("/bin/engine",),
+        args=("--port", "{port}"),
+        env={"MODE": "fast"},
+        cpu="2",
+        memory="4Gi",
+        port=9000,
+        node_selector={"node.kubernetes.io/instance-type": "m7i.2xlarge"},
+        tolerations=(
+            {"key": "dedicated", "operator": "Equal", "value": "db", "effect": "NoSchedule"},
+            {"key": "spot", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+        ),
+        priority_class="stoker-worker",
+        service_account="db-worker",
+        labels={"team": "data"},
+        annotations={"example.com/owner": "data-team"},
+    )
+    assert (pool.headroom_nodes, pool.warm_target) == (2, 4)
+
+
+def test_a_minimal_pod_gets_the_domain_defaults(tmp_path: Path) -> None:
+    [pool] = to_domain(load_config(write(tmp_path, K8S), {}).config).pools
+    assert pool.template == PodTemplate(image="ghcr.io/acme/db-worker:1.2")
+
+
+def test_numbers_are_quantities(tmp_path: Path) -> None:
+    text = (
+        "runtime: {kind: kubernetes}\npools:\n"
+        "  - {name: db, pod: {image: i, cpu: 0.5, memory: 4294967296}}\n"
+        "  - {name: web, pod: {image: i, cpu: 2.0, memory: 512Mi}}\n"
+    )
+    db, web = to_domain(load_config(write(tmp_path, text), {}).config).pools
+    assert isinstance(db.template, PodTemplate) and isinstance(web.template, PodTemplate)
+    assert (db.template.cpu, db.template.memory) == ("0.5", "4294967296")
+    assert (web.template.cpu, web.template.memory) == ("2", "512Mi")
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "lease"),
+    [
+        ("{}\n", "none", None),
+        ("store: postgresql://u@db/s\n", "store", "janitor"),
+        ("store: postgresql://u@db/s\nleader_election: none\n", "none", None),
+        ("leader_election: store\n", "store", "janitor"),
+        ("leader_election: {kind: store, lease_name: jan-2}\n", "store", "jan-2"),
+        ("leader_election: auto\n", "none", None),
+        ("fleet: blue\nleader_election: kubernetes\n" + K8S, "kubernetes", "blue-janitor"),
+        ("fleet: blue\nleader_election: {kind: kubernetes}\n" + K8S, "kubernetes", "blue-janitor"),
+    ],
+)
+def test_leader_election_kind_and_lease_name(
+    tmp_path: Path, text: str, kind: str, lease: str | None
+) -> None:
+    config = load_config(write(tmp_path, text), {}).config
+    assert (config.elector_kind(), config.janitor_lease_name()) == (kind, lease)
+
+
+def test_leader_election_timings_default_to_client_go() -> None:
+    election = StokerConfig().leader_election
+    assert election.kind == "auto" and election.lease_name is None
+    assert (election.lease_duration_s, election.renew_deadline_s, election.retry_period_s) == (
+        15,
+        10,
+        2,
+    )
+
+
+def test_leader_election_from_the_environment(tmp_path: Path) -> None:
+    # The shorthand in the file, one of its keys from the environment.
+    path = write(tmp_path, "leader_election: store\n")
+    config = load_config(path, {"STOKER_LEADER_ELECTION__LEASE_NAME": "j2"}).config
+    assert (config.elector_kind(), config.janitor_lease_name()) == ("store", "j2")
+    config = load_config(None, {"STOKER_LEADER_ELECTION": "store"}).config
+    assert config.elector_kind() == "store"
+    config = load_config(None, {"STOKER_LEADER_ELECTION__RETRY_PERIOD_S": "1"}).config
+    assert config.leader_election.retry_period_s == 1
+
+
+def test_kubernetes_lease_name_follows_the_fleet() -> None:
+    config = StokerConfig.model_validate(
+        {
+            "runtime": {"kind": "kubernetes"},
+            "leader_election": "kubernetes",
+            "pools": [{"name": "db", "pod": {"image": "i"}}],
+        }
+    )
+    assert config.janitor_lease_name() == f"{config.fleet_name()}-janitor"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # The template must match the runtime: pod with kubernetes, command with local.
+        (
+            "pools:\n  - {name: p, pod: {image: i}}\n",
+            [
+                "config error: pools[0].pod: needs runtime.kind kubernetes; the local runtime "
+                "runs a command"
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, command: [x]}\n",
+            [
+                "config error: pools[0].command: runs a local process, but runtime.kind is "
+                "kubernetes: give the pool a pod instead"
+            ],
+        ),
+        (
+            "pools:\n  - {name: p, command: [x], pod: {image: i}}\n",
+            [
+                "config error: pools[0]: set command (runtime.kind local) or pod "
+                "(runtime.kind kubernetes), not both"
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p}\n",
+            ["config error: pools[0].pod: required"],
+        ),
+        (
+            "runtime: {kind: kubernetes}\n",
+            [
+                "config error: pools: required with runtime.kind kubernetes (the built-in demo "
+                "pool runs a local process): give each pool a pod"
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n"
+            "  - {name: p, pod: {image: i}, env: {A: b}, memory_mb: 128}\n",
+            [
+                "config error: pools[0].env: is for the local runtime only (set pod.env)",
+                "config error: pools[0].memory_mb: is for the local runtime only (set pod.memory)",
+            ],
+        ),
+        # Headroom: kubernetes only, and only with a placeholder priority class.
+        (
+            "pools:\n  - {name: p, command: [x], headroom_nodes: 1}\n",
+            [
+                "config error: pools[0].headroom_nodes: needs runtime.kind kubernetes "
+                "(placeholder pods hold spare nodes)"
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: db, pod: {image: i}, "
+            "headroom_nodes: 2}\n  - {name: web, pod: {image: i}, headroom_nodes: 1}\n",
+            [
+                "config error: runtime.placeholder_priority_class: required when a pool has "
+                "headroom_nodes > 0 (db, web): without a class below the workers', no worker "
+                "could preempt a placeholder"
+            ],
+        ),
+        # Leader election where it cannot work, and timings that cannot hold.
+        (
+            "leader_election: kubernetes\n",
+            [
+                "config error: leader_election.kind: kubernetes needs runtime.kind kubernetes "
+                "(the Lease lives in the runtime's namespace and is reached with its "
+                "credentials); with local workers use store, on a PostgreSQL store"
+            ],
+        ),
+        (
+            "fleet: Blue_Fleet\nleader_election: kubernetes\n" + K8S,
+            [
+                "config error: leader_election.lease_name: 'Blue_Fleet-janitor' is not a valid "
+                "Kubernetes object name: at most 253 lowercase letters, digits, '-' or '.', "
+                "beginning and ending with a letter or digit (derived from fleet; set "
+                "leader_election.lease_name)"
+            ],
+        ),
+        (
+            "leader_election: {kind: store, lease_duration_s: 10}\n",
+            ["config error: leader_election.lease_duration_s: must exceed renew_deadline_s (10)"],
+        ),
+        (
+            "leader_election: {kind: store, renew_deadline_s: 2, lease_duration_s: 3}\n",
+            [
+                "config error: leader_election.renew_deadline_s: must exceed 1.2 x "
+                "retry_period_s (2), i.e. 2.4"
+            ],
+        ),
+        (
+            "leader_election: {retry_period_s: 0}\n",
+            ["config error: leader_election.retry_period_s: must be > 0"],
+        ),
+        (
+            "leader_election: zookeeper\n",
+            [
+                "config error: leader_election.kind: input should be 'auto', 'none', 'store' "
+                "or 'kubernetes'"
+            ],
+        ),
+        (
+            "leader_election: [store]\n",
+            [
+                "config error: leader_election: must be a mapping or one of none, store, "
+                "kubernetes, auto"
+            ],
+        ),
+        # Kubernetes names.
+        (
+            "fleet: blue-\n",
+            [
+                "config error: fleet: must be a valid Kubernetes label value: at most 63 "
+                "letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
+            ],
+        ),
+        (
+            f"fleet: {'f' * 64}\n",
+            [
+                "config error: fleet: must be a valid Kubernetes label value: at most 63 "
+                "letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: db., pod: {image: i}}\n",
+            [
+                "config error: pools[0].name: with runtime.kind kubernetes, must be a valid "
+                "Kubernetes label value: at most 63 letters, digits, '-', '_' or '.', "
+                "beginning and ending with a letter or digit"
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes, namespace: Workers}\n" + K8S_POOL,
+            [
+                "config error: runtime.namespace: 'Workers' is not a valid namespace: at most "
+                "63 lowercase letters, digits or '-', beginning and ending with a letter or digit"
+            ],
+        ),
+        # Keys of the other runtime, and bounds, name the key without the union's tag.
+        (
+            "runtime: {kind: kubernetes, memory_budget_mb: 100}\n" + K8S_POOL,
+            ["config error: runtime.memory_budget_mb: unknown key"],
+        ),
+        ("runtime: {kind: local, qps: 5}\n", ["config error: runtime.qps: unknown key"]),
+        (
+            "runtime: {kind: kubernetes, qps: 0, burst: 0}\n" + K8S_POOL,
+            ["config error: runtime.qps: must be > 0", "config error: runtime.burst: must be >= 1"],
+        ),
+        (
+            "runtime: {kind: kubernetes, placeholder_size: {cpu: 8}}\n" + K8S_POOL,
+            ["config error: runtime.placeholder_size.memory: required"],
+        ),
+        # What the API server would refuse at every spawn is refused at start-up.
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: i, cpu: 0, "
+            "memory: lots}}\n",
+            [
+                "config error: pools[0].pod.cpu: '0' must be more than 0",
+                "config error: pools[0].pod.memory: 'lots' is not a Kubernetes quantity such "
+                "as 500m, 2, 512Mi or 4Gi",
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: i, tolerations: "
+            "[{operator: Equal}, {key: k, operator: Exists, value: v}, "
+            "{key: k, effect: NoSchedule, tolerationSeconds: 5}]}}\n",
+            [
+                "config error: pools[0].pod.tolerations[0]: a toleration without a key must "
+                "use operator Exists",
+                "config error: pools[0].pod.tolerations[1]: a toleration with operator Exists "
+                "takes no value",
+                "config error: pools[0].pod.tolerations[2]: tolerationSeconds needs effect "
+                "NoExecute",
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: i, labels: "
+            "{stoker.dev/pool: x, team: data}, annotations: "
+            "{karpenter.sh/do-not-disrupt: 'false'}}}\n",
+            [
+                "config error: pools[0].pod.labels.stoker.dev/pool: is set by stoker itself",
+                "config error: pools[0].pod.annotations.karpenter.sh/do-not-disrupt: is set by "
+                "stoker itself",
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: i, port: 0, "
+            "labels: {team: data-}}}\n",
+            [
+                "config error: pools[0].pod.port: must be >= 1",
+                "config error: pools[0].pod.labels.team: 'data-' is not a valid Kubernetes "
+                "label value: at most 63 letters, digits, '-', '_' or '.', beginning and "
+                "ending with a letter or digit",
+            ],
+        ),
+    ],
+)
+def test_kubernetes_and_election_errors_name_the_key(
+    tmp_path: Path, text: str, expected: list[str]
+) -> None:
+    assert errors_of(tmp_path, text) == expected
+
+
+def test_cross_section_errors_from_the_environment_name_the_variable(tmp_path: Path) -> None:
+    lines = errors_of(tmp_path, "{}\n", {"STOKER_LEADER_ELECTION__RENEW_DEADLINE_S": "16"})
+    assert lines == [
+        "config error: leader_election.lease_duration_s: must exceed renew_deadline_s (16)",
+    ]
+    lines = errors_of(tmp_path, "{}\n", {"STOKER_POOLS__0__HEADROOM_NODES": "1"})
+    assert lines == [
+        "config error: pools[0].headroom_nodes: needs runtime.kind kubernetes (placeholder "
+        "pods hold spare nodes) (from STOKER_POOLS__0__HEADROOM_NODES)"
+    ]
+
+
+def test_the_derived_fleet_is_a_label_value(tmp_path: Path) -> None:
+    long_path = tmp_path / ("d" * 200) / "stoker.db"
+    for store in (
+        f"sqlite:///{long_path}",
+        "sqlite:///:memory:",
+        "postgresql://user:pw@db.example:5432/stoker",
+    ):
+        fleet = StokerConfig(store=store).fleet_name()
+        assert is_label_value(fleet) and len(fleet) <= 63, fleet
+
+
+@pytest.mark.parametrize(
+    ("intervals", "rate", "burst"),
+    [
+        ("{}", 20, 40),  # unset: the client's budget
+        ("{spawn_rate: 100, spawn_burst: 500}", 20, 40),  # larger: the budget wins
+        ("{spawn_rate: 5, spawn_burst: 8}", 5, 8),  # smaller: the explicit value wins
+        ("{spawn_burst: 8}", 20, 8),
+    ],
+)
+def test_the_spawn_budget_is_the_kubernetes_client_budget(
+    tmp_path: Path, intervals: str, rate: float, burst: int
+) -> None:
+    text = f"runtime: {{kind: kubernetes, qps: 20, burst: 40}}\nintervals: {intervals}\n"
+    settings = to_domain(load_config(write(tmp_path, text + K8S_POOL), {}).config).settings
+    assert (settings.spawn_rate, settings.spawn_burst) == (rate, burst)
+
+
+def test_the_local_spawn_budget_is_the_intervals(tmp_path: Path) -> None:
+    settings = to_domain(load_config(write(tmp_path, "{}\n"), {}).config).settings
+    assert (settings.spawn_rate, settings.spawn_burst) == (50, 100)
+    text = "intervals: {spawn_rate: 500, spawn_burst: 900}\n"
+    settings = to_domain(load_config(write(tmp_path, text), {}).config).settings
+    assert (settings.spawn_rate, settings.spawn_burst) == (500, 900)
+
+
+def test_the_store_url_is_shown_without_its_password() -> None:
+    config = StokerConfig(store="postgresql://stoker:s3cret@db:5432/stoker")
+    assert config.store_display() == "postgresql://stoker@db:5432/stoker"
+    assert StokerConfig().store_display() == "sqlite:///./stoker.db"
+
+
+# -- the examples and the Kubernetes manifest ----------------------------------------------
+
+
+def test_the_kubernetes_example_is_the_deployed_configuration() -> None:
+    example = ROOT / "examples" / "kubernetes.yaml"
+    manifest = (ROOT / "deploy" / "kubernetes" / "04-configmap.yaml").read_text()
+    deployed = yaml.safe_load(manifest)["data"]["stoker.yaml"]
+    assert yaml.safe_load(example.read_text()) == yaml.safe_load(deployed)
+    # As deployed: the store and the tokens come from the Secret.
+    env = {
+        "STOKER_STORE": "postgresql://stoker:pw@postgres:5432/stoker",
+        "STOKER_API__ADMIN_TOKENS": "admin-token-0123456789",
+    }
+    config = load_config(example, env).config
+    assert isinstance(config.runtime, KubernetesRuntimeConfig)
+    assert config.elector_kind() == "kubernetes"
+    assert config.janitor_lease_name() == "stoker-janitor"
+    [pool] = to_domain(config).pools
+    assert isinstance(pool.template, PodTemplate) and pool.headroom_nodes == 1
+
+
+def test_the_replicas_example_elects_on_the_store() -> None:
+    example = ROOT / "examples" / "replicas.yaml"
+    loaded = load_config(example, {"STOKER_API__PORT": "8082"})
+    config = loaded.config
+    assert config.is_postgres and config.runtime.kind == "local"
+    assert (config.elector_kind(), config.janitor_lease_name()) == ("store", "janitor")
+    assert config.api.port == 8082
+    [pool] = to_domain(config).pools
+    assert isinstance(pool.template, ProcessTemplate)
+    assert pool.template.argv == tuple(DEMO_COMMAND)

@@ -1,7 +1,10 @@
 """Composition root: builds a `ControlPlane` from a validated config, and sets up logging.
 
-The one module that imports adapters and control together: it picks the store adapter
-from the store URL and the runtime from the `runtime` section.
+The one module that imports adapters and control together. It picks the store adapter
+from the store URL, the runtime from `runtime.kind` (local processes, or pods through a
+lightkube client), and the elector from `leader_election` (none, a lease row in the store,
+or a Kubernetes Lease). The plane, its runtime and its elector share one instance id, and
+every cluster client built here is closed when the plane stops.
 """
 
 from __future__ import annotations
@@ -9,16 +12,39 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, TextIO
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
+import yaml
+
+from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.store_sqlite import SqliteStore
-from stoker.config import StokerConfig, to_domain
+from stoker.config import KubernetesRuntimeConfig, StokerConfig, to_domain
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
+from stoker.domain.errors import ConfigError
 from stoker.ports.clock import Clock, LoopClock
+from stoker.ports.elector import Elector
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import Store
+
+if TYPE_CHECKING:
+    from stoker.adapters.cluster_lightkube import LightkubeCluster
+
+#: Where a pod finds its own namespace (mounted with its service account token).
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+#: The namespace of a server outside a cluster when `runtime.namespace` is null.
+DEFAULT_NAMESPACE = "default"
+#: Request budget of the elector's own cluster client. The elector makes about one request
+#: a second; on the runtime's client it would queue behind a spawn burst that uses the
+#: whole budget, miss its renew deadline and step down in the middle of the burst.
+ELECTOR_QPS = 5.0
+ELECTOR_BURST = 10
+
+#: Run at the end of `ControlPlane.stop`: closes what the plane's adapters do not own.
+Closer = Callable[[], Awaitable[None]]
 
 
 def build_store(config: StokerConfig) -> Store:
@@ -38,6 +64,136 @@ def build_store(config: StokerConfig) -> Store:
     return SqliteStore(config.sqlite_path())
 
 
+def kubernetes_namespace(
+    runtime: KubernetesRuntimeConfig, *, account_file: Path = SERVICE_ACCOUNT_NAMESPACE
+) -> str:
+    """`runtime.namespace`, else the pod's own namespace, else "default"."""
+    if runtime.namespace:
+        return runtime.namespace
+    try:
+        own = account_file.read_text(encoding="utf-8").strip()
+    except OSError:
+        return DEFAULT_NAMESPACE
+    return own or DEFAULT_NAMESPACE
+
+
+def build_cluster(
+    runtime: KubernetesRuntimeConfig, *, clock: Clock, namespace: str, qps: float, burst: int
+) -> LightkubeCluster:
+    """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used.
+
+    Raises `ConfigError` naming `runtime.kubeconfig` (or `runtime.context`) when the
+    credentials cannot be loaded.
+    """
+    # Imported here: a local server never needs the Kubernetes client.
+    from stoker.adapters.cluster_lightkube import LightkubeCluster
+
+    try:
+        client = LightkubeCluster.build_client(
+            kubeconfig=runtime.kubeconfig, context=runtime.context, namespace=namespace
+        )
+    except (ConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
+        if isinstance(exc, ConfigError):
+            cause = str(exc.__cause__ or exc)
+        else:
+            cause = f"{type(exc).__name__}: {exc}"
+        key = "kubeconfig"
+        if runtime.context is not None and runtime.context in cause:
+            key = "context"
+        where = runtime.kubeconfig or "in-cluster service account, $KUBECONFIG or ~/.kube/config"
+        raise ConfigError(
+            f"config error: runtime.{key}: cannot load the Kubernetes credentials "
+            f"({where}): {cause}"
+        ) from None
+    return LightkubeCluster(namespace=namespace, clock=clock, qps=qps, burst=burst, client=client)
+
+
+def build_runtime(
+    config: StokerConfig, *, clock: Clock, instance_id: str, closers: list[Closer]
+) -> Runtime:
+    """The runtime `runtime.kind` names; a cluster client it needs is added to `closers`."""
+    runtime = config.runtime
+    if not isinstance(runtime, KubernetesRuntimeConfig):
+        return LocalProcessRuntime(
+            clock=clock,
+            fleet=config.fleet_name(),
+            instance_id=instance_id,
+            memory_budget_mb=runtime.memory_budget_mb,
+            log_dir=runtime.log_dir,
+        )
+    from stoker.adapters.runtime_kubernetes import KubernetesRuntime
+
+    cluster = build_cluster(
+        runtime,
+        clock=clock,
+        namespace=kubernetes_namespace(runtime),
+        qps=runtime.qps,
+        burst=runtime.burst,
+    )
+    # The runtime stops its informer on close but leaves the client to its owner.
+    closers.append(cluster.close)
+    size = runtime.placeholder_size
+    return KubernetesRuntime(
+        cluster=cluster,
+        clock=clock,
+        fleet=config.fleet_name(),
+        instance_id=instance_id,
+        resync_s=runtime.resync_s,
+        placeholder_priority_class=runtime.placeholder_priority_class,
+        placeholder_image=runtime.placeholder_image,
+        placeholder_size=(size.cpu, size.memory) if size is not None else None,
+    )
+
+
+def build_elector(
+    config: StokerConfig, *, store: Store, clock: Clock, instance_id: str, closers: list[Closer]
+) -> Elector | None:
+    """The elector `leader_election` names (None: the plane's `SoleLeader`).
+
+    `kubernetes` gets a cluster client of its own (see `ELECTOR_QPS`), added to `closers`.
+    """
+    kind = config.elector_kind()
+    lease_name = config.janitor_lease_name()
+    if kind == "none" or lease_name is None:
+        return None
+    election = config.leader_election
+    if kind == "store":
+        return StoreLeaseElector(
+            store,
+            clock=clock,
+            identity=instance_id,
+            name=lease_name,
+            lease_duration_s=election.lease_duration_s,
+            renew_deadline_s=election.renew_deadline_s,
+            retry_period_s=election.retry_period_s,
+        )
+    runtime = config.runtime
+    if not isinstance(runtime, KubernetesRuntimeConfig):
+        # The config refuses this combination; a config built without validation may not.
+        raise ConfigError(
+            "config error: leader_election.kind: kubernetes needs runtime.kind kubernetes"
+        )
+    from stoker.adapters.elector_k8s import KubernetesLeaseElector
+
+    cluster = build_cluster(
+        runtime,
+        clock=clock,
+        namespace=kubernetes_namespace(runtime),
+        qps=ELECTOR_QPS,
+        burst=ELECTOR_BURST,
+    )
+    closers.append(cluster.close)
+    return KubernetesLeaseElector(
+        cluster=cluster,
+        clock=clock,
+        identity=instance_id,
+        lease_name=lease_name,
+        lease_duration_s=election.lease_duration_s,
+        renew_deadline_s=election.renew_deadline_s,
+        retry_period_s=election.retry_period_s,
+    )
+
+
 def build_control_plane(
     config: StokerConfig,
     *,
@@ -48,29 +204,33 @@ def build_control_plane(
 ) -> ControlPlane:
     """A control plane (not started) for `config`.
 
-    `store` and `runtime` replace the ones the config names (tests use an in-memory runtime).
+    `store` and `runtime` replace the ones the config names (tests use an in-memory
+    runtime); the elector is always the config's, on `store` when it is a store lease.
+    Raises `ConfigError` when the Kubernetes credentials cannot be loaded.
     """
     domain = to_domain(config)
     clock = clock or LoopClock()
     ids = ids or Ids()
+    # One id for the replica's row, its runtime objects' labels and its lease holder.
     instance_id = ids.instance()
+    store = store or build_store(config)
+    closers: list[Closer] = []
     if runtime is None:
-        runtime = LocalProcessRuntime(
-            clock=clock,
-            fleet=config.fleet_name(),
-            instance_id=instance_id,
-            memory_budget_mb=config.runtime.memory_budget_mb,
-            log_dir=config.runtime.log_dir,
-        )
+        runtime = build_runtime(config, clock=clock, instance_id=instance_id, closers=closers)
+    elector = build_elector(
+        config, store=store, clock=clock, instance_id=instance_id, closers=closers
+    )
     return ControlPlane(
-        store=store or build_store(config),
+        store=store,
         runtime=runtime,
         pools=domain.pools,
         orgs=domain.orgs,
         settings=domain.settings,
         clock=clock,
+        elector=elector,
         ids=ids,
         instance_id=instance_id,
+        closers=closers,
     )
 
 

@@ -118,16 +118,25 @@ def serve(
     except ServerSideError as exc:
         _fail(str(exc))
     url = bound_url(sock)
-    plane = build_control_plane(config)
+    try:
+        plane = build_control_plane(config)
+    except ConfigError as exc:
+        # Kubernetes credentials are only read here: still a config error, in one line.
+        sock.close()
+        print(str(exc), file=sys.stderr)
+        raise typer.Exit(1) from None
     api = create_app(plane, config.api, stop_workers=stop_workers)
     overrides = f" + {', '.join(loaded.overrides)}" if loaded.overrides else ""
     pools = ", ".join(p.name for p in config.pools)
     auth = "bearer tokens" if config.api.has_tokens else "loopback only, no tokens"
+    lease = config.janitor_lease_name()
+    election = f"{config.elector_kind()} {lease}" if lease else config.elector_kind()
 
     def announce() -> None:
         print(
             f"stoker {__version__} listening on {url} (config: {loaded.source}{overrides}; "
-            f"store: {config.store}; pools: {pools}; auth: {auth})",
+            f"store: {config.store_display()}; runtime: {config.runtime.kind}; "
+            f"leader election: {election}; pools: {pools}; auth: {auth})",
             flush=True,
         )
 

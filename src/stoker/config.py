@@ -6,6 +6,13 @@ separates nested keys, a number indexes a list: `STOKER_POOLS__0__WARM_TARGET=5`
 validates the result. Every model forbids unknown keys, so a typo is an error that names the
 key, never a silently ignored setting. `to_domain` turns the validated config into the
 domain objects the control plane runs on.
+
+`runtime.kind` picks the workers' runtime (`local` processes with a `command` per pool, or
+`kubernetes` pods with a `pod` per pool) and `leader_election` the janitor's elector
+(`none`, `store`, `kubernetes`, or `auto`: `store` on PostgreSQL, `none` on SQLite).
+Rules that span sections (a pool's template must match the runtime, headroom needs a
+placeholder priority class, ...) are checked on the whole config and reported under the
+key to change.
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -31,13 +41,16 @@ from pydantic import (
     model_validator,
 )
 
+from stoker.adapters.elector_store import JANITOR_LEASE
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import (
     Activation,
     OrgSpec,
     PlaneSettings,
+    PodTemplate,
     PoolSpec,
     ProcessTemplate,
+    RuntimeTemplate,
     Timeouts,
 )
 from stoker.domain.states import Reuse
@@ -64,6 +77,125 @@ Token = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=
 OrgName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Seconds = Annotated[float, Field(ge=0, le=365 * 86400)]
 PositiveSeconds = Annotated[float, Field(gt=0, le=365 * 86400)]
+
+# Kubernetes name rules, applied here so that a bad name is a config error at start-up,
+# not a pod the API server refuses on every spawn.
+# A label value and the name part of a label or annotation key follow the same rule.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_ENV_NAME = re.compile(r"[-._A-Za-z][-._A-Za-z0-9]*")
+_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([mkMGTPE]|[KMGTPE]i|[eE]\d+)?")
+#: What a label value may be, in words (fleet, pool names, label values).
+LABEL_VALUE_RULE = (
+    "a valid Kubernetes label value: at most 63 letters, digits, '-', '_' or '.', "
+    "beginning and ending with a letter or digit"
+)
+_DNS_SUBDOMAIN_RULE = (
+    "a valid Kubernetes object name: at most 253 lowercase letters, digits, '-' or '.', "
+    "beginning and ending with a letter or digit"
+)
+#: Labels and annotations the Kubernetes runtime sets itself; a template may not set them.
+_RESERVED_LABEL_PREFIX = "stoker.dev/"
+_RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by"})
+_RESERVED_ANNOTATIONS = frozenset({"karpenter.sh/do-not-disrupt"})
+
+
+def is_label_value(value: str) -> bool:
+    """True when `value` is a non-empty Kubernetes label value."""
+    return _LABEL_VALUE.fullmatch(value) is not None
+
+
+def _is_dns_subdomain(value: str) -> bool:
+    return len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
+
+
+def _check_label_value(value: str) -> str:
+    # An empty label value is valid in Kubernetes and means "no value" in a selector.
+    if value and not is_label_value(value):
+        raise ValueError(f"{value!r} is not {LABEL_VALUE_RULE}")
+    return value
+
+
+def _check_qualified_name(value: str) -> str:
+    """A label or annotation key: an optional DNS-subdomain prefix and `/`, then a name."""
+    prefix, slash, name = value.rpartition("/")
+    if (slash and not _is_dns_subdomain(prefix)) or _LABEL_VALUE.fullmatch(name) is None:
+        raise ValueError(
+            f"{value!r} is not a valid Kubernetes key: an optional DNS prefix and '/', then "
+            "at most 63 letters, digits, '-', '_' or '.', beginning and ending with a letter "
+            "or digit"
+        )
+    return value
+
+
+def _check_dns_subdomain(value: str) -> str:
+    if not _is_dns_subdomain(value):
+        raise ValueError(f"{value!r} is not {_DNS_SUBDOMAIN_RULE}")
+    return value
+
+
+def _check_dns_label(value: str) -> str:
+    if _DNS_LABEL.fullmatch(value) is None:
+        raise ValueError(
+            f"{value!r} is not a valid namespace: at most 63 lowercase letters, digits or '-', "
+            "beginning and ending with a letter or digit"
+        )
+    return value
+
+
+def _check_env_name(value: str) -> str:
+    if _ENV_NAME.fullmatch(value) is None:
+        raise ValueError(
+            f"{value!r} is not a valid environment variable name: letters, digits, '_', '-' "
+            "or '.', not beginning with a digit"
+        )
+    return value
+
+
+def _quantity_text(value: Any) -> Any:
+    # YAML reads `cpu: 2` as a number; Kubernetes quantities are strings. Written out in
+    # full: `format(.., "g")` would turn 4294967296 into 4.29497e+09.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _check_quantity(value: str) -> str:
+    match = _QUANTITY.fullmatch(value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity such as 500m, 2, 512Mi or 4Gi")
+    if float(match.group(1)) <= 0:
+        raise ValueError(f"{value!r} must be more than 0")
+    return value
+
+
+LabelValue = Annotated[str, AfterValidator(_check_label_value)]
+QualifiedName = Annotated[str, AfterValidator(_check_qualified_name)]
+DnsSubdomain = Annotated[str, AfterValidator(_check_dns_subdomain)]
+DnsLabel = Annotated[str, AfterValidator(_check_dns_label)]
+EnvName = Annotated[str, AfterValidator(_check_env_name)]
+#: A Kubernetes resource quantity (`"2"`, `500m`, `4Gi`); numbers are accepted as text.
+Quantity = Annotated[str, BeforeValidator(_quantity_text), AfterValidator(_check_quantity)]
+#: argv of a worker process: at least the program.
+Argv = Annotated[list[str], Field(min_length=1)]
+
+#: Where a problem lies: config keys and list indexes, like pydantic's error locations.
+Loc = tuple[str | int, ...]
+
+
+class ConfigProblems(ValueError):
+    """Problems that span sections, each reported under the key to change.
+
+    Raised from a model validator; `format_errors` prints one line per problem, at the
+    validator's location plus the problem's own, instead of one line at the model.
+    """
+
+    def __init__(self, problems: Sequence[tuple[Loc, str]]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(f"{_dotted(loc)}: {message}" for loc, message in problems))
 
 
 class _Section(BaseModel):
@@ -104,10 +236,80 @@ class LocalRuntimeConfig(_Section):
     log_dir: str | None = None
 
 
+class PlaceholderSize(_Section):
+    """Requests (= limits) of one headroom placeholder pod."""
+
+    cpu: Quantity
+    memory: Quantity
+
+
+class KubernetesRuntimeConfig(_Section):
+    """Workers run as pods; every pool needs a `pod` template."""
+
+    kind: Literal["kubernetes"]
+    #: Namespace of the worker pods (and of the janitor Lease). Null: the pod's own
+    #: namespace when stoker runs in a cluster, else "default".
+    namespace: DnsLabel | None = None
+    #: Null: the in-cluster service account, else $KUBECONFIG or ~/.kube/config.
+    kubeconfig: str | None = Field(None, min_length=1)
+    #: A context of the kubeconfig; null: its current context.
+    context: str | None = Field(None, min_length=1)
+    #: The API client's budget (token bucket); spawns are paced to it as well.
+    qps: float = Field(50.0, gt=0, le=100_000)
+    burst: int = Field(100, ge=1, le=100_000)
+    #: The informer lists and diffs this often, to catch what a dropped watch missed.
+    resync_s: PositiveSeconds = 300.0
+    #: PriorityClass of headroom placeholders; required when a pool has headroom_nodes.
+    placeholder_priority_class: DnsSubdomain | None = None
+    placeholder_image: str = Field("registry.k8s.io/pause:3.10", min_length=1)
+    #: Null: each pool's placeholders are as large as its workers.
+    placeholder_size: PlaceholderSize | None = None
+
+
+RuntimeConfig = LocalRuntimeConfig | KubernetesRuntimeConfig
 #: Runtime kinds this build can run, by the value of `runtime.kind`.
-RUNTIME_KINDS: dict[str, type[LocalRuntimeConfig]] = {"local": LocalRuntimeConfig}
-#: Kinds that are designed but whose runtime is not part of this build yet.
-PLANNED_RUNTIME_KINDS = frozenset({"kubernetes"})
+RUNTIME_KINDS: dict[str, type[RuntimeConfig]] = {
+    "local": LocalRuntimeConfig,
+    "kubernetes": KubernetesRuntimeConfig,
+}
+
+#: Values of `leader_election.kind`; `auto` resolves by the store (`elector_kind`).
+ElectionKind = Literal["auto", "none", "store", "kubernetes"]
+
+
+class LeaderElectionConfig(_Section):
+    """Who runs the fleet-wide janitor; the timings are client-go's defaults."""
+
+    kind: ElectionKind = "auto"
+    #: Null: "janitor" (a row of the store) or "<fleet>-janitor" (a Kubernetes Lease).
+    lease_name: str | None = Field(None, min_length=1, max_length=253)
+    lease_duration_s: PositiveSeconds = 15.0
+    renew_deadline_s: PositiveSeconds = 10.0
+    retry_period_s: PositiveSeconds = 2.0
+
+    @model_validator(mode="after")
+    def _timings(self) -> LeaderElectionConfig:
+        # A leader steps down at the renew deadline, before its lease can expire for the
+        # others, and retries often enough to renew more than once before that deadline.
+        problems: list[tuple[Loc, str]] = []
+        if not self.lease_duration_s > self.renew_deadline_s:
+            problems.append(
+                (
+                    ("lease_duration_s",),
+                    f"must exceed renew_deadline_s ({self.renew_deadline_s:g})",
+                )
+            )
+        if not self.renew_deadline_s > 1.2 * self.retry_period_s:
+            problems.append(
+                (
+                    ("renew_deadline_s",),
+                    f"must exceed 1.2 x retry_period_s ({self.retry_period_s:g}), "
+                    f"i.e. {1.2 * self.retry_period_s:g}",
+                )
+            )
+        if problems:
+            raise ConfigProblems(problems)
+        return self
 
 
 class ApiConfig(_Section):
@@ -223,16 +425,116 @@ class TimeoutsConfig(_Section):
     stop_grace_s: Seconds = 10.0
 
 
+class TolerationConfig(_Section):
+    """One toleration of a worker pod (Kubernetes' `tolerationSeconds` spelling accepted)."""
+
+    key: str | None = Field(None, min_length=1)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, alias="tolerationSeconds", ge=0)
+
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TolerationConfig:
+        # The API server's own rules; a pod breaking them is refused at every spawn.
+        if self.key is None and self.operator != "Exists":
+            raise ValueError("a toleration without a key must use operator Exists")
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("a toleration with operator Exists takes no value")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
+
+    def as_mapping(self) -> dict[str, Any]:
+        """The toleration in Kubernetes' spelling, without unset fields."""
+        body = {
+            "key": self.key,
+            "operator": self.operator,
+            "value": self.value,
+            "effect": self.effect,
+            "tolerationSeconds": self.toleration_seconds,
+        }
+        return {k: v for k, v in body.items() if v is not None}
+
+
+class PodConfig(_Section):
+    """A worker pod (runtime.kind: kubernetes); maps onto `stoker.domain.specs.PodTemplate`.
+
+    `{port}` and `{worker_id}` are replaced in `command`, `args` and `env`. Requests equal
+    limits (`cpu`, `memory`), so workers get the Guaranteed QoS class.
+    """
+
+    image: str = Field(min_length=1)
+    #: Replaces the image's entrypoint; empty keeps it.
+    command: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list)
+    env: dict[EnvName, str] = Field(default_factory=dict)
+    #: The defaults are `PodTemplate`'s.
+    cpu: Quantity = "1"
+    memory: Quantity = "1Gi"
+    port: int = Field(8080, ge=1, le=65535)
+    node_selector: dict[QualifiedName, LabelValue] = Field(default_factory=dict)
+    tolerations: list[TolerationConfig] = Field(default_factory=list)
+    priority_class: DnsSubdomain | None = None
+    service_account: DnsSubdomain | None = None
+    labels: dict[QualifiedName, LabelValue] = Field(default_factory=dict)
+    annotations: dict[QualifiedName, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _not_stokers_own(self) -> PodConfig:
+        # The runtime sets these itself (the fleet label scopes every list and watch;
+        # do-not-disrupt follows the worker's state): a template value would be dropped.
+        problems: list[tuple[Loc, str]] = []
+        for key in self.labels:
+            if key.startswith(_RESERVED_LABEL_PREFIX) or key in _RESERVED_LABELS:
+                problems.append((("labels", key), "is set by stoker itself"))
+        for key in self.annotations:
+            if key in _RESERVED_ANNOTATIONS:
+                problems.append((("annotations", key), "is set by stoker itself"))
+        if problems:
+            raise ConfigProblems(problems)
+        return self
+
+    def to_template(self) -> PodTemplate:
+        """The domain's pod template."""
+        return PodTemplate(
+            image=self.image,
+            command=tuple(self.command),
+            args=tuple(self.args),
+            env=dict(self.env),
+            cpu=self.cpu,
+            memory=self.memory,
+            port=self.port,
+            node_selector=dict(self.node_selector),
+            tolerations=tuple(t.as_mapping() for t in self.tolerations),
+            priority_class=self.priority_class,
+            service_account=self.service_account,
+            labels=dict(self.labels),
+            annotations=dict(self.annotations),
+        )
+
+
 class PoolConfig(_Section):
-    """One pool; maps onto `stoker.domain.specs.PoolSpec`."""
+    """One pool; maps onto `stoker.domain.specs.PoolSpec`.
+
+    Exactly one of `command` (runtime.kind: local) and `pod` (runtime.kind: kubernetes);
+    `StokerConfig` checks which one against the runtime.
+    """
 
     name: PoolName
     #: argv of a worker process (never run through a shell); `{port}`, `{worker_id}` and
     #: `{python}` are replaced when a worker starts.
-    command: list[str] = Field(min_length=1)
+    command: Argv | None = None
+    #: The worker pod of the kubernetes runtime.
+    pod: PodConfig | None = None
+    #: Local runtime only: environment, working directory and memory of the process.
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     memory_mb: int = Field(64, ge=1)
+    #: Kubernetes only: placeholder pods that keep this many spare nodes (a constant).
+    headroom_nodes: int = Field(0, ge=0, le=1000)
     warm_target: int = Field(0, ge=0, le=100_000)
     #: 0: derived from runtime.memory_budget_mb / memory_mb.
     max_workers: int = Field(0, ge=0, le=1_000_000)
@@ -277,10 +579,13 @@ class StokerConfig(_Section):
     #: `sqlite:///relative/path.db`, `sqlite:////absolute/path.db` or `postgresql://...`.
     store: str = "sqlite:///./stoker.db"
     store_options: PostgresOptions = Field(default_factory=PostgresOptions)
-    runtime: LocalRuntimeConfig = Field(default_factory=LocalRuntimeConfig)
-    #: Label of this fleet's runtime objects; null derives one from the store URL, so two
-    #: servers with different stores never take each other's workers for stranded ones.
-    fleet: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    runtime: RuntimeConfig = Field(default_factory=LocalRuntimeConfig, discriminator="kind")
+    #: The janitor's elector: a mapping, or the shorthand none | store | kubernetes | auto.
+    leader_election: LeaderElectionConfig = Field(default_factory=LeaderElectionConfig)
+    #: Label of this fleet's runtime objects (a Kubernetes label value); null derives one
+    #: from the store URL, so two servers with different stores never take each other's
+    #: workers for stranded ones.
+    fleet: str | None = None
     api: ApiConfig = Field(default_factory=ApiConfig)
     intervals: IntervalsConfig = Field(default_factory=IntervalsConfig)
     pools: list[PoolConfig] = Field(default_factory=_default_pools, min_length=1)
@@ -305,15 +610,28 @@ class StokerConfig(_Section):
         if not isinstance(value, Mapping):
             return value
         kind = value.get("kind", "local")
-        if kind in PLANNED_RUNTIME_KINDS:
-            raise ValueError(
-                f"kind {kind!r} is not available in this version of stoker; "
-                f"supported: {', '.join(sorted(RUNTIME_KINDS))}"
-            )
-        if kind not in RUNTIME_KINDS:
+        if not isinstance(kind, str) or kind not in RUNTIME_KINDS:
             raise ValueError(
                 f"unknown kind {kind!r}; supported: {', '.join(sorted(RUNTIME_KINDS))}"
             )
+        # `kind` may be left out for the local runtime; the union is told apart by it.
+        return {**value, "kind": kind}
+
+    @field_validator("leader_election", mode="before")
+    @classmethod
+    def _election_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"kind": value}
+        if not isinstance(value, Mapping | LeaderElectionConfig):
+            raise ValueError("must be a mapping or one of none, store, kubernetes, auto")
+        return value
+
+    @field_validator("fleet")
+    @classmethod
+    def _fleet_label(cls, value: str | None) -> str | None:
+        # Every runtime object carries the fleet as a label (a pod label on Kubernetes).
+        if value is not None and not is_label_value(value):
+            raise ValueError(f"must be {LABEL_VALUE_RULE}")
         return value
 
     @field_validator("log_level", "log_format", mode="before")
@@ -334,12 +652,146 @@ class StokerConfig(_Section):
                 seen.add(name)
         return self
 
+    @model_validator(mode="after")
+    def _across_sections(self) -> StokerConfig:
+        problems = [*self._pool_problems(), *self._election_problems()]
+        if problems:
+            raise ConfigProblems(problems)
+        return self
+
+    def _pool_problems(self) -> list[tuple[Loc, str]]:
+        """Each pool's template matches the runtime; headroom only where it can work."""
+        kubernetes = isinstance(self.runtime, KubernetesRuntimeConfig)
+        if kubernetes and "pools" not in self.model_fields_set:
+            return [
+                (
+                    ("pools",),
+                    "required with runtime.kind kubernetes (the built-in demo pool runs a "
+                    "local process): give each pool a pod",
+                )
+            ]
+        problems: list[tuple[Loc, str]] = []
+        headroom: list[str] = []
+        for i, pool in enumerate(self.pools):
+            at: Loc = ("pools", i)
+            if pool.command is not None and pool.pod is not None:
+                problems.append(
+                    (
+                        at,
+                        "set command (runtime.kind local) or pod (runtime.kind kubernetes), "
+                        "not both",
+                    )
+                )
+            elif kubernetes and pool.pod is None:
+                if pool.command is None:
+                    problems.append(((*at, "pod"), "required"))
+                else:
+                    problems.append(
+                        (
+                            (*at, "command"),
+                            "runs a local process, but runtime.kind is kubernetes: "
+                            "give the pool a pod instead",
+                        )
+                    )
+            elif not kubernetes and pool.command is None:
+                if pool.pod is None:
+                    problems.append(((*at, "command"), "required"))
+                else:
+                    problems.append(
+                        (
+                            (*at, "pod"),
+                            "needs runtime.kind kubernetes; the local runtime runs a command",
+                        )
+                    )
+            if kubernetes:
+                if not is_label_value(pool.name):
+                    problems.append(
+                        ((*at, "name"), f"with runtime.kind kubernetes, must be {LABEL_VALUE_RULE}")
+                    )
+                # Settings of a local process: with pods they would be silently ignored.
+                for key, hint in (
+                    ("env", "set pod.env"),
+                    ("cwd", "the image decides"),
+                    ("memory_mb", "set pod.memory"),
+                ):
+                    if key in pool.model_fields_set:
+                        problems.append(((*at, key), f"is for the local runtime only ({hint})"))
+                if pool.headroom_nodes > 0:
+                    headroom.append(pool.name)
+            elif pool.headroom_nodes > 0:
+                problems.append(
+                    (
+                        (*at, "headroom_nodes"),
+                        "needs runtime.kind kubernetes (placeholder pods hold spare nodes)",
+                    )
+                )
+        if (
+            headroom
+            and isinstance(self.runtime, KubernetesRuntimeConfig)
+            and self.runtime.placeholder_priority_class is None
+        ):
+            problems.append(
+                (
+                    ("runtime", "placeholder_priority_class"),
+                    f"required when a pool has headroom_nodes > 0 ({', '.join(headroom)}): "
+                    "without a class below the workers', no worker could preempt a placeholder",
+                )
+            )
+        return problems
+
+    def _election_problems(self) -> list[tuple[Loc, str]]:
+        kind = self.elector_kind()
+        if kind == "kubernetes" and not isinstance(self.runtime, KubernetesRuntimeConfig):
+            return [
+                (
+                    ("leader_election", "kind"),
+                    "kubernetes needs runtime.kind kubernetes (the Lease lives in the "
+                    "runtime's namespace and is reached with its credentials); with local "
+                    "workers use store, on a PostgreSQL store",
+                )
+            ]
+        name = self.janitor_lease_name()
+        derived = " (derived from fleet; set leader_election.lease_name)"
+        suffix = "" if self.leader_election.lease_name else derived
+        if kind == "kubernetes" and name is not None and not _is_dns_subdomain(name):
+            return [
+                (
+                    ("leader_election", "lease_name"),
+                    f"{name!r} is not {_DNS_SUBDOMAIN_RULE}{suffix}",
+                )
+            ]
+        return []
+
     # -- derived values ---------------------------------------------------------------------
+
+    def elector_kind(self) -> Literal["none", "store", "kubernetes"]:
+        """`leader_election.kind` with `auto` resolved: `store` on PostgreSQL, else `none`.
+
+        SQLite is one machine's file, so `auto` assumes one replica there.
+        """
+        kind = self.leader_election.kind
+        if kind == "auto":
+            return "store" if self.is_postgres else "none"
+        return kind
+
+    def janitor_lease_name(self) -> str | None:
+        """The lease the janitor is elected on; None without an elector."""
+        kind = self.elector_kind()
+        if kind == "none":
+            return None
+        if self.leader_election.lease_name:
+            return self.leader_election.lease_name
+        # One Lease per fleet: two deployments sharing a namespace never share a janitor.
+        return JANITOR_LEASE if kind == "store" else f"{self.fleet_name()}-janitor"
 
     @property
     def is_postgres(self) -> bool:
         """True when the store is PostgreSQL."""
         return self.store.startswith(("postgresql://", "postgres://"))
+
+    def store_display(self) -> str:
+        """`store` without its password, for logs and the server's start-up line."""
+        return _without_password(self.store)
 
     def sqlite_path(self) -> str:
         """The SQLite file named by `store` (`:memory:` stays as it is)."""
@@ -456,10 +908,18 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
     return applied
 
 
+#: Keys that accept a string shorthand for a mapping: the key the string stands for.
+_SHORTHANDS: dict[tuple[str, ...], str] = {("leader_election",): "kind"}
+
+
 def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str) -> None:
     target: Any = data
     for i, key in enumerate(path[:-1]):
         nxt = path[i + 1]
+        shorthand = _SHORTHANDS.get(path[: i + 1])
+        if shorthand and isinstance(target, dict) and isinstance(target.get(key), str):
+            # `leader_election: store` in the file, STOKER_LEADER_ELECTION__LEASE_NAME set.
+            target[key] = {shorthand: target[key]}
         if isinstance(target, list):
             if not key.isdigit() or int(key) >= len(target):
                 raise ConfigError(
@@ -507,9 +967,18 @@ def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str])
     """One `config error: <key>: <problem>` line per pydantic error."""
     lines = []
     for error in exc.errors(include_input=False, include_url=False):
+        ctx = error.get("ctx") or {}
+        cause = ctx.get("error")
+        if isinstance(cause, ConfigProblems):
+            # Cross-section problems: one line each, under the key each one names.
+            for loc, problem in cause.problems:
+                at = _redact((*error["loc"], *loc))
+                source = _env_source(at, env_keys)
+                suffix = f" (from {source})" if source else ""
+                lines.append(f"config error: {_dotted(at) or '(top level)'}: {problem}{suffix}")
+            continue
         loc = _redact(tuple(error["loc"]))
         key = _dotted(loc) or "(top level)"
-        ctx = error.get("ctx") or {}
         kind = error["type"]
         if kind in _MESSAGES:
             message = _MESSAGES[kind]
@@ -535,12 +1004,13 @@ def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str])
 
 
 def _redact(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Never print a token: a key under `org_tokens` is one."""
+    """Never print a token: a key under `org_tokens` is one. Drop pydantic's union tag
+    (`runtime.kubernetes.qps` is the key `runtime.qps`)."""
     out: list[Any] = []
     for i, part in enumerate(loc):
         if i > 0 and loc[i - 1] == "org_tokens" and isinstance(part, str):
             out.append("<token>")
-        elif part == "[key]":
+        elif part == "[key]" or (i == 1 and loc[0] == "runtime" and part in RUNTIME_KINDS):
             continue
         else:
             out.append(part)
@@ -585,9 +1055,16 @@ def to_domain(config: StokerConfig) -> DomainConfig:
     """
     pools = []
     for i, p in enumerate(config.pools):
-        template = ProcessTemplate(
-            argv=tuple(p.command), env=dict(p.env), cwd=p.cwd, memory_mb=p.memory_mb
-        )
+        template: RuntimeTemplate
+        if p.pod is not None:
+            template = p.pod.to_template()
+        elif p.command is not None:
+            template = ProcessTemplate(
+                argv=tuple(p.command), env=dict(p.env), cwd=p.cwd, memory_mb=p.memory_mb
+            )
+        else:
+            # Only a config built without validation (model_construct) gets here.
+            raise ConfigError(f"config error: pools[{i}]: needs a command or a pod")
         try:
             pools.append(
                 PoolSpec(
@@ -605,6 +1082,7 @@ def to_domain(config: StokerConfig) -> DomainConfig:
                     lease_s=p.lease_s,
                     claim_timeout_s=p.claim_timeout_s,
                     timeouts=Timeouts(**p.timeouts.model_dump()),
+                    headroom_nodes=p.headroom_nodes,
                 )
             )
         except ConfigError as exc:
@@ -618,5 +1096,21 @@ def to_domain(config: StokerConfig) -> DomainConfig:
         )
         for o in config.orgs
     ]
+    return DomainConfig(pools=pools, orgs=orgs, settings=plane_settings(config))
+
+
+def plane_settings(config: StokerConfig) -> PlaneSettings:
+    """`intervals` as `PlaneSettings`, with the spawn budget sized to the runtime's API budget.
+
+    On Kubernetes every spawn is a request against the client's qps/burst budget: the spawn
+    bucket is that budget, or an explicitly configured `intervals.spawn_rate`/`spawn_burst`
+    when it is smaller (a larger one would only queue spawns inside the client).
+    """
     settings = PlaneSettings(**config.intervals.model_dump())
-    return DomainConfig(pools=pools, orgs=orgs, settings=settings)
+    runtime = config.runtime
+    if not isinstance(runtime, KubernetesRuntimeConfig):
+        return settings
+    explicit = config.intervals.model_fields_set
+    rate = min(settings.spawn_rate, runtime.qps) if "spawn_rate" in explicit else runtime.qps
+    burst = min(settings.spawn_burst, runtime.burst) if "spawn_burst" in explicit else runtime.burst
+    return dataclasses.replace(settings, spawn_rate=rate, spawn_burst=burst)

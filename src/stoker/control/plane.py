@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,11 @@ class ControlPlane:
         metrics: Metrics | None = None,
         demand: DemandSource | None = None,
         instance_id: str | None = None,
+        closers: Sequence[Callable[[], Awaitable[None]]] = (),
     ) -> None:
+        """`closers` run at the end of `stop`, in order, after the runtime and the store
+        are closed: they release what the plane's adapters use but do not own (a cluster
+        client shared by a runtime and an elector, say)."""
         self.settings = settings or PlaneSettings()
         self.clock = clock or LoopClock()
         self.ids = ids or Ids()
@@ -84,6 +88,7 @@ class ControlPlane:
         )
         self.janitor = Janitor(self.manager, scope=Scope.FLEET, demand=demand)
         self.reaper = Janitor(self.manager, scope=Scope.OWN)
+        self.closers = tuple(closers)
         self._loops: list[asyncio.Task[None]] = []
         self.started = False
         self.reconciled = False
@@ -164,6 +169,12 @@ class ControlPlane:
             await self.store.stop_instance(self.instance_id, now=self.clock.now())
         await self.runtime.close()
         await self.store.close()
+        for close in self.closers:
+            # One failing closer must not keep the others from releasing their resources.
+            try:
+                await close()
+            except Exception as exc:
+                logs.event("closer_failed", error=repr(exc), level=logs.WARNING)
         self.started = False
         logs.event("control_plane_stopped", instance=self.instance_id, stop_workers=stop_workers)
 
