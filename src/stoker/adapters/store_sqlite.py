@@ -384,19 +384,24 @@ class SqliteStore:
     ) -> ReserveResult:
         """Reserve the oldest matching worker of the pool revision."""
         check_reservable(expect)
+        if expect is WorkerState.HOT_IDLE:
+            sql = (
+                f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? "
+                "AND state = ? AND org = ? ORDER BY updated_at, id LIMIT 1"
+            )
+            params: tuple[str, ...] = (pool, revision, expect.value, org)
+        else:
+            sql = (
+                f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? "
+                "AND state = ? ORDER BY updated_at, id LIMIT 1"
+            )
+            params = (pool, revision, expect.value)
+        # Most calls find nothing (the queues in memory already had nothing): look first
+        # without taking the write lock, then pick again inside the write transaction.
+        if not self._read(sql, params):
+            return ReserveResult(None)
         with self._tx() as db:
-            if expect is WorkerState.HOT_IDLE:
-                sql = (
-                    f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? "
-                    "AND state = ? AND org = ? ORDER BY updated_at, id LIMIT 1"
-                )
-                row = db.execute(sql, (pool, revision, expect.value, org)).fetchone()
-            else:
-                sql = (
-                    f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? "
-                    "AND state = ? ORDER BY updated_at, id LIMIT 1"
-                )
-                row = db.execute(sql, (pool, revision, expect.value)).fetchone()
+            row = db.execute(sql, params).fetchone()
             if row is None:
                 return ReserveResult(None)
             return self._reserve_row(db, worker_from_row(row), org, org_cap, owner, now)
