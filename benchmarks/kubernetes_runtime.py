@@ -6,7 +6,7 @@ Prints:
   1. pods created per second through the real spawn path (janitor -> pool manager -> core
      token bucket -> KubernetesRuntime.spawn -> cluster) with a client budget of 50 and
      100 QPS (burst = 2 x QPS, client-go's ratio). The budget is modelled by wrapping the
-     fake cluster with the lightkube adapter's own `RequestBudget` (the token bucket every
+     fake cluster with the lightkube adapter's own `TokenBucket` (the token bucket every
      request of `LightkubeCluster` takes a token from), on a virtual-time loop: the fake
      answers instantly, so the budget is the only limit and the figure shows whether the
      runtime reaches it. The core engine's spawn bucket is sized from the same budget, as
@@ -34,14 +34,13 @@ from typing import Any, TypeVar
 
 import looptime
 
-from stoker.adapters.cluster_lightkube import RequestBudget
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec
 from stoker.domain.states import WorkerState
-from stoker.ports.clock import LoopClock
+from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import Lease, Pod, PodList, PodPhase, Selector, WatchEvent
 from stoker.ports.runtime import ActivationPayload
 from stoker.sim.apiserver import FakeApiServer
@@ -70,7 +69,7 @@ class BudgetedCluster:
     """The fake cluster behind a client-side request budget, as `LightkubeCluster` is:
     every request takes one token first (a watch takes one per opening)."""
 
-    def __init__(self, server: FakeApiServer, budget: RequestBudget, *, decode: bool) -> None:
+    def __init__(self, server: FakeApiServer, budget: TokenBucket, *, decode: bool) -> None:
         self.server = server
         self.budget = budget
         self.decode = decode
@@ -146,7 +145,7 @@ async def creation_rate(qps: int, pods: int, db: Path) -> tuple[float, float, fl
     burst = 2 * qps
     clock = LoopClock(epoch=1_700_000_000.0)
     server = FakeApiServer(clock=clock, namespace="stoker", history_size=4 * pods)
-    cluster = BudgetedCluster(server, RequestBudget(clock, qps=qps, burst=burst), decode=False)
+    cluster = BudgetedCluster(server, TokenBucket(clock, rate=qps, burst=burst), decode=False)
     runtime = KubernetesRuntime(
         cluster=cluster,
         clock=clock,
@@ -209,7 +208,7 @@ async def cache_memory(pods: int) -> tuple[float, float]:
             pod_ip=f"10.{index // 65536}.{index // 256 % 256}.{index % 256}",
         )
     # Unlimited budget: this figure is about memory, not pacing.
-    budget = RequestBudget(clock, qps=1e9, burst=1_000_000)
+    budget = TokenBucket(clock, rate=1e9, burst=1_000_000)
     cluster = BudgetedCluster(server, budget, decode=True)
     runtime = KubernetesRuntime(
         cluster=cluster, clock=clock, fleet="bench", instance_id="cp-b", activator=no_activation

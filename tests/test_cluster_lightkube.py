@@ -27,8 +27,8 @@ from lightkube.config.models import Cluster, User
 from looptime import LoopTimeProxy
 
 from cluster_contract import ClusterContract, collect, make_lease, make_pod, summary
-from stoker.adapters.cluster_lightkube import LightkubeCluster, RequestBudget
-from stoker.ports.clock import LoopClock
+from stoker.adapters.cluster_lightkube import LightkubeCluster
+from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import (
     ClusterUnavailable,
     Conflict,
@@ -636,7 +636,7 @@ async def test_the_request_budget_never_spins_on_a_virtual_clock(looptime: LoopT
     A bucket that waited for that hair again would spin forever on looptime (timers due
     within the clock's resolution fire without the loop's time moving).
     """
-    budget = RequestBudget(LoopClock(), qps=5, burst=1)
+    budget = TokenBucket(LoopClock(), rate=5, burst=1)
     start = float(looptime)
     for _ in range(26):
         await budget.acquire()

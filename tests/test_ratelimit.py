@@ -6,8 +6,7 @@ import asyncio
 
 import pytest
 
-from stoker.control.ratelimit import TokenBucket
-from stoker.ports.clock import LoopClock
+from stoker.ports.clock import LoopClock, TokenBucket
 
 pytestmark = pytest.mark.looptime
 

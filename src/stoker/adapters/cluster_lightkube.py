@@ -13,7 +13,6 @@ port's dataclasses here.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -32,7 +31,7 @@ from lightkube.resources.core_v1 import Pod as K8sPod
 from lightkube.types import PatchType
 
 from stoker.domain.errors import ConfigError
-from stoker.ports.clock import Clock
+from stoker.ports.clock import Clock, TokenBucket
 from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
@@ -66,44 +65,6 @@ _EVENT_TYPES = {kind.value: kind for kind in WatchEventType}
 
 # Backoff doubles per attempt up to this ceiling, so a long outage is polled, not hammered.
 _MAX_BACKOFF_S = 30.0
-
-
-class RequestBudget:
-    """A token bucket on the injected clock: `qps` requests per second, `burst` saved up.
-
-    Waiters are served first come, first served, so a burst of spawns proceeds at exactly
-    the budget rather than in a thundering herd. (The same idea as the control plane's
-    spawn limiter; adapters keep their own because they never import control code.)
-    """
-
-    def __init__(self, clock: Clock, *, qps: float, burst: int) -> None:
-        if qps <= 0 or burst < 1:
-            raise ValueError("a request budget needs qps > 0 and burst >= 1")
-        self._clock = clock
-        self.qps = qps
-        self.burst = burst
-        self._tokens = float(burst)
-        self._stamp: float | None = None
-        self._lock = asyncio.Lock()
-
-    def _refill(self) -> None:
-        now = self._clock.monotonic()
-        if self._stamp is not None:
-            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.qps)
-        self._stamp = now
-
-    async def acquire(self) -> None:
-        """Take one token, waiting as long as the budget requires."""
-        async with self._lock:
-            self._refill()
-            if self._tokens < 1:
-                await self._clock.sleep((1 - self._tokens) / self.qps)
-                self._refill()
-                # The sleep lasted until the token was whole, but float rounding of clock
-                # differences can leave it a hair short; waiting for that hair again would
-                # spin forever on a virtual clock, where no time passes by itself.
-                self._tokens = max(self._tokens, 1.0)
-            self._tokens -= 1
 
 
 def _retryable(status: int) -> bool:
@@ -356,7 +317,7 @@ class LightkubeCluster:
             raise ValueError("max_retries and backoff_s must be >= 0")
         self._namespace = namespace
         self._clock = clock
-        self._budget = RequestBudget(clock, qps=qps, burst=burst)
+        self._budget = TokenBucket(clock, rate=qps, burst=burst)
         self._max_retries = max_retries
         self._backoff_s = backoff_s
         self._client = (

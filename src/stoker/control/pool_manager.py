@@ -25,7 +25,6 @@ from stoker.control import logs
 from stoker.control.ids import Ids
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
-from stoker.control.ratelimit import TokenBucket
 from stoker.domain.errors import (
     CapacityError,
     ClaimConflict,
@@ -50,7 +49,7 @@ from stoker.domain.states import (
 )
 from stoker.policy.reaping import resolve_ttl
 from stoker.policy.scaling import effective_cap
-from stoker.ports.clock import Clock
+from stoker.ports.clock import Clock, TokenBucket
 from stoker.ports.runtime import ActivationPayload, Runtime
 from stoker.ports.store import SpawnRequest, Store
 
@@ -134,6 +133,10 @@ class PoolManager:
         self.pending_lost: dict[str, str] = {}
         #: Retirements whose write failed: (state, epoch) they were decided on, reason, stop.
         self.pending_retire: dict[str, tuple[WorkerState, int, str, bool]] = {}
+        #: Runtime refs of spawns not persisted yet. The write that takes a worker out of
+        #: `spawning` carries its ref, so that no worker becomes claimable without the ref
+        #: another replica needs to adopt and to stop its process.
+        self.unsaved_refs: dict[str, dict[str, Any]] = {}
         #: Workers whose stop task is running.
         self._stopping: set[str] = set()
         self._warm_waiters: dict[str, deque[_Attempt]] = defaultdict(deque)
@@ -260,15 +263,25 @@ class PoolManager:
         worker = self.known.get(worker_id) or await self.store.get_worker(worker_id)
         if worker is None or worker.state is not S.SPAWNING or worker.owner != self.instance_id:
             self.pending_ready.pop(worker_id, None)
+            self.unsaved_refs.pop(worker_id, None)
             return
-        warm = await self.lifecycle.move(worker, S.WARM, endpoint=endpoint, org=None)
+        warm = await self.lifecycle.move(
+            worker, S.WARM, **self._with_unsaved_ref(worker_id, endpoint=endpoint, org=None)
+        )
         if warm is None:
             fresh = await self.refresh(worker_id)
             if fresh is None or fresh.state is not S.SPAWNING or fresh.owner != self.instance_id:
                 self.pending_ready.pop(worker_id, None)  # someone else moved it on
+                self.unsaved_refs.pop(worker_id, None)
             return
         self.pending_ready.pop(worker_id, None)
+        self.unsaved_refs.pop(worker_id, None)
         self.offer_warm(self.remember(warm))
+
+    def _with_unsaved_ref(self, worker_id: str, **changes: Any) -> dict[str, Any]:
+        """`changes` plus the worker's runtime ref if its own write has not succeeded."""
+        ref = self.unsaved_refs.get(worker_id)
+        return changes if ref is None else {**changes, "runtime_ref": ref}
 
     async def settle_lost(self, worker_id: str) -> None:
         """Persist a loss: fail the claim of a hot worker, then retire the worker."""
@@ -442,6 +455,7 @@ class PoolManager:
         self.remember(worker)
         self.lifecycle.retired(worker)
         self.pending_ready.pop(worker.id, None)
+        self.unsaved_refs.pop(worker.id, None)
         # A retirement frees a slot against the caps.
         self._wake_cap_waiters(worker.pool, worker.org)
         self._wake_pool_cap_waiters(worker.pool)
@@ -476,10 +490,14 @@ class PoolManager:
             self._spawn_waits.pop(worker.id, None)
             await self.retire(worker, RetireReason.SPAWN_FAILURE, stop=False)
             return False
+        # Kept until written: if this write fails (or readiness overtakes it), the write
+        # that makes the worker ready carries the ref instead.
+        self.unsaved_refs[worker.id] = dict(ref)
         current = self.known.get(worker.id, worker)
         if current.state is S.SPAWNING and current.epoch == worker.epoch:
             recorded = await self.lifecycle.move(current, S.SPAWNING, runtime_ref=dict(ref))
             if recorded is not None:
+                self.unsaved_refs.pop(worker.id, None)
                 self.remember(recorded)
         return True
 
@@ -730,18 +748,25 @@ class PoolManager:
         if slot.state is not S.SPAWNING:
             return None
         if a.abandoned:
-            warm = await self.lifecycle.move(slot, S.WARM, endpoint=endpoint, org=None)
+            warm = await self.lifecycle.move(
+                slot, S.WARM, **self._with_unsaved_ref(slot.id, endpoint=endpoint, org=None)
+            )
             if warm is None:
                 self.pending_ready[slot.id] = endpoint
             else:
+                self.unsaved_refs.pop(slot.id, None)
                 self.offer_warm(self.remember(warm))
             return None
         reserved = await self.lifecycle.move(
-            slot, S.RESERVED, bump_epoch=True, endpoint=endpoint, heartbeat_at=self.clock.now()
+            slot,
+            S.RESERVED,
+            bump_epoch=True,
+            **self._with_unsaved_ref(slot.id, endpoint=endpoint, heartbeat_at=self.clock.now()),
         )
         if reserved is None:
             self.pending_ready[slot.id] = endpoint
             return None
+        self.unsaved_refs.pop(slot.id, None)
         return self.remember(reserved), ClaimSource.COLD
 
     async def _give_back(self, worker: Worker) -> None:

@@ -104,3 +104,40 @@ class VirtualClock(LoopClock):
                 # The loop clock covered `remaining`. Re-checking could find a float-rounding
                 # residue, and a 1e-12 s timer never advances a virtual loop clock.
                 return
+
+
+class TokenBucket:
+    """`rate` tokens per second on a `Clock`, at most `burst` saved up; `acquire` waits.
+
+    Spawns and cluster API calls never outrun their budget with it. Waiters are served
+    first come, first served, so a burst proceeds at exactly the rate rather than in a
+    thundering herd.
+    """
+
+    def __init__(self, clock: Clock, *, rate: float, burst: int) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("a token bucket needs rate > 0 and burst >= 1")
+        self._clock = clock
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._stamp: float | None = None
+        self._lock = asyncio.Lock()
+
+    def _refill(self) -> None:
+        now = self._clock.monotonic()
+        if self._stamp is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+
+    async def acquire(self) -> None:
+        """Take one token, waiting as long as the rate requires."""
+        async with self._lock:
+            self._refill()
+            if self._tokens < 1:
+                await self._clock.sleep((1 - self._tokens) / self.rate)
+                self._refill()
+                # The wait was exactly long enough: float rounding must not leave the token
+                # a hair short (on a virtual clock a 1e-12 s sleep never advances time).
+                self._tokens = max(self._tokens, 1.0)
+            self._tokens -= 1
