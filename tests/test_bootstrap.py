@@ -241,7 +241,7 @@ async def test_kubernetes_builds_pods_and_a_lease_without_contacting_the_cluster
         clusters = clusters_of(plane)
         assert len(clusters) == 2 and runtime.cluster in clusters
         assert {c.namespace for c in clusters} == {"workers"}
-        assert [(c._budget.qps, c._budget.burst) for c in clusters] == [
+        assert [(c._budget.rate, c._budget.burst) for c in clusters] == [
             (20, 40),
             (ELECTOR_QPS, ELECTOR_BURST),
         ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import uuid
@@ -170,6 +171,22 @@ def _kill_fleet(fleet: str) -> None:
                 os.kill(proc.pid, signal.SIGKILL)
 
 
+def bounded(
+    seconds: float,
+) -> Callable[[Callable[..., Awaitable[None]]], Callable[..., Awaitable[None]]]:
+    """Fail a test that runs longer than `seconds` with a traceback of where it waited."""
+
+    def wrap(test: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        @functools.wraps(test)
+        async def run(*args: Any, **kwargs: Any) -> None:
+            async with asyncio.timeout(seconds):
+                await test(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 async def until(check: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
     async with asyncio.timeout(timeout):
         while not await check():
@@ -190,6 +207,7 @@ async def whoami(claim: Claim) -> dict[str, Any]:
     return body
 
 
+@bounded(120)
 async def test_any_replica_serves_renews_and_releases(cluster: Cluster) -> None:
     a, b, c = [await cluster.add(pool()) for _ in range(3)]
 
@@ -223,6 +241,7 @@ async def test_any_replica_serves_renews_and_releases(cluster: Cluster) -> None:
         await a.plane.renew(first.id)
 
 
+@bounded(120)
 async def test_a_dead_leaders_workers_are_adopted_and_its_spawns_retired(
     cluster: Cluster,
 ) -> None:
@@ -268,6 +287,7 @@ async def test_a_dead_leaders_workers_are_adopted_and_its_spawns_retired(
     assert (await survivor.plane.get_claim(session.id)).state is ClaimState.BOUND
 
 
+@bounded(120)
 async def test_the_fleet_is_reaped_while_the_lease_blinks(cluster: Cluster) -> None:
     spec = pool(hot_idle_ttl=0.5, warm_target=2)
     a = await cluster.add(spec)
@@ -304,6 +324,7 @@ async def test_the_fleet_is_reaped_while_the_lease_blinks(cluster: Cluster) -> N
     assert not a.plane._loops[0].done()
 
 
+@bounded(120)
 async def test_failed_writes_during_a_workload_break_no_invariant(cluster: Cluster) -> None:
     replicas = [await cluster.add(pool(warm_target=4, max_workers_per_org=3)) for _ in range(3)]
 
