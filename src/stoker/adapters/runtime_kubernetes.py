@@ -261,6 +261,11 @@ class KubernetesRuntime:
         self._selector = {LABEL_FLEET: fleet}
         #: Every pod of the fleet (workers and placeholders), by name.
         self._cache: dict[str, _Entry] = {}
+        #: Names of the placeholder pods in `_cache` (headroom looks at these only).
+        self._placeholder_names: set[str] = set()
+        #: Placeholder pods by pool name and count, with the template they were made
+        #: from (their digest is costly to compute on every pass).
+        self._placeholder_pods: dict[tuple[str, int], tuple[PodTemplate, list[Pod]]] = {}
         #: Where the watch resumes; None means list first.
         self._rv: str | None = None
         self._synced = asyncio.Event()
@@ -580,14 +585,18 @@ class KubernetesRuntime:
             if not _valid_label_value(pool.name):
                 problems.append(f"pool {pool.name!r} is not a valid Kubernetes label value")
                 continue
-            for pod in self._placeholders(pool, pool.template):
+            cached = self._placeholder_pods.get((pool.name, pool.headroom_nodes))
+            if cached is not None and (cached[0] is pool.template or cached[0] == pool.template):
+                pods = cached[1]
+            else:
+                pods = list(self._placeholders(pool, pool.template))
+                self._placeholder_pods[(pool.name, pool.headroom_nodes)] = (pool.template, pods)
+            for pod in pods:
                 wanted[pod.name] = pod
         present: set[str] = set()
         doomed: list[str] = []
-        for name, entry in self._cache.items():
-            view = entry.view
-            if view.placeholder is None or view.worker_id is not None:
-                continue
+        for name in self._placeholder_names:
+            view = self._cache[name].view
             if view.terminating:
                 continue
             if name in wanted and not view.finished:
@@ -765,6 +774,8 @@ class KubernetesRuntime:
         entry = self._cache.get(view.name)
         if entry is None:
             entry = self._cache[view.name] = _Entry(view)
+            if view.placeholder is not None and view.worker_id is None:
+                self._placeholder_names.add(view.name)
         else:
             entry.view = view
         if view.worker_id is None or view.placeholder is not None or entry.settled:
@@ -792,6 +803,7 @@ class KubernetesRuntime:
     def _forget(self, view: _PodView) -> None:
         """A pod is gone from the cluster: drop it and report it if it was a live worker."""
         entry = self._cache.pop(view.name, None)
+        self._placeholder_names.discard(view.name)
         stopped = self._stopping.pop(view.name, None) is not None
         if view.worker_id is None or view.placeholder is not None or stopped:
             return
@@ -804,9 +816,13 @@ class KubernetesRuntime:
         if view.worker_id is None:
             return
         reason = view.loss_reason
+        # A pod deleted through the API (another replica's janitor retiring it, or an
+        # operator) is no surprise: the pool manager retires its row or fails its claim
+        # and says so. Evictions and pods that died on their own are warnings.
+        expected = view.terminating and reason != "evicted" and not view.finished
         _log(
             "worker_lost",
-            level=self._level(view, logging.WARNING),
+            level=self._level(view, logging.INFO if expected else logging.WARNING),
             worker=view.worker_id,
             pool=view.pool,
             phase=view.phase,

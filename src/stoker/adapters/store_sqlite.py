@@ -134,6 +134,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
 ]
 
 _LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
+#: Decoded worker rows kept by one store (see `SqliteStore._worker`).
+_DECODED_MAX = 20_000
 
 
 class SqliteStore:
@@ -143,6 +145,10 @@ class SqliteStore:
         self.path = path
         self._busy_timeout_s = busy_timeout_s
         self._db: sqlite3.Connection | None = None
+        #: Workers decoded from rows, keyed by the whole row: a row that has not changed
+        #: since the last read (most of them, pass after pass) is not decoded again.
+        #: `Worker` is immutable, so sharing one between readers is safe.
+        self._decoded: dict[tuple[Any, ...], Worker] = {}
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -226,11 +232,20 @@ class SqliteStore:
 
     # -- workers --------------------------------------------------------------------------
 
+    def _worker(self, row: tuple[Any, ...]) -> Worker:
+        """`worker_from_row`, remembered for identical rows (bounded)."""
+        worker = self._decoded.get(row)
+        if worker is None:
+            if len(self._decoded) >= _DECODED_MAX:
+                self._decoded.clear()
+            worker = self._decoded[row] = worker_from_row(row)
+        return worker
+
     def _get(self, db: sqlite3.Connection, worker_id: str) -> Worker | None:
         row = db.execute(
             f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,)
         ).fetchone()
-        return worker_from_row(row) if row else None
+        return self._worker(row) if row else None
 
     def _count_live(self, db: sqlite3.Connection, pool: str, org: str | None = None) -> int:
         if org is None:
@@ -404,12 +419,12 @@ class SqliteStore:
             row = db.execute(sql, params).fetchone()
             if row is None:
                 return ReserveResult(None)
-            return self._reserve_row(db, worker_from_row(row), org, org_cap, owner, now)
+            return self._reserve_row(db, self._worker(row), org, org_cap, owner, now)
 
     async def get_worker(self, worker_id: str) -> Worker | None:
         """One worker row."""
         rows = self._read(f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,))
-        return worker_from_row(rows[0]) if rows else None
+        return self._worker(rows[0]) if rows else None
 
     async def list_workers(
         self,
@@ -425,7 +440,7 @@ class SqliteStore:
         sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        return [worker_from_row(r) for r in self._read(sql, params)]
+        return [self._worker(r) for r in self._read(sql, params)]
 
     async def count_workers(self) -> list[StateCount]:
         """Live workers grouped by pool, revision, state and binding."""
@@ -583,6 +598,9 @@ class SqliteStore:
 
     async def expire_instances(self, *, before: float, now: float) -> list[str]:
         """Expire active replicas with a heartbeat older than `before`."""
+        stale = "SELECT 1 FROM instances WHERE state = 'active' AND heartbeat_at < ? LIMIT 1"
+        if not self._read(stale, (before,)):
+            return []  # the usual case: no write transaction at all
         with self._tx() as db:
             ids = [
                 r[0]

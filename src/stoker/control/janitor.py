@@ -32,6 +32,8 @@ from stoker.ports.runtime import RuntimeObject
 from stoker.ports.store import StateCount
 
 S = WorkerState
+#: States a worker passes through on its way somewhere (the stuck-row sweep watches them).
+_IN_FLIGHT = frozenset({S.SPAWNING, S.RESERVED, S.ACTIVATING, S.DRAINING})
 DemandSource = Callable[[str, float], Awaitable[int]]
 
 
@@ -130,19 +132,19 @@ class Janitor:
             if i.state == "active" and i.heartbeat_at >= fresh_after
         }
         world.live_instances.add(self.m.instance_id)
-        world.hot_idle = await store.list_workers(states=[S.HOT_IDLE])
         world.expired = await store.list_claims(
             states=[ClaimState.BOUND], expires_before=now, owner=own
         )
-        if self.scope is Scope.FLEET:
+        if self.scope is Scope.OWN:
+            world.hot_idle = await store.list_workers(states=[S.HOT_IDLE])
+        else:
             world.counts = await store.count_workers()
-            world.warm = await store.list_workers(states=[S.WARM])
-            world.in_flight = await store.list_workers(
-                states=[S.SPAWNING, S.RESERVED, S.ACTIVATING, S.DRAINING]
-            )
-            live = await store.list_workers(states=LIVE - {S.HOT_IDLE, S.WARM})
-            candidates = world.warm + world.hot_idle + live
-            world.orphans = [w for w in candidates if w.owner not in world.live_instances]
+            # One read of every live row, sorted out here (oldest first, as listed).
+            live = await store.list_workers(states=LIVE)
+            world.hot_idle = [w for w in live if w.state is S.HOT_IDLE]
+            world.warm = [w for w in live if w.state is S.WARM]
+            world.in_flight = [w for w in live if w.state in _IN_FLIGHT]
+            world.orphans = [w for w in live if w.owner not in world.live_instances]
             scan_due = self.m.clock.monotonic() - self.m.settings.stranded_scan_s
             if self._last_scan is None or self._last_scan <= scan_due:
                 self._last_scan = self.m.clock.monotonic()

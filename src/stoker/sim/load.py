@@ -1,0 +1,316 @@
+"""The load driver: tenants open sessions, each claims a worker, holds it, and releases it.
+
+Every tenant (org) has its own arrival process, a Poisson process whose rate varies with
+time (ramps, bursts, a daily cycle; `Arrival.rate_at`), sampled by thinning. A session
+draws its duration and whether its client will vanish when it arrives, from the tenant's
+own generator seeded by the run's seed and the org's name. Arrivals and sessions
+therefore do not depend on what the control plane does: every policy of a scenario faces
+the very same sessions (common random numbers), so their differences are the policies'.
+
+A session claims through the control plane's in-process interface (`ControlPlane.claim`,
+`renew`, `release`), on the replica a load balancer would pick (round robin over the
+tenant's sessions and attempts), renews its lease at half of it while it lasts, and
+releases at the end. A failed claim is retried `retries` times, `retry_backoff_s` apart;
+a client that vanishes (`abandon`) neither renews nor releases, so its lease must expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from stoker.domain.errors import CapacityError, ClaimConflict, OrgCapError, StokerError
+from stoker.domain.records import Claim, ClaimRequest
+from stoker.domain.states import ClaimState
+from stoker.ports.clock import Clock
+from stoker.sim.scenario import TenantGroup
+
+
+class ClaimTarget(Protocol):
+    """What a session talks to: one control-plane replica's claim interface."""
+
+    async def claim(self, req: ClaimRequest) -> Claim:
+        """Claim a worker."""
+        ...
+
+    async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:
+        """Extend a claim's lease."""
+        ...
+
+    async def release(self, claim_id: str) -> Claim:
+        """End the session."""
+        ...
+
+
+class SessionObserver(Protocol):
+    """Told about every bound and ended session (the invariant checker)."""
+
+    def session_bound(self, claim: Claim, latency_s: float) -> None:
+        """A claim was bound to a worker and handed to its client."""
+        ...
+
+    def session_ended(self, claim: Claim, how: str) -> None:
+        """The client released the claim (`released`) or learnt that it ended (`failed`)."""
+        ...
+
+
+def failure_reason(exc: StokerError) -> str:
+    """The reason a failed claim is counted under."""
+    if isinstance(exc, OrgCapError):
+        return "org_cap"
+    if isinstance(exc, CapacityError):
+        return exc.reason
+    return exc.code.replace("-", "_")
+
+
+@dataclass
+class LoadStats:
+    """What the sessions saw."""
+
+    #: Claim latency in seconds by source (reuse, warm, cold).
+    latencies: dict[str, list[float]] = field(default_factory=dict)
+    #: Failed claim attempts by reason.
+    failures: Counter[str] = field(default_factory=Counter)
+    sessions: int = 0
+    #: Sessions whose every attempt failed.
+    sessions_lost: int = 0
+    #: Sessions whose claim ended under them (their worker was lost, their lease expired).
+    sessions_failed: int = 0
+    abandoned: int = 0
+    released: int = 0
+    renewals: int = 0
+    #: Renewals and releases the control plane refused for another reason than the
+    #: claim having ended (a store outage, a replica shutting down).
+    renew_errors: int = 0
+    release_errors: int = 0
+    #: Seconds (of run time) of the first arrival, and when bound sessions first reached
+    #: the scenario's target.
+    first_arrival_s: float | None = None
+    target_reached_s: float | None = None
+    peak_bound: int = 0
+
+    @property
+    def bound(self) -> int:
+        """Claims that were bound."""
+        return sum(len(samples) for samples in self.latencies.values())
+
+    @property
+    def time_to_target_s(self) -> float | None:
+        """From the first arrival to the target reached (None: never reached)."""
+        if self.target_reached_s is None or self.first_arrival_s is None:
+            return None
+        return self.target_reached_s - self.first_arrival_s
+
+
+class LoadDriver:
+    """Runs every tenant's sessions against `targets` (the replicas) until `stop`."""
+
+    def __init__(
+        self,
+        *,
+        tenants: Sequence[TenantGroup],
+        pool: str,
+        targets: Sequence[ClaimTarget],
+        clock: Clock,
+        seed: int,
+        observer: SessionObserver | None = None,
+        target_hot: int | None = None,
+    ) -> None:
+        if not targets:
+            raise ValueError("the load driver needs at least one replica")
+        self._tenants = tenants
+        self._pool = pool
+        self._targets = list(targets)
+        self._clock = clock
+        self._seed = seed
+        self._observer = observer
+        self._target_hot = target_hot
+        self._t0 = 0.0
+        self.stats = LoadStats()
+        #: Sessions holding a worker now, and claims waiting for one.
+        self.active = 0
+        self.waiting = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failure: BaseException | None = None
+
+    # -- running -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every tenant's arrival process on the running loop (time 0 is now)."""
+        self._t0 = self._clock.monotonic()
+        index = 0
+        for group in self._tenants:
+            for org in group.org_names():
+                self._spawn(self._tenant(group, org, index), f"tenant:{org}")
+                index += 1
+
+    async def stop(self) -> None:
+        """Cancel every arrival process and session (their workers stay as they are)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise an unexpected error of a session (a bug, not a refused claim)."""
+        if self._failure is not None:
+            raise RuntimeError("a simulated session failed") from self._failure
+
+    def now(self) -> float:
+        """Seconds since `start`."""
+        return self._clock.monotonic() - self._t0
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._failure = self._failure or exc
+
+    # -- one tenant ------------------------------------------------------------------------
+
+    async def _tenant(self, group: TenantGroup, org: str, index: int) -> None:
+        """Open sessions at the tenant's arrival times, forever (until cancelled)."""
+        rng = random.Random(f"{self._seed}/{org}")
+        arrival = group.arrival
+        # Sessions opened at once: at the start, and at each burst that brings some.
+        batches = [(arrival.start_s, arrival.initial)]
+        batches += [(burst.at_s, burst.sessions) for burst in arrival.bursts]
+        batches = sorted(b for b in batches if b[1] > 0)
+        envelope = arrival.max_rate()
+        poisson = self._next_poisson(rng, group, arrival.start_s) if envelope > 0 else None
+        seq = 0
+        while batches or poisson is not None:
+            if batches and (poisson is None or batches[0][0] <= poisson):
+                at, count = batches.pop(0)
+            else:
+                assert poisson is not None
+                at, count = poisson, 1
+                poisson = self._next_poisson(rng, group, poisson)
+            delay = at - self.now()
+            if delay > 0:
+                await self._clock.sleep(delay)
+            for _ in range(count):
+                duration = group.duration.sample(rng)
+                abandon = rng.random() < group.abandon
+                if self.stats.first_arrival_s is None:
+                    self.stats.first_arrival_s = self.now()
+                self.stats.sessions += 1
+                self._spawn(
+                    self._session(group, org, index + seq, duration, abandon),
+                    f"session:{org}:{seq}",
+                )
+                seq += 1
+
+    def _next_poisson(self, rng: random.Random, group: TenantGroup, after: float) -> float | None:
+        """The next arrival after `after` by thinning (None once arrivals stop)."""
+        arrival = group.arrival
+        envelope = arrival.max_rate()
+        t = after
+        while True:
+            t += rng.expovariate(envelope)
+            if arrival.stop_s is not None and t >= arrival.stop_s:
+                return None
+            if rng.random() * envelope <= arrival.rate_at(t):
+                return t
+
+    # -- one session -----------------------------------------------------------------------
+
+    async def _session(
+        self, group: TenantGroup, org: str, route: int, duration: float, abandon: bool
+    ) -> None:
+        claim: Claim | None = None
+        for attempt in range(group.retries + 1):
+            target = self._targets[(route + attempt) % len(self._targets)]
+            started = self._clock.monotonic()
+            self.waiting += 1
+            try:
+                claim = await target.claim(
+                    ClaimRequest(
+                        pool=self._pool,
+                        org=org,
+                        mode=group.mode,
+                        timeout_s=group.claim_timeout_s,
+                        lease_s=group.lease_s,
+                        ttl_s=group.ttl_s,
+                    )
+                )
+            except StokerError as exc:
+                self.stats.failures[failure_reason(exc)] += 1
+                if attempt < group.retries:
+                    await self._clock.sleep(group.retry_backoff_s)
+                continue
+            finally:
+                self.waiting -= 1
+            self._bound(claim, self._clock.monotonic() - started)
+            break
+        if claim is None:
+            self.stats.sessions_lost += 1
+            return
+        if abandon:
+            # The client is gone: nothing renews or releases the claim any more.
+            self.stats.abandoned += 1
+            self.active -= 1
+            return
+        try:
+            if await self._hold(target, claim, duration, group.lease_s):
+                try:
+                    ended = await target.release(claim.id)
+                except StokerError:
+                    self.stats.release_errors += 1
+                    return
+                # Releasing a claim that already ended (its worker was lost) returns it.
+                how = "released" if ended.state is ClaimState.RELEASED else "failed"
+                if how == "released":
+                    self.stats.released += 1
+                else:
+                    self.stats.sessions_failed += 1
+                if self._observer is not None:
+                    self._observer.session_ended(claim, how)
+        finally:
+            self.active -= 1
+
+    def _bound(self, claim: Claim, latency: float) -> None:
+        self.stats.latencies.setdefault(claim.source.value, []).append(latency)
+        self.active += 1
+        self.stats.peak_bound = max(self.stats.peak_bound, self.active)
+        if (
+            self._target_hot is not None
+            and self.stats.target_reached_s is None
+            and self.active >= self._target_hot
+        ):
+            self.stats.target_reached_s = self.now()
+        if self._observer is not None:
+            self._observer.session_bound(claim, latency)
+
+    async def _hold(self, target: ClaimTarget, claim: Claim, duration: float, lease: float) -> bool:
+        """Hold the worker for `duration`, renewing at half the lease; False if the claim
+        ended under the session (its worker was lost or its lease expired)."""
+        left = duration
+        while left > 0:
+            step = min(left, lease / 2)
+            await self._clock.sleep(step)
+            left -= step
+            if left <= 0:
+                break
+            try:
+                await target.renew(claim.id, lease)
+                self.stats.renewals += 1
+            except ClaimConflict:
+                self.stats.sessions_failed += 1
+                if self._observer is not None:
+                    self._observer.session_ended(claim, "failed")
+                return False
+            except StokerError:
+                # The lease still runs for its other half: the next renewal may succeed.
+                self.stats.renew_errors += 1
+        return True

@@ -1,0 +1,568 @@
+"""Runs a scenario: each policy on a fresh cluster, store and virtual-time loop.
+
+One policy run is one asyncio loop from `looptime.new_event_loop(start=0,
+noop_cycles=1)`: the simulated cluster, every control-plane replica, the load driver, the
+invariant checker and the sampler share it, and whenever every task waits the clock jumps
+to the next timer (one no-op cycle is enough for a loop that does no I/O; looptime's
+default of 42 makes each virtual instant about 8x dearer). Every time read goes through
+the run's `LoopClock(epoch=EPOCH)`; the store is an in-memory SQLite database used from
+the loop without threads. The same scenario and seed therefore replay the same run, and
+give the same `summary.json` byte for byte.
+
+Policies are independent runs, so `jobs > 1` runs them in that many forked processes at
+once (each still deterministic); the progress of each reaches the caller's callback
+either way. stoker's loggers are set to WARNING while a run lasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import looptime
+
+from stoker.adapters.store_sqlite import SqliteStore
+from stoker.domain.specs import PoolSpec
+from stoker.domain.states import WorkerState
+from stoker.ports.clock import LoopClock
+from stoker.sim.cluster import ClusterSnapshot, SimCluster
+from stoker.sim.invariants import InvariantChecker, Violation, count_by
+from stoker.sim.load import LoadDriver
+from stoker.sim.policies import Fleet, build_fleet, derived_cap, org_specs, pool_spec
+from stoker.sim.scenario import Scenario
+
+#: The wall-clock origin of every run (2023-11-14T22:13:20Z): fixed, so timestamps in the
+#: store, and everything derived from them, repeat from run to run.
+EPOCH = 1_700_000_000.0
+#: How many progress reports a policy run makes (the bar moves in these steps).
+PROGRESS_STEPS = 200
+#: Log lines a policy run keeps (the counts per event cover all of them).
+LOG_LINES = 2000
+
+#: Progress of one policy: (policy name, virtual seconds done, virtual seconds in all).
+ProgressCallback = Callable[[str, float, float], None]
+
+_WORKER_STATES = tuple(s.value for s in WorkerState if s is not WorkerState.RETIRED)
+_BUSY = (WorkerState.RESERVED.value, WorkerState.ACTIVATING.value, WorkerState.HOT.value)
+_IDLE = (WorkerState.WARM.value, WorkerState.HOT_IDLE.value)
+
+
+@dataclass
+class PolicyResult:
+    """What one policy run produced; `summary` is JSON-ready and deterministic."""
+
+    name: str
+    kind: str
+    summary: dict[str, Any]
+    samples: list[dict[str, Any]]
+    latencies: dict[str, list[float]]
+    violations: list[Violation]
+    virtual_s: float
+    wall_s: float
+    #: Warnings stoker logged during the run: a count per event, and the first lines.
+    warnings: dict[str, int] = field(default_factory=dict)
+    log_lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ScenarioResult:
+    """Every policy run of a scenario, in the scenario's order."""
+
+    scenario: Scenario
+    short: bool
+    policies: list[PolicyResult]
+    wall_s: float = 0.0
+    jobs: int = 1
+
+    def stoker_violations(self) -> list[tuple[str, Violation]]:
+        """Violations of runs of stoker's own policy (these fail the scenario)."""
+        return [
+            (result.name, violation)
+            for result in self.policies
+            if result.kind == "stoker"
+            for violation in result.violations
+        ]
+
+
+# -- the whole scenario ----------------------------------------------------------------------
+
+
+def run_scenario(
+    scenario: Scenario,
+    *,
+    policies: Sequence[str] | None = None,
+    short: bool = False,
+    progress: ProgressCallback | None = None,
+    jobs: int = 1,
+) -> ScenarioResult:
+    """Run `policies` (all of the scenario's by default), each from scratch.
+
+    `short` only labels the result (the scenario is loaded short by the caller).
+    """
+    names = list(policies) if policies else [p.name for p in scenario.policies]
+    views = [scenario.for_policy(name) for name in names]
+    started = time.perf_counter()
+    jobs = max(1, min(jobs, len(views)))
+    if jobs == 1:
+        results = [run_policy(view, progress=progress) for view in views]
+    else:
+        results = _run_forked(views, jobs, progress)
+    return ScenarioResult(
+        scenario=scenario,
+        short=short,
+        policies=results,
+        wall_s=time.perf_counter() - started,
+        jobs=jobs,
+    )
+
+
+def _run_forked(
+    views: list[Scenario], jobs: int, progress: ProgressCallback | None
+) -> list[PolicyResult]:
+    """Run policy views in `jobs` forked processes, relaying their progress."""
+    context = multiprocessing.get_context("fork")
+    reports: multiprocessing.Queue[tuple[str, float, float]] = context.Queue()
+    # The pool forks its workers here, before the relay thread exists.
+    with context.Pool(jobs, initializer=_child_init, initargs=(reports,)) as pool:
+        pending = [pool.apply_async(_child_run, (view,)) for view in views]
+        stop = threading.Event()
+        relay = threading.Thread(target=_relay, args=(reports, progress, stop), daemon=True)
+        relay.start()
+        try:
+            results = [job.get() for job in pending]
+        finally:
+            stop.set()
+            relay.join()
+    return results
+
+
+_child_reports: multiprocessing.Queue[tuple[str, float, float]] | None = None
+
+
+def _child_init(reports: multiprocessing.Queue[tuple[str, float, float]]) -> None:
+    global _child_reports
+    _child_reports = reports
+
+
+def _child_run(view: Scenario) -> PolicyResult:
+    reports = _child_reports
+
+    def report(name: str, done: float, total: float) -> None:
+        if reports is not None:
+            reports.put((name, done, total))
+
+    return run_policy(view, progress=report)
+
+
+def _relay(
+    reports: multiprocessing.Queue[tuple[str, float, float]],
+    progress: ProgressCallback | None,
+    stop: threading.Event,
+) -> None:
+    while not stop.is_set():
+        try:
+            name, done, total = reports.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if progress is not None:
+            progress(name, done, total)
+
+
+# -- one policy ------------------------------------------------------------------------------
+
+
+def run_policy(view: Scenario, *, progress: ProgressCallback | None = None) -> PolicyResult:
+    """Run one policy view (`Scenario.for_policy`) on a fresh virtual-time loop.
+
+    stoker's loggers are at WARNING meanwhile, and what they log goes to the result (a
+    count per event and the first lines), not to the terminal.
+    """
+    logger = logging.getLogger("stoker")
+    level, propagate = logger.level, logger.propagate
+    capture = _Capture()
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    logger.addHandler(capture)
+    loop = looptime.new_event_loop(start=0, noop_cycles=1)
+    started = time.perf_counter()
+    try:
+        result = loop.run_until_complete(_PolicyRun(view, progress).run())
+    finally:
+        _close(loop)
+        logger.removeHandler(capture)
+        logger.setLevel(level)
+        logger.propagate = propagate
+    result.wall_s = time.perf_counter() - started
+    result.warnings = dict(sorted(capture.counts.items()))
+    result.log_lines = capture.lines
+    return result
+
+
+class _Capture(logging.Handler):
+    """Counts log records by their `event=` name and keeps the first `LOG_LINES`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: Counter[str] = Counter()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        head = message.split(" ", 1)[0]
+        self.counts[head.removeprefix("event=") if head.startswith("event=") else "other"] += 1
+        if len(self.lines) < LOG_LINES:
+            self.lines.append(f"{record.levelname} {record.name} {message}")
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on the loop, then close it."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
+class _PolicyRun:
+    """The parts of one policy run and the loop that drives them."""
+
+    def __init__(self, view: Scenario, progress: ProgressCallback | None) -> None:
+        self.view = view
+        self.entry = view.policies[0]
+        self.progress = progress
+        self.clock = LoopClock(epoch=EPOCH)
+        self.pool: PoolSpec = pool_spec(view)
+        self.samples: list[dict[str, Any]] = []
+        self.no_leader_s = 0.0
+        self.peaks: Counter[str] = Counter()
+        self.integrals: Counter[str] = Counter()
+
+    def now(self) -> float:
+        """Seconds since the run started (the loop starts at 0)."""
+        return self.clock.monotonic()
+
+    async def run(self) -> PolicyResult:
+        """Build, start, drive for the scenario's duration, measure, stop."""
+        view = self.view
+        cluster = SimCluster(view.cluster_config(), clock=self.clock, rng=random.Random(view.seed))
+        store = SqliteStore(":memory:")
+        await store.open()
+        orgs = {spec.name: spec for spec in org_specs(view)}
+        cap = derived_cap(self.entry, view)
+        pool = self.pool
+
+        def pool_cap(_name: str) -> int:
+            return pool.max_workers if pool.max_workers > 0 else cap
+
+        def org_cap(_pool: str, org: str) -> int:
+            spec = orgs.get(org)
+            if spec is not None and spec.max_workers is not None:
+                return spec.max_workers
+            return pool.max_workers_per_org
+
+        def floor(_pool: str, org: str) -> int:
+            spec = orgs.get(org)
+            if spec is not None and spec.min_hot_idle is not None:
+                return spec.min_hot_idle
+            return pool.min_hot_idle
+
+        checker = InvariantChecker(
+            store=store,
+            now=self.now,
+            wall=self.clock.now,
+            pools={pool.name: pool},
+            pool_cap=pool_cap,
+            org_cap=org_cap,
+            floor=floor,
+            pass_s=view.control_plane.reaper_interval_s,
+            check_interval_s=view.check_interval_s,
+        )
+        cluster.api.add_listener(checker.pod_changed)
+        fleet = build_fleet(
+            scenario=view, cluster=cluster, store=store, clock=self.clock, observer=checker
+        )
+        await cluster.start()
+        for replica in fleet.replicas:
+            await replica.plane.start()
+        driver = LoadDriver(
+            tenants=view.tenants,
+            pool=pool.name,
+            targets=[replica.plane for replica in fleet.replicas],
+            clock=self.clock,
+            seed=view.seed,
+            observer=checker,
+            target_hot=view.target_hot,
+        )
+        driver.start()
+        checker.start()
+        sampler = asyncio.ensure_future(self._sample_every(cluster, store, fleet, driver))
+        try:
+            await self._drive(cluster, driver)
+            self._sample(cluster, store, fleet, driver)
+            checker.check()
+            summary = self._summary(cluster, store, fleet, driver, checker)
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+            await driver.stop()
+            await checker.stop()
+            for replica in fleet.replicas:
+                await replica.plane.stop()
+            await cluster.stop()
+            await store.close()
+        return PolicyResult(
+            name=self.entry.name,
+            kind=self.entry.policy,
+            summary=summary,
+            samples=self.samples,
+            latencies={k: list(v) for k, v in sorted(driver.stats.latencies.items())},
+            violations=list(checker.violations),
+            virtual_s=view.duration_s,
+            wall_s=0.0,
+        )
+
+    async def _drive(self, cluster: SimCluster, driver: LoadDriver) -> None:
+        """Let the run go on for the scenario's duration, reporting progress."""
+        total = self.view.duration_s
+        step = total / PROGRESS_STEPS
+        while (left := total - self.now()) > 1e-9:
+            await asyncio.sleep(min(step, left))
+            cluster.raise_if_failed()
+            driver.raise_if_failed()
+            if self.progress is not None:
+                self.progress(self.entry.name, min(self.now(), total), total)
+
+    # -- the timeseries ------------------------------------------------------------------------
+
+    async def _sample_every(
+        self, cluster: SimCluster, store: SqliteStore, fleet: Fleet, driver: LoadDriver
+    ) -> None:
+        interval = self.view.sample_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self._sample(cluster, store, fleet, driver)
+
+    def _sample(
+        self, cluster: SimCluster, store: SqliteStore, fleet: Fleet, driver: LoadDriver
+    ) -> None:
+        """One row of the timeseries, and the integrals and peaks it feeds."""
+        t = round(self.now(), 6)
+        if self.samples and self.samples[-1]["t_s"] == t:
+            return
+        elapsed = t - (self.samples[-1]["t_s"] if self.samples else 0.0)
+        counts = dict.fromkeys(_WORKER_STATES, 0)
+        for state, count in store.db.execute(
+            "SELECT state, COUNT(*) FROM workers WHERE state != 'retired' GROUP BY state"
+        ):
+            counts[state] = count
+        snap = cluster.snapshot()
+        nodes = snap.nodes_by_state
+        cpu = self.view.pool.cpu_cores
+        alive = sum(n for state, n in nodes.items() if state != "terminated")
+        leader = fleet.leader()
+        janitor = leader.plane.janitor if leader is not None else None
+        row: dict[str, Any] = {"t_s": t, **counts}
+        row.update(
+            {
+                "live": sum(counts.values()),
+                "nodes": alive,
+                "nodes_ready": nodes.get("ready", 0),
+                "nodes_launching": nodes.get("launching", 0),
+                "nodes_draining": nodes.get("draining", 0),
+                "nodes_reclaimed": snap.consolidated_empty_total
+                + snap.consolidated_underutilized_total,
+                "pods_pending": snap.pods_by_phase.get("Pending", 0),
+                "pods_unschedulable": snap.pods_unschedulable,
+                "sessions_active": driver.active,
+                "claims_waiting": driver.waiting,
+                "warm_target": self.pool.warm_target,
+                "desired_warm": None if janitor is None else janitor.desired.get(self.pool.name),
+                "demand": None if janitor is None else janitor.demand.get(self.pool.name),
+                "busy_vcpu": sum(counts[s] for s in _BUSY) * cpu,
+                "idle_vcpu": sum(counts[s] for s in _IDLE) * cpu,
+                "placeholder_vcpu": _label_cpu(snap, "stoker.dev/placeholder"),
+                "node_vcpu": snap.allocatable.cpu + snap.allocatable_launching.cpu,
+                "background_vcpu": _background_cpu(snap),
+                "leader": -1 if leader is None else leader.index,
+                "cost_usd": snap.node_cost_usd,
+            }
+        )
+        self.samples.append(row)
+        for key in ("busy_vcpu", "idle_vcpu", "placeholder_vcpu", "node_vcpu"):
+            self.integrals[key] += row[key] * elapsed / 3600
+        for key in ("live", "nodes", "hot", "hot_idle", "warm", "pods_pending"):
+            self.peaks[key] = max(self.peaks[key], row[key])
+        if leader is None:
+            self.no_leader_s += elapsed
+
+    # -- the summary ---------------------------------------------------------------------------
+
+    def _summary(
+        self,
+        cluster: SimCluster,
+        store: SqliteStore,
+        fleet: Fleet,
+        driver: LoadDriver,
+        checker: InvariantChecker,
+    ) -> dict[str, Any]:
+        stats = driver.stats
+        snap = cluster.snapshot()
+        bound = stats.bound
+        by_source = {source: len(samples) for source, samples in stats.latencies.items()}
+        served_warm = by_source.get("warm", 0) + by_source.get("reuse", 0)
+        every = [x for samples in stats.latencies.values() for x in samples]
+        last = self.samples[-1] if self.samples else {}
+        retirements = _counter(fleet, "stoker_retirements", "reason")
+        pod_starts = fleet.pod_starts()
+        electors = [replica.elector for replica in fleet.replicas]
+        return {
+            "policy": self.entry.policy,
+            "replicas": len(fleet.replicas),
+            "claims": {
+                "attempts": bound + sum(stats.failures.values()),
+                "bound": bound,
+                "by_source": dict(sorted(by_source.items())),
+                "failures": dict(sorted(stats.failures.items())),
+                "latency_s": {
+                    **{src: _quantiles(xs) for src, xs in sorted(stats.latencies.items())},
+                    "all": _quantiles(every),
+                },
+                "warm_hit_ratio": served_warm / bound if bound else None,
+            },
+            "sessions": {
+                "started": stats.sessions,
+                "lost": stats.sessions_lost,
+                "failed": stats.sessions_failed,
+                "abandoned": stats.abandoned,
+                "released": stats.released,
+                "renewals": stats.renewals,
+                "renew_errors": stats.renew_errors,
+                "release_errors": stats.release_errors,
+                "peak_bound": stats.peak_bound,
+            },
+            "target_hot": self.view.target_hot,
+            "time_to_target_s": stats.time_to_target_s,
+            "vcpu_hours": {
+                "busy": self.integrals["busy_vcpu"],
+                "idle": self.integrals["idle_vcpu"],
+                "placeholder": self.integrals["placeholder_vcpu"],
+                "nodes": self.integrals["node_vcpu"],
+            },
+            "workers": {
+                "spawns": _counter(fleet, "stoker_spawns", "purpose"),
+                "spawn_failures": _counter(fleet, "stoker_spawn_failures", "reason"),
+                "retirements": retirements,
+                "retired": sum(retirements.values()),
+                "final": {s: last.get(s, 0) for s in _WORKER_STATES},
+                "peak": {k: self.peaks[k] for k in ("hot", "hot_idle", "live", "warm")},
+                "pod_start_s": _quantiles(pod_starts),
+                "activations": fleet.activator.activations,
+                "activation_rejections": fleet.activator.rejections,
+                "activation_failures": fleet.activator.failures,
+            },
+            "nodes": {
+                "launched": snap.nodes_launched_total,
+                "terminated": snap.nodes_terminated_total,
+                "reclaimed": snap.consolidated_empty_total + snap.consolidated_underutilized_total,
+                "peak": self.peaks["nodes"],
+                "final": last.get("nodes", 0),
+                "final_vcpu": last.get("node_vcpu", 0.0),
+                "reclaimed_last_half": last.get("nodes_reclaimed", 0)
+                - self._at_half("nodes_reclaimed"),
+                "cost_usd": snap.node_cost_usd,
+                "peak_pending_pods": self.peaks["pods_pending"],
+                "preemptions": snap.preemptions_total,
+                "evictions": snap.evictions_total,
+            },
+            "background": {
+                "target_cores": snap.background.target_cpu,
+                "desired_cores": snap.background.desired_cpu,
+                "bound_cores": last.get("background_vcpu", 0.0),
+                "desired_pods": snap.background.desired_pods,
+                "live_pods": snap.background.live_pods,
+                "pods_replaced": snap.background.pods_replaced,
+                "pods_destroyed": snap.background.pods_destroyed,
+            },
+            "leadership": {
+                "terms": sum(getattr(e, "terms", 0) for e in _inner_electors(electors)),
+                "max_concurrent_leaders": checker.max_concurrent_leaders,
+                "time_without_leader_s": self.no_leader_s,
+            },
+            "invariants": {
+                "checks": checker.checks,
+                "violations": len(checker.violations),
+                "by_invariant": count_by(checker.violations),
+            },
+        }
+
+    def _at_half(self, key: str) -> Any:
+        """The sample's `key` at half the run (0 before any sample)."""
+        half = self.view.duration_s / 2
+        value: Any = 0
+        for row in self.samples:
+            if row["t_s"] > half:
+                break
+            value = row[key]
+        return value
+
+
+def _inner_electors(electors: Iterable[object]) -> list[object]:
+    """The lease electors themselves (a run-once wrapper holds its elector as `inner`)."""
+    return [getattr(e, "inner", e) for e in electors]
+
+
+def _counter(fleet: Fleet, name: str, label: str) -> dict[str, int]:
+    """A Prometheus counter of every replica, summed by one label."""
+    totals: Counter[str] = Counter()
+    for replica in fleet.replicas:
+        for family in replica.plane.metrics.registry.collect():
+            if family.name != name:
+                continue
+            for sample in family.samples:
+                if sample.name == f"{name}_total":
+                    totals[sample.labels[label]] += int(sample.value)
+    return dict(sorted(totals.items()))
+
+
+def _label_cpu(snap: ClusterSnapshot, key: str) -> float:
+    return sum(r.cpu for r in snap.requested_by_label.get(key, {}).values())
+
+
+def _background_cpu(snap: ClusterSnapshot) -> float:
+    stoker = _label_cpu(snap, "stoker.dev/pool") + _label_cpu(snap, "stoker.dev/placeholder")
+    return max(0.0, snap.requested.cpu - stoker)
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """The `q` quantile (0..1) by linear interpolation between closest ranks."""
+    if not sorted_values:
+        raise ValueError("no values")
+    position = q * (len(sorted_values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def _quantiles(values: Iterable[float]) -> dict[str, float | int] | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return {
+        "count": len(ordered),
+        "p50": quantile(ordered, 0.50),
+        "p90": quantile(ordered, 0.90),
+        "p99": quantile(ordered, 0.99),
+        "max": ordered[-1],
+    }

@@ -1,0 +1,201 @@
+"""Every scenario of `scenarios/` in its short form, with assertions on what it shows.
+
+These run the real control plane (replicas, pool managers, janitors, fallback reapers,
+electors, the Kubernetes runtime) against `SimCluster`, the in-process cluster: there is
+no Kubernetes cluster on this machine, and the point of the simulator is virtual time.
+Each short run takes a few seconds of wall time; the scenarios' full forms are measured
+by `benchmarks/scaletest.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from stoker.cli import app
+from stoker.sim.report import summary_bytes, write_report
+from stoker.sim.runner import ScenarioResult, run_scenario
+from stoker.sim.scenario import load_scenario
+
+SCENARIOS = ("cold-ramp", "leader-blip", "claim-burst", "consolidation", "diurnal", "large")
+
+
+@cache
+def _short(name: str) -> ScenarioResult:
+    """The short form of a scenario, every policy, run once per test session."""
+    return run_scenario(load_scenario(name, short=True), short=True)
+
+
+def _policy(name: str, policy: str) -> dict[str, Any]:
+    for result in _short(name).policies:
+        if result.name == policy:
+            return result.summary
+    raise AssertionError(f"{name} has no policy {policy}")
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_stokers_policy_breaks_no_invariant_in_any_scenario(name: str) -> None:
+    result = _short(name)
+    runs = [r for r in result.policies if r.kind == "stoker"]
+    assert runs, f"{name} runs no stoker policy"
+    for run in runs:
+        assert run.summary["invariants"]["checks"] > 0
+        assert result.stoker_violations() == [], [str(v) for _, v in result.stoker_violations()]
+        assert run.summary["claims"]["bound"] > 0
+        assert run.summary["sessions"]["failed"] == 0
+
+
+def test_cold_ramp_reaches_target_in_one_tick_plus_a_pod_start_while_static_plateaus() -> None:
+    scenario = load_scenario("cold-ramp", short=True)
+    stoker = _policy("cold-ramp", "stoker")
+    static = _policy("cold-ramp", "static-target")
+
+    assert stoker["claims"]["bound"] == scenario.target_hot == 30
+    assert stoker["time_to_target_s"] is not None
+    # One reconcile tick (janitor pass) plus the slowest pod start of the run.
+    bound = scenario.control_plane.janitor_interval_s + stoker["workers"]["pod_start_s"]["max"]
+    assert stoker["time_to_target_s"] <= bound
+    assert stoker["workers"]["peak"]["hot"] == 30
+
+    # duckgres #597: 1:1 replenish, 3 spawns at a time and a memory-derived cap of 11.
+    assert static["time_to_target_s"] is None
+    assert static["workers"]["peak"]["hot"] == 11
+    assert static["claims"]["failures"].get("pool_cap", 0) > 0
+
+
+def test_run_once_elector_leaks_idle_workers_after_the_blips_while_stoker_does_not() -> None:
+    stoker = _policy("leader-blip", "stoker")
+    once = _policy("leader-blip", "run-once-elector")
+
+    # Without re-contention the last blip leaves nobody leading; without a fallback reaper
+    # parked workers outlive their TTL (I3), which the checker reports.
+    assert once["invariants"]["by_invariant"].get("I3", 0) > 0
+    assert once["leadership"]["time_without_leader_s"] > 600
+    assert once["workers"]["final"]["hot_idle"] > 5 * max(1, stoker["workers"]["final"]["hot_idle"])
+
+    # stoker re-contends: a leader is back within a blip plus a lease, every time.
+    assert stoker["invariants"]["violations"] == 0
+    assert stoker["leadership"]["terms"] >= 2
+    assert stoker["leadership"]["time_without_leader_s"] <= 3 * (60 + 15 + 2 * 5)
+    assert stoker["workers"]["retirements"].get("ttl", 0) > once["workers"]["retirements"].get(
+        "ttl", 0
+    )
+
+
+def test_a_claim_burst_is_served_from_the_warm_pool_in_milliseconds() -> None:
+    scenario = load_scenario("claim-burst", short=True)
+    stoker = _policy("claim-burst", "stoker")
+    claims = stoker["claims"]
+
+    assert claims["bound"] == scenario.target_hot
+    assert claims["failures"] == {}
+    assert claims["warm_hit_ratio"] == 1.0
+    # The modelled API latency is ~10 ms a call (p99 ~32 ms) and activation ~20 ms; the
+    # assignment itself adds nothing that grows with the pool (agent-sandbox saw 4.4 s).
+    assert claims["latency_s"]["all"]["p99"] < 0.25
+    static = _policy("claim-burst", "static-target")
+    assert static["claims"]["bound"] < claims["bound"]
+
+
+def test_bare_pod_background_loses_demand_to_consolidation_while_controllers_conserve_it() -> None:
+    managed = _policy("consolidation", "controller-managed")["background"]
+    bare = _policy("consolidation", "bare-pods")["background"]
+
+    # Controller-managed: every evicted pod is recreated, so the background keeps what it
+    # asked for and consolidation stops at the true surplus.
+    assert managed["pods_destroyed"] == 0
+    assert managed["pods_replaced"] > 0
+    assert managed["bound_cores"] >= 0.99 * managed["target_cores"]
+    # Bare pods: each eviction destroys demand for good (the reclaim cascade).
+    assert bare["pods_destroyed"] > 0
+    assert bare["pods_replaced"] == 0
+    assert bare["bound_cores"] < 0.9 * bare["target_cores"]
+
+
+def test_diurnal_headroom_absorbs_the_daily_peak() -> None:
+    on = _policy("diurnal", "stoker")
+    off = _policy("diurnal", "stoker-headroom-off")
+
+    assert on["vcpu_hours"]["placeholder"] > 0
+    assert off["vcpu_hours"]["placeholder"] == 0
+    assert sum(on["claims"]["failures"].values()) <= sum(off["claims"]["failures"].values())
+    assert on["claims"]["latency_s"]["all"]["p99"] < off["claims"]["latency_s"]["all"]["p99"]
+
+
+def test_the_large_scenario_binds_every_claim_without_waiting_for_nodes() -> None:
+    stoker = _policy("large", "stoker")
+    assert stoker["claims"]["failures"] == {}
+    assert stoker["claims"]["bound"] == stoker["claims"]["attempts"]
+    assert stoker["nodes"]["launched"] > 100
+
+
+def test_the_same_scenario_and_seed_give_the_same_summary_byte_for_byte() -> None:
+    scenario = load_scenario("consolidation", short=True)
+    once = run_scenario(scenario, short=True)
+    # Again, this time each policy in its own process.
+    again = run_scenario(scenario, short=True, jobs=2)
+    assert summary_bytes(once) == summary_bytes(again)
+    other = run_scenario(scenario.model_copy(update={"seed": scenario.seed + 1}), short=True)
+    assert summary_bytes(other) != summary_bytes(once)
+
+
+def test_the_report_holds_the_summary_the_timeseries_the_plots_and_the_markdown(
+    tmp_path: Path,
+) -> None:
+    result = _short("cold-ramp")
+    written = {p.name for p in write_report(result, tmp_path)}
+    assert {"summary.json", "timeseries.csv", "report.md"} <= written
+    assert len([n for n in written if n.endswith(".png")]) == 6
+    for png in tmp_path.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["policies"]) == {"stoker", "static-target"}
+    header, *rows = (tmp_path / "timeseries.csv").read_text().splitlines()
+    assert header.startswith("policy,")
+    assert {row.split(",")[0] for row in rows} == {"stoker", "static-target"}
+    report = (tmp_path / "report.md").read_text()
+    assert "| stoker |" in report
+    assert "| static-target |" in report
+
+
+def test_scaletest_command_writes_the_report_and_prints_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    result = CliRunner().invoke(
+        app, ["scaletest", "cold-ramp", "--short", "--out", str(out), "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "static-target" in result.output
+    assert "virtual time" in result.output
+    assert (out / "summary.json").is_file()
+    assert (out / "report.md").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["no-such-scenario"], "no scenario file 'no-such-scenario' (known scenarios: "),
+        (["cold-ramp", "--policy", "nope"], "nope"),
+    ],
+)
+def test_scaletest_refuses_bad_input_in_one_line(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(app, ["scaletest", *args, "--out", str(tmp_path / "r")])
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_scenario_with_a_wrong_key_names_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nduration_s: 60\npool: {warm_targt: 3}\n")
+    result = CliRunner().invoke(app, ["scaletest", str(bad), "--out", str(tmp_path / "r")])
+    assert result.exit_code != 0
+    assert "pool.warm_targt: unknown key" in result.output
+    assert "Traceback" not in result.output
