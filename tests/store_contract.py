@@ -1318,6 +1318,12 @@ class StoreContract:
         assert await ids(states=[S.RESERVED, S.HOT_IDLE, S.SPAWNING]) == [r1.id, i1.id, s1.id]
         assert await ids(org="org-a") == [r1.id, i1.id]
         assert await ids(owner="cp-b") == [q1.id, s1.id]
+        assert await ids(not_owners=["cp-b"]) == [w1.id, r1.id, i1.id, g1.id]
+        assert await ids(not_owners=["cp-b", w1.owner]) == [
+            w.id for w in everything if w.owner not in ("cp-b", w1.owner)
+        ]
+        assert await ids(not_owners=[]) == [w.id for w in everything]
+        assert await ids(states=[S.WARM], not_owners=["cp-b"]) == [w1.id]
         assert await ids(pool="p", owner="cp-b", states=[S.SPAWNING], org="org-b") == [s1.id]
         assert await ids(pool="q", org="org-a") == []
         assert await ids(limit=2) == [w1.id, r1.id]

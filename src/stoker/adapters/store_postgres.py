@@ -556,10 +556,13 @@ class PostgresStore:
         states: Collection[WorkerState] | None = None,
         org: str | None = None,
         owner: str | None = None,
+        not_owners: Collection[str] | None = None,
         limit: int | None = None,
     ) -> list[Worker]:
         """Rows matching every filter, oldest first."""
-        where, params = _filters(pool=pool, org=org, owner=owner, states=states)
+        where, params = _filters(
+            pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
+        )
         sql = f"SELECT {WORKER_SELECT} FROM {self._workers}{where} ORDER BY created_at, id"
         if limit is not None:
             sql += " LIMIT %s"
@@ -850,6 +853,7 @@ def _filters(
     org: str | None = None,
     owner: str | None = None,
     states: Collection[Any] | None = None,
+    not_owners: Collection[str] | None = None,
 ) -> tuple[str, list[Any]]:
     """A WHERE clause for the filters given; one SQL text per combination (prepared once)."""
     clauses: list[str] = []
@@ -858,6 +862,9 @@ def _filters(
         if value is not None:
             clauses.append(f"{column} = %s")
             params.append(value)
+    if not_owners:
+        clauses.append("(owner IS NULL OR owner <> ALL(%s))")
+        params.append(list(not_owners))
     if states is not None:
         clauses.append("state = ANY(%s)")
         params.append([s.value for s in states])

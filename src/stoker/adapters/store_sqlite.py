@@ -433,10 +433,13 @@ class SqliteStore:
         states: Collection[WorkerState] | None = None,
         org: str | None = None,
         owner: str | None = None,
+        not_owners: Collection[str] | None = None,
         limit: int | None = None,
     ) -> list[Worker]:
         """Rows matching every filter, oldest first."""
-        where, params = _filters(pool=pool, org=org, owner=owner, states=states)
+        where, params = _filters(
+            pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
+        )
         sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
@@ -736,6 +739,7 @@ def _filters(
     org: str | None = None,
     owner: str | None = None,
     states: Collection[Any] | None = None,
+    not_owners: Collection[str] | None = None,
 ) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
@@ -743,6 +747,10 @@ def _filters(
         if value is not None:
             clauses.append(f"{column} = ?")
             params.append(value)
+    if not_owners:
+        marks = ", ".join("?" for _ in not_owners)
+        clauses.append(f"(owner IS NULL OR owner NOT IN ({marks}))")
+        params += list(not_owners)
     if states is not None:
         values = [s.value for s in states]
         if not values:

@@ -139,12 +139,16 @@ class Janitor:
             world.hot_idle = await store.list_workers(states=[S.HOT_IDLE])
         else:
             world.counts = await store.count_workers()
-            # One read of every live row, sorted out here (oldest first, as listed).
-            live = await store.list_workers(states=LIVE)
-            world.hot_idle = [w for w in live if w.state is S.HOT_IDLE]
-            world.warm = [w for w in live if w.state is S.WARM]
-            world.in_flight = [w for w in live if w.state in _IN_FLIGHT]
-            world.orphans = [w for w in live if w.owner not in world.live_instances]
+            # Every live row but the hot ones, sorted out here (oldest first, as listed);
+            # of the hot ones (most of a busy fleet) only those of dead replicas.
+            idle = await store.list_workers(states=LIVE - {S.HOT})
+            world.hot_idle = [w for w in idle if w.state is S.HOT_IDLE]
+            world.warm = [w for w in idle if w.state is S.WARM]
+            world.in_flight = [w for w in idle if w.state in _IN_FLIGHT]
+            world.orphans = [w for w in idle if w.owner not in world.live_instances]
+            world.orphans += await store.list_workers(
+                states=[S.HOT], not_owners=sorted(world.live_instances)
+            )
             scan_due = self.m.clock.monotonic() - self.m.settings.stranded_scan_s
             if self._last_scan is None or self._last_scan <= scan_due:
                 self._last_scan = self.m.clock.monotonic()

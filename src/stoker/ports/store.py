@@ -171,9 +171,14 @@ class Store(Protocol):
         states: Collection[WorkerState] | None = None,
         org: str | None = None,
         owner: str | None = None,
+        not_owners: Collection[str] | None = None,
         limit: int | None = None,
     ) -> list[Worker]:
-        """Rows matching every filter given, oldest first."""
+        """Rows matching every filter given, oldest first.
+
+        `not_owners` keeps rows whose owner is none of these (or no owner at all): the
+        janitor finds the workers of dead replicas without reading everyone else's.
+        """
         ...
 
     async def count_workers(self) -> list[StateCount]:

@@ -285,11 +285,12 @@ class ObservedStore:
         states: Collection[WorkerState] | None = None,
         org: str | None = None,
         owner: str | None = None,
+        not_owners: Collection[str] | None = None,
         limit: int | None = None,
     ) -> list[Worker]:
         """As `Store.list_workers`."""
         return await self.inner.list_workers(
-            pool=pool, states=states, org=org, owner=owner, limit=limit
+            pool=pool, states=states, org=org, owner=owner, not_owners=not_owners, limit=limit
         )
 
     async def count_workers(self) -> list[StateCount]:
