@@ -294,6 +294,32 @@ async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
         assert assert_problem(await api.http.get("/readyz"), 503)["reason"] == "shutting_down"
 
 
+class SwitchedElector:
+    """An elector whose answer the test sets; nothing runs it (the plane has no loops)."""
+
+    is_leader = True
+    epoch = 1
+
+    async def run(self) -> None:
+        """Nothing to contend for."""
+
+    async def resign(self) -> None:
+        """Nothing to give up."""
+
+
+async def test_the_leader_gauge_follows_the_elector_at_every_scrape(tmp_path: Path) -> None:
+    # A janitor pass that began while leading may outlast the lease (a stalled process, a
+    # slow store): the gauge must follow the elector, not the last pass, or two replicas
+    # report leader at once.
+    async with running(tmp_path) as api:
+        elector = SwitchedElector()
+        api.plane.elector = elector
+        for leading, value in ((True, "1.0"), (False, "0.0"), (True, "1.0")):
+            elector.is_leader = leading
+            text = (await api.http.get("/metrics")).text
+            assert f"\nstoker_janitor_is_leader {value}\n" in text, (leading, text)
+
+
 async def test_not_ready_until_started(tmp_path: Path) -> None:
     async with running(tmp_path, start=False) as api:
         assert (await api.http.get("/healthz")).status_code == 200

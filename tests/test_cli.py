@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -306,5 +307,33 @@ def test_sigterm_drains_and_leaves_workers_for_the_next_start(tmp_path: Path) ->
         # --stop-workers: nothing is left behind.
         assert second.stop(signal.SIGTERM) == 0
         assert wait_until(lambda: not fleet_processes(fleet), timeout=15)
+    finally:
+        kill_fleet(fleet)
+
+
+def test_a_replica_whose_registration_expired_exits_for_a_fresh_start(tmp_path: Path) -> None:
+    # A replica paused (or cut off from the store) for longer than instance_expiry_s is
+    # dead to the others: they adopt its workers. When it runs again it must not go on
+    # under that identity; it exits, non-zero, so that its supervisor starts a new one.
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    text = config(fleet).replace(
+        "intervals: {", "intervals: {instance_heartbeat_s: 0.2, instance_expiry_s: 30, "
+    )
+    try:
+        srv = start_server(tmp_path, config=text)
+        assert wait_until(lambda: settled(srv.url, fleet), timeout=15)
+        workers = {p.pid for p in fleet_processes(fleet)}
+        with sqlite3.connect(tmp_path / "stoker.db") as db:
+            # What another replica's janitor does to an instance whose heartbeat is stale.
+            db.execute("UPDATE instances SET state = 'expired' WHERE state = 'active'")
+        assert wait_until(lambda: srv.proc.poll() is not None, timeout=20)
+        assert srv.stop() == 1
+        log = srv.log()
+        assert "event=instance_expired_while_alive" in log
+        problem = [line for line in log.splitlines() if line.startswith("stoker: ")]
+        assert len(problem) == 1 and "expired while running" in problem[0], log
+        assert "Traceback" not in log
+        # Its workers are left for the next start (or the other replicas) to adopt.
+        assert {p.pid for p in fleet_processes(fleet)} == workers
     finally:
         kill_fleet(fleet)

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from stoker.adapters import store_postgres
 from stoker.adapters.store_postgres import PostgresStore
 from stoker.domain.errors import StoreError
 from stoker.domain.states import ClaimState, WorkerState
@@ -194,6 +195,43 @@ async def test_no_lock_outlives_its_transaction(
         app,
     )
     assert locks == [(0,)]
+
+
+async def test_a_stalled_lock_holder_blocks_the_others_only_for_the_lock_idle_timeout(
+    make_pg: Callable[..., PostgresStore], schema: str
+) -> None:
+    # A replica stopped (SIGSTOP, a frozen VM) inside a transaction that holds a pool's lock
+    # would block every other replica's spawns in that pool until it ran again: PostgreSQL
+    # ends its transaction after lock_idle_timeout_s instead, and the others go on.
+    stalled = make_pg(lock_idle_timeout_s=0.5)
+    other = make_pg()
+    await stalled.open()
+    await other.open()
+    locked = asyncio.Event()
+    ended: list[StoreError] = []
+
+    async def stall() -> None:
+        try:
+            async with stalled._tx() as conn:
+                key = store_postgres.lock_key(schema, "pool", "p")
+                await conn.execute(store_postgres._LOCK, (stalled._lock_idle_ms, key))
+                locked.set()
+                await asyncio.sleep(3)  # stopped, holding the lock
+                await conn.execute("SELECT 1")  # the server ended the session meanwhile
+        except StoreError as exc:
+            ended.append(exc)
+
+    holder = asyncio.create_task(stall())
+    await asyncio.wait_for(locked.wait(), 5)
+    req = SpawnRequest(pool="p", revision="r1", count=1, owner="cp-b", pool_cap=9, target=9)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await asyncio.wait_for(other.reserve_spawn_slots(req, ["s-1"], T0), 2.5)
+    waited = loop.time() - started
+    assert len(result.workers) == 1
+    assert 0.3 < waited < 2.5, waited  # it did wait for the lock, and not for the stall
+    await holder
+    assert len(ended) == 1, "the server should have ended the stalled transaction"
 
 
 async def test_open_fails_with_store_error_when_the_server_is_unreachable(

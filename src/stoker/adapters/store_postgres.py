@@ -15,7 +15,11 @@ Concurrency, in READ COMMITTED:
   worker for an org) first takes `pg_advisory_xact_lock` on the pool and/or the (pool, org)
   in a statement of its own: a statement's snapshot is taken when it starts, so the count
   must come from a later statement than the lock to see the previous holder's commit.
-  Locks are always taken pool first, then org, so they cannot deadlock.
+  Locks are always taken pool first, then org, so they cannot deadlock. The statement that
+  takes a lock also bounds how long its transaction may sit idle
+  (`idle_in_transaction_session_timeout`, transaction-local): a replica stopped while
+  holding a pool's lock (SIGSTOP, a frozen VM) would otherwise block every other
+  replica's spawns in that pool until it ran again; PostgreSQL ends its transaction instead.
 - `reserve_any` is one statement: pick with `FOR UPDATE SKIP LOCKED LIMIT 1` and update
   the picked row, so replicas claiming from one warm pool never wait on each other.
 
@@ -68,7 +72,11 @@ Connection = psycopg.AsyncConnection[TupleRow]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
-_LOCK = "SELECT pg_advisory_xact_lock(%s)"
+#: Takes a transaction-scoped advisory lock, and ends the transaction should it then sit
+#: idle for the given milliseconds (set per transaction: a pooler forwards no options).
+_LOCK = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true), pg_advisory_xact_lock(%s)"
+)
 _JSON_COLUMNS = frozenset({"runtime_ref"})
 
 
@@ -190,8 +198,13 @@ class PostgresStore:
         max_size: int = 10,
         prepare_threshold: int | None = 5,
         timeout_s: float = 30.0,
+        lock_idle_timeout_s: float = 5.0,
     ) -> None:
-        """`url`: a libpq URL or conninfo; `timeout_s`: longest wait for a pooled connection."""
+        """`url`: a libpq URL or conninfo; `timeout_s`: longest wait for a pooled connection;
+        `lock_idle_timeout_s`: how long a transaction holding a lock may sit idle before
+        PostgreSQL ends it (its client stalled)."""
+        if lock_idle_timeout_s <= 0:
+            raise ValueError(f"lock_idle_timeout_s must be > 0, got {lock_idle_timeout_s}")
         if not _IDENTIFIER.fullmatch(schema):
             raise ValueError(f"schema must be a plain SQL identifier, got {schema!r}")
         if min_size < 0 or max_size < max(1, min_size):
@@ -204,6 +217,7 @@ class PostgresStore:
         self._max_size = max_size
         self._prepare_threshold = prepare_threshold
         self._timeout_s = timeout_s
+        self._lock_idle_ms = str(max(1, round(lock_idle_timeout_s * 1000)))
         self._pool: AsyncConnectionPool[Connection] | None = None
         self._opening = asyncio.Lock()
         s = f'"{schema}"'
@@ -298,7 +312,7 @@ class PostgresStore:
     async def _migrate(self, conn: Connection) -> None:
         """Apply pending versions under a transaction-scoped lock, so replicas take turns."""
         async with conn.transaction():
-            await conn.execute(_LOCK, (lock_key("migrate", self.schema),))
+            await conn.execute(_LOCK, (self._lock_idle_ms, lock_key("migrate", self.schema)))
             # Create only what is missing: a role without CREATE on the database can run an
             # already migrated schema.
             cur = await conn.execute(
@@ -387,7 +401,7 @@ class PostgresStore:
             locks.append(lock_key(self.schema, "org", req.pool, req.org))
         async with self._tx() as conn:
             for key in locks:  # pool before org, everywhere
-                await conn.execute(_LOCK, (key,))
+                await conn.execute(_LOCK, (self._lock_idle_ms, key))
             cur = await conn.execute(
                 "SELECT "
                 f"count(*) FILTER (WHERE state IN {_LIVE_SQL}), "
@@ -474,7 +488,7 @@ class PostgresStore:
             # Lock and statement are sent together; the statement still starts (and takes
             # its snapshot) only once the lock is granted.
             async with conn.pipeline(), conn.transaction():
-                await conn.execute(_LOCK, (lock,))
+                await conn.execute(_LOCK, (self._lock_idle_ms, lock))
                 cur = await conn.execute(sql, params)
         row = await cur.fetchone()
         if row is None or row[1] is None:

@@ -525,6 +525,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
     )
     async def metrics() -> Response:
         """The plane's metrics in the Prometheus text format."""
+        plane.refresh_gauges()
         return Response(generate_latest(plane.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -109,6 +109,13 @@ class _Server(uvicorn.Server):
         else:
             self.should_exit = True
 
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's periodic check; also leaves when this replica's identity expired."""
+        if self.app.plane.expired and not self.should_exit:
+            self.app.api_state.draining = True
+            self.should_exit = True
+        return await super().on_tick(counter)
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """Start (plane first, via the lifespan), then announce the address."""
         await super().startup(sockets)
@@ -123,7 +130,8 @@ def serve(
     shutdown_grace_s: float,
     on_started: Callable[[], None],
 ) -> None:
-    """Serve `app` on `sock` until SIGTERM/SIGINT. Raises `ServeError` if it could not start."""
+    """Serve `app` on `sock` until SIGTERM/SIGINT (or until the replica finds its registration
+    expired). Raises `ServeError` if it could not start or its identity expired."""
     config = uvicorn.Config(
         app,
         loop=fast_loop(),
@@ -146,3 +154,9 @@ def serve(
         sock.close()
     if app.api_state.startup_error is not None:
         raise ServeError(f"could not start: {app.api_state.startup_error}")
+    if app.plane.expired:
+        raise ServeError(
+            f"instance {app.plane.instance_id} expired while running (no heartbeat reached "
+            "the store within instance_expiry_s); its workers were adopted by the other "
+            "replicas; exiting so that a fresh instance starts"
+        )

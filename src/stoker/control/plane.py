@@ -92,6 +92,11 @@ class ControlPlane:
         self._loops: list[asyncio.Task[None]] = []
         self.started = False
         self.reconciled = False
+        #: Set when this replica finds its own registration expired while it still runs
+        #: (it was paused, or cut off from the store, for longer than `instance_expiry_s`):
+        #: the others have adopted or retired its workers, so the identity is dead. A
+        #: server exits on it so that its supervisor starts a fresh replica.
+        self.expired = False
 
     # -- lifecycle of the replica -------------------------------------------------------------
 
@@ -209,8 +214,17 @@ class ControlPlane:
     async def _elect(self) -> None:
         await self.elector.run()
 
-    async def _janitor_pass(self) -> PassReport | None:
+    def refresh_gauges(self) -> None:
+        """Set the gauges that must be current whenever they are read (before a scrape).
+
+        `stoker_janitor_is_leader` asks the elector each time: a janitor pass that began
+        while leading can outlast the lease (a stalled process, a slow store), and the
+        gauge must not report a second leader meanwhile.
+        """
         self.metrics.is_leader.set(1 if self.elector.is_leader else 0)
+
+    async def _janitor_pass(self) -> PassReport | None:
+        self.refresh_gauges()
         if not self.elector.is_leader:
             return None
         report = await self.janitor.run_pass()
@@ -225,7 +239,11 @@ class ControlPlane:
 
     async def _heartbeat(self) -> None:
         if not await self.store.heartbeat_instance(self.instance_id, now=self.clock.now()):
-            logs.event("instance_expired_while_alive", instance=self.instance_id, level=logs.ERROR)
+            if not self.expired:
+                logs.event(
+                    "instance_expired_while_alive", instance=self.instance_id, level=logs.ERROR
+                )
+            self.expired = True
 
     async def run_janitor_pass(self) -> PassReport:
         """One janitor pass now (tests and tools)."""
