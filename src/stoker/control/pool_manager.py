@@ -144,6 +144,8 @@ class PoolManager:
         #: Cumulative misses per pool (the demand signal this replica publishes).
         self.misses_total: dict[str, int] = dict.fromkeys(self.pools, 0)
         self._demand_flush: asyncio.Task[None] | None = None
+        #: The demand rows last written, and when (see `publish_demand`).
+        self._published: tuple[dict[str, tuple[int, int]], float] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._claims_in_flight = 0
         self.closing = False
@@ -224,10 +226,16 @@ class PoolManager:
     async def publish_demand(self) -> None:
         """Write this replica's demand rows so the leader's janitor sees them."""
         await asyncio.sleep(0)  # let the claims of the same burst record their misses first
+        snapshot, now = self.demand_snapshot(), self.clock.now()
+        if (
+            self._published is not None
+            and self._published[0] == snapshot
+            and now - self._published[1] < self.settings.instance_heartbeat_s
+        ):
+            return  # nothing new, and the rows are fresh: no write
         try:
-            await self.store.record_demand(
-                self.instance_id, self.demand_snapshot(), now=self.clock.now()
-            )
+            await self.store.record_demand(self.instance_id, snapshot, now=now)
+            self._published = (snapshot, now)
         except StoreError as exc:
             # The next miss or pass publishes again: counters are cumulative, nothing is lost.
             logs.event("demand_publish_failed", error=str(exc), level=logs.WARNING)
