@@ -1382,7 +1382,8 @@ class StoreContract:
         assert (by_id["cp-a"].state, by_id["cp-a"].heartbeat_at) == ("active", T0 + 10)
         assert (by_id["cp-b"].state, by_id["cp-b"].heartbeat_at) == ("expired", T0)
         assert by_id["cp-c"].state == "active"
-        assert sorted(await store.expire_instances(before=T0 + 11, now=T0 + 30)) == ["cp-a", "cp-c"]
+        assert await store.expire_instances(before=T0 + 11, now=T0 + 30, keep="cp-a") == ["cp-c"]
+        assert await store.expire_instances(before=T0 + 11, now=T0 + 31) == ["cp-a"]
 
     async def test_stopped_instances_are_not_active(self, store: Store) -> None:
         await store.register_instance("cp-a", now=T0, meta={})

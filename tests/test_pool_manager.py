@@ -387,6 +387,17 @@ async def test_expired_lease_retires_the_worker(tmp_path: Path) -> None:
         assert worker is not None and worker.state is S.RETIRED and worker.reason == "lease_expired"
 
 
+async def test_a_late_heartbeat_never_makes_a_replica_expire_itself(tmp_path: Path) -> None:
+    # The loop was busy (hundreds of spawns, a slow disk) past instance_expiry_s, and the
+    # janitor's timer fires before the heartbeat's: the replica is late, not dead.
+    async with running(tmp_path) as h:
+        h.clock.advance(10 * h.plane.settings.instance_expiry_s)
+        await h.tick()
+        (me,) = await h.store.list_instances()
+        assert (me.id, me.state) == (h.plane.instance_id, "active")
+        assert await h.store.heartbeat_instance(h.plane.instance_id, now=h.clock.now())
+
+
 async def test_renew_keeps_the_lease_alive(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
         claim = await h.claim(lease_s=30)

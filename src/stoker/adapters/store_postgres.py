@@ -745,13 +745,16 @@ class PostgresStore:
             )
             return cur.rowcount == 1
 
-    async def expire_instances(self, *, before: float, now: float) -> list[str]:
-        """Expire active replicas with a heartbeat older than `before`."""
+    async def expire_instances(
+        self, *, before: float, now: float, keep: str | None = None
+    ) -> list[str]:
+        """Expire active replicas with a heartbeat older than `before`, except `keep`."""
         rows = await self._all(
             f"WITH expired AS (UPDATE {self._instances} SET state = 'expired' "
-            "WHERE state = 'active' AND heartbeat_at < %s RETURNING id, started_at) "
+            "WHERE state = 'active' AND heartbeat_at < %s AND id IS DISTINCT FROM %s "
+            "RETURNING id, started_at) "
             "SELECT id FROM expired ORDER BY started_at, id",
-            (before,),
+            (before, keep),
         )
         return [r[0] for r in rows]
 

@@ -599,19 +599,18 @@ class SqliteStore:
             )
             return cur.rowcount == 1
 
-    async def expire_instances(self, *, before: float, now: float) -> list[str]:
-        """Expire active replicas with a heartbeat older than `before`."""
-        stale = "SELECT 1 FROM instances WHERE state = 'active' AND heartbeat_at < ? LIMIT 1"
-        if not self._read(stale, (before,)):
+    async def expire_instances(
+        self, *, before: float, now: float, keep: str | None = None
+    ) -> list[str]:
+        """Expire active replicas with a heartbeat older than `before`, except `keep`."""
+        stale = (
+            "SELECT id FROM instances WHERE state = 'active' AND heartbeat_at < ? "
+            "AND id IS NOT ? ORDER BY started_at, id"
+        )
+        if not self._read(stale + " LIMIT 1", (before, keep)):
             return []  # the usual case: no write transaction at all
         with self._tx() as db:
-            ids = [
-                r[0]
-                for r in db.execute(
-                    "SELECT id FROM instances WHERE state = 'active' AND heartbeat_at < ?",
-                    (before,),
-                )
-            ]
+            ids = [r[0] for r in db.execute(stale, (before, keep))]
             db.executemany(
                 "UPDATE instances SET state = 'expired' WHERE id = ? AND state = 'active'",
                 [(i,) for i in ids],

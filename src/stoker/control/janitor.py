@@ -125,7 +125,9 @@ class Janitor:
         world = World(now=now)
         own = self.m.instance_id if self.scope is Scope.OWN else None
         if self.scope is Scope.FLEET:
-            await store.expire_instances(before=now - self.m.settings.instance_expiry_s, now=now)
+            await store.expire_instances(
+                before=now - self.m.settings.instance_expiry_s, now=now, keep=self.m.instance_id
+            )
         # Liveness by heartbeat age, not only by state: the fallback reaper must recognise
         # a dead replica's orphans while no leader runs the instance expiry.
         fresh_after = now - self.m.settings.instance_expiry_s

@@ -243,8 +243,14 @@ class Store(Protocol):
         """Stamp a replica's heartbeat; False if it was expired meanwhile."""
         ...
 
-    async def expire_instances(self, *, before: float, now: float) -> list[str]:
-        """Mark active replicas whose heartbeat is older than `before` expired; their ids."""
+    async def expire_instances(
+        self, *, before: float, now: float, keep: str | None = None
+    ) -> list[str]:
+        """Mark active replicas whose heartbeat is older than `before` expired; their ids.
+
+        `keep` is never expired: a replica whose loop was busy past the expiry must not
+        declare itself dead when its own janitor runs before its heartbeat does.
+        """
         ...
 
     async def stop_instance(self, instance_id: str, *, now: float) -> None:

@@ -361,9 +361,11 @@ class ObservedStore:
         """As `Store.heartbeat_instance`."""
         return await self.inner.heartbeat_instance(instance_id, now=now)
 
-    async def expire_instances(self, *, before: float, now: float) -> list[str]:
+    async def expire_instances(
+        self, *, before: float, now: float, keep: str | None = None
+    ) -> list[str]:
         """As `Store.expire_instances`."""
-        return await self.inner.expire_instances(before=before, now=now)
+        return await self.inner.expire_instances(before=before, now=now, keep=keep)
 
     async def stop_instance(self, instance_id: str, *, now: float) -> None:
         """As `Store.stop_instance`."""
