@@ -49,6 +49,7 @@ DEMO = ["{python}", "-m", "stoker.demo_worker", "--port", "{port}", "--worker-id
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of `values`."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
@@ -262,13 +263,17 @@ async def wait_settled(http: aiohttp.ClientSession, url: str) -> None:
 
 
 async def timed(call: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
+    """(seconds, result) of one awaited call."""
     started = time.perf_counter()
     result = await call()
     return time.perf_counter() - started, result
 
 
-async def claim(http: aiohttp.ClientSession, url: str, org: str) -> dict[str, Any]:
-    body = {"pool": "bench", "org": org, "timeout_s": 60}
+async def claim(
+    http: aiohttp.ClientSession, url: str, org: str, pool: str = "bench"
+) -> dict[str, Any]:
+    """POST /v1/claims; raises on anything but 201."""
+    body = {"pool": pool, "org": org, "timeout_s": 60}
     async with http.post(f"{url}/v1/claims", json=body) as response:
         answer: dict[str, Any] = await response.json(content_type=None)
         if response.status != 201:
@@ -277,6 +282,7 @@ async def claim(http: aiohttp.ClientSession, url: str, org: str) -> dict[str, An
 
 
 async def release(http: aiohttp.ClientSession, url: str, claim_id: str) -> None:
+    """DELETE /v1/claims/{id}; raises on anything but 200."""
     async with http.delete(f"{url}/v1/claims/{claim_id}") as response:
         await response.read()
         if response.status != 200:

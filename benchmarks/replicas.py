@@ -41,9 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import psutil
@@ -57,6 +55,7 @@ from chaos_soak import (
     postgres_reachable,
     read_workers,
 )
+from claim_burst import claim, percentile, release, timed
 
 #: The shipped defaults of `intervals` and `leader_election` (stoker.domain.specs).
 DEFAULT_TIMINGS = Timings(
@@ -75,12 +74,6 @@ DEFAULT_TIMINGS = Timings(
 SHORT_TIMINGS = Timings()
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of `values`."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def latency(name: str, seconds: list[float]) -> str:
     """One line of p50/p99/max in milliseconds."""
     ms = [s * 1000 for s in seconds]
@@ -88,31 +81,6 @@ def latency(name: str, seconds: list[float]) -> str:
         f"{name}: p50 {percentile(ms, 0.5):.1f} ms, p99 {percentile(ms, 0.99):.1f} ms, "
         f"max {max(ms):.1f} ms (n={len(ms)})"
     )
-
-
-async def timed(call: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
-    """(seconds, result) of one awaited call."""
-    started = time.perf_counter()
-    result = await call()
-    return time.perf_counter() - started, result
-
-
-async def claim(http: aiohttp.ClientSession, url: str, org: str) -> dict[str, Any]:
-    """POST /v1/claims; raises on anything but 201."""
-    body = {"pool": "demo", "org": org, "timeout_s": 60}
-    async with http.post(f"{url}/v1/claims", json=body) as response:
-        answer: dict[str, Any] = await response.json(content_type=None)
-        if response.status != 201:
-            raise RuntimeError(f"claim failed: {response.status} {answer}")
-        return answer
-
-
-async def release(http: aiohttp.ClientSession, url: str, claim_id: str) -> None:
-    """DELETE /v1/claims/{id}; raises on anything but 200."""
-    async with http.delete(f"{url}/v1/claims/{claim_id}") as response:
-        await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"release failed: {response.status}")
 
 
 async def open_connections(http: aiohttp.ClientSession, urls: list[str], count: int) -> None:
@@ -166,7 +134,7 @@ async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> 
             started = time.perf_counter()
             results = await asyncio.gather(
                 *(
-                    timed(lambda i=i: claim(http, urls[i % replicas], f"org-{i}"))
+                    timed(lambda i=i: claim(http, urls[i % replicas], f"org-{i}", pool="demo"))
                     for i in range(args.workers)
                 )
             )
@@ -197,7 +165,7 @@ async def reuse(
         done, turn, org = 0, org_index, f"org-{org_index}"
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            answer = await claim(http, urls[turn % len(urls)], org)
+            answer = await claim(http, urls[turn % len(urls)], org, pool="demo")
             claims.append(time.perf_counter() - started)
             sources[answer["source"]] += 1
             turn += 1

@@ -17,15 +17,10 @@ from pathlib import Path
 
 from stoker.sim.report import headlines, markdown_table, write_report
 from stoker.sim.runner import run_scenario
-from stoker.sim.scenario import SCENARIO_DIRS, load_scenario
+from stoker.sim.scenario import load_scenario, scenario_names
 
 #: Wall-time targets of the full forms (seconds).
 TARGETS = {"diurnal": 60.0, "large": 120.0}
-
-
-def _names() -> list[str]:
-    found = {p.stem for d in SCENARIO_DIRS if d.is_dir() for p in d.glob("*.yaml")}
-    return sorted(found)
 
 
 def main() -> None:
@@ -36,7 +31,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=0, help="policies at once [all]")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="stoker-scaletest-"))
-    for name in args.scenarios or _names():
+    for name in args.scenarios or scenario_names():
         scenario = load_scenario(name, short=args.short)
         jobs = args.jobs or len(scenario.policies)
         result = run_scenario(scenario, short=args.short, jobs=jobs)

@@ -263,9 +263,9 @@ class KubernetesRuntime:
         self._cache: dict[str, _Entry] = {}
         #: Names of the placeholder pods in `_cache` (headroom looks at these only).
         self._placeholder_names: set[str] = set()
-        #: Placeholder pods by pool name and count, with the template they were made
-        #: from (their digest is costly to compute on every pass).
-        self._placeholder_pods: dict[tuple[str, int], tuple[PodTemplate, list[Pod]]] = {}
+        #: Placeholder pods by pool name, with the (template, count) they were made from
+        #: (their digest is costly to compute on every pass).
+        self._placeholder_pods: dict[str, tuple[tuple[PodTemplate, int], list[Pod]]] = {}
         #: Where the watch resumes; None means list first.
         self._rv: str | None = None
         self._synced = asyncio.Event()
@@ -585,12 +585,13 @@ class KubernetesRuntime:
             if not _valid_label_value(pool.name):
                 problems.append(f"pool {pool.name!r} is not a valid Kubernetes label value")
                 continue
-            cached = self._placeholder_pods.get((pool.name, pool.headroom_nodes))
-            if cached is not None and (cached[0] is pool.template or cached[0] == pool.template):
+            made_from = (pool.template, pool.headroom_nodes)
+            cached = self._placeholder_pods.get(pool.name)
+            if cached is not None and cached[0] == made_from:
                 pods = cached[1]
             else:
                 pods = list(self._placeholders(pool, pool.template))
-                self._placeholder_pods[(pool.name, pool.headroom_nodes)] = (pool.template, pods)
+                self._placeholder_pods[pool.name] = (made_from, pods)
             for pod in pods:
                 wanted[pod.name] = pod
         present: set[str] = set()

@@ -14,7 +14,6 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from stoker.control import logs
 from stoker.control.pool_manager import PoolManager
@@ -97,8 +96,6 @@ class Janitor:
         self.demand: dict[str, int] = {}
         self._last_scan: float | None = None
         self._last_purge: float | None = None
-        #: `stoker_workers` children by (pool, state), looked up once.
-        self._worker_gauges: dict[tuple[str, str], Any] = {}
 
     async def _store_demand(self, pool: str, now: float) -> int:
         """Misses every replica saw since the last pass plus the claims they queue."""
@@ -389,8 +386,4 @@ class Janitor:
             by[(c.pool, c.state.value)] += c.count
         for name in self.m.pools:
             for state in LIVE:
-                key = (name, state.value)
-                gauge = self._worker_gauges.get(key)
-                if gauge is None:
-                    gauge = self._worker_gauges[key] = self.m.metrics.workers.labels(*key)
-                gauge.set(by.get(key, 0))
+                self.m.metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))

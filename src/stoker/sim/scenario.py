@@ -532,6 +532,11 @@ def _first_problem(exc: ValidationError) -> str:
     return "; ".join(problems)
 
 
+def scenario_names() -> list[str]:
+    """The names of the scenarios in the `scenarios/` directories, sorted."""
+    return sorted({p.stem for d in SCENARIO_DIRS if d.is_dir() for p in d.glob("*.yaml")})
+
+
 def find_scenario(name_or_path: str) -> Path:
     """The file of a scenario given as a path, or as a name in a `scenarios/` directory."""
     path = Path(name_or_path)
@@ -542,7 +547,7 @@ def find_scenario(name_or_path: str) -> Path:
             candidate = directory / f"{name_or_path}.yaml"
             if candidate.is_file():
                 return candidate
-    names = sorted({p.stem for d in SCENARIO_DIRS if d.is_dir() for p in d.glob("*.yaml")})
+    names = scenario_names()
     known = f" (known scenarios: {', '.join(names)})" if names else ""
     raise ConfigError(f"no scenario file {name_or_path!r}{known}")
 
