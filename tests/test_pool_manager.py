@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fakes import FaultyStore, MemoryRuntime
+from fakes import FakeProcess, FaultyStore, MemoryRuntime
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, ClaimConflict, NotFound, OrgCapError, StoreError
@@ -512,6 +512,24 @@ async def test_stuck_spawn_is_retired_after_its_timeout(tmp_path: Path) -> None:
         assert report.retired.get("stuck") == 1
         worker = await h.store.get_worker(slot.id)
         assert worker is not None and worker.state is S.RETIRED
+
+
+async def test_runtime_objects_without_a_live_row_are_stopped(tmp_path: Path) -> None:
+    """A process whose row was retired or never written is stopped; live rows keep theirs."""
+    async with running(tmp_path, [pool(warm_target=3)]) as h:
+        warm = await h.workers(S.WARM)
+        assert len(warm) == 3
+        gone = warm[0]
+        retired = await h.store.transition(
+            gone.id, expect=S.WARM, epoch=gone.epoch, to=S.RETIRED, now=h.clock.now()
+        )
+        assert retired is not None and gone.id in h.runtime.alive()
+        h.runtime.procs["w-stray"] = FakeProcess("w-stray", "p")
+        h.clock.advance(h.plane.settings.stranded_scan_s + 1)
+        report = await h.plane.run_janitor_pass()
+        assert report.stranded_stopped == 2
+        assert {gone.id, "w-stray"} <= set(h.runtime.stop_calls)
+        assert {w.id for w in warm[1:]} <= h.runtime.alive()
 
 
 async def test_rollout_retires_stale_warm_and_spawns_the_new_revision(tmp_path: Path) -> None:

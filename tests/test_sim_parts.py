@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 
 import pytest
 
 from stoker.domain.errors import ConfigError
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import Toleration
+from stoker.sim import vloop
 from stoker.sim.clients import FaultKind, TokenBucket
 from stoker.sim.config import SimClusterConfig
 from stoker.sim.disruption import PdbSpec, PodDisruptionBudget
@@ -343,3 +346,43 @@ def test_configuration_mistakes_name_the_key(data: dict[str, object]) -> None:
     """Unknown keys, wrong types and unknown names are ConfigErrors, never silent."""
     with pytest.raises(ConfigError):
         SimClusterConfig.from_mapping(data)
+
+
+# -- the virtual-time loop ---------------------------------------------------------------------
+
+
+def test_the_virtual_loop_jumps_to_each_timer_without_waiting() -> None:
+    """A day of sleeps passes at once; timers fire at their exact due times, in order."""
+    loop = vloop.new_event_loop(start=100.0)
+    fired: list[tuple[str, float]] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        fired.append((name, loop.time()))
+
+    async def main() -> None:
+        await asyncio.gather(sleeper("day", 86_400), sleeper("tick", 0.5), sleeper("hour", 3600))
+
+    started = time.perf_counter()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert time.perf_counter() - started < 5.0  # a real day would never finish
+    assert fired == [("tick", 100.5), ("hour", 3700.0), ("day", 86_500.0)]
+
+
+def test_the_virtual_loop_takes_callbacks_from_other_threads() -> None:
+    """With nothing scheduled the loop waits for real I/O, so another thread can wake it."""
+    loop = vloop.new_event_loop()
+
+    async def main() -> float:
+        done: asyncio.Future[float] = loop.create_future()
+        threading.Thread(target=lambda: loop.call_soon_threadsafe(done.set_result, 42.0)).start()
+        return await done
+
+    try:
+        assert loop.run_until_complete(main()) == 42.0
+        assert loop.time() == 0.0
+    finally:
+        loop.close()

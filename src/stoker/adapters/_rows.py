@@ -12,6 +12,7 @@ from typing import Any
 from stoker.domain.errors import IllegalTransition
 from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
 from stoker.domain.states import (
+    LIVE,
     RESERVABLE,
     TERMINAL,
     TRANSITIONS,
@@ -23,6 +24,10 @@ from stoker.domain.states import (
     check_transition,
 )
 from stoker.ports.store import MUTABLE_WORKER_FIELDS, SpawnRequest
+
+#: `state IN LIVE_SQL` selects live rows by the state indexes (`state != 'retired'` cannot
+#: use them, and reads the whole history).
+LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
 
 WORKER_COLUMNS = (
     "id",

@@ -46,6 +46,7 @@ from psycopg_pool import AsyncConnectionPool
 from stoker.adapters._rows import (
     CLAIM_COLUMNS,
     CLAIM_SELECT,
+    LIVE_SQL,
     WORKER_COLUMNS,
     WORKER_SELECT,
     check_claim_for,
@@ -65,13 +66,12 @@ from stoker.adapters._rows import (
 )
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
-from stoker.domain.states import LIVE, ClaimState, WorkerState
+from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
 Connection = psycopg.AsyncConnection[TupleRow]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-_LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
 #: Takes a transaction-scoped advisory lock, and ends the transaction should it then sit
 #: idle for the given milliseconds (set per transaction: a pooler forwards no options).
 _LOCK = (
@@ -403,12 +403,14 @@ class PostgresStore:
             for key in locks:  # pool before org, everywhere
                 await conn.execute(_LOCK, (self._lock_idle_ms, key))
             cur = await conn.execute(
+                # Live rows only (every count is of live ones): the index skips the
+                # pool's retired history instead of reading all of it.
                 "SELECT "
-                f"count(*) FILTER (WHERE state IN {_LIVE_SQL}), "
-                f"count(*) FILTER (WHERE state IN {_LIVE_SQL} AND org = %(org)s), "
+                "count(*), "
+                "count(*) FILTER (WHERE org = %(org)s), "
                 "count(*) FILTER (WHERE revision = %(revision)s "
                 "AND (state = 'warm' OR (state = 'spawning' AND org IS NULL))) "
-                f"FROM {self._workers} WHERE pool = %(pool)s",
+                f"FROM {self._workers} WHERE pool = %(pool)s AND state IN {LIVE_SQL}",
                 {"pool": req.pool, "org": req.org, "revision": req.revision},
             )
             counts = await cur.fetchone()
@@ -462,7 +464,7 @@ class PostgresStore:
             f"WITH picked AS ({pick}), "
             "live AS ("
             f"SELECT count(*) AS n FROM {w} AS x JOIN picked ON x.pool = picked.pool "
-            f"WHERE x.org = %(org)s AND x.state IN {_LIVE_SQL}), "
+            f"WHERE x.org = %(org)s AND x.state IN {LIVE_SQL}), "
             "moved AS ("
             f"UPDATE {w} AS w SET state = 'reserved', epoch = w.epoch + 1, org = %(org)s, "
             "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s "
@@ -587,7 +589,7 @@ class PostgresStore:
         """Live workers grouped by pool, revision, state and binding."""
         rows = await self._all(
             "SELECT pool, revision, state, org IS NOT NULL, count(*) "
-            f"FROM {self._workers} WHERE state IN {_LIVE_SQL} GROUP BY 1, 2, 3, 4"
+            f"FROM {self._workers} WHERE state IN {LIVE_SQL} GROUP BY 1, 2, 3, 4"
         )
         return [
             StateCount(pool, revision, WorkerState(state), bool(bound), int(n))

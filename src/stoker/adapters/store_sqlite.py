@@ -15,6 +15,7 @@ from typing import Any
 
 from stoker.adapters._rows import (
     CLAIM_SELECT,
+    LIVE_SQL,
     WORKER_COLUMNS,
     WORKER_SELECT,
     check_claim_for,
@@ -34,7 +35,7 @@ from stoker.adapters._rows import (
 )
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
-from stoker.domain.states import LIVE, ClaimState, WorkerState
+from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
 #: Versioned migrations; version N is applied once, in order, inside one transaction.
@@ -133,7 +134,6 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
 ]
 
-_LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
 #: Decoded worker rows kept by one store (see `SqliteStore._worker`).
 _DECODED_MAX = 20_000
 
@@ -249,9 +249,9 @@ class SqliteStore:
 
     def _count_live(self, db: sqlite3.Connection, pool: str, org: str | None = None) -> int:
         if org is None:
-            sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN {_LIVE_SQL}"
+            sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN {LIVE_SQL}"
             return int(db.execute(sql, (pool,)).fetchone()[0])
-        sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND org = ? AND state IN {_LIVE_SQL}"
+        sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND org = ? AND state IN {LIVE_SQL}"
         return int(db.execute(sql, (pool, org)).fetchone()[0])
 
     async def reserve_spawn_slots(
@@ -282,9 +282,11 @@ class SqliteStore:
 
     def _count_neutral(self, db: sqlite3.Connection, pool: str, revision: str) -> int:
         """Warm plus neutral spawning workers of one pool revision."""
+        # `state IN` first, so the (pool, state, revision) index finds the rows: an `OR` of
+        # states made SQLite walk every row of the pool, retired history included.
         sql = (
-            "SELECT COUNT(*) FROM workers WHERE pool = ? AND revision = ? AND "
-            "(state = 'warm' OR (state = 'spawning' AND org IS NULL))"
+            "SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN ('warm', 'spawning') "
+            "AND revision = ? AND (state = 'warm' OR org IS NULL)"
         )
         return int(db.execute(sql, (pool, revision)).fetchone()[0])
 
@@ -449,7 +451,7 @@ class SqliteStore:
         """Live workers grouped by pool, revision, state and binding."""
         sql = (
             "SELECT pool, revision, state, org IS NOT NULL, COUNT(*) FROM workers "
-            f"WHERE state IN {_LIVE_SQL} GROUP BY pool, revision, state, org IS NOT NULL"
+            f"WHERE state IN {LIVE_SQL} GROUP BY pool, revision, state, org IS NOT NULL"
         )
         return [
             StateCount(pool, revision, WorkerState(state), bool(bound), int(n))

@@ -332,14 +332,18 @@ class Janitor:
     async def _stop_stranded(self, world: World, report: PassReport) -> None:
         """Runtime objects with stoker's labels but no live row, older than the grace."""
         grace = self.m.settings.stranded_grace_s
-        for obj in world.objects or []:
-            if world.now - obj.created_at < grace:
-                continue
-            try:
-                row = await self.m.store.get_worker(obj.worker_id)
-            except StoreError:
-                return
-            if row is not None and row.state is not S.RETIRED:
+        old = [obj for obj in world.objects or [] if world.now - obj.created_at >= grace]
+        if not old:
+            return
+        # One read of the live rows, not one per object: an object past the grace was
+        # created after its row was inserted (persist before mutate), so a row missing
+        # here is retired or gone.
+        try:
+            live = {w.id for w in await self.m.store.list_workers(states=LIVE)}
+        except StoreError:
+            return
+        for obj in old:
+            if obj.worker_id in live:
                 continue
             ghost = Worker(
                 id=obj.worker_id,

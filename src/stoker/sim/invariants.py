@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from stoker.adapters._rows import LIVE_SQL
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import PoolSpec
@@ -230,8 +231,8 @@ class InvariantChecker:
             f"cp-{replica} reserved {reserved} warm spawn slots, target {req.target}", req.pool
         )
         row = self._db.execute(
-            "SELECT COUNT(*) FROM workers WHERE pool = ? AND revision = ? AND "
-            "(state = 'warm' OR (state = 'spawning' AND org IS NULL))",
+            "SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN ('warm', 'spawning') "
+            "AND revision = ? AND (state = 'warm' OR org IS NULL)",
             (req.pool, req.revision),
         ).fetchone()
         neutral = int(row[0])
@@ -389,7 +390,7 @@ class InvariantChecker:
     def _check_caps(self) -> None:
         per_pool: dict[str, int] = {}
         for pool, org, count in self._db.execute(
-            "SELECT pool, org, COUNT(*) FROM workers WHERE state != 'retired' GROUP BY pool, org"
+            f"SELECT pool, org, COUNT(*) FROM workers WHERE state IN {LIVE_SQL} GROUP BY pool, org"
         ):
             per_pool[pool] = per_pool.get(pool, 0) + count
             if org is not None:
@@ -408,7 +409,7 @@ class InvariantChecker:
                 "SELECT "
                 "SUM(CASE WHEN revision = ? AND (state = 'warm' OR (state = 'spawning' "
                 "AND org IS NULL)) THEN 1 ELSE 0 END), COUNT(*) "
-                "FROM workers WHERE pool = ? AND state != 'retired'",
+                f"FROM workers WHERE pool = ? AND state IN {LIVE_SQL}",
                 (spec.revision, name),
             ).fetchone()
             neutral, live = int(row[0] or 0), int(row[1])

@@ -1,10 +1,8 @@
 """Runs a scenario: each policy on a fresh cluster, store and virtual-time loop.
 
-One policy run is one asyncio loop from `looptime.new_event_loop(start=0,
-noop_cycles=1)`: the simulated cluster, every control-plane replica, the load driver, the
-invariant checker and the sampler share it, and whenever every task waits the clock jumps
-to the next timer (one no-op cycle is enough for a loop that does no I/O; looptime's
-default of 42 makes each virtual instant about 8x dearer). Every time read goes through
+One policy run is one `VirtualTimeLoop` (`stoker.sim.vloop`): the simulated cluster,
+every control-plane replica, the load driver, the invariant checker and the sampler share
+it, and whenever every task waits the clock jumps to the next timer. Every time read goes through
 the run's `LoopClock(epoch=EPOCH)`; the store is an in-memory SQLite database used from
 the loop without threads. The same scenario and seed therefore replay the same run, and
 give the same `summary.json` byte for byte.
@@ -30,12 +28,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import looptime
-
+from stoker.adapters._rows import LIVE_SQL
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
+from stoker.sim import vloop
 from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
@@ -196,7 +194,7 @@ def run_policy(view: Scenario, *, progress: ProgressCallback | None = None) -> P
     logger.setLevel(logging.WARNING)
     logger.propagate = False
     logger.addHandler(capture)
-    loop = looptime.new_event_loop(start=0, noop_cycles=1)
+    loop = vloop.new_event_loop()
     started = time.perf_counter()
     # A run allocates many short-lived objects among a large, long-lived heap (the
     # cluster, the store's rows): collecting the young generation every 700 allocations
@@ -373,7 +371,7 @@ class _PolicyRun:
         elapsed = t - (self.samples[-1]["t_s"] if self.samples else 0.0)
         counts = dict.fromkeys(_WORKER_STATES, 0)
         for state, count in store.db.execute(
-            "SELECT state, COUNT(*) FROM workers WHERE state != 'retired' GROUP BY state"
+            f"SELECT state, COUNT(*) FROM workers WHERE state IN {LIVE_SQL} GROUP BY state"
         ):
             counts[state] = count
         snap = cluster.snapshot()
