@@ -149,6 +149,7 @@ class SqliteStore:
         #: since the last read (most of them, pass after pass) is not decoded again.
         #: `Worker` is immutable, so sharing one between readers is safe.
         self._decoded: dict[tuple[Any, ...], Worker] = {}
+        self._decoded_instances: dict[tuple[Any, ...], Instance] = {}
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -180,6 +181,14 @@ class SqliteStore:
             except sqlite3.Error as exc:
                 _rollback(db)
                 raise StoreError(f"sqlite: {exc}") from exc
+
+    def _write_one(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One statement on its own: SQLite makes it atomic without BEGIN and COMMIT.
+        Returns the rows it changed."""
+        try:
+            return self.db.execute(sql, params).rowcount
+        except sqlite3.Error as exc:
+            raise StoreError(f"sqlite: {exc}") from exc
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         try:
@@ -594,12 +603,11 @@ class SqliteStore:
 
     async def heartbeat_instance(self, instance_id: str, *, now: float) -> bool:
         """Stamp the heartbeat of an active replica."""
-        with self._tx() as db:
-            cur = db.execute(
-                "UPDATE instances SET heartbeat_at = ? WHERE id = ? AND state = 'active'",
-                (now, instance_id),
-            )
-            return cur.rowcount == 1
+        changed = self._write_one(
+            "UPDATE instances SET heartbeat_at = ? WHERE id = ? AND state = 'active'",
+            (now, instance_id),
+        )
+        return changed == 1
 
     async def expire_instances(
         self, *, before: float, now: float, keep: str | None = None
@@ -633,7 +641,17 @@ class SqliteStore:
             "SELECT id, started_at, heartbeat_at, state, meta FROM instances "
             "ORDER BY started_at, id"
         )
-        return [instance_from_row(r) for r in rows]
+        # Every pass reads every replica; its JSON meta is decoded only when the row changed.
+        decoded = self._decoded_instances
+        if len(decoded) > 4 * len(rows) + 64:
+            decoded.clear()
+        out = []
+        for row in rows:
+            instance = decoded.get(row)
+            if instance is None:
+                instance = decoded[row] = instance_from_row(row)
+            out.append(instance)
+        return out
 
     async def acquire_lease(
         self, name: str, *, holder: str, now: float, duration_s: float
@@ -688,14 +706,18 @@ class SqliteStore:
         self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
     ) -> None:
         """Upsert this replica's demand rows."""
+        sql = (
+            "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (pool, instance) DO UPDATE SET "
+            "misses = excluded.misses, waiting = excluded.waiting, "
+            "updated_at = excluded.updated_at"
+        )
+        rows = [(pool, instance_id, m, w, now) for pool, (m, w) in sorted(demand.items())]
+        if len(rows) == 1:
+            self._write_one(sql, rows[0])
+            return
         with self._tx() as db:
-            db.executemany(
-                "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (pool, instance) DO UPDATE SET "
-                "misses = excluded.misses, waiting = excluded.waiting, "
-                "updated_at = excluded.updated_at",
-                [(pool, instance_id, m, w, now) for pool, (m, w) in sorted(demand.items())],
-            )
+            db.executemany(sql, rows)
 
     async def read_demand(self) -> list[DemandRecord]:
         """Every replica's demand rows."""

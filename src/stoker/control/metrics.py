@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Any, TypeVar
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
 
 CLAIM_BUCKETS = (
     0.001,
@@ -21,6 +24,42 @@ CLAIM_BUCKETS = (
     30.0,
     60.0,
 )
+
+
+_M = TypeVar("_M", bound="_Children")
+
+
+class _Children:
+    """`labels(...)` that asks prometheus_client once per label set.
+
+    Every pass and claim looks its series up: prometheus_client converts and checks the
+    values and takes a lock each time, which cost more than the update itself. stoker
+    never removes a series, so a found child stays valid.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self: _M, *values: Any, **named: Any) -> _M:
+        if named:
+            return super().labels(*values, **named)  # type: ignore[misc, no-any-return]
+        child: _M | None = self._children.get(values)
+        if child is None:
+            child = self._children[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+
+class Gauge(_Children, prometheus_client.Gauge):
+    """A gauge whose labelled children are looked up once."""
+
+
+class Counter(_Children, prometheus_client.Counter):
+    """A counter whose labelled children are looked up once."""
+
+
+class Histogram(_Children, prometheus_client.Histogram):
+    """A histogram whose labelled children are looked up once."""
 
 
 class Metrics:

@@ -230,9 +230,11 @@ class PoolManager:
         if (
             self._published is not None
             and self._published[0] == snapshot
-            and now - self._published[1] < self.settings.instance_heartbeat_s
+            and now - self._published[1] < self.settings.instance_expiry_s / 2
         ):
-            return  # nothing new, and the rows are fresh: no write
+            # Nothing new, and the rows stay fresh (younger than the expiry) until the
+            # next pass rewrites them: no write.
+            return
         try:
             await self.store.record_demand(self.instance_id, snapshot, now=now)
             self._published = (snapshot, now)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
 
@@ -35,7 +35,7 @@ class Worker:
 
     def evolve(self, **changes: Any) -> Worker:
         """A copy with `changes` applied."""
-        return replace(self, **changes)
+        return _evolved(self, _WORKER_FIELDS, changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,22 @@ class Claim:
 
     def evolve(self, **changes: Any) -> Claim:
         """A copy with `changes` applied."""
-        return replace(self, **changes)
+        return _evolved(self, _CLAIM_FIELDS, changes)
+
+
+_R = TypeVar("_R")
+
+
+def _evolved(record: _R, names: tuple[str, ...], changes: dict[str, Any]) -> _R:
+    """`dataclasses.replace` without looking the fields up on every call (a hot path: every
+    write of a worker or claim makes one). An unknown field is a TypeError, as there."""
+    values = {name: getattr(record, name) for name in names}
+    values.update(changes)
+    return type(record)(**values)
+
+
+_WORKER_FIELDS = tuple(f.name for f in fields(Worker))
+_CLAIM_FIELDS = tuple(f.name for f in fields(Claim))
 
 
 @dataclass(frozen=True, slots=True)

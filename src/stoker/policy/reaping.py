@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
 from stoker.domain.records import Claim, Worker
@@ -45,20 +45,25 @@ def hot_idle_to_reap(
     `hot_idle` must hold *every* hot_idle worker of the pools concerned, expired or not,
     because the floor counts all of an org's parked workers.
     """
-    by_group: dict[tuple[str, str], list[Worker]] = defaultdict(list)
-    for w in hot_idle:
-        if w.state is WorkerState.HOT_IDLE and w.org is not None:
-            by_group[(w.pool, w.org)].append(w)
+    parked = [w for w in hot_idle if w.state is WorkerState.HOT_IDLE and w.org is not None]
+    expired = sorted(
+        (w for w in parked if idle_expires_at(w) <= now), key=lambda w: (idle_expires_at(w), w.id)
+    )
+    if not expired:
+        return []  # most passes: nothing to group
+    # Per (pool, org): how many may go, keeping the floor; the earliest expired go first.
+    size = Counter(_group(w) for w in parked)
+    room = {group: max(0, size[group] - floor(*group)) for group in map(_group, expired)}
     victims: list[Worker] = []
-    for (pool, org), group in by_group.items():
-        keep = floor(pool, org)
-        expired = sorted(
-            (w for w in group if idle_expires_at(w) <= now),
-            key=lambda w: (idle_expires_at(w), w.id),
-        )
-        removable = max(0, len(group) - keep)
-        victims.extend(expired[:removable])
+    for w in expired:
+        if room[_group(w)] > 0:
+            room[_group(w)] -= 1
+            victims.append(w)
     return victims
+
+
+def _group(worker: Worker) -> tuple[str, str]:
+    return worker.pool, worker.org or ""
 
 
 def stuck_deadline(worker: Worker, timeouts: Timeouts) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 
 class Clock(Protocol):
@@ -34,6 +34,9 @@ class LoopClock:
     The mapping is taken at the first read, so virtual loops (looptime, the simulator's) run
     this very clock at their own pace. Pass `epoch` to fix the mapping (deterministic runs).
     """
+
+    #: Its sleeps are the loop's own timers, so `asyncio.timeout` measures its time too.
+    loop_timers: ClassVar[bool] = True
 
     def __init__(self, epoch: float | None = None) -> None:
         self._epoch = epoch
@@ -66,6 +69,9 @@ class VirtualClock(LoopClock):
     Sleepers wake as soon as either the loop clock or an `advance` reaches their deadline,
     so a test can make a TTL pass without waiting for it.
     """
+
+    #: `advance` moves it past the loop's timers.
+    loop_timers: ClassVar[bool] = False
 
     def __init__(self, epoch: float | None = 1_700_000_000.0) -> None:
         # A fixed default epoch keeps runs reproducible; None maps to the wall clock like
