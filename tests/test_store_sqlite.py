@@ -119,3 +119,32 @@ async def test_a_full_disk_is_a_store_error_and_changes_nothing(tmp_path: Path) 
         assert moved is not None and moved.state is WorkerState.RETIRED
     finally:
         await store.close()
+
+
+async def test_listings_follow_every_change_to_the_workers(tmp_path: Path) -> None:
+    """`list_workers` and `count_workers` reuse their answer only while no row changed:
+    a write through the store, raw SQL on its own connection, or another connection."""
+    path = str(tmp_path / "stoker.db")
+    a, b = SqliteStore(path), SqliteStore(path)
+    await a.open()
+    await b.open()
+    try:
+        (w,) = (await a.reserve_spawn_slots(spawn_req(), ["w1"], T0)).workers
+        assert [x.state for x in await a.list_workers()] == [WorkerState.SPAWNING]
+        await a.transition(
+            "w1", expect=WorkerState.SPAWNING, epoch=w.epoch, to=WorkerState.WARM, now=T0
+        )
+        assert [x.state for x in await a.list_workers()] == [WorkerState.WARM]
+        a.db.execute("UPDATE workers SET owner = 'cp-z' WHERE id = 'w1'")
+        assert [x.owner for x in await a.list_workers()] == ["cp-z"]
+        await b.transition(
+            "w1", expect=WorkerState.WARM, epoch=w.epoch, to=WorkerState.RETIRED, now=T0 + 1
+        )
+        assert [x.state for x in await a.list_workers()] == [WorkerState.RETIRED]
+        assert await a.count_workers() == []
+        listed = await a.list_workers()
+        listed.clear()  # a caller's list is its own
+        assert len(await a.list_workers()) == 1
+    finally:
+        await a.close()
+        await b.close()

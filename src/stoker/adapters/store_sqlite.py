@@ -9,9 +9,9 @@ serialised by `BEGIN IMMEDIATE`; WAL lets readers proceed meanwhile.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from stoker.adapters._rows import (
     CLAIM_SELECT,
@@ -134,6 +134,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
 ]
 
+_T = TypeVar("_T")
 #: Decoded worker rows kept by one store (see `SqliteStore._worker`).
 _DECODED_MAX = 20_000
 
@@ -150,6 +151,10 @@ class SqliteStore:
         #: `Worker` is immutable, so sharing one between readers is safe.
         self._decoded: dict[tuple[Any, ...], Worker] = {}
         self._decoded_instances: dict[tuple[Any, ...], Instance] = {}
+        #: Answers of `list_workers` and `count_workers` since the last change (`_listing`).
+        self._workers_changes = 0
+        self._listed: dict[tuple[Any, ...], list[Any]] = {}
+        self._listed_version: tuple[int, int] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -220,6 +225,7 @@ class SqliteStore:
                     for sql in statements:
                         tx.execute(sql)
                     tx.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))
+            self._watch_workers(db)
         except BaseException as exc:
             # A store that failed to open holds no connection: a retry starts afresh.
             self._db = None
@@ -233,6 +239,38 @@ class SqliteStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+        self._listed.clear()
+
+    # -- the worker read cache ------------------------------------------------------------
+
+    def _watch_workers(self, db: sqlite3.Connection) -> None:
+        """Count this connection's writes to `workers` (temporary triggers call back)."""
+
+        def changed() -> None:
+            self._workers_changes += 1
+
+        db.create_function("stoker_workers_changed", 0, changed)
+        for event in ("INSERT", "UPDATE", "DELETE"):
+            db.execute(
+                f"CREATE TEMP TRIGGER IF NOT EXISTS stoker_workers_{event.lower()} "
+                f"AFTER {event} ON main.workers BEGIN SELECT stoker_workers_changed(); END"
+            )
+
+    def _listing(self, key: tuple[Any, ...], read: Callable[[], list[_T]]) -> list[_T]:
+        """`read()`, or what it returned last time while no worker row has changed since.
+
+        The janitor lists and counts the fleet every pass, and most passes follow no
+        change: the answer is then the one it had. A change through this connection bumps
+        a counter (triggers); one through another connection bumps SQLite's data_version.
+        """
+        version = (self._workers_changes, self._read("PRAGMA data_version")[0][0])
+        if version != self._listed_version:
+            self._listed.clear()
+            self._listed_version = version
+        found = self._listed.get(key)
+        if found is None:
+            found = self._listed[key] = read()
+        return list(found)
 
     async def schema_version(self) -> int:
         """The highest applied migration."""
@@ -454,7 +492,9 @@ class SqliteStore:
         sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        return [self._worker(r) for r in self._read(sql, params)]
+        return self._listing(
+            (sql, *params), lambda: [self._worker(r) for r in self._read(sql, params)]
+        )
 
     async def count_workers(self) -> list[StateCount]:
         """Live workers grouped by pool, revision, state and binding."""
@@ -462,10 +502,13 @@ class SqliteStore:
             "SELECT pool, revision, state, org IS NOT NULL, COUNT(*) FROM workers "
             f"WHERE state IN {LIVE_SQL} GROUP BY pool, revision, state, org IS NOT NULL"
         )
-        return [
-            StateCount(pool, revision, WorkerState(state), bool(bound), int(n))
-            for pool, revision, state, bound, n in self._read(sql)
-        ]
+        return self._listing(
+            (sql,),
+            lambda: [
+                StateCount(pool, revision, WorkerState(state), bool(bound), int(n))
+                for pool, revision, state, bound, n in self._read(sql)
+            ],
+        )
 
     # -- claims ---------------------------------------------------------------------------
 
