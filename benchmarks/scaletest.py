@@ -7,12 +7,17 @@ writes its report into `DIR/<scenario>/` (default: a temporary directory), and p
 per scenario: the wall time, the virtual time it covered (duration x policies), the
 speed-up, the peak nodes and live workers of its largest run, and its comparison table.
 Targets on a 2-core machine: `diurnal` within 60 s, `large` within 120 s.
+
+Shared machines change speed (this one's single-core speed was seen to vary by 1.7x within
+minutes), so each scenario's line also gives the time of a fixed pure-Python loop run just
+before and after it: compare wall times at similar reference times.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 from stoker.sim.report import headlines, markdown_table, write_report
@@ -21,6 +26,13 @@ from stoker.sim.scenario import load_scenario, scenario_names
 
 #: Wall-time targets of the full forms (seconds).
 TARGETS = {"diurnal": 60.0, "large": 120.0}
+
+
+def reference_s() -> float:
+    """CPU seconds of a fixed pure-Python loop (about 0.8 s on a fast core)."""
+    started = time.process_time()
+    sum(i * i for i in range(10_000_000))
+    return time.process_time() - started
 
 
 def main() -> None:
@@ -34,7 +46,9 @@ def main() -> None:
     for name in args.scenarios or scenario_names():
         scenario = load_scenario(name, short=args.short)
         jobs = args.jobs or len(scenario.policies)
+        before = reference_s()
         result = run_scenario(scenario, short=args.short, jobs=jobs)
+        after = reference_s()
         write_report(result, out / name)
         virtual = scenario.duration_s * len(result.policies)
         peak_nodes = max(p.summary["nodes"]["peak"] for p in result.policies)
@@ -49,7 +63,8 @@ def main() -> None:
             f"\n## {name}{' (short)' if args.short else ''}: wall {result.wall_s:.1f} s "
             f"({result.jobs} processes) for {virtual / 3600:.1f} h of virtual time "
             f"(x{virtual / result.wall_s:,.0f}); peak {peak_nodes} nodes, "
-            f"{peak_live} live workers{verdict}"
+            f"{peak_live} live workers{verdict}; reference loop {before:.2f} s before, "
+            f"{after:.2f} s after"
         )
         print(markdown_table(headlines(result)))
         violations = sum(len(p.violations) for p in result.policies if p.kind == "stoker")

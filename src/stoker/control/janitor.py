@@ -123,17 +123,17 @@ class Janitor:
         store, now = self.m.store, self.m.clock.now()
         world = World(now=now)
         own = self.m.instance_id if self.scope is Scope.OWN else None
-        if self.scope is Scope.FLEET:
-            await store.expire_instances(
-                before=now - self.m.settings.instance_expiry_s, now=now, keep=self.m.instance_id
-            )
         # Liveness by heartbeat age, not only by state: the fallback reaper must recognise
         # a dead replica's orphans while no leader runs the instance expiry.
         fresh_after = now - self.m.settings.instance_expiry_s
+        instances = await store.list_instances()
+        if self.scope is Scope.FLEET and any(
+            i.state == "active" and i.heartbeat_at < fresh_after and i.id != self.m.instance_id
+            for i in instances
+        ):
+            await store.expire_instances(before=fresh_after, now=now, keep=self.m.instance_id)
         world.live_instances = {
-            i.id
-            for i in await store.list_instances()
-            if i.state == "active" and i.heartbeat_at >= fresh_after
+            i.id for i in instances if i.state == "active" and i.heartbeat_at >= fresh_after
         }
         world.live_instances.add(self.m.instance_id)
         world.expired = await store.list_claims(
