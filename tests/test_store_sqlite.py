@@ -10,6 +10,7 @@ writers, as they must for several processes on one file.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -148,3 +149,13 @@ async def test_listings_follow_every_change_to_the_workers(tmp_path: Path) -> No
     finally:
         await a.close()
         await b.close()
+
+
+async def test_an_sqlite_without_returning_is_refused_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 31, 1))
+    monkeypatch.setattr(sqlite3, "sqlite_version", "3.31.1")
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    with pytest.raises(StoreError, match=r"needs SQLite 3\.35\.0 or newer .* has 3\.31\.1"):
+        await store.open()

@@ -136,6 +136,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
 ]
 
 _T = TypeVar("_T")
+#: The oldest SQLite with `UPDATE ... RETURNING` (March 2021).
+MIN_SQLITE = (3, 35, 0)
 #: Decoded worker rows kept by one store (see `SqliteStore._worker`).
 _DECODED_MAX = 20_000
 
@@ -206,6 +208,11 @@ class SqliteStore:
         """Open the file, switch to WAL and apply migrations; a no-op when already open."""
         if self._db is not None:
             return
+        if sqlite3.sqlite_version_info < MIN_SQLITE:
+            raise StoreError(
+                f"the sqlite store needs SQLite {'.'.join(map(str, MIN_SQLITE))} or newer "
+                f"(UPDATE ... RETURNING); this Python has {sqlite3.sqlite_version}"
+            )
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -598,16 +605,16 @@ class SqliteStore:
             )
 
     async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
-        """Extend a bound claim's lease."""
-        with self._tx() as db:
-            claim = self._get_claim(db, claim_id)
-            if claim is None or claim.state is not ClaimState.BOUND:
-                return None
-            db.execute(
-                "UPDATE claims SET expires_at = ?, updated_at = ? WHERE id = ? AND state = ?",
+        """Extend a bound claim's lease (one statement: it returns the row it changed)."""
+        try:
+            rows = self.db.execute(
+                "UPDATE claims SET expires_at = ?, updated_at = ? WHERE id = ? AND state = ? "
+                f"RETURNING {CLAIM_SELECT}",
                 (expires_at, now, claim_id, ClaimState.BOUND.value),
-            )
-            return claim.evolve(expires_at=expires_at, updated_at=now)
+            ).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"sqlite: {exc}") from exc
+        return claim_from_row(rows[0]) if rows else None
 
     async def get_claim(self, claim_id: str) -> Claim | None:
         """One claim."""
