@@ -46,6 +46,8 @@ LABEL_POOL = "STOKER_POOL"
 LABEL_INSTANCE = "STOKER_INSTANCE"
 LABEL_ENDPOINT = "STOKER_ENDPOINT"
 
+#: The activation payload's fields, in the order the worker receives them.
+_PAYLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(ActivationPayload))
 #: One readiness probe may take this long before it counts as "not ready yet".
 PROBE_TIMEOUT_S = 1.0
 #: How long to wait for a process to disappear after SIGKILL before calling the stop failed.
@@ -394,7 +396,7 @@ class LocalProcessRuntime:
         if not endpoint:
             raise RuntimeFailure(f"worker {worker.id} has no endpoint")
         try:
-            body = {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)}
+            body = {name: getattr(payload, name) for name in _PAYLOAD_FIELDS}
             body["config"] = dict(payload.config)
             async with (
                 asyncio.timeout(timeout),
