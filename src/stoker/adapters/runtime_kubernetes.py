@@ -204,6 +204,8 @@ class _Entry:
     announced: bool = False
     #: worker_lost was emitted, or the pod's end was requested by `stop`: nothing more to say.
     settled: bool = False
+    #: What `list_objects` made of `view` last time (rebuilt once the view changes).
+    listed: tuple[_PodView, RuntimeObject] | None = None
 
 
 class KubernetesRuntime:
@@ -532,18 +534,22 @@ class KubernetesRuntime:
             view = entry.view
             if view.worker_id is None or view.placeholder is not None:
                 continue
-            objects.append(
-                RuntimeObject(
-                    worker_id=view.worker_id,
-                    pool=view.pool,
-                    ref={"pod": view.name, "namespace": self.cluster.namespace},
-                    created_at=view.created_at if view.created_at is not None else 0.0,
-                    alive=view.alive,
-                    ready=view.serving,
-                    endpoint=view.endpoint,
-                    instance=view.instance,
+            listed = entry.listed
+            if listed is None or listed[0] is not view:
+                listed = entry.listed = (
+                    view,
+                    RuntimeObject(
+                        worker_id=view.worker_id,
+                        pool=view.pool,
+                        ref={"pod": view.name, "namespace": self.cluster.namespace},
+                        created_at=view.created_at if view.created_at is not None else 0.0,
+                        alive=view.alive,
+                        ready=view.serving,
+                        endpoint=view.endpoint,
+                        instance=view.instance,
+                    ),
                 )
-            )
+            objects.append(listed[1])
         return objects
 
     async def _wait_synced(self) -> None:
