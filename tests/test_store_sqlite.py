@@ -10,6 +10,8 @@ writers, as they must for several processes on one file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,9 +20,10 @@ from typing import TypeVar
 
 import pytest
 
+from stoker.adapters._rows import LIVE_SQL, WORKER_SELECT, worker_from_row
 from stoker.adapters.store_sqlite import SqliteStore
-from stoker.domain.errors import StoreError
-from stoker.domain.states import WorkerState
+from stoker.domain.errors import IllegalTransition, StoreError
+from stoker.domain.states import LIVE, TRANSITIONS, WorkerState
 from store_contract import T0, MakeStore, StoreContract, spawn_req, store_factory
 
 T = TypeVar("T")
@@ -159,3 +162,68 @@ async def test_an_sqlite_without_returning_is_refused_with_a_reason(
     store = SqliteStore(str(tmp_path / "stoker.db"))
     with pytest.raises(StoreError, match=r"needs SQLite 3\.35\.0 or newer .* has 3\.31\.1"):
         await store.open()
+
+
+async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
+    """`list_workers` and `count_workers` of live states answer from rows kept in memory:
+    after every kind of write (the store's, raw SQL, another connection's, one rolled
+    back) they must equal what SQL reads from the table."""
+    path = str(tmp_path / "stoker.db")
+    a, b = SqliteStore(path), SqliteStore(path)
+    await a.open()
+    await b.open()
+    rng = random.Random(7)
+    live_sql = f"state IN {LIVE_SQL}"
+    try:
+        for step in range(300):
+            rows = a.db.execute(f"SELECT id, state, epoch FROM workers WHERE {live_sql}").fetchall()
+            op = rng.choice(["spawn", "spawn", "move", "move", "other", "rollback", "raw"])
+            if op == "spawn" or not rows:
+                owner = rng.choice(["cp-a", "cp-b"])
+                await a.reserve_spawn_slots(
+                    spawn_req(owner=owner, count=2), [f"w{step}a", f"w{step}b"], T0 + step
+                )
+            else:
+                wid, state, epoch = rng.choice(rows)
+                nxt = rng.choice(sorted(TRANSITIONS[WorkerState(state)] - {WorkerState.ACTIVATING}))
+                changes = {"org": None} if nxt is WorkerState.WARM else {}
+                store = b if op == "other" else a
+                if op == "rollback":
+                    with contextlib.suppress(RuntimeError), a._tx() as db:
+                        db.execute("UPDATE workers SET state = 'retired' WHERE id = ?", (wid,))
+                        raise RuntimeError("undone")
+                elif op == "raw":
+                    a.db.execute("UPDATE workers SET owner = 'cp-z' WHERE id = ?", (wid,))
+                else:
+                    with contextlib.suppress(IllegalTransition):
+                        await store.transition(
+                            wid,
+                            expect=WorkerState(state),
+                            epoch=epoch,
+                            to=nxt,
+                            now=T0 + step,
+                            changes=changes,
+                        )
+            truth = [
+                worker_from_row(r)
+                for r in a.db.execute(
+                    f"SELECT {WORKER_SELECT} FROM workers WHERE {live_sql} ORDER BY created_at, id"
+                )
+            ]
+            assert await a.list_workers(states=LIVE) == truth, (step, op)
+            hot_or_warm = [w for w in truth if w.state in (WorkerState.WARM, WorkerState.HOT)]
+            assert await a.list_workers(states=[WorkerState.WARM, WorkerState.HOT]) == hot_or_warm
+            assert await a.list_workers(states=LIVE, not_owners=["cp-a"]) == [
+                w for w in truth if w.owner != "cp-a"
+            ]
+            counted = a.db.execute(
+                "SELECT pool, revision, state, org IS NOT NULL, COUNT(*) FROM workers "
+                f"WHERE {live_sql} GROUP BY pool, revision, state, org IS NOT NULL"
+            ).fetchall()
+            assert [
+                (c.pool, c.revision, c.state.value, int(c.bound), c.count)
+                for c in await a.count_workers()
+            ] == [tuple(r) for r in counted]
+    finally:
+        await a.close()
+        await b.close()

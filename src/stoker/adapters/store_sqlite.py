@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from stoker.adapters._rows import (
     CLAIM_SELECT,
@@ -36,7 +37,7 @@ from stoker.adapters._rows import (
 )
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
-from stoker.domain.states import ClaimState, WorkerState
+from stoker.domain.states import LIVE, ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
 #: Versioned migrations; version N is applied once, in order, inside one transaction.
@@ -135,7 +136,21 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
 ]
 
-_T = TypeVar("_T")
+#: Positions in a worker row (`WORKER_COLUMNS` order) that the live-row filters read.
+_POOL, _REVISION, _STATE, _OWNER, _CREATED, _ORG = (
+    WORKER_COLUMNS.index(c) for c in ("pool", "revision", "state", "owner", "created_at", "org")
+)
+_RETIRED = WorkerState.RETIRED.value
+
+
+def _oldest_first(row: tuple[Any, ...]) -> tuple[Any, Any]:
+    return row[_CREATED], row[0]
+
+
+def _count_key(row: tuple[Any, ...]) -> tuple[str, str, str, bool]:
+    return row[_POOL], row[_REVISION], row[_STATE], row[_ORG] is not None
+
+
 #: The oldest SQLite with `UPDATE ... RETURNING` (March 2021).
 MIN_SQLITE = (3, 35, 0)
 #: Decoded worker rows kept by one store (see `SqliteStore._worker`).
@@ -154,10 +169,12 @@ class SqliteStore:
         #: `Worker` is immutable, so sharing one between readers is safe.
         self._decoded: dict[tuple[Any, ...], Worker] = {}
         self._decoded_instances: dict[tuple[Any, ...], Instance] = {}
-        #: Answers of `list_workers` and `count_workers` since the last change (`_listing`).
-        self._workers_changes = 0
-        self._listed: dict[tuple[Any, ...], list[Any]] = {}
-        self._listed_version: tuple[int, int] | None = None
+        #: The live worker rows by id, kept current by triggers on this connection's
+        #: writes (see `_live_rows`); None until read, and after a write failed.
+        self._live: dict[str, tuple[Any, ...]] | None = None
+        self._live_version = -1
+        #: How many of them per (pool, revision, state, bound), kept with them.
+        self._counts: Counter[tuple[str, str, str, bool]] = Counter()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -178,17 +195,22 @@ class SqliteStore:
         try:
             yield db
         except sqlite3.Error as exc:
-            _rollback(db)
+            self._rollback(db)
             raise StoreError(f"sqlite: {exc}") from exc
         except BaseException:
-            _rollback(db)
+            self._rollback(db)
             raise
         else:
             try:
                 db.execute("COMMIT")
             except sqlite3.Error as exc:
-                _rollback(db)
+                self._rollback(db)
                 raise StoreError(f"sqlite: {exc}") from exc
+
+    def _rollback(self, db: sqlite3.Connection) -> None:
+        # The triggers already applied the undone writes to the live rows: read them again.
+        self._live = None
+        _rollback(db)
 
     def _write_one(self, sql: str, params: Sequence[Any] = ()) -> int:
         """One statement on its own: SQLite makes it atomic without BEGIN and COMMIT.
@@ -196,6 +218,7 @@ class SqliteStore:
         try:
             return self.db.execute(sql, params).rowcount
         except sqlite3.Error as exc:
+            self._live = None  # a failed statement is undone after its triggers ran
             raise StoreError(f"sqlite: {exc}") from exc
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
@@ -247,38 +270,58 @@ class SqliteStore:
         if self._db is not None:
             self._db.close()
             self._db = None
-        self._listed.clear()
+        self._live = None
 
-    # -- the worker read cache ------------------------------------------------------------
+    # -- live rows in memory ---------------------------------------------------------------
 
     def _watch_workers(self, db: sqlite3.Connection) -> None:
-        """Count this connection's writes to `workers` (temporary triggers call back)."""
-
-        def changed() -> None:
-            self._workers_changes += 1
-
-        db.create_function("stoker_workers_changed", 0, changed)
-        for event in ("INSERT", "UPDATE", "DELETE"):
+        """Temporary triggers hand every row this connection writes to `_live`."""
+        db.create_function("stoker_worker_put", len(WORKER_COLUMNS), self._put_live)
+        db.create_function("stoker_worker_drop", 1, self._drop_live)
+        new = ", ".join(f"NEW.{c}" for c in WORKER_COLUMNS)
+        for event in ("INSERT", "UPDATE"):
             db.execute(
                 f"CREATE TEMP TRIGGER IF NOT EXISTS stoker_workers_{event.lower()} "
-                f"AFTER {event} ON main.workers BEGIN SELECT stoker_workers_changed(); END"
+                f"AFTER {event} ON main.workers BEGIN SELECT stoker_worker_put({new}); END"
             )
+        db.execute(
+            "CREATE TEMP TRIGGER IF NOT EXISTS stoker_workers_delete AFTER DELETE ON "
+            "main.workers BEGIN SELECT stoker_worker_drop(OLD.id); END"
+        )
 
-    def _listing(self, key: tuple[Any, ...], read: Callable[[], list[_T]]) -> list[_T]:
-        """`read()`, or what it returned last time while no worker row has changed since.
+    def _put_live(self, *row: Any) -> None:
+        if self._live is None:
+            return
+        self._drop_live(row[0])
+        if row[_STATE] != _RETIRED:
+            self._live[row[0]] = row
+            self._counts[_count_key(row)] += 1
 
-        The janitor lists and counts the fleet every pass, and most passes follow no
-        change: the answer is then the one it had. A change through this connection bumps
-        a counter (triggers); one through another connection bumps SQLite's data_version.
+    def _drop_live(self, worker_id: str) -> None:
+        if self._live is None:
+            return
+        old = self._live.pop(worker_id, None)
+        if old is not None:
+            key = _count_key(old)
+            self._counts[key] -= 1
+            if not self._counts[key]:
+                del self._counts[key]
+
+    def _live_rows(self) -> dict[str, tuple[Any, ...]]:
+        """Every live worker row, as `SELECT {WORKER_SELECT}` returns it.
+
+        The janitor lists and counts the live fleet every pass; these come from memory.
+        This connection's writes reach it through triggers (a failed write makes it read
+        again); another connection's commit changes SQLite's data_version, which makes it
+        read again too.
         """
-        version = (self._workers_changes, self._read("PRAGMA data_version")[0][0])
-        if version != self._listed_version:
-            self._listed.clear()
-            self._listed_version = version
-        found = self._listed.get(key)
-        if found is None:
-            found = self._listed[key] = read()
-        return list(found)
+        version = self._read("PRAGMA data_version")[0][0]
+        if self._live is None or version != self._live_version:
+            rows = self._read(f"SELECT {WORKER_SELECT} FROM workers WHERE state IN {LIVE_SQL}")
+            self._live = {row[0]: tuple(row) for row in rows}
+            self._counts = Counter(map(_count_key, self._live.values()))
+            self._live_version = version
+        return self._live
 
     async def schema_version(self) -> int:
         """The highest applied migration."""
@@ -494,29 +537,51 @@ class SqliteStore:
         limit: int | None = None,
     ) -> list[Worker]:
         """Rows matching every filter, oldest first."""
+        if states is not None and LIVE.issuperset(states):
+            return self._list_live(states, pool, org, owner, not_owners, limit)
         where, params = _filters(
             pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
         )
         sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        return self._listing(
-            (sql, *params), lambda: [self._worker(r) for r in self._read(sql, params)]
+        return [self._worker(r) for r in self._read(sql, params)]
+
+    def _list_live(
+        self,
+        states: Collection[WorkerState],
+        pool: str | None,
+        org: str | None,
+        owner: str | None,
+        not_owners: Collection[str] | None,
+        limit: int | None,
+    ) -> list[Worker]:
+        """`list_workers` of live states only, from the live rows in memory."""
+        wanted = {s.value for s in states}
+        excluded = set(not_owners or ())
+        rows = sorted(
+            (
+                row
+                for row in self._live_rows().values()
+                if row[_STATE] in wanted
+                and (pool is None or row[_POOL] == pool)
+                and (org is None or row[_ORG] == org)
+                and (owner is None or row[_OWNER] == owner)
+                and row[_OWNER] not in excluded
+            ),
+            key=_oldest_first,
         )
+        if limit is not None:
+            rows = rows[: max(0, int(limit))]
+        return [self._worker(r) for r in rows]
 
     async def count_workers(self) -> list[StateCount]:
-        """Live workers grouped by pool, revision, state and binding."""
-        sql = (
-            "SELECT pool, revision, state, org IS NOT NULL, COUNT(*) FROM workers "
-            f"WHERE state IN {LIVE_SQL} GROUP BY pool, revision, state, org IS NOT NULL"
-        )
-        return self._listing(
-            (sql,),
-            lambda: [
-                StateCount(pool, revision, WorkerState(state), bool(bound), int(n))
-                for pool, revision, state, bound, n in self._read(sql)
-            ],
-        )
+        """Live workers grouped by pool, revision, state and binding (from the live rows)."""
+        self._live_rows()
+        return [
+            StateCount(pool, revision, WorkerState(state), bound, n)
+            for (pool, revision, state, bound), n in sorted(self._counts.items())
+        ]
 
     # -- claims ---------------------------------------------------------------------------
 
