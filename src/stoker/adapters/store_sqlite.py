@@ -173,7 +173,8 @@ class SqliteStore:
         #: writes (see `_live_rows`); None until read, and after a write failed.
         self._live: dict[str, tuple[Any, ...]] | None = None
         self._live_version = -1
-        #: How many of them per (pool, revision, state, bound), kept with them.
+        #: The same rows by state, and how many per (pool, revision, state, bound).
+        self._by_state: dict[str, dict[str, tuple[Any, ...]]] = {}
         self._counts: Counter[tuple[str, str, str, bool]] = Counter()
 
     # -- plumbing -------------------------------------------------------------------------
@@ -295,6 +296,7 @@ class SqliteStore:
         self._drop_live(row[0])
         if row[_STATE] != _RETIRED:
             self._live[row[0]] = row
+            self._by_state.setdefault(row[_STATE], {})[row[0]] = row
             self._counts[_count_key(row)] += 1
 
     def _drop_live(self, worker_id: str) -> None:
@@ -302,6 +304,7 @@ class SqliteStore:
             return
         old = self._live.pop(worker_id, None)
         if old is not None:
+            del self._by_state[old[_STATE]][worker_id]
             key = _count_key(old)
             self._counts[key] -= 1
             if not self._counts[key]:
@@ -319,6 +322,9 @@ class SqliteStore:
         if self._live is None or version != self._live_version:
             rows = self._read(f"SELECT {WORKER_SELECT} FROM workers WHERE state IN {LIVE_SQL}")
             self._live = {row[0]: tuple(row) for row in rows}
+            self._by_state = {}
+            for row in self._live.values():
+                self._by_state.setdefault(row[_STATE], {})[row[0]] = row
             self._counts = Counter(map(_count_key, self._live.values()))
             self._live_version = version
         return self._live
@@ -557,14 +563,14 @@ class SqliteStore:
         limit: int | None,
     ) -> list[Worker]:
         """`list_workers` of live states only, from the live rows in memory."""
-        wanted = {s.value for s in states}
+        self._live_rows()
         excluded = set(not_owners or ())
         rows = sorted(
             (
                 row
-                for row in self._live_rows().values()
-                if row[_STATE] in wanted
-                and (pool is None or row[_POOL] == pool)
+                for state in {s.value for s in states}
+                for row in self._by_state.get(state, {}).values()
+                if (pool is None or row[_POOL] == pool)
                 and (org is None or row[_ORG] == org)
                 and (owner is None or row[_OWNER] == owner)
                 and row[_OWNER] not in excluded
