@@ -210,6 +210,23 @@ async def test_binds_are_limited_to_the_configured_rate(make_cluster: MakeCluste
     assert bound == [5, 10, 15, 20, 25]
 
 
+@pytest.mark.timeout(60, method="thread")
+async def test_a_slow_bind_rate_that_accrues_to_just_under_a_token_still_binds(
+    make_cluster: MakeCluster,
+) -> None:
+    """0.2 binds/s on a half-second grid: ten steps of 0.1 token sum to 0.9999999999999999.
+    The scheduler must come back a tick later, not spin in the same tick for ever."""
+    cluster = await make_cluster(
+        node_pools=(pool(initial_nodes={"m5.2xlarge": 1}),),
+        scheduler=SchedulerConfig(bind_rate=0.2, bind_burst=1),
+    )
+    # A new pod every step makes the scheduler pass (and accrue 0.1 token) every step.
+    for index in range(24):
+        await cluster.api.create_pod(pod(f"w-{index}", cpu="100m"))
+        await asyncio.sleep(0.5)
+    assert 2 <= cluster.snapshot().binds_total <= 3
+
+
 async def test_a_pod_that_fits_nowhere_stays_pending_with_a_reason(
     make_cluster: MakeCluster,
 ) -> None:

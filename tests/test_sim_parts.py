@@ -386,3 +386,27 @@ def test_the_virtual_loop_takes_callbacks_from_other_threads() -> None:
         assert loop.time() == 0.0
     finally:
         loop.close()
+
+
+def test_a_tick_runs_at_its_own_time_on_the_virtual_loop() -> None:
+    """The loop reaches a tick through sums of floats that can fall one rounding step
+    short; the timeline still reports the tick's exact time (a pass waiting for time to
+    accrue once found itself due again in the same tick, forever)."""
+    loop = vloop.new_event_loop(start=0.1)
+    seen: list[float] = []
+
+    async def main() -> None:
+        timeline = Timeline(LoopClock(epoch=0), tick_s=0.5)
+        timeline.start()
+        for t in (0.7, 1234.3, 5000.05, 86_399.9):
+            for _ in range(3):
+                await asyncio.sleep(0.3)  # the clock wanders off the grid between ticks
+            timeline.at(t, lambda: seen.append(timeline.now()))
+        await asyncio.sleep(86_401)
+        await timeline.stop()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert seen == [1.0, 1234.5, 5000.5, 86_400.0]

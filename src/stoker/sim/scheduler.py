@@ -236,7 +236,8 @@ class Scheduler:
                     self._queue_group(item)
         if self._queue:
             # Out of tokens (or only stale entries left): come back when one has accrued.
-            wait = max(0.0, (1.0 - self._tokens) / self.config.bind_rate)
+            # Tokens accrue only as time passes: never again in this tick.
+            wait = max(self._timeline.tick_s, (1.0 - self._tokens) / self.config.bind_rate)
             self._trigger.at(now + wait)
 
     def _place(self, pod: SimPod, failed: list[_GroupKey]) -> _Outcome:

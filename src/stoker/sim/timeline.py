@@ -133,7 +133,10 @@ class Timeline:
         batch = self._due.pop(tick, None)
         if batch is None or not self._running:
             return
-        self._current_time = self.clock.monotonic()
+        # The tick's own time, not the clock's: a clock that reached it by a sum of floats
+        # can read one rounding step short, and a pass that waits for time to accrue would
+        # then find itself due again in the same tick.
+        self._current_time = self.time_of(tick)
         self._current = tick
         self._batch = batch
         try:
