@@ -4,9 +4,9 @@ Every delay the cluster model draws (an image pull, a node's boot, a grace perio
 on the next multiple of `tick_s`, and everything due at one tick runs in one batch, in
 the order it was scheduled. Two reasons:
 
-- a virtual-time loop pays for every distinct instant it jumps to (looptime spins its
-  no-op cycles before each jump), so a day of a busy cluster must not become millions
-  of instants; with the default half-second grid it is at most 172,800;
+- a virtual-time loop pays for every distinct instant it jumps to (a loop iteration, and
+  a task woken for it), so a day of a busy cluster must not become millions of
+  instants; with the default half-second grid it is at most 172,800;
 - Kubernetes itself reports pod state on a coarse cadence (the kubelet's PLEG relists
   containers every second), so sub-tick precision would be false precision.
 
