@@ -410,3 +410,20 @@ def test_a_tick_runs_at_its_own_time_on_the_virtual_loop() -> None:
     finally:
         loop.close()
     assert seen == [1.0, 1234.5, 5000.5, 86_400.0]
+
+
+def test_a_loop_clock_bound_to_a_loop_reads_that_loop() -> None:
+    """The simulator binds its clock to the run's loop (no running-loop lookup per read)."""
+    loop = vloop.new_event_loop(start=42.0)
+    clock = LoopClock(epoch=1_000.0, loop=loop)
+    try:
+        assert clock.monotonic() == 42.0
+        assert clock.now() == 1_000.0
+
+        async def later() -> tuple[float, float]:
+            await asyncio.sleep(8)
+            return clock.monotonic(), clock.now()
+
+        assert loop.run_until_complete(later()) == (50.0, 1_008.0)
+    finally:
+        loop.close()

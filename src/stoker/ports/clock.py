@@ -38,12 +38,18 @@ class LoopClock:
     #: Its sleeps are the loop's own timers, so `asyncio.timeout` measures its time too.
     loop_timers: ClassVar[bool] = True
 
-    def __init__(self, epoch: float | None = None) -> None:
+    def __init__(
+        self, epoch: float | None = None, *, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self._epoch = epoch
         self._offset: float | None = None
+        #: The one loop this clock reads, when given (the simulator's); else the running one.
+        self._loop = loop
 
     def _loop_time(self) -> float:
         # Only loop time: a fallback to another clock would silently mix time scales.
+        if self._loop is not None:
+            return self._loop.time()
         return asyncio.get_running_loop().time()
 
     def monotonic(self) -> float:

@@ -202,7 +202,7 @@ def run_policy(view: Scenario, *, progress: ProgressCallback | None = None) -> P
     thresholds = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLDS[0], *GC_THRESHOLDS[1:])
     try:
-        result = loop.run_until_complete(_PolicyRun(view, progress).run())
+        result = loop.run_until_complete(_PolicyRun(view, progress, loop).run())
     finally:
         gc.set_threshold(*thresholds)
         _close(loop)
@@ -245,11 +245,18 @@ def _close(loop: asyncio.AbstractEventLoop) -> None:
 class _PolicyRun:
     """The parts of one policy run and the loop that drives them."""
 
-    def __init__(self, view: Scenario, progress: ProgressCallback | None) -> None:
+    def __init__(
+        self,
+        view: Scenario,
+        progress: ProgressCallback | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.view = view
         self.entry = view.policies[0]
         self.progress = progress
-        self.clock = LoopClock(epoch=EPOCH)
+        # Bound to the run's loop: every part of the run reads it, hundreds of thousands
+        # of times a simulated day.
+        self.clock = LoopClock(epoch=EPOCH, loop=loop)
         self.pool: PoolSpec = pool_spec(view)
         self.samples: list[dict[str, Any]] = []
         self.no_leader_s = 0.0
