@@ -304,7 +304,7 @@ class SqliteStore:
             return
         old = self._live.pop(worker_id, None)
         if old is not None:
-            del self._by_state[old[_STATE]][worker_id]
+            self._by_state.get(old[_STATE], {}).pop(worker_id, None)
             key = _count_key(old)
             self._counts[key] -= 1
             if not self._counts[key]:
