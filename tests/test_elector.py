@@ -10,8 +10,9 @@ stands in for one.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from looptime import LoopTimeProxy
@@ -353,6 +354,7 @@ class LeaseCalls:
     def __init__(self, server: FakeApiServer) -> None:
         self.server = server
         self.failing = False
+        self.calls: collections.Counter[str] = collections.Counter()
 
     @property
     def namespace(self) -> str:
@@ -363,14 +365,17 @@ class LeaseCalls:
             raise ClusterUnavailable("injected: the API server is unreachable")
 
     async def get_lease(self, name: str) -> Lease | None:
+        self.calls["get"] += 1
         self._check()
         return await self.server.get_lease(name)
 
     async def create_lease(self, lease: Lease) -> Lease:
+        self.calls["create"] += 1
         self._check()
         return await self.server.create_lease(lease)
 
     async def update_lease(self, lease: Lease) -> Lease:
+        self.calls["update"] += 1
         self._check()
         return await self.server.update_lease(lease)
 
@@ -443,6 +448,38 @@ async def test_two_kubernetes_electors_on_one_lease(looptime: LoopTimeProxy) -> 
         assert EPOCH + float(looptime) - lease.renew_time <= RETRY  # type: ignore[operator]
     finally:
         await stop(*tasks)
+        await server.close()
+
+
+async def test_the_kubernetes_holder_renews_with_one_call_and_rereads_after_a_conflict(
+    looptime: LoopTimeProxy,
+) -> None:
+    """The holder renews on the Lease it last wrote (an update, no get); the contender
+    only reads. When someone else writes the Lease, the holder's update conflicts: it
+    reads the Lease, sees the other holder and steps down."""
+    clock = LoopClock(epoch=EPOCH)
+    server = FakeApiServer(clock=clock, namespace="stoker")
+    to_a, to_b = LeaseCalls(server), LeaseCalls(server)
+    a, b = k8s_elector(to_a, "cp-a", clock), k8s_elector(to_b, "cp-b", clock)
+    task_a = asyncio.create_task(a.run())
+    await asyncio.sleep(0.5)
+    task_b = asyncio.create_task(b.run())
+    try:
+        await asyncio.sleep(1)
+        assert a.is_leader
+        before = dict(to_a.calls)
+        await asyncio.sleep(10 * RETRY)
+        renewals = to_a.calls["update"] - before.get("update", 0)
+        assert renewals >= 9
+        assert to_a.calls["get"] == before.get("get", 0)
+        assert to_b.calls["update"] == 0 and to_b.calls["get"] >= 9
+        taken = replace(await lease_of(server), holder="cp-z", transitions=5)
+        await server.update_lease(taken)
+        await asyncio.sleep(RETRY + 0.5)
+        assert not a.is_leader
+        assert to_a.calls["get"] > before.get("get", 0)
+    finally:
+        await stop(task_a, task_b)
         await server.close()
 
 

@@ -4,8 +4,10 @@ The shared elector loop (`stoker.adapters._election.LeaseElector`) runs on a bac
 reads and writes one Lease through the ClusterAPI port, the way client-go's LeaseLock does:
 
 - holder identity, acquire and renew times and the duration live in the Lease's spec;
-- every write is a compare-and-set on the resourceVersion just read, so of two replicas
+- every write is a compare-and-set on the resourceVersion last seen, so of two replicas
   acting at once exactly one wins; the other's 409 is a lost race, not an error;
+- the holder renews on the Lease it last wrote, without reading it first (one call per
+  renewal instead of two); a 409 or 404 sends it back to reading;
 - `leaseTransitions` counts changes of holder and is the fencing epoch (plus one, so the
   first holder leads with epoch 1, as with the store lease);
 - a lease held by another replica counts as expired only once this replica has seen it
@@ -36,10 +38,22 @@ class KubernetesLeaseBackend:
         # clock decides expiry, never the holder's renewTime (clock skew).
         self._observed_rv = ""
         self._observed_at = 0.0
+        #: The Lease as this backend last wrote it while holding it (renewals start there).
+        self._written: Lease | None = None
 
     async def try_acquire(self, holder: str, now: float, duration_s: float) -> int | None:
         """Create, take over or renew the Lease with a compare-and-set; None if another holds it."""
         seconds = max(1, math.ceil(duration_s))
+        written, self._written = self._written, None
+        if written is not None and written.holder == holder:
+            try:
+                stored = await self._cluster.update_lease(
+                    replace(written, renew_time=now, duration_s=seconds)
+                )
+            except (Conflict, ObjectNotFound):
+                pass  # changed or gone since: read it, as a contender does
+            else:
+                return self._hold(stored, now)
         lease = await self._cluster.get_lease(self.name)
         if lease is None:
             fresh = Lease(
@@ -54,8 +68,7 @@ class KubernetesLeaseBackend:
                 created = await self._cluster.create_lease(fresh)
             except Conflict:
                 return None  # another replica created it first
-            self._observe(created, now)
-            return _epoch(created)
+            return self._hold(created, now)
         self._observe(lease, now)
         ours = lease.holder == holder
         if not ours and lease.holder and not self._expired(lease, now):
@@ -73,11 +86,16 @@ class KubernetesLeaseBackend:
         except (Conflict, ObjectNotFound):
             # Someone wrote (or deleted) it since it was read: a lost race.
             return None
+        return self._hold(stored, now)
+
+    def _hold(self, stored: Lease, now: float) -> int:
         self._observe(stored, now)
+        self._written = stored
         return _epoch(stored)
 
     async def release(self, holder: str, now: float) -> None:
         """Clear the holder (as client-go does) if `holder` still holds the Lease."""
+        self._written = None
         lease = await self._cluster.get_lease(self.name)
         if lease is None or lease.holder != holder:
             return
