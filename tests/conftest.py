@@ -1,13 +1,17 @@
-"""Shared test plumbing. Fixtures specific to one subsystem live in that subsystem's file."""
+"""Shared test plumbing: the event loop of sync tests and the PostgreSQL server of the tests
+that need one. Fixtures specific to one subsystem live in that subsystem's file."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from collections.abc import Generator
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -29,3 +33,35 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, Any, Any]
     finally:
         policy.set_event_loop(None)
         loop.close()
+
+
+#: The PostgreSQL tests' server unless STOKER_TEST_POSTGRES_URL says otherwise.
+DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _where(url: str) -> str:
+    """The server a URL points at, without its password."""
+    try:
+        info = conninfo_to_dict(url)
+    except psycopg.Error:
+        return "an unparsable STOKER_TEST_POSTGRES_URL"
+    host, port, db = info.get("host", "localhost"), info.get("port", 5432), info.get("dbname")
+    return f"{host}:{port}/{db}"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The test server's URL; skips (or, under CI=true, fails) when it is unreachable."""
+    url = os.environ.get("STOKER_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
+    try:
+        with psycopg.connect(url, connect_timeout=5) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        reason = (
+            f"PostgreSQL is not reachable at {_where(url)} "
+            f"(set STOKER_TEST_POSTGRES_URL): {str(exc).strip()}"
+        )
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason}; with CI=true the PostgreSQL tests must run", pytrace=False)
+        pytest.skip(reason)
+    return url

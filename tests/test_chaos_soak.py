@@ -31,7 +31,6 @@ import pytest
 from servers import kill_fleet
 
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos_soak.py"
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 FAULT_KINDS = (
     "replica_kill",
     "worker_kill",
@@ -40,21 +39,6 @@ FAULT_KINDS = (
     "write_failures",
     "connection_kill",
 )
-
-
-@pytest.fixture(scope="module")
-def postgres_url() -> str:
-    """The test server's URL; skips (or, under CI=true, fails) when it is unreachable."""
-    url = os.environ.get("STOKER_TEST_POSTGRES_URL", DEFAULT_URL)
-    try:
-        with psycopg.connect(url, connect_timeout=5) as conn:
-            conn.execute("SELECT 1")
-    except psycopg.Error as exc:
-        reason = f"PostgreSQL is not reachable (set STOKER_TEST_POSTGRES_URL): {exc}".strip()
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason}; with CI=true the PostgreSQL tests must run", pytrace=False)
-        pytest.skip(reason)
-    return url
 
 
 @pytest.mark.postgres

@@ -39,7 +39,6 @@ from servers import DEMO, STOKER, environment, wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes, pytest.mark.slow]
 
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 ADMIN = "replicas-admin-token-0123456789"
 LIVE = ("spawning", "warm", "reserved", "activating", "hot", "hot_idle", "draining")
 IN_FLIGHT = ("spawning", "reserved", "activating", "draining")
@@ -438,21 +437,6 @@ class LeaderSampler:
             if sum(1 for g in s.gauges.values() if g == 1) > 1
             and s.seconds < LEASE - RENEW_DEADLINE
         ]
-
-
-@pytest.fixture(scope="module")
-def postgres_url() -> str:
-    """The test server's URL; skips (or, under CI=true, fails) when it is unreachable."""
-    url = os.environ.get("STOKER_TEST_POSTGRES_URL", DEFAULT_URL)
-    try:
-        with psycopg.connect(url, connect_timeout=5) as conn:
-            conn.execute("SELECT 1")
-    except psycopg.Error as exc:
-        reason = f"PostgreSQL is not reachable (set STOKER_TEST_POSTGRES_URL): {exc}".strip()
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason}; with CI=true the PostgreSQL tests must run", pytrace=False)
-        pytest.skip(reason)
-    return url
 
 
 @pytest.fixture

@@ -12,14 +12,13 @@ statements off (what a transaction-mode pooler needs).
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from stoker.adapters import store_postgres
 from stoker.adapters.store_postgres import PostgresStore
@@ -31,36 +30,7 @@ from store_contract import T0, Fleet, MakeStore, StoreContract, make_claim, must
 pytestmark = pytest.mark.postgres
 
 S = WorkerState
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 TABLES = {"workers", "claims", "instances", "leases", "demand", "schema_migrations"}
-
-
-def _where(url: str) -> str:
-    """The server a URL points at, without its password."""
-    try:
-        info = conninfo_to_dict(url)
-    except psycopg.Error:
-        return "an unparsable STOKER_TEST_POSTGRES_URL"
-    host, port, db = info.get("host", "localhost"), info.get("port", 5432), info.get("dbname")
-    return f"{host}:{port}/{db}"
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> str:
-    """The test server's URL; skips (or, under CI=true, fails) when it is unreachable."""
-    url = os.environ.get("STOKER_TEST_POSTGRES_URL", DEFAULT_URL)
-    try:
-        with psycopg.connect(url, connect_timeout=5) as conn:
-            conn.execute("SELECT 1")
-    except psycopg.Error as exc:
-        reason = (
-            f"PostgreSQL is not reachable at {_where(url)} "
-            f"(set STOKER_TEST_POSTGRES_URL): {str(exc).strip()}"
-        )
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason}; with CI=true the PostgreSQL tests must run", pytrace=False)
-        pytest.skip(reason)
-    return url
 
 
 @pytest.fixture

@@ -229,31 +229,11 @@ def lease_from_row(row: Sequence[Any]) -> LeaseRecord:
     )
 
 
-#: Flat JSON objects decoded before, by their text (`load_json_object`).
-_DECODED_JSON: dict[str, dict[str, Any]] = {}
-_DECODED_JSON_MAX = 4096
-_SCALARS = (str, int, float, bool, type(None))
-
-
 def load_json_object(value: Any) -> dict[str, Any]:
-    """A JSON object column: text (SQLite) or jsonb already decoded by the driver (PostgreSQL).
-
-    A worker's runtime reference is decoded again at each of its state changes: flat
-    objects are kept by their text and handed out as fresh copies.
-    """
+    """A JSON object column: text (SQLite) or jsonb already decoded by the driver (PostgreSQL)."""
     if value is None or value == "":
         return {}
-    if isinstance(value, str):
-        seen = _DECODED_JSON.get(value)
-        if seen is not None:
-            return dict(seen)
-        decoded = dict(json.loads(value))
-        if all(isinstance(v, _SCALARS) for v in decoded.values()):
-            if len(_DECODED_JSON) >= _DECODED_JSON_MAX:
-                _DECODED_JSON.clear()
-            _DECODED_JSON[value] = dict(decoded)
-        return decoded
-    if isinstance(value, bytes | bytearray):
+    if isinstance(value, str | bytes | bytearray):
         return dict(json.loads(value))
     return dict(value)
 

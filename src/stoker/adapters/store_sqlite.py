@@ -8,7 +8,6 @@ serialised by `BEGIN IMMEDIATE`; WAL lets readers proceed meanwhile.
 
 from __future__ import annotations
 
-import functools
 import sqlite3
 from collections import Counter
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -886,25 +885,6 @@ def _filters(
     states: Collection[Any] | None = None,
     not_owners: Collection[str] | None = None,
 ) -> tuple[str, list[Any]]:
-    """`WHERE ...` and its parameters (the same filters make the same text, built once)."""
-    where, params = _where(
-        pool,
-        org,
-        owner,
-        None if states is None else tuple(states),
-        None if not_owners is None else tuple(not_owners),
-    )
-    return where, list(params)
-
-
-@functools.lru_cache(maxsize=256)
-def _where(
-    pool: str | None,
-    org: str | None,
-    owner: str | None,
-    states: tuple[Any, ...] | None,
-    not_owners: tuple[str, ...] | None,
-) -> tuple[str, tuple[Any, ...]]:
     clauses: list[str] = []
     params: list[Any] = []
     for column, value in (("pool", pool), ("org", org), ("owner", owner)):
@@ -922,4 +902,4 @@ def _where(
         else:
             clauses.append(f"state IN ({', '.join('?' for _ in values)})")
             params += values
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), tuple(params)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

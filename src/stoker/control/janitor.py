@@ -96,8 +96,6 @@ class Janitor:
         self.demand: dict[str, int] = {}
         self._last_scan: float | None = None
         self._last_purge: float | None = None
-        #: The worker gauges as last set, by (pool, state).
-        self._gauged: dict[tuple[str, str], int] = {}
 
     async def _store_demand(self, pool: str, now: float) -> int:
         """Misses every replica saw since the last pass plus the claims they queue."""
@@ -392,8 +390,4 @@ class Janitor:
             by[(c.pool, c.state.value)] += c.count
         for name in self.m.pools:
             for state in LIVE:
-                key = (name, state.value)
-                value = by.get(key, 0)
-                if self._gauged.get(key) != value:  # most passes change nothing
-                    self._gauged[key] = value
-                    self.m.metrics.workers.labels(*key).set(value)
+                self.m.metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))
