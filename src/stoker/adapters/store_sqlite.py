@@ -8,6 +8,7 @@ serialised by `BEGIN IMMEDIATE`; WAL lets readers proceed meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections import Counter
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -243,7 +244,7 @@ class SqliteStore:
         self._db = db
         try:
             db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
-            db.execute("PRAGMA journal_mode = WAL")
+            await self._switch_to_wal(db)
             db.execute("PRAGMA synchronous = NORMAL")
             with self._tx() as tx:
                 tx.execute(
@@ -264,6 +265,21 @@ class SqliteStore:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open sqlite store {self.path!r}: {exc}") from exc
             raise
+
+    async def _switch_to_wal(self, db: sqlite3.Connection) -> None:
+        """`PRAGMA journal_mode = WAL`, retried while another process opening the same new
+        file holds it: SQLite answers "database is locked" at once there, without waiting
+        out the busy timeout."""
+        step = 0.01
+        for _ in range(max(1, round(self._busy_timeout_s / step))):
+            try:
+                db.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc):
+                    raise
+            await asyncio.sleep(step)
+        db.execute("PRAGMA journal_mode = WAL")  # the last try: its error is the answer
 
     async def close(self) -> None:
         """Close the connection."""
