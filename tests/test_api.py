@@ -23,6 +23,7 @@ import pytest
 
 from fakes import MemoryRuntime
 from stoker.api import StokerApp, create_app
+from stoker.api.asgi import Guard
 from stoker.bootstrap import build_control_plane
 from stoker.config import ApiConfig, StokerConfig
 from stoker.control.plane import ControlPlane
@@ -558,6 +559,107 @@ async def test_a_chunked_body_over_the_limit_is_413(tmp_path: Path) -> None:
         )
         assert assert_problem(response, 413)["code"] == "body-too-large"
         assert await api.snapshot() == before
+
+
+# The claim routes are served below the framework (stoker.api.claims); whatever they answer
+# must be what the framework's own routes answer. Each case is sent to the whole app and to
+# the guard in front of the framework alone, and the answers compared.
+PARITY: list[tuple[str, str, str, dict[str, Any]]] = [
+    *((name, m, p, k) for name, m, p, k, _ in MALFORMED if p.startswith("/v1/claims")),
+    ("unknown pool", "POST", "/v1/claims", body(pool="nope")),
+    (
+        "unknown pool, charset",
+        "POST",
+        "/v1/claims",
+        {
+            "content": json.dumps({**OK_BODY, "pool": "nope"}).encode(),
+            "headers": {"content-type": "application/json; charset=UTF-8"},
+        },
+    ),
+    (
+        "JSON sent as text/plain",
+        "POST",
+        "/v1/claims",
+        {
+            "content": json.dumps(OK_BODY).encode(),
+            "headers": {"content-type": "text/plain"},
+        },
+    ),
+    (
+        "JSON without a content type",
+        "POST",
+        "/v1/claims",
+        {
+            "content": json.dumps({**OK_BODY, "pool": "nope"}).encode(),
+        },
+    ),
+    ("unknown claim", "GET", "/v1/claims/c-missing", {}),
+    ("unknown claim released", "DELETE", "/v1/claims/c-missing", {}),
+    ("unknown claim renewed", "POST", "/v1/claims/c-missing/renew", {}),
+    ("unknown claim renewed with null", "POST", "/v1/claims/c-missing/renew", raw("null")),
+    (
+        "renewed with text",
+        "POST",
+        "/v1/claims/c-missing/renew",
+        {
+            "content": b'{"lease_s": 30}',
+            "headers": {"content-type": "text/plain"},
+        },
+    ),
+    ("trailing slash", "GET", "/v1/claims/c-missing/", {}),
+    ("renew with a trailing slash", "POST", "/v1/claims/c-missing/renew/", {}),
+    ("id with a slash", "DELETE", "/v1/claims/a/b", {}),
+    ("id with a slash, renewed", "POST", "/v1/claims/a/b/renew", {}),
+    ("renew by GET", "GET", "/v1/claims/c-missing/renew", {}),
+    ("wrong method on a claim", "PUT", "/v1/claims/c-missing", {}),
+    ("another prefix", "GET", "/v1/claimsx", {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs"), [pytest.param(m, p, k, id=name) for name, m, p, k in PARITY]
+)
+async def test_claim_routes_answer_as_the_framework_does(
+    tmp_path: Path, method: str, path: str, kwargs: dict[str, Any]
+) -> None:
+    async with running(tmp_path) as api:
+        framework = Guard(api.app.framework, ApiConfig())
+        transport = httpx.ASGITransport(app=framework, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://stoker") as plain:
+            before = await api.snapshot()
+            fast = await api.http.request(method, path, **kwargs)
+            slow = await plain.request(method, path, **kwargs)
+            assert fast.status_code == slow.status_code >= 300, fast.text
+            for header in ("content-type", "allow", "location", "retry-after"):
+                assert fast.headers.get(header) == slow.headers.get(header)
+            assert fast.content == slow.content
+            assert await api.snapshot() == before
+
+
+async def test_claims_by_either_route_give_the_same_answers(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=2)]) as api:
+        framework = Guard(api.app.framework, ApiConfig())
+        transport = httpx.ASGITransport(app=framework, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://stoker") as plain:
+            answers = []
+            for http in (api.http, plain):
+                created = await http.post("/v1/claims", json={**OK_BODY, "lease_s": 60})
+                claim_id = created.json()["id"]
+                got = await http.get(f"/v1/claims/{claim_id}")
+                renewed = await http.post(f"/v1/claims/{claim_id}/renew", json={"lease_s": 90})
+                released = await http.delete(f"/v1/claims/{claim_id}")
+                answers.append((created, got, renewed, released))
+            for fast, slow in zip(*answers, strict=True):
+                assert fast.status_code == slow.status_code
+                assert fast.headers["content-type"] == slow.headers["content-type"]
+                assert fast.json().keys() == slow.json().keys()
+            (fast_created, *_), (slow_created, *_) = answers
+            assert fast_created.status_code == 201
+            assert fast_created.headers["location"] == f"/v1/claims/{fast_created.json()['id']}"
+            assert slow_created.headers["location"] == f"/v1/claims/{slow_created.json()['id']}"
+            for created, _, renewed, _ in answers:
+                assert renewed.json()["expires_at"] > created.json()["expires_at"]
+            assert [a[3].json()["state"] for a in answers] == ["released", "released"]
 
 
 async def test_a_body_just_under_the_limit_is_accepted(tmp_path: Path) -> None:

@@ -164,10 +164,16 @@ async def test_an_sqlite_without_returning_is_refused_with_a_reason(
         await store.open()
 
 
+def sql_count(store: SqliteStore, where: str) -> int:
+    sql = f"SELECT COUNT(*) FROM workers WHERE state IN {LIVE_SQL} AND {where}"
+    return int(store.db.execute(sql).fetchone()[0])
+
+
 async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
-    """`list_workers` and `count_workers` of live states answer from rows kept in memory:
-    after every kind of write (the store's, raw SQL, another connection's, one rolled
-    back) they must equal what SQL reads from the table."""
+    """`list_workers` and `count_workers` of live states, and the counts by pool and org
+    that spawn slots and reservations check, answer from rows kept in memory: after every
+    kind of write (the store's, raw SQL, another connection's, one rolled back) they must
+    equal what SQL reads from the table."""
     path = str(tmp_path / "stoker.db")
     a, b = SqliteStore(path), SqliteStore(path)
     await a.open()
@@ -180,8 +186,9 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
             op = rng.choice(["spawn", "spawn", "move", "move", "other", "rollback", "raw"])
             if op == "spawn" or not rows:
                 owner = rng.choice(["cp-a", "cp-b"])
+                where = {"pool": rng.choice(["p", "q"]), "org": rng.choice([None, "acme", "zeta"])}
                 await a.reserve_spawn_slots(
-                    spawn_req(owner=owner, count=2), [f"w{step}a", f"w{step}b"], T0 + step
+                    spawn_req(owner=owner, count=2, **where), [f"w{step}a", f"w{step}b"], T0 + step
                 )
             else:
                 wid, state, epoch = rng.choice(rows)
@@ -224,6 +231,16 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
                 (c.pool, c.revision, c.state.value, int(c.bound), c.count)
                 for c in await a.count_workers()
             ] == [tuple(r) for r in counted]
+            # The counts that decide caps and targets inside write transactions.
+            for pool in ("p", "q", "none"):
+                assert a._count_live(pool) == sql_count(a, f"pool = '{pool}'"), (step, op)
+                assert a._count_neutral(pool, "r1") == sql_count(
+                    a, f"pool = '{pool}' AND (state = 'warm' OR state = 'spawning' AND org IS NULL)"
+                )
+                for org in ("acme", "zeta"):
+                    assert a._count_live(pool, org) == sql_count(
+                        a, f"pool = '{pool}' AND org = '{org}'"
+                    )
     finally:
         await a.close()
         await b.close()

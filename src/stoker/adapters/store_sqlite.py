@@ -134,6 +134,19 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "DROP INDEX claims_worker",
         ],
     ),
+    (
+        4,
+        [
+            # Counts by pool and org come from the live rows in memory; the one index left
+            # finds rows by state (the live ones, a pool's warm or hot_idle ones to pick,
+            # the retired ones to list or purge). Each index dropped is one page less
+            # written by every state change: a claim + release cycle makes four.
+            "DROP INDEX workers_pool_state",
+            "DROP INDEX workers_pool_org",
+            "DROP INDEX workers_state",
+            "CREATE INDEX workers_live ON workers (state, pool, revision)",
+        ],
+    ),
 ]
 
 #: Positions in a worker row (`WORKER_COLUMNS` order) that the live-row filters read.
@@ -173,9 +186,12 @@ class SqliteStore:
         #: writes (see `_live_rows`); None until read, and after a write failed.
         self._live: dict[str, tuple[Any, ...]] | None = None
         self._live_version = -1
-        #: The same rows by state, and how many per (pool, revision, state, bound).
+        #: The same rows by state; how many per (pool, revision, state, bound), per pool,
+        #: and per (pool, org) of the bound ones.
         self._by_state: dict[str, dict[str, tuple[Any, ...]]] = {}
         self._counts: Counter[tuple[str, str, str, bool]] = Counter()
+        self._pool_counts: Counter[str] = Counter()
+        self._org_counts: Counter[tuple[str, str]] = Counter()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -312,7 +328,7 @@ class SqliteStore:
         if row[_STATE] != _RETIRED:
             self._live[row[0]] = row
             self._by_state.setdefault(row[_STATE], {})[row[0]] = row
-            self._counts[_count_key(row)] += 1
+            self._count(row, 1)
 
     def _drop_live(self, worker_id: str) -> None:
         if self._live is None:
@@ -320,10 +336,20 @@ class SqliteStore:
         old = self._live.pop(worker_id, None)
         if old is not None:
             self._by_state.get(old[_STATE], {}).pop(worker_id, None)
-            key = _count_key(old)
-            self._counts[key] -= 1
-            if not self._counts[key]:
-                del self._counts[key]
+            self._count(old, -1)
+
+    def _count(self, row: tuple[Any, ...], n: int) -> None:
+        """Add `n` to the counts `row` falls in (dropping keys that reach zero)."""
+        keys: list[tuple[Counter[Any], Any]] = [
+            (self._counts, _count_key(row)),
+            (self._pool_counts, row[_POOL]),
+        ]
+        if row[_ORG] is not None:
+            keys.append((self._org_counts, (row[_POOL], row[_ORG])))
+        for counter, key in keys:
+            counter[key] += n
+            if not counter[key]:
+                del counter[key]
 
     def _live_rows(self) -> dict[str, tuple[Any, ...]]:
         """Every live worker row, as `SELECT {WORKER_SELECT}` returns it.
@@ -338,9 +364,10 @@ class SqliteStore:
             rows = self._read(f"SELECT {WORKER_SELECT} FROM workers WHERE state IN {LIVE_SQL}")
             self._live = {row[0]: tuple(row) for row in rows}
             self._by_state = {}
+            self._counts, self._pool_counts, self._org_counts = Counter(), Counter(), Counter()
             for row in self._live.values():
                 self._by_state.setdefault(row[_STATE], {})[row[0]] = row
-            self._counts = Counter(map(_count_key, self._live.values()))
+                self._count(row, 1)
             self._live_version = version
         return self._live
 
@@ -366,12 +393,14 @@ class SqliteStore:
         ).fetchone()
         return self._worker(row) if row else None
 
-    def _count_live(self, db: sqlite3.Connection, pool: str, org: str | None = None) -> int:
-        if org is None:
-            sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN {LIVE_SQL}"
-            return int(db.execute(sql, (pool,)).fetchone()[0])
-        sql = f"SELECT COUNT(*) FROM workers WHERE pool = ? AND org = ? AND state IN {LIVE_SQL}"
-        return int(db.execute(sql, (pool, org)).fetchone()[0])
+    def _count_live(self, pool: str, org: str | None = None) -> int:
+        """Live workers of `pool` (bound to `org`), from the live rows.
+
+        Called inside write transactions: holding the write lock, nobody else can commit
+        between this count and the write it decides.
+        """
+        self._live_rows()
+        return self._pool_counts[pool] if org is None else self._org_counts[(pool, org)]
 
     async def reserve_spawn_slots(
         self, req: SpawnRequest, ids: Sequence[str], now: float
@@ -381,14 +410,14 @@ class SqliteStore:
             room, limited_by = spawn_room(
                 req,
                 len(ids),
-                pool_live=self._count_live(db, req.pool) if req.pool_cap > 0 else 0,
+                pool_live=self._count_live(req.pool) if req.pool_cap > 0 else 0,
                 org_live=(
-                    self._count_live(db, req.pool, req.org)
+                    self._count_live(req.pool, req.org)
                     if req.org is not None and req.org_cap > 0
                     else 0
                 ),
                 neutral=(
-                    self._count_neutral(db, req.pool, req.revision) if req.target is not None else 0
+                    self._count_neutral(req.pool, req.revision) if req.target is not None else 0
                 ),
             )
             rows = spawning_workers(req, ids[:room], now)
@@ -399,15 +428,16 @@ class SqliteStore:
             )
             return SpawnResult(rows, limited_by)
 
-    def _count_neutral(self, db: sqlite3.Connection, pool: str, revision: str) -> int:
-        """Warm plus neutral spawning workers of one pool revision."""
-        # `state IN` first, so the (pool, state, revision) index finds the rows: an `OR` of
-        # states made SQLite walk every row of the pool, retired history included.
-        sql = (
-            "SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN ('warm', 'spawning') "
-            "AND revision = ? AND (state = 'warm' OR org IS NULL)"
+    def _count_neutral(self, pool: str, revision: str) -> int:
+        """Warm plus neutral (not yet bound) spawning workers of one pool revision."""
+        self._live_rows()
+        warm, spawning = WorkerState.WARM.value, WorkerState.SPAWNING.value
+        counts = self._counts
+        return (
+            counts[(pool, revision, warm, False)]
+            + counts[(pool, revision, warm, True)]
+            + counts[(pool, revision, spawning, False)]
         )
-        return int(db.execute(sql, (pool, revision)).fetchone()[0])
 
     def _cas(
         self,
@@ -475,7 +505,7 @@ class SqliteStore:
         if (
             current.state is WorkerState.WARM
             and org_cap > 0
-            and self._count_live(db, current.pool, org) >= org_cap
+            and self._count_live(current.pool, org) >= org_cap
         ):
             return ReserveResult(None, at_org_cap=True)
         worker = self._cas(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from stoker.api.app import ApiState, Principal, StokerApp, create_app
+from stoker.api.app import StokerApp, create_app
+from stoker.api.asgi import ApiState, Principal
 
 __all__ = ["ApiState", "Principal", "StokerApp", "create_app"]

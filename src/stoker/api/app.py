@@ -5,21 +5,18 @@ watches the connection while the claim waits; a client that disconnects cancels 
 which takes the pool manager's abandonment path (a worker reserved for it goes back to
 `warm` or to its org's `hot_idle`), so a vanished client leaves nothing behind.
 
-Authentication and the request-size limit run in `Guard`, a plain ASGI layer in front of
-the routes, so an unauthenticated or oversized request is turned away before its body is
-read or parsed. The app's lifespan starts the control plane (the store is migrated and the
-runtime reconciled before the first request is served) and stops it on shutdown.
+Authentication and the request-size limit run in `Guard` (`stoker.api.asgi`), a plain ASGI
+layer in front of the routes, so an unauthenticated or oversized request is turned away
+before its body is read or parsed. The claim routes are served below the framework by
+`stoker.api.claims`; their FastAPI routes here describe them in the OpenAPI document and
+answer what that layer hands on (bodies it does not take as given). The app's lifespan
+starts the control plane (the store is migrated and the runtime reconciled before the first
+request is served) and stops it on shutdown.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import hmac
-import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Path, Query, Request
@@ -30,6 +27,18 @@ from starlette.responses import Response
 
 from stoker._version import __version__
 from stoker.api import problems
+from stoker.api.asgi import (
+    CLAIM_ID_MAX,
+    PRINCIPAL_KEY,
+    ApiState,
+    ASGIApp,
+    Guard,
+    Principal,
+    Receive,
+    Scope,
+    Send,
+)
+from stoker.api.claims import ClaimRoutes, claim_while_connected
 from stoker.api.models import (
     ClaimCreate,
     ClaimOut,
@@ -43,183 +52,11 @@ from stoker.api.models import (
 )
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import Forbidden, NotFound, StokerError, Unavailable
-from stoker.domain.records import Claim, ClaimRequest
+from stoker.domain.errors import NotFound, StokerError, Unavailable
+from stoker.domain.records import ClaimRequest
 from stoker.domain.states import LIVE, WorkerState
 
 logger = logging.getLogger("stoker.api")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-#: Scope key under which `Guard` leaves the authenticated caller.
-PRINCIPAL_KEY = "stoker.principal"
-#: Methods whose requests carry a body worth limiting.
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-CLAIM_ID_MAX = 128
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling: an admin (every org) or one org."""
-
-    admin: bool
-    org: str | None = None
-
-    def check_org(self, org: str) -> None:
-        """Raise `Forbidden` unless this caller may act for `org`."""
-        if not self.admin and self.org != org:
-            raise Forbidden(f"this token acts for org {self.org!r}, not for {org!r}")
-
-    def check_admin(self) -> None:
-        """Raise `Forbidden` unless this caller holds an admin token."""
-        if not self.admin:
-            raise Forbidden("an admin token is required")
-
-
-ANONYMOUS_ADMIN = Principal(admin=True)
-
-
-class ApiState:
-    """What the HTTP layer knows beyond the plane: draining, and a failed start."""
-
-    def __init__(self) -> None:
-        #: Set on SIGTERM: readiness drops and new claims are refused.
-        self.draining = False
-        self.startup_error: str | None = None
-
-
-# -- the guard: auth and body size, before the framework ------------------------------------
-
-
-@functools.lru_cache(maxsize=1024)
-def _is_loopback(host: str) -> bool:
-    # Cached: the same few client addresses come back on every request.
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-class Guard:
-    """ASGI layer: authenticates `/v1/` requests and bounds request bodies.
-
-    With tokens configured, a `/v1/` request needs `Authorization: Bearer <token>` (401
-    otherwise); with none configured, only loopback clients are served (403 otherwise).
-    A body longer than `max_body_bytes` gets 413, by its Content-Length before it is read,
-    or as soon as a chunked body grows past the limit.
-    """
-
-    def __init__(self, app: ASGIApp, api: ApiConfig) -> None:
-        self.app = app
-        self.max_body = api.max_body_bytes
-        self.open = not api.has_tokens
-        self.tokens: dict[bytes, Principal] = {
-            t.encode(): Principal(admin=True) for t in api.admin_tokens
-        }
-        self.tokens.update(
-            {t.encode(): Principal(admin=False, org=o) for t, o in api.org_tokens.items()}
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if scope["path"].startswith("/v1/"):
-            principal, refusal = self._authenticate(scope)
-            if refusal is not None:
-                await refusal(send)
-                return
-            scope[PRINCIPAL_KEY] = principal
-        if scope["method"] in _BODY_METHODS:
-            length = _content_length(scope)
-            if length is not None and length > self.max_body:
-                await _send_problem(send, 413, "body-too-large", self._too_large())
-                return
-            receive = self._limited(receive)
-        await self.app(scope, receive, send)
-
-    def _too_large(self) -> str:
-        return f"the request body exceeds {self.max_body} bytes"
-
-    def _authenticate(
-        self, scope: Scope
-    ) -> tuple[Principal | None, Callable[[Send], Awaitable[None]] | None]:
-        if self.open:
-            client = scope.get("client")
-            if client is not None and not _is_loopback(str(client[0])):
-                detail = "this server has no tokens configured and serves loopback clients only"
-                return None, lambda send: _send_problem(send, 403, "forbidden", detail)
-            return ANONYMOUS_ADMIN, None
-        credential = _bearer(scope)
-        if credential is None:
-            detail = "missing bearer token (Authorization: Bearer <token>)"
-            return None, lambda send: _send_problem(send, 401, "unauthorized", detail, bearer=True)
-        principal = self._match(credential)
-        if principal is None:
-            detail = "unknown bearer token"
-            return None, lambda send: _send_problem(send, 401, "unauthorized", detail, bearer=True)
-        return principal, None
-
-    def _match(self, credential: bytes) -> Principal | None:
-        found = None
-        # Compare with every token in constant time, so timing tells nothing about them.
-        for token, principal in self.tokens.items():
-            if hmac.compare_digest(token, credential):
-                found = principal
-        return found
-
-    def _limited(self, receive: Receive) -> Receive:
-        limit, seen = self.max_body, 0
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise HTTPException(413, self._too_large())
-            return message
-
-        return limited_receive
-
-
-def _bearer(scope: Scope) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, credential = bytes(value).partition(b" ")
-            if scheme.lower() != b"bearer" or not credential.strip():
-                return None
-            return credential.strip()
-    return None
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-async def _send_problem(
-    send: Send, status: int, code: str, detail: str, *, bearer: bool = False
-) -> None:
-    body = problems.problem_bytes(status, code, detail)
-    headers = [
-        (b"content-type", problems.PROBLEM_JSON.encode()),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if bearer:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
 
 # -- the app --------------------------------------------------------------------------------
 
@@ -254,19 +91,25 @@ class StokerApp(FastAPI):
     """FastAPI with a lifespan that starts and stops the control plane.
 
     The lifespan is handled here rather than by the framework so that a failed start is
-    reported in one line (`state.startup_error`) instead of a traceback.
+    reported in one line (`state.startup_error`) instead of a traceback. A request goes
+    through `front`: the guard, then the claim routes, then the framework.
     """
 
     plane: ControlPlane
     api_state: ApiState
     stop_workers: bool
     manage_plane: bool
+    front: ASGIApp
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection; the lifespan protocol is handled here."""
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        await self.front(scope, receive, send)
+
+    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The FastAPI app itself, behind `front`."""
         await super().__call__(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -325,7 +168,7 @@ def create_app(
     app.add_exception_handler(HTTPException, problems.handle_http_error)
     app.add_exception_handler(RequestValidationError, problems.handle_validation_error)
     app.add_exception_handler(Exception, problems.handle_unexpected)
-    app.add_middleware(Guard, api=api)
+    app.front = Guard(ClaimRoutes(app.framework, plane, app.api_state), api)
     _routes(app, plane, app.api_state)
     _document(app, secured=api.has_tokens, pools=list(plane.manager.pools))
     return app
@@ -375,7 +218,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
             ttl_s=body.ttl_s,
             config=body.config,
         )
-        claim = await _claim_while_connected(plane, req, request.receive)
+        claim = await claim_while_connected(plane, req, request.receive)
         if claim is None:
             # Nobody is listening any more; the status only shows in access logs.
             return Response(status_code=499)
@@ -527,44 +370,6 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         """The plane's metrics in the Prometheus text format."""
         plane.refresh_gauges()
         return Response(generate_latest(plane.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def _claim_while_connected(
-    plane: ControlPlane, req: ClaimRequest, receive: Receive
-) -> Claim | None:
-    """`plane.claim(req)`, cancelled if the client disconnects first (None then).
-
-    The claim runs in this request's own task; a watcher task cancels it when the client
-    goes, which is the pool manager's abandonment path (cheaper than running the claim in
-    a task of its own: this is the hot path). A claim that was bound just as the client
-    left is released at once.
-    """
-    task = asyncio.current_task()
-    assert task is not None
-    gone = asyncio.ensure_future(_cancel_on_disconnect(receive, task))
-    try:
-        claim = await plane.claim(req)
-    except asyncio.CancelledError:
-        if gone.done() and not gone.cancelled() and gone.result():
-            # Our own watcher cancelled the claim: the request ends here, quietly.
-            task.uncancel()
-            return None
-        raise
-    finally:
-        gone.cancel()
-    if gone.done() and not gone.cancelled() and gone.result():
-        await plane.release(claim.id)
-        return None
-    return claim
-
-
-async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> bool:
-    """Cancel `task` when the client disconnects (the body was read before the handler)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            task.cancel()
-            return True
 
 
 def _document(app: FastAPI, *, secured: bool, pools: list[str]) -> None:

@@ -9,6 +9,7 @@ app's lifespan stops the control plane, leaving live workers for the next start 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import ipaddress
 import signal
@@ -89,6 +90,19 @@ def fast_http() -> str:
     return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
+def settle_heap() -> None:
+    """Move everything alive after start-up out of the collector's sight.
+
+    The objects of a started plane (modules, the app, its routes and models) live as long
+    as the process; left tracked, each full collection walks all of them again, which paused
+    the server for 60-280 ms at a time under load (the tail of every claim latency). After
+    `gc.freeze()` a full collection looks only at what was made since. (No collection
+    first: one over a fresh fleet's start-up took 0.7 s, and what it would free is small
+    and made once.)
+    """
+    gc.freeze()
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server with draining on the first signal and an exit status of 0 after it."""
 
@@ -120,6 +134,7 @@ class _Server(uvicorn.Server):
         """Start (plane first, via the lifespan), then announce the address."""
         await super().startup(sockets)
         if not self.should_exit:
+            settle_heap()
             self.on_started()
 
 

@@ -1,0 +1,193 @@
+"""The ASGI layer in front of the routes: who is calling, how big the body may be.
+
+`Guard` authenticates `/v1/` requests and bounds request bodies before anything reads or
+parses them; `ApiState` is what the HTTP layer knows beyond the plane (draining, a failed
+start). Shared by the FastAPI app (`stoker.api.app`) and the claim routes served below it
+(`stoker.api.claims`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from stoker.api import problems
+from stoker.config import ApiConfig
+from stoker.domain.errors import Forbidden
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Scope key under which `Guard` leaves the authenticated caller.
+PRINCIPAL_KEY = "stoker.principal"
+#: Methods whose requests carry a body worth limiting.
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+CLAIM_ID_MAX = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: an admin (every org) or one org."""
+
+    admin: bool
+    org: str | None = None
+
+    def check_org(self, org: str) -> None:
+        """Raise `Forbidden` unless this caller may act for `org`."""
+        if not self.admin and self.org != org:
+            raise Forbidden(f"this token acts for org {self.org!r}, not for {org!r}")
+
+    def check_admin(self) -> None:
+        """Raise `Forbidden` unless this caller holds an admin token."""
+        if not self.admin:
+            raise Forbidden("an admin token is required")
+
+
+ANONYMOUS_ADMIN = Principal(admin=True)
+
+
+class ApiState:
+    """What the HTTP layer knows beyond the plane: draining, and a failed start."""
+
+    def __init__(self) -> None:
+        #: Set on SIGTERM: readiness drops and new claims are refused.
+        self.draining = False
+        self.startup_error: str | None = None
+
+
+# -- the guard: auth and body size, before the framework ------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_loopback(host: str) -> bool:
+    # Cached: the same few client addresses come back on every request.
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class Guard:
+    """ASGI layer: authenticates `/v1/` requests and bounds request bodies.
+
+    With tokens configured, a `/v1/` request needs `Authorization: Bearer <token>` (401
+    otherwise); with none configured, only loopback clients are served (403 otherwise).
+    A body longer than `max_body_bytes` gets 413, by its Content-Length before it is read,
+    or as soon as a chunked body grows past the limit.
+    """
+
+    def __init__(self, app: ASGIApp, api: ApiConfig) -> None:
+        self.app = app
+        self.max_body = api.max_body_bytes
+        self.open = not api.has_tokens
+        self.tokens: dict[bytes, Principal] = {
+            t.encode(): Principal(admin=True) for t in api.admin_tokens
+        }
+        self.tokens.update(
+            {t.encode(): Principal(admin=False, org=o) for t, o in api.org_tokens.items()}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"].startswith("/v1/"):
+            principal, refusal = self._authenticate(scope)
+            if refusal is not None:
+                await refusal(send)
+                return
+            scope[PRINCIPAL_KEY] = principal
+        if scope["method"] in _BODY_METHODS:
+            length = _content_length(scope)
+            if length is not None and length > self.max_body:
+                await send_problem(send, 413, "body-too-large", self._too_large())
+                return
+            receive = self._limited(receive)
+        await self.app(scope, receive, send)
+
+    def _too_large(self) -> str:
+        return f"the request body exceeds {self.max_body} bytes"
+
+    def _authenticate(
+        self, scope: Scope
+    ) -> tuple[Principal | None, Callable[[Send], Awaitable[None]] | None]:
+        if self.open:
+            client = scope.get("client")
+            if client is not None and not _is_loopback(str(client[0])):
+                detail = "this server has no tokens configured and serves loopback clients only"
+                return None, lambda send: send_problem(send, 403, "forbidden", detail)
+            return ANONYMOUS_ADMIN, None
+        credential = _bearer(scope)
+        if credential is None:
+            detail = "missing bearer token (Authorization: Bearer <token>)"
+            return None, lambda send: send_problem(send, 401, "unauthorized", detail, bearer=True)
+        principal = self._match(credential)
+        if principal is None:
+            detail = "unknown bearer token"
+            return None, lambda send: send_problem(send, 401, "unauthorized", detail, bearer=True)
+        return principal, None
+
+    def _match(self, credential: bytes) -> Principal | None:
+        found = None
+        # Compare with every token in constant time, so timing tells nothing about them.
+        for token, principal in self.tokens.items():
+            if hmac.compare_digest(token, credential):
+                found = principal
+        return found
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit, seen = self.max_body, 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, self._too_large())
+            return message
+
+        return limited_receive
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, credential = bytes(value).partition(b" ")
+            if scheme.lower() != b"bearer" or not credential.strip():
+                return None
+            return credential.strip()
+    return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def send_problem(
+    send: Send, status: int, code: str, detail: str, *, bearer: bool = False
+) -> None:
+    body = problems.problem_bytes(status, code, detail)
+    headers = [
+        (b"content-type", problems.PROBLEM_JSON.encode()),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if bearer:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
