@@ -1,8 +1,9 @@
 """The Store contract on SQLite (one temporary file per test), plus SQLite's own concerns.
 
-Within one event loop the adapter never awaits inside a transaction, so asyncio tasks
-cannot interleave its writes; the contract's concurrency tests then check that several
-instances on one file agree. The tests below add true parallelism: threads, each with its
+Within one event loop the adapter never awaits inside a write, so asyncio tasks cannot
+interleave its statements (the writes of one loop iteration share one COMMIT, each in its
+own savepoint); the contract's concurrency tests then check that several instances on one
+file agree. The tests below add true parallelism: threads, each with its
 own loop and connection, so that `BEGIN IMMEDIATE` and the busy timeout really serialise
 writers, as they must for several processes on one file.
 """
@@ -196,9 +197,10 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
                 changes = {"org": None} if nxt is WorkerState.WARM else {}
                 store = b if op == "other" else a
                 if op == "rollback":
-                    with contextlib.suppress(RuntimeError), a._tx() as db:
-                        db.execute("UPDATE workers SET state = 'retired' WHERE id = ?", (wid,))
-                        raise RuntimeError("undone")
+                    with contextlib.suppress(RuntimeError):
+                        async with a._tx() as db:
+                            db.execute("UPDATE workers SET state = 'retired' WHERE id = ?", (wid,))
+                            raise RuntimeError("undone")
                 elif op == "raw":
                     a.db.execute("UPDATE workers SET owner = 'cp-z' WHERE id = ?", (wid,))
                 else:
@@ -241,6 +243,115 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
                     assert a._count_live(pool, org) == sql_count(
                         a, f"pool = '{pool}' AND org = '{org}'"
                     )
+    finally:
+        await a.close()
+        await b.close()
+
+
+# -- group commit ---------------------------------------------------------------------------
+
+
+async def _warm_workers(store: SqliteStore, n: int) -> list[str]:
+    ids = [f"w-{i}" for i in range(n)]
+    await store.reserve_spawn_slots(spawn_req(count=n), ids, T0)
+    return ids
+
+
+async def test_the_writes_of_one_loop_iteration_share_one_commit(tmp_path: Path) -> None:
+    """Concurrent writers are committed together, and each resumes only once its write is
+    on disk: another connection sees every change as soon as the writers are back."""
+    path = str(tmp_path / "stoker.db")
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        ids = await _warm_workers(store, 10)
+        statements: list[str] = []
+        store.db.set_trace_callback(statements.append)
+        moved = await asyncio.gather(
+            *(
+                store.transition(
+                    wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.DRAINING, now=T0 + 1
+                )
+                for wid in ids
+            )
+        )
+        store.db.set_trace_callback(None)
+        assert all(w is not None and w.state is WorkerState.DRAINING for w in moved)
+        assert statements.count("COMMIT") == 1
+        assert statements.count("BEGIN IMMEDIATE") == 1
+        other = sqlite3.connect(path)
+        try:
+            states = other.execute("SELECT DISTINCT state FROM workers").fetchall()
+        finally:
+            other.close()
+        assert states == [("draining",)]
+    finally:
+        await store.close()
+
+
+async def test_a_failed_write_undoes_only_itself_in_its_batch(tmp_path: Path) -> None:
+    """One writer's error rolls back its own savepoint; the others of the batch commit."""
+    path = str(tmp_path / "stoker.db")
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        first, bad, last = await _warm_workers(store, 3)
+
+        async def move(wid: str, to: WorkerState) -> object:
+            return await store.transition(
+                wid, expect=WorkerState.SPAWNING, epoch=0, to=to, now=T0 + 1
+            )
+
+        async def fail_after_writing(wid: str) -> None:
+            async with store._tx() as db:
+                db.execute("UPDATE workers SET state = 'retired' WHERE id = ?", (wid,))
+                raise RuntimeError("undone")
+
+        results = await asyncio.gather(
+            move(first, WorkerState.DRAINING),
+            fail_after_writing(bad),
+            move(bad, WorkerState.HOT),  # spawning -> hot is not a transition
+            move(last, WorkerState.DRAINING),
+            return_exceptions=True,
+        )
+        assert isinstance(results[1], RuntimeError)
+        assert isinstance(results[2], IllegalTransition)
+        other = sqlite3.connect(path)
+        try:
+            states = dict(other.execute("SELECT id, state FROM workers").fetchall())
+        finally:
+            other.close()
+        assert states == {first: "draining", bad: "spawning", last: "draining"}
+        assert [w.id for w in await store.list_workers(states=[WorkerState.DRAINING])] == [
+            first,
+            last,
+        ]
+    finally:
+        await store.close()
+
+
+async def test_two_stores_on_one_file_in_one_loop_take_turns(tmp_path: Path) -> None:
+    """A store whose batch is open would wait for this loop's next iteration to commit;
+    another store of the same loop commits it before taking the write lock, instead of
+    waiting out the busy timeout for a commit that cannot come."""
+    path = str(tmp_path / "stoker.db")
+    a, b = SqliteStore(path, busy_timeout_s=2), SqliteStore(path, busy_timeout_s=2)
+    await a.open()
+    await b.open()
+    try:
+        ids = await _warm_workers(a, 6)
+        moved = await asyncio.gather(
+            *(
+                (a if i % 2 else b).transition(
+                    wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.DRAINING, now=T0
+                )
+                for i, wid in enumerate(ids)
+            ),
+            b.heartbeat_instance("nobody", now=T0),
+        )
+        # Waiting for the lock instead would end in "database is locked" (a StoreError).
+        assert all(w is not None for w in moved[:-1])
+        assert len(await a.list_workers(states=[WorkerState.DRAINING])) == 6
     finally:
         await a.close()
         await b.close()
