@@ -345,9 +345,9 @@ class CpuMeter:
         server, workers, client, busy = (b - a for a, b in zip(self.start, end, strict=True))
         other = max(0.0, busy - server - workers - client)
         return (
-            f"CPU over {elapsed:.1f} s ({psutil.cpu_count()} cores = "
-            f"{psutil.cpu_count() * elapsed:.1f} s): server {server:.1f} s, workers "
-            f"{workers:.1f} s, load generator {client:.1f} s, other processes {other:.1f} s"
+            f"CPU over {elapsed:.2f} s ({psutil.cpu_count()} cores = "
+            f"{psutil.cpu_count() * elapsed:.2f} s): server {server:.2f} s, workers "
+            f"{workers:.2f} s, load generator {client:.2f} s, other processes {other:.2f} s"
         )
 
 

@@ -846,6 +846,41 @@ class StoreContract:
         assert (r.heartbeat_at, r.updated_at, r.endpoint) == (T0 + 50, T0 + 50, w.endpoint)
         assert await store.get_worker(w.id) == r
 
+    async def test_reserve_may_move_on_to_activating_in_the_same_write(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        """`activate` is a store's option: the result is activating (activated, stamped,
+        epoch bumped once) or reserved, and the row says the same."""
+        warm = await fleet.warm()
+        idle = await fleet.hot_idle("org-a")
+        by_id = await store.reserve(
+            warm.id,
+            expect=S.WARM,
+            epoch=warm.epoch,
+            org="org-a",
+            org_cap=0,
+            owner="cp-b",
+            now=T0 + 50,
+            activate=True,
+        )
+        picked = await store.reserve_any(
+            idle.pool,
+            idle.revision,
+            expect=S.HOT_IDLE,
+            org="org-a",
+            org_cap=0,
+            owner="cp-b",
+            now=T0 + 51,
+            activate=True,
+        )
+        for before, result, now in ((warm, by_id, T0 + 50), (idle, picked, T0 + 51)):
+            w = must(result.worker)
+            assert w.state in (S.RESERVED, S.ACTIVATING)
+            assert (w.id, w.org, w.owner, w.epoch) == (before.id, "org-a", "cp-b", before.epoch + 1)
+            assert (w.heartbeat_at, w.updated_at) == (now, now)
+            assert w.activated is (w.state is S.ACTIVATING or before.activated)
+            assert await store.get_worker(w.id) == w
+
     async def test_reserve_with_a_stale_read_misses(self, store: Store, fleet: Fleet) -> None:
         w = await fleet.warm()
         for expect, epoch in ((S.WARM, w.epoch + 1), (S.HOT_IDLE, w.epoch)):

@@ -355,3 +355,35 @@ async def test_two_stores_on_one_file_in_one_loop_take_turns(tmp_path: Path) -> 
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_reservation_moves_on_to_activating_in_its_own_write(tmp_path: Path) -> None:
+    """SQLite takes up `activate`: a claim's reservation and its move to activating are one
+    write (one savepoint), not two."""
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    await store.open()
+    try:
+        (wid,) = await _warm_workers(store, 1)
+        ready = await store.transition(
+            wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.WARM, now=T0 + 1
+        )
+        assert ready is not None
+        statements: list[str] = []
+        store.db.set_trace_callback(statements.append)
+        result = await store.reserve(
+            wid,
+            expect=WorkerState.WARM,
+            epoch=ready.epoch,
+            org="acme",
+            org_cap=0,
+            owner="cp-a",
+            now=T0 + 2,
+            activate=True,
+        )
+        store.db.set_trace_callback(None)
+        assert result.worker is not None and result.worker.state is WorkerState.ACTIVATING
+        assert result.worker.activated and result.worker.epoch == ready.epoch + 1
+        assert statements.count("SAVEPOINT write") == 1
+        assert await store.get_worker(wid) == result.worker
+    finally:
+        await store.close()

@@ -507,8 +507,12 @@ class PostgresStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
-        """CAS one warm or hot_idle worker to reserved for `org` (warm: within the org cap)."""
+        """CAS one warm or hot_idle worker to reserved for `org` (warm: within the org cap).
+
+        `activate` is not taken up: the reserved worker is returned, and the caller moves
+        it on to activating."""
         check_reservable(expect)
         capped = expect is WorkerState.WARM and org_cap > 0
         params = {
@@ -541,8 +545,10 @@ class PostgresStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
-        """Reserve the oldest matching worker nobody else is locking, in one statement."""
+        """Reserve the oldest matching worker nobody else is locking, in one statement
+        (`activate` not taken up, as in `reserve`)."""
         check_reservable(expect)
         capped = expect is WorkerState.WARM and org_cap > 0
         params = {

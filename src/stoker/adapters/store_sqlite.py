@@ -191,7 +191,7 @@ class SqliteStore:
         self._live: dict[str, tuple[Any, ...]] | None = None
         #: The open transaction of this loop iteration's writes (see `_tx`), and the file
         #: it locks (None for a private in-memory database).
-        self._batch: asyncio.Future[None] | None = None
+        self._batch: _Batch | None = None
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._live_version = -1
         #: The same rows by state; how many per (pool, revision, state, bound), per pool,
@@ -250,6 +250,7 @@ class SqliteStore:
             return
         db = self.db
         batch = self._batch or self._open_batch(db)
+        committed = batch.join()
         db.execute("SAVEPOINT write")
         try:
             yield db
@@ -262,17 +263,16 @@ class SqliteStore:
                 raise StoreError(f"sqlite: {exc}") from exc
             raise
         db.execute("RELEASE write")
-        await asyncio.shield(batch)
+        await committed
 
-    def _open_batch(self, db: sqlite3.Connection) -> asyncio.Future[None]:
+    def _open_batch(self, db: sqlite3.Connection) -> _Batch:
         self._yield_write_lock()
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise StoreError(f"sqlite: {exc}") from exc
         loop = asyncio.get_running_loop()
-        batch = self._batch = loop.create_future()
-        batch.add_done_callback(_retrieved)
+        batch = self._batch = _Batch(loop)
         loop.call_soon(self._commit_batch)
         if self._file is not None:
             _BATCHES[(loop, self._file)] = self
@@ -293,23 +293,23 @@ class SqliteStore:
     async def _committed(self) -> None:
         """Wait for the open batch (if any) to commit."""
         if self._batch is not None:
-            await asyncio.shield(self._batch)
+            await self._batch.join()
 
     def _commit_batch(self) -> None:
         batch, self._batch = self._batch, None
         if batch is None or self._db is None:
             return
         if self._file is not None:
-            key = (batch.get_loop(), self._file)
+            key = (batch.loop, self._file)
             if _BATCHES.get(key) is self:
                 del _BATCHES[key]
         try:
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback(self._db)
-            batch.set_exception(StoreError(f"sqlite: {exc}"))
+            batch.settle(StoreError(f"sqlite: {exc}"))
         else:
-            batch.set_result(None)
+            batch.settle(None)
 
     def _rollback(self, db: sqlite3.Connection) -> None:
         # The triggers already applied the undone writes to the live rows: read them again.
@@ -592,6 +592,7 @@ class SqliteStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool,
     ) -> ReserveResult:
         if current.state is WorkerState.HOT_IDLE and current.org != org:
             return ReserveResult(None)
@@ -609,6 +610,16 @@ class SqliteStore:
             bump_epoch=True,
             changes={"org": org, "owner": owner, "heartbeat_at": now},
         )
+        if worker is not None and activate:
+            # On to activating in the same transaction: one write less per claim.
+            worker = self._cas(
+                db,
+                worker,
+                to=WorkerState.ACTIVATING,
+                now=now,
+                bump_epoch=False,
+                changes={"activated": True},
+            )
         return ReserveResult(worker)
 
     async def reserve(
@@ -621,14 +632,16 @@ class SqliteStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
-        """CAS one warm or hot_idle worker to reserved for `org`."""
+        """CAS one warm or hot_idle worker to reserved for `org` (with `activate`, on to
+        activating in the same transaction)."""
         check_reservable(expect)
         async with self._tx() as db:
             current = self._get(db, worker_id)
             if current is None or current.state is not expect or current.epoch != epoch:
                 return ReserveResult(None)
-            return self._reserve_row(db, current, org, org_cap, owner, now)
+            return self._reserve_row(db, current, org, org_cap, owner, now, activate)
 
     async def reserve_any(
         self,
@@ -640,6 +653,7 @@ class SqliteStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
         """Reserve the oldest matching worker of the pool revision."""
         check_reservable(expect)
@@ -655,15 +669,28 @@ class SqliteStore:
                 "AND state = ? ORDER BY updated_at, id LIMIT 1"
             )
             params = (pool, revision, expect.value)
-        # Most calls find nothing (the queues in memory already had nothing): look first
-        # without taking the write lock, then pick again inside the write transaction.
-        if not self._read(sql, params):
+        # Most calls find nothing (the queues in memory already had nothing): look in the
+        # live rows' counts first, without taking the write lock, then pick inside the
+        # write transaction.
+        if not self._may_hold(pool, revision, expect, org):
             return ReserveResult(None)
         async with self._tx() as db:
             row = db.execute(sql, params).fetchone()
             if row is None:
                 return ReserveResult(None)
-            return self._reserve_row(db, self._worker(row), org, org_cap, owner, now)
+            return self._reserve_row(db, self._worker(row), org, org_cap, owner, now, activate)
+
+    def _may_hold(self, pool: str, revision: str, state: WorkerState, org: str) -> bool:
+        """False when the live rows hold no worker of the pool revision in `state` (for
+        hot_idle: none of the org's at all)."""
+        self._live_rows()
+        if state is WorkerState.HOT_IDLE and not self._org_counts[(pool, org)]:
+            return False
+        counts = self._counts
+        return bool(
+            counts[(pool, revision, state.value, False)]
+            or counts[(pool, revision, state.value, True)]
+        )
 
     async def get_worker(self, worker_id: str) -> Worker | None:
         """One worker row."""
@@ -1008,10 +1035,30 @@ class SqliteStore:
 _BATCHES: dict[tuple[asyncio.AbstractEventLoop, str], SqliteStore] = {}
 
 
-def _retrieved(batch: asyncio.Future[None]) -> None:
-    # A batch whose writers were all cancelled has nobody to read its outcome.
-    if not batch.cancelled():
-        batch.exception()
+class _Batch:
+    """The writers waiting for one open transaction to commit."""
+
+    __slots__ = ("loop", "waiters")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def join(self) -> asyncio.Future[None]:
+        """A future of this writer's own, done when the batch has committed (a writer that
+        is cancelled while it waits cancels only its own)."""
+        waiter: asyncio.Future[None] = self.loop.create_future()
+        self.waiters.append(waiter)
+        return waiter
+
+    def settle(self, error: StoreError | None) -> None:
+        for waiter in self.waiters:
+            if waiter.done():
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
 
 def _rollback(db: sqlite3.Connection) -> None:

@@ -82,8 +82,11 @@ class Lifecycle:
             self._written(None, w, None)
         return result
 
-    async def reserve(self, worker: Worker, *, org: str, org_cap: int, owner: str) -> ReserveResult:
-        """CAS a warm or hot_idle worker to reserved for `org` (epoch bumped)."""
+    async def reserve(
+        self, worker: Worker, *, org: str, org_cap: int, owner: str, activate: bool = False
+    ) -> ReserveResult:
+        """CAS a warm or hot_idle worker to reserved for `org` (epoch bumped); with
+        `activate`, the store may move it on to activating in the same write."""
         label = f"{worker.state.value}->reserved"
         try:
             result = await self.store.reserve(
@@ -94,12 +97,13 @@ class Lifecycle:
                 org_cap=org_cap,
                 owner=owner,
                 now=self.clock.now(),
+                activate=activate,
             )
         except StoreError as exc:
             self._persist_failed(label, exc)
             return ReserveResult(None)
         if result.worker is not None:
-            self._written(worker.state, result.worker, None)
+            self._reserved(worker.state, result.worker, None)
         elif not result.at_org_cap:
             self.metrics.fence_misses.labels(label).inc()
         return result
@@ -113,6 +117,7 @@ class Lifecycle:
         org: str,
         org_cap: int,
         owner: str,
+        activate: bool = False,
     ) -> ReserveResult:
         """Reserve any matching worker found in the store (the queues are only hints)."""
         try:
@@ -124,13 +129,22 @@ class Lifecycle:
                 org_cap=org_cap,
                 owner=owner,
                 now=self.clock.now(),
+                activate=activate,
             )
         except StoreError as exc:
             self._persist_failed(f"{expect.value}->reserved", exc)
             return ReserveResult(None)
         if result.worker is not None:
-            self._written(expect, result.worker, "store_pick")
+            self._reserved(expect, result.worker, "store_pick")
         return result
+
+    def _reserved(self, before: WorkerState, new: Worker, reason: str | None) -> None:
+        """Log and count a reservation, and the move on to activating made with it."""
+        if new.state is WorkerState.ACTIVATING:
+            self._written(before, new.evolve(state=WorkerState.RESERVED), reason)
+            self._written(WorkerState.RESERVED, new, None)
+        else:
+            self._written(before, new, reason)
 
     async def bind(self, worker: Worker, claim: Claim) -> Worker | None:
         """activating -> hot with the claim inserted, atomically."""

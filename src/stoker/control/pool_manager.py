@@ -666,7 +666,7 @@ class PoolManager:
             self._in_flight.add(worker_id)
             try:
                 result = await self.lifecycle.reserve(
-                    known, org=org, org_cap=0, owner=self.instance_id
+                    known, org=org, org_cap=0, owner=self.instance_id, activate=True
                 )
             finally:
                 self._in_flight.discard(worker_id)
@@ -674,7 +674,13 @@ class PoolManager:
                 return self.remember(result.worker)
             await self.refresh(worker_id)
         result = await self.lifecycle.reserve_any(
-            pool.name, pool.revision, expect=S.HOT_IDLE, org=org, org_cap=0, owner=self.instance_id
+            pool.name,
+            pool.revision,
+            expect=S.HOT_IDLE,
+            org=org,
+            org_cap=0,
+            owner=self.instance_id,
+            activate=True,
         )
         return await self._take_from_store(result.worker)
 
@@ -690,7 +696,7 @@ class PoolManager:
             self._in_flight.add(worker_id)
             try:
                 result = await self.lifecycle.reserve(
-                    known, org=org, org_cap=org_cap, owner=self.instance_id
+                    known, org=org, org_cap=org_cap, owner=self.instance_id, activate=True
                 )
             finally:
                 self._in_flight.discard(worker_id)
@@ -707,6 +713,7 @@ class PoolManager:
             org=org,
             org_cap=org_cap,
             owner=self.instance_id,
+            activate=True,
         )
         return await self._take_from_store(result.worker), result.at_org_cap
 
@@ -808,17 +815,21 @@ class PoolManager:
             return None
         self._in_flight.add(worker.id)
         try:
-            activating = await self.lifecycle.move(
-                worker, S.ACTIVATING, activated=True, heartbeat_at=self.clock.now()
-            )
+            if worker.state is S.ACTIVATING:
+                # The store moved it on with the reservation (one write for both).
+                activating: Worker | None = worker
+            else:
+                activating = await self.lifecycle.move(
+                    worker, S.ACTIVATING, activated=True, heartbeat_at=self.clock.now()
+                )
             if activating is None:
                 # The reservation stands in the store; give it back rather than strand it.
                 await self._give_back(worker)
                 return None
             self.remember(activating)
-            if not worker.activated:
-                # First activation: from now on the worker holds an org's data. A reused
-                # worker is still marked busy from its first session.
+            if source is not ClaimSource.REUSE:
+                # First activation (warm and cold workers have never held an org's data):
+                # from now on it does. A reused worker is still marked busy from its first.
                 self.spawn_task(self._set_busy(activating, True), f"busy:{worker.id}")
             token = self.ids.token()
             started = self.clock.monotonic()

@@ -138,11 +138,17 @@ class Store(Protocol):
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
         """CAS a `warm` or `hot_idle` worker to `reserved` for `org`, bumping its epoch.
 
         A warm worker is reserved only while the org holds fewer than `org_cap` live workers
         of its pool; a hot_idle worker must already belong to `org`.
+
+        With `activate`, a store may also move the reserved worker on to `activating`
+        (`activated` set, `heartbeat_at` stamped, epoch unchanged) in the same write: the
+        result's worker is then `activating`, else `reserved`, and the caller makes that
+        move itself.
         """
         ...
 
@@ -156,6 +162,7 @@ class Store(Protocol):
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
         """Like `reserve`, for any matching worker of the pool revision (one round trip)."""
         ...

@@ -248,10 +248,18 @@ class ObservedStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
         """As `Store.reserve`, reported."""
         result = await self.inner.reserve(
-            worker_id, expect=expect, epoch=epoch, org=org, org_cap=org_cap, owner=owner, now=now
+            worker_id,
+            expect=expect,
+            epoch=epoch,
+            org=org,
+            org_cap=org_cap,
+            owner=owner,
+            now=now,
+            activate=activate,
         )
         self._written(expect, result.worker)
         return result
@@ -266,10 +274,18 @@ class ObservedStore:
         org_cap: int,
         owner: str,
         now: float,
+        activate: bool = False,
     ) -> ReserveResult:
         """As `Store.reserve_any`, reported."""
         result = await self.inner.reserve_any(
-            pool, revision, expect=expect, org=org, org_cap=org_cap, owner=owner, now=now
+            pool,
+            revision,
+            expect=expect,
+            org=org,
+            org_cap=org_cap,
+            owner=owner,
+            now=now,
+            activate=activate,
         )
         self._written(expect, result.worker)
         return result
