@@ -38,7 +38,7 @@ from stoker.api.asgi import (
     Scope,
     Send,
 )
-from stoker.api.claims import ClaimRoutes, claim_while_connected
+from stoker.api.claims import ClaimRoutes, claim_request, claim_while_connected
 from stoker.api.models import (
     ClaimCreate,
     ClaimOut,
@@ -53,7 +53,6 @@ from stoker.api.models import (
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import NotFound, StokerError, Unavailable
-from stoker.domain.records import ClaimRequest
 from stoker.domain.states import LIVE, WorkerState
 
 logger = logging.getLogger("stoker.api")
@@ -206,18 +205,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         Waits up to `timeout_s` for a worker; 503 when none came, 429 when the org holds
         its cap. A client that disconnects while waiting cancels the claim.
         """
-        _principal(request).check_org(body.org)
-        if state.draining:
-            raise Unavailable("control plane is shutting down")
-        req = ClaimRequest(
-            pool=body.pool,
-            org=body.org,
-            mode=body.mode,
-            timeout_s=body.timeout_s,
-            lease_s=body.lease_s,
-            ttl_s=body.ttl_s,
-            config=body.config,
-        )
+        req = claim_request(_principal(request), state, body)
         claim = await claim_while_connected(plane, req, request.receive)
         if claim is None:
             # Nobody is listening any more; the status only shows in access logs.

@@ -89,18 +89,7 @@ class ClaimRoutes:
         if not isinstance(body, ClaimCreate):
             return
         async with _answering(send):
-            _principal(scope).check_org(body.org)
-            if self.state.draining:
-                raise Unavailable("control plane is shutting down")
-            req = ClaimRequest(
-                pool=body.pool,
-                org=body.org,
-                mode=body.mode,
-                timeout_s=body.timeout_s,
-                lease_s=body.lease_s,
-                ttl_s=body.ttl_s,
-                config=body.config,
-            )
+            req = claim_request(_principal(scope), self.state, body)
             claim = await claim_while_connected(self.plane, req, receive)
             if claim is None:
                 # Nobody is listening any more; the status only shows in access logs.
@@ -261,6 +250,23 @@ async def _send_json(send: Send, status: int, body: bytes, *extra: tuple[bytes, 
     headers = [_JSON_HEADER, (b"content-length", str(len(body)).encode()), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def claim_request(principal: Principal, state: ApiState, body: ClaimCreate) -> ClaimRequest:
+    """The plane's request for `body`, once `principal` may claim for its org and the
+    server still takes claims."""
+    principal.check_org(body.org)
+    if state.draining:
+        raise Unavailable("control plane is shutting down")
+    return ClaimRequest(
+        pool=body.pool,
+        org=body.org,
+        mode=body.mode,
+        timeout_s=body.timeout_s,
+        lease_s=body.lease_s,
+        ttl_s=body.ttl_s,
+        config=body.config,
+    )
 
 
 async def claim_while_connected(
