@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import io
 import os
 import signal
 import uuid
@@ -132,9 +133,16 @@ class Cluster:
 
     async def crash(self, replica: Replica) -> None:
         """Die without a clean shutdown: loops stop, nothing is written, workers live on."""
-        for task in replica.plane._loops:
+        loops = list(replica.plane._loops)
+        for task in loops:
             task.cancel()
-        await asyncio.gather(*replica.plane._loops, return_exceptions=True)
+        if loops:
+            # A loop that ignored its cancellation would hang the test until its bound:
+            # name it, with where it waits, instead.
+            _done, pending = await asyncio.wait(loops, timeout=30)
+            assert not pending, "loops that ignored their cancellation:\n" + "\n".join(
+                _where(task) for task in pending
+            )
         replica.plane.manager.closing = True
         for task in list(replica.plane.manager._tasks):
             task.cancel()
@@ -146,6 +154,12 @@ class Cluster:
         for replica in self.replicas:
             if replica.plane.started:
                 await replica.plane.stop(stop_workers=True)
+
+
+def _where(task: asyncio.Task[Any]) -> str:
+    out = io.StringIO()
+    task.print_stack(file=out)
+    return f"{task.get_name()}: {out.getvalue()}"
 
 
 @pytest.fixture
