@@ -593,6 +593,8 @@ PARITY: list[tuple[str, str, str, dict[str, Any]]] = [
             "content": json.dumps({**OK_BODY, "pool": "nope"}).encode(),
         },
     ),
+    ("JSON nested past the parser's limit", "POST", "/v1/claims", raw("[" * 60_000)),
+    ("renewed with JSON nested too deep", "POST", "/v1/claims/c-x/renew", raw("[" * 60_000)),
     ("unknown claim", "GET", "/v1/claims/c-missing", {}),
     ("unknown claim released", "DELETE", "/v1/claims/c-missing", {}),
     ("unknown claim renewed", "POST", "/v1/claims/c-missing/renew", {}),

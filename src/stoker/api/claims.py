@@ -19,7 +19,7 @@ import json
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from stoker.api import problems
@@ -155,8 +155,9 @@ class ClaimRoutes:
         if raw and _content_type(scope) in _JSON_TYPES:
             try:
                 return model.model_validate(json.loads(raw))
-            except (ValueError, ValidationError):
-                pass  # UnicodeDecodeError and JSONDecodeError are ValueErrors too
+            except Exception:
+                # Not JSON, not valid, nested past the parser's recursion limit, ...
+                pass
         # Not taken as given: the framework answers, with the body it would have read.
         await self.app(scope, _replay(raw, receive), send)
         return _ANSWERED
