@@ -631,7 +631,7 @@ async def test_claim_routes_answer_as_the_framework_does(
             before = await api.snapshot()
             fast = await api.http.request(method, path, **kwargs)
             slow = await plain.request(method, path, **kwargs)
-            assert fast.status_code == slow.status_code >= 300, fast.text
+            assert 300 <= fast.status_code == slow.status_code < 500, fast.text
             for header in ("content-type", "allow", "location", "retry-after"):
                 assert fast.headers.get(header) == slow.headers.get(header)
             assert fast.content == slow.content
