@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -64,7 +65,7 @@ class ClaimRoutes:
                 return
         await self.app(scope, receive, send)
 
-    def _route(self, method: str, path: str) -> Any:
+    def _route(self, method: str, path: str) -> ASGIApp | None:
         if path == PREFIX:
             return self._create if method == "POST" else None
         rest = path[len(PREFIX) + 1 :] if path[len(PREFIX)] == "/" else ""
@@ -167,7 +168,9 @@ class ClaimRoutes:
 _ANSWERED = object()
 
 
-def _with_id(route: Any, claim_id: str) -> ASGIApp:
+def _with_id(
+    route: Callable[[str, Scope, Receive, Send], Awaitable[None]], claim_id: str
+) -> ASGIApp:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await route(claim_id, scope, receive, send)
 
