@@ -387,3 +387,59 @@ async def test_a_reservation_moves_on_to_activating_in_its_own_write(tmp_path: P
         assert await store.get_worker(wid) == result.worker
     finally:
         await store.close()
+
+
+async def test_a_full_disk_in_a_batch_tells_every_writer_the_truth(tmp_path: Path) -> None:
+    """A write that fills the disk makes SQLite undo the whole transaction, with the other
+    writes of its batch: each writer's answer must match what the file holds afterwards
+    (success: its change is there; StoreError: it is not)."""
+    path = str(tmp_path / "stoker.db")
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        first, last = await _warm_workers(store, 2)
+        pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+        store.db.execute(f"PRAGMA max_page_count = {pages}")
+
+        async def drain(wid: str) -> object:
+            return await store.transition(
+                wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.DRAINING, now=T0 + 1
+            )
+
+        async def too_big() -> None:
+            # A table without triggers: SQLite keeps no statement journal for a plain
+            # INSERT, so a full disk rolls back the whole transaction, not the statement.
+            async with store._tx() as db:
+                db.execute(
+                    "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
+                    "VALUES (?, 'i', 0, 0, 0)",
+                    ("x" * 200_000,),
+                )
+
+        results = await asyncio.gather(drain(first), too_big(), drain(last), return_exceptions=True)
+        assert isinstance(results[1], StoreError)
+        # The first write went with the transaction; the last one opened a batch of its own.
+        assert isinstance(results[0], StoreError)
+        other = sqlite3.connect(path)
+        try:
+            states = dict(other.execute("SELECT id, state FROM workers").fetchall())
+        finally:
+            other.close()
+        assert set(states) == {first, last}
+        for wid, result in ((first, results[0]), (last, results[2])):
+            if isinstance(result, StoreError):
+                assert states[wid] == "spawning"
+            else:
+                assert result is not None and states[wid] == "draining"
+        # The store goes on: a later write opens a batch of its own.
+        store.db.execute("PRAGMA max_page_count = 1000000")
+        later = await store.transition(
+            first,
+            expect=WorkerState(states[first]),
+            epoch=0,
+            to=WorkerState.RETIRED,
+            now=T0 + 2,
+        )
+        assert later is not None and later.state is WorkerState.RETIRED
+    finally:
+        await store.close()

@@ -256,9 +256,11 @@ class SqliteStore:
             yield db
         except BaseException as exc:
             self._live = None
+            committed.cancel()
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK TO write")
                 db.execute("RELEASE write")
+            self._check_batch(exc)
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"sqlite: {exc}") from exc
             raise
@@ -295,14 +297,28 @@ class SqliteStore:
         if self._batch is not None:
             await self._batch.join()
 
-    def _commit_batch(self) -> None:
+    def _check_batch(self, exc: BaseException) -> None:
+        """After a failed write: if SQLite undid the whole transaction (a full disk, an I/O
+        error), the batch's other writes went with it; fail their callers now, so that no
+        later write runs outside a transaction believing it is in the batch."""
+        if self._batch is not None and self._db is not None and not self._db.in_transaction:
+            batch = self._take_batch()
+            if batch is not None:
+                batch.settle(StoreError(f"sqlite: the transaction was undone: {exc}"))
+
+    def _take_batch(self) -> _Batch | None:
+        """The open batch, no longer open (None if there was none)."""
         batch, self._batch = self._batch, None
-        if batch is None or self._db is None:
-            return
-        if self._file is not None:
+        if batch is not None and self._file is not None:
             key = (batch.loop, self._file)
             if _BATCHES.get(key) is self:
                 del _BATCHES[key]
+        return batch
+
+    def _commit_batch(self) -> None:
+        batch = self._take_batch()
+        if batch is None or self._db is None:
+            return
         try:
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -326,6 +342,7 @@ class SqliteStore:
             rows = cursor.fetchall()
         except sqlite3.Error as exc:
             self._live = None  # a failed statement is undone after its triggers ran
+            self._check_batch(exc)
             raise StoreError(f"sqlite: {exc}") from exc
         await self._committed()
         return cursor.rowcount, rows
