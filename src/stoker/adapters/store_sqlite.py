@@ -251,8 +251,8 @@ class SqliteStore:
         db = self.db
         batch = self._batch or self._open_batch(db)
         committed = batch.join()
-        db.execute("SAVEPOINT write")
         try:
+            db.execute("SAVEPOINT write")
             yield db
         except BaseException as exc:
             self._live = None
