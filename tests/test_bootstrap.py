@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from stoker.adapters.store_sqlite import SqliteStore
 from stoker.bootstrap import (
     ELECTOR_BURST,
     ELECTOR_QPS,
+    JsonFormatter,
+    KvFormatter,
     build_control_plane,
     kubernetes_namespace,
 )
@@ -375,3 +379,25 @@ async def test_closers_run_in_order_after_the_runtime_even_when_one_fails(
     assert not plane.started
     await plane.stop()  # stopped already: nothing runs twice
     assert events == ["runtime", "first", "second"]
+
+
+def _record(created: float, message: str) -> logging.LogRecord:
+    record = logging.LogRecord("stoker", logging.INFO, "", 0, message, None, None)
+    record.created, record.msecs = created, (created % 1) * 1000
+    return record
+
+
+@pytest.mark.parametrize("formatter", [KvFormatter(), JsonFormatter()], ids=["kv", "json"])
+def test_log_lines_carry_the_time_of_their_own_record(formatter: logging.Formatter) -> None:
+    """The timestamp is formatted once per second and reused; every line still shows its
+    own second and milliseconds."""
+    base = 1_790_000_000.0  # a whole second
+    stamps = []
+    for offset in (0.125, 0.875, 1.5, 0.25, 61.0):
+        line = formatter.format(_record(base + offset, "event=claim_bound claim=c-1"))
+        text = json.loads(line)["ts"] if line.startswith("{") else line.split()[0][3:]
+        stamps.append(text)
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(base + offset))
+        assert text == f"{expected}.{int((offset % 1) * 1000):03d}"
+    assert len(set(stamps)) == 5
+    assert "c-1" in formatter.format(_record(base, "event=claim_bound claim=c-1"))

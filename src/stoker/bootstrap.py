@@ -267,12 +267,28 @@ def parse_kv(message: str) -> dict[str, str]:
     return fields
 
 
-class KvFormatter(logging.Formatter):
+class _Timestamps(logging.Formatter):
+    """`formatTime` to the second, formatted once per second (every state change logs a
+    line: `strftime` for each was a measurable part of a claim)."""
+
+    _second = -1
+    _text = ""
+
+    def second(self, record: logging.LogRecord) -> str:
+        """`%Y-%m-%dT%H:%M:%S` of the record's local time."""
+        second = int(record.created)
+        if second != self._second:
+            self._text = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+            self._second = second
+        return self._text
+
+
+class KvFormatter(_Timestamps):
     """`ts=... level=... logger=... <message>`: stoker's messages already are key=value."""
 
     def format(self, record: logging.LogRecord) -> str:
         """One line per record."""
-        ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+        ts = self.second(record)
         text = record.getMessage()
         if "=" not in text.split(" ", 1)[0]:
             text = "msg=" + json.dumps(text, ensure_ascii=False)
@@ -283,12 +299,12 @@ class KvFormatter(logging.Formatter):
         return line
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(_Timestamps):
     """One JSON object per record, with the key=value fields of the message as members."""
 
     def format(self, record: logging.LogRecord) -> str:
         """One line per record."""
-        ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+        ts = self.second(record)
         body: dict[str, Any] = {
             "ts": f"{ts}.{int(record.msecs):03d}",
             "level": record.levelname.lower(),

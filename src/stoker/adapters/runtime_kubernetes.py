@@ -455,7 +455,14 @@ class KubernetesRuntime:
             raise RuntimeFailure(
                 f"worker {worker.id} answered {status} to activation: {_detail(text)}"
             )
-        _log("worker_activated", worker=worker.id, org=payload.org, epoch=payload.epoch)
+        # Debug only: the worker's move to hot and `claim_bound` already say it, at info.
+        _log(
+            "worker_activated",
+            level=logging.DEBUG,
+            worker=worker.id,
+            org=payload.org,
+            epoch=payload.epoch,
+        )
 
     def _endpoint_of(self, worker: Worker) -> str | None:
         entry = self._cache.get(_pod_name(worker))

@@ -416,7 +416,14 @@ class LocalProcessRuntime:
             raise RuntimeFailure(
                 f"worker {worker.id} answered {status} to activation: {_detail(text)}"
             )
-        _log("worker_activated", worker=worker.id, org=payload.org, epoch=payload.epoch)
+        # Debug only: the worker's move to hot and `claim_bound` already say it, at info.
+        _log(
+            "worker_activated",
+            level=logging.DEBUG,
+            worker=worker.id,
+            org=payload.org,
+            epoch=payload.epoch,
+        )
 
     async def stop(self, worker: Worker, grace_s: float) -> None:
         """SIGTERM the worker's process, then SIGKILL after `grace_s`.

@@ -139,10 +139,17 @@ class Lifecycle:
         return result
 
     def _reserved(self, before: WorkerState, new: Worker, reason: str | None) -> None:
-        """Log and count a reservation, and the move on to activating made with it."""
+        """Log and count a reservation, and the move on to activating made with it (one
+        write, one line: `from=warm` and `via=reserved` on the activating worker)."""
         if new.state is WorkerState.ACTIVATING:
-            self._written(before, new.evolve(state=WorkerState.RESERVED), reason)
-            self._written(WorkerState.RESERVED, new, None)
+            self.metrics.transitions.labels(new.pool, WorkerState.RESERVED.value).inc()
+            self.metrics.transitions.labels(new.pool, new.state.value).inc()
+            logs.worker_event(
+                "worker_transition",
+                new,
+                **{"from": before.value, "via": WorkerState.RESERVED.value},
+                reason=reason,
+            )
         else:
             self._written(before, new, reason)
 
