@@ -24,6 +24,7 @@ import pytest
 from stoker.adapters._rows import LIVE_SQL, WORKER_SELECT, worker_from_row
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.domain.errors import IllegalTransition, StoreError
+from stoker.domain.records import Worker
 from stoker.domain.states import LIVE, TRANSITIONS, WorkerState
 from store_contract import T0, MakeStore, StoreContract, spawn_req, store_factory
 
@@ -251,10 +252,26 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
 # -- group commit ---------------------------------------------------------------------------
 
 
-async def _warm_workers(store: SqliteStore, n: int) -> list[str]:
+async def _spawning(store: SqliteStore, n: int) -> list[str]:
     ids = [f"w-{i}" for i in range(n)]
     await store.reserve_spawn_slots(spawn_req(count=n), ids, T0)
     return ids
+
+
+def _moved(
+    store: SqliteStore, wid: str, to: WorkerState, now: float = T0 + 1
+) -> Awaitable[Worker | None]:
+    """A worker of `_spawning` moved on to `to`."""
+    return store.transition(wid, expect=WorkerState.SPAWNING, epoch=0, to=to, now=now)
+
+
+def _on_disk(path: str) -> dict[str, str]:
+    """Each worker's state as another connection reads it from the file."""
+    other = sqlite3.connect(path)
+    try:
+        return dict(other.execute("SELECT id, state FROM workers").fetchall())
+    finally:
+        other.close()
 
 
 async def test_the_writes_of_one_loop_iteration_share_one_commit(tmp_path: Path) -> None:
@@ -264,27 +281,15 @@ async def test_the_writes_of_one_loop_iteration_share_one_commit(tmp_path: Path)
     store = SqliteStore(path)
     await store.open()
     try:
-        ids = await _warm_workers(store, 10)
+        ids = await _spawning(store, 10)
         statements: list[str] = []
         store.db.set_trace_callback(statements.append)
-        moved = await asyncio.gather(
-            *(
-                store.transition(
-                    wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.DRAINING, now=T0 + 1
-                )
-                for wid in ids
-            )
-        )
+        moved = await asyncio.gather(*(_moved(store, wid, WorkerState.DRAINING) for wid in ids))
         store.db.set_trace_callback(None)
         assert all(w is not None and w.state is WorkerState.DRAINING for w in moved)
         assert statements.count("COMMIT") == 1
         assert statements.count("BEGIN IMMEDIATE") == 1
-        other = sqlite3.connect(path)
-        try:
-            states = other.execute("SELECT DISTINCT state FROM workers").fetchall()
-        finally:
-            other.close()
-        assert states == [("draining",)]
+        assert set(_on_disk(path).values()) == {"draining"}
     finally:
         await store.close()
 
@@ -295,12 +300,7 @@ async def test_a_failed_write_undoes_only_itself_in_its_batch(tmp_path: Path) ->
     store = SqliteStore(path)
     await store.open()
     try:
-        first, bad, last = await _warm_workers(store, 3)
-
-        async def move(wid: str, to: WorkerState) -> object:
-            return await store.transition(
-                wid, expect=WorkerState.SPAWNING, epoch=0, to=to, now=T0 + 1
-            )
+        first, bad, last = await _spawning(store, 3)
 
         async def fail_after_writing(wid: str) -> None:
             async with store._tx() as db:
@@ -308,20 +308,15 @@ async def test_a_failed_write_undoes_only_itself_in_its_batch(tmp_path: Path) ->
                 raise RuntimeError("undone")
 
         results = await asyncio.gather(
-            move(first, WorkerState.DRAINING),
+            _moved(store, first, WorkerState.DRAINING),
             fail_after_writing(bad),
-            move(bad, WorkerState.HOT),  # spawning -> hot is not a transition
-            move(last, WorkerState.DRAINING),
+            _moved(store, bad, WorkerState.HOT),  # spawning -> hot is not a transition
+            _moved(store, last, WorkerState.DRAINING),
             return_exceptions=True,
         )
         assert isinstance(results[1], RuntimeError)
         assert isinstance(results[2], IllegalTransition)
-        other = sqlite3.connect(path)
-        try:
-            states = dict(other.execute("SELECT id, state FROM workers").fetchall())
-        finally:
-            other.close()
-        assert states == {first: "draining", bad: "spawning", last: "draining"}
+        assert _on_disk(path) == {first: "draining", bad: "spawning", last: "draining"}
         assert [w.id for w in await store.list_workers(states=[WorkerState.DRAINING])] == [
             first,
             last,
@@ -339,14 +334,9 @@ async def test_two_stores_on_one_file_in_one_loop_take_turns(tmp_path: Path) -> 
     await a.open()
     await b.open()
     try:
-        ids = await _warm_workers(a, 6)
+        ids = await _spawning(a, 6)
         moved = await asyncio.gather(
-            *(
-                (a if i % 2 else b).transition(
-                    wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.DRAINING, now=T0
-                )
-                for i, wid in enumerate(ids)
-            ),
+            *(_moved(a if i % 2 else b, wid, WorkerState.DRAINING) for i, wid in enumerate(ids)),
             b.heartbeat_instance("nobody", now=T0),
         )
         # Waiting for the lock instead would end in "database is locked" (a StoreError).
@@ -363,10 +353,8 @@ async def test_a_reservation_moves_on_to_activating_in_its_own_write(tmp_path: P
     store = SqliteStore(str(tmp_path / "stoker.db"))
     await store.open()
     try:
-        (wid,) = await _warm_workers(store, 1)
-        ready = await store.transition(
-            wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.WARM, now=T0 + 1
-        )
+        (wid,) = await _spawning(store, 1)
+        ready = await _moved(store, wid, WorkerState.WARM)
         assert ready is not None
         statements: list[str] = []
         store.db.set_trace_callback(statements.append)
@@ -397,14 +385,9 @@ async def test_a_full_disk_in_a_batch_tells_every_writer_the_truth(tmp_path: Pat
     store = SqliteStore(path)
     await store.open()
     try:
-        first, last = await _warm_workers(store, 2)
+        first, last = await _spawning(store, 2)
         pages = store.db.execute("PRAGMA page_count").fetchone()[0]
         store.db.execute(f"PRAGMA max_page_count = {pages}")
-
-        async def drain(wid: str) -> object:
-            return await store.transition(
-                wid, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.DRAINING, now=T0 + 1
-            )
 
         async def too_big() -> None:
             # A table without triggers: SQLite keeps no statement journal for a plain
@@ -416,15 +399,16 @@ async def test_a_full_disk_in_a_batch_tells_every_writer_the_truth(tmp_path: Pat
                     ("x" * 200_000,),
                 )
 
-        results = await asyncio.gather(drain(first), too_big(), drain(last), return_exceptions=True)
+        results = await asyncio.gather(
+            _moved(store, first, WorkerState.DRAINING),
+            too_big(),
+            _moved(store, last, WorkerState.DRAINING),
+            return_exceptions=True,
+        )
         assert isinstance(results[1], StoreError)
         # The first write went with the transaction; the last one opened a batch of its own.
         assert isinstance(results[0], StoreError)
-        other = sqlite3.connect(path)
-        try:
-            states = dict(other.execute("SELECT id, state FROM workers").fetchall())
-        finally:
-            other.close()
+        states = _on_disk(path)
         assert set(states) == {first, last}
         for wid, result in ((first, results[0]), (last, results[2])):
             if isinstance(result, StoreError):

@@ -168,6 +168,13 @@ def _count_key(row: tuple[Any, ...]) -> tuple[str, str, str, bool]:
     return row[_POOL], row[_REVISION], row[_STATE], row[_ORG] is not None
 
 
+def _bump(counter: Counter[Any], key: Any, n: int) -> None:
+    """Add `n` to `counter[key]`, dropping the key when it reaches zero."""
+    counter[key] += n
+    if not counter[key]:
+        del counter[key]
+
+
 #: The oldest SQLite with `UPDATE ... RETURNING` (March 2021).
 MIN_SQLITE = (3, 35, 0)
 #: Decoded worker rows kept by one store (see `SqliteStore._worker`).
@@ -194,11 +201,10 @@ class SqliteStore:
         self._batch: _Batch | None = None
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._live_version = -1
-        #: The same rows by state; how many per (pool, revision, state, bound), per pool,
-        #: and per (pool, org) of the bound ones.
+        #: The same rows by state; how many per (pool, revision, state, bound), and per
+        #: (pool, org) of the bound ones.
         self._by_state: dict[str, dict[str, tuple[Any, ...]]] = {}
         self._counts: Counter[tuple[str, str, str, bool]] = Counter()
-        self._pool_counts: Counter[str] = Counter()
         self._org_counts: Counter[tuple[str, str]] = Counter()
 
     # -- plumbing -------------------------------------------------------------------------
@@ -449,17 +455,10 @@ class SqliteStore:
             self._count(old, -1)
 
     def _count(self, row: tuple[Any, ...], n: int) -> None:
-        """Add `n` to the counts `row` falls in (dropping keys that reach zero)."""
-        keys: list[tuple[Counter[Any], Any]] = [
-            (self._counts, _count_key(row)),
-            (self._pool_counts, row[_POOL]),
-        ]
+        """Add `n` to the counts `row` falls in."""
+        _bump(self._counts, _count_key(row), n)
         if row[_ORG] is not None:
-            keys.append((self._org_counts, (row[_POOL], row[_ORG])))
-        for counter, key in keys:
-            counter[key] += n
-            if not counter[key]:
-                del counter[key]
+            _bump(self._org_counts, (row[_POOL], row[_ORG]), n)
 
     def _live_rows(self) -> dict[str, tuple[Any, ...]]:
         """Every live worker row, as `SELECT {WORKER_SELECT}` returns it.
@@ -474,7 +473,7 @@ class SqliteStore:
             rows = self._read(f"SELECT {WORKER_SELECT} FROM workers WHERE state IN {LIVE_SQL}")
             self._live = {row[0]: tuple(row) for row in rows}
             self._by_state = {}
-            self._counts, self._pool_counts, self._org_counts = Counter(), Counter(), Counter()
+            self._counts, self._org_counts = Counter(), Counter()
             for row in self._live.values():
                 self._by_state.setdefault(row[_STATE], {})[row[0]] = row
                 self._count(row, 1)
@@ -510,7 +509,9 @@ class SqliteStore:
         between this count and the write it decides.
         """
         self._live_rows()
-        return self._pool_counts[pool] if org is None else self._org_counts[(pool, org)]
+        if org is not None:
+            return self._org_counts[(pool, org)]
+        return sum(n for (of_pool, *_), n in self._counts.items() if of_pool == pool)
 
     async def reserve_spawn_slots(
         self, req: SpawnRequest, ids: Sequence[str], now: float

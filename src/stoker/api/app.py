@@ -29,7 +29,6 @@ from stoker._version import __version__
 from stoker.api import problems
 from stoker.api.asgi import (
     CLAIM_ID_MAX,
-    PRINCIPAL_KEY,
     ApiState,
     ASGIApp,
     Guard,
@@ -37,8 +36,9 @@ from stoker.api.asgi import (
     Receive,
     Scope,
     Send,
+    principal_of,
 )
-from stoker.api.claims import ClaimRoutes, claim_request, claim_while_connected
+from stoker.api.claims import ClaimRoutes, check_owner, claim_request, claim_while_connected
 from stoker.api.models import (
     ClaimCreate,
     ClaimOut,
@@ -174,22 +174,13 @@ def create_app(
 
 
 def _principal(request: Request) -> Principal:
-    principal = request.scope.get(PRINCIPAL_KEY)
-    assert isinstance(principal, Principal), "Guard runs before every /v1/ route"
-    return principal
+    return principal_of(request.scope)
 
 
 ClaimId = Annotated[str, Path(min_length=1, max_length=CLAIM_ID_MAX)]
 
 
 def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
-    async def check_owner(request: Request, claim_id: str) -> None:
-        # An admin may act on any claim: the plane's own lookup answers 404 for a missing
-        # one, so only an org token costs a read here.
-        principal = _principal(request)
-        if not principal.admin:
-            principal.check_org((await plane.get_claim(claim_id)).org)
-
     @app.post(
         "/v1/claims",
         operation_id="create_claim",
@@ -240,7 +231,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         body: Annotated[ClaimRenew | None, Body()] = None,
     ) -> Response:
         """Extend the lease by `lease_s` (default: the claim's own) from now; 409 once ended."""
-        await check_owner(request, claim_id)
+        await check_owner(plane, _principal(request), claim_id)
         lease_s = body.lease_s if body is not None else None
         return _json(ClaimOut.of(await plane.renew(claim_id, lease_s)))
 
@@ -257,7 +248,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
 
         Releasing a claim that already ended returns it unchanged.
         """
-        await check_owner(request, claim_id)
+        await check_owner(plane, _principal(request), claim_id)
         return _json(ClaimOut.of(await plane.release(claim_id)))
 
     @app.get(

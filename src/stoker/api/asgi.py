@@ -55,6 +55,13 @@ class Principal:
 ANONYMOUS_ADMIN = Principal(admin=True)
 
 
+def principal_of(scope: Scope) -> Principal:
+    """The caller `Guard` authenticated for this `/v1/` request."""
+    principal = scope.get(PRINCIPAL_KEY)
+    assert isinstance(principal, Principal), "Guard runs before every /v1/ route"
+    return principal
+
+
 class ApiState:
     """What the HTTP layer knows beyond the plane: draining, and a failed start."""
 
@@ -183,11 +190,15 @@ async def send_problem(
     send: Send, status: int, code: str, detail: str, *, bearer: bool = False
 ) -> None:
     body = problems.problem_bytes(status, code, detail)
-    headers = [
-        (b"content-type", problems.PROBLEM_JSON.encode()),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if bearer:
-        headers.append((b"www-authenticate", b"Bearer"))
+    extra = [(b"www-authenticate", b"Bearer")] if bearer else []
+    await send_body(send, status, problems.PROBLEM_JSON.encode(), body, *extra)
+
+
+async def send_body(
+    send: Send, status: int, content_type: bytes, body: bytes, *extra: tuple[bytes, bytes]
+) -> None:
+    """Answer with `body` whole (content type and length, then any `extra` headers)."""
+    length = str(len(body)).encode()
+    headers = [(b"content-type", content_type), (b"content-length", length), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

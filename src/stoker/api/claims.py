@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException
 from stoker.api import problems
 from stoker.api.asgi import (
     CLAIM_ID_MAX,
-    PRINCIPAL_KEY,
     ApiState,
     ASGIApp,
     Message,
@@ -34,6 +33,8 @@ from stoker.api.asgi import (
     Receive,
     Scope,
     Send,
+    principal_of,
+    send_body,
     send_problem,
 )
 from stoker.api.models import ClaimCreate, ClaimOut, ClaimRenew
@@ -44,7 +45,7 @@ from stoker.domain.records import Claim, ClaimRequest
 logger = logging.getLogger("stoker.api")
 
 PREFIX = "/v1/claims"
-_JSON_HEADER = (b"content-type", b"application/json")
+_JSON = b"application/json"
 #: Media types this layer parses itself; others go to the framework.
 _JSON_TYPES = frozenset({b"application/json", b"application/json; charset=utf-8"})
 
@@ -89,25 +90,25 @@ class ClaimRoutes:
         body = await self._parse(scope, receive, send, ClaimCreate, required=True)
         if not isinstance(body, ClaimCreate):
             return
-        async with _answering(send):
-            req = claim_request(_principal(scope), self.state, body)
+        async with _answering(scope, receive, send):
+            req = claim_request(principal_of(scope), self.state, body)
             claim = await claim_while_connected(self.plane, req, receive)
             if claim is None:
                 # Nobody is listening any more; the status only shows in access logs.
-                await _send_json(send, 499, b"")
+                await send_body(send, 499, _JSON, b"")
                 return
             location = (b"location", f"{PREFIX}/{claim.id}".encode())
             await _send_claim(send, claim, 201, location)
 
     async def _get(self, claim_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        async with _answering(send):
+        async with _answering(scope, receive, send):
             claim = await self.plane.get_claim(claim_id)
-            _principal(scope).check_org(claim.org)
+            principal_of(scope).check_org(claim.org)
             await _send_claim(send, claim)
 
     async def _release(self, claim_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        async with _answering(send):
-            await self._check_owner(scope, claim_id)
+        async with _answering(scope, receive, send):
+            await check_owner(self.plane, principal_of(scope), claim_id)
             await _send_claim(send, await self.plane.release(claim_id))
 
     async def _renew(self, claim_id: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,16 +116,9 @@ class ClaimRoutes:
         if body is _ANSWERED:
             return
         lease_s = body.lease_s if isinstance(body, ClaimRenew) else None
-        async with _answering(send):
-            await self._check_owner(scope, claim_id)
+        async with _answering(scope, receive, send):
+            await check_owner(self.plane, principal_of(scope), claim_id)
             await _send_claim(send, await self.plane.renew(claim_id, lease_s))
-
-    async def _check_owner(self, scope: Scope, claim_id: str) -> None:
-        # An admin may act on any claim: the plane's own lookup answers 404 for a missing
-        # one, so only an org token costs a read here.
-        principal = _principal(scope)
-        if not principal.admin:
-            principal.check_org((await self.plane.get_claim(claim_id)).org)
 
     # -- bodies -----------------------------------------------------------------------------
 
@@ -177,12 +171,6 @@ def _with_id(
     return app
 
 
-def _principal(scope: Scope) -> Principal:
-    principal = scope.get(PRINCIPAL_KEY)
-    assert isinstance(principal, Principal), "Guard runs before every /v1/ route"
-    return principal
-
-
 def _content_type(scope: Scope) -> bytes | None:
     for name, value in scope["headers"]:
         if name == b"content-type":
@@ -219,8 +207,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 class _answering:
     """Turns a domain error into its problem answer, and anything else into a logged 500."""
 
-    def __init__(self, send: Send) -> None:
-        self.send = send
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope, self.receive, self.send = scope, receive, send
 
     async def __aenter__(self) -> None:
         return None
@@ -233,27 +221,22 @@ class _answering:
         else:
             logger.error("event=request_failed error=%r", exc, exc_info=exc)
             response = problems.problem_response(500, "internal-error", "internal error")
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": response.raw_headers,
-            }
-        )
-        await self.send({"type": "http.response.body", "body": response.body})
+        await response(self.scope, self.receive, self.send)
         return True
 
 
 async def _send_claim(
     send: Send, claim: Claim, status: int = 200, *extra: tuple[bytes, bytes]
 ) -> None:
-    await _send_json(send, status, ClaimOut.of(claim).model_dump_json().encode(), *extra)
+    await send_body(send, status, _JSON, ClaimOut.of(claim).model_dump_json().encode(), *extra)
 
 
-async def _send_json(send: Send, status: int, body: bytes, *extra: tuple[bytes, bytes]) -> None:
-    headers = [_JSON_HEADER, (b"content-length", str(len(body)).encode()), *extra]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def check_owner(plane: ControlPlane, principal: Principal, claim_id: str) -> None:
+    """Raise unless `principal` may act on the claim."""
+    # An admin may act on any claim: the plane's own lookup answers 404 for a missing one,
+    # so only an org token costs a read here.
+    if not principal.admin:
+        principal.check_org((await plane.get_claim(claim_id)).org)
 
 
 def claim_request(principal: Principal, state: ApiState, body: ClaimCreate) -> ClaimRequest:

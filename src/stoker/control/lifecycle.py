@@ -32,13 +32,16 @@ class Lifecycle:
         self.metrics.persist_failures.labels(label).inc()
         logs.event("persist_failed", transition=label, error=str(exc), level=logs.WARNING)
 
-    def _written(self, old_state: WorkerState | None, new: Worker, reason: str | None) -> None:
+    def _written(
+        self, old_state: WorkerState | None, new: Worker, reason: str | None, **fields: Any
+    ) -> None:
         self.metrics.transitions.labels(new.pool, new.state.value).inc()
         logs.worker_event(
             "worker_transition",
             new,
             **{"from": old_state.value if old_state else None},
             reason=reason,
+            **fields,
         )
 
     async def move(
@@ -143,13 +146,7 @@ class Lifecycle:
         write, one line: `from=warm` and `via=reserved` on the activating worker)."""
         if new.state is WorkerState.ACTIVATING:
             self.metrics.transitions.labels(new.pool, WorkerState.RESERVED.value).inc()
-            self.metrics.transitions.labels(new.pool, new.state.value).inc()
-            logs.worker_event(
-                "worker_transition",
-                new,
-                **{"from": before.value, "via": WorkerState.RESERVED.value},
-                reason=reason,
-            )
+            self._written(before, new, reason, via=WorkerState.RESERVED.value)
         else:
             self._written(before, new, reason)
 
