@@ -1,0 +1,27 @@
+"""The Activator port: how a reserved worker is handed its org and late-bound config.
+
+Activation is one protocol whatever runs the worker (DESIGN.md §7, worker activation
+protocol): the control plane sends `(worker id, org, epoch, token, config)` and the worker
+accepts it or rejects it (second org, stale epoch). A Runtime only starts, watches and
+stops workers; an Activator speaks to them once they are ready. Adapters: HTTP (local
+processes and pods alike) and the simulator's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from stoker.domain.records import Worker
+from stoker.ports.runtime import ActivationPayload
+
+
+class Activator(Protocol):
+    """Hands a ready worker its org; raises `ActivationRejected` or `RuntimeFailure`."""
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        """Activate `worker` (at `worker.endpoint`) with `payload` within `timeout` seconds."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections held for activations."""
+        ...
