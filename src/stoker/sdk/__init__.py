@@ -3,7 +3,9 @@ one exception per kind of error. It depends on httpx only, never on the server's
 
 from __future__ import annotations
 
-from stoker.sdk._client import AsyncClaim, AsyncClient, AsyncSession, Client, Session
+from stoker.sdk._async_client import AsyncClaim, AsyncClient, AsyncSession
+from stoker.sdk._calls import ClaimOptions, WorkerFilters
+from stoker.sdk._client import Client, Session
 from stoker.sdk._errors import (
     CapacityError,
     ClaimConflict,
@@ -27,6 +29,7 @@ __all__ = [
     "CapacityError",
     "ClaimConflict",
     "ClaimInfo",
+    "ClaimOptions",
     "Client",
     "Forbidden",
     "InvalidRequest",
@@ -39,6 +42,7 @@ __all__ = [
     "StokerError",
     "Unauthorized",
     "Unavailable",
+    "WorkerFilters",
     "WorkerInfo",
     "WorkerRef",
     "error_from_response",

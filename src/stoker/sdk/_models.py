@@ -1,11 +1,22 @@
-"""Typed results of the SDK, parsed from the API's JSON answers."""
+"""Typed results of the SDK, read from the API's JSON answers.
+
+Each result is a dataclass whose field types say how its JSON member is read (`_decode`),
+so a field is declared once, not again in a parser.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import functools
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Self, TypeVar
+
+T = TypeVar("T")
+
+#: Reads one member of a JSON object.
+Reader = Callable[[Mapping[str, Any], str], Any]
 
 
 def _time(value: Any) -> datetime | None:
@@ -14,12 +25,87 @@ def _time(value: Any) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def _opt_float(value: Any) -> float | None:
+def _required_time(body: Mapping[str, Any], key: str) -> datetime:
+    value = _time(body[key])
+    assert value is not None, key
+    return value
+
+
+def _optional_float(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
     return None if value is None else float(value)
 
 
+def _counts(body: Mapping[str, Any], key: str) -> dict[str, int]:
+    return {str(k): int(v) for k, v in body[key].items()}
+
+
+#: How a member is read, by the field's type: a required one must be present and is
+#: converted; an optional one may be absent, and strings are taken as they are.
+_READERS: dict[object, Reader] = {
+    str: lambda body, key: str(body[key]),
+    int: lambda body, key: int(body[key]),
+    float: lambda body, key: float(body[key]),
+    bool: lambda body, key: bool(body[key]),
+    datetime: _required_time,
+    str | None: lambda body, key: body.get(key),
+    float | None: _optional_float,
+    datetime | None: lambda body, key: _time(body.get(key)),
+    Mapping[str, int]: _counts,
+}
+
+
+def _whole_body(body: Mapping[str, Any], key: str) -> dict[str, Any]:
+    return dict(body)
+
+
+def _plan(cls: type[Any]) -> tuple[tuple[str, Reader], ...]:
+    """Each field of `cls` with its reader."""
+    hints = typing.get_type_hints(cls)
+    plan: list[tuple[str, Reader]] = []
+    for member in fields(cls):
+        hint = hints[member.name]
+        reader = _READERS.get(hint)
+        if member.metadata.get("whole_body"):
+            reader = _whole_body
+        elif reader is None and isinstance(hint, type) and is_dataclass(hint):
+            # A nested result (the claim's worker) is read by its own plan.
+            reader = functools.partial(_nested, hint)
+        elif reader is None:
+            raise TypeError(f"no reader for {cls.__name__}.{member.name}: {hint}")
+        plan.append((member.name, reader))
+    return tuple(plan)
+
+
+def _nested(cls: type[Any], body: Mapping[str, Any], key: str) -> Any:
+    return _decode(cls, body[key])
+
+
+def _decode(cls: type[T], body: Mapping[str, Any]) -> T:
+    """A `cls` read from a JSON object, field by field as its types say."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _plan(cls)
+    return cls(**{name: read(body, name) for name, read in plan})
+
+
+#: The plan of each result type, worked out on its first answer.
+_PLANS: dict[type[Any], tuple[tuple[str, Reader], ...]] = {}
+
+
+class Result:
+    """Base of the typed results: each is read from its JSON answer by `from_json`."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Self:
+        """Parse an answer (a JSON object) into this result."""
+        return _decode(cls, body)
+
+
 @dataclass(frozen=True, slots=True)
-class WorkerRef:
+class WorkerRef(Result):
     """The worker serving a claim: where it listens and the session token it demands."""
 
     id: str
@@ -31,7 +117,7 @@ class WorkerRef:
 
 
 @dataclass(frozen=True, slots=True)
-class ClaimInfo:
+class ClaimInfo(Result):
     """A claim as the server reported it."""
 
     id: str
@@ -50,45 +136,18 @@ class ClaimInfo:
     reason: str | None
     ttl_s: float | None
     #: The JSON body as received.
-    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    raw: Mapping[str, Any] = field(
+        repr=False, compare=False, default_factory=dict, metadata={"whole_body": True}
+    )
 
     @property
     def bound(self) -> bool:
         """True while the session holds the worker."""
         return self.state == "bound"
 
-    @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> ClaimInfo:
-        """Parse a claim answer."""
-        worker = body["worker"]
-        expires_at = _time(body["expires_at"])
-        created_at = _time(body["created_at"])
-        assert expires_at is not None and created_at is not None
-        return cls(
-            id=str(body["id"]),
-            pool=str(body["pool"]),
-            org=str(body["org"]),
-            state=str(body["state"]),
-            source=str(body["source"]),
-            mode=str(body["mode"]),
-            worker=WorkerRef(
-                id=str(worker["id"]),
-                endpoint=str(worker["endpoint"]),
-                token=worker.get("token"),
-                epoch=int(worker["epoch"]),
-            ),
-            lease_s=float(body["lease_s"]),
-            expires_at=expires_at,
-            created_at=created_at,
-            ended_at=_time(body.get("ended_at")),
-            reason=body.get("reason"),
-            ttl_s=_opt_float(body.get("ttl_s")),
-            raw=dict(body),
-        )
-
 
 @dataclass(frozen=True, slots=True)
-class PoolInfo:
+class PoolInfo(Result):
     """A pool's targets, demand, cap and workers by state."""
 
     name: str
@@ -102,24 +161,9 @@ class PoolInfo:
     reuse: str
     counts: Mapping[str, int]
 
-    @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> PoolInfo:
-        """Parse a pool answer."""
-        return cls(
-            name=str(body["name"]),
-            revision=str(body["revision"]),
-            warm_target=int(body["warm_target"]),
-            desired_warm=int(body["desired_warm"]),
-            demand=int(body["demand"]),
-            cap=int(body["cap"]),
-            max_workers_per_org=int(body["max_workers_per_org"]),
-            reuse=str(body["reuse"]),
-            counts={str(k): int(v) for k, v in body["counts"].items()},
-        )
-
 
 @dataclass(frozen=True, slots=True)
-class WorkerInfo:
+class WorkerInfo(Result):
     """One worker as the store records it (admin listing)."""
 
     id: str
@@ -137,27 +181,3 @@ class WorkerInfo:
     idle_since: datetime | None
     ttl_s: float | None
     reason: str | None
-
-    @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> WorkerInfo:
-        """Parse one worker of `GET /v1/workers`."""
-        created_at = _time(body["created_at"])
-        updated_at = _time(body["updated_at"])
-        assert created_at is not None and updated_at is not None
-        return cls(
-            id=str(body["id"]),
-            pool=str(body["pool"]),
-            revision=str(body["revision"]),
-            state=str(body["state"]),
-            epoch=int(body["epoch"]),
-            org=body.get("org"),
-            claim_id=body.get("claim_id"),
-            endpoint=body.get("endpoint"),
-            owner=str(body["owner"]),
-            activated=bool(body["activated"]),
-            created_at=created_at,
-            updated_at=updated_at,
-            idle_since=_time(body.get("idle_since")),
-            ttl_s=_opt_float(body.get("ttl_s")),
-            reason=body.get("reason"),
-        )

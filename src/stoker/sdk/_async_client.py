@@ -1,0 +1,176 @@
+"""`AsyncClient`: the asynchronous client of the stoker API, the same calls awaited.
+
+A session is a claim held for the duration of an `async with` block::
+
+    async with stoker.AsyncClient() as client:
+        async with client.claim(pool="demo", org="acme") as session:
+            ...
+
+What each call sends and how its answer reads is in `_calls`; this module only sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any, TypeVar, Unpack
+
+import httpx
+
+from stoker.sdk._calls import READY_PATH, BaseClient, Call, ClaimOptions, WorkerFilters
+from stoker.sdk._errors import StokerError
+from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
+from stoker.sdk._session import SessionState, release_note
+
+T = TypeVar("T")
+
+
+class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
+    """Asynchronous client; the same methods as `Client`, awaited."""
+
+    def _connect(self, transport: httpx.AsyncBaseTransport | None) -> None:
+        self._http = httpx.AsyncClient(transport=transport, **self._calls.http_options())
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _send(self, call: Call[T]) -> T:
+        try:
+            response = await self._http.request(
+                call.method, call.path, json=call.json, params=call.params, timeout=call.timeout
+            )
+        except httpx.TransportError as exc:
+            raise self._calls.unreachable(exc) from None
+        return call.answer(response)
+
+    async def create_claim(self, pool: str, org: str, **options: Unpack[ClaimOptions]) -> ClaimInfo:
+        """Claim a worker and return the claim; nothing renews or releases it.
+
+        `options` (mode, timeout_s, lease_s, ttl_s, config) are those of `ClaimOptions`.
+        """
+        return await self._send(self._calls.create_claim(pool, org, options))
+
+    def claim(
+        self, pool: str, org: str, *, renew: bool = True, **options: Unpack[ClaimOptions]
+    ) -> AsyncClaim:
+        """Claim a worker for a session: `async with client.claim(...) as session:`.
+
+        Renews the lease in a background task and releases on exit, also on an exception.
+        `await client.claim(...)` returns the session without the block (release it).
+        """
+        return AsyncClaim(self, self._calls.create_claim(pool, org, options), renew)
+
+    async def get_claim(self, claim_id: str) -> ClaimInfo:
+        """A claim by id."""
+        return await self._send(self._calls.get_claim(claim_id))
+
+    async def renew(self, claim_id: str, lease_s: float | None = None) -> ClaimInfo:
+        """Extend a claim's lease by `lease_s` (default: its own) from now."""
+        return await self._send(self._calls.renew(claim_id, lease_s))
+
+    async def release(self, claim_id: str) -> ClaimInfo:
+        """Release a claim (a claim that already ended is returned as it is)."""
+        return await self._send(self._calls.release(claim_id))
+
+    async def pools(self) -> list[PoolInfo]:
+        """Every pool."""
+        return await self._send(self._calls.pools())
+
+    async def pool(self, name: str) -> PoolInfo:
+        """One pool by name."""
+        return await self._send(self._calls.pool(name))
+
+    async def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
+        """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`)."""
+        return await self._send(self._calls.workers(filters))
+
+    async def ready(self) -> bool:
+        """True when the server answers `/readyz` with 200."""
+        try:
+            return (await self._http.get(READY_PATH)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+
+class AsyncClaim:
+    """A pending claim: `async with` it for a session, or await it for the session."""
+
+    def __init__(self, client: AsyncClient, call: Call[ClaimInfo], renew: bool) -> None:
+        self._client = client
+        self._call = call
+        self._renew = renew
+        self._session: AsyncSession | None = None
+
+    async def _open(self) -> AsyncSession:
+        claim = await self._client._send(self._call)
+        return AsyncSession(self._client, claim, renew=self._renew)
+
+    def __await__(self) -> Generator[Any, None, AsyncSession]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> AsyncSession:
+        self._session = await self._open()
+        return self._session
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        try:
+            await session.release()
+        except StokerError as error:
+            if exc is None:
+                raise
+            exc.add_note(release_note(session.id, error))
+
+
+class AsyncSession(SessionState):
+    """A claimed worker renewed by a background task until released."""
+
+    def __init__(self, client: AsyncClient, claim: ClaimInfo, *, renew: bool = True) -> None:
+        super().__init__(claim)
+        self._client = client
+        self._renewer: asyncio.Task[None] | None = None
+        if renew:
+            self._renewer = asyncio.get_running_loop().create_task(
+                self._renew_loop(), name=f"stoker-renew-{claim.id}"
+            )
+
+    async def _renew_loop(self) -> None:
+        interval: float | None = self._first_renewal()
+        while interval is not None:
+            await asyncio.sleep(interval)
+            try:
+                interval = self._renewed(await self._client.renew(self.id))
+            except StokerError as exc:
+                interval = self._renewal_failed(exc)
+
+    async def renew(self, lease_s: float | None = None) -> ClaimInfo:
+        """Renew now (the background task does this by itself)."""
+        self._claim = await self._client.renew(self.id, lease_s)
+        return self._claim
+
+    async def release(self) -> ClaimInfo:
+        """Stop renewing and release the claim (once; later calls return the same)."""
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        if self._released is None:
+            self._released = self._claim = await self._client.release(self.id)
+        return self._released

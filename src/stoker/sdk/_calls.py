@@ -1,0 +1,207 @@
+"""The API's calls without I/O: what each call sends and how its answer is read.
+
+`Client` and `AsyncClient` only send what `Calls` builds, each through its own httpx
+client, so paths, bodies, timeouts and the mapping of answers onto results and exceptions
+exist once, whichever way the request travels (the sans-I/O shape of h11 and httpx).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypedDict, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from stoker.sdk._errors import ServerUnreachable, StokerError, error_from_response
+from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
+
+T = TypeVar("T")
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+#: Longest claim wait the server accepts; bounds the read timeout of a claim request.
+MAX_CLAIM_WAIT_S = 3600.0
+#: The readiness probe: 200 once the server serves claims.
+READY_PATH = "/readyz"
+
+
+class ClaimOptions(TypedDict, total=False):
+    """How a claim may be served; each option left out (or None) takes the server's default."""
+
+    #: prefer_warm, require_warm or cold.
+    mode: str | None
+    #: Seconds to wait for a worker.
+    timeout_s: float | None
+    #: Lease length in seconds: the claim expires unless renewed within it.
+    lease_s: float | None
+    #: Seconds after which the session ends whatever the lease.
+    ttl_s: float | None
+    #: Handed to the worker at activation.
+    config: Mapping[str, Any] | None
+
+
+class WorkerFilters(TypedDict, total=False):
+    """Which workers `workers()` lists; each filter left out (or None) selects all."""
+
+    pool: str | None
+    #: Live workers when left out.
+    state: str | None
+    org: str | None
+    limit: int | None
+
+
+_CLAIM_OPTIONS = tuple(ClaimOptions.__annotations__)
+_WORKER_FILTERS = tuple(WorkerFilters.__annotations__)
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One request to send, and how to read its answer into a `T`."""
+
+    method: str
+    path: str
+    timeout: httpx.Timeout
+    read: Callable[[Any], T]
+    json: Any = None
+    params: Mapping[str, Any] | None = None
+
+    def answer(self, response: httpx.Response) -> T:
+        """The result of a response, or the `StokerError` of an error answer."""
+        if not response.is_success:
+            raise error_from_response(response)
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise StokerError(
+                f"the server answered {response.status_code} with a body that is not JSON",
+                status=response.status_code,
+            ) from exc
+        return self.read(body)
+
+
+class Calls:
+    """Builds every call of the API to one server: its base URL, token and timeouts.
+
+    `url` defaults to `$STOKER_URL` or http://127.0.0.1:8080 and `token` to
+    `$STOKER_TOKEN`; `timeout` bounds every request but a claim's wait.
+    """
+
+    def __init__(self, url: str | None, token: str | None, timeout: float) -> None:
+        self.url = (url or os.environ.get("STOKER_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get("STOKER_TOKEN") or None
+        self.timeout = timeout
+        #: What every request carries, set once on the httpx client.
+        self.headers = {"Accept": "application/json, application/problem+json"}
+        if self.token:
+            self.headers["Authorization"] = f"Bearer {self.token}"
+        self._timeout = httpx.Timeout(timeout)
+
+    def http_options(self) -> dict[str, Any]:
+        """The settings of the httpx client that sends the calls."""
+        return {
+            "base_url": self.url,
+            "headers": self.headers,
+            "timeout": self.timeout,
+            # The server's URL is the whole address: no proxy or netrc from the environment.
+            "trust_env": False,
+        }
+
+    def create_claim(self, pool: str, org: str, options: ClaimOptions) -> Call[ClaimInfo]:
+        """`POST /v1/claims`: claim a worker."""
+        given = _given(options, _CLAIM_OPTIONS, "claim option")
+        config = given.pop("config", None)
+        body: dict[str, Any] = {"pool": pool, "org": org, **given}
+        if config:
+            body["config"] = dict(config)
+        # The server holds the request while it waits for a worker: read past that wait.
+        timeout_s = given.get("timeout_s")
+        wait = MAX_CLAIM_WAIT_S if timeout_s is None else timeout_s
+        timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
+        return Call("POST", "/v1/claims", timeout, ClaimInfo.from_json, json=body)
+
+    def get_claim(self, claim_id: str) -> Call[ClaimInfo]:
+        """`GET /v1/claims/{id}`."""
+        return Call("GET", _claim_path(claim_id), self._timeout, ClaimInfo.from_json)
+
+    def renew(self, claim_id: str, lease_s: float | None) -> Call[ClaimInfo]:
+        """`POST /v1/claims/{id}/renew`, for `lease_s` or the claim's own lease."""
+        body = {"lease_s": lease_s} if lease_s is not None else None
+        path = _claim_path(claim_id) + "/renew"
+        return Call("POST", path, self._timeout, ClaimInfo.from_json, json=body)
+
+    def release(self, claim_id: str) -> Call[ClaimInfo]:
+        """`DELETE /v1/claims/{id}`."""
+        return Call("DELETE", _claim_path(claim_id), self._timeout, ClaimInfo.from_json)
+
+    def pools(self) -> Call[list[PoolInfo]]:
+        """`GET /v1/pools`."""
+        return Call("GET", "/v1/pools", self._timeout, _pools)
+
+    def pool(self, name: str) -> Call[PoolInfo]:
+        """`GET /v1/pools/{name}`."""
+        return Call("GET", f"/v1/pools/{quote(name, safe='')}", self._timeout, PoolInfo.from_json)
+
+    def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
+        """`GET /v1/workers` with the filters that are set."""
+        params = _given(filters, _WORKER_FILTERS, "worker filter")
+        return Call("GET", "/v1/workers", self._timeout, _workers, params=params)
+
+    def unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
+        """The error for a request that got no answer."""
+        if isinstance(exc, httpx.TimeoutException):
+            return ServerUnreachable(f"no answer from stoker at {self.url} in time ({exc!r})")
+        return ServerUnreachable(f"cannot reach stoker at {self.url}: {exc}")
+
+
+class BaseClient(Generic[TransportT]):
+    """What `Client` and `AsyncClient` share: the server they call and how to reach it.
+
+    `url` defaults to `$STOKER_URL` or http://127.0.0.1:8080 and `token` to
+    `$STOKER_TOKEN`; `timeout` bounds every request but a claim's wait; `transport`
+    replaces httpx's network transport (tests pass an `httpx.MockTransport`).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        transport: TransportT | None = None,
+    ) -> None:
+        self._calls = Calls(url, token, timeout)
+        self._connect(transport)
+
+    def _connect(self, transport: TransportT | None) -> None:
+        """Open the httpx client the calls go through."""
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self._calls.url
+
+
+def _claim_path(claim_id: str) -> str:
+    return f"/v1/claims/{quote(claim_id, safe='')}"
+
+
+def _pools(body: Any) -> list[PoolInfo]:
+    return [PoolInfo.from_json(p) for p in body["pools"]]
+
+
+def _workers(body: Any) -> list[WorkerInfo]:
+    return [WorkerInfo.from_json(w) for w in body["workers"]]
+
+
+def _given(options: Mapping[str, Any], keys: tuple[str, ...], what: str) -> dict[str, Any]:
+    """The options that are set, in declaration order."""
+    # Keyword arguments gathered into a TypedDict are checked by type checkers only; an
+    # unknown one must still fail at run time, as it would in an explicit signature.
+    unknown = options.keys() - set(keys)
+    if unknown:
+        raise TypeError(f"unexpected {what}: {', '.join(sorted(unknown))}")
+    return {key: options[key] for key in keys if options.get(key) is not None}

@@ -1,0 +1,307 @@
+"""The SDK without a server: both clients over `httpx.MockTransport`.
+
+`Client` and `AsyncClient` send what one sans-I/O core builds, so the same call must put
+the same request on the wire and read the same answer into the same result or exception.
+Sessions renew on the schedule their lease sets and stop when the server ended them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from stoker.sdk import (
+    AsyncClient,
+    CapacityError,
+    ClaimConflict,
+    ClaimInfo,
+    Client,
+    NotFound,
+    OrgCapError,
+    PoolInfo,
+    ServerUnreachable,
+    StokerError,
+    Unavailable,
+    WorkerInfo,
+)
+
+NOW = "2026-11-26T10:00:00Z"
+WORKER = {"id": "w-1", "endpoint": "http://127.0.0.1:9001", "token": "tok", "epoch": 3}
+POOL = {
+    "name": "demo",
+    "revision": "r1",
+    "warm_target": 2,
+    "desired_warm": 3,
+    "demand": 1,
+    "cap": 0,
+    "max_workers_per_org": 4,
+    "reuse": "org",
+    "counts": {"warm": 2, "hot": 1},
+}
+WORKER_ROW = {
+    "id": "w-1",
+    "pool": "demo",
+    "revision": "r1",
+    "state": "hot",
+    "epoch": 3,
+    "org": "acme",
+    "claim_id": "c/1",
+    "endpoint": "http://127.0.0.1:9001",
+    "owner": "replica-a",
+    "activated": True,
+    "created_at": NOW,
+    "updated_at": NOW,
+    "idle_since": None,
+    "ttl_s": 60,
+    "reason": None,
+}
+
+
+def claim_body(state: str = "bound", lease_s: float = 30.0) -> dict[str, Any]:
+    return {
+        "id": "c/1",
+        "pool": "demo",
+        "org": "acme",
+        "state": state,
+        "source": "warm",
+        "mode": "prefer_warm",
+        "worker": WORKER,
+        "lease_s": lease_s,
+        "expires_at": NOW,
+        "created_at": NOW,
+        "ended_at": None if state == "bound" else NOW,
+        "reason": None,
+        "ttl_s": None,
+    }
+
+
+class Server:
+    """Answers by (method, path) and records every request it is sent."""
+
+    def __init__(self, answers: dict[tuple[str, str], Callable[[], httpx.Response]]) -> None:
+        self.answers = answers
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        answer = self.answers.get((request.method, request.url.path))
+        if answer is None:
+            return httpx.Response(404, json={"code": "not-found", "detail": "no such thing"})
+        return answer()
+
+
+def ok(body: Any, status: int = 200) -> Callable[[], httpx.Response]:
+    return lambda: httpx.Response(status, json=body)
+
+
+def every_call_server() -> Server:
+    return Server(
+        {
+            ("POST", "/v1/claims"): ok(claim_body(), 201),
+            ("GET", "/v1/claims/c/1"): ok(claim_body()),
+            ("POST", "/v1/claims/c/1/renew"): ok(claim_body()),
+            ("DELETE", "/v1/claims/c/1"): ok(claim_body("released")),
+            ("GET", "/v1/pools"): ok({"pools": [POOL]}),
+            ("GET", "/v1/pools/demo"): ok(POOL),
+            ("GET", "/v1/workers"): ok({"workers": [WORKER_ROW]}),
+            ("GET", "/readyz"): ok({"status": "ready"}),
+        }
+    )
+
+
+def wire(request: httpx.Request) -> tuple[Any, ...]:
+    """What a request puts on the wire, but for the client's own headers."""
+    timeout = request.extensions.get("timeout", {})
+    return (
+        request.method,
+        str(request.url),
+        request.headers.get("authorization"),
+        request.headers.get("accept"),
+        json.loads(request.content) if request.content else None,
+        timeout.get("read"),
+    )
+
+
+def sync_calls(client: Client) -> list[Any]:
+    return [
+        client.create_claim("demo", "acme", lease_s=30, config={"role": "ro"}, mode=None),
+        client.get_claim("c/1"),
+        client.renew("c/1", lease_s=60),
+        client.renew("c/1"),
+        client.release("c/1"),
+        client.pools(),
+        client.pool("demo"),
+        client.workers(state="hot", org="acme", pool=None),
+        client.ready(),
+    ]
+
+
+async def async_calls(client: AsyncClient) -> list[Any]:
+    return [
+        await client.create_claim("demo", "acme", lease_s=30, config={"role": "ro"}, mode=None),
+        await client.get_claim("c/1"),
+        await client.renew("c/1", lease_s=60),
+        await client.renew("c/1"),
+        await client.release("c/1"),
+        await client.pools(),
+        await client.pool("demo"),
+        await client.workers(state="hot", org="acme", pool=None),
+        await client.ready(),
+    ]
+
+
+async def test_both_clients_send_the_same_requests_and_read_the_same_results() -> None:
+    sync_server, async_server = every_call_server(), every_call_server()
+    url = "http://stoker.test:8080/"
+    with Client(url, token="t0k", transport=httpx.MockTransport(sync_server)) as client:
+        sync_results = sync_calls(client)
+    transport = httpx.MockTransport(async_server)
+    async with AsyncClient(url, token="t0k", transport=transport) as aclient:
+        async_results = await async_calls(aclient)
+
+    assert async_results == sync_results
+    assert [wire(r) for r in async_server.requests] == [wire(r) for r in sync_server.requests]
+    claim, *_, pools, pool, workers, ready = sync_results
+    assert isinstance(claim, ClaimInfo) and claim.worker.epoch == 3 and claim.bound
+    assert claim.raw["id"] == "c/1" and claim.expires_at.tzinfo is not None
+    assert pools == [pool] and isinstance(pool, PoolInfo) and pool.counts == {"warm": 2, "hot": 1}
+    assert isinstance(workers[0], WorkerInfo) and workers[0].ttl_s == 60.0
+    assert ready is True
+
+    create, get, renew, renew_default, *_, list_workers, _ready = sync_server.requests
+    # The claim's body holds the options that are set; its read waits out the claim's wait.
+    assert wire(create) == (
+        "POST",
+        "http://stoker.test:8080/v1/claims",
+        "Bearer t0k",
+        "application/json, application/problem+json",
+        {"pool": "demo", "org": "acme", "lease_s": 30, "config": {"role": "ro"}},
+        3600.0 + 10.0,
+    )
+    # A claim id is one path segment, whatever it holds.
+    assert get.url.raw_path == b"/v1/claims/c%2F1"
+    assert json.loads(renew.content) == {"lease_s": 60} and renew_default.content == b""
+    assert wire(renew)[-1] == 10.0
+    assert dict(list_workers.url.params) == {"state": "hot", "org": "acme"}
+
+
+async def test_both_clients_map_answers_onto_the_same_exceptions() -> None:
+    answers = {
+        ("GET", "/v1/claims/capped"): lambda: httpx.Response(
+            429, json={"code": "org-cap"}, headers={"Retry-After": "45"}
+        ),
+        ("GET", "/v1/claims/full"): ok({"code": "no-capacity", "reason": "pool_cap"}, 503),
+        ("GET", "/v1/claims/closing"): ok({"reason": "shutting_down"}, 503),
+        ("GET", "/v1/claims/ended"): ok({"code": "claim-conflict"}, 409),
+        ("GET", "/v1/claims/garbled"): lambda: httpx.Response(200, text="<html>"),
+    }
+    expected: list[tuple[str, type[StokerError], Callable[[StokerError], bool]]] = [
+        ("capped", OrgCapError, lambda e: isinstance(e, OrgCapError) and e.retry_after == 45.0),
+        ("full", CapacityError, lambda e: isinstance(e, CapacityError) and e.reason == "pool_cap"),
+        ("closing", Unavailable, lambda e: e.status == 503 and e.code == ""),
+        ("ended", ClaimConflict, lambda e: e.code == "claim-conflict"),
+        ("garbled", StokerError, lambda e: e.status == 200 and "not JSON" in str(e)),
+        ("missing", NotFound, lambda e: e.detail == "no such thing"),
+    ]
+    sync_client = Client("http://s", transport=httpx.MockTransport(Server(answers)))
+    async_client = AsyncClient("http://s", transport=httpx.MockTransport(Server(answers)))
+    async with async_client:
+        for claim_id, kind, check in expected:
+            with pytest.raises(kind) as sync_error:
+                sync_client.get_claim(claim_id)
+            with pytest.raises(kind) as async_error:
+                await async_client.get_claim(claim_id)
+            assert type(sync_error.value) is type(async_error.value) is kind
+            assert check(sync_error.value) and check(async_error.value)
+            assert sync_error.value.problem == async_error.value.problem
+    sync_client.close()
+
+
+async def test_no_answer_is_server_unreachable_for_both_clients() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with Client("http://s:1", transport=httpx.MockTransport(refuse)) as client:
+        with pytest.raises(ServerUnreachable, match="cannot reach stoker at http://s:1"):
+            client.pools()
+        assert client.ready() is False
+    async with AsyncClient("http://s:1", transport=httpx.MockTransport(refuse)) as aclient:
+        with pytest.raises(ServerUnreachable, match="cannot reach stoker at http://s:1"):
+            await aclient.pools()
+        assert await aclient.ready() is False
+
+
+async def test_an_unknown_option_is_refused_before_anything_is_sent() -> None:
+    server = every_call_server()
+    with Client("http://s", transport=httpx.MockTransport(server)) as client:
+        with pytest.raises(TypeError, match="claim option: lease"):
+            client.create_claim("demo", "acme", lease=30)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="worker filter: owner"):
+            client.workers(owner="x")  # type: ignore[call-arg]
+    async with AsyncClient("http://s", transport=httpx.MockTransport(server)) as aclient:
+        with pytest.raises(TypeError, match="claim option: lease"):
+            aclient.claim("demo", "acme", lease=30)  # type: ignore[call-arg]
+    assert server.requests == []
+
+
+def renewals_until_conflict(conflict_after: int) -> tuple[Server, threading.Event]:
+    """A server that renews `conflict_after` times, then answers 409 (the claim ended)."""
+    ended = threading.Event()
+    renewals = 0
+
+    def renew() -> httpx.Response:
+        nonlocal renewals
+        renewals += 1
+        if renewals > conflict_after:
+            ended.set()
+            return httpx.Response(409, json={"code": "claim-conflict"})
+        return httpx.Response(200, json=claim_body(lease_s=0.15))
+
+    server = Server(
+        {
+            ("POST", "/v1/claims"): ok(claim_body(lease_s=0.15), 201),
+            ("POST", "/v1/claims/c/1/renew"): renew,
+            ("DELETE", "/v1/claims/c/1"): ok(claim_body("expired")),
+        }
+    )
+    return server, ended
+
+
+def renew_count(server: Server) -> int:
+    return sum(r.url.path.endswith("/renew") for r in server.requests)
+
+
+def test_a_session_renews_until_the_server_ends_it() -> None:
+    server, ended = renewals_until_conflict(2)
+    with (
+        Client("http://s", transport=httpx.MockTransport(server)) as client,
+        client.claim("demo", "acme") as session,
+    ):
+        assert ended.wait(10)
+        renewer = session._renewer
+        assert renewer is not None
+        renewer.join(10)
+        # A 409 ends the renewals: no further request comes.
+        assert not renewer.is_alive() and renew_count(server) == 3
+        assert isinstance(session.renewal_error, ClaimConflict)
+    assert session.claim.state == "expired"
+
+
+@pytest.mark.looptime
+async def test_an_async_session_renews_until_the_server_ends_it() -> None:
+    server, ended = renewals_until_conflict(2)
+    async with (
+        AsyncClient("http://s", transport=httpx.MockTransport(server)) as client,
+        client.claim("demo", "acme") as session,
+    ):
+        # Renewals come every third of the 0.15 s lease: three of them by 0.2 s.
+        await asyncio.sleep(1)
+        assert ended.is_set() and renew_count(server) == 3
+        assert isinstance(session.renewal_error, ClaimConflict)
+    assert session.claim.state == "expired"
