@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -305,3 +307,19 @@ async def test_an_async_session_renews_until_the_server_ends_it() -> None:
         assert ended.is_set() and renew_count(server) == 3
         assert isinstance(session.renewal_error, ClaimConflict)
     assert session.claim.state == "expired"
+
+
+def test_the_package_root_is_the_sdk_loaded_on_first_use() -> None:
+    script = (
+        "import sys, stoker, stoker.sdk as sdk\n"
+        "assert 'httpx' in sys.modules\n"
+        "names = {}\n"
+        "exec('from stoker import *', names)\n"
+        "assert stoker.__all__ == ['__version__', *sdk.__all__]\n"
+        "assert all(names[n] is getattr(sdk, n) for n in sdk.__all__)\n"
+        "assert stoker.Client is sdk.Client\n"
+    )
+    lazy = "import sys, stoker\nassert 'httpx' not in sys.modules, 'import stoker loads httpx'\n"
+    for code in (lazy, script):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
