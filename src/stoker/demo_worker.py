@@ -203,31 +203,35 @@ def route(state: ActivationState, request: Request) -> tuple[int, dict[str, Any]
     allowed = _ROUTES.get(request.path)
     if request.path == "/healthz" and request.method == "GET":
         if not state.started:
-            status, body = _problem(503, "starting", "the worker is still starting")
-            return status, body, {}
+            return _refuse(503, "starting", "the worker is still starting")
         return 200, {"status": "ok"}, {}
     # /activate is the control plane's channel; it is fenced by epoch, not by token.
     if request.path != "/activate" and not state.authorized(request.headers.get("authorization")):
-        status, body = _problem(401, "unauthorized", "missing or wrong bearer token")
-        return status, body, {"WWW-Authenticate": "Bearer"}
+        challenge = {"WWW-Authenticate": "Bearer"}
+        return _refuse(401, "unauthorized", "missing or wrong bearer token", challenge)
     if allowed is None:
-        status, body = _problem(404, "not-found", f"no such path {request.path!r}")
-        return status, body, {}
+        return _refuse(404, "not-found", f"no such path {request.path!r}")
     if request.method not in allowed:
-        status, body = _problem(405, "method-not-allowed", f"{request.method} not allowed")
-        return status, body, {"Allow": ", ".join(allowed)}
+        allow = {"Allow": ", ".join(allowed)}
+        return _refuse(405, "method-not-allowed", f"{request.method} not allowed", allow)
     if request.path == "/":
         return 200, state.describe(), {}
     try:
         payload = json.loads(request.body)
     except (UnicodeDecodeError, ValueError):
-        status, body = _problem(400, "invalid-json", "the body is not valid JSON")
-        return status, body, {}
+        return _refuse(400, "invalid-json", "the body is not valid JSON")
     if not isinstance(payload, dict):
-        status, body = _problem(400, "invalid-activation", "the body must be a JSON object")
-        return status, body, {}
+        return _refuse(400, "invalid-activation", "the body must be a JSON object")
     status, body = state.activate(payload)
     return status, body, {}
+
+
+def _refuse(
+    status: int, code: str, detail: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """`route`'s answer for a request it refuses: the problem and any extra headers."""
+    status, body = _problem(status, code, detail)
+    return status, body, headers or {}
 
 
 def render(
