@@ -10,10 +10,11 @@ traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -24,7 +25,7 @@ from rich.live import Live
 from rich.table import Table
 
 from stoker._version import __version__
-from stoker.sdk import Client, PoolInfo, StokerError
+from stoker.sdk import Client, StokerError
 
 app = typer.Typer(
     name="stoker",
@@ -60,16 +61,25 @@ def _fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _client(url: str | None, token: str | None) -> Client:
-    return Client(url, token=token)
+@contextlib.contextmanager
+def _server(url: str | None, token: str | None) -> Iterator[Client]:
+    """A client of the running server; an SDK error ends the command as its one line."""
+    with Client(url, token=token) as client:
+        try:
+            yield client
+        except StokerError as exc:
+            _fail(str(exc))
+
+
+def _console() -> Console:
+    """A console for tables; piped or captured, no terminal width to fit, so never
+    squeeze the columns."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
 
 
 def _print_json(body: Any) -> None:
     print(json.dumps(body, indent=2, ensure_ascii=False))
-
-
-def _sdk_error(exc: StokerError) -> NoReturn:
-    _fail(str(exc))
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -199,18 +209,15 @@ def claim(
 ) -> None:
     """Claim a worker and print the claim as JSON (release it with `stoker release ID`)."""
     settings = _parse_config_items(config or [])
-    with _client(url, token) as client:
-        try:
-            info = client.create_claim(
-                pool,
-                org,
-                mode=mode.value if mode is not None else None,
-                timeout_s=timeout,
-                lease_s=lease,
-                config=settings,
-            )
-        except StokerError as exc:
-            _sdk_error(exc)
+    with _server(url, token) as client:
+        info = client.create_claim(
+            pool,
+            org,
+            mode=mode.value if mode is not None else None,
+            timeout_s=timeout,
+            lease_s=lease,
+            config=settings,
+        )
     _print_json(dict(info.raw))
 
 
@@ -221,16 +228,15 @@ def release(
     token: TokenOption = None,
 ) -> None:
     """Release a claim and print it as JSON: the worker parks for its org or retires."""
-    with _client(url, token) as client:
-        try:
-            info = client.release(claim_id)
-        except StokerError as exc:
-            _sdk_error(exc)
+    with _server(url, token) as client:
+        info = client.release(claim_id)
     _print_json(dict(info.raw))
 
 
-def _status_table(pools: Sequence[PoolInfo], url: str) -> Table:
-    table = Table(title=f"stoker at {url}", title_justify="left")
+def _status_table(client: Client) -> Table:
+    """The pools as the server reports them now."""
+    pools = client.pools()
+    table = Table(title=f"stoker at {client.url}", title_justify="left")
     table.add_column("pool")
     for name in ("target", "desired", "demand", "cap", *STATES):
         table.add_column(name, justify="right")
@@ -251,15 +257,9 @@ def status(
     token: TokenOption = None,
 ) -> None:
     """Pools with their target, demand and workers by state."""
-    console = Console()
-    if not console.is_terminal:
-        # Piped or captured: no terminal width to fit, so never squeeze the columns.
-        console = Console(width=200)
-    with _client(url, token) as client:
-        try:
-            table = _status_table(client.pools(), client.url)
-        except StokerError as exc:
-            _sdk_error(exc)
+    console = _console()
+    with _server(url, token) as client:
+        table = _status_table(client)
         try:
             if watch and console.is_terminal:
                 _watch_live(client, console, table, interval)
@@ -268,16 +268,9 @@ def status(
             # Piped: a table per refresh, one after the other (a log of the pools).
             while watch:
                 time.sleep(interval)
-                console.print(_refreshed_table(client))
+                console.print(_status_table(client))
         except KeyboardInterrupt:
             return
-
-
-def _refreshed_table(client: Client) -> Table:
-    try:
-        return _status_table(client.pools(), client.url)
-    except StokerError as exc:
-        _sdk_error(exc)
 
 
 def _watch_live(client: Client, console: Console, table: Table, interval: float) -> None:
@@ -285,7 +278,7 @@ def _watch_live(client: Client, console: Console, table: Table, interval: float)
     with Live(table, console=console, auto_refresh=False, transient=False) as live:
         while True:
             time.sleep(interval)
-            live.update(_refreshed_table(client), refresh=True)
+            live.update(_status_table(client), refresh=True)
 
 
 @app.command()
@@ -357,7 +350,7 @@ def scaletest(
         write_report(result, out)
     except OSError as exc:
         _fail(f"cannot write the report to {out}: {exc}")
-    console = Console(width=200) if not Console().is_terminal else Console()
+    console = _console()
     table = Table(title=f"scaletest {loaded.name}" + (" (short)" if short else ""))
     rows = headlines(result)
     columns = list(rows[0].cells) if rows else []
