@@ -1,8 +1,9 @@
 """The API's calls without I/O: what each call sends and how its answer is read.
 
-`Client` and `AsyncClient` only send what `Calls` builds, each through its own httpx
-client, so paths, bodies, timeouts and the mapping of answers onto results and exceptions
-exist once, whichever way the request travels (the sans-I/O shape of h11 and httpx).
+`Client` and `AsyncClient` (both on `BaseClient`) only send what `Calls` builds, each
+through its own httpx client, so paths, bodies, timeouts and the mapping of answers onto
+results and exceptions exist once, whichever way the request travels (the sans-I/O shape
+of h11 and httpx).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class ClaimOptions(TypedDict, total=False):
     timeout_s: float | None
     #: Lease length in seconds: the claim expires unless renewed within it.
     lease_s: float | None
-    #: Seconds after which the session ends whatever the lease.
+    #: Seconds the worker stays parked (hot_idle) for the org after release before it
+    #: retires; by default the org's or the pool's TTL.
     ttl_s: float | None
     #: Handed to the worker at activation.
     config: Mapping[str, Any] | None
@@ -97,7 +99,7 @@ class Calls:
         self.headers = {"Accept": "application/json, application/problem+json"}
         if self.token:
             self.headers["Authorization"] = f"Bearer {self.token}"
-        self._timeout = httpx.Timeout(timeout)
+        self._default_timeout = httpx.Timeout(timeout)
 
     def http_options(self) -> dict[str, Any]:
         """The settings of the httpx client that sends the calls."""
@@ -124,30 +126,31 @@ class Calls:
 
     def get_claim(self, claim_id: str) -> Call[ClaimInfo]:
         """`GET /v1/claims/{id}`."""
-        return Call("GET", _claim_path(claim_id), self._timeout, ClaimInfo.from_json)
+        return Call("GET", _claim_path(claim_id), self._default_timeout, ClaimInfo.from_json)
 
     def renew(self, claim_id: str, lease_s: float | None) -> Call[ClaimInfo]:
         """`POST /v1/claims/{id}/renew`, for `lease_s` or the claim's own lease."""
         body = {"lease_s": lease_s} if lease_s is not None else None
         path = _claim_path(claim_id) + "/renew"
-        return Call("POST", path, self._timeout, ClaimInfo.from_json, json=body)
+        return Call("POST", path, self._default_timeout, ClaimInfo.from_json, json=body)
 
     def release(self, claim_id: str) -> Call[ClaimInfo]:
         """`DELETE /v1/claims/{id}`."""
-        return Call("DELETE", _claim_path(claim_id), self._timeout, ClaimInfo.from_json)
+        return Call("DELETE", _claim_path(claim_id), self._default_timeout, ClaimInfo.from_json)
 
     def pools(self) -> Call[list[PoolInfo]]:
         """`GET /v1/pools`."""
-        return Call("GET", "/v1/pools", self._timeout, _pools)
+        return Call("GET", "/v1/pools", self._default_timeout, _pools)
 
     def pool(self, name: str) -> Call[PoolInfo]:
         """`GET /v1/pools/{name}`."""
-        return Call("GET", f"/v1/pools/{quote(name, safe='')}", self._timeout, PoolInfo.from_json)
+        path = f"/v1/pools/{quote(name, safe='')}"
+        return Call("GET", path, self._default_timeout, PoolInfo.from_json)
 
     def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
         """`GET /v1/workers` with the filters that are set."""
         params = _given(filters, _WORKER_FILTERS, "worker filter")
-        return Call("GET", "/v1/workers", self._timeout, _workers, params=params)
+        return Call("GET", "/v1/workers", self._default_timeout, _workers, params=params)
 
     def unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
         """The error for a request that got no answer."""
@@ -157,11 +160,9 @@ class Calls:
 
 
 class BaseClient(Generic[TransportT]):
-    """What `Client` and `AsyncClient` share: the server they call and how to reach it.
-
-    `url` defaults to `$STOKER_URL` or http://127.0.0.1:8080 and `token` to
-    `$STOKER_TOKEN`; `timeout` bounds every request but a claim's wait; `transport`
-    replaces httpx's network transport (tests pass an `httpx.MockTransport`).
+    """What `Client` and `AsyncClient` share: the calls to one server (`Calls`, which says
+    what `url`, `token` and `timeout` default to) and the httpx client that sends them;
+    `transport` replaces httpx's network transport (tests pass an `httpx.MockTransport`).
     """
 
     def __init__(
