@@ -41,9 +41,9 @@ from pydantic import (
     model_validator,
 )
 
-from stoker.adapters.elector_store import JANITOR_LEASE
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import (
+    JANITOR_LEASE,
     Activation,
     OrgSpec,
     PlaneSettings,

@@ -8,11 +8,9 @@ down at the renew deadline) is the one every elector shares, in `_election`.
 from __future__ import annotations
 
 from stoker.adapters._election import LeaseElector, StartedLeading, StoppedLeading
+from stoker.domain.specs import JANITOR_LEASE
 from stoker.ports.clock import Clock
 from stoker.ports.store import Store
-
-#: The lease the fleet-wide janitor runs under.
-JANITOR_LEASE = "janitor"
 
 
 class StoreLeaseBackend:

@@ -14,6 +14,8 @@ from stoker.domain.states import Reuse
 
 #: TTL of a hot_idle worker when neither the claim, the org nor the pool sets one.
 DEFAULT_HOT_IDLE_TTL_S = 60.0
+#: The janitor's lease in the store when the configuration names none.
+JANITOR_LEASE = "janitor"
 
 
 class Activation(StrEnum):
