@@ -1,4 +1,8 @@
-"""Pool and org specifications: what a platform engineer configures (DESIGN.md §2, §6)."""
+"""Pool and org specifications: what a platform engineer configures (DESIGN.md §2, §6).
+
+Each setting is declared here once: its type, its default, its bounds (`annotated_types`
+metadata, which the configuration's validation enforces) and its doc comment.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 
 from stoker.domain.errors import ConfigError
 from stoker.domain.states import Reuse
@@ -16,6 +22,13 @@ from stoker.domain.states import Reuse
 DEFAULT_HOT_IDLE_TTL_S = 60.0
 #: The janitor's lease in the store when the configuration names none.
 JANITOR_LEASE = "janitor"
+
+#: The longest duration a setting may take: a year.
+_YEAR_S = 365 * 86400
+#: A duration in seconds, 0 allowed.
+Seconds = Annotated[float, Ge(0), Le(_YEAR_S)]
+#: A duration in seconds that must pass before anything happens: more than 0.
+PositiveSeconds = Annotated[float, Gt(0), Le(_YEAR_S)]
 
 
 class Activation(StrEnum):
@@ -30,23 +43,28 @@ class ProcessTemplate:
     """A local worker process: argv with `{port}` and `{worker_id}` placeholders, never a shell."""
 
     argv: tuple[str, ...]
+    #: Environment of the process, added to the server's.
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Working directory of the process; None: the server's.
     cwd: str | None = None
     #: Memory one worker is expected to use; the local cap is budget / this when max_workers is 0.
-    memory_mb: int = 64
+    memory_mb: Annotated[int, Ge(1)] = 64
 
 
 @dataclass(frozen=True, slots=True)
 class PodTemplate:
     """A Kubernetes worker pod; requests equal limits so workers are never BestEffort."""
 
-    image: str
+    image: Annotated[str, MinLen(1)]
+    #: Replaces the image's entrypoint; empty keeps it.
     command: tuple[str, ...] = ()
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Requests and limits of the worker container: the Guaranteed QoS class.
     cpu: str = "1"
     memory: str = "1Gi"
-    port: int = 8080
+    #: The port the worker listens on (`{port}` in command, args and env).
+    port: Annotated[int, Ge(1), Le(65535)] = 8080
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     priority_class: str | None = None
@@ -62,12 +80,12 @@ RuntimeTemplate = ProcessTemplate | PodTemplate
 class Timeouts:
     """How long each in-flight state may last before the stuck sweep retires it (I4)."""
 
-    spawn_s: float = 120.0
-    reserve_s: float = 30.0
-    activation_s: float = 30.0
-    drain_s: float = 120.0
+    spawn_s: PositiveSeconds = 120.0
+    reserve_s: PositiveSeconds = 30.0
+    activation_s: PositiveSeconds = 30.0
+    drain_s: PositiveSeconds = 120.0
     #: Grace between SIGTERM (or pod delete) and SIGKILL.
-    stop_grace_s: float = 10.0
+    stop_grace_s: Seconds = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,23 +95,30 @@ class PoolSpec:
     name: str
     template: RuntimeTemplate
     revision: str = ""
-    warm_target: int = 0
-    #: 0 means unbounded (cluster modes) or derived from a memory budget (local mode).
-    max_workers: int = 0
+    #: Kubernetes only: constant number of placeholder pods that keep spare nodes.
+    headroom_nodes: Annotated[int, Ge(0), Le(1000)] = 0
+    #: Warm workers kept ready for claims, on top of the demand.
+    warm_target: Annotated[int, Ge(0), Le(100_000)] = 0
+    #: 0 means unbounded (cluster modes) or derived from runtime.memory_budget_mb /
+    #: memory_mb (local mode).
+    max_workers: Annotated[int, Ge(0), Le(1_000_000)] = 0
     #: 0 means no per-org cap.
-    max_workers_per_org: int = 0
-    hot_idle_ttl: float | None = None
+    max_workers_per_org: Annotated[int, Ge(0), Le(1_000_000)] = 0
+    #: TTL of a hot_idle worker when the claim and the org set none; None: 60 s.
+    hot_idle_ttl: Seconds | None = None
     #: Upper clamp for any TTL a claim or org asks for; 0 means no clamp.
-    max_ttl: float = 0.0
-    min_hot_idle: int = 0
+    max_ttl: Seconds = 0.0
+    #: hot_idle workers an org keeps past their TTL.
+    min_hot_idle: Annotated[int, Ge(0), Le(100_000)] = 0
     reuse: Reuse = Reuse.SAME_ORG
     activation: Activation = Activation.HTTP
-    scale_down_delay: float = 60.0
-    lease_s: float = 60.0
-    claim_timeout_s: float = 30.0
+    #: How long warm workers stay above target before the excess is retired.
+    scale_down_delay: Seconds = 60.0
+    #: A claim's lease when the claim asks for none; a lease not renewed expires.
+    lease_s: Annotated[float, Gt(0), Le(86400)] = 60.0
+    #: How long a claim waits for a worker when it sets no timeout_s.
+    claim_timeout_s: Annotated[float, Ge(0), Le(3600)] = 30.0
     timeouts: Timeouts = field(default_factory=Timeouts)
-    #: Kubernetes only: constant number of placeholder pods that keep spare nodes.
-    headroom_nodes: int = 0
 
     def __post_init__(self) -> None:
         if not self.revision:
@@ -114,10 +139,10 @@ class PoolSpec:
 class OrgSpec:
     """Per-org overrides; `None` falls back to the pool's value."""
 
-    name: str
-    hot_idle_ttl: float | None = None
-    min_hot_idle: int | None = None
-    max_workers: int | None = None
+    name: Annotated[str, MinLen(1), MaxLen(128)]
+    hot_idle_ttl: Seconds | None = None
+    min_hot_idle: Annotated[int, Ge(0)] | None = None
+    max_workers: Annotated[int, Ge(0)] | None = None
 
 
 def revision_of(template: RuntimeTemplate) -> str:
@@ -131,26 +156,27 @@ class PlaneSettings:
     """Intervals and budgets of one control-plane replica."""
 
     #: Janitor pass: reconcile, reap, sweep (duckgres: 5 s).
-    janitor_interval_s: float = 2.0
+    janitor_interval_s: PositiveSeconds = 2.0
     #: Every replica's own fallback reaper (duckgres: 60 s).
-    reaper_interval_s: float = 10.0
-    instance_heartbeat_s: float = 5.0
+    reaper_interval_s: PositiveSeconds = 10.0
+    #: How often a replica stamps its row as alive.
+    instance_heartbeat_s: PositiveSeconds = 5.0
     #: A replica whose heartbeat is older than this is expired (duckgres: 20 s).
-    instance_expiry_s: float = 20.0
+    instance_expiry_s: PositiveSeconds = 20.0
     #: Runtime objects with no live row are stopped once older than this (duckgres: 2 min).
-    stranded_grace_s: float = 120.0
+    stranded_grace_s: Seconds = 120.0
     #: How often the janitor lists runtime objects to find stranded ones.
-    stranded_scan_s: float = 60.0
+    stranded_scan_s: PositiveSeconds = 60.0
     #: Retired workers and ended claims are deleted once this old.
-    history_retention_s: float = 86_400.0
+    history_retention_s: Seconds = 86_400.0
     #: How often the janitor deletes old history.
-    purge_interval_s: float = 600.0
+    purge_interval_s: PositiveSeconds = 600.0
     #: Spawns per second and burst: the runtime's API budget (client-go: QPS 50, burst 100).
-    spawn_rate: float = 50.0
-    spawn_burst: int = 100
+    spawn_rate: Annotated[float, Gt(0), Le(100_000)] = 50.0
+    spawn_burst: Annotated[int, Ge(1), Le(100_000)] = 100
     #: Misses older than this no longer count as demand.
-    demand_window_s: float = 60.0
+    demand_window_s: PositiveSeconds = 60.0
     #: How long a shutdown waits for in-flight claims.
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: Seconds = 30.0
     #: Retry-After hint on an org-cap rejection (duckgres: 45 s).
-    org_cap_retry_after_s: float = 45.0
+    org_cap_retry_after_s: Seconds = 45.0
