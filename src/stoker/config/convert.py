@@ -1,0 +1,73 @@
+"""From the validated config to the domain objects the control plane runs on."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from stoker.config.models import StokerConfig
+from stoker.config.pools import PoolConfig
+from stoker.config.schema import spec_values
+from stoker.config.sections import KubernetesRuntimeConfig
+from stoker.domain.errors import ConfigError
+from stoker.domain.specs import (
+    OrgSpec,
+    PlaneSettings,
+    PodTemplate,
+    PoolSpec,
+    ProcessTemplate,
+    RuntimeTemplate,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DomainConfig:
+    """What the control plane is built from."""
+
+    pools: list[PoolSpec]
+    orgs: list[OrgSpec]
+    settings: PlaneSettings
+
+
+def to_domain(config: StokerConfig) -> DomainConfig:
+    """Convert the validated config into `PoolSpec`, `OrgSpec` and `PlaneSettings`.
+
+    Raises `ConfigError` when a domain object rejects a value (naming the pool).
+    """
+    pools = []
+    for i, pool in enumerate(config.pools):
+        template = _template(i, pool)
+        try:
+            settings = spec_values(pool, PoolSpec, omit={"name", "template", "revision"})
+            pools.append(PoolSpec(name=pool.name, template=template, **settings))
+        except ConfigError as exc:
+            raise ConfigError(f"config error: pools[{i}]: {exc}") from None
+    return DomainConfig(pools=pools, orgs=list(config.orgs), settings=plane_settings(config))
+
+
+def _template(i: int, pool: PoolConfig) -> RuntimeTemplate:
+    """The pool's `pod` as a `PodTemplate`, or its `command` as a `ProcessTemplate`."""
+    if pool.pod is not None:
+        return PodTemplate(**spec_values(pool.pod, PodTemplate))
+    if pool.command is not None:
+        process = spec_values(pool, ProcessTemplate, omit={"argv"})
+        return ProcessTemplate(argv=tuple(pool.command), **process)
+    # Only a config built without validation (model_construct) gets here.
+    raise ConfigError(f"config error: pools[{i}]: needs a command or a pod")
+
+
+def plane_settings(config: StokerConfig) -> PlaneSettings:
+    """`intervals`, with the spawn budget sized to the runtime's API budget.
+
+    On Kubernetes every spawn is a request against the client's qps/burst budget: the spawn
+    bucket is that budget, or an explicitly configured `intervals.spawn_rate`/`spawn_burst`
+    when it is smaller (a larger one would only queue spawns inside the client).
+    """
+    settings = config.intervals
+    runtime = config.runtime
+    if not isinstance(runtime, KubernetesRuntimeConfig):
+        return settings
+    given = config.intervals_given()
+    rate = min(settings.spawn_rate, runtime.qps) if "spawn_rate" in given else runtime.qps
+    burst = min(settings.spawn_burst, runtime.burst) if "spawn_burst" in given else runtime.burst
+    return dataclasses.replace(settings, spawn_rate=rate, spawn_burst=burst)

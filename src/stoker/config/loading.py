@@ -1,0 +1,243 @@
+"""Loading: one YAML file, `STOKER_*` environment overrides, and error messages that name
+the key.
+
+`load_config(path)` reads the file (or nothing: every key has an embedded default), applies
+the environment overrides (`STOKER_API__PORT=9000`, `STOKER_STORE=postgresql://...`; `__`
+separates nested keys, a number indexes a list: `STOKER_POOLS__0__WARM_TARGET=5`) and
+validates the result. Every problem is one `config error: <key>: <problem>` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from stoker.config.convert import to_domain
+from stoker.config.models import StokerConfig
+from stoker.config.pools import default_pools
+from stoker.config.problems import ConfigProblems, dotted
+from stoker.config.sections import RUNTIME_KINDS
+from stoker.domain.errors import ConfigError
+
+#: Prefix of the environment variables that override configuration keys.
+ENV_PREFIX = "STOKER_"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    """A validated config and where it came from (for the server's start-up line)."""
+
+    config: StokerConfig
+    source: str
+    #: Environment variables that overrode keys.
+    overrides: tuple[str, ...] = ()
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+) -> LoadedConfig:
+    """Read `path` (or nothing), apply `STOKER_*` overrides from `environ`, validate.
+
+    Raises `ConfigError` whose message has one `config error: <key>: <problem>` line per
+    problem.
+    """
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    source = "built-in defaults"
+    if path is not None:
+        data = _read_yaml(Path(path))
+        source = str(path)
+    env_keys = _apply_env(data, environ)
+    try:
+        config = StokerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(format_errors(exc, env_keys))) from None
+    # The domain objects run their own checks; surface them as config errors now.
+    to_domain(config)
+    return LoadedConfig(config, source, tuple(sorted(set(env_keys.values()))))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config error: cannot read {path}: {_reason(exc)}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" line {mark.line + 1}, column {mark.column + 1}:"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"config error: {path}:{where} {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config error: {path}: the top level must be a mapping of keys")
+    return data
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Merge `STOKER_*` overrides into `data`; returns the key paths they set, by variable.
+
+    Only variables whose first segment names a top-level key count: `STOKER_URL` and
+    `STOKER_TOKEN` belong to the client commands, not to the server's config.
+    """
+    top = set(StokerConfig.model_fields)
+    applied: dict[tuple[str, ...], str] = {}
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = tuple(name[len(ENV_PREFIX) :].lower().split("__"))
+        if path[0] not in top or not all(path):
+            continue
+        raw = environ[name]
+        value: Any = raw
+        if raw.strip().startswith(("[", "{")):
+            try:
+                value = json.loads(raw)
+            except ValueError as exc:
+                raise ConfigError(f"config error: {name}: not valid JSON ({exc})") from None
+        if path[0] == "pools" and len(path) > 1 and "pools" not in data:
+            # Indexing the default pools: materialise them first.
+            data["pools"] = [p.model_dump(mode="json", by_alias=True) for p in default_pools()]
+        _set_path(data, path, value, name)
+        applied[path] = name
+    return applied
+
+
+#: Keys that accept a string shorthand for a mapping: the key the string stands for.
+_SHORTHANDS: dict[tuple[str, ...], str] = {("leader_election",): "kind"}
+
+
+def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str) -> None:
+    target: Any = data
+    for i, key in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        shorthand = _SHORTHANDS.get(path[: i + 1])
+        if shorthand and isinstance(target, dict) and isinstance(target.get(key), str):
+            # `leader_election: store` in the file, STOKER_LEADER_ELECTION__LEASE_NAME set.
+            target[key] = {shorthand: target[key]}
+        if isinstance(target, list):
+            if not key.isdigit() or int(key) >= len(target):
+                raise ConfigError(
+                    f"config error: {name}: {'.'.join(path[:i])} has no item {key} "
+                    f"(it has {len(target)})"
+                )
+            target = target[int(key)]
+            continue
+        if not isinstance(target, dict):
+            raise ConfigError(f"config error: {name}: {'.'.join(path[:i])} is not a mapping")
+        if key not in target or target[key] is None:
+            target[key] = [] if nxt.isdigit() else {}
+        target = target[key]
+    last = path[-1]
+    if isinstance(target, list):
+        if not last.isdigit() or int(last) >= len(target):
+            raise ConfigError(f"config error: {name}: no item {last} to override")
+        target[int(last)] = value
+    elif isinstance(target, dict):
+        target[last] = value
+    else:
+        raise ConfigError(f"config error: {name}: {'.'.join(path[:-1])} is not a mapping")
+
+
+_MESSAGES = {
+    "extra_forbidden": "unknown key",
+    "missing": "required",
+    "int_parsing": "must be an integer",
+    "int_type": "must be an integer",
+    "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "model_attributes_type": "must be a mapping",
+    # The sections that are domain dataclasses (`intervals`, `orgs`, `timeouts`) and the
+    # tuples of the domain's templates say it in their own words.
+    "unexpected_keyword_argument": "unknown key",
+    "missing_argument": "required",
+    "dataclass_type": "must be a mapping",
+    "tuple_type": "must be a list",
+}
+
+
+def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str]) -> list[str]:
+    """One `config error: <key>: <problem>` line per pydantic error."""
+    lines = []
+    for error in exc.errors(include_input=False, include_url=False):
+        ctx = error.get("ctx") or {}
+        cause = ctx.get("error")
+        if isinstance(cause, ConfigProblems):
+            # Problems that span keys: one line each, under the key each one names.
+            for loc, problem in cause.problems:
+                lines.append(_line((*error["loc"], *loc), problem, env_keys))
+            continue
+        kind = error["type"]
+        if kind in _MESSAGES:
+            message = _MESSAGES[kind]
+        elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+            ops = {
+                "greater_than_equal": ">=",
+                "greater_than": ">",
+                "less_than_equal": "<=",
+                "less_than": "<",
+            }
+            bound = next(iter(ctx.values()), "?")
+            if isinstance(bound, float) and bound.is_integer():
+                bound = int(bound)
+            message = f"must be {ops[kind]} {bound}"
+        elif kind == "value_error":
+            message = str(ctx.get("error", error["msg"]))
+        else:
+            message = error["msg"][:1].lower() + error["msg"][1:]
+        lines.append(_line(tuple(error["loc"]), message, env_keys))
+    return lines
+
+
+def _line(loc: tuple[Any, ...], message: str, env_keys: Mapping[tuple[str, ...], str]) -> str:
+    """`config error: <key>: <message>`, naming the variable when one set the key."""
+    at = _redact(loc)
+    source = _env_source(at, env_keys)
+    suffix = f" (from {source})" if source else ""
+    return f"config error: {dotted(at) or '(top level)'}: {message}{suffix}"
+
+
+def _redact(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Never print a token: a key under `org_tokens` is one. Drop pydantic's union tag
+    (`runtime.kubernetes.qps` is the key `runtime.qps`)."""
+    out: list[Any] = []
+    for i, part in enumerate(loc):
+        if i > 0 and loc[i - 1] == "org_tokens" and isinstance(part, str):
+            out.append("<token>")
+        elif part == "[key]" or (i == 1 and loc[0] == "runtime" and part in RUNTIME_KINDS):
+            continue
+        else:
+            out.append(part)
+    return tuple(out)
+
+
+def _env_source(loc: tuple[Any, ...], env_keys: Mapping[tuple[str, ...], str]) -> str | None:
+    parts = tuple(str(p) for p in loc)
+    best: tuple[str, ...] | None = None
+    for path in env_keys:
+        if parts[: len(path)] == path and (best is None or len(path) > len(best)):
+            best = path
+    return env_keys[best] if best is not None else None

@@ -1,0 +1,161 @@
+"""The `pools` section: one pool with its worker template, derived from the domain's specs.
+
+A pool's settings are `PoolSpec`'s fields, a local worker's are `ProcessTemplate`'s and a
+pod's are `PodTemplate`'s (`schema.derived_section`): their defaults, bounds and docs are
+declared there, once. This module adds what only the config knows: the pool's `command` or
+`pod`, and Kubernetes' rules for a pod's names, quantities and tolerations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
+
+from stoker.config.names import DnsSubdomain, EnvName, LabelValue, PoolName, QualifiedName, Quantity
+from stoker.config.problems import Loc, raise_problems
+from stoker.config.schema import DerivedSection, Section, derived_section, spec_fields
+from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate
+
+#: The demo worker shipped with stoker; `{python}` is the interpreter running the server.
+DEMO_COMMAND = [
+    "{python}",
+    "-m",
+    "stoker.demo_worker",
+    "--port",
+    "{port}",
+    "--worker-id",
+    "{worker_id}",
+]
+#: argv of a worker process: at least the program.
+Argv = Annotated[list[str], Field(min_length=1)]
+
+#: Labels and annotations the Kubernetes runtime sets itself; a template may not set them.
+_RESERVED_LABEL_PREFIX = "stoker.dev/"
+_RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by"})
+_RESERVED_ANNOTATIONS = frozenset({"karpenter.sh/do-not-disrupt"})
+
+
+class TolerationConfig(Section):
+    """One toleration of a worker pod (Kubernetes' `tolerationSeconds` spelling accepted)."""
+
+    key: str | None = Field(None, min_length=1)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, alias="tolerationSeconds", ge=0)
+
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TolerationConfig:
+        # The API server's own rules; a pod breaking them is refused at every spawn.
+        if self.key is None and self.operator != "Exists":
+            raise ValueError("a toleration without a key must use operator Exists")
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("a toleration with operator Exists takes no value")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
+
+    def as_mapping(self) -> dict[str, Any]:
+        """The toleration in Kubernetes' spelling, without unset fields."""
+        body = {
+            "key": self.key,
+            "operator": self.operator,
+            "value": self.value,
+            "effect": self.effect,
+            "tolerationSeconds": self.toleration_seconds,
+        }
+        return {k: v for k, v in body.items() if v is not None}
+
+
+#: `PodTemplate`'s fields the config checks further: what the API server would refuse at
+#: every spawn is refused at start-up. A toleration is validated, then kept as the mapping
+#: the template holds.
+_POD_RULES: dict[str, Any] = {
+    "env": dict[EnvName, str],
+    "cpu": Quantity,
+    "memory": Quantity,
+    "node_selector": dict[QualifiedName, LabelValue],
+    "tolerations": tuple[
+        Annotated[TolerationConfig, AfterValidator(TolerationConfig.as_mapping)], ...
+    ],
+    "priority_class": DnsSubdomain | None,
+    "service_account": DnsSubdomain | None,
+    "labels": dict[QualifiedName, LabelValue],
+    "annotations": dict[QualifiedName, str],
+}
+
+
+class _PodBase(DerivedSection):
+    @model_validator(mode="after")
+    def _not_stokers_own(self) -> _PodBase:
+        # The runtime sets these itself (the fleet label scopes every list and watch;
+        # do-not-disrupt follows the worker's state): a template value would be dropped.
+        problems: list[tuple[Loc, str]] = []
+        for key in self.labels:
+            if key.startswith(_RESERVED_LABEL_PREFIX) or key in _RESERVED_LABELS:
+                problems.append((("labels", key), "is set by stoker itself"))
+        for key in self.annotations:
+            if key in _RESERVED_ANNOTATIONS:
+                problems.append((("annotations", key), "is set by stoker itself"))
+        raise_problems(problems)
+        return self
+
+
+if TYPE_CHECKING:
+    PodConfig = _PodBase
+else:
+    PodConfig = derived_section(
+        "PodConfig",
+        _PodBase,
+        """A worker pod (runtime.kind: kubernetes): the fields of `PodTemplate`.
+
+        `{port}` and `{worker_id}` are replaced in `command`, `args` and `env`. Requests
+        equal limits (`cpu`, `memory`), so workers get the Guaranteed QoS class.
+        """,
+        spec_fields(PodTemplate, refine=_POD_RULES),
+    )
+
+
+class _PoolBase(DerivedSection):
+    #: The pool's name, in URLs, metric labels and process labels.
+    name: PoolName
+    #: argv of a worker process (never run through a shell); `{port}`, `{worker_id}` and
+    #: `{python}` are replaced when a worker starts.
+    command: Argv | None = None
+    #: The worker pod of the kubernetes runtime.
+    pod: PodConfig | None = None
+
+    @model_validator(mode="after")
+    def _target_within_cap(self) -> _PoolBase:
+        if self.max_workers and self.warm_target > self.max_workers:
+            raise ValueError(
+                f"warm_target ({self.warm_target}) exceeds max_workers ({self.max_workers})"
+            )
+        return self
+
+
+if TYPE_CHECKING:
+    PoolConfig = _PoolBase
+else:
+    PoolConfig = derived_section(
+        "PoolConfig",
+        _PoolBase,
+        """One pool: a name, a worker template and the settings of `PoolSpec`.
+
+        Exactly one of `command` (runtime.kind: local) and `pod` (runtime.kind: kubernetes);
+        `StokerConfig` checks which one against the runtime. `env`, `cwd` and `memory_mb`
+        are `ProcessTemplate`'s: the local runtime's only.
+        """,
+        {
+            **spec_fields(ProcessTemplate, omit={"argv"}),
+            **spec_fields(PoolSpec, omit={"name", "template", "revision"}),
+        },
+    )
+
+
+def default_pools() -> list[PoolConfig]:
+    """The pools of a config that names none: the demo worker, two kept warm."""
+    return [PoolConfig.model_validate({"name": "demo", "command": DEMO_COMMAND, "warm_target": 2})]

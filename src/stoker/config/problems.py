@@ -1,0 +1,38 @@
+"""Problems reported under the key to change: a location of config keys and a message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+#: Where a problem lies: config keys and list indexes, like pydantic's error locations.
+Loc = tuple[str | int, ...]
+
+
+class ConfigProblems(ValueError):
+    """Problems that span keys or sections, each reported under the key to change.
+
+    Raised from a model validator; `format_errors` prints one line per problem, at the
+    validator's location plus the problem's own, instead of one line at the model.
+    """
+
+    def __init__(self, problems: Sequence[tuple[Loc, str]]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(f"{dotted(loc)}: {message}" for loc, message in problems))
+
+
+def raise_problems(problems: Sequence[tuple[Loc, str]]) -> None:
+    """Raise `ConfigProblems` when there is any problem."""
+    if problems:
+        raise ConfigProblems(problems)
+
+
+def dotted(loc: tuple[Any, ...]) -> str:
+    """A location as the key a user writes: `pools[0].pod.cpu`."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text

@@ -1,0 +1,171 @@
+"""The sections of the config that have no domain twin: the store's options, the runtime,
+leader election and the HTTP API."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from stoker.config.names import DnsLabel, DnsSubdomain, OrgName, Quantity, Token
+from stoker.config.problems import Loc, raise_problems
+from stoker.config.schema import Section
+from stoker.domain.specs import PositiveSeconds
+
+
+class PostgresOptions(Section):
+    """Options of the PostgreSQL store (ignored by SQLite)."""
+
+    #: SQL schema holding stoker's tables (a plain identifier).
+    db_schema: str = Field(
+        "stoker", alias="schema", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=63
+    )
+    min_pool_size: int = Field(1, ge=0, le=1000)
+    max_pool_size: int = Field(10, ge=1, le=1000)
+    #: Statements executed this often get prepared server-side; null disables preparing.
+    prepare_threshold: int | None = Field(5, ge=0)
+
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> PostgresOptions:
+        if self.min_pool_size > self.max_pool_size:
+            raise ValueError("min_pool_size must not exceed max_pool_size")
+        return self
+
+
+class LocalRuntimeConfig(Section):
+    """Workers run as processes on this machine."""
+
+    kind: Literal["local"] = "local"
+    #: Memory the workers may use together; a pool with max_workers 0 is capped at
+    #: budget / memory_mb. Null: half of this machine's memory.
+    memory_budget_mb: int | None = Field(None, ge=1)
+    #: Directory for one log file per worker; null discards worker output.
+    log_dir: str | None = None
+
+
+class PlaceholderSize(Section):
+    """Requests (= limits) of one headroom placeholder pod."""
+
+    cpu: Quantity
+    memory: Quantity
+
+
+class KubernetesRuntimeConfig(Section):
+    """Workers run as pods; every pool needs a `pod` template."""
+
+    kind: Literal["kubernetes"]
+    #: Namespace of the worker pods (and of the janitor Lease). Null: the pod's own
+    #: namespace when stoker runs in a cluster, else "default".
+    namespace: DnsLabel | None = None
+    #: Null: the in-cluster service account, else $KUBECONFIG or ~/.kube/config.
+    kubeconfig: str | None = Field(None, min_length=1)
+    #: A context of the kubeconfig; null: its current context.
+    context: str | None = Field(None, min_length=1)
+    #: The API client's budget (token bucket); spawns are paced to it as well.
+    qps: float = Field(50.0, gt=0, le=100_000)
+    burst: int = Field(100, ge=1, le=100_000)
+    #: The informer lists and diffs this often, to catch what a dropped watch missed.
+    resync_s: PositiveSeconds = 300.0
+    #: PriorityClass of headroom placeholders; required when a pool has headroom_nodes.
+    placeholder_priority_class: DnsSubdomain | None = None
+    placeholder_image: str = Field("registry.k8s.io/pause:3.10", min_length=1)
+    #: Null: each pool's placeholders are as large as its workers.
+    placeholder_size: PlaceholderSize | None = None
+
+
+RuntimeConfig = LocalRuntimeConfig | KubernetesRuntimeConfig
+#: Runtime kinds this build can run, by the value of `runtime.kind`.
+RUNTIME_KINDS: dict[str, type[RuntimeConfig]] = {
+    "local": LocalRuntimeConfig,
+    "kubernetes": KubernetesRuntimeConfig,
+}
+
+#: Values of `leader_election.kind`; `auto` resolves by the store (`elector_kind`).
+ElectionKind = Literal["auto", "none", "store", "kubernetes"]
+
+
+class LeaderElectionConfig(Section):
+    """Who runs the fleet-wide janitor; the timings are client-go's defaults."""
+
+    kind: ElectionKind = "auto"
+    #: Null: "janitor" (a row of the store) or "<fleet>-janitor" (a Kubernetes Lease).
+    lease_name: str | None = Field(None, min_length=1, max_length=253)
+    lease_duration_s: PositiveSeconds = 15.0
+    renew_deadline_s: PositiveSeconds = 10.0
+    retry_period_s: PositiveSeconds = 2.0
+
+    @model_validator(mode="after")
+    def _timings(self) -> LeaderElectionConfig:
+        # A leader steps down at the renew deadline, before its lease can expire for the
+        # others, and retries often enough to renew more than once before that deadline.
+        problems: list[tuple[Loc, str]] = []
+        if not self.lease_duration_s > self.renew_deadline_s:
+            problems.append(
+                (
+                    ("lease_duration_s",),
+                    f"must exceed renew_deadline_s ({self.renew_deadline_s:g})",
+                )
+            )
+        if not self.renew_deadline_s > 1.2 * self.retry_period_s:
+            problems.append(
+                (
+                    ("renew_deadline_s",),
+                    f"must exceed 1.2 x retry_period_s ({self.retry_period_s:g}), "
+                    f"i.e. {1.2 * self.retry_period_s:g}",
+                )
+            )
+        raise_problems(problems)
+        return self
+
+
+class ApiConfig(Section):
+    """The HTTP API: where it listens and who may call it."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    #: 0 picks a free port (the server prints the one it got).
+    port: int = Field(8080, ge=0, le=65535)
+    #: Tokens that act for every org and may list workers.
+    admin_tokens: list[Token] = Field(default_factory=list)
+    #: Tokens that act for one org only: `{token: org}` or a list of `{org, token}`.
+    org_tokens: dict[Token, OrgName] = Field(default_factory=dict)
+    #: Largest request body accepted; larger ones get 413.
+    max_body_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
+
+    @field_validator("admin_tokens", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        # An environment override is one string: "tok1,tok2".
+        if isinstance(value, str):
+            return [t.strip() for t in value.split(",") if t.strip()]
+        return value
+
+    @field_validator("org_tokens", mode="before")
+    @classmethod
+    def _list_form(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        out: dict[Any, Any] = {}
+        for i, item in enumerate(value):
+            if not isinstance(item, dict) or set(item) != {"org", "token"}:
+                raise ValueError(f"item {i} must be a mapping with exactly the keys org and token")
+            if not isinstance(item["token"], str):
+                raise ValueError(f"item {i}: token must be a string")
+            if item["token"] in out:
+                raise ValueError(f"item {i} repeats a token")
+            out[item["token"]] = item["org"]
+        return out
+
+    @model_validator(mode="after")
+    def _distinct_tokens(self) -> ApiConfig:
+        if len(set(self.admin_tokens)) != len(self.admin_tokens):
+            raise ValueError("admin_tokens repeats a token")
+        if set(self.admin_tokens) & set(self.org_tokens):
+            raise ValueError("a token is both an admin token and an org token")
+        return self
+
+    @property
+    def has_tokens(self) -> bool:
+        """True when clients must authenticate."""
+        return bool(self.admin_tokens or self.org_tokens)
