@@ -43,7 +43,7 @@ from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import Lease, Pod, PodList, PodPhase, Selector, WatchEvent
 from stoker.ports.runtime import ActivationPayload
-from stoker.sim.apiserver import FakeApiServer
+from stoker.sim.cluster import FakeApiServer
 
 T = TypeVar("T")
 

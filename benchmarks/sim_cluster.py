@@ -30,13 +30,13 @@ import looptime
 
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import Container, Pod, PodSpec
-from stoker.sim.autoscaler import AutoscalerConfig
-from stoker.sim.cluster import ClusterSnapshot, SimCluster
-from stoker.sim.config import SimClusterConfig
-from stoker.sim.model import DO_NOT_DISRUPT
-from stoker.sim.nodes import NodePoolConfig
-from stoker.sim.resources import INSTANCE_TYPES_BY_NAME
-from stoker.sim.workloads import (
+from stoker.sim.cluster.autoscaler import AutoscalerConfig
+from stoker.sim.cluster.config import SimClusterConfig
+from stoker.sim.cluster.model import DO_NOT_DISRUPT
+from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME
+from stoker.sim.cluster.simcluster import ClusterSnapshot, SimCluster
+from stoker.sim.cluster.specs import NodePoolConfig
+from stoker.sim.cluster.workloads import (
     BackgroundConfig,
     ConstantProfile,
     DemandProfile,

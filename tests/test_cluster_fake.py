@@ -28,7 +28,7 @@ from stoker.ports.cluster import (
     Throttled,
     WatchEventType,
 )
-from stoker.sim.apiserver import FakeApiServer
+from stoker.sim.cluster import FakeApiServer
 
 EPOCH = 1_700_000_000.0
 POOL = {"stoker.dev/pool": "p"}

@@ -30,7 +30,7 @@ from stoker.domain.specs import PodTemplate, PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import ClusterAPI, Lease, Pod, PodList, PodPhase, Selector, WatchEvent
-from stoker.sim.apiserver import FakeApiServer
+from stoker.sim.cluster import FakeApiServer
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.37"

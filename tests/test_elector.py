@@ -30,7 +30,7 @@ from stoker.ports.cluster import (
     WatchEvent,
 )
 from stoker.ports.elector import Elector
-from stoker.sim.apiserver import FakeApiServer
+from stoker.sim.cluster import FakeApiServer
 
 pytestmark = pytest.mark.looptime
 

@@ -52,7 +52,7 @@ from stoker.ports.cluster import (
     WatchEventType,
 )
 from stoker.ports.runtime import ActivationPayload
-from stoker.sim.apiserver import FakeApiServer
+from stoker.sim.cluster import FakeApiServer
 
 pytestmark = pytest.mark.looptime
 

@@ -32,24 +32,18 @@ from stoker.ports.cluster import (
     PodSpec,
     Toleration,
 )
-from stoker.sim.autoscaler import AutoscalerConfig
-from stoker.sim.clients import FaultKind, FaultSpec
-from stoker.sim.cluster import SimCluster
-from stoker.sim.config import SimClusterConfig
-from stoker.sim.disruption import EvictionVerdict
-from stoker.sim.distributions import Bucket, Buckets, Constant
-from stoker.sim.kubelet import KubeletConfig
-from stoker.sim.model import DO_NOT_DISRUPT, LABEL_HOSTNAME
-from stoker.sim.nodes import NodePoolConfig, Taint
-from stoker.sim.resources import INSTANCE_TYPES_BY_NAME
-from stoker.sim.scheduler import SchedulerConfig
-from stoker.sim.workloads import (
-    Archetype,
-    BackgroundConfig,
-    Shape,
-    StepProfile,
-    WorkloadKind,
-)
+from stoker.sim.cluster.autoscaler import AutoscalerConfig
+from stoker.sim.cluster.client import FaultKind, FaultSpec
+from stoker.sim.cluster.config import SimClusterConfig
+from stoker.sim.cluster.disruption import EvictionVerdict
+from stoker.sim.cluster.distributions import Bucket, Buckets, Constant
+from stoker.sim.cluster.kubelet import KubeletConfig
+from stoker.sim.cluster.model import DO_NOT_DISRUPT, LABEL_HOSTNAME
+from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME
+from stoker.sim.cluster.scheduler import SchedulerConfig
+from stoker.sim.cluster.simcluster import SimCluster
+from stoker.sim.cluster.specs import Archetype, NodePoolConfig, Shape, Taint, WorkloadKind
+from stoker.sim.cluster.workloads import BackgroundConfig, StepProfile
 
 pytestmark = pytest.mark.looptime
 

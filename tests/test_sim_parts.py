@@ -14,10 +14,9 @@ from stoker.domain.errors import ConfigError
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import Toleration
 from stoker.sim import vloop
-from stoker.sim.clients import FaultKind, TokenBucket
-from stoker.sim.config import SimClusterConfig
-from stoker.sim.disruption import PdbSpec, PodDisruptionBudget
-from stoker.sim.distributions import (
+from stoker.sim.cluster.client import FaultKind, TokenBucket
+from stoker.sim.cluster.config import SimClusterConfig
+from stoker.sim.cluster.distributions import (
     BIGFLEET_REPLICAS,
     BIGFLEET_STATEFUL_REPLICAS,
     Constant,
@@ -26,16 +25,24 @@ from stoker.sim.distributions import (
     Uniform,
     distribution_from,
 )
-from stoker.sim.model import FreeIndex, best_fit
-from stoker.sim.nodes import ConsolidationPolicy, Taint, budget_of, tolerates
-from stoker.sim.resources import (
+from stoker.sim.cluster.freeindex import FreeIndex, best_fit
+from stoker.sim.cluster.model import PodDisruptionBudget
+from stoker.sim.cluster.resources import (
     INSTANCE_TYPES_BY_NAME,
     InstanceType,
     cpu_millis,
     memory_bytes,
 )
-from stoker.sim.timeline import Timeline, Trigger
-from stoker.sim.workloads import DiurnalProfile, StepProfile, WorkloadKind
+from stoker.sim.cluster.specs import (
+    ConsolidationPolicy,
+    PdbSpec,
+    Taint,
+    WorkloadKind,
+    budget_of,
+    tolerates,
+)
+from stoker.sim.cluster.timeline import Timeline, Trigger
+from stoker.sim.cluster.workloads import DiurnalProfile, StepProfile
 
 # -- quantities and capacity -----------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Pods (create, delete, patch labels and annotations, get, list, watch) and coordination
 Leases (get, create, compare-and-set update) in one namespace, in stoker's own types: no
 Kubernetes-library object crosses this boundary. `stoker.adapters.cluster_lightkube` talks
-to a real API server; `stoker.sim.apiserver.FakeApiServer` is the in-process cluster of the
+to a real API server; `stoker.sim.cluster.FakeApiServer` is the in-process cluster of the
 tests and the simulator. Both pass the contract suite in `tests/cluster_contract.py`.
 
 resourceVersions are opaque strings, as in Kubernetes: compare them only for equality, hand

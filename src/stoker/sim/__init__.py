@@ -1,34 +1,13 @@
-"""The fleet simulator: a fake cluster and virtual time for running the real control plane.
+"""The fleet simulator: the real control plane against a simulated cluster in virtual time.
 
-`SimCluster` (in `cluster`) is a simulated Kubernetes cluster behind the ClusterAPI port;
-give each control-plane replica its own `SimCluster.client(name, ...)` view. Its parts:
+Two parts, one on top of the other (an import contract keeps it so):
 
-- `apiserver`: `FakeApiServer`, pods and leases with resourceVersions, watches, Lease CAS;
-- `clients`: per-client views with QPS/burst, latency and a schedule of faults;
-- `scheduler`: binds pods most-allocated first at a bounded rate, preempts placeholders;
-- `kubelet`: image pulls (cached per node), container starts, graceful stops;
-- `autoscaler`: Karpenter-like provisioning and consolidation;
-- `nodes`, `model`, `resources`: node pools, the working state, instance types;
-- `disruption`: PodDisruptionBudgets and the Eviction API's verdict;
-- `workloads`: controller-managed background workloads (bigfleet's archetypes);
-- `distributions`, `timeline`: seeded random delays, the tick grid everything runs on;
-- `config`: `SimClusterConfig`, every knob with its documented default, and its YAML form.
+- `stoker.sim.cluster`: the fake Kubernetes cluster, reusable on its own: `SimCluster`
+  behind the ClusterAPI port (API server, scheduler, kubelets, node autoscaler, workload
+  controllers, background load) and its configuration. It knows nothing of scenarios.
+- the scale test on top of it: `scenario` (the YAML scenarios), `replicas` (each policy's
+  control-plane replicas, assembled by the same builder as `stoker serve`), `baselines`
+  (the historical policies stoker is compared with), `load` (the tenants' sessions),
+  `invariants` (DESIGN.md §4, checked all through a run), `runner` (one virtual-time loop
+  per policy, `vloop`) and `report` (summary, timeseries, plots).
 """
-
-from stoker.sim.cluster import (
-    ClusterSnapshot,
-    NodeView,
-    PodUsage,
-    Resources,
-    SimCluster,
-)
-from stoker.sim.config import SimClusterConfig
-
-__all__ = [
-    "ClusterSnapshot",
-    "NodeView",
-    "PodUsage",
-    "Resources",
-    "SimCluster",
-    "SimClusterConfig",
-]

@@ -50,7 +50,7 @@ from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.cluster import PodPhase, WatchEventType
 from stoker.ports.store import SpawnRequest
-from stoker.sim.apiserver import PodChange
+from stoker.sim.cluster.apiserver import PodChange
 
 #: The pod label that names a worker (the Kubernetes runtime's `LABEL_WORKER_ID`).
 WORKER_LABEL = "stoker.dev/worker-id"

@@ -56,9 +56,9 @@ from stoker.ports.clock import Clock
 from stoker.ports.elector import Elector
 from stoker.ports.runtime import ActivationPayload, RuntimeListener, RuntimeObject
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
-from stoker.sim.clients import SimClient
-from stoker.sim.cluster import SimCluster
-from stoker.sim.resources import memory_bytes
+from stoker.sim.cluster.client import SimClient
+from stoker.sim.cluster.resources import memory_bytes
+from stoker.sim.cluster.simcluster import SimCluster
 from stoker.sim.scenario import (
     PLACEHOLDER_PRIORITY_CLASS,
     WORKER_PRIORITY_CLASS,

@@ -34,7 +34,7 @@ from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.sim import vloop
-from stoker.sim.cluster import ClusterSnapshot, SimCluster
+from stoker.sim.cluster.simcluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
 from stoker.sim.policies import Fleet, build_fleet, derived_cap, org_specs, pool_spec

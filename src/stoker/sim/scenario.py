@@ -17,7 +17,7 @@ named, so a typo never silently falls back to a default. A sketch:
     short: {duration_s: 300}
 
 - `cluster` is the simulated cluster in `SimClusterConfig`'s YAML form (see
-  `stoker.sim.config`), laid over `BASE_CLUSTER` (the priority classes of workers and
+  `stoker.sim.cluster.config`), laid over `BASE_CLUSTER` (the priority classes of workers and
   placeholders, the labels the report breaks resources down by);
 - `policies` lists what to compare, each run from a fresh cluster and store with the same
   seed: a policy kind's name, or `{name, policy, params, pool, control_plane, cluster,
@@ -50,8 +50,8 @@ from pydantic import (
 
 from stoker.domain.errors import ConfigError
 from stoker.domain.states import ClaimMode, Reuse
-from stoker.sim.config import SimClusterConfig
-from stoker.sim.distributions import (
+from stoker.sim.cluster.config import SimClusterConfig
+from stoker.sim.cluster.distributions import (
     Buckets,
     Constant,
     Distribution,
@@ -60,13 +60,13 @@ from stoker.sim.distributions import (
     Uniform,
     distribution_from,
 )
-from stoker.sim.resources import cpu_millis, memory_bytes
+from stoker.sim.cluster.resources import cpu_millis, memory_bytes
 
 #: The policy kinds a scenario may name (see `stoker.sim.policies`).
 POLICY_KINDS = ("stoker", "static-target", "run-once-elector", "percent-headroom")
 
 #: Priority classes of stoker's pods, laid under every scenario's cluster. The background
-#: uses bigfleet's 100 / 1000 / 1,000,000 (`stoker.sim.workloads`). Workers serve
+#: uses bigfleet's 100 / 1000 / 1,000,000 (`stoker.sim.cluster.workloads`). Workers serve
 #: interactive sessions: as important as the background's services (1000), above batch
 #: and stateless pods (100), below critical real-time ones. Placeholders are the lowest
 #: of all, so any pod preempts them; -1 is the cluster-overprovisioner chart's value,

@@ -36,20 +36,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from stoker.sim.disruption import PodDisruptionBudget
-from stoker.sim.model import (
+from stoker.sim.cluster.freeindex import FreeIndex, best_fit
+from stoker.sim.cluster.model import (
     LABEL_HOSTNAME,
     LABEL_INSTANCE_TYPE,
-    FreeIndex,
+    NodePool,
     NodeState,
+    PodDisruptionBudget,
     SimNode,
     SimPod,
-    best_fit,
 )
-from stoker.sim.nodes import ConsolidationPolicy, NodeFleet, NodePool
-from stoker.sim.resources import Allocatable, InstanceType
-from stoker.sim.scheduler import Scheduler
-from stoker.sim.timeline import Timeline, Trigger
+from stoker.sim.cluster.nodes import NodeFleet
+from stoker.sim.cluster.resources import Allocatable, InstanceType
+from stoker.sim.cluster.scheduler import Scheduler
+from stoker.sim.cluster.specs import ConsolidationPolicy
+from stoker.sim.cluster.timeline import Timeline, Trigger
 
 _EMPTY = "empty"
 _UNDERUTILIZED = "underutilized"

@@ -35,25 +35,29 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from stoker.domain.errors import ConfigError
-from stoker.sim.autoscaler import AutoscalerConfig
-from stoker.sim.clients import FaultSpec
-from stoker.sim.distributions import Distribution, distribution_from
-from stoker.sim.kubelet import KubeletConfig
-from stoker.sim.nodes import ConsolidationPolicy, NodePoolConfig, Taint
-from stoker.sim.resources import INSTANCE_TYPES_BY_NAME, InstanceType
-from stoker.sim.scheduler import SchedulerConfig
-from stoker.sim.workloads import (
+from stoker.sim.cluster.autoscaler import AutoscalerConfig
+from stoker.sim.cluster.client import FaultSpec
+from stoker.sim.cluster.distributions import Distribution, distribution_from
+from stoker.sim.cluster.kubelet import KubeletConfig
+from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME, InstanceType
+from stoker.sim.cluster.scheduler import SchedulerConfig
+from stoker.sim.cluster.specs import (
+    Archetype,
+    ConsolidationPolicy,
+    NodePoolConfig,
+    Shape,
+    Taint,
+    WorkloadKind,
+)
+from stoker.sim.cluster.workloads import (
     BACKGROUND_PRIORITY_CLASSES,
     BIGFLEET_ARCHETYPES,
-    Archetype,
     BackgroundConfig,
     ConstantProfile,
     ControllerConfig,
     DemandProfile,
     DiurnalProfile,
-    Shape,
     StepProfile,
-    WorkloadKind,
 )
 
 #: Priority classes every simulated cluster knows: the background's and Kubernetes'
@@ -92,7 +96,7 @@ class SimClusterConfig:
 
     `namespace` is the workers' namespace (what `SimCluster.api` and client views act
     in); the background runs in `background.namespace`. `tick_s` is the grid the
-    cluster's own events fall on (see `stoker.sim.timeline`). `track_labels` are pod
+    cluster's own events fall on (see `stoker.sim.cluster.timeline`). `track_labels` are pod
     label keys whose values the snapshot breaks requested resources down by.
     """
 

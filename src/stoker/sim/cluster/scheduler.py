@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-from stoker.sim.model import UNSCHEDULABLE, NodeState, SimNode, SimPod, best_fit
-from stoker.sim.nodes import NodePool
-from stoker.sim.timeline import Timeline, Trigger
+from stoker.sim.cluster.freeindex import best_fit
+from stoker.sim.cluster.model import UNSCHEDULABLE, NodePool, NodeState, SimNode, SimPod
+from stoker.sim.cluster.timeline import Timeline, Trigger
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,8 @@ from stoker.ports.cluster import (
     Throttled,
     WatchEvent,
 )
-from stoker.sim.apiserver import OPERATIONS, FakeApiServer
-from stoker.sim.distributions import Distribution, distribution_from
+from stoker.sim.cluster.apiserver import OPERATIONS, FakeApiServer
+from stoker.sim.cluster.distributions import Distribution, distribution_from
 
 
 class FaultKind(StrEnum):

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stoker.ports.cluster import PodPhase
-from stoker.sim.distributions import Constant, Distribution, LogNormal, Uniform
-from stoker.sim.model import SimNode, SimPod
-from stoker.sim.timeline import Timeline
+from stoker.sim.cluster.distributions import Constant, Distribution, LogNormal, Uniform
+from stoker.sim.cluster.model import SimNode, SimPod
+from stoker.sim.cluster.timeline import Timeline
 
 
 def _default_pulls_by_image() -> Mapping[str, Distribution]:

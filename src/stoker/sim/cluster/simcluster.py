@@ -31,30 +31,27 @@ from typing import Any
 from stoker.domain.errors import ConfigError
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ObjectNotFound, Pod, PodPhase, PodSpec, WatchEventType
-from stoker.sim.apiserver import FakeApiServer, PodChange
-from stoker.sim.autoscaler import AutoscalerCounters, Consolidator, Provisioner
-from stoker.sim.clients import ClientStats, FaultKind, FaultSchedule, SimClient
-from stoker.sim.config import SimClusterConfig
-from stoker.sim.disruption import DisruptionBudgets, EvictionVerdict, PdbSpec, PodDisruptionBudget
-from stoker.sim.distributions import Distribution
-from stoker.sim.kubelet import Kubelet
-from stoker.sim.model import (
+from stoker.sim.cluster.apiserver import FakeApiServer, PodChange
+from stoker.sim.cluster.autoscaler import AutoscalerCounters, Consolidator, Provisioner
+from stoker.sim.cluster.client import ClientStats, FaultKind, FaultSchedule, SimClient
+from stoker.sim.cluster.config import SimClusterConfig
+from stoker.sim.cluster.disruption import DisruptionBudgets, EvictionVerdict
+from stoker.sim.cluster.distributions import Distribution
+from stoker.sim.cluster.kubelet import Kubelet
+from stoker.sim.cluster.model import (
+    NodePool,
     NodeState,
+    PodDisruptionBudget,
     SimNode,
     SimPod,
     blocks_disruption,
 )
-from stoker.sim.nodes import NodeFleet, NodePool
-from stoker.sim.resources import GIB, cpu_millis, memory_bytes
-from stoker.sim.scheduler import Scheduler
-from stoker.sim.timeline import Timeline
-from stoker.sim.workloads import (
-    Archetype,
-    BackgroundLoad,
-    ConstantProfile,
-    Shape,
-    WorkloadController,
-)
+from stoker.sim.cluster.nodes import NodeFleet
+from stoker.sim.cluster.resources import GIB, cpu_millis, memory_bytes
+from stoker.sim.cluster.scheduler import Scheduler
+from stoker.sim.cluster.specs import Archetype, PdbSpec, Shape
+from stoker.sim.cluster.timeline import Timeline
+from stoker.sim.cluster.workloads import BackgroundLoad, ConstantProfile, WorkloadController
 
 logger = logging.getLogger("stoker.sim.cluster")
 

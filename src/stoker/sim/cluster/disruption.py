@@ -17,90 +17,11 @@ Counts are kept up to date from the cluster's change listener, so a check is O(1
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from enum import StrEnum
 
 from stoker.domain.errors import ConfigError
-from stoker.sim.model import SimPod
-
-
-@dataclass(frozen=True, slots=True)
-class PdbSpec:
-    """A PodDisruptionBudget: a label selector and one of minAvailable / maxUnavailable."""
-
-    name: str
-    selector: Mapping[str, str] = field(default_factory=dict)
-    min_available: int | str | None = None
-    max_unavailable: int | str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.min_available is None) == (self.max_unavailable is None):
-            raise ConfigError(f"PDB {self.name!r}: set exactly one of min/max")
-        value = self.min_available if self.min_available is not None else self.max_unavailable
-        assert value is not None
-        _scaled(value, 1)  # validates the form
-
-
-def _scaled(value: int | str, expected: int) -> int:
-    """An int-or-percent against `expected`, rounding a percentage up (as Kubernetes does)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"PDB value {value} must be >= 0")
-        return value
-    if isinstance(value, str) and value.endswith("%"):
-        try:
-            percent = float(value[:-1])
-        except ValueError:
-            raise ConfigError(f"invalid PDB percentage {value!r}") from None
-        if percent < 0:
-            raise ConfigError(f"PDB percentage {value!r} must be >= 0")
-        return math.ceil(percent * expected / 100 - 1e-9)
-    raise ConfigError(f"invalid PDB value {value!r}: an integer or a percentage")
-
-
-class PodDisruptionBudget:
-    """A budget's live counts: its pods, how many are healthy."""
-
-    def __init__(
-        self, spec: PdbSpec, namespace: str, expected: Callable[[], int] | None = None
-    ) -> None:
-        self.spec = spec
-        self.namespace = namespace
-        self._expected = expected
-        self.members: dict[SimPod, None] = {}
-        self.healthy = 0
-        self.terminating = 0
-
-    @property
-    def name(self) -> str:
-        """The budget's name."""
-        return self.spec.name
-
-    def expected(self) -> int:
-        """The controller's replicas if known, else the matching pods not terminating."""
-        if self._expected is not None:
-            return self._expected()
-        return len(self.members) - self.terminating
-
-    def desired_healthy(self) -> int:
-        """How many pods must stay healthy."""
-        expected = self.expected()
-        if self.spec.min_available is not None:
-            return _scaled(self.spec.min_available, expected)
-        assert self.spec.max_unavailable is not None
-        return max(0, expected - _scaled(self.spec.max_unavailable, expected))
-
-    def disruptions_allowed(self) -> int:
-        """How many healthy pods may be evicted now."""
-        return max(0, self.healthy - self.desired_healthy())
-
-    def matches(self, pod: SimPod) -> bool:
-        """Whether the budget selects `pod`."""
-        return pod.namespace == self.namespace and all(
-            pod.labels.get(key) == value for key, value in self.spec.selector.items()
-        )
+from stoker.sim.cluster.model import PodDisruptionBudget, SimPod, is_healthy
 
 
 class EvictionVerdict(StrEnum):
@@ -109,11 +30,6 @@ class EvictionVerdict(StrEnum):
     ALLOWED = "allowed"  # 200
     BUDGET = "budget"  # 429: a PodDisruptionBudget would be violated
     AMBIGUOUS = "ambiguous"  # 500: more than one budget selects the pod
-
-
-def is_healthy(pod: SimPod) -> bool:
-    """Counts towards a budget's healthy pods: Ready and not terminating."""
-    return pod.ready and not pod.terminating
 
 
 class DisruptionBudgets:

@@ -38,25 +38,19 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Protocol
 
-from stoker.domain.errors import ConfigError
-from stoker.ports.cluster import Container, Pod, PodPhase, PodSpec
-from stoker.sim.apiserver import FakeApiServer
-from stoker.sim.disruption import DisruptionBudgets, PdbSpec, PodDisruptionBudget
-from stoker.sim.distributions import (
-    BIGFLEET_REPLICAS,
+from stoker.ports.cluster import Pod, PodPhase
+from stoker.sim.cluster.apiserver import FakeApiServer
+from stoker.sim.cluster.disruption import DisruptionBudgets
+from stoker.sim.cluster.distributions import (
     BIGFLEET_STATEFUL_REPLICAS,
-    Distribution,
     Exponential,
 )
-from stoker.sim.model import WORKLOAD_LABEL, SimPod
-from stoker.sim.resources import cpu_millis
-from stoker.sim.timeline import Timeline
-
-#: Labels every background pod carries besides `WORKLOAD_LABEL`.
-ARCHETYPE_LABEL = "sim.stoker.dev/archetype"
+from stoker.sim.cluster.model import WORKLOAD_LABEL, PodDisruptionBudget, SimPod, Workload
+from stoker.sim.cluster.resources import cpu_millis
+from stoker.sim.cluster.specs import Archetype, PdbSpec, Shape, WorkloadKind
+from stoker.sim.cluster.timeline import Timeline
 
 #: Priority classes of the catalogue; `SimClusterConfig` maps them to bigfleet's values.
 BACKGROUND_PRIORITY_CLASSES: Mapping[str, int] = {
@@ -69,60 +63,6 @@ BACKGROUND_PRIORITY_CLASSES: Mapping[str, int] = {
 _ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _FINISHED = frozenset({PodPhase.FAILED, PodPhase.SUCCEEDED})
 _HOUR = 3600.0
-
-
-class WorkloadKind(StrEnum):
-    """Which controller manages the workload's pods."""
-
-    DEPLOYMENT = "Deployment"
-    STATEFULSET = "StatefulSet"
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """A pod's requests (equal to its limits), as Kubernetes quantities."""
-
-    cpu: str
-    memory: str
-
-
-@dataclass(frozen=True)
-class Archetype:
-    """A kind of background workload.
-
-    `machine_share` is its share of the background's requested CPU (relative weights);
-    one of `shapes` is picked per workload; `pdb_*` (at most one) gives each workload a
-    PodDisruptionBudget over its pods.
-    """
-
-    name: str
-    machine_share: float
-    shapes: tuple[Shape, ...]
-    priority_class: str
-    kind: WorkloadKind = WorkloadKind.DEPLOYMENT
-    replicas: Distribution = BIGFLEET_REPLICAS
-    lifetime: Distribution = field(default_factory=lambda: Exponential(6 * _HOUR))
-    pdb_max_unavailable: int | str | None = None
-    pdb_min_available: int | str | None = None
-    grace_s: int = 30
-    ordered_ready: bool = True
-    image: str = ""
-
-    def __post_init__(self) -> None:
-        if self.machine_share <= 0 or not self.shapes:
-            raise ConfigError(f"archetype {self.name!r}: needs a share > 0 and shapes")
-        if self.pdb_max_unavailable is not None and self.pdb_min_available is not None:
-            raise ConfigError(f"archetype {self.name!r}: set at most one PDB bound")
-
-    @property
-    def pod_image(self) -> str:
-        """The container image (one per archetype, so nodes cache it)."""
-        return self.image or f"registry.sim.example/{self.name}:1"
-
-    @property
-    def mean_cpu_m(self) -> float:
-        """Expected CPU request of one pod, in millicores."""
-        return sum(cpu_millis(shape.cpu) for shape in self.shapes) / len(self.shapes)
 
 
 #: bigfleet's realistic catalogue without the GPU archetypes (see the module docstring).
@@ -268,85 +208,6 @@ class WorkloadCounters:
     pods_replaced: int = 0
     pods_destroyed: int = 0  # bare pods lost to eviction or preemption
     churned: int = 0
-
-
-class Workload:
-    """One Deployment or StatefulSet (or, with `bare`, a group of uncontrolled pods)."""
-
-    __slots__ = (
-        "archetype",
-        "bare",
-        "cpu_m",
-        "created",
-        "ended",
-        "ends_at",
-        "expected_gone",
-        "hash",
-        "kind",
-        "labels",
-        "name",
-        "pdb",
-        "pods",
-        "replicas",
-        "requested",
-        "slot",
-        "spec",
-        "started_at",
-    )
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        archetype: Archetype,
-        shape: Shape,
-        replicas: int,
-        bare: bool,
-        started_at: float,
-        ends_at: float,
-        hash_: str,
-    ) -> None:
-        self.name = name
-        self.archetype = archetype
-        self.kind = archetype.kind
-        self.replicas = replicas
-        self.bare = bare
-        self.started_at = started_at
-        self.ends_at = ends_at
-        self.hash = hash_
-        self.cpu_m = cpu_millis(shape.cpu)
-        self.labels = {
-            "app.kubernetes.io/name": name,
-            WORKLOAD_LABEL: name,
-            ARCHETYPE_LABEL: archetype.name,
-        }
-        # One spec object shared by every pod of the workload (frozen, so safe to share).
-        self.spec = PodSpec(
-            containers=(
-                Container(
-                    name="main", image=archetype.pod_image, cpu=shape.cpu, memory=shape.memory
-                ),
-            ),
-            priority_class_name=archetype.priority_class,
-            restart_policy="Always",
-            termination_grace_period_s=archetype.grace_s,
-        )
-        self.pods: dict[str, SimPod] = {}
-        #: Pod creations queued at the rate limiter: a count (Deployment) or names.
-        self.requested: dict[str, None] = {}
-        #: Pods the owner itself deleted (end of life, churn): not destroyed demand.
-        self.expected_gone: dict[str, None] = {}
-        self.ended = False
-        #: Pods created so far; beyond `replicas` every creation replaces a lost pod.
-        self.created = 0
-        self.pdb: PodDisruptionBudget | None = None
-        self.slot = -1
-
-    def active_pods(self) -> int:
-        """Pods that count as replicas: not terminating, not finished."""
-        return sum(
-            1 for pod in self.pods.values() if not pod.terminating and pod.phase not in _FINISHED
-        )
 
 
 class WorkloadController:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from stoker.ports.clock import Clock
 
-logger = logging.getLogger("stoker.sim.timeline")
+logger = logging.getLogger("stoker.sim.cluster.timeline")
 
 Action = Callable[[], None]
 
