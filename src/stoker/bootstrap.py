@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -23,8 +23,10 @@ from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.config import KubernetesRuntimeConfig, StokerConfig, to_domain
 from stoker.control.ids import Ids
+from stoker.control.janitor import DemandSource
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import ConfigError
+from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector
 from stoker.ports.runtime import Runtime
@@ -194,6 +196,52 @@ def build_elector(
     )
 
 
+#: Builds one part of a replica for its instance id; a client it opens that the part does
+#: not own goes on the closers (run when the plane stops).
+RuntimeFactory = Callable[[str, list[Closer]], Runtime]
+ElectorFactory = Callable[[str, list[Closer]], Elector | None]
+
+
+def build_plane(
+    *,
+    pools: Iterable[PoolSpec],
+    orgs: Iterable[OrgSpec],
+    settings: PlaneSettings,
+    clock: Clock,
+    ids: Ids,
+    store: Store,
+    runtime: RuntimeFactory,
+    elector: ElectorFactory,
+    demand: DemandSource | None = None,
+) -> ControlPlane:
+    """One control-plane replica (not started) on `store`, and the one way to build one.
+
+    It mints the replica's instance id, builds its runtime, then its elector (None: the
+    plane's `SoleLeader`), and the plane around them: pool manager, janitor and fallback
+    reaper. `stoker serve` builds its replica here from the config
+    (`build_control_plane`); the simulator builds each of its replicas here too, on its
+    own clock, cluster and store. `demand` replaces the janitor's demand source.
+    """
+    # One id for the replica's row, its runtime objects' labels and its lease holder.
+    instance_id = ids.instance()
+    closers: list[Closer] = []
+    built_runtime = runtime(instance_id, closers)
+    built_elector = elector(instance_id, closers)
+    return ControlPlane(
+        store=store,
+        runtime=built_runtime,
+        pools=pools,
+        orgs=orgs,
+        settings=settings,
+        clock=clock,
+        elector=built_elector,
+        ids=ids,
+        instance_id=instance_id,
+        closers=closers,
+        demand=demand,
+    )
+
+
 def build_control_plane(
     config: StokerConfig,
     *,
@@ -210,27 +258,27 @@ def build_control_plane(
     """
     domain = to_domain(config)
     clock = clock or LoopClock()
-    ids = ids or Ids()
-    # One id for the replica's row, its runtime objects' labels and its lease holder.
-    instance_id = ids.instance()
-    store = store or build_store(config)
-    closers: list[Closer] = []
-    if runtime is None:
-        runtime = build_runtime(config, clock=clock, instance_id=instance_id, closers=closers)
-    elector = build_elector(
-        config, store=store, clock=clock, instance_id=instance_id, closers=closers
-    )
-    return ControlPlane(
-        store=store,
-        runtime=runtime,
+    shared = store or build_store(config)
+
+    def config_runtime(instance_id: str, closers: list[Closer]) -> Runtime:
+        if runtime is not None:
+            return runtime
+        return build_runtime(config, clock=clock, instance_id=instance_id, closers=closers)
+
+    def config_elector(instance_id: str, closers: list[Closer]) -> Elector | None:
+        return build_elector(
+            config, store=shared, clock=clock, instance_id=instance_id, closers=closers
+        )
+
+    return build_plane(
         pools=domain.pools,
         orgs=domain.orgs,
         settings=domain.settings,
         clock=clock,
-        elector=elector,
-        ids=ids,
-        instance_id=instance_id,
-        closers=closers,
+        ids=ids or Ids(),
+        store=shared,
+        runtime=config_runtime,
+        elector=config_elector,
     )
 
 
