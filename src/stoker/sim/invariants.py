@@ -6,9 +6,10 @@ Two kinds of evidence, so that a violation is caught whether it lasts or not:
   every session it ends, every worker write a replica makes (its store is wrapped by
   the policy), every activation a simulated worker receives, every change of leader, and
   every worker pod that disappears from the cluster;
-- **checks** of the shared store every `check_interval_s`, read straight from the
-  simulator's own SQLite database with the columns each rule needs (the same rows the
-  replicas see; reading them through `Store.list_workers` would decode every row).
+- **checks** of the shared store every `check_interval_s`: of its live workers and bound
+  claims as the replicas' acknowledged writes left them (`WrittenRows`, fed by the same
+  reports), so they hold on whatever store the replicas share. Within one check,
+  violations come in the order the rows were created.
 
 The rules (a "pass" below is the scenario's reaper interval, the slowest loop that must
 act: DESIGN.md bounds leaks by "TTL + 2 reaper intervals", also while leadership is lost):
@@ -38,19 +39,17 @@ and a short trace: the latest events about its subject and the latest events ove
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from stoker.adapters._rows import LIVE_SQL
-from stoker.adapters.store_sqlite import SqliteStore
 from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.cluster import PodPhase, WatchEventType
 from stoker.ports.store import SpawnRequest
-from stoker.sim.cluster.apiserver import PodChange
+from stoker.sim.cluster import PodChange
+from stoker.sim.written import WrittenRows
 
 #: The pod label that names a worker (the Kubernetes runtime's `LABEL_WORKER_ID`).
 WORKER_LABEL = "stoker.dev/worker-id"
@@ -62,6 +61,7 @@ _TRACE_SUBJECT = 10
 _TRACE_GLOBAL = 8
 
 _FINISHED = (PodPhase.FAILED, PodPhase.SUCCEEDED)
+_IN_FLIGHT = (WorkerState.SPAWNING, WorkerState.RESERVED, WorkerState.ACTIVATING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,50 @@ class Violation:
         }
 
 
+class ViolationLog:
+    """The recent events (overall and per subject) and the violations, each recorded once
+    per invariant and subject with a trace of the events before it."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self.violations: list[Violation] = []
+        self._reported: set[tuple[str, str]] = set()
+        self._events: deque[tuple[float, str]] = deque(maxlen=_GLOBAL_EVENTS)
+        self._by_subject: dict[str, deque[tuple[float, str]]] = {}
+
+    def note(self, text: str, *subjects: str) -> None:
+        """Record an event for traces (about `subjects`)."""
+        entry = (self._now(), text)
+        self._events.append(entry)
+        for subject in subjects:
+            history = self._by_subject.get(subject)
+            if history is None:
+                history = self._by_subject[subject] = deque(maxlen=_SUBJECT_EVENTS)
+            history.append(entry)
+
+    def violation(self, invariant: str, subject: str, detail: str) -> None:
+        """Record a violation (once per invariant and subject) with its trace."""
+        key = (invariant, subject)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        self.violations.append(
+            Violation(
+                t=self._now(),
+                invariant=invariant,
+                subject=subject,
+                detail=detail,
+                trace=self._trace(subject),
+            )
+        )
+
+    def _trace(self, subject: str) -> tuple[str, ...]:
+        about = list(self._by_subject.get(subject, ()))[-_TRACE_SUBJECT:]
+        recent = list(self._events)[-_TRACE_GLOBAL:]
+        merged = sorted(set(about) | set(recent))
+        return tuple(f"t={t:.1f}s {text}" for t, text in merged)
+
+
 class InvariantChecker:
     """Checks I1-I7 on events and every `check_interval_s`; see the module docstring.
 
@@ -95,7 +139,6 @@ class InvariantChecker:
     def __init__(
         self,
         *,
-        store: SqliteStore,
         now: Callable[[], float],
         wall: Callable[[], float],
         pools: Mapping[str, PoolSpec],
@@ -105,7 +148,7 @@ class InvariantChecker:
         pass_s: float,
         check_interval_s: float,
     ) -> None:
-        self._store = store
+        self.rows = WrittenRows()
         self._now = now
         self._wall = wall
         self._pools = dict(pools)
@@ -114,10 +157,9 @@ class InvariantChecker:
         self._floor = floor
         self.grace_s = 2 * pass_s
         self.check_interval_s = check_interval_s
-        self.violations: list[Violation] = []
-        self._reported: set[tuple[str, str]] = set()
-        self._events: deque[tuple[float, str]] = deque(maxlen=_GLOBAL_EVENTS)
-        self._by_subject: dict[str, deque[tuple[float, str]]] = {}
+        self.log = ViolationLog(now)
+        self.note = self.log.note
+        self.violation = self.log.violation
         #: The first org each worker was bound to (I2).
         self._orgs: dict[str, str] = {}
         #: Worker -> the claim its latest session holds (I1).
@@ -129,13 +171,17 @@ class InvariantChecker:
         #: last time a replica reserved neutral spawn slots for it.
         self._deficit_since: dict[str, float] = {}
         self._warm_spawned: dict[str, float] = {}
-        self._claims_rowid = 0
         self._leaders: set[int] = set()
         #: The most replicas that believed they led at one moment (informational: I7
         #: allows it, it only forbids what two janitors could break).
         self.max_concurrent_leaders = 0
         self.checks = 0
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Every violation so far, in the order found."""
+        return self.log.violations
 
     # -- running -------------------------------------------------------------------------
 
@@ -156,21 +202,7 @@ class InvariantChecker:
             await asyncio.sleep(self.check_interval_s)
             self.check()
 
-    @property
-    def _db(self) -> sqlite3.Connection:
-        return self._store.db
-
     # -- events ----------------------------------------------------------------------------
-
-    def note(self, text: str, *subjects: str) -> None:
-        """Record an event for traces (about `subjects`)."""
-        entry = (self._now(), text)
-        self._events.append(entry)
-        for subject in subjects:
-            history = self._by_subject.get(subject)
-            if history is None:
-                history = self._by_subject[subject] = deque(maxlen=_SUBJECT_EVENTS)
-            history.append(entry)
 
     def session_bound(self, claim: Claim, latency_s: float) -> None:
         """The load driver was handed `claim` (I1: is its worker free? I2: same org?)."""
@@ -182,7 +214,7 @@ class InvariantChecker:
             claim.id,
         )
         held = self._held.get(worker)
-        if held is not None and held.id != claim.id and self._still_bound(held.id):
+        if held is not None and held.id != claim.id and self.rows.still_bound(held.id):
             self.violation(
                 "I1",
                 worker,
@@ -205,7 +237,13 @@ class InvariantChecker:
         self._same_org(worker_id, org, f"an activation at epoch {epoch}")
 
     def worker_written(self, replica: int, before: WorkerState | None, worker: Worker) -> None:
-        """A replica's write of a worker row succeeded (I2 on its org, I7 on retirement)."""
+        """A replica's write of a worker row succeeded (I2 on its org, I7 on retirement).
+
+        A write that keeps the state (a heartbeat, an adoption) only updates the rows.
+        """
+        self.rows.worker_written(worker)
+        if before is worker.state:
+            return
         origin = before.value if before is not None else "new"
         reason = f" reason={worker.reason}" if worker.reason else ""
         self.note(
@@ -222,6 +260,19 @@ class InvariantChecker:
                 self.violation("I7", worker.id, f"retired a second time by cp-{replica}")
             self._retired.add(worker.id)
 
+    def claim_bound(self, replica: int, claim: Claim) -> None:
+        """A replica bound (and stored) `claim` (I2: its worker's org)."""
+        self.rows.claim_bound(claim)
+        self._same_org(claim.worker_id, claim.org, f"claim {claim.id}")
+
+    def claim_renewed(self, replica: int, claim: Claim) -> None:
+        """A replica extended `claim`'s lease."""
+        self.rows.claim_renewed(claim)
+
+    def claim_ended(self, replica: int, claim: Claim) -> None:
+        """A replica ended `claim` (released, expired or failed)."""
+        self.rows.claim_ended(claim)
+
     def spawn_reserved(self, replica: int, req: SpawnRequest, reserved: int) -> None:
         """A replica reserved spawn slots (I7: a janitor never fills beyond its target)."""
         if req.target is None or reserved == 0:
@@ -230,12 +281,7 @@ class InvariantChecker:
         self.note(
             f"cp-{replica} reserved {reserved} warm spawn slots, target {req.target}", req.pool
         )
-        row = self._db.execute(
-            "SELECT COUNT(*) FROM workers WHERE pool = ? AND state IN ('warm', 'spawning') "
-            "AND revision = ? AND (state = 'warm' OR org IS NULL)",
-            (req.pool, req.revision),
-        ).fetchone()
-        neutral = int(row[0])
+        neutral = self.rows.neutral[(req.pool, req.revision)]
         if neutral > req.target:
             self.violation(
                 "I7",
@@ -271,127 +317,112 @@ class InvariantChecker:
     # -- checks ------------------------------------------------------------------------------
 
     def check(self) -> None:
-        """Read the store and check every rule (called periodically and at the end)."""
+        """Check every rule on the rows as written (called periodically and at the end)."""
         self.checks += 1
         wall = self._wall()
         self._check_claims(wall)
-        self._check_new_claims()
         self._check_hot_idle(wall)
         self._check_in_flight(wall)
         self._check_caps()
         self._check_warm()
 
     def _check_claims(self, wall: float) -> None:
-        db = self._db
-        for worker, count in db.execute(
-            "SELECT worker_id, COUNT(*) FROM claims WHERE state = 'bound' "
-            "GROUP BY worker_id HAVING COUNT(*) > 1"
-        ):
-            self.violation("I1", worker, f"{count} bound claims on one worker")
-        for worker, claim in db.execute(
-            "SELECT w.id, w.claim_id FROM workers w WHERE w.state = 'hot' AND NOT EXISTS "
-            "(SELECT 1 FROM claims c WHERE c.id = w.claim_id AND c.state = 'bound' "
-            "AND c.worker_id = w.id)"
-        ):
-            self.violation("I1", worker, f"hot without its bound claim (claim_id {claim})")
-        for claim, worker, state, other in db.execute(
-            "SELECT c.id, c.worker_id, w.state, w.claim_id FROM claims c "
-            "LEFT JOIN workers w ON w.id = c.worker_id WHERE c.state = 'bound' "
-            "AND (w.id IS NULL OR w.state != 'hot' OR w.claim_id IS NOT c.id)"
-        ):
-            if state == WorkerState.HOT.value:
-                self.violation("I1", worker, f"claim {claim} is bound to a worker serving {other}")
-            else:
+        rows = self.rows
+        per_worker = rows.claims_per_worker
+        for worker_id in sorted(w for w, n in per_worker.items() if n > 1):
+            self.violation("I1", worker_id, f"{per_worker[worker_id]} bound claims on one worker")
+        for worker in rows.in_states(WorkerState.HOT):
+            claim = rows.claims.get(worker.claim_id or "")
+            if claim is None or claim.worker_id != worker.id:
                 self.violation(
-                    "I6",
-                    claim,
-                    f"claim bound to worker {worker} which is {state or 'gone'}: "
-                    "a lost worker's claim must fail",
+                    "I1", worker.id, f"hot without its bound claim (claim_id {worker.claim_id})"
                 )
+        bound = rows.bound_claims()
+        for claim in bound:
+            holder = rows.workers.get(claim.worker_id)
+            if holder is not None and holder.state is WorkerState.HOT:
+                if holder.claim_id != claim.id:
+                    self.violation(
+                        "I1",
+                        claim.worker_id,
+                        f"claim {claim.id} is bound to a worker serving {holder.claim_id}",
+                    )
+                continue
+            if holder is not None:
+                state = holder.state.value
+            else:
+                state = "retired" if claim.worker_id in self._retired else "gone"
+            self.violation(
+                "I6",
+                claim.id,
+                f"claim bound to worker {claim.worker_id} which is {state}: "
+                "a lost worker's claim must fail",
+            )
         now = self._now()
         expired_before = wall - self.grace_s
-        for claim, worker, expires_at in db.execute(
-            "SELECT id, worker_id, expires_at FROM claims WHERE state = 'bound' AND expires_at < ?",
-            (expired_before,),
-        ):
-            self.violation(
-                "I3",
-                claim,
-                f"lease expired {wall - expires_at:.0f}s ago (worker {worker}), "
-                f"beyond the {self.grace_s:.0f}s of two passes",
-            )
+        for claim in bound:
+            if claim.expires_at < expired_before:
+                self.violation(
+                    "I3",
+                    claim.id,
+                    f"lease expired {wall - claim.expires_at:.0f}s ago (worker "
+                    f"{claim.worker_id}), beyond the {self.grace_s:.0f}s of two passes",
+                )
         gone = [(w, t) for w, t in self._pod_gone.items() if now - t > self.grace_s]
-        for worker, since in gone:
-            claim = self._held.get(worker)
-            if claim is not None and self._still_bound(claim.id):
+        for worker_id, since in gone:
+            held = self._held.get(worker_id)
+            if held is not None and rows.still_bound(held.id):
                 self.violation(
                     "I6",
-                    claim.id,
-                    f"worker {worker}'s pod is gone since {now - since:.0f}s and "
+                    held.id,
+                    f"worker {worker_id}'s pod is gone since {now - since:.0f}s and "
                     "its claim is still bound",
                 )
             else:
                 # Settled: nothing more to watch for this pod.
-                del self._pod_gone[worker]
-
-    def _check_new_claims(self) -> None:
-        rows = self._db.execute(
-            "SELECT rowid, id, worker_id, org FROM claims WHERE rowid > ? ORDER BY rowid",
-            (self._claims_rowid,),
-        ).fetchall()
-        for rowid, claim, worker, org in rows:
-            self._claims_rowid = max(self._claims_rowid, rowid)
-            self._same_org(worker, org, f"claim {claim}")
+                del self._pod_gone[worker_id]
 
     def _check_hot_idle(self, wall: float) -> None:
         groups: dict[tuple[str, str], list[tuple[float, str]]] = {}
-        for worker, pool, org, idle_since, updated_at, ttl_s in self._db.execute(
-            "SELECT id, pool, org, idle_since, updated_at, ttl_s FROM workers "
-            "WHERE state = 'hot_idle'"
-        ):
-            since = idle_since if idle_since is not None else updated_at
-            expires = since + (ttl_s if ttl_s is not None else 60.0)
-            groups.setdefault((pool, org or ""), []).append((expires, worker))
+        for worker in self.rows.in_states(WorkerState.HOT_IDLE):
+            since = worker.idle_since if worker.idle_since is not None else worker.updated_at
+            expires = since + (worker.ttl_s if worker.ttl_s is not None else 60.0)
+            groups.setdefault((worker.pool, worker.org or ""), []).append((expires, worker.id))
         for (pool, org), members in groups.items():
             overdue = sorted(m for m in members if m[0] + self.grace_s < wall)
             removable = max(0, len(members) - self._floor(pool, org))
-            for expires, worker in overdue[:removable]:
+            for expires, worker_id in overdue[:removable]:
                 self.violation(
                     "I3",
-                    worker,
+                    worker_id,
                     f"hot_idle of org {org} {wall - expires:.0f}s past its TTL, beyond the "
                     f"{self.grace_s:.0f}s of two passes ({len(members)} parked, floor "
                     f"{self._floor(pool, org)})",
                 )
 
     def _check_in_flight(self, wall: float) -> None:
-        for worker, pool, state, updated_at, heartbeat_at in self._db.execute(
-            "SELECT id, pool, state, updated_at, heartbeat_at FROM workers "
-            "WHERE state IN ('spawning', 'reserved', 'activating')"
-        ):
-            spec = self._pools.get(pool)
+        for worker in self.rows.in_states(*_IN_FLIGHT):
+            spec = self._pools.get(worker.pool)
             if spec is None:
                 continue
             timeouts = spec.timeouts
-            if state == WorkerState.SPAWNING.value:
-                deadline = updated_at + timeouts.spawn_s
-            elif state == WorkerState.RESERVED.value:
-                deadline = updated_at + timeouts.reserve_s
+            if worker.state is WorkerState.SPAWNING:
+                deadline = worker.updated_at + timeouts.spawn_s
+            elif worker.state is WorkerState.RESERVED:
+                deadline = worker.updated_at + timeouts.reserve_s
             else:
-                deadline = max(updated_at, heartbeat_at) + timeouts.activation_s
+                deadline = max(worker.updated_at, worker.heartbeat_at) + timeouts.activation_s
             if wall > deadline + self.grace_s:
                 self.violation(
                     "I4",
-                    worker,
-                    f"{state} {wall - deadline:.0f}s past its timeout, beyond the "
-                    f"{self.grace_s:.0f}s of two passes",
+                    worker.id,
+                    f"{worker.state.value} {wall - deadline:.0f}s past its timeout, beyond "
+                    f"the {self.grace_s:.0f}s of two passes",
                 )
 
     def _check_caps(self) -> None:
         per_pool: dict[str, int] = {}
-        for pool, org, count in self._db.execute(
-            f"SELECT pool, org, COUNT(*) FROM workers WHERE state IN {LIVE_SQL} GROUP BY pool, org"
-        ):
+        for pool, org, count in self.rows.org_counts():
             per_pool[pool] = per_pool.get(pool, 0) + count
             if org is not None:
                 cap = self._org_cap(pool, org)
@@ -405,14 +436,8 @@ class InvariantChecker:
     def _check_warm(self) -> None:
         now = self._now()
         for name, spec in self._pools.items():
-            row = self._db.execute(
-                "SELECT "
-                "SUM(CASE WHEN revision = ? AND (state = 'warm' OR (state = 'spawning' "
-                "AND org IS NULL)) THEN 1 ELSE 0 END), COUNT(*) "
-                f"FROM workers WHERE pool = ? AND state IN {LIVE_SQL}",
-                (spec.revision, name),
-            ).fetchone()
-            neutral, live = int(row[0] or 0), int(row[1])
+            neutral = self.rows.neutral[(name, spec.revision)]
+            live = self.rows.per_pool[name]
             cap = self._pool_cap(name)
             short = neutral < spec.warm_target and (cap == 0 or live < cap)
             since = self._deficit_since.get(name)
@@ -432,38 +457,10 @@ class InvariantChecker:
                     f"since {now - since:.0f}s, with room under the cap",
                 )
 
-    # -- helpers -----------------------------------------------------------------------------
-
-    def _still_bound(self, claim_id: str) -> bool:
-        row = self._db.execute("SELECT state FROM claims WHERE id = ?", (claim_id,)).fetchone()
-        return row is not None and row[0] == "bound"
-
     def _same_org(self, worker: str, org: str, where: str) -> None:
         first = self._orgs.setdefault(worker, org)
         if first != org:
             self.violation("I2", worker, f"bound to org {first}, then to org {org} in {where}")
-
-    def violation(self, invariant: str, subject: str, detail: str) -> None:
-        """Record a violation (once per invariant and subject) with its trace."""
-        key = (invariant, subject)
-        if key in self._reported:
-            return
-        self._reported.add(key)
-        self.violations.append(
-            Violation(
-                t=self._now(),
-                invariant=invariant,
-                subject=subject,
-                detail=detail,
-                trace=self._trace(subject),
-            )
-        )
-
-    def _trace(self, subject: str) -> tuple[str, ...]:
-        about = list(self._by_subject.get(subject, ()))[-_TRACE_SUBJECT:]
-        recent = list(self._events)[-_TRACE_GLOBAL:]
-        merged = sorted(set(about) | set(recent))
-        return tuple(f"t={t:.1f}s {text}" for t, text in merged)
 
 
 def count_by(items: Iterable[Violation]) -> dict[str, int]:

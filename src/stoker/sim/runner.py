@@ -28,16 +28,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoker.adapters._rows import LIVE_SQL
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
+from stoker.ports.store import Store
 from stoker.sim import vloop
+from stoker.sim.baselines import derived_cap
 from stoker.sim.cluster.simcluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
-from stoker.sim.policies import Fleet, build_fleet, derived_cap, org_specs, pool_spec
+from stoker.sim.replicas import Fleet, build_fleet, org_specs, pool_spec
 from stoker.sim.scenario import Scenario
 
 #: The wall-clock origin of every run (2023-11-14T22:13:20Z): fixed, so timestamps in the
@@ -293,7 +294,6 @@ class _PolicyRun:
             return pool.min_hot_idle
 
         checker = InvariantChecker(
-            store=store,
             now=self.now,
             wall=self.clock.now,
             pools={pool.name: pool},
@@ -308,12 +308,12 @@ class _PolicyRun:
             scenario=view, cluster=cluster, store=store, clock=self.clock, observer=checker
         )
         await cluster.start()
-        for replica in fleet.replicas:
-            await replica.plane.start()
+        for plane in fleet.planes:
+            await plane.start()
         driver = LoadDriver(
             tenants=view.tenants,
             pool=pool.name,
-            targets=[replica.plane for replica in fleet.replicas],
+            targets=fleet.planes,
             clock=self.clock,
             seed=view.seed,
             observer=checker,
@@ -324,7 +324,7 @@ class _PolicyRun:
         sampler = asyncio.ensure_future(self._sample_every(cluster, store, fleet, driver))
         try:
             await self._drive(cluster, driver)
-            self._sample(cluster, store, fleet, driver)
+            await self._sample(cluster, store, fleet, driver)
             checker.check()
             summary = self._summary(cluster, store, fleet, driver, checker)
         finally:
@@ -332,8 +332,8 @@ class _PolicyRun:
             await asyncio.gather(sampler, return_exceptions=True)
             await driver.stop()
             await checker.stop()
-            for replica in fleet.replicas:
-                await replica.plane.stop()
+            for plane in fleet.planes:
+                await plane.stop()
             await cluster.stop()
             await store.close()
         return PolicyResult(
@@ -361,15 +361,15 @@ class _PolicyRun:
     # -- the timeseries ------------------------------------------------------------------------
 
     async def _sample_every(
-        self, cluster: SimCluster, store: SqliteStore, fleet: Fleet, driver: LoadDriver
+        self, cluster: SimCluster, store: Store, fleet: Fleet, driver: LoadDriver
     ) -> None:
         interval = self.view.sample_interval_s
         while True:
             await asyncio.sleep(interval)
-            self._sample(cluster, store, fleet, driver)
+            await self._sample(cluster, store, fleet, driver)
 
-    def _sample(
-        self, cluster: SimCluster, store: SqliteStore, fleet: Fleet, driver: LoadDriver
+    async def _sample(
+        self, cluster: SimCluster, store: Store, fleet: Fleet, driver: LoadDriver
     ) -> None:
         """One row of the timeseries, and the integrals and peaks it feeds."""
         t = round(self.now(), 6)
@@ -377,16 +377,14 @@ class _PolicyRun:
             return
         elapsed = t - (self.samples[-1]["t_s"] if self.samples else 0.0)
         counts = dict.fromkeys(_WORKER_STATES, 0)
-        for state, count in store.db.execute(
-            f"SELECT state, COUNT(*) FROM workers WHERE state IN {LIVE_SQL} GROUP BY state"
-        ):
-            counts[state] = count
+        for count in await store.count_workers():
+            counts[count.state.value] += count.count
         snap = cluster.snapshot()
         nodes = snap.nodes_by_state
         cpu = self.view.pool.cpu_cores
         alive = sum(n for state, n in nodes.items() if state != "terminated")
         leader = fleet.leader()
-        janitor = leader.plane.janitor if leader is not None else None
+        janitor = fleet.planes[leader].janitor if leader is not None else None
         row: dict[str, Any] = {"t_s": t, **counts}
         row.update(
             {
@@ -409,7 +407,7 @@ class _PolicyRun:
                 "placeholder_vcpu": _label_cpu(snap, "stoker.dev/placeholder"),
                 "node_vcpu": snap.allocatable.cpu + snap.allocatable_launching.cpu,
                 "background_vcpu": _background_cpu(snap),
-                "leader": -1 if leader is None else leader.index,
+                "leader": -1 if leader is None else leader,
                 "cost_usd": snap.node_cost_usd,
             }
         )
@@ -426,7 +424,7 @@ class _PolicyRun:
     def _summary(
         self,
         cluster: SimCluster,
-        store: SqliteStore,
+        store: Store,
         fleet: Fleet,
         driver: LoadDriver,
         checker: InvariantChecker,
@@ -440,10 +438,10 @@ class _PolicyRun:
         last = self.samples[-1] if self.samples else {}
         retirements = _counter(fleet, "stoker_retirements", "reason")
         pod_starts = fleet.pod_starts()
-        electors = [replica.elector for replica in fleet.replicas]
+        electors = fleet.electors
         return {
             "policy": self.entry.policy,
-            "replicas": len(fleet.replicas),
+            "replicas": len(fleet.planes),
             "claims": {
                 "attempts": bound + sum(stats.failures.values()),
                 "bound": bound,
@@ -540,8 +538,8 @@ def _inner_electors(electors: Iterable[object]) -> list[object]:
 def _counter(fleet: Fleet, name: str, label: str) -> dict[str, int]:
     """A Prometheus counter of every replica, summed by one label."""
     totals: Counter[str] = Counter()
-    for replica in fleet.replicas:
-        for family in replica.plane.metrics.registry.collect():
+    for plane in fleet.planes:
+        for family in plane.metrics.registry.collect():
             if family.name != name:
                 continue
             for sample in family.samples:
