@@ -30,11 +30,11 @@ import looptime
 
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import Container, Pod, PodSpec
+from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.cluster.autoscaler import AutoscalerConfig
 from stoker.sim.cluster.config import SimClusterConfig
 from stoker.sim.cluster.model import DO_NOT_DISRUPT
 from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME
-from stoker.sim.cluster.simcluster import ClusterSnapshot, SimCluster
 from stoker.sim.cluster.specs import NodePoolConfig
 from stoker.sim.cluster.workloads import (
     BackgroundConfig,

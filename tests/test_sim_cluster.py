@@ -32,6 +32,7 @@ from stoker.ports.cluster import (
     PodSpec,
     Toleration,
 )
+from stoker.sim.cluster import SimCluster
 from stoker.sim.cluster.autoscaler import AutoscalerConfig
 from stoker.sim.cluster.client import FaultKind, FaultSpec
 from stoker.sim.cluster.config import SimClusterConfig
@@ -41,7 +42,6 @@ from stoker.sim.cluster.kubelet import KubeletConfig
 from stoker.sim.cluster.model import DO_NOT_DISRUPT, LABEL_HOSTNAME
 from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME
 from stoker.sim.cluster.scheduler import SchedulerConfig
-from stoker.sim.cluster.simcluster import SimCluster
 from stoker.sim.cluster.specs import Archetype, NodePoolConfig, Shape, Taint, WorkloadKind
 from stoker.sim.cluster.workloads import BackgroundConfig, StepProfile
 

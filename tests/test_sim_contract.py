@@ -15,9 +15,9 @@ import pytest
 
 from cluster_contract import ClusterContract
 from stoker.ports.clock import LoopClock
+from stoker.sim.cluster import SimCluster
 from stoker.sim.cluster.client import SimClient
 from stoker.sim.cluster.config import SimClusterConfig
-from stoker.sim.cluster.simcluster import SimCluster
 
 EPOCH = 1_700_000_000.0
 

@@ -35,7 +35,7 @@ from stoker.ports.clock import LoopClock
 from stoker.ports.store import Store
 from stoker.sim import vloop
 from stoker.sim.baselines import derived_cap
-from stoker.sim.cluster.simcluster import ClusterSnapshot, SimCluster
+from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
 from stoker.sim.replicas import Fleet, build_fleet, org_specs, pool_spec

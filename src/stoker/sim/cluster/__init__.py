@@ -20,16 +20,12 @@ Nothing here knows of scenarios, policies or the control plane: the scale test
 (`stoker.sim`) sits on top.
 """
 
-from stoker.sim.cluster.apiserver import FakeApiServer, PodChange
+from stoker.sim.cluster.apiserver import FakeApiServer
+from stoker.sim.cluster.changes import PodChange
 from stoker.sim.cluster.client import SimClient
 from stoker.sim.cluster.config import SimClusterConfig
-from stoker.sim.cluster.simcluster import (
-    ClusterSnapshot,
-    NodeView,
-    PodUsage,
-    Resources,
-    SimCluster,
-)
+from stoker.sim.cluster.simcluster import SimCluster
+from stoker.sim.cluster.snapshot import ClusterSnapshot, NodeView, PodUsage, Resources
 
 __all__ = [
     "ClusterSnapshot",

@@ -20,24 +20,21 @@ and `finish_deletion`, and follows every change through `add_listener`; tests in
 faults with `fail_next`, `drop_watches` and `set_latency`. Nothing here starts a thread
 or does I/O, so it runs on a virtual-time loop, and nothing iterates in an order that
 depends on object addresses or string hashing, so a seeded simulation replays exactly.
+
+Its parts: `changes` (the history, watches and listeners), `leases`, `calls` (what tests
+inject into calls) and `validation` (names and labels).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import itertools
-import re
-from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from dataclasses import replace
 
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import (
     ClusterError,
     Conflict,
-    Gone,
     Invalid,
     Lease,
     ObjectNotFound,
@@ -48,59 +45,10 @@ from stoker.ports.cluster import (
     WatchEvent,
     WatchEventType,
 )
-
-#: The port calls that count in `calls` and that `fail_next` and `set_latency` can target.
-OPERATIONS = frozenset(
-    {
-        "create_pod",
-        "delete_pod",
-        "patch_pod",
-        "get_pod",
-        "list_pods",
-        "watch_pods",
-        "get_lease",
-        "create_lease",
-        "update_lease",
-    }
-)
-
-# Object names are DNS-1123 subdomains; label names and values follow the label syntax.
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
-
-
-def _check_name(kind: str, name: str) -> None:
-    if not name or len(name) > 253 or not _NAME.fullmatch(name):
-        raise Invalid(f"{kind} name {name!r} is not a DNS-1123 subdomain", status=422)
-
-
-def _check_labels(labels: Mapping[str, str]) -> None:
-    for key, value in labels.items():
-        problem = _label_problem(key, value)
-        if problem is not None:
-            raise Invalid(problem, status=422)
-
-
-# Cached: a simulated fleet creates the same label pairs on thousands of pods.
-@lru_cache(maxsize=65536)
-def _label_problem(key: str, value: str) -> str | None:
-    prefix, _, name = key.rpartition("/")
-    if "/" in key and (not prefix or len(prefix) > 253 or not _NAME.fullmatch(prefix)):
-        return f"label key {key!r}: invalid prefix"
-    if len(name) > 63 or not _LABEL_NAME.fullmatch(name):
-        return f"label key {key!r}: invalid name"
-    if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
-        return f"label {key!r}: invalid value {value!r}"
-    return None
-
-
-def _matches(labels: Mapping[str, str], selector: Selector) -> bool:
-    return all(labels.get(key) == value for key, value in selector.items())
-
-
-def _selector_key(selector: Selector) -> _SelectorKey:
-    return tuple(sorted(selector.items()))
+from stoker.sim.cluster.calls import CallGate
+from stoker.sim.cluster.changes import ChangeFeed, PodChange, PodListener, matches
+from stoker.sim.cluster.leases import LeaseTable
+from stoker.sim.cluster.validation import check_labels, check_name
 
 
 def _merge(current: Mapping[str, str], patch: Mapping[str, str | None] | None) -> dict[str, str]:
@@ -113,52 +61,9 @@ def _merge(current: Mapping[str, str], patch: Mapping[str, str | None] | None) -
     return merged
 
 
-@dataclass(frozen=True, slots=True)
-class PodChange:
-    """One write to a pod: its state before (None when created) and after.
-
-    For a deletion `after` is the last state, stamped with the deletion's resourceVersion.
-    Listeners (`FakeApiServer.add_listener`) receive every change in order.
-    """
-
-    rv: int
-    type: WatchEventType
-    before: Pod | None
-    after: Pod
-
-    def seen_through(self, selector: Selector) -> WatchEvent | None:
-        """The event a watch with `selector` receives, as the watch cache computes it."""
-        now = _matches(self.after.labels, selector)
-        was = self.before is not None and _matches(self.before.labels, selector)
-        if self.type is WatchEventType.MODIFIED:
-            if was and now:
-                return WatchEvent(WatchEventType.MODIFIED, self.after)
-            if now:
-                return WatchEvent(WatchEventType.ADDED, self.after)
-            if was:
-                return WatchEvent(WatchEventType.DELETED, self.after)
-            return None
-        return WatchEvent(self.type, self.after) if now else None
-
-
-#: A selector in a hashable, order-independent form: watches with equal selectors share
-#: one match per change.
-_SelectorKey = tuple[tuple[str, str], ...]
-
-#: Called with every change, after the watches got it; must not write to the server.
-PodListener = Callable[[PodChange], None]
 #: Called when a graceful deletion starts (or is shortened) with the pod as stamped and
 #: the grace in seconds; it owns finishing the deletion through `finish_deletion`.
 TerminationHook = Callable[[Pod, float], None]
-
-
-@dataclass(slots=True, eq=False)  # compared by identity: each open watch is its own
-class _Watch:
-    selector: Selector
-    #: Who opened it (a client view's name), so that faults can drop one client's watches.
-    owner: str | None = None
-    # None ends the watch: the server dropped it.
-    queue: asyncio.Queue[WatchEvent | None] = field(default_factory=asyncio.Queue)
 
 
 class FakeApiServer:
@@ -179,28 +84,19 @@ class FakeApiServer:
         default_grace_s: float = 30.0,
         on_terminating: TerminationHook | None = None,
     ) -> None:
-        if history_size < 1:
-            raise ValueError("history_size must be >= 1")
         self._clock = clock
         self._namespace = namespace
-        self._history_size = history_size
         self._default_grace_s = default_grace_s
         self._rv = 0
         self._pods: dict[str, Pod] = {}
-        self._leases: dict[str, Lease] = {}
-        self._history: deque[PodChange] = deque()
-        # A watch from any rv >= this one misses nothing; older ones get Gone.
-        self._oldest_rv = 0
-        # Insertion-ordered dicts, not sets: delivery order must not depend on addresses.
-        self._watches: dict[_SelectorKey, dict[_Watch, None]] = {}
-        self._listeners: list[PodListener] = []
+        self._leases = LeaseTable(namespace, self._next_rv)
+        self._feed = ChangeFeed(history_size)
         self._on_terminating = on_terminating
         self._terminations: dict[str, asyncio.Task[None]] = {}
-        self._faults: dict[str, deque[ClusterError]] = {}
-        self._latency: dict[str | None, float] = {}
-        self._closed = False
+        self._gate = CallGate(clock)
         #: How often each port operation was called (failed calls included).
-        self.calls: Counter[str] = Counter()
+        self.calls = self._gate.calls
+        self._enter = self._gate.enter
 
     # -- the ClusterAPI port -------------------------------------------------------------
 
@@ -229,7 +125,7 @@ class FakeApiServer:
         await self._enter("patch_pod")
         pod = self._pod(name)
         new_labels = _merge(pod.labels, labels)
-        _check_labels(new_labels)
+        check_labels(new_labels)
         new_annotations = _merge(pod.annotations, annotations)
         same_labels = new_labels == pod.labels
         same_annotations = new_annotations == pod.annotations
@@ -250,9 +146,7 @@ class FakeApiServer:
     async def list_pods(self, selector: Selector) -> PodList:
         """Matching pods, ordered by name as the API server orders them, and the current rv."""
         await self._enter("list_pods")
-        items = tuple(
-            pod for _, pod in sorted(self._pods.items()) if _matches(pod.labels, selector)
-        )
+        items = tuple(pod for _, pod in sorted(self._pods.items()) if matches(pod.labels, selector))
         return PodList(items=items, resource_version=str(self._rv))
 
     def watch_pods(
@@ -269,36 +163,16 @@ class FakeApiServer:
     async def create_lease(self, lease: Lease) -> Lease:
         """Store a new lease; `Conflict` if it exists."""
         await self._enter("create_lease")
-        _check_name("lease", lease.name)
-        if lease.namespace and lease.namespace != self._namespace:
-            raise Invalid(
-                f"lease namespace {lease.namespace!r} is not {self._namespace!r}", status=400
-            )
-        if lease.name in self._leases:
-            raise Conflict(f'leases.coordination.k8s.io "{lease.name}" already exists', status=409)
-        created = replace(lease, namespace=self._namespace, resource_version=self._next_rv())
-        self._leases[lease.name] = created
-        return created
+        return self._leases.create(lease)
 
     async def update_lease(self, lease: Lease) -> Lease:
         """Replace the lease if `lease.resource_version` is still current (compare-and-set)."""
         await self._enter("update_lease")
-        current = self._leases.get(lease.name)
-        if current is None:
-            raise ObjectNotFound(f'leases.coordination.k8s.io "{lease.name}" not found', status=404)
-        if lease.resource_version and lease.resource_version != current.resource_version:
-            raise Conflict(
-                f'Operation cannot be fulfilled on leases.coordination.k8s.io "{lease.name}": '
-                "the object has been modified; please apply your changes to the latest version",
-                status=409,
-            )
-        updated = replace(lease, namespace=self._namespace, resource_version=self._next_rv())
-        self._leases[lease.name] = updated
-        return updated
+        return self._leases.update(lease)
 
     async def close(self) -> None:
         """Shut the cluster down: open watches end, pending deletions stop, calls fail."""
-        self._closed = True
+        self._gate.closed = True
         self.drop_watches()
         pending = list(self._terminations.values())
         self._terminations.clear()
@@ -316,7 +190,7 @@ class FakeApiServer:
     @property
     def open_watches(self) -> int:
         """How many watches are streaming right now."""
-        return sum(len(group) for group in self._watches.values())
+        return self._feed.open_watches
 
     def add_listener(self, listener: PodListener) -> None:
         """Call `listener` with every pod change, synchronously, in resourceVersion order.
@@ -324,54 +198,20 @@ class FakeApiServer:
         It runs after the change reached the watches and must not write to the server
         (a nested write would reach listeners before the change that caused it).
         """
-        self._listeners.append(listener)
+        self._feed.add_listener(listener)
 
-    async def open_watch(
+    def open_watch(
         self, selector: Selector, resource_version: str, *, owner: str | None = None
     ) -> AsyncGenerator[WatchEvent, None]:
         """`watch_pods`, tagged with the `owner` that `drop_watches(owner)` can target."""
-        await self._enter("watch_pods")
-        selector = dict(selector)
-        key = _selector_key(selector)
-        watch = _Watch(selector, owner)
-        # Choosing the backlog and subscribing happen with no await in between, so no
-        # change can fall between them or be delivered twice.
-        backlog: list[WatchEvent]
-        if resource_version in ("", "0"):
-            backlog = [
-                WatchEvent(WatchEventType.ADDED, pod)
-                for _, pod in sorted(self._pods.items())
-                if _matches(pod.labels, selector)
-            ]
-        else:
-            since = self._parse_rv(resource_version)
-            if since < self._oldest_rv:
-                raise Gone(f"too old resource version: {since} ({self._oldest_rv})", status=410)
-            # From the newest back to `since`: a watch resumes near the head, and walking
-            # the whole history for each resume cost more than everything else it does.
-            newer = list(itertools.takewhile(lambda c: c.rv > since, reversed(self._history)))
-            backlog = [
-                event
-                for change in reversed(newer)
-                if (event := change.seen_through(selector)) is not None
-            ]
-        self._watches.setdefault(key, {})[watch] = None
-        try:
-            for event in backlog:
-                yield event
-            while (live := await watch.queue.get()) is not None:
-                yield live
-        finally:
-            group = self._watches.get(key)
-            if group is not None:
-                group.pop(watch, None)
-                if not group:
-                    del self._watches[key]
+        return self._feed.watch(
+            selector, resource_version, owner=owner, enter=self._enter, pods=self._pods
+        )
 
     def create_pod_nowait(self, pod: Pod) -> Pod:
         """`create_pod` as an in-cluster controller does it: no latency, faults or counting."""
-        _check_name("pod", pod.name)
-        _check_labels(pod.labels)
+        check_name("pod", pod.name)
+        check_labels(pod.labels)
         if pod.namespace and pod.namespace != self._namespace:
             raise Invalid(f"pod namespace {pod.namespace!r} is not {self._namespace!r}", status=400)
         if not pod.spec.containers:
@@ -463,55 +303,27 @@ class FakeApiServer:
 
     def compact(self) -> None:
         """Forget the whole change history, as an etcd compaction does: older watches get Gone."""
-        self._history.clear()
-        self._oldest_rv = self._rv
+        self._feed.compact(self._rv)
 
     # -- fault injection -----------------------------------------------------------------
 
     def fail_next(self, operation: str, error: ClusterError, times: int = 1) -> None:
         """Make the next `times` calls of `operation` raise `error` (after any latency)."""
-        if operation not in OPERATIONS:
-            raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
-        self._faults.setdefault(operation, deque()).extend([error] * times)
+        self._gate.fail_next(operation, error, times)
 
     def drop_watches(self, owner: str | None = None) -> None:
         """End every open watch (or only `owner`'s), as an API server restart would."""
-        for group in self._watches.values():
-            for watch in group:
-                if owner is None or watch.owner == owner:
-                    watch.queue.put_nowait(None)
+        self._feed.drop(owner)
 
     def set_latency(self, seconds: float, operation: str | None = None) -> None:
         """Delay every call of `operation` (all of them if None) by `seconds` of clock time."""
-        if operation is not None and operation not in OPERATIONS:
-            raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
-        if seconds < 0:
-            raise ValueError("latency must be >= 0")
-        self._latency[operation] = seconds
+        self._gate.set_latency(seconds, operation)
 
     # -- internals -----------------------------------------------------------------------
-
-    async def _enter(self, operation: str) -> None:
-        if self._closed:
-            raise ClusterError("the fake API server is closed")
-        self.calls[operation] += 1
-        delay = self._latency.get(operation, self._latency.get(None, 0.0))
-        if delay > 0:
-            await self._clock.sleep(delay)
-        faults = self._faults.get(operation)
-        if faults:
-            # A copy, so that a fault injected N times does not share one traceback.
-            raise copy.copy(faults.popleft())
 
     def _next_rv(self) -> str:
         self._rv += 1
         return str(self._rv)
-
-    def _parse_rv(self, resource_version: str) -> int:
-        try:
-            return int(resource_version)
-        except ValueError:
-            raise Invalid(f"invalid resourceVersion {resource_version!r}", status=400) from None
 
     def _pod(self, name: str) -> Pod:
         pod = self._pods.get(name)
@@ -597,15 +409,4 @@ class FakeApiServer:
         self._record(WatchEventType.DELETED, pod, replace(pod, resource_version=self._next_rv()))
 
     def _record(self, kind: WatchEventType, before: Pod | None, after: Pod) -> None:
-        change = PodChange(int(after.resource_version), kind, before, after)
-        self._history.append(change)
-        while len(self._history) > self._history_size:
-            self._oldest_rv = self._history.popleft().rv
-        for group in self._watches.values():
-            # All watches of a group share the selector: match once, deliver to each.
-            event = change.seen_through(next(iter(group)).selector)
-            if event is not None:
-                for watch in group:
-                    watch.queue.put_nowait(event)
-        for listener in self._listeners:
-            listener(change)
+        self._feed.record(PodChange(int(after.resource_version), kind, before, after))

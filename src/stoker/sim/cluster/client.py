@@ -52,7 +52,8 @@ from stoker.ports.cluster import (
     Throttled,
     WatchEvent,
 )
-from stoker.sim.cluster.apiserver import OPERATIONS, FakeApiServer
+from stoker.sim.cluster.apiserver import FakeApiServer
+from stoker.sim.cluster.calls import OPERATIONS
 from stoker.sim.cluster.distributions import Distribution, distribution_from
 
 

@@ -39,6 +39,9 @@ class DisruptionBudgets:
         self._by_name: dict[tuple[str, str], PodDisruptionBudget] = {}
         self._by_label: dict[tuple[str, str, str], list[PodDisruptionBudget]] = {}
         self._select_all: dict[str, list[PodDisruptionBudget]] = {}
+        #: Evictions the Eviction API allowed and carried out, and those it refused.
+        self.evictions = 0
+        self.refusals = 0
 
     def __iter__(self) -> Iterator[PodDisruptionBudget]:
         return iter(list(self._by_name.values()))
@@ -93,6 +96,17 @@ class DisruptionBudgets:
         """The pod is gone."""
         for budget in list(pod.pdbs):
             self._leave(budget, pod)
+
+    def evict(self, pod: SimPod) -> EvictionVerdict:
+        """The Eviction API: delete the pod gracefully unless a budget forbids it (429) or
+        several budgets select it (500); the verdict either way."""
+        verdict = self.verdict(pod)
+        if verdict is EvictionVerdict.ALLOWED:
+            self.evictions += 1
+            pod.server.evict(pod.name, delete=True)
+        else:
+            self.refusals += 1
+        return verdict
 
     def verdict(self, pod: SimPod) -> EvictionVerdict:
         """The Eviction API's answer for `pod` right now."""
