@@ -28,16 +28,19 @@ from stoker.adapters.store_sqlite import SqliteStore
 from stoker.bootstrap import (
     ELECTOR_BURST,
     ELECTOR_QPS,
+    Closer,
     JsonFormatter,
     KvFormatter,
     build_control_plane,
+    build_plane,
     kubernetes_namespace,
 )
 from stoker.config import KubernetesRuntimeConfig, StokerConfig
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import ConfigError
-from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate
+from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec, ProcessTemplate
+from stoker.ports.clock import LoopClock
 from stoker.ports.elector import SoleLeader
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces"
@@ -171,6 +174,45 @@ async def test_sqlite_builds_local_processes_and_a_sole_leader(tmp_path: Path) -
     assert plane.closers == ()
     [pool] = plane.manager.pools.values()
     assert isinstance(pool.template, ProcessTemplate)
+
+
+async def test_build_plane_gives_one_instance_id_to_every_part_and_keeps_their_closers(
+    tmp_path: Path,
+) -> None:
+    """The builder both `stoker serve` and the simulator build their replicas with."""
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    seen: list[tuple[str, str]] = []
+
+    async def close_client() -> None:
+        pass
+
+    def runtime(instance_id: str, closers: list[Closer]) -> MemoryRuntime:
+        seen.append(("runtime", instance_id))
+        closers.append(close_client)
+        return MemoryRuntime()
+
+    def elector(instance_id: str, closers: list[Closer]) -> StoreLeaseElector:
+        seen.append(("elector", instance_id))
+        return StoreLeaseElector(store, clock=LoopClock(), identity=instance_id, name="lease")
+
+    pool = PoolSpec(name="demo", template=ProcessTemplate(argv=("worker",)))
+    plane = build_plane(
+        pools=[pool],
+        orgs=(),
+        settings=PlaneSettings(),
+        clock=LoopClock(),
+        ids=Ids(7),
+        store=store,
+        runtime=runtime,
+        elector=elector,
+    )
+    assert plane.instance_id == Ids(7).instance()
+    assert seen == [("runtime", plane.instance_id), ("elector", plane.instance_id)]
+    assert plane.store is store and isinstance(plane.runtime, MemoryRuntime)
+    assert isinstance(plane.elector, StoreLeaseElector)
+    assert plane.elector.identity == plane.instance_id
+    assert plane.closers == (close_client,)
+    assert list(plane.manager.pools) == ["demo"]
 
 
 async def test_postgres_builds_a_store_lease_elector() -> None:
