@@ -175,8 +175,8 @@ class Profiler:
 CATEGORIES = [
     ("sqlite store (stoker/adapters/store_sqlite.py, sqlite3)", ("store_sqlite.py", "_rows.py")),
     (
-        "activation client (runtime_local + aiohttp)",
-        ("runtime_local.py", "aiohttp/", "yarl/", "multidict/"),
+        "activation client (activator_http + aiohttp)",
+        ("activator_http.py", "aiohttp/", "yarl/", "multidict/"),
     ),
     ("control plane (stoker/control, policy)", ("stoker/control/", "stoker/policy/")),
     ("logging (one line per state change)", ("logging/__init__.py", "stoker/bootstrap.py")),

@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
@@ -50,6 +51,7 @@ async def make_plane(db: Path, **pool: Any) -> ControlPlane:
         runtime=LocalProcessRuntime(
             clock=clock, fleet="bench-" + uuid.uuid4().hex[:6], instance_id="bench"
         ),
+        activator=HttpActivator(),
         pools=[PoolSpec(name="demo", template=DEMO, **pool)],
         settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
         clock=clock,

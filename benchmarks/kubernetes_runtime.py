@@ -40,9 +40,9 @@ from stoker.control.plane import ControlPlane
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec
 from stoker.domain.states import WorkerState
+from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import Lease, Pod, PodList, PodPhase, Selector, WatchEvent
-from stoker.ports.runtime import ActivationPayload
 from stoker.sim.cluster import FakeApiServer
 
 T = TypeVar("T")
@@ -61,8 +61,14 @@ TEMPLATE = PodTemplate(
 )
 
 
-async def no_activation(worker: Worker, payload: ActivationPayload, timeout: float) -> None:
-    return None
+class NoActivation:
+    """An activator for pools whose claims are not measured here."""
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
 
 class BudgetedCluster:
@@ -151,11 +157,11 @@ async def creation_rate(qps: int, pods: int, db: Path) -> tuple[float, float, fl
         clock=clock,
         fleet="bench",
         instance_id="cp-bench",
-        activator=no_activation,
     )
     plane = ControlPlane(
         store=SqliteStore(str(db)),
         runtime=runtime,
+        activator=NoActivation(),
         pools=[PoolSpec(name="duck", template=TEMPLATE, warm_target=pods)],
         settings=PlaneSettings(
             spawn_rate=qps, spawn_burst=burst, janitor_interval_s=3600, reaper_interval_s=3600
@@ -185,9 +191,7 @@ async def cache_memory(pods: int) -> tuple[float, float]:
     clock = LoopClock(epoch=1_700_000_000.0)
     server = FakeApiServer(clock=clock, namespace="stoker", history_size=4 * pods)
     pool = PoolSpec(name="duck", template=TEMPLATE)
-    creator = KubernetesRuntime(
-        cluster=server, clock=clock, fleet="bench", instance_id="cp-a", activator=no_activation
-    )
+    creator = KubernetesRuntime(cluster=server, clock=clock, fleet="bench", instance_id="cp-a")
     for index in range(pods):
         worker = Worker(
             id=f"w-{index:012x}",
@@ -210,9 +214,7 @@ async def cache_memory(pods: int) -> tuple[float, float]:
     # Unlimited budget: this figure is about memory, not pacing.
     budget = TokenBucket(clock, rate=1e9, burst=1_000_000)
     cluster = BudgetedCluster(server, budget, decode=True)
-    runtime = KubernetesRuntime(
-        cluster=cluster, clock=clock, fleet="bench", instance_id="cp-b", activator=no_activation
-    )
+    runtime = KubernetesRuntime(cluster=cluster, clock=clock, fleet="bench", instance_id="cp-b")
 
     class Quiet:
         def worker_ready(self, worker_id: str, endpoint: str) -> None:

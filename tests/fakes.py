@@ -2,9 +2,11 @@
 
 `MemoryRuntime` replaces worker processes in the unit and property tests of the pool
 manager and janitor: a hypothesis state machine runs thousands of lifecycles, which real
-processes would make minutes long. It keeps the worker side of the activation protocol
-(second org and stale epochs are rejected) so control-plane fencing bugs still surface.
-Integration tests use the real local-process runtime and demo workers instead.
+processes would make minutes long. It is also its workers' `Activator` and keeps the worker
+side of the activation protocol (another worker's payload, a second org and stale epochs
+are rejected) so control-plane fencing bugs still surface. The Runtime and Activator
+contract suites check it against the real adapters (`tests/test_fakes.py`). Integration
+tests use the real local-process runtime and demo workers instead.
 
 `FaultyStore` wraps a real store and fails chosen writes *before* they reach it, the way a
 lost connection does, to test persist-before-mutate.
@@ -22,7 +24,8 @@ from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import ClaimState, WorkerState
-from stoker.ports.runtime import ActivationPayload, RuntimeListener, RuntimeObject
+from stoker.ports.activator import ActivationPayload
+from stoker.ports.runtime import RuntimeListener, RuntimeObject
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount, Store
 
 
@@ -44,7 +47,8 @@ class FakeProcess:
 
 
 class MemoryRuntime:
-    """A runtime whose workers are dictionary entries (see the module docstring)."""
+    """A runtime whose workers are dictionary entries, and their activator (see the module
+    docstring). `procs` may be shared by a second instance: a restarted runtime."""
 
     kind = "memory"
 
@@ -91,7 +95,7 @@ class MemoryRuntime:
             return
         proc.ready = True
         assert self.listener is not None
-        self.listener.worker_ready(worker_id, f"mem://{worker_id}")
+        self.listener.worker_ready(worker_id, _endpoint(worker_id))
 
     def kill(self, worker_id: str, reason: str = "lost") -> None:
         """The process dies on its own (the runtime reports it)."""
@@ -138,7 +142,15 @@ class MemoryRuntime:
 
     async def list_objects(self) -> list[RuntimeObject]:
         return [
-            RuntimeObject(p.worker_id, p.pool, {"fake": p.worker_id}, 0.0, True, p.ready)
+            RuntimeObject(
+                p.worker_id,
+                p.pool,
+                {"fake": p.worker_id},
+                0.0,
+                True,
+                p.ready,
+                endpoint=_endpoint(p.worker_id) if p.ready else None,
+            )
             for p in self.procs.values()
             if p.alive
         ]
@@ -153,6 +165,11 @@ class MemoryRuntime:
 
     def alive(self) -> set[str]:
         return {wid for wid, p in self.procs.items() if p.alive}
+
+
+def _endpoint(worker_id: str) -> str:
+    """Where a memory worker "listens"."""
+    return f"mem://{worker_id}"
 
 
 _WRITES = frozenset(

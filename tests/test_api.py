@@ -93,7 +93,7 @@ async def running(
         }
     )
     runtime = MemoryRuntime(ready_delay=0.2)
-    plane = build_control_plane(cfg, runtime=runtime)
+    plane = build_control_plane(cfg, runtime=runtime, activator=runtime)
     app = create_app(plane, cfg.api, manage_plane=False)
     if start:
         await plane.start(loops=False)
@@ -762,7 +762,7 @@ async def test_lifespan_starts_the_plane_and_leaves_workers_on_shutdown(tmp_path
         {"store": f"sqlite:///{tmp_path}/stoker.db", "pools": [pool()]}
     )
     runtime = MemoryRuntime(ready_delay=0.2)
-    plane = build_control_plane(cfg, runtime=runtime)
+    plane = build_control_plane(cfg, runtime=runtime, activator=runtime)
     app = create_app(plane, cfg.api)
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     sent: list[dict[str, Any]] = []
@@ -793,7 +793,7 @@ async def test_lifespan_stops_workers_when_asked(tmp_path: Path) -> None:
         {"store": f"sqlite:///{tmp_path}/stoker.db", "pools": [pool()]}
     )
     runtime = MemoryRuntime(ready_delay=0.2)
-    plane = build_control_plane(cfg, runtime=runtime)
+    plane = build_control_plane(cfg, runtime=runtime, activator=runtime)
     app = create_app(plane, cfg.api, stop_workers=True)
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
@@ -815,7 +815,8 @@ async def test_a_failed_start_is_reported_in_one_line(tmp_path: Path) -> None:
     cfg = StokerConfig.model_validate(
         {"store": f"sqlite:///{tmp_path}/no/such/dir/stoker.db", "pools": [pool()]}
     )
-    plane = build_control_plane(cfg, runtime=MemoryRuntime())
+    runtime = MemoryRuntime()
+    plane = build_control_plane(cfg, runtime=runtime, activator=runtime)
     app = create_app(plane, cfg.api)
     sent = await _lifespan(app, "lifespan.startup")
     assert sent == [{"type": "lifespan.startup.failed", "message": ""}]

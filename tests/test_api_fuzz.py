@@ -62,7 +62,8 @@ class ThreadedServer:
 
     def __init__(self, tmp: Path) -> None:
         config_ = config(f"sqlite:///{tmp}/stoker.db")
-        plane = build_control_plane(config_, runtime=MemoryRuntime(ready_delay=0.0))
+        runtime = MemoryRuntime(ready_delay=0.0)
+        plane = build_control_plane(config_, runtime=runtime, activator=runtime)
         self.app = create_app(plane, config_.api, stop_workers=True)
         self.sock = bind("127.0.0.1", 0)
         self.url = bound_url(self.sock)
@@ -104,7 +105,8 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedSe
 def openapi_document() -> dict[str, object]:
     """The document the server serves (the app is built, never started, for it)."""
     document_config = config("sqlite:///:memory:")
-    plane = build_control_plane(document_config, runtime=MemoryRuntime())
+    runtime = MemoryRuntime()
+    plane = build_control_plane(document_config, runtime=runtime, activator=runtime)
     return create_app(plane, document_config.api).openapi()
 
 

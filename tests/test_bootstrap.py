@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from fakes import MemoryRuntime
+from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
 from stoker.adapters.elector_store import StoreLeaseElector
@@ -28,9 +29,11 @@ from stoker.adapters.store_sqlite import SqliteStore
 from stoker.bootstrap import (
     ELECTOR_BURST,
     ELECTOR_QPS,
+    POD_ACTIVATION_RETRY_S,
     Closer,
     JsonFormatter,
     KvFormatter,
+    build_activator,
     build_control_plane,
     build_plane,
     kubernetes_namespace,
@@ -204,6 +207,7 @@ async def test_build_plane_gives_one_instance_id_to_every_part_and_keeps_their_c
         ids=Ids(7),
         store=store,
         runtime=runtime,
+        activator=HttpActivator(),
         elector=elector,
     )
     assert plane.instance_id == Ids(7).instance()
@@ -213,6 +217,14 @@ async def test_build_plane_gives_one_instance_id_to_every_part_and_keeps_their_c
     assert plane.elector.identity == plane.instance_id
     assert plane.closers == (close_client,)
     assert list(plane.manager.pools) == ["demo"]
+
+
+def test_processes_and_pods_are_activated_over_http(tmp_path: Path) -> None:
+    """One HTTP activator for both runtimes; for pods it retries a port not yet open."""
+    local = build_activator(StokerConfig(store=f"sqlite:///{tmp_path}/stoker.db"))
+    assert isinstance(local, HttpActivator) and local.refused_retry_s is None
+    pods = build_activator(kubernetes_config(tmp_path, tmp_path / "kubeconfig"))
+    assert isinstance(pods, HttpActivator) and pods.refused_retry_s == POD_ACTIVATION_RETRY_S
 
 
 async def test_postgres_builds_a_store_lease_elector() -> None:
@@ -273,10 +285,10 @@ async def test_kubernetes_builds_pods_and_a_lease_without_contacting_the_cluster
         # One instance id: the replica's row, its pods' label, the Lease holder.
         assert runtime.instance_id == elector.identity == plane.instance_id
         assert runtime.fleet == "blue"
-        assert runtime.resync_s == 120
-        assert runtime.placeholder_priority_class == "stoker-placeholder"
-        assert runtime.placeholder_image == "registry.example/pause:3.10"
-        assert runtime.placeholder_size == ("8", "32Gi")
+        assert runtime.informer.resync_s == 120
+        assert runtime.headroom.placeholders.priority_class == "stoker-placeholder"
+        assert runtime.headroom.placeholders.image == "registry.example/pause:3.10"
+        assert runtime.headroom.placeholders.size == ("8", "32Gi")
         assert elector.backend.name == "blue-janitor"
         assert (elector.lease_duration_s, elector.renew_deadline_s, elector.retry_period_s) == (
             30,
@@ -411,6 +423,7 @@ async def test_closers_run_in_order_after_the_runtime_even_when_one_fails(
     plane = ControlPlane(
         store=SqliteStore(str(tmp_path / "stoker.db")),
         runtime=ClosingRuntime(events),
+        activator=HttpActivator(),
         pools=[PoolSpec(name="p", template=ProcessTemplate(argv=("x",)))],
         closers=[first, second],
     )

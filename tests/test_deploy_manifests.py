@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import importlib
 import inspect
+import pkgutil
 from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
@@ -140,11 +142,23 @@ def port_operations() -> set[str]:
     return members - {"close"}
 
 
+def with_submodules(module: Any) -> list[Any]:
+    """`module` and, for a package, every module inside it."""
+    if not hasattr(module, "__path__"):
+        return [module]
+    prefix = module.__name__ + "."
+    inside = [
+        importlib.import_module(m.name) for m in pkgutil.iter_modules(module.__path__, prefix)
+    ]
+    return [module, *inside]
+
+
 def called_operations(*modules: Any) -> set[str]:
-    """ClusterAPI operations called anywhere in the source of `modules` (`x.create_pod(...)`)."""
+    """ClusterAPI operations called anywhere in the source of `modules` and the modules of
+    packages among them (`x.create_pod(...)`)."""
     operations = port_operations()
     called = set()
-    for module in modules:
+    for module in (m for given in modules for m in with_submodules(given)):
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
             if (
@@ -236,15 +250,11 @@ async def test_everything_the_runtime_and_elector_do_is_granted() -> None:
     template = PodTemplate(image="worker:1", cpu="1", memory="1Gi")
     pool = PoolSpec(name="duck", template=template, headroom_nodes=1)
 
-    async def no_activation(worker: Worker, payload: Any, timeout: float) -> None:
-        return None
-
     runtime = KubernetesRuntime(
         cluster=cluster,
         clock=clock,
         fleet="stoker",
         instance_id="cp-new",
-        activator=no_activation,
         placeholder_priority_class="stoker-placeholder",
     )
     elector = KubernetesLeaseElector(cluster=cluster, clock=clock, identity="cp-new")

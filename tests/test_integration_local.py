@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.store_sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
@@ -52,6 +53,7 @@ async def plane_on(
     plane = ControlPlane(
         store=store,
         runtime=LocalProcessRuntime(clock=clock, fleet=fleet, instance_id="unused"),
+        activator=HttpActivator(),
         pools=[demo_pool(**pool_kw)],
         settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
         clock=clock,
@@ -241,6 +243,7 @@ async def test_a_crashed_control_planes_workers_are_adopted_after_expiry(
     crashed = ControlPlane(
         store=SqliteStore(str(db)),
         runtime=LocalProcessRuntime(clock=clock, fleet=fleet, instance_id="crashed"),
+        activator=HttpActivator(),
         pools=[demo_pool()],
         clock=clock,
     )
@@ -249,6 +252,7 @@ async def test_a_crashed_control_planes_workers_are_adopted_after_expiry(
     orphans = {w.id for w in await crashed.store.list_workers(states=[S.WARM])}
     # A crash: no clean shutdown, the instance row stays "active" with an old heartbeat.
     await crashed.runtime.close()
+    await crashed.activator.close()
     await crashed.store.close()
 
     async with plane_on(db, fleet, clock) as plane:

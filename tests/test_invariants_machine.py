@@ -71,6 +71,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.plane = ControlPlane(
             store=self.store,
             runtime=self.runtime,
+            activator=self.runtime,
             pools=POOLS,
             orgs=ORG_SPECS,
             settings=PlaneSettings(spawn_rate=20, spawn_burst=5),

@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 from fakes import FaultyStore
+from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.store_postgres import PostgresStore
@@ -109,6 +110,7 @@ class Cluster:
         plane = ControlPlane(
             store=store,
             runtime=LocalProcessRuntime(clock=clock, fleet=self.fleet, instance_id=instance),
+            activator=HttpActivator(),
             pools=[pool_spec],
             settings=SETTINGS,
             clock=clock,

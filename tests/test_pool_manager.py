@@ -85,6 +85,7 @@ async def running(
     plane = ControlPlane(
         store=store,
         runtime=runtime,
+        activator=runtime,
         pools=list(pools) or [pool()],
         orgs=orgs,
         settings=settings or PlaneSettings(),

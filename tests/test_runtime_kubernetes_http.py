@@ -23,7 +23,6 @@ from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import Container, Pod, PodSpec
-from stoker.ports.runtime import ActivationPayload
 from test_cluster_lightkube import (
     NAMESPACE,
     PODS,
@@ -53,10 +52,6 @@ TEMPLATE = PodTemplate(
 POOL = PoolSpec(
     name="duck", template=TEMPLATE, timeouts=Timeouts(stop_grace_s=30), headroom_nodes=1
 )
-
-
-async def never_activate(worker: Worker, payload: ActivationPayload, timeout: float) -> None:
-    raise AssertionError("no activation in these tests")
 
 
 def worker(worker_id: str) -> Worker:
@@ -89,7 +84,6 @@ async def make_runtime(kmock: ContractEmulator) -> AsyncIterator[MakeRuntime]:
             clock=LoopClock(),
             fleet=FLEET,
             instance_id="cp-one",
-            activator=never_activate,
             placeholder_priority_class="stoker-placeholder",
         )
         made.append((runtime, cluster))

@@ -2,9 +2,10 @@
 
 The one module that imports adapters and control together. It picks the store adapter
 from the store URL, the runtime from `runtime.kind` (local processes, or pods through a
-lightkube client), and the elector from `leader_election` (none, a lease row in the store,
-or a Kubernetes Lease). The plane, its runtime and its elector share one instance id, and
-every cluster client built here is closed when the plane stops.
+lightkube client), the HTTP activator for either, and the elector from `leader_election`
+(none, a lease row in the store, or a Kubernetes Lease). The plane, its runtime and its
+elector share one instance id, and every cluster client built here is closed when the
+plane stops.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
+from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.store_sqlite import SqliteStore
@@ -27,6 +29,7 @@ from stoker.control.janitor import DemandSource
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
+from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector
 from stoker.ports.runtime import Runtime
@@ -44,6 +47,9 @@ DEFAULT_NAMESPACE = "default"
 #: whole budget, miss its renew deadline and step down in the middle of the burst.
 ELECTOR_QPS = 5.0
 ELECTOR_BURST = 10
+#: Pause between activation attempts that found a pod's port closed: a pod can report
+#: Ready a moment before its server listens.
+POD_ACTIVATION_RETRY_S = 0.2
 
 #: Run at the end of `ControlPlane.stop`: closes what the plane's adapters do not own.
 Closer = Callable[[], Awaitable[None]]
@@ -147,6 +153,13 @@ def build_runtime(
     )
 
 
+def build_activator(config: StokerConfig) -> Activator:
+    """The HTTP activator, retrying a refused connection for pods (see `HttpActivator`)."""
+    if isinstance(config.runtime, KubernetesRuntimeConfig):
+        return HttpActivator(refused_retry_s=POD_ACTIVATION_RETRY_S)
+    return HttpActivator()
+
+
 def build_elector(
     config: StokerConfig, *, store: Store, clock: Clock, instance_id: str, closers: list[Closer]
 ) -> Elector | None:
@@ -211,13 +224,14 @@ def build_plane(
     ids: Ids,
     store: Store,
     runtime: RuntimeFactory,
+    activator: Activator,
     elector: ElectorFactory,
     demand: DemandSource | None = None,
 ) -> ControlPlane:
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
     It mints the replica's instance id, builds its runtime, then its elector (None: the
-    plane's `SoleLeader`), and the plane around them: pool manager, janitor and fallback
+    plane's `SoleLeader`), and the plane around them and `activator`: pool manager, janitor and fallback
     reaper. `stoker serve` builds its replica here from the config
     (`build_control_plane`); the simulator builds each of its replicas here too, on its
     own clock, cluster and store. `demand` replaces the janitor's demand source.
@@ -230,6 +244,7 @@ def build_plane(
     return ControlPlane(
         store=store,
         runtime=built_runtime,
+        activator=activator,
         pools=pools,
         orgs=orgs,
         settings=settings,
@@ -249,11 +264,13 @@ def build_control_plane(
     ids: Ids | None = None,
     store: Store | None = None,
     runtime: Runtime | None = None,
+    activator: Activator | None = None,
 ) -> ControlPlane:
     """A control plane (not started) for `config`.
 
-    `store` and `runtime` replace the ones the config names (tests use an in-memory
-    runtime); the elector is always the config's, on `store` when it is a store lease.
+    `store`, `runtime` and `activator` replace the ones the config names (tests use an
+    in-memory runtime, which is its workers' activator too); the elector is always the
+    config's, on `store` when it is a store lease.
     Raises `ConfigError` when the Kubernetes credentials cannot be loaded.
     """
     domain = to_domain(config)
@@ -278,6 +295,7 @@ def build_control_plane(
         ids=ids or Ids(),
         store=shared,
         runtime=config_runtime,
+        activator=activator or build_activator(config),
         elector=config_elector,
     )
 

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
+from stoker.adapters._deadlines import DeadlinePassed, within
 from stoker.ports.clock import Clock
 
 logger = logging.getLogger("stoker.elector")
@@ -248,18 +249,10 @@ class LeaseElector:
                 if deadline.expired():
                     raise _Timeout(f"no answer within {seconds:g}s") from None
                 raise
-        work: asyncio.Future[T] = asyncio.ensure_future(call)
-        timer = asyncio.ensure_future(self._clock.sleep(seconds))
         try:
-            await asyncio.wait((work, timer), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            timer.cancel()
-            if not work.done():
-                work.cancel()
-            await asyncio.gather(work, timer, return_exceptions=True)
-        if work.cancelled():
-            raise _Timeout(f"no answer within {seconds:g}s")
-        return work.result()
+            return await within(self._clock, call, seconds)
+        except DeadlinePassed:
+            raise _Timeout(f"no answer within {seconds:g}s") from None
 
 
 def _notify(callback: Callable[..., None], *args: int) -> None:

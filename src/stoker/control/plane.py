@@ -23,6 +23,7 @@ from stoker.domain.errors import StokerError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
+from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector, SoleLeader
 from stoker.ports.runtime import Runtime
@@ -52,6 +53,7 @@ class ControlPlane:
         *,
         store: Store,
         runtime: Runtime,
+        activator: Activator,
         pools: Iterable[PoolSpec],
         orgs: Iterable[OrgSpec] = (),
         settings: PlaneSettings | None = None,
@@ -63,21 +65,24 @@ class ControlPlane:
         instance_id: str | None = None,
         closers: Sequence[Callable[[], Awaitable[None]]] = (),
     ) -> None:
-        """`closers` run at the end of `stop`, in order, after the runtime and the store
-        are closed: they release what the plane's adapters use but do not own (a cluster
-        client shared by a runtime and an elector, say)."""
+        """`runtime` runs the workers and `activator` hands them their orgs. `closers` run
+        at the end of `stop`, in order, after the runtime, the activator and the store are
+        closed: they release what the plane's adapters use but do not own (a cluster client
+        shared by a runtime and an elector, say)."""
         self.settings = settings or PlaneSettings()
         self.clock = clock or LoopClock()
         self.ids = ids or Ids()
         self.instance_id = instance_id or self.ids.instance()
         self.store = store
         self.runtime = runtime
+        self.activator = activator
         self.elector = elector or SoleLeader()
         self.metrics = metrics or Metrics()
         pool_map = {p.name: p for p in pools}
         self.manager = PoolManager(
             store=store,
             runtime=runtime,
+            activator=activator,
             clock=self.clock,
             metrics=self.metrics,
             pools=pool_map,
@@ -173,6 +178,7 @@ class ControlPlane:
         with contextlib.suppress(StokerError):
             await self.store.stop_instance(self.instance_id, now=self.clock.now())
         await self.runtime.close()
+        await self.activator.close()
         await self.store.close()
         for close in self.closers:
             # One failing closer must not keep the others from releasing their resources.

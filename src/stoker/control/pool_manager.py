@@ -49,8 +49,9 @@ from stoker.domain.states import (
 )
 from stoker.policy.reaping import resolve_ttl
 from stoker.policy.scaling import effective_cap
+from stoker.ports.activator import ActivationPayload, Activator
 from stoker.ports.clock import Clock, TokenBucket
-from stoker.ports.runtime import ActivationPayload, Runtime
+from stoker.ports.runtime import Runtime
 from stoker.ports.store import SpawnRequest, Store
 
 S = WorkerState
@@ -102,6 +103,7 @@ class PoolManager:
         *,
         store: Store,
         runtime: Runtime,
+        activator: Activator,
         clock: Clock,
         metrics: Metrics,
         pools: Mapping[str, PoolSpec],
@@ -112,6 +114,7 @@ class PoolManager:
     ) -> None:
         self.store = store
         self.runtime = runtime
+        self.activator = activator
         self.clock = clock
         self.metrics = metrics
         self.pools = dict(pools)
@@ -847,7 +850,7 @@ class PoolManager:
                     pool.timeouts.activation_s / 3, self._start_heartbeat, activating.id
                 )
                 try:
-                    await self.runtime.activate(activating, payload, pool.timeouts.activation_s)
+                    await self.activator.activate(activating, payload, pool.timeouts.activation_s)
                 except RuntimeFailure as exc:
                     self.metrics.spawn_failures.labels(pool.name, "activation").inc()
                     logs.worker_event("activation_failed", activating, error=str(exc))

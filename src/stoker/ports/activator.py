@@ -9,10 +9,22 @@ processes and pods alike) and the simulator's.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from stoker.domain.records import Worker
-from stoker.ports.runtime import ActivationPayload
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationPayload:
+    """What a worker receives at activation (DESIGN.md §7, worker activation protocol)."""
+
+    worker_id: str
+    org: str
+    epoch: int
+    token: str
+    config: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Activator(Protocol):

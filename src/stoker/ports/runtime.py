@@ -1,29 +1,19 @@
 """The Runtime port: where workers actually run (local processes, Kubernetes pods).
 
-A runtime creates, activates and stops runtime objects and reports what happens to them
-through `RuntimeListener` events. It never writes the store: the pool manager turns its
+A runtime creates, watches and stops runtime objects and reports what happens to them
+through `RuntimeListener` events. Handing a ready worker its org is the `Activator`'s job
+(`stoker.ports.activator`). A runtime never writes the store: the pool manager turns its
 events into fenced transitions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
-
-
-@dataclass(frozen=True, slots=True)
-class ActivationPayload:
-    """What a worker receives at activation (DESIGN.md §7, worker activation protocol)."""
-
-    worker_id: str
-    org: str
-    epoch: int
-    token: str
-    config: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +69,6 @@ class Runtime(Protocol):
 
         Readiness arrives later as `worker_ready`; a failure to create raises `RuntimeFailure`.
         """
-        ...
-
-    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
-        """Hand the worker its org and late-bound config; raises `RuntimeFailure`."""
         ...
 
     async def stop(self, worker: Worker, grace_s: float) -> None:

@@ -4,8 +4,9 @@ Every replica is built by `stoker.bootstrap.build_plane`, the builder `stoker se
 uses, on the run's clock, cluster and store:
 
 - a `KubernetesRuntime` on `SimCluster.client(f"cp-{i}", qps, burst, latency)`, its own
-  API budget, with a simulated activator (`SimActivator`: a latency, an optional failure
-  rate and the worker-side fence of DESIGN.md §7, no HTTP), inside an `ObservedRuntime`;
+  API budget, inside an `ObservedRuntime`;
+- one simulated activator shared by all replicas (`SimActivator`: a latency, an optional
+  failure rate and the worker-side fence of DESIGN.md §7, no HTTP);
 - a `KubernetesLeaseElector` on the same client view (a `lease_blip` fault on `cp-i`
   hits its renewals);
 - the one store every replica shares, seen through an `ObservedStore` (open once, closed
@@ -37,9 +38,9 @@ from stoker.domain.specs import (
     PoolSpec,
     Timeouts,
 )
+from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import Clock
 from stoker.ports.elector import Elector
-from stoker.ports.runtime import ActivationPayload
 from stoker.ports.store import Store
 from stoker.sim.baselines import RunOnceElector, demand_for, runtime_for, settings_for
 from stoker.sim.cluster import SimClient, SimCluster
@@ -131,6 +132,7 @@ def plane_settings(scenario: Scenario) -> PlaneSettings:
 class SimActivator:
     """The workers' `/activate`, simulated: a latency, an optional failure, and the
     worker-side fence (a second org or an epoch not newer than the last is refused).
+    Implements the `Activator` port.
 
     One instance serves every replica: the workers are the same pods whoever activates.
     """
@@ -148,7 +150,7 @@ class SimActivator:
         self.rejections = 0
         self.failures = 0
 
-    async def __call__(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
         """Activate `worker` for `payload.org` (see the class docstring)."""
         delay = self._latency.sample(self._rng) if self._latency is not None else 0.0
         if delay > timeout:
@@ -171,6 +173,10 @@ class SimActivator:
             raise RuntimeFailure(f"worker {worker.id} answered 500 to activation")
         self._held[worker.id] = (payload.org, payload.epoch)
         self.activations += 1
+
+    async def close(self) -> None:
+        """Nothing to release: no connection is held."""
+        return None
 
 
 # -- assembling the replicas --------------------------------------------------------------
@@ -236,6 +242,7 @@ def build_fleet(
             ids=Ids(scenario.seed * 1000 + index),
             store=ObservedStore(store, replica=index, observer=observer),
             runtime=parts.runtime,
+            activator=activator,
             elector=parts.elector,
             demand=demand_for(entry),
         )
@@ -283,7 +290,6 @@ class _ReplicaParts:
             clock=self._clock,
             fleet=scenario.control_plane.fleet,
             instance_id=instance_id,
-            activator=self._fleet.activator,
             resync_s=scenario.control_plane.resync_s,
             placeholder_priority_class=PLACEHOLDER_PRIORITY_CLASS,
             placeholder_size=placeholder_size,

@@ -1,0 +1,136 @@
+"""The HTTP activator: POSTs the activation payload to the worker's `/activate`.
+
+One adapter for every worker that listens on HTTP, local processes and pods alike
+(DESIGN.md §7, worker activation protocol): 200 binds the worker, 409 is a refusal (a
+second org, an epoch not newer than the one it holds), anything else is a failure.
+
+Activation is on the claim path, so the client is aiohttp with one session shared by every
+activation, keeping each worker's connection alive: a round trip costs about 0.45 ms with
+aiohttp against 1.2 ms with httpx here. The session opens at the first activation (inside
+the event loop that will use it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+from stoker.adapters._logs import EventLog
+from stoker.domain.errors import ActivationRejected, RuntimeFailure
+from stoker.domain.records import Worker
+from stoker.ports.activator import ActivationPayload
+
+_log = EventLog("stoker.activator.http")
+
+#: The activation payload's fields, in the order the worker receives them.
+_PAYLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(ActivationPayload))
+#: The caller's timeout bounds the whole call (retries included), not aiohttp's.
+_NO_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=None)
+
+
+class HttpActivator:
+    """Activates workers over HTTP; implements the `Activator` port.
+
+    `refused_retry_s`, when set, retries a refused connection every that many seconds until
+    the timeout: a pod can report Ready a moment before its server listens, and nothing
+    reached the worker, so trying again cannot activate it twice. Left unset (local
+    processes, probed on `/healthz` before they count as ready), a refusal fails at once.
+    """
+
+    def __init__(self, *, refused_retry_s: float | None = None) -> None:
+        if refused_retry_s is not None and refused_retry_s <= 0:
+            raise ValueError("refused_retry_s must be > 0")
+        self.refused_retry_s = refused_retry_s
+        self._client: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        """POST the payload to `{endpoint}/activate` within `timeout` seconds.
+
+        The endpoint is the worker's, else the one in its runtime ref. Raises
+        `ActivationRejected` on 409 and `RuntimeFailure` on any other answer, a timeout, a
+        connection error, a worker without an endpoint, or once the activator is closed.
+        """
+        client = self._client or self._open()
+        endpoint = worker.endpoint or worker.runtime_ref.get("endpoint")
+        if not endpoint:
+            raise RuntimeFailure(f"worker {worker.id} has no endpoint")
+        url = f"{endpoint}/activate"
+        try:
+            body = {name: getattr(payload, name) for name in _PAYLOAD_FIELDS}
+            body["config"] = dict(payload.config)
+            async with asyncio.timeout(timeout) as deadline:
+                while True:
+                    try:
+                        async with client.post(
+                            url, json=body, timeout=_NO_CLIENT_TIMEOUT
+                        ) as response:
+                            status, text = response.status, await response.text()
+                        break
+                    except aiohttp.ClientConnectorError:
+                        if not self._may_retry(deadline):
+                            raise
+                    assert self.refused_retry_s is not None  # checked by _may_retry
+                    await asyncio.sleep(self.refused_retry_s)
+        except (aiohttp.ClientError, TimeoutError, TypeError, ValueError) as exc:
+            # TypeError/ValueError: a config that does not serialise to JSON.
+            raise RuntimeFailure(f"activation of worker {worker.id} failed: {exc!r}") from exc
+        if status == 409:
+            raise ActivationRejected(
+                f"worker {worker.id} rejected epoch {payload.epoch}: {_detail(text)}"
+            )
+        if status != 200:
+            raise RuntimeFailure(
+                f"worker {worker.id} answered {status} to activation: {_detail(text)}"
+            )
+        # Debug only: the worker's move to hot and `claim_bound` already say it, at info.
+        _log(
+            "worker_activated",
+            level=logging.DEBUG,
+            worker=worker.id,
+            org=payload.org,
+            epoch=payload.epoch,
+        )
+
+    def _may_retry(self, deadline: asyncio.Timeout) -> bool:
+        """True when a refused connection is worth another try before `deadline`."""
+        if self.refused_retry_s is None:
+            return False
+        when = deadline.when()
+        remaining = when - asyncio.get_running_loop().time() if when is not None else None
+        # The last refusal says more than a timeout would: give up while time remains.
+        return remaining is None or remaining > self.refused_retry_s
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeFailure("the HTTP activator is closed")
+        self._client = aiohttp.ClientSession(
+            # Each worker is its own origin; keep its connection alive, with no cap.
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+            # Workers are reached directly: a proxy from the environment must not apply.
+            trust_env=False,
+        )
+        return self._client
+
+    async def close(self) -> None:
+        """Close the connections to the workers; later activations fail."""
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+
+def _detail(text: str) -> str:
+    """The `detail` of a problem answer, else the start of the body."""
+    try:
+        body: Any = json.loads(text)
+    except ValueError:
+        return text[:200]
+    if isinstance(body, dict) and isinstance(body.get("detail"), str):
+        return str(body["detail"])
+    return text[:200]

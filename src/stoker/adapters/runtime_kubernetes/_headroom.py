@@ -1,0 +1,120 @@
+"""Headroom placeholders: low-priority pause pods that keep the node autoscaler holding
+spare nodes, so that a burst of worker pods preempts them instead of waiting for nodes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stoker.adapters._logs import EventLog
+from stoker.adapters.runtime_kubernetes._informer import PodInformer
+from stoker.adapters.runtime_kubernetes._pods import placeholder_pods, valid_label_value
+from stoker.domain.errors import RuntimeFailure
+from stoker.domain.specs import PodTemplate, PoolSpec
+from stoker.ports.cluster import ClusterAPI, Conflict, Pod
+
+_log = EventLog("stoker.runtime.kubernetes")
+
+
+@dataclass(frozen=True)
+class Placeholders:
+    """How placeholder pods are made: at `priority_class` (required: without a class below
+    the workers' they would never be preempted), running `image`, sized `size` = (cpu,
+    memory), else as a worker of the pool."""
+
+    priority_class: str | None
+    image: str
+    size: tuple[str, str] | None
+
+
+class Headroom:
+    """Keeps each pool's `headroom_nodes` placeholder pods of `fleet`, made as `placeholders`
+    says, and never touches workers."""
+
+    def __init__(
+        self, cluster: ClusterAPI, informer: PodInformer, *, fleet: str, placeholders: Placeholders
+    ) -> None:
+        self.cluster = cluster
+        self.informer = informer
+        self.fleet = fleet
+        self.placeholders = placeholders
+        #: Placeholder pods by pool name, with the (template, count) they were made from
+        #: (their digest is costly to compute on every pass).
+        self._pods: dict[str, tuple[tuple[PodTemplate, int], list[Pod]]] = {}
+
+    async def reconcile(self, pools: Sequence[PoolSpec]) -> None:
+        """Create the placeholders `pools` want and delete the others (see the runtime's
+        `reconcile_headroom`); `RuntimeFailure` after the other pools when one cannot be
+        kept (no priority class, a pool name that is no label value, a refused call)."""
+        await self.informer.wait_synced()
+        wanted: dict[str, Pod] = {}
+        problems: list[str] = []
+        for pool in pools:
+            if pool.headroom_nodes <= 0 or not isinstance(pool.template, PodTemplate):
+                continue
+            if self.placeholders.priority_class is None:
+                problems.append(
+                    f"pool {pool.name!r} wants {pool.headroom_nodes} headroom placeholders, but "
+                    "no placeholder priority class is set: they would never be preempted"
+                )
+                continue
+            if not valid_label_value(pool.name):
+                problems.append(f"pool {pool.name!r} is not a valid Kubernetes label value")
+                continue
+            for pod in self._placeholders(pool, pool.template):
+                wanted[pod.name] = pod
+        present: set[str] = set()
+        doomed: list[str] = []
+        for view in self.informer.placeholder_views():
+            if view.terminating:
+                continue
+            if view.name in wanted and not view.finished:
+                present.add(view.name)
+            else:
+                # Not wanted any more, or finished (evicted): delete, so that a finished
+                # placeholder's name is free to be created again on the next pass.
+                doomed.append(view.name)
+        calls: list[Awaitable[Any]] = [self.cluster.delete_pod(name, 0.0) for name in doomed]
+        calls += [self._create(pod) for name, pod in wanted.items() if name not in present]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, Exception):
+                raise failure
+            problems.append(str(failure))
+        if doomed or len(calls) > len(doomed):
+            _log(
+                "headroom_reconciled",
+                wanted=len(wanted),
+                deleted=len(doomed),
+                created=len(calls) - len(doomed),
+                failed=len(failures),
+            )
+        if problems:
+            raise RuntimeFailure("headroom: " + "; ".join(problems))
+
+    def _placeholders(self, pool: PoolSpec, template: PodTemplate) -> list[Pod]:
+        made_from = (template, pool.headroom_nodes)
+        cached = self._pods.get(pool.name)
+        if cached is not None and cached[0] == made_from:
+            return cached[1]
+        pods = list(
+            placeholder_pods(
+                pool,
+                template,
+                fleet=self.fleet,
+                image=self.placeholders.image,
+                priority_class=self.placeholders.priority_class,
+                size=self.placeholders.size,
+            )
+        )
+        self._pods[pool.name] = (made_from, pods)
+        return pods
+
+    async def _create(self, pod: Pod) -> None:
+        try:
+            await self.cluster.create_pod(pod)
+        except Conflict:
+            return  # created by another leader, or by us before the cache saw it

@@ -1,0 +1,270 @@
+"""The pods of the Kubernetes runtime: their labels, how they are rendered, how they are read.
+
+A worker is one pod named after the worker id, built from the pool's `PodTemplate`
+(requests equal limits, `restartPolicy: Never`, no owner references: a worker must outlive
+the control-plane replica that created it, to be adopted by the next one). Headroom
+placeholders are pause pods named after a digest of their spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stoker.domain.errors import RuntimeFailure
+from stoker.domain.records import Worker
+from stoker.domain.specs import PodTemplate, PoolSpec
+from stoker.ports.cluster import Container, Pod, PodPhase, PodSpec, Toleration
+
+#: Labels every pod of this runtime carries.
+LABEL_FLEET = "stoker.dev/fleet"
+LABEL_POOL = "stoker.dev/pool"
+LABEL_REVISION = "stoker.dev/revision"
+LABEL_WORKER_ID = "stoker.dev/worker-id"
+LABEL_INSTANCE = "stoker.dev/instance"
+#: Placeholders carry the pool they hold nodes for, and a digest of their pod spec.
+LABEL_PLACEHOLDER = "stoker.dev/placeholder"
+LABEL_PLACEHOLDER_SPEC = "stoker.dev/placeholder-spec"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+#: Karpenter does not consolidate a node running a pod with this annotation set to "true".
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+
+#: The worker container's name in every worker pod.
+WORKER_CONTAINER = "worker"
+
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_NOT_DNS = re.compile(r"[^a-z0-9-]+")
+_FINISHED = frozenset({PodPhase.FAILED, PodPhase.SUCCEEDED})
+_TOLERATION_KEYS = frozenset(
+    {"key", "operator", "value", "effect", "tolerationSeconds", "toleration_seconds"}
+)
+
+
+def valid_label_value(value: str) -> bool:
+    """True when `value` may be a Kubernetes label value (empty included)."""
+    return len(value) <= 63 and _LABEL_VALUE.fullmatch(value) is not None
+
+
+def pod_name(worker: Worker) -> str:
+    """The pod of a worker: named in its ref, else after the worker (they are the same)."""
+    name = worker.runtime_ref.get("pod")
+    return name if isinstance(name, str) and name else worker.id
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """What the informer keeps of one pod: only the fields it decides on.
+
+    Kept instead of the whole `Pod` so that the cache of a large fleet does not hold
+    every worker's environment and spec.
+    """
+
+    name: str
+    worker_id: str | None
+    pool: str
+    instance: str | None
+    placeholder: str | None
+    phase: str
+    ready: bool
+    pod_ip: str | None
+    port: int | None
+    reason: str | None
+    terminating: bool
+    do_not_disrupt: str | None
+    created_at: float | None
+    resource_version: str
+
+    @classmethod
+    def of(cls, pod: Pod) -> PodView:
+        """The view of `pod`."""
+        labels = pod.labels
+        containers = pod.spec.containers
+        ports = containers[0].ports if containers else ()
+        return cls(
+            name=pod.name,
+            worker_id=labels.get(LABEL_WORKER_ID),
+            pool=labels.get(LABEL_POOL, ""),
+            instance=labels.get(LABEL_INSTANCE),
+            placeholder=labels.get(LABEL_PLACEHOLDER),
+            phase=pod.phase,
+            ready=pod.ready,
+            pod_ip=pod.pod_ip,
+            port=ports[0] if ports else None,
+            reason=pod.reason,
+            terminating=pod.deletion_timestamp is not None,
+            do_not_disrupt=pod.annotations.get(DO_NOT_DISRUPT),
+            created_at=pod.created_at,
+            resource_version=pod.resource_version,
+        )
+
+    @property
+    def is_worker(self) -> bool:
+        """A worker pod (not a placeholder, not a pod without stoker's worker label)."""
+        return self.worker_id is not None and self.placeholder is None
+
+    @property
+    def finished(self) -> bool:
+        """Failed or Succeeded: a pod with restartPolicy Never never runs again."""
+        return self.phase in _FINISHED
+
+    @property
+    def alive(self) -> bool:
+        """Not finished and not on its way out."""
+        return not self.finished and not self.terminating
+
+    @property
+    def serving(self) -> bool:
+        """Running, Ready, with an IP, and not terminating: it can take an activation."""
+        return (
+            self.alive
+            and self.phase == PodPhase.RUNNING
+            and self.ready
+            and bool(self.pod_ip)
+            and self.port is not None
+        )
+
+    @property
+    def endpoint(self) -> str | None:
+        """`http://<podIP>:<port>` (IPv6 in brackets), or None before the pod has an IP."""
+        if not self.pod_ip or self.port is None:
+            return None
+        host = f"[{self.pod_ip}]" if ":" in self.pod_ip else self.pod_ip
+        return f"http://{host}:{self.port}"
+
+    @property
+    def loss_reason(self) -> str:
+        """What `worker_lost` says: "evicted" for a kubelet eviction, else "lost"."""
+        return "evicted" if self.reason == "Evicted" else "lost"
+
+
+def worker_pod(
+    worker: Worker,
+    pool: PoolSpec,
+    template: PodTemplate,
+    *,
+    fleet: str,
+    instance_id: str,
+    grace_s: float,
+) -> Pod:
+    """The pod of `worker`, labelled for `fleet` and the replica `instance_id`."""
+    substitutions = {"{port}": str(template.port), "{worker_id}": worker.id}
+    env = {key: _substitute(value, substitutions) for key, value in template.env.items()}
+    env.update(
+        {
+            "STOKER_WORKER_ID": worker.id,
+            "STOKER_POOL": pool.name,
+            "STOKER_FLEET": fleet,
+            "STOKER_PORT": str(template.port),
+        }
+    )
+    labels = {
+        **template.labels,
+        LABEL_MANAGED_BY: "stoker",
+        LABEL_FLEET: fleet,
+        LABEL_POOL: pool.name,
+        LABEL_REVISION: pool.revision,
+        LABEL_WORKER_ID: worker.id,
+        LABEL_INSTANCE: instance_id,
+    }
+    # The do-not-disrupt pin is stoker's to set while a worker is busy: a neutral
+    # worker must stay movable, whatever the template says.
+    annotations = {k: v for k, v in template.annotations.items() if k != DO_NOT_DISRUPT}
+    return Pod(
+        name=worker.id,
+        labels=labels,
+        annotations=annotations,
+        spec=PodSpec(
+            containers=(
+                Container(
+                    name=WORKER_CONTAINER,
+                    image=template.image,
+                    command=tuple(_substitute(a, substitutions) for a in template.command),
+                    args=tuple(_substitute(a, substitutions) for a in template.args),
+                    env=env,
+                    cpu=template.cpu,
+                    memory=template.memory,
+                    ports=(template.port,),
+                ),
+            ),
+            node_selector=dict(template.node_selector),
+            tolerations=tolerations(template.tolerations),
+            priority_class_name=template.priority_class,
+            service_account_name=template.service_account,
+            restart_policy="Never",
+            termination_grace_period_s=math.ceil(grace_s),
+        ),
+    )
+
+
+def placeholder_pods(
+    pool: PoolSpec,
+    template: PodTemplate,
+    *,
+    fleet: str,
+    image: str,
+    priority_class: str | None,
+    size: tuple[str, str] | None,
+) -> Iterator[Pod]:
+    """The pool's `headroom_nodes` pause pods, sized as `size` (cpu, memory) or a worker.
+
+    Their names hold the fleet, the pool, a digest of the spec and an index, so two
+    leaders (or a cache that lags a write) create the same names.
+    """
+    cpu, memory = size or (template.cpu, template.memory)
+    spec = PodSpec(
+        containers=(Container(name="pause", image=image, cpu=cpu, memory=memory),),
+        # On the workers' nodes: headroom elsewhere would make the wrong node pool grow.
+        node_selector=dict(template.node_selector),
+        tolerations=tolerations(template.tolerations),
+        priority_class_name=priority_class,
+        restart_policy="Never",
+        # A pause container has nothing to flush: preemption frees the node at once.
+        termination_grace_period_s=0,
+    )
+    digest = hashlib.sha256(
+        json.dumps(
+            [fleet, pool.name, dataclasses.asdict(spec)], sort_keys=True, default=str
+        ).encode()
+    ).hexdigest()[:10]
+    stem = _NOT_DNS.sub("-", pool.name.lower()).strip("-")[:30].strip("-") or "pool"
+    labels = {
+        LABEL_MANAGED_BY: "stoker",
+        LABEL_FLEET: fleet,
+        LABEL_PLACEHOLDER: pool.name,
+        LABEL_PLACEHOLDER_SPEC: digest,
+    }
+    for index in range(pool.headroom_nodes):
+        yield Pod(name=f"headroom-{stem}-{digest}-{index}", labels=labels, spec=spec)
+
+
+def tolerations(items: Iterable[Mapping[str, Any]]) -> tuple[Toleration, ...]:
+    """Template tolerations (Kubernetes' camelCase or snake_case keys) as the port's type."""
+    found = []
+    for item in items:
+        unknown = set(item) - _TOLERATION_KEYS
+        if unknown:
+            raise RuntimeFailure(f"toleration {dict(item)!r} has unknown keys {sorted(unknown)}")
+        seconds = item.get("tolerationSeconds", item.get("toleration_seconds"))
+        found.append(
+            Toleration(
+                key=item.get("key"),
+                operator=str(item.get("operator", "Equal")),
+                value=item.get("value"),
+                effect=item.get("effect"),
+                toleration_seconds=int(seconds) if seconds is not None else None,
+            )
+        )
+    return tuple(found)
+
+
+def _substitute(arg: str, substitutions: Mapping[str, str]) -> str:
+    # Plain replacement, not str.format: other braces in an argument stay as they are.
+    for placeholder, value in substitutions.items():
+        arg = arg.replace(placeholder, value)
+    return arg

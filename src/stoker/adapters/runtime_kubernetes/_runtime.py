@@ -1,0 +1,254 @@
+"""The Kubernetes runtime itself: spawn, stop, adopt, pin and list worker pods."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stoker.adapters._logs import EventLog
+from stoker.adapters.runtime_kubernetes._headroom import Headroom, Placeholders
+from stoker.adapters.runtime_kubernetes._informer import PodInformer
+from stoker.adapters.runtime_kubernetes._pods import (
+    DO_NOT_DISRUPT,
+    LABEL_FLEET,
+    LABEL_INSTANCE,
+    LABEL_WORKER_ID,
+    pod_name,
+    valid_label_value,
+    worker_pod,
+)
+from stoker.domain.errors import RuntimeFailure
+from stoker.domain.records import Worker
+from stoker.domain.specs import PodTemplate, PoolSpec
+from stoker.ports.clock import Clock
+from stoker.ports.cluster import ClusterAPI, ClusterError, Conflict, ObjectNotFound
+from stoker.ports.runtime import RuntimeListener, RuntimeObject
+
+_log = EventLog("stoker.runtime.kubernetes")
+
+#: How long `adopt` and `list_objects` wait for the informer's first list.
+SYNC_TIMEOUT_S = 60.0
+
+
+class KubernetesRuntime:
+    """Runs workers as pods through a `ClusterAPI`; implements the `Runtime` port.
+
+    `fleet` labels every pod (and scopes the informer); `instance_id` is this replica's id,
+    stamped on the pods it creates or adopts. `resync_s` is the informer's list-and-diff
+    period. Placeholders use `placeholder_priority_class` (required for headroom: without a
+    class below the workers' they would never be preempted), `placeholder_image`, and
+    `placeholder_size` = (cpu, memory), else the pool worker's size. `stop_grace_s`, when
+    set, caps the grace of every stop and the pods' terminationGracePeriodSeconds; by
+    default both are the pool's `timeouts.stop_grace_s`.
+    """
+
+    kind = "kubernetes"
+
+    def __init__(
+        self,
+        *,
+        cluster: ClusterAPI,
+        clock: Clock,
+        fleet: str,
+        instance_id: str,
+        resync_s: float = 300.0,
+        placeholder_priority_class: str | None = None,
+        placeholder_image: str = "registry.k8s.io/pause:3.10",
+        placeholder_size: tuple[str, str] | None = None,
+        stop_grace_s: float | None = None,
+        sync_timeout_s: float = SYNC_TIMEOUT_S,
+    ) -> None:
+        if not valid_label_value(fleet) or not fleet:
+            raise ValueError(f"fleet {fleet!r} is not a valid Kubernetes label value")
+        if not valid_label_value(instance_id) or not instance_id:
+            raise ValueError(f"instance_id {instance_id!r} is not a valid Kubernetes label value")
+        if resync_s <= 0 or sync_timeout_s <= 0:
+            raise ValueError("resync_s and sync_timeout_s must be > 0")
+        if stop_grace_s is not None and stop_grace_s < 0:
+            raise ValueError("stop_grace_s must be >= 0")
+        self.cluster = cluster
+        self.clock = clock
+        self.fleet = fleet
+        self.instance_id = instance_id
+        self.stop_grace_s = stop_grace_s
+        #: The pods of the fleet as last seen (listed and watched); it reports the events.
+        self.informer = PodInformer(
+            cluster,
+            clock,
+            {LABEL_FLEET: fleet},
+            instance_id=instance_id,
+            resync_s=resync_s,
+            sync_timeout_s=sync_timeout_s,
+        )
+        placeholders = Placeholders(
+            priority_class=placeholder_priority_class,
+            image=placeholder_image,
+            size=placeholder_size,
+        )
+        self.headroom = Headroom(cluster, self.informer, fleet=fleet, placeholders=placeholders)
+
+    # -- lifecycle of the runtime itself ----------------------------------------------------
+
+    def subscribe(self, listener: RuntimeListener) -> None:
+        """Route readiness and loss events to `listener` (before `start`)."""
+        self.informer.listener = listener
+
+    async def start(self) -> None:
+        """Start the informer (it lists in the background)."""
+        self.informer.start()
+
+    async def close(self) -> None:
+        """Stop the informer; the pods keep running, to be adopted by the next start."""
+        await self.informer.close()
+
+    def derived_cap(self, pool: PoolSpec) -> int:
+        """0: the cluster and its node autoscaler bound the fleet, not this machine."""
+        return 0
+
+    # -- spawn, stop, adopt, busy -----------------------------------------------------------
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        """Create the worker's pod; readiness is reported later by `worker_ready`.
+
+        Returns the ref `{pod, namespace, port}`. Raises `RuntimeFailure` when the pool
+        has no pod template or the cluster refuses the pod. Creations are not serialised
+        here: a burst fans out in parallel, paced only by the cluster client's budget.
+        """
+        template = pool.template
+        if not isinstance(template, PodTemplate):
+            raise RuntimeFailure(f"pool {pool.name!r} has no pod template")
+        if not valid_label_value(pool.name):
+            raise RuntimeFailure(
+                f"pool {pool.name!r} is not a valid Kubernetes label value "
+                "(at most 63 characters, alphanumeric at both ends)"
+            )
+        pod = worker_pod(
+            worker,
+            pool,
+            template,
+            fleet=self.fleet,
+            instance_id=self.instance_id,
+            grace_s=self._grace(pool.timeouts.stop_grace_s),
+        )
+        try:
+            await self.cluster.create_pod(pod)
+        except Conflict as exc:
+            # A create retried after a lost answer meets its own success: check whose it is.
+            if not await self._is_own_pod(pod.name, worker.id):
+                raise RuntimeFailure(f"pod {pod.name} exists and is not this worker's") from exc
+        except ClusterError as exc:
+            raise RuntimeFailure(f"cannot create pod {pod.name}: {exc}") from exc
+        _log("worker_spawned", worker=worker.id, pool=pool.name, pod=pod.name)
+        return {"pod": pod.name, "namespace": self.cluster.namespace, "port": template.port}
+
+    async def _is_own_pod(self, name: str, worker_id: str) -> bool:
+        try:
+            existing = await self.cluster.get_pod(name)
+        except ClusterError:
+            return False
+        return (
+            existing is not None
+            and existing.labels.get(LABEL_FLEET) == self.fleet
+            and existing.labels.get(LABEL_WORKER_ID) == worker_id
+        )
+
+    def _grace(self, grace_s: float) -> float:
+        grace = max(0.0, grace_s)
+        return grace if self.stop_grace_s is None else min(grace, self.stop_grace_s)
+
+    async def stop(self, worker: Worker, grace_s: float) -> None:
+        """Delete the worker's pod with `grace_s` (capped by `stop_grace_s`).
+
+        The deletion is not reported as a loss. A pod that is already gone is fine.
+        Raises `RuntimeFailure` when the cluster refuses the deletion.
+        """
+        name = pod_name(worker)
+        entry = self.informer.expect_deletion(name)
+        grace = self._grace(grace_s)
+        try:
+            await self.cluster.delete_pod(name, grace)
+        except ClusterError as exc:
+            self.informer.deletion_failed(name, entry)
+            raise RuntimeFailure(f"cannot delete pod {name}: {exc}") from exc
+        _log("worker_stopped", worker=worker.id, pod=name, grace_s=grace)
+
+    async def adopt(self, worker: Worker) -> bool:
+        """True if the worker's pod is alive (after the informer's first list).
+
+        The pod is relabelled with this replica's instance id; that label is a hint for
+        people and tools (the store's owner is the authority), so a failed relabel is
+        logged, not fatal. Raises `RuntimeFailure` if the informer cannot list in time.
+        """
+        await self.informer.wait_synced()
+        name = pod_name(worker)
+        entry = self.informer.entry(name)
+        if entry is None or not entry.view.alive or entry.view.worker_id != worker.id:
+            _log("worker_adopt_failed", worker=worker.id, pod=name, reason="gone")
+            return False
+        if entry.view.instance != self.instance_id:
+            try:
+                await self.cluster.patch_pod(name, labels={LABEL_INSTANCE: self.instance_id})
+            except ObjectNotFound:
+                return False
+            except ClusterError as exc:
+                _log("worker_relabel_failed", level=logging.WARNING, worker=worker.id, error=exc)
+        _log("worker_adopted", worker=worker.id, pool=worker.pool, pod=name)
+        return True
+
+    async def set_busy(self, worker: Worker, busy: bool) -> None:
+        """Set (busy) or remove `karpenter.sh/do-not-disrupt` on the worker's pod.
+
+        Nothing is sent when the cached pod already carries the wanted value; a pod that
+        is gone needs no protection. Raises `RuntimeFailure` when the patch is refused.
+        """
+        name = pod_name(worker)
+        wanted = "true" if busy else None
+        entry = self.informer.entry(name)
+        if entry is not None and entry.view.do_not_disrupt == wanted:
+            return
+        try:
+            await self.cluster.patch_pod(name, annotations={DO_NOT_DISRUPT: wanted})
+        except ObjectNotFound:
+            return
+        except ClusterError as exc:
+            raise RuntimeFailure(f"cannot mark pod {name} busy={busy}: {exc}") from exc
+        _log("worker_disruption", worker=worker.id, do_not_disrupt=wanted or "removed")
+
+    async def list_objects(self) -> list[RuntimeObject]:
+        """Every worker pod of this fleet, from the informer's cache (no list call)."""
+        await self.informer.wait_synced()
+        objects = []
+        for entry in self.informer.worker_entries():
+            view = entry.view
+            listed = entry.listed
+            if listed is None or listed[0] is not view:
+                listed = entry.listed = (
+                    view,
+                    RuntimeObject(
+                        worker_id=view.worker_id or "",
+                        pool=view.pool,
+                        ref={"pod": view.name, "namespace": self.cluster.namespace},
+                        created_at=view.created_at if view.created_at is not None else 0.0,
+                        alive=view.alive,
+                        ready=view.serving,
+                        endpoint=view.endpoint,
+                        instance=view.instance,
+                    ),
+                )
+            objects.append(listed[1])
+        return objects
+
+    # -- headroom ---------------------------------------------------------------------------
+
+    async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
+        """Keep exactly `headroom_nodes` placeholder pods per pool; never touch workers.
+
+        Placeholder names are derived from the fleet, the pool, the index and a digest of
+        the spec, so two leaders (or a cache that lags a write) create the same names and
+        the second create is a harmless conflict. A size change gives new names: the old
+        placeholders are deleted and new ones created. 0, or a pool that is gone, deletes
+        them. Raises `RuntimeFailure` after the other pools are reconciled when placeholders
+        are wanted without `placeholder_priority_class`, or when the cluster refuses a call.
+        """
+        await self.headroom.reconcile(pools)

@@ -1,0 +1,168 @@
+"""Worker processes on this machine: starting one, naming it safely, finding the fleet's.
+
+A process is identified by its pid *and* its start time: a pid alone may have been reused
+by an unrelated process, which must never be signalled. Each worker carries stoker's labels
+in its environment, which is how `scan_fleet` finds stranded ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+import psutil
+
+from stoker.domain.errors import RuntimeFailure
+
+#: Environment labels that mark a process as one of stoker's workers.
+LABEL_FLEET = "STOKER_FLEET"
+LABEL_WORKER_ID = "STOKER_WORKER_ID"
+LABEL_POOL = "STOKER_POOL"
+LABEL_INSTANCE = "STOKER_INSTANCE"
+LABEL_ENDPOINT = "STOKER_ENDPOINT"
+
+#: Two start times this close are the same process: /proc reports them in clock ticks
+#: (10 ms), and a reused pid belongs to a process started at least a tick later.
+START_TIME_TOLERANCE_S = 0.005
+
+
+def worker_environment(
+    template_env: Mapping[str, str], labels: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment of a worker: ours without STOKER_*, then the template's, then labels."""
+    # The control plane's own STOKER_* settings (tokens among them) stay out of workers,
+    # which may run tenant code; the template may still set any variable it needs.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOKER_")}
+    env.update(template_env)
+    env.update(labels)
+    return env
+
+
+def start_process(
+    worker_id: str, argv: list[str], env: dict[str, str], cwd: str | None, log_dir: str | None
+) -> int:
+    """Fork and exec the worker in a session of its own; returns its pid.
+
+    Output goes to `<log_dir>/<worker id>.log`, or nowhere. Raises `RuntimeFailure` when
+    the process cannot be started.
+    """
+    log: BinaryIO | None = None
+    try:
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            log = open(os.path.join(log_dir, f"{worker_id}.log"), "ab")  # noqa: SIM115
+        out: BinaryIO | int = log if log is not None else subprocess.DEVNULL
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except (OSError, ValueError) as exc:
+        raise RuntimeFailure(f"cannot start worker {worker_id}: {exc}") from exc
+    finally:
+        # The child holds its own copy of the descriptor.
+        if log is not None:
+            log.close()
+    # The runtime reaps its workers itself (pidfd + waitpid), also the ones it adopts and
+    # the ones it leaves running at close; the Popen object must neither reap them nor
+    # complain, when collected, that they still run.
+    process.returncode = 0
+    return process.pid
+
+
+def free_port(host: str) -> int:
+    """A port that was free a moment ago (the worker binds it right after)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def authority(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def substitute(arg: str, substitutions: Mapping[str, str]) -> str:
+    """`arg` with each placeholder replaced (plain replacement: other braces stay)."""
+    for placeholder, value in substitutions.items():
+        arg = arg.replace(placeholder, value)
+    return arg
+
+
+def identity(ref: Mapping[str, Any]) -> tuple[int, float] | None:
+    """(pid, start time) from a runtime ref, or None when the ref does not name a process."""
+    pid, start_time = ref.get("pid"), ref.get("start_time")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    if isinstance(start_time, bool) or not isinstance(start_time, int | float):
+        return None
+    return pid, float(start_time)
+
+
+def same_start(a: float, b: float) -> bool:
+    """True when two start times name the same process (see `START_TIME_TOLERANCE_S`)."""
+    return abs(a - b) <= START_TIME_TOLERANCE_S
+
+
+def is_same_process(pid: int, start_time: float) -> bool:
+    """True while `pid` is alive and is the process started at `start_time`."""
+    try:
+        process = psutil.Process(pid)
+        if not same_start(process.create_time(), start_time):
+            return False
+        if process.status() == psutil.STATUS_ZOMBIE:
+            # Ended but not reaped (our own child): collect it, it is gone.
+            reap(pid)
+            return False
+    except psutil.Error:
+        return False
+    return True
+
+
+def reap(pid: int) -> None:
+    """Collect the exit status of our own child; a non-child is reaped by its parent."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return
+
+
+def kill_quietly(pid: int) -> None:
+    """SIGKILL and reap a child that was started a moment ago (never a reused pid)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def scan_fleet(fleet: str, own_pid: int) -> list[tuple[int, float, dict[str, str]]]:
+    """(pid, create time, environment) of every live process labelled with `fleet`."""
+    found = []
+    for pid in psutil.pids():
+        if pid == own_pid:
+            continue
+        try:
+            process = psutil.Process(pid)
+            env = process.environ()
+            if env.get(LABEL_FLEET) != fleet or LABEL_WORKER_ID not in env:
+                continue
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.append((pid, process.create_time(), env))
+        except psutil.Error:
+            # Gone meanwhile, or another user's process: not one of ours either way.
+            continue
+    return found

@@ -1,0 +1,315 @@
+"""The local-process runtime itself: spawn, stop, adopt and list worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import psutil
+
+from stoker.adapters._logs import EventLog
+from stoker.adapters.runtime_local._processes import (
+    LABEL_ENDPOINT,
+    LABEL_FLEET,
+    LABEL_INSTANCE,
+    LABEL_POOL,
+    LABEL_WORKER_ID,
+    authority,
+    free_port,
+    identity,
+    kill_quietly,
+    same_start,
+    scan_fleet,
+    start_process,
+    substitute,
+    worker_environment,
+)
+from stoker.adapters.runtime_local._readiness import probe_client, probe_until_ready
+from stoker.adapters.runtime_local._watches import ProcessWatch, ProcessWatches
+from stoker.domain.errors import RuntimeFailure
+from stoker.domain.records import Worker
+from stoker.domain.specs import PoolSpec, ProcessTemplate
+from stoker.ports.clock import Clock
+from stoker.ports.runtime import RuntimeListener, RuntimeObject
+
+_log = EventLog("stoker.runtime.local")
+
+#: How long to wait for a process to disappear after SIGKILL before calling the stop failed.
+KILL_WAIT_S = 5.0
+
+
+class LocalProcessRuntime:
+    """Runs workers as local processes; implements the `Runtime` port.
+
+    `memory_budget_mb` (default: half the machine) over a worker's `memory_mb` is a pool's
+    cap when its `max_workers` is 0. Worker output goes to `<log_dir>/<worker id>.log`.
+    Readiness is probed every `ready_poll_s`; workers listen on `host`.
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        fleet: str,
+        instance_id: str,
+        memory_budget_mb: int | None = None,
+        log_dir: str | None = None,
+        ready_poll_s: float = 0.05,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.clock = clock
+        self.fleet = fleet
+        self.instance_id = instance_id
+        if memory_budget_mb is None:
+            # Half the machine: the rest is for the control plane, the store and the OS.
+            memory_budget_mb = psutil.virtual_memory().total // (2 * 1024 * 1024)
+        self.memory_budget_mb = memory_budget_mb
+        self.log_dir = log_dir
+        self.ready_poll_s = ready_poll_s
+        self.host = host
+        self._listener: RuntimeListener | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._watches = ProcessWatches(clock, self._on_exit)
+
+    # -- lifecycle of the runtime itself ----------------------------------------------------
+
+    def subscribe(self, listener: RuntimeListener) -> None:
+        """Route readiness and loss events to `listener`."""
+        self._listener = listener
+
+    async def start(self) -> None:
+        """Open the HTTP client of the readiness probes."""
+        if self._client is None:
+            self._client = probe_client()
+
+    async def close(self) -> None:
+        """Stop probing and watching; the worker processes keep running, to be adopted."""
+        await self._watches.close()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def derived_cap(self, pool: PoolSpec) -> int:
+        """Local cap when `max_workers` is 0: the memory budget over one worker's size."""
+        template = pool.template
+        if not isinstance(template, ProcessTemplate):
+            # This runtime cannot run the pool at all; spawn refuses it.
+            return 1
+        return max(1, self.memory_budget_mb // max(1, template.memory_mb))
+
+    # -- spawn and readiness ----------------------------------------------------------------
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        """Start the worker process; readiness is reported later by `worker_ready`.
+
+        Returns the ref `{pid, start_time, port, endpoint}`. Raises `RuntimeFailure`
+        when the pool has no process template or the process cannot be started.
+        """
+        template = pool.template
+        if not isinstance(template, ProcessTemplate):
+            raise RuntimeFailure(f"pool {pool.name!r} has no process template")
+        client = self._client
+        if client is None:
+            raise RuntimeFailure("the local runtime is not started")
+        try:
+            port = free_port(self.host)
+        except OSError as exc:
+            raise RuntimeFailure(f"no free port on {self.host}: {exc}") from exc
+        endpoint = f"http://{authority(self.host, port)}"
+        substitutions = {"{port}": str(port), "{worker_id}": worker.id, "{python}": sys.executable}
+        argv = [substitute(arg, substitutions) for arg in template.argv]
+        if not argv:
+            raise RuntimeFailure(f"pool {pool.name!r} has an empty argv")
+        labels = {
+            LABEL_FLEET: self.fleet,
+            LABEL_WORKER_ID: worker.id,
+            LABEL_POOL: pool.name,
+            LABEL_INSTANCE: self.instance_id,
+            LABEL_ENDPOINT: endpoint,
+        }
+        env = worker_environment(template.env, labels)
+        pid = start_process(worker.id, argv, env, template.cwd, self.log_dir)
+        try:
+            pidfd = os.pidfd_open(pid)
+            # Not reaped yet, so the pid cannot have been reused: this is our process.
+            start_time = psutil.Process(pid).create_time()
+        except (OSError, psutil.Error) as exc:
+            kill_quietly(pid)
+            raise RuntimeFailure(f"worker {worker.id} vanished at start: {exc}") from exc
+        watch = ProcessWatch(
+            worker_id=worker.id,
+            pool=pool.name,
+            pid=pid,
+            start_time=start_time,
+            pidfd=pidfd,
+            ready=False,
+        )
+        self._watches.add(watch)
+        watch.poller = asyncio.create_task(
+            self._await_ready(client, watch, endpoint, pool.timeouts.spawn_s),
+            name=f"ready:{worker.id}",
+        )
+        watch.poller.add_done_callback(_log_failure)
+        _log("worker_spawned", worker=worker.id, pool=pool.name, pid=pid, endpoint=endpoint)
+        return {"pid": pid, "start_time": start_time, "port": port, "endpoint": endpoint}
+
+    async def _await_ready(
+        self, client: aiohttp.ClientSession, watch: ProcessWatch, endpoint: str, timeout_s: float
+    ) -> None:
+        """Report `worker_ready` once `/healthz` answers; kill the process if it never does.
+
+        An exit before readiness is reported by the exit watch, which also cancels this.
+        """
+        ready = await probe_until_ready(
+            client,
+            self.clock,
+            endpoint,
+            timeout_s=timeout_s,
+            poll_s=self.ready_poll_s,
+            gone=watch.exited.is_set,
+        )
+        if ready is None or watch.exited.is_set() or watch.stopping:
+            return
+        if not ready:
+            self._fail_spawn(watch, f"not ready within {timeout_s}s")
+            return
+        watch.ready = True
+        _log("worker_ready", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
+        if self._listener is not None:
+            self._listener.worker_ready(watch.worker_id, endpoint)
+
+    def _fail_spawn(self, watch: ProcessWatch, why: str) -> None:
+        """Kill a process that never became ready and report `spawn_failure` once."""
+        watch.stopping = True
+        watch.send(signal.SIGKILL)
+        _log(
+            "worker_spawn_failed",
+            level=logging.WARNING,
+            worker=watch.worker_id,
+            pool=watch.pool,
+            error=why,
+        )
+        if self._listener is not None:
+            self._listener.worker_lost(watch.worker_id, "spawn_failure")
+
+    def _on_exit(self, watch: ProcessWatch) -> None:
+        """A watched process ended: a loss unless this runtime ended it."""
+        if watch.stopping:
+            _log("worker_exited", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
+            return
+        reason = "lost" if watch.ready else "spawn_failure"
+        _log(
+            "worker_lost",
+            level=logging.WARNING,
+            worker=watch.worker_id,
+            pool=watch.pool,
+            pid=watch.pid,
+            reason=reason,
+        )
+        if self._listener is not None:
+            self._listener.worker_lost(watch.worker_id, reason)
+
+    # -- stop, adoption, listing ------------------------------------------------------------
+
+    async def stop(self, worker: Worker, grace_s: float) -> None:
+        """SIGTERM the worker's process, then SIGKILL after `grace_s`.
+
+        Only the process recorded in `worker.runtime_ref` (pid and start time) is ever
+        signalled; one that is already gone is not an error. Raises `RuntimeFailure` if
+        the process survives SIGKILL.
+        """
+        named = identity(worker.runtime_ref)
+        if named is None:
+            # Stopped before the spawn's ref reached the store: this runtime may know it.
+            known = self._watches.find(worker.id)
+            named = (known.pid, known.start_time) if known is not None else None
+        if named is None:
+            _log("worker_stop_skipped", worker=worker.id, reason="no_ref")
+            return
+        pid, start_time = named
+        watch = self._watches.get(pid)
+        if watch is None or not same_start(watch.start_time, start_time):
+            watch = self._watches.open(worker.id, worker.pool, pid, start_time)
+            if watch is None:
+                _log("worker_already_gone", worker=worker.id, pid=pid)
+                return
+            watch.stopping = True
+            self._watches.add(watch)
+        watch.stopping = True
+        if watch.poller is not None:
+            watch.poller.cancel()
+        watch.send(signal.SIGTERM)
+        if await self._watches.wait_exit(watch, grace_s):
+            _log("worker_stopped", worker=worker.id, pid=pid, signal="SIGTERM")
+            return
+        watch.send(signal.SIGKILL)
+        if await self._watches.wait_exit(watch, KILL_WAIT_S):
+            _log("worker_stopped", worker=worker.id, pid=pid, signal="SIGKILL")
+            return
+        raise RuntimeFailure(f"worker {worker.id} (pid {pid}) survived SIGKILL")
+
+    async def adopt(self, worker: Worker) -> bool:
+        """Watch a live worker left by an earlier control plane; False if it is gone.
+
+        The process must be the one in `worker.runtime_ref` (pid and start time); a pid
+        now used by another process counts as gone. Readiness is not announced again.
+        """
+        named = identity(worker.runtime_ref)
+        if named is None:
+            return False
+        pid, start_time = named
+        current = self._watches.get(pid)
+        if current is not None and same_start(current.start_time, start_time):
+            return True
+        watch = self._watches.open(worker.id, worker.pool, pid, start_time)
+        if watch is None:
+            _log("worker_adopt_failed", worker=worker.id, pid=pid, reason="gone")
+            return False
+        self._watches.add(watch)
+        _log("worker_adopted", worker=worker.id, pool=worker.pool, pid=pid)
+        return True
+
+    async def list_objects(self) -> list[RuntimeObject]:
+        """Every live process labelled with this fleet (read from /proc in a thread)."""
+        found = await asyncio.to_thread(scan_fleet, self.fleet, os.getpid())
+        objects = []
+        for pid, created, env in found:
+            watch = self._watches.get(pid)
+            endpoint = env.get(LABEL_ENDPOINT)
+            ref: dict[str, Any] = {"pid": pid, "start_time": created}
+            if endpoint:
+                ref["endpoint"] = endpoint
+            objects.append(
+                RuntimeObject(
+                    worker_id=env[LABEL_WORKER_ID],
+                    pool=env.get(LABEL_POOL, ""),
+                    ref=ref,
+                    created_at=created,
+                    alive=True,
+                    ready=watch is not None and watch.ready,
+                    endpoint=endpoint,
+                    instance=env.get(LABEL_INSTANCE),
+                )
+            )
+        return objects
+
+    async def set_busy(self, worker: Worker, busy: bool) -> None:
+        """Nothing to do: no one disrupts a local process (unlike a cluster node drain)."""
+        return None
+
+    async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
+        """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""
+        return None
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        _log.logger.error("event=task_failed task=%s error=%r", task.get_name(), exc)
