@@ -11,16 +11,16 @@ eviction and replacement, do-not-disrupt, a restart that adopts).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 from looptime import LoopTimeProxy
 
+from runtime_contract import Recorder, RuntimeContract
 from stoker.adapters.runtime_kubernetes import (
     DO_NOT_DISRUPT,
     LABEL_FLEET,
@@ -37,6 +37,7 @@ from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec, ProcessTemplate, Timeouts
 from stoker.domain.states import ClaimState, WorkerState
+from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import (
     ClusterUnavailable,
@@ -51,7 +52,7 @@ from stoker.ports.cluster import (
     WatchEvent,
     WatchEventType,
 )
-from stoker.ports.runtime import ActivationPayload
+from stoker.ports.runtime import Runtime
 from stoker.sim.cluster import FakeApiServer
 
 pytestmark = pytest.mark.looptime
@@ -171,7 +172,6 @@ class Kubelet:
 def make_runtime(
     server: Any, *, instance_id: str = "cp-one", **kw: Any
 ) -> tuple[KubernetesRuntime, Events]:
-    kw.setdefault("activator", Workers().activate)
     kw.setdefault("placeholder_priority_class", "stoker-placeholder")
     runtime = KubernetesRuntime(
         cluster=server, clock=LoopClock(epoch=EPOCH), fleet=FLEET, instance_id=instance_id, **kw
@@ -568,7 +568,7 @@ async def test_a_dropped_watch_resumes_from_the_last_version() -> None:
         run(server, "w-1")
         await server.delete_pod("w-2")
         await asyncio.sleep(5)
-        assert (runtime.lists, runtime.watches) == (1, 2)
+        assert (runtime.informer.lists, runtime.informer.watches) == (1, 2)
     assert events.ready == [("w-1", "http://10.1.2.3:8080")]
     assert events.lost == [("w-2", "lost")]
     await server.close()
@@ -591,7 +591,7 @@ async def test_gone_relists_and_reports_only_what_was_missed() -> None:
         await server.delete_pod("w-2")
         server.compact()
         await asyncio.sleep(5)
-        assert runtime.lists == 2
+        assert runtime.informer.lists == 2
     assert events.ready == [("w-3", "http://10.0.0.3:8080"), ("w-1", "http://10.0.0.1:8080")]
     assert events.lost == [("w-2", "lost")]
     await server.close()
@@ -641,11 +641,11 @@ async def test_a_periodic_resync_reports_what_the_watch_missed(looptime: LoopTim
         await asyncio.sleep(30)
         assert events.ready == [("w-3", "http://10.0.0.3:8080")] and events.lost == []
         await asyncio.sleep(30)  # the resync at 60 s
-        assert runtime.lists == 2
+        assert runtime.informer.lists == 2
         assert events.ready[1:] == [("w-1", "http://10.0.0.1:8080")]
         assert events.lost == [("w-2", "lost")]
         await asyncio.sleep(125)  # two more resyncs with nothing new
-        assert runtime.lists == 4
+        assert runtime.informer.lists == 4
     assert len(events.ready) == 2 and len(events.lost) == 1
     await server.close()
 
@@ -667,7 +667,7 @@ async def test_the_informer_backs_off_and_recovers_from_api_errors(
         run(server, "w-1")
         await asyncio.sleep(10)
     assert events.ready == [("w-1", "http://10.1.2.3:8080")]
-    assert runtime.lists == 1
+    assert runtime.informer.lists == 1
     await server.close()
 
 
@@ -789,12 +789,13 @@ async def test_headroom_without_a_placeholder_priority_class_is_refused() -> Non
     await server.close()
 
 
-# -- activation ---------------------------------------------------------------------------------
+# -- inside a control plane ---------------------------------------------------------------------
 
 
 @dataclass
 class Workers:
-    """The worker side of the activation protocol for pods that run no process here."""
+    """The worker side of the activation protocol for pods that run no process here (an
+    `Activator`: the plane hands activations to it)."""
 
     bound: dict[str, tuple[str, int]] = field(default_factory=dict)
     calls: list[tuple[str, str, int, float]] = field(default_factory=list)
@@ -806,95 +807,8 @@ class Workers:
             raise ActivationRejected(f"{worker.id} is bound to {held}")
         self.bound[worker.id] = (payload.org, payload.epoch)
 
-
-async def test_an_injected_activator_receives_the_activation() -> None:
-    """The simulator's seam: activate() goes to the activator, errors and all."""
-    workers = Workers()
-    runtime, _ = make_runtime(server_for_test(), activator=workers.activate)
-    payload = ActivationPayload(worker_id="w-1", org="acme", epoch=2, token="t")
-    await runtime.activate(worker("w-1"), payload, 5.0)
-    assert workers.calls == [("w-1", "acme", 2, 5.0)]
-    with pytest.raises(ActivationRejected):
-        await runtime.activate(worker("w-1"), replace(payload, org="other", epoch=3), 5.0)
-
-
-@asynccontextmanager
-async def worker_server(
-    handler: Callable[[web.Request], Any],
-) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/activate", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-@pytest.mark.looptime(False)
-@pytest.mark.parametrize(
-    ("status", "error"), [(200, None), (409, ActivationRejected), (500, RuntimeFailure)]
-)
-async def test_the_default_activator_posts_to_the_worker(
-    status: int, error: type[Exception] | None
-) -> None:
-    """POST {endpoint}/activate with the payload: 200 binds, 409 is a rejection, else a failure."""
-    received: list[Mapping[str, Any]] = []
-
-    async def handler(request: web.Request) -> web.Response:
-        received.append(await request.json())
-        return web.json_response({"detail": "no"}, status=status)
-
-    async with worker_server(handler) as endpoint:
-        runtime = KubernetesRuntime(
-            cluster=server_for_test(), clock=LoopClock(), fleet=FLEET, instance_id="cp-one"
-        )
-        async with started(runtime):
-            payload = ActivationPayload(
-                worker_id="w-1", org="acme", epoch=3, token="secret", config={"dsn": "x"}
-            )
-            one = worker("w-1", state=S.ACTIVATING, endpoint=endpoint)
-            if error is None:
-                await runtime.activate(one, payload, 5.0)
-            else:
-                with pytest.raises(error, match="no"):
-                    await runtime.activate(one, payload, 5.0)
-    assert received == [
-        {"worker_id": "w-1", "org": "acme", "epoch": 3, "token": "secret", "config": {"dsn": "x"}}
-    ]
-
-
-@pytest.mark.looptime(False)
-async def test_the_default_activator_retries_a_closed_port_until_the_timeout() -> None:
-    """A pod can be Ready a moment before its server listens; nothing listens at all here."""
-
-    async def accept(request: web.Request) -> web.Response:
-        return web.Response()
-
-    async with worker_server(accept) as endpoint:
-        closed = endpoint  # nothing listens there once the block ends
-    runtime = KubernetesRuntime(
-        cluster=server_for_test(), clock=LoopClock(), fleet=FLEET, instance_id="cp-one"
-    )
-    async with started(runtime):
-        one = worker("w-1", state=S.ACTIVATING, endpoint=closed)
-        payload = ActivationPayload(worker_id="w-1", org="acme", epoch=1, token="t")
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        with pytest.raises(RuntimeFailure, match="activation of worker w-1 failed"):
-            await runtime.activate(one, payload, 0.6)
-        assert loop.time() - began >= 0.35  # two retries, 0.2 s apart
-        with pytest.raises(RuntimeFailure, match="no endpoint"):
-            await runtime.activate(worker("w-2"), payload, 1.0)
-    with pytest.raises(RuntimeFailure, match="not started"):
-        await runtime.activate(one, payload, 1.0)
-
-
-# -- inside a control plane ---------------------------------------------------------------------
+    async def close(self) -> None:
+        return None
 
 
 @dataclass
@@ -931,12 +845,12 @@ async def plane(
         clock=clock,
         fleet=FLEET,
         instance_id=instance_id,
-        activator=workers.activate,
         placeholder_priority_class="stoker-placeholder",
     )
     control = ControlPlane(
         store=SqliteStore(str(tmp_path / "stoker.db")),
         runtime=runtime,
+        activator=workers,
         pools=[spec or pool(warm_target=3)],
         settings=PlaneSettings(),
         clock=clock,
@@ -1050,3 +964,47 @@ async def test_a_restarted_control_plane_rebuilds_its_cache_and_adopts(tmp_path:
             again = await second.claim("acme")
             assert again.source.value == "reuse" and again.worker_id == claim.worker_id
     await server.close()
+
+
+# -- the Runtime contract ----------------------------------------------------------------------
+
+
+class KubernetesHarness:
+    """The contract's harness on the fake cluster, with the test kubelet running pods."""
+
+    pool = pool()
+
+    def __init__(self, server: FakeApiServer) -> None:
+        self.server = server
+        self.runtimes: list[KubernetesRuntime] = []
+
+    async def start(self, instance_id: str) -> tuple[Runtime, Recorder]:
+        runtime = KubernetesRuntime(
+            cluster=self.server, clock=LoopClock(epoch=EPOCH), fleet=FLEET, instance_id=instance_id
+        )
+        recorder = Recorder()
+        runtime.subscribe(recorder)
+        await runtime.start()
+        self.runtimes.append(runtime)
+        return runtime, recorder
+
+    async def kill(self, worker: Worker) -> None:
+        # The worker's container exits: restartPolicy Never leaves the pod Failed.
+        self.server.set_pod_status(worker.id, phase=PodPhase.FAILED, ready=False)
+
+    async def settle(self) -> None:
+        await asyncio.sleep(3)
+
+
+class TestKubernetesRuntimeContract(RuntimeContract):
+    """The shared contract, on pods of the fake cluster (virtual time)."""
+
+    @pytest.fixture
+    async def harness(self) -> AsyncIterator[KubernetesHarness]:
+        server = server_for_test()
+        harness = KubernetesHarness(server)
+        async with Kubelet(server):
+            yield harness
+            for runtime in harness.runtimes:
+                await runtime.close()
+        await server.close()

@@ -10,9 +10,8 @@ import asyncio
 import os
 import signal
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,14 @@ import httpx
 import psutil
 import pytest
 
+from runtime_contract import EVENT_TIMEOUT_S, Recorder, RuntimeContract
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.domain.errors import ActivationRejected, RuntimeFailure
+from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, Timeouts
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
-from stoker.ports.runtime import ActivationPayload, Runtime
+from stoker.ports.runtime import Runtime
 
 pytestmark = pytest.mark.processes
 
@@ -60,9 +60,6 @@ class Handler(BaseHTTPRequestHandler):
 HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
-#: Bound on every wait for a runtime event; spawning a Python worker takes ~0.1 s.
-EVENT_TIMEOUT_S = 10.0
-
 
 def make_pool(
     argv: tuple[str, ...] = DEMO_ARGV, *, spawn_s: float = 10.0, name: str = "demo"
@@ -85,38 +82,6 @@ def make_worker(prefix: str = "w") -> Worker:
         created_at=0.0,
         updated_at=0.0,
     )
-
-
-class Recorder:
-    """A runtime listener that records every event and lets a test await one."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, str]] = []
-        self._ready: dict[str, asyncio.Future[str]] = defaultdict(self._future)
-        self._lost: dict[str, asyncio.Future[str]] = defaultdict(self._future)
-
-    @staticmethod
-    def _future() -> asyncio.Future[str]:
-        return asyncio.get_running_loop().create_future()
-
-    def worker_ready(self, worker_id: str, endpoint: str) -> None:
-        self.events.append(("ready", worker_id, endpoint))
-        if not self._ready[worker_id].done():
-            self._ready[worker_id].set_result(endpoint)
-
-    def worker_lost(self, worker_id: str, reason: str) -> None:
-        self.events.append(("lost", worker_id, reason))
-        if not self._lost[worker_id].done():
-            self._lost[worker_id].set_result(reason)
-
-    async def ready(self, worker_id: str) -> str:
-        return await asyncio.wait_for(asyncio.shield(self._ready[worker_id]), EVENT_TIMEOUT_S)
-
-    async def lost(self, worker_id: str, timeout: float = EVENT_TIMEOUT_S) -> str:
-        return await asyncio.wait_for(asyncio.shield(self._lost[worker_id]), timeout)
-
-    def of(self, worker_id: str) -> list[tuple[str, str]]:
-        return [(kind, detail) for kind, wid, detail in self.events if wid == worker_id]
 
 
 @contextmanager
@@ -154,10 +119,10 @@ def fleet_processes(fleet: str) -> list[psutil.Process]:
 MakeRuntime = Callable[..., Awaitable[tuple[LocalProcessRuntime, Recorder]]]
 
 
-@pytest.fixture
-async def make_runtime() -> AsyncIterator[MakeRuntime]:
-    """Started runtimes with a recording listener; afterwards every runtime is closed and
-    every process of their fleets is killed and reaped."""
+@asynccontextmanager
+async def local_runtimes() -> AsyncIterator[MakeRuntime]:
+    """Makes started runtimes with a recording listener; afterwards every runtime is
+    closed and every process of their fleets is killed and reaped."""
     runtimes: list[LocalProcessRuntime] = []
     fleets: set[str] = set()
 
@@ -166,24 +131,32 @@ async def make_runtime() -> AsyncIterator[MakeRuntime]:
     ) -> tuple[LocalProcessRuntime, Recorder]:
         fleet = fleet or f"test-{uuid.uuid4().hex[:8]}"
         fleets.add(fleet)
-        runtime = LocalProcessRuntime(
-            clock=LoopClock(), fleet=fleet, instance_id=f"cp-{len(runtimes)}", **options
-        )
+        options.setdefault("instance_id", f"cp-{len(runtimes)}")
+        runtime = LocalProcessRuntime(clock=LoopClock(), fleet=fleet, **options)
         recorder = Recorder()
         runtime.subscribe(recorder)
         await runtime.start()
         runtimes.append(runtime)
         return runtime, recorder
 
-    yield make
-    for runtime in runtimes:
-        await runtime.close()
-    leftovers = [p for fleet in fleets for p in fleet_processes(fleet)]
-    for process in leftovers:
-        process.kill()
-    # Reaps our own children, waits for the others to disappear.
-    _gone, alive = psutil.wait_procs(leftovers, timeout=10)
-    assert not alive
+    try:
+        yield make
+    finally:
+        for runtime in runtimes:
+            await runtime.close()
+        leftovers = [p for fleet in fleets for p in fleet_processes(fleet)]
+        for process in leftovers:
+            process.kill()
+        # Reaps our own children, waits for the others to disappear.
+        _gone, alive = psutil.wait_procs(leftovers, timeout=10)
+        assert not alive
+
+
+@pytest.fixture
+async def make_runtime() -> AsyncIterator[MakeRuntime]:
+    """Started runtimes with a recording listener (see `local_runtimes`)."""
+    async with local_runtimes() as make:
+        yield make
 
 
 @pytest.fixture
@@ -244,44 +217,6 @@ async def test_spawn_reports_ready_with_a_working_endpoint(
     assert state.status_code == 200
     assert state.json()["worker_id"] == worker.id
     assert recorder.of(worker.id) == [("ready", endpoint)]
-
-
-async def test_activation_succeeds_then_a_second_org_is_rejected(
-    runtime: tuple[LocalProcessRuntime, Recorder], client: httpx.AsyncClient
-) -> None:
-    rt, recorder = runtime
-    worker = await spawn_ready(rt, recorder)
-    payload = ActivationPayload(
-        worker_id=worker.id, org="acme", epoch=1, token="tok-1", config={"region": "eu"}
-    )
-    await rt.activate(worker, payload, timeout=5.0)
-    state = await client.get(f"{worker.endpoint}/", headers={"Authorization": "Bearer tok-1"})
-    assert state.json()["org"] == "acme"
-    assert state.json()["config_keys"] == ["region"]
-
-    other_org = ActivationPayload(worker_id=worker.id, org="globex", epoch=2, token="tok-2")
-    with pytest.raises(ActivationRejected):
-        await rt.activate(worker, other_org, timeout=5.0)
-    stale = ActivationPayload(worker_id=worker.id, org="acme", epoch=1, token="tok-3")
-    with pytest.raises(ActivationRejected):
-        await rt.activate(worker, stale, timeout=5.0)
-    # The endpoint may come from the ref alone (a record without `endpoint`).
-    newer = ActivationPayload(worker_id=worker.id, org="acme", epoch=2, token="tok-4")
-    await rt.activate(worker.evolve(endpoint=None), newer, timeout=5.0)
-
-
-async def test_activation_of_an_unreachable_worker_is_a_runtime_failure(
-    runtime: tuple[LocalProcessRuntime, Recorder],
-) -> None:
-    rt, recorder = runtime
-    worker = await spawn_ready(rt, recorder)
-    await rt.stop(worker, grace_s=5.0)
-    payload = ActivationPayload(worker_id=worker.id, org="acme", epoch=1, token="t")
-    with pytest.raises(RuntimeFailure) as failure:
-        await rt.activate(worker, payload, timeout=2.0)
-    assert not isinstance(failure.value, ActivationRejected)
-    with pytest.raises(RuntimeFailure):
-        await rt.activate(worker.evolve(endpoint=None, runtime_ref={}), payload, timeout=2.0)
 
 
 async def test_stop_ends_the_worker_with_sigterm_and_reports_nothing(
@@ -492,3 +427,33 @@ async def test_derived_cap_is_the_memory_budget_over_the_worker_size() -> None:
     pods = PoolSpec(name="pods", template=PodTemplate(image="busybox"))
     rt = LocalProcessRuntime(clock=LoopClock(), fleet="f", instance_id="i", memory_budget_mb=512)
     assert rt.derived_cap(pods) == 1
+
+
+# -- the Runtime contract ----------------------------------------------------------------------
+
+
+class LocalHarness:
+    """The contract's harness on real demo-worker processes of one fleet."""
+
+    pool = make_pool()
+
+    def __init__(self, make: MakeRuntime) -> None:
+        self._make = make
+        self._fleet = f"test-{uuid.uuid4().hex[:8]}"
+
+    async def start(self, instance_id: str) -> tuple[Runtime, Recorder]:
+        return await self._make(self._fleet, instance_id=instance_id)
+
+    async def kill(self, worker: Worker) -> None:
+        os.kill(worker.runtime_ref["pid"], signal.SIGKILL)
+
+    async def settle(self) -> None:
+        await asyncio.sleep(0.2)
+
+
+class TestLocalRuntimeContract(RuntimeContract):
+    """The shared contract, on real worker processes."""
+
+    @pytest.fixture
+    def harness(self, make_runtime: MakeRuntime) -> LocalHarness:
+        return LocalHarness(make_runtime)
