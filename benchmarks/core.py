@@ -46,12 +46,17 @@ def percentile(values: list[float], q: float) -> float:
 
 async def make_plane(db: Path, **pool: Any) -> ControlPlane:
     clock = LoopClock()
+    # Wired as bootstrap wires a server: readiness probes on the activator's connections.
+    activator = HttpActivator()
     plane = ControlPlane(
         store=SqliteStore(str(db)),
         runtime=LocalProcessRuntime(
-            clock=clock, fleet="bench-" + uuid.uuid4().hex[:6], instance_id="bench"
+            clock=clock,
+            fleet="bench-" + uuid.uuid4().hex[:6],
+            instance_id="bench",
+            probe_session=activator.session,
         ),
-        activator=HttpActivator(),
+        activator=activator,
         pools=[PoolSpec(name="demo", template=DEMO, **pool)],
         settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
         clock=clock,

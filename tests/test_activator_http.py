@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -127,6 +128,23 @@ async def test_activation_of_an_unreachable_worker_is_a_runtime_failure(
     assert loop.time() - began < 1.0
     with pytest.raises(RuntimeFailure, match="no endpoint"):
         await activator.activate(worker.evolve(endpoint=None, runtime_ref={}), payload, 2.0)
+
+
+async def test_a_local_runtime_probes_on_the_activators_session(activator: HttpActivator) -> None:
+    """As bootstrap wires a server: readiness probes and activations share one session, so
+    a worker's first activation reuses its probe's connection. The runtime leaves the
+    session open when it closes; the activator, its owner, closes it."""
+    async with local_runtimes() as make:
+        rt, recorder = await make(probe_session=activator.session)
+        worker = await spawn_ready(rt, recorder, make_pool())
+        session = activator.session()
+        payload = ActivationPayload(worker_id=worker.id, org="acme", epoch=1, token="t")
+        await activator.activate(worker, payload, 5.0)
+        await rt.close()
+        assert not session.closed
+        await activator.activate(worker, replace(payload, epoch=2), 5.0)
+    await activator.close()
+    assert session.closed
 
 
 @asynccontextmanager

@@ -117,9 +117,18 @@ def build_cluster(
 
 
 def build_runtime(
-    config: StokerConfig, *, clock: Clock, instance_id: str, closers: list[Closer]
+    config: StokerConfig,
+    *,
+    clock: Clock,
+    instance_id: str,
+    closers: list[Closer],
+    activator: Activator | None = None,
 ) -> Runtime:
-    """The runtime `runtime.kind` names; a cluster client it needs is added to `closers`."""
+    """The runtime `runtime.kind` names; a cluster client it needs is added to `closers`.
+
+    Local workers are probed on the HTTP `activator`'s session, when it is one: a worker's
+    first activation then reuses the connection of its readiness probe.
+    """
     runtime = config.runtime
     if not isinstance(runtime, KubernetesRuntimeConfig):
         return LocalProcessRuntime(
@@ -128,6 +137,7 @@ def build_runtime(
             instance_id=instance_id,
             memory_budget_mb=runtime.memory_budget_mb,
             log_dir=runtime.log_dir,
+            probe_session=activator.session if isinstance(activator, HttpActivator) else None,
         )
     from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 
@@ -231,8 +241,8 @@ def build_plane(
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
     It mints the replica's instance id, builds its runtime, then its elector (None: the
-    plane's `SoleLeader`), and the plane around them and `activator`: pool manager, janitor and fallback
-    reaper. `stoker serve` builds its replica here from the config
+    plane's `SoleLeader`), and the plane around them and `activator`: pool manager, janitor
+    and fallback reaper. `stoker serve` builds its replica here from the config
     (`build_control_plane`); the simulator builds each of its replicas here too, on its
     own clock, cluster and store. `demand` replaces the janitor's demand source.
     """
@@ -276,11 +286,14 @@ def build_control_plane(
     domain = to_domain(config)
     clock = clock or LoopClock()
     shared = store or build_store(config)
+    activator = activator or build_activator(config)
 
     def config_runtime(instance_id: str, closers: list[Closer]) -> Runtime:
         if runtime is not None:
             return runtime
-        return build_runtime(config, clock=clock, instance_id=instance_id, closers=closers)
+        return build_runtime(
+            config, clock=clock, instance_id=instance_id, closers=closers, activator=activator
+        )
 
     def config_elector(instance_id: str, closers: list[Closer]) -> Elector | None:
         return build_elector(
@@ -295,7 +308,7 @@ def build_control_plane(
         ids=ids or Ids(),
         store=shared,
         runtime=config_runtime,
-        activator=activator or build_activator(config),
+        activator=activator,
         elector=config_elector,
     )
 

@@ -75,8 +75,7 @@ class HttpActivator:
                     except aiohttp.ClientConnectorError:
                         if not self._may_retry(deadline):
                             raise
-                    assert self.refused_retry_s is not None  # checked by _may_retry
-                    await asyncio.sleep(self.refused_retry_s)
+                        await asyncio.sleep(self.refused_retry_s or 0.0)
         except (aiohttp.ClientError, TimeoutError, TypeError, ValueError) as exc:
             # TypeError/ValueError: a config that does not serialise to JSON.
             raise RuntimeFailure(f"activation of worker {worker.id} failed: {exc!r}") from exc
@@ -105,6 +104,14 @@ class HttpActivator:
         remaining = when - asyncio.get_running_loop().time() if when is not None else None
         # The last refusal says more than a timeout would: give up while time remains.
         return remaining is None or remaining > self.refused_retry_s
+
+    def session(self) -> aiohttp.ClientSession:
+        """The session activations go through, opened on first use (in the running loop).
+
+        A local runtime probes readiness on it, so that a worker's first activation finds
+        the connection its probe opened. Raises `RuntimeFailure` once the activator is closed.
+        """
+        return self._client or self._open()
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -49,7 +49,10 @@ class LocalProcessRuntime:
 
     `memory_budget_mb` (default: half the machine) over a worker's `memory_mb` is a pool's
     cap when its `max_workers` is 0. Worker output goes to `<log_dir>/<worker id>.log`.
-    Readiness is probed every `ready_poll_s`; workers listen on `host`.
+    Readiness is probed every `ready_poll_s`; workers listen on `host`. `probe_session`,
+    when given, opens the HTTP session the probes use (the HTTP activator's: a worker's
+    first activation then reuses the connection its last probe left open, as activations
+    are on the claim path); its owner closes it. Else the runtime opens and closes its own.
     """
 
     kind = "local"
@@ -64,6 +67,7 @@ class LocalProcessRuntime:
         log_dir: str | None = None,
         ready_poll_s: float = 0.05,
         host: str = "127.0.0.1",
+        probe_session: Callable[[], aiohttp.ClientSession] | None = None,
     ) -> None:
         self.clock = clock
         self.fleet = fleet
@@ -76,6 +80,8 @@ class LocalProcessRuntime:
         self.ready_poll_s = ready_poll_s
         self.host = host
         self._listener: RuntimeListener | None = None
+        self._open_session = probe_session or probe_client
+        self._owns_session = probe_session is None
         self._client: aiohttp.ClientSession | None = None
         self._watches = ProcessWatches(clock, self._on_exit)
 
@@ -88,14 +94,14 @@ class LocalProcessRuntime:
     async def start(self) -> None:
         """Open the HTTP client of the readiness probes."""
         if self._client is None:
-            self._client = probe_client()
+            self._client = self._open_session()
 
     async def close(self) -> None:
         """Stop probing and watching; the worker processes keep running, to be adopted."""
         await self._watches.close()
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        client, self._client = self._client, None
+        if client is not None and self._owns_session:
+            await client.close()
 
     def derived_cap(self, pool: PoolSpec) -> int:
         """Local cap when `max_workers` is 0: the memory budget over one worker's size."""
