@@ -229,16 +229,16 @@ async def test_every_replica_is_built_by_the_builder_stoker_serve_uses(
     view = scenario.for_policy(scenario.policies[0].name)
     clock = LoopClock()
     cluster = SimCluster(view.cluster_config(), clock=clock, rng=random.Random(1))
-    fleet = replicas.build_fleet(
+    group = replicas.build_replicas(
         scenario=view,
         cluster=cluster,
         store=SqliteStore(":memory:"),
         clock=clock,
         observer=Recorder(),
     )
-    assert built == fleet.planes
+    assert built == group.planes
     assert len(built) == view.control_plane.replicas > 1
-    for plane, runtime, elector in zip(built, fleet.runtimes, fleet.electors, strict=True):
+    for plane, runtime, elector in zip(built, group.runtimes, group.electors, strict=True):
         assert plane.runtime is runtime and plane.elector is elector
         assert isinstance(plane.store, ObservedStore)
     assert len({plane.instance_id for plane in built}) == len(built)

@@ -1,6 +1,6 @@
 """The policies stoker is compared with: historical failures, re-enacted with stoker's parts.
 
-Each baseline is the same replicas (`replicas.build_fleet`) changed only by the wrappers
+Each baseline is the same replicas (`replicas.build_replicas`) changed only by the wrappers
 and settings here:
 
 - **static-target** (duckgres #597): a demand source that always says 0 (the pool only

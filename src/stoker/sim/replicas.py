@@ -183,7 +183,7 @@ class SimActivator:
 
 
 @dataclass
-class Fleet:
+class PolicyReplicas:
     """A policy's replicas (`planes[i]` is replica i), sharing one store, one activator
     and one cluster, and what the runner reads of them."""
 
@@ -208,14 +208,14 @@ class Fleet:
         return [s for runtime in self.runtimes for s in runtime.pod_starts]
 
 
-def build_fleet(
+def build_replicas(
     *,
     scenario: Scenario,
     cluster: SimCluster,
     store: Store,
     clock: Clock,
     observer: Observer,
-) -> Fleet:
+) -> PolicyReplicas:
     """Build the replicas of the scenario's (single) policy; see the module docstring.
 
     `scenario` is the policy's view (`Scenario.for_policy`). Nothing is started.
@@ -227,15 +227,15 @@ def build_fleet(
         clock=clock,
         observer=observer,
     )
-    fleet = Fleet(pool=pool_spec(scenario), activator=activator)
+    replicas = PolicyReplicas(pool=pool_spec(scenario), activator=activator)
     orgs = org_specs(scenario)
     settings = settings_for(entry, plane_settings(scenario))
     for index in range(scenario.control_plane.replicas):
         parts = _ReplicaParts(
-            scenario, fleet, index, cluster=cluster, clock=clock, observer=observer
+            scenario, replicas, index, cluster=cluster, clock=clock, observer=observer
         )
         plane = build_plane(
-            pools=[fleet.pool],
+            pools=[replicas.pool],
             orgs=orgs,
             settings=settings,
             clock=clock,
@@ -246,18 +246,18 @@ def build_fleet(
             elector=parts.elector,
             demand=demand_for(entry),
         )
-        fleet.planes.append(plane)
-    return fleet
+        replicas.planes.append(plane)
+    return replicas
 
 
 class _ReplicaParts:
     """Builds replica `index`'s runtime and elector when `build_plane` asks, on one client
-    view of the cluster, and adds them to the fleet."""
+    view of the cluster, and adds them to `replicas`."""
 
     def __init__(
         self,
         scenario: Scenario,
-        fleet: Fleet,
+        replicas: PolicyReplicas,
         index: int,
         *,
         cluster: SimCluster,
@@ -266,7 +266,7 @@ class _ReplicaParts:
     ) -> None:
         cp = scenario.control_plane
         self._scenario = scenario
-        self._fleet = fleet
+        self._replicas = replicas
         self._index = index
         self._clock = clock
         self._observer = observer
@@ -295,21 +295,21 @@ class _ReplicaParts:
             placeholder_size=placeholder_size,
         )
         runtime = runtime_for(entry, inner, clock=self._clock)
-        self._fleet.runtimes.append(runtime)
+        self._replicas.runtimes.append(runtime)
         return runtime
 
     def elector(self, instance_id: str, closers: list[Closer]) -> Elector:
-        """A lease elector on the replica's client view that tells the fleet and the
+        """A lease elector on the replica's client view that tells `replicas` and the
         observer when it starts and stops leading (run-once for `run-once-elector`)."""
-        index, fleet, observer = self._index, self._fleet, self._observer
+        index, replicas, observer = self._index, self._replicas, self._observer
         cp = self._scenario.control_plane
 
         def started(_epoch: int) -> None:
-            fleet.leaders.add(index)
+            replicas.leaders.add(index)
             observer.leader_changed(index, True)
 
         def stopped() -> None:
-            fleet.leaders.discard(index)
+            replicas.leaders.discard(index)
             observer.leader_changed(index, False)
 
         def make(also_stopped: Callable[[], None] | None = None) -> KubernetesLeaseElector:
@@ -334,5 +334,5 @@ class _ReplicaParts:
             if self._scenario.policies[0].policy == "run-once-elector"
             else make()
         )
-        fleet.electors.append(elector)
+        replicas.electors.append(elector)
         return elector

@@ -38,7 +38,7 @@ from stoker.sim.baselines import derived_cap
 from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
-from stoker.sim.replicas import Fleet, build_fleet, org_specs, pool_spec
+from stoker.sim.replicas import PolicyReplicas, build_replicas, org_specs, pool_spec
 from stoker.sim.scenario import Scenario
 
 #: The wall-clock origin of every run (2023-11-14T22:13:20Z): fixed, so timestamps in the
@@ -304,16 +304,16 @@ class _PolicyRun:
             check_interval_s=view.check_interval_s,
         )
         cluster.api.add_listener(checker.pod_changed)
-        fleet = build_fleet(
+        replicas = build_replicas(
             scenario=view, cluster=cluster, store=store, clock=self.clock, observer=checker
         )
         await cluster.start()
-        for plane in fleet.planes:
+        for plane in replicas.planes:
             await plane.start()
         driver = LoadDriver(
             tenants=view.tenants,
             pool=pool.name,
-            targets=fleet.planes,
+            targets=replicas.planes,
             clock=self.clock,
             seed=view.seed,
             observer=checker,
@@ -321,18 +321,18 @@ class _PolicyRun:
         )
         driver.start()
         checker.start()
-        sampler = asyncio.ensure_future(self._sample_every(cluster, store, fleet, driver))
+        sampler = asyncio.ensure_future(self._sample_every(cluster, store, replicas, driver))
         try:
             await self._drive(cluster, driver)
-            await self._sample(cluster, store, fleet, driver)
+            await self._sample(cluster, store, replicas, driver)
             checker.check()
-            summary = self._summary(cluster, store, fleet, driver, checker)
+            summary = self._summary(cluster, store, replicas, driver, checker)
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
             await driver.stop()
             await checker.stop()
-            for plane in fleet.planes:
+            for plane in replicas.planes:
                 await plane.stop()
             await cluster.stop()
             await store.close()
@@ -361,15 +361,15 @@ class _PolicyRun:
     # -- the timeseries ------------------------------------------------------------------------
 
     async def _sample_every(
-        self, cluster: SimCluster, store: Store, fleet: Fleet, driver: LoadDriver
+        self, cluster: SimCluster, store: Store, replicas: PolicyReplicas, driver: LoadDriver
     ) -> None:
         interval = self.view.sample_interval_s
         while True:
             await asyncio.sleep(interval)
-            await self._sample(cluster, store, fleet, driver)
+            await self._sample(cluster, store, replicas, driver)
 
     async def _sample(
-        self, cluster: SimCluster, store: Store, fleet: Fleet, driver: LoadDriver
+        self, cluster: SimCluster, store: Store, replicas: PolicyReplicas, driver: LoadDriver
     ) -> None:
         """One row of the timeseries, and the integrals and peaks it feeds."""
         t = round(self.now(), 6)
@@ -383,8 +383,8 @@ class _PolicyRun:
         nodes = snap.nodes_by_state
         cpu = self.view.pool.cpu_cores
         alive = sum(n for state, n in nodes.items() if state != "terminated")
-        leader = fleet.leader()
-        janitor = fleet.planes[leader].janitor if leader is not None else None
+        leader = replicas.leader()
+        janitor = replicas.planes[leader].janitor if leader is not None else None
         row: dict[str, Any] = {"t_s": t, **counts}
         row.update(
             {
@@ -425,7 +425,7 @@ class _PolicyRun:
         self,
         cluster: SimCluster,
         store: Store,
-        fleet: Fleet,
+        replicas: PolicyReplicas,
         driver: LoadDriver,
         checker: InvariantChecker,
     ) -> dict[str, Any]:
@@ -436,12 +436,12 @@ class _PolicyRun:
         served_warm = by_source.get("warm", 0) + by_source.get("reuse", 0)
         every = [x for samples in stats.latencies.values() for x in samples]
         last = self.samples[-1] if self.samples else {}
-        retirements = _counter(fleet, "stoker_retirements", "reason")
-        pod_starts = fleet.pod_starts()
-        electors = fleet.electors
+        retirements = _counter(replicas, "stoker_retirements", "reason")
+        pod_starts = replicas.pod_starts()
+        electors = replicas.electors
         return {
             "policy": self.entry.policy,
-            "replicas": len(fleet.planes),
+            "replicas": len(replicas.planes),
             "claims": {
                 "attempts": bound + sum(stats.failures.values()),
                 "bound": bound,
@@ -473,16 +473,16 @@ class _PolicyRun:
                 "nodes": self.integrals["node_vcpu"],
             },
             "workers": {
-                "spawns": _counter(fleet, "stoker_spawns", "purpose"),
-                "spawn_failures": _counter(fleet, "stoker_spawn_failures", "reason"),
+                "spawns": _counter(replicas, "stoker_spawns", "purpose"),
+                "spawn_failures": _counter(replicas, "stoker_spawn_failures", "reason"),
                 "retirements": retirements,
                 "retired": sum(retirements.values()),
                 "final": {s: last.get(s, 0) for s in _WORKER_STATES},
                 "peak": {k: self.peaks[k] for k in ("hot", "hot_idle", "live", "warm")},
                 "pod_start_s": _quantiles(pod_starts),
-                "activations": fleet.activator.activations,
-                "activation_rejections": fleet.activator.rejections,
-                "activation_failures": fleet.activator.failures,
+                "activations": replicas.activator.activations,
+                "activation_rejections": replicas.activator.rejections,
+                "activation_failures": replicas.activator.failures,
             },
             "nodes": {
                 "launched": snap.nodes_launched_total,
@@ -535,10 +535,10 @@ def _inner_electors(electors: Iterable[object]) -> list[object]:
     return [getattr(e, "inner", e) for e in electors]
 
 
-def _counter(fleet: Fleet, name: str, label: str) -> dict[str, int]:
+def _counter(replicas: PolicyReplicas, name: str, label: str) -> dict[str, int]:
     """A Prometheus counter of every replica, summed by one label."""
     totals: Counter[str] = Counter()
-    for plane in fleet.planes:
+    for plane in replicas.planes:
         for family in plane.metrics.registry.collect():
             if family.name != name:
                 continue

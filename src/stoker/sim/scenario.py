@@ -62,7 +62,7 @@ from stoker.sim.cluster.distributions import (
 )
 from stoker.sim.cluster.resources import cpu_millis, memory_bytes
 
-#: The policy kinds a scenario may name (see `stoker.sim.policies`).
+#: The policy kinds a scenario may name (see `stoker.sim.replicas` and `stoker.sim.baselines`).
 POLICY_KINDS = ("stoker", "static-target", "run-once-elector", "percent-headroom")
 
 #: Priority classes of stoker's pods, laid under every scenario's cluster. The background
