@@ -10,7 +10,8 @@ uses, on the run's clock, cluster and store:
 - a `KubernetesLeaseElector` on the same client view (a `lease_blip` fault on `cp-i`
   hits its renewals);
 - the one store every replica shares, seen through an `ObservedStore` (open once, closed
-  by the runner; every successful worker write reported to the invariant checker);
+  by the runner; every successful worker and claim write reported to the invariant
+  checker);
 - the run's `LoopClock` and seeded `Ids`, so a seed replays the run exactly.
 
 **stoker**, the policy under test, is exactly that; the baselines (`baselines`) change
