@@ -5,6 +5,11 @@ The store is the authority. Every worker state change is a compare-and-set on
 and changes nothing. Terminal rows are never written again. Times are passed in by the
 caller (SQL never reads a clock), so the store runs unchanged on virtual time.
 
+The port has sides: `StoreReader` (gets, lists, counts), `StoreWriter` (every write of a
+worker or a claim, held by the lifecycle alone) and `ReplicaStore` (the reader plus what a
+replica writes about itself: registration, leases, demand, purge). `Store` is all of them,
+what an adapter implements.
+
 Adapters: `stoker.adapters.store_sqlite` and `stoker.adapters.store_postgres`; both pass
 the contract suite in `tests/store_contract.py`.
 """
@@ -82,20 +87,71 @@ class StateCount:
     count: int
 
 
-class Store(Protocol):
-    """Durable state; see the module docstring for the rules every adapter keeps."""
-
-    async def open(self) -> None:
-        """Connect and apply pending schema migrations (safe from several replicas at once)."""
-        ...
-
-    async def close(self) -> None:
-        """Release connections."""
-        ...
+class StoreReader(Protocol):
+    """The reading side: gets, lists and counts. Every control part but the lifecycle
+    sees the store through this side (or `ReplicaStore`), never the writer."""
 
     async def schema_version(self) -> int:
         """The applied schema version."""
         ...
+
+    async def get_worker(self, worker_id: str) -> Worker | None:
+        """One worker row, terminal or not."""
+        ...
+
+    async def list_workers(
+        self,
+        *,
+        pool: str | None = None,
+        states: Collection[WorkerState] | None = None,
+        org: str | None = None,
+        owner: str | None = None,
+        not_owners: Collection[str] | None = None,
+        limit: int | None = None,
+    ) -> list[Worker]:
+        """Rows matching every filter given, oldest first.
+
+        `not_owners` keeps rows whose owner is none of these (or no owner at all): the
+        janitor finds the workers of dead replicas without reading everyone else's.
+        """
+        ...
+
+    async def count_workers(self) -> list[StateCount]:
+        """Counts of live workers grouped by pool, revision, state and binding."""
+        ...
+
+    async def get_claim(self, claim_id: str) -> Claim | None:
+        """One claim."""
+        ...
+
+    async def list_claims(
+        self,
+        *,
+        states: Collection[ClaimState] | None = None,
+        expires_before: float | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Claim]:
+        """Claims matching every filter given, oldest first."""
+        ...
+
+    async def list_instances(self) -> list[Instance]:
+        """All replicas the store knows."""
+        ...
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        """The lease as stored."""
+        ...
+
+    async def read_demand(self) -> list[DemandRecord]:
+        """Every replica's last published demand."""
+        ...
+
+
+class StoreWriter(Protocol):
+    """The writing side: every write of a worker or a claim. Only
+    `stoker.control.lifecycle` holds it (tests/test_store_writer_rule.py checks).
+    """
 
     # -- workers --------------------------------------------------------------------------
 
@@ -167,31 +223,6 @@ class Store(Protocol):
         """Like `reserve`, for any matching worker of the pool revision (one round trip)."""
         ...
 
-    async def get_worker(self, worker_id: str) -> Worker | None:
-        """One worker row, terminal or not."""
-        ...
-
-    async def list_workers(
-        self,
-        *,
-        pool: str | None = None,
-        states: Collection[WorkerState] | None = None,
-        org: str | None = None,
-        owner: str | None = None,
-        not_owners: Collection[str] | None = None,
-        limit: int | None = None,
-    ) -> list[Worker]:
-        """Rows matching every filter given, oldest first.
-
-        `not_owners` keeps rows whose owner is none of these (or no owner at all): the
-        janitor finds the workers of dead replicas without reading everyone else's.
-        """
-        ...
-
-    async def count_workers(self) -> list[StateCount]:
-        """Counts of live workers grouped by pool, revision, state and binding."""
-        ...
-
     # -- claims ---------------------------------------------------------------------------
 
     async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
@@ -223,19 +254,17 @@ class Store(Protocol):
         """Extend a bound claim's lease; None if it is not bound."""
         ...
 
-    async def get_claim(self, claim_id: str) -> Claim | None:
-        """One claim."""
+
+class ReplicaStore(StoreReader, Protocol):
+    """What a replica's own loops write besides workers and claims: its connection,
+    its registration and heartbeat, leases, demand rows and the history purge."""
+
+    async def open(self) -> None:
+        """Connect and apply pending schema migrations (safe from several replicas at once)."""
         ...
 
-    async def list_claims(
-        self,
-        *,
-        states: Collection[ClaimState] | None = None,
-        expires_before: float | None = None,
-        owner: str | None = None,
-        limit: int | None = None,
-    ) -> list[Claim]:
-        """Claims matching every filter given, oldest first."""
+    async def close(self) -> None:
+        """Release connections."""
         ...
 
     # -- replicas and leases ----------------------------------------------------------------
@@ -264,10 +293,6 @@ class Store(Protocol):
         """Mark a replica stopped on a clean shutdown."""
         ...
 
-    async def list_instances(self) -> list[Instance]:
-        """All replicas the store knows."""
-        ...
-
     async def acquire_lease(
         self, name: str, *, holder: str, now: float, duration_s: float
     ) -> LeaseRecord | None:
@@ -279,10 +304,6 @@ class Store(Protocol):
 
     async def release_lease(self, name: str, *, holder: str, now: float) -> bool:
         """Give a lease up if we hold it."""
-        ...
-
-    async def get_lease(self, name: str) -> LeaseRecord | None:
-        """The lease as stored."""
         ...
 
     # -- demand and housekeeping -------------------------------------------------------------
@@ -297,11 +318,12 @@ class Store(Protocol):
         """
         ...
 
-    async def read_demand(self) -> list[DemandRecord]:
-        """Every replica's last published demand."""
-        ...
-
     async def purge(self, *, before: float) -> int:
         """Delete history older than `before`: retired workers, ended claims, the rows of
         stopped or expired replicas and their demand. Returns the rows deleted."""
         ...
+
+
+class Store(ReplicaStore, StoreWriter, Protocol):
+    """Durable state, both sides: what an adapter implements. See the module docstring
+    for the rules every adapter keeps."""
