@@ -715,12 +715,12 @@ async def test_a_client_that_leaves_while_waiting_leaves_nothing_behind(tmp_path
         payload = {**OK_BODY, "mode": "require_warm", "timeout_s": 60}
         sent = await asyncio.wait_for(_post_then_disconnect(api.app, payload, after=2), 10)
         assert sent[0]["status"] == 499
-        assert api.plane.manager.waiting("demo") == 0
+        assert api.plane.demand.waiting("demo") == 0
         # A warm worker that arrives later stays warm: nobody claims it for the gone client.
         await api.plane.run_janitor_pass()
         await asyncio.sleep(1)
         assert await api.claims() == []
-        assert api.plane.manager.in_flight() == frozenset()
+        assert api.plane.book.in_flight() == frozenset()
 
 
 async def test_a_client_that_leaves_during_a_cold_spawn_gets_no_worker(tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ async def test_sqlite_builds_local_processes_and_a_sole_leader(tmp_path: Path) -
     assert plane.runtime.fleet == config.fleet_name()
     assert isinstance(plane.elector, SoleLeader)
     assert plane.closers == ()
-    [pool] = plane.manager.pools.values()
+    [pool] = plane.catalog.pools.values()
     assert isinstance(pool.template, ProcessTemplate)
 
 
@@ -216,7 +216,7 @@ async def test_build_plane_gives_one_instance_id_to_every_part_and_keeps_their_c
     assert isinstance(plane.elector, StoreLeaseElector)
     assert plane.elector.identity == plane.instance_id
     assert plane.closers == (close_client,)
-    assert list(plane.manager.pools) == ["demo"]
+    assert list(plane.catalog.pools) == ["demo"]
 
 
 def test_processes_and_pods_are_activated_over_http(tmp_path: Path) -> None:
@@ -305,7 +305,7 @@ async def test_kubernetes_builds_pods_and_a_lease_without_contacting_the_cluster
         ]
         # The spawn bucket is the client's budget; the pool is a pod with headroom.
         assert (plane.settings.spawn_rate, plane.settings.spawn_burst) == (20, 40)
-        [pool] = plane.manager.pools.values()
+        [pool] = plane.catalog.pools.values()
         assert isinstance(pool, PoolSpec) and isinstance(pool.template, PodTemplate)
         assert pool.headroom_nodes == 1
         await asyncio.sleep(0.05)

@@ -207,7 +207,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if w.state is S.HOT_IDLE:
                 idle[(w.pool, w.org)].append(w)
         for (pool, org), parked in idle.items():
-            floor = self.plane.manager.min_hot_idle(pool, org or "")
+            floor = self.plane.catalog.min_hot_idle(pool, org or "")
             expired = [w for w in parked if idle_expires_at(w) <= now]
             assert len(expired) <= floor, f"{pool}/{org} idle leak at {now}: {expired}"
         # I4: nothing in flight or draining beyond its timeout.
@@ -270,7 +270,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def memory_agrees_with_the_store(self) -> None:
         """Persist before mutate: what memory believes was written."""
-        for worker_id, known in list(self.plane.manager.known.items()):
+        for worker_id, known in list(self.plane.book.known_workers().items()):
             row = self.run(self.store.get_worker(worker_id))
             assert row is not None
             assert (row.state, row.epoch) == (known.state, known.epoch), (row, known)

@@ -145,8 +145,8 @@ class Cluster:
             assert not pending, "loops that ignored their cancellation:\n" + "\n".join(
                 _where(task) for task in pending
             )
-        replica.plane.manager.closing = True
-        for task in list(replica.plane.manager._tasks):
+        replica.plane.book.start_closing()
+        for task in replica.plane.book.background_tasks():
             task.cancel()
         await replica.plane.runtime.close()
         await replica.store.close()
@@ -273,7 +273,7 @@ async def test_a_dead_leaders_workers_are_adopted_and_its_spawns_retired(
     await until(two_warm)
     session = await b.plane.claim(ClaimRequest(pool="demo", org="acme", lease_s=600))
     # More demand: the leader spawns slow workers, then dies with them still spawning.
-    await a.plane.manager.spawn_warm(spec, 2, target=4)
+    await a.plane.spawner.spawn_warm(spec, 2, target=4)
     in_flight = {w.id for w in await rows(a, S.SPAWNING) if w.owner == a.id}
     assert in_flight
     dead_warm = {w.id for w in await rows(a, S.WARM) if w.owner == a.id}
@@ -400,8 +400,8 @@ async def test_failed_writes_during_a_workload_break_no_invariant(cluster: Clust
     # the owner's queues), but no write is left pending once the store recovers.
     await asyncio.sleep(1.0)
     for r in replicas:
-        m = r.plane.manager
-        assert (m.pending_ready, m.pending_lost, m.pending_retire) == ({}, {}, {})
+        pending = r.plane.book.pending_facts()
+        assert (pending.ready, pending.lost, pending.retire) == ({}, {}, {})
     stuck = await store.list_workers(states=[S.RESERVED, S.ACTIVATING])
     assert stuck == []
     # I5: the org cap held throughout (checked at the end on every live row).

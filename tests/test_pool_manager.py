@@ -221,7 +221,7 @@ async def test_org_cap_waits_then_fails_with_retry_after(tmp_path: Path) -> None
             await h.claim(timeout_s=2)
         assert err.value.retry_after > 0
         # A cap miss is not demand: it must not grow the warm pool.
-        assert h.plane.manager.misses_total["p"] == 0
+        assert h.plane.demand.misses("p") == 0
 
 
 async def test_org_cap_waiter_gets_the_released_worker(tmp_path: Path) -> None:
@@ -539,7 +539,7 @@ async def test_rollout_retires_stale_warm_and_spawns_the_new_revision(tmp_path: 
         new = replace(
             pool(warm_target=2), template=ProcessTemplate(argv=("worker2", "{port}")), revision=""
         )
-        h.plane.manager.pools["p"] = new
+        h.plane.catalog.update_pool(new)
         await h.tick()
         await h.tick()
         warm = await h.workers(S.WARM)
@@ -564,7 +564,7 @@ async def test_restart_adopts_live_workers_and_sessions(tmp_path: Path) -> None:
         released = await h2.plane.release(hot.id)
         assert released.state is ClaimState.RELEASED
         # The sessions' workers were adopted, not replaced.
-        assert hot.worker_id in h2.plane.manager.known
+        assert h2.plane.book.known(hot.worker_id) is not None
 
 
 async def test_restart_retires_workers_that_died_meanwhile(tmp_path: Path) -> None:

@@ -169,7 +169,7 @@ def create_app(
     app.add_exception_handler(Exception, problems.handle_unexpected)
     app.front = Guard(ClaimRoutes(app.framework, plane, app.api_state), api)
     _routes(app, plane, app.api_state)
-    _document(app, secured=api.has_tokens, pools=list(plane.manager.pools))
+    _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))
     return app
 
 

@@ -3,9 +3,9 @@
 
 Each pass is a passive *sync* that reads the world into a `World` snapshot, followed by an
 active *step* that decides from that snapshot and acts. Every action is a fenced write
-through the pool manager, so two janitors at once are harmless (I7): the second one's CAS
-misses, spawn slots are reserved against the target inside the store, and scale-down
-picks its victims deterministically.
+through the lifecycle (spawns, retirements, adoptions, expiries), so two janitors at once
+are harmless (I7): the second one's CAS misses, spawn slots are reserved against the
+target inside the store, and scale-down picks its victims deterministically.
 """
 
 from __future__ import annotations
@@ -16,9 +16,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from stoker.control import logs
-from stoker.control.pool_manager import PoolManager
+from stoker.control.book import Book
+from stoker.control.catalog import Catalog
+from stoker.control.demand import DemandPublisher
+from stoker.control.events import RuntimeEvents
+from stoker.control.lifecycle import Lifecycle
+from stoker.control.metrics import Metrics
+from stoker.control.retiring import Retirer
+from stoker.control.sessions import Sessions
+from stoker.control.spawning import Spawner
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Claim, Worker
+from stoker.domain.specs import PlaneSettings
 from stoker.domain.states import LIVE, ClaimState, RetireReason, WorkerState
 from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import expired_claims, hot_idle_to_reap, stuck_workers
@@ -28,12 +37,14 @@ from stoker.policy.scaling import (
     retirements_due,
     spawns_needed,
 )
-from stoker.ports.runtime import RuntimeObject
-from stoker.ports.store import StateCount
+from stoker.ports.clock import Clock
+from stoker.ports.runtime import Runtime, RuntimeObject
+from stoker.ports.store import ReplicaStore, StateCount
 
-S = WorkerState
 #: States a worker passes through on its way somewhere (the stuck-row sweep watches them).
-_IN_FLIGHT = frozenset({S.SPAWNING, S.RESERVED, S.ACTIVATING, S.DRAINING})
+_IN_FLIGHT = frozenset(
+    {WorkerState.SPAWNING, WorkerState.RESERVED, WorkerState.ACTIVATING, WorkerState.DRAINING}
+)
 DemandSource = Callable[[str, float], Awaitable[int]]
 
 
@@ -80,13 +91,38 @@ class Janitor:
 
     def __init__(
         self,
-        manager: PoolManager,
         *,
         scope: Scope,
+        store: ReplicaStore,
+        runtime: Runtime,
+        book: Book,
+        catalog: Catalog,
+        lifecycle: Lifecycle,
+        retirer: Retirer,
+        spawner: Spawner,
+        sessions: Sessions,
+        events: RuntimeEvents,
+        publisher: DemandPublisher,
+        clock: Clock,
+        metrics: Metrics,
+        settings: PlaneSettings,
         demand: DemandSource | None = None,
     ) -> None:
-        self.m = manager
+        """`demand` replaces the demand read from the store (the simulator's policies)."""
         self.scope = scope
+        self._store = store
+        self._runtime = runtime
+        self._book = book
+        self._catalog = catalog
+        self._lifecycle = lifecycle
+        self._retirer = retirer
+        self._spawner = spawner
+        self._sessions = sessions
+        self._events = events
+        self._publisher = publisher
+        self._clock = clock
+        self._metrics = metrics
+        self._settings = settings
         self._demand = demand or self._store_demand
         self._ledger = DemandLedger()
         self._demand_now: dict[str, int] | None = None
@@ -100,9 +136,9 @@ class Janitor:
     async def _store_demand(self, pool: str, now: float) -> int:
         """Misses every replica saw since the last pass plus the claims they queue."""
         if self._demand_now is None:
-            await self.m.publish_demand()
-            rows = await self.m.store.read_demand()
-            fresh_after = now - self.m.settings.instance_expiry_s
+            await self._publisher.publish()
+            rows = await self._store.read_demand()
+            fresh_after = now - self._settings.instance_expiry_s
             self._demand_now = self._ledger.demand(rows, now=now, fresh_after=fresh_after)
         return self._demand_now.get(pool, 0)
 
@@ -118,44 +154,43 @@ class Janitor:
 
     async def sync(self) -> World:
         """Passive: read the world (store rows, replicas, runtime objects)."""
-        store, now = self.m.store, self.m.clock.now()
+        store, now, mine = self._store, self._clock.now(), self._book.instance_id
         world = World(now=now)
-        own = self.m.instance_id if self.scope is Scope.OWN else None
+        own = mine if self.scope is Scope.OWN else None
         # Liveness by heartbeat age, not only by state: the fallback reaper must recognise
         # a dead replica's orphans while no leader runs the instance expiry.
-        fresh_after = now - self.m.settings.instance_expiry_s
+        fresh_after = now - self._settings.instance_expiry_s
         instances = await store.list_instances()
         if self.scope is Scope.FLEET and any(
-            i.state == "active" and i.heartbeat_at < fresh_after and i.id != self.m.instance_id
-            for i in instances
+            i.state == "active" and i.heartbeat_at < fresh_after and i.id != mine for i in instances
         ):
-            await store.expire_instances(before=fresh_after, now=now, keep=self.m.instance_id)
+            await store.expire_instances(before=fresh_after, now=now, keep=mine)
         world.live_instances = {
             i.id for i in instances if i.state == "active" and i.heartbeat_at >= fresh_after
         }
-        world.live_instances.add(self.m.instance_id)
+        world.live_instances.add(mine)
         world.expired = await store.list_claims(
             states=[ClaimState.BOUND], expires_before=now, owner=own
         )
         if self.scope is Scope.OWN:
-            world.hot_idle = await store.list_workers(states=[S.HOT_IDLE])
+            world.hot_idle = await store.list_workers(states=[WorkerState.HOT_IDLE])
         else:
             world.counts = await store.count_workers()
             # Every live row but the hot ones, sorted out here (oldest first, as listed);
             # of the hot ones (most of a busy fleet) only those of dead replicas.
-            idle = await store.list_workers(states=LIVE - {S.HOT})
-            world.hot_idle = [w for w in idle if w.state is S.HOT_IDLE]
-            world.warm = [w for w in idle if w.state is S.WARM]
+            idle = await store.list_workers(states=LIVE - {WorkerState.HOT})
+            world.hot_idle = [w for w in idle if w.state is WorkerState.HOT_IDLE]
+            world.warm = [w for w in idle if w.state is WorkerState.WARM]
             world.in_flight = [w for w in idle if w.state in _IN_FLIGHT]
             world.orphans = [w for w in idle if w.owner not in world.live_instances]
             world.orphans += await store.list_workers(
-                states=[S.HOT], not_owners=sorted(world.live_instances)
+                states=[WorkerState.HOT], not_owners=sorted(world.live_instances)
             )
-            scan_due = self.m.clock.monotonic() - self.m.settings.stranded_scan_s
+            scan_due = self._clock.monotonic() - self._settings.stranded_scan_s
             if self._last_scan is None or self._last_scan <= scan_due:
-                self._last_scan = self.m.clock.monotonic()
+                self._last_scan = self._clock.monotonic()
                 try:
-                    world.objects = await self.m.runtime.list_objects()
+                    world.objects = await self._runtime.list_objects()
                 except RuntimeFailure as exc:
                     logs.event("list_objects_failed", error=str(exc), level=logs.WARNING)
         return world
@@ -179,38 +214,32 @@ class Janitor:
 
     async def _settle_pending(self) -> None:
         """Retry runtime facts whose write failed earlier (persist before mutate)."""
-        for worker_id in list(self.m.pending_lost):
-            await self.m.settle_lost(worker_id)
-        for worker_id in list(self.m.pending_ready):
-            await self.m.settle_ready(worker_id)
-        for worker_id in list(self.m.pending_retire):
-            await self.m.settle_retire(worker_id)
+        await self._events.settle_pending()
+        await self._retirer.settle_pending()
 
     async def _adopt_orphans(self, world: World, report: PassReport) -> None:
         """Workers of expired replicas: keep serving ones, retire in-flight ones."""
         for worker in world.orphans:
-            if worker.state in (S.WARM, S.HOT, S.HOT_IDLE):
-                adopted = await self.m.lifecycle.move(
-                    worker, worker.state, owner=self.m.instance_id
-                )
+            if worker.state in (WorkerState.WARM, WorkerState.HOT, WorkerState.HOT_IDLE):
+                adopted = await self._lifecycle.adopt(worker, self._book.instance_id)
                 if adopted is None:
                     continue
-                if not await self.m.runtime.adopt(adopted):
+                if not await self._runtime.adopt(adopted):
                     await self._lost_on_adopt(adopted, report)
                     continue
-                self.m.load([adopted])
+                self._book.load([adopted])
                 report.adopted += 1
                 logs.worker_event("worker_adopted", adopted, previous_owner=worker.owner)
-            elif worker.state is S.DRAINING:
-                await self.m.retire(worker, RetireReason.ORPHANED)
-            elif await self.m.retire(worker, RetireReason.ORPHANED):
+            elif worker.state is WorkerState.DRAINING:
+                await self._retirer.retire(worker, RetireReason.ORPHANED)
+            elif await self._retirer.retire(worker, RetireReason.ORPHANED):
                 report.count(RetireReason.ORPHANED)
 
     async def _lost_on_adopt(self, worker: Worker, report: PassReport) -> None:
-        if worker.state is S.HOT and worker.claim_id:
-            done = await self.m.fail_session(worker, RetireReason.LOST)
+        if worker.state is WorkerState.HOT and worker.claim_id:
+            done = await self._retirer.fail_session(worker, RetireReason.LOST)
         else:
-            done = await self.m.retire(worker, RetireReason.LOST, stop=False)
+            done = await self._retirer.retire(worker, RetireReason.LOST, stop=False)
         if done:
             report.count(RetireReason.LOST)
 
@@ -220,14 +249,14 @@ class Janitor:
         neutral: dict[str, int] = defaultdict(int)
         live: dict[str, int] = defaultdict(int)
         for c in world.counts:
-            pool = self.m.pools.get(c.pool)
+            pool = self._catalog.get(c.pool)
             if pool is None:
                 continue
             live[c.pool] += c.count
             current = c.revision == pool.revision
-            if c.state is S.WARM:
+            if c.state is WorkerState.WARM:
                 (warm if current else stale)[c.pool] += c.count
-            elif c.state is S.SPAWNING and not c.bound and current:
+            elif c.state is WorkerState.SPAWNING and not c.bound and current:
                 neutral[c.pool] += c.count
         return {
             name: PoolCounts(
@@ -236,7 +265,7 @@ class Janitor:
                 live=live[name],
                 warm_stale=stale[name],
             )
-            for name in self.m.pools
+            for name in self._catalog.pools
         }
 
     async def _scale(self, world: World, report: PassReport) -> None:
@@ -244,22 +273,22 @@ class Janitor:
         counts = self._pool_counts(world)
         warm_by_pool: dict[str, list[Worker]] = defaultdict(list)
         for w in world.warm:
-            if w.id not in self.m.in_flight():
+            if w.id not in self._book.in_flight():
                 warm_by_pool[w.pool].append(w)
-        for name, pool in self.m.pools.items():
+        for name, pool in self._catalog.pools.items():
             c = counts[name]
-            cap = self.m.pool_cap(pool)
+            cap = self._catalog.pool_cap(pool)
             demand = await self._demand(name, world.now)
             desired = desired_warm(pool.warm_target, demand, cap)
             self.desired[name], self.demand[name] = desired, demand
-            self.m.metrics.demand.labels(name).set(demand)
-            self.m.metrics.warm_desired.labels(name).set(desired)
-            self.m.metrics.pool_cap.labels(name).set(cap)
+            self._metrics.demand.labels(name).set(demand)
+            self._metrics.warm_desired.labels(name).set(desired)
+            self._metrics.pool_cap.labels(name).set(cap)
             need = spawns_needed(desired, c, cap)
             if need < spawns_needed(desired, c, 0):
                 report.capped.add(name)
             if need:
-                report.spawned[name] = await self.m.spawn_warm(pool, need, target=desired)
+                report.spawned[name] = await self._spawner.spawn_warm(pool, need, target=desired)
             if c.warm > desired:
                 self._excess_since.setdefault(name, world.now)
             else:
@@ -282,12 +311,12 @@ class Janitor:
         victims = sorted(warm, key=lambda w: (w.revision == revision, w.created_at, w.id))[:due]
         for w in victims:
             reason = RetireReason.EXCESS if w.revision == revision else RetireReason.ROLLOUT
-            if await self.m.retire(w, reason):
+            if await self._retirer.retire(w, reason):
                 report.count(reason)
 
     async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
-        mine = self.m.instance_id
+        mine = self._book.instance_id
         candidates = world.hot_idle
         if self.scope is Scope.OWN:
             candidates = [
@@ -299,39 +328,39 @@ class Janitor:
             stale = [
                 w
                 for w in candidates
-                if (p := self.m.pools.get(w.pool)) and w.revision != p.revision
+                if (p := self._catalog.get(w.pool)) and w.revision != p.revision
             ]
             for w in stale:
-                if await self.m.retire(w, RetireReason.ROLLOUT):
+                if await self._retirer.retire(w, RetireReason.ROLLOUT):
                     report.count(RetireReason.ROLLOUT)
         gone = {w.id for w in stale}
-        for w in hot_idle_to_reap(candidates, world.now, self.m.min_hot_idle):
-            if w.id not in gone and await self.m.retire(w, RetireReason.TTL):
+        for w in hot_idle_to_reap(candidates, world.now, self._catalog.min_hot_idle):
+            if w.id not in gone and await self._retirer.retire(w, RetireReason.TTL):
                 report.count(RetireReason.TTL)
 
     async def _expire_leases(self, world: World, report: PassReport) -> None:
         for claim in expired_claims(world.expired, world.now):
-            if await self.m.expire(claim):
+            if await self._sessions.expire(claim):
                 report.expired_claims += 1
                 report.count(RetireReason.LEASE_EXPIRED)
 
     async def _sweep_stuck(self, world: World, report: PassReport) -> None:
         """In-flight rows past their timeout are retired (I4); draining rows retried."""
-        timeouts = {name: pool.timeouts for name, pool in self.m.pools.items()}
-        busy = self.m.in_flight()
+        timeouts = {name: pool.timeouts for name, pool in self._catalog.pools.items()}
+        busy = self._book.in_flight()
         for w in stuck_workers(world.in_flight, world.now, timeouts):
             if w.id in busy or w.owner not in world.live_instances:
                 continue
-            if w.state is S.DRAINING:
-                await self.m.retire(w, RetireReason.STUCK)
+            if w.state is WorkerState.DRAINING:
+                await self._retirer.retire(w, RetireReason.STUCK)
                 continue
-            if await self.m.retire(w, RetireReason.STUCK):
+            if await self._retirer.retire(w, RetireReason.STUCK):
                 report.count(RetireReason.STUCK)
                 logs.worker_event("worker_stuck", w, level=logs.WARNING)
 
     async def _stop_stranded(self, world: World, report: PassReport) -> None:
         """Runtime objects with stoker's labels but no live row, older than the grace."""
-        grace = self.m.settings.stranded_grace_s
+        grace = self._settings.stranded_grace_s
         old = [obj for obj in world.objects or [] if world.now - obj.created_at >= grace]
         if not old:
             return
@@ -339,7 +368,7 @@ class Janitor:
         # created after its row was inserted (persist before mutate), so a row missing
         # here is retired or gone.
         try:
-            live = {w.id for w in await self.m.store.list_workers(states=LIVE)}
+            live = {w.id for w in await self._store.list_workers(states=LIVE)}
         except StoreError:
             return
         for obj in old:
@@ -349,7 +378,7 @@ class Janitor:
                 id=obj.worker_id,
                 pool=obj.pool,
                 revision="",
-                state=S.RETIRED,
+                state=WorkerState.RETIRED,
                 epoch=0,
                 owner="",
                 created_at=obj.created_at,
@@ -357,7 +386,7 @@ class Janitor:
                 runtime_ref=obj.ref,
             )
             try:
-                await self.m.runtime.stop(ghost, 0.0)
+                await self._runtime.stop(ghost, 0.0)
             except RuntimeFailure as exc:
                 logs.event("stranded_stop_failed", worker=obj.worker_id, error=str(exc))
                 continue
@@ -366,12 +395,12 @@ class Janitor:
 
     async def _purge(self, now: float) -> None:
         """Delete old history now and then, so the store stays small over months."""
-        settings = self.m.settings
+        settings = self._settings
         if self._last_purge is not None and now - self._last_purge < settings.purge_interval_s:
             return
         self._last_purge = now
         try:
-            deleted = await self.m.store.purge(before=now - settings.history_retention_s)
+            deleted = await self._store.purge(before=now - settings.history_retention_s)
         except StoreError as exc:
             logs.event("purge_failed", error=str(exc), level=logs.WARNING)
             return
@@ -380,7 +409,7 @@ class Janitor:
 
     async def _headroom(self) -> None:
         try:
-            await self.m.runtime.reconcile_headroom(list(self.m.pools.values()))
+            await self._runtime.reconcile_headroom(list(self._catalog.pools.values()))
         except RuntimeFailure as exc:
             logs.event("headroom_failed", error=str(exc), level=logs.WARNING)
 
@@ -388,6 +417,6 @@ class Janitor:
         by: dict[tuple[str, str], int] = defaultdict(int)
         for c in world.counts:
             by[(c.pool, c.state.value)] += c.count
-        for name in self.m.pools:
+        for name in self._catalog.pools:
             for state in LIVE:
-                self.m.metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))
+                self._metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))

@@ -1,6 +1,8 @@
-"""The only module that writes a worker's state.
+"""The only module that writes a worker's state or a claim.
 
-Every write goes to the store first (persist before mutate). A write that fails keeps the
+It alone holds the store's writer side (`StoreWriter`); every other part of the control
+plane reads the store and asks the lifecycle to write (tests/test_store_writer_rule.py
+checks). Every write goes to the store first (persist before mutate). A write that fails keeps the
 worker in its old state: the caller gets None, `stoker_persist_failures` counts it, and the
 next pass retries. A CAS that finds the row changed also returns None and counts a fence
 miss. On success one structured log line records the change.
@@ -8,7 +10,7 @@ miss. On success one structured log line records the change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from stoker.control import logs
@@ -17,14 +19,14 @@ from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.clock import Clock
-from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, Store
+from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StoreWriter
 
 
 class Lifecycle:
     """Fenced, persisted worker transitions, each logged and counted."""
 
-    def __init__(self, store: Store, clock: Clock, metrics: Metrics) -> None:
-        self.store = store
+    def __init__(self, writer: StoreWriter, clock: Clock, metrics: Metrics) -> None:
+        self._writer = writer
         self.clock = clock
         self.metrics = metrics
 
@@ -55,7 +57,7 @@ class Lifecycle:
         """CAS `worker` (as last read) to `to` with `changes`; None if not written."""
         label = f"{worker.state.value}->{to.value}"
         try:
-            new = await self.store.transition(
+            new = await self._writer.transition(
                 worker.id,
                 expect=worker.state,
                 epoch=worker.epoch,
@@ -77,7 +79,7 @@ class Lifecycle:
     async def reserve_slots(self, req: SpawnRequest, ids: Sequence[str]) -> SpawnResult:
         """Spawn slots within caps and target; an empty result when the write failed."""
         try:
-            result = await self.store.reserve_spawn_slots(req, ids, self.clock.now())
+            result = await self._writer.reserve_spawn_slots(req, ids, self.clock.now())
         except StoreError as exc:
             self._persist_failed("new->spawning", exc)
             return SpawnResult([], "store")
@@ -92,7 +94,7 @@ class Lifecycle:
         `activate`, the store may move it on to activating in the same write."""
         label = f"{worker.state.value}->reserved"
         try:
-            result = await self.store.reserve(
+            result = await self._writer.reserve(
                 worker.id,
                 expect=worker.state,
                 epoch=worker.epoch,
@@ -124,7 +126,7 @@ class Lifecycle:
     ) -> ReserveResult:
         """Reserve any matching worker found in the store (the queues are only hints)."""
         try:
-            result = await self.store.reserve_any(
+            result = await self._writer.reserve_any(
                 pool,
                 revision,
                 expect=expect,
@@ -153,7 +155,7 @@ class Lifecycle:
     async def bind(self, worker: Worker, claim: Claim) -> Worker | None:
         """activating -> hot with the claim inserted, atomically."""
         try:
-            new = await self.store.bind(
+            new = await self._writer.bind(
                 worker.id, epoch=worker.epoch, claim=claim, now=self.clock.now()
             )
         except StoreError as exc:
@@ -181,7 +183,7 @@ class Lifecycle:
         """
         label = f"hot->{worker_to.value}"
         try:
-            result = await self.store.end_claim(
+            result = await self._writer.end_claim(
                 claim.id,
                 state=state,
                 worker_to=worker_to,
@@ -201,6 +203,18 @@ class Lifecycle:
         self._written(WorkerState.HOT, result[1], worker_changes.get("reason"))
         return result
 
+    async def renew(self, claim_id: str, *, lease_s: float) -> Claim | None:
+        """Extend a bound claim's lease to `lease_s` from now; None if it is not bound.
+
+        A store error is raised: the caller answers it.
+        """
+        now = self.clock.now()
+        return await self._writer.renew_claim(claim_id, expires_at=now + lease_s, now=now)
+
+    async def adopt(self, worker: Worker, owner: str) -> Worker | None:
+        """Take over a worker of an expired replica in its current state."""
+        return await self.move(worker, worker.state, owner=owner)
+
     async def heartbeat(self, worker: Worker) -> Worker | None:
         """Re-stamp `heartbeat_at` of an activating worker (keeps the stuck sweep away)."""
         return await self.move(worker, worker.state, heartbeat_at=self.clock.now())
@@ -208,8 +222,3 @@ class Lifecycle:
     def retired(self, worker: Worker) -> None:
         """Count a retirement by its reason (called once the row is terminal)."""
         self.metrics.retirements.labels(worker.pool, worker.reason or "unknown").inc()
-
-    @staticmethod
-    def changes_for(worker: Worker, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """Only the fields whose value differs from the worker's."""
-        return {k: v for k, v in fields.items() if getattr(worker, k) != v}

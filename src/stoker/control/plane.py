@@ -1,8 +1,20 @@
 """`ControlPlane`: one stoker replica, composed from ports.
 
-It starts the store (migrations), registers the replica, starts the runtime, and runs three
-loops: the janitor (while leader), the fallback reaper and the replica heartbeat. Claims,
-releases and renewals go to the pool manager.
+It composes the replica's parts, starts the store (migrations), registers the replica,
+starts the runtime, and runs three loops: the janitor (while leader), the fallback reaper
+and the replica heartbeat. Claims go to `Claims`; releases and renewals to `Sessions`.
+
+The parts, each with one job (upper ones call lower ones, never the reverse):
+
+    plane ─ janitor (fleet passes; the fallback reaper is one too)
+          ─ claims (acquire: reuse -> warm -> cold, wait, miss)
+              ─ reservations (pick and reserve) · binding (activate, bind, give back)
+              ─ runtime events (readiness, loss)
+          ─ sessions (renew, release, expire) · spawning
+          ─ retiring (drain, stop, retire)
+          ─ demand (misses, published rows)
+          ─ book (this replica's memory) · catalog (pools, orgs, caps) · lifecycle
+            (the only writer of workers and claims)
 """
 
 from __future__ import annotations
@@ -16,11 +28,11 @@ from typing import Any
 
 from stoker.control import logs
 from stoker.control.ids import Ids
-from stoker.control.janitor import DemandSource, Janitor, PassReport, Scope
+from stoker.control.janitor import DemandSource, PassReport
 from stoker.control.metrics import Metrics
-from stoker.control.pool_manager import PoolManager
+from stoker.control.parts import assemble
 from stoker.domain.errors import StokerError, Unavailable
-from stoker.domain.records import Claim, ClaimRequest, Worker
+from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
 from stoker.ports.activator import Activator
@@ -78,21 +90,23 @@ class ControlPlane:
         self.activator = activator
         self.elector = elector or SoleLeader()
         self.metrics = metrics or Metrics()
-        pool_map = {p.name: p for p in pools}
-        self.manager = PoolManager(
+        parts = assemble(
             store=store,
             runtime=runtime,
             activator=activator,
+            pools=pools,
+            orgs=orgs,
+            settings=self.settings,
             clock=self.clock,
             metrics=self.metrics,
-            pools=pool_map,
-            orgs={o.name: o for o in orgs},
-            settings=self.settings,
-            instance_id=self.instance_id,
             ids=self.ids,
+            instance_id=self.instance_id,
+            demand=demand,
         )
-        self.janitor = Janitor(self.manager, scope=Scope.FLEET, demand=demand)
-        self.reaper = Janitor(self.manager, scope=Scope.OWN)
+        self.catalog, self.book, self.claims = parts.catalog, parts.book, parts.claims
+        self.sessions, self.retirer, self.spawner = parts.sessions, parts.retirer, parts.spawner
+        self.events, self.demand = parts.events, parts.demand
+        self.janitor, self.reaper = parts.janitor, parts.reaper
         self.closers = tuple(closers)
         self._loops: list[asyncio.Task[None]] = []
         self.started = False
@@ -114,10 +128,10 @@ class ControlPlane:
         await self.store.register_instance(
             self.instance_id, now=self.clock.now(), meta={"runtime": self.runtime.kind}
         )
-        self.runtime.subscribe(self.manager)
+        self.runtime.subscribe(self.events)
         await self.runtime.start()
         self.started = True
-        for pool in self.manager.pools.values():
+        for pool in self.catalog.pools.values():
             self._log_cap(pool)
         logs.event("control_plane_started", instance=self.instance_id, runtime=self.runtime.kind)
         # The first janitor pass adopts what a previous run left (DESIGN.md: reconcile
@@ -163,7 +177,7 @@ class ControlPlane:
         to adopt (or stop them with `stop_workers`)."""
         if not self.started:
             return
-        await self.manager.drain_claims(self.settings.shutdown_grace_s)
+        await self.claims.drain(self.settings.shutdown_grace_s)
         for task in self._loops:
             task.cancel()
         for task in self._loops:
@@ -172,7 +186,7 @@ class ControlPlane:
         self._loops = []
         if stop_workers:
             await self._stop_own_workers()
-        await self.manager.wait_background(self.settings.shutdown_grace_s)
+        await self.book.wait_background(self.settings.shutdown_grace_s)
         with contextlib.suppress(StokerError):
             await self.elector.resign()
         with contextlib.suppress(StokerError):
@@ -193,9 +207,9 @@ class ControlPlane:
         workers = await self.store.list_workers(states=LIVE, owner=self.instance_id)
         for worker in workers:
             if worker.state is WorkerState.HOT and worker.claim_id:
-                await self.manager.fail_session(worker, RetireReason.SHUTDOWN)
+                await self.retirer.fail_session(worker, RetireReason.SHUTDOWN)
             else:
-                await self.manager.retire(worker, RetireReason.SHUTDOWN)
+                await self.retirer.retire(worker, RetireReason.SHUTDOWN)
 
     # -- loops ------------------------------------------------------------------------------
 
@@ -268,24 +282,24 @@ class ControlPlane:
             raise Unavailable("control plane is not running")
 
     async def claim(self, req: ClaimRequest) -> Claim:
-        """Claim a worker (see `PoolManager.claim`)."""
+        """Claim a worker (see `Claims.claim`)."""
         self._check_running()
-        return await self.manager.claim(req)
+        return await self.claims.claim(req)
 
     async def release(self, claim_id: str) -> Claim:
         """Release a claim's worker."""
         self._check_running()
-        return await self.manager.release(claim_id)
+        return await self.sessions.release(claim_id)
 
     async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:
         """Extend a claim's lease."""
         self._check_running()
-        return await self.manager.renew(claim_id, lease_s)
+        return await self.sessions.renew(claim_id, lease_s)
 
     async def get_claim(self, claim_id: str) -> Claim:
         """A claim by id."""
         self._check_running()
-        return await self.manager.get_claim(claim_id)
+        return await self.sessions.get_claim(claim_id)
 
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""
@@ -294,7 +308,7 @@ class ControlPlane:
         for c in await self.store.count_workers():
             counts[c.pool][c.state.value] += c.count
         out = []
-        for name, pool in self.manager.pools.items():
+        for name, pool in self.catalog.pools.items():
             out.append(
                 PoolStatus(
                     name=name,
@@ -302,24 +316,10 @@ class ControlPlane:
                     warm_target=pool.warm_target,
                     desired_warm=self.janitor.desired.get(name, pool.warm_target),
                     demand=self.janitor.demand.get(name, 0),
-                    cap=self.manager.pool_cap(pool),
+                    cap=self.catalog.pool_cap(pool),
                     max_workers_per_org=pool.max_workers_per_org,
                     reuse=pool.reuse.value,
                     counts={s.value: counts[name].get(s.value, 0) for s in LIVE},
                 )
             )
         return out
-
-    async def list_workers(
-        self,
-        *,
-        pool: str | None = None,
-        state: WorkerState | None = None,
-        org: str | None = None,
-        limit: int | None = None,
-    ) -> list[Worker]:
-        """Workers matching the filters (admin)."""
-        self._check_running()
-        return await self.store.list_workers(
-            pool=pool, states=[state] if state else None, org=org, limit=limit
-        )

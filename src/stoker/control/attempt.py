@@ -1,0 +1,50 @@
+"""One claim being served: what its parts read and the requester may abandon."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from stoker.domain.records import Claim, ClaimRequest
+from stoker.domain.specs import PoolSpec
+from stoker.domain.states import MissReason
+
+#: Deadlines count as reached this close to them: on a virtual clock a float-rounding
+#: residue of 1e-12 s would otherwise be a timer that never advances time.
+_EPS = 1e-6
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One claim being served; outlives its requester if the requester gives up."""
+
+    req: ClaimRequest
+    pool: PoolSpec
+    org_cap: int
+    started: float
+    deadline: float
+    result: asyncio.Future[Claim]
+    abandoned: bool = False
+    #: Why the last try found nothing, reported if the deadline passes.
+    blocked_by: MissReason | None = None
+    missed: bool = False
+    wakeup: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def gone(self) -> bool:
+        """True once the requester gave up (a method, so checks are never narrowed away)."""
+        return self.abandoned
+
+    def left(self, now: float) -> float:
+        """Seconds left before the deadline (0 when reached)."""
+        remaining = self.deadline - now
+        return remaining if remaining > _EPS else 0.0
+
+    def wake(self) -> None:
+        """End the current wait, if any: a worker or a slot may be free."""
+        if self.wakeup is not None and not self.wakeup.done():
+            self.wakeup.set_result(None)
+
+    def abandon(self) -> None:
+        """The requester gave up: whatever the attempt holds goes back."""
+        self.abandoned = True
+        self.wake()

@@ -1,0 +1,342 @@
+"""The book: what this replica remembers between store writes.
+
+It holds the last persisted record of every worker this replica owns, the ready queue of
+each pool revision and the hot_idle queue of each pool and org (fed by runtime events and
+releases, so a claim picks in O(1)), the in-flight set (workers being handed out right
+now, which the sweeps leave alone), the cold spawns a claim waits on, the runtime facts
+not persisted yet, the claims waiting for a worker or a slot, and the background tasks.
+
+The store is the authority and the book only a hint: a stale queue entry costs one missed
+CAS, never a double assignment. Nothing here writes the store; the parts that do (through
+the lifecycle) record the outcome here afterwards (persist before mutate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict, deque
+from collections.abc import Coroutine, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from stoker.control import logs
+from stoker.domain.errors import StoreError
+from stoker.domain.records import Worker
+from stoker.domain.states import WorkerState
+from stoker.ports.store import StoreReader
+
+
+class Waiter(Protocol):
+    """A claim waiting for a warm worker or a free slot (`claims.Attempt`)."""
+
+    abandoned: bool
+
+    def wake(self) -> None:
+        """Let the waiting claim try again."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRetire:
+    """A retirement whose write failed, as it was decided: retried if the row is still so."""
+
+    state: WorkerState
+    epoch: int
+    reason: str
+    stop: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PendingFacts:
+    """Runtime facts and retirements not persisted yet (a copy, for passes and tests)."""
+
+    ready: Mapping[str, str]
+    lost: Mapping[str, str]
+    retire: Mapping[str, PendingRetire]
+
+
+class Book:
+    """This replica's memory of its workers, queues, waiters and background tasks."""
+
+    def __init__(self, *, reader: StoreReader, instance_id: str) -> None:
+        self._reader = reader
+        self.instance_id = instance_id
+        self._known: dict[str, Worker] = {}
+        self._ready: dict[tuple[str, str], deque[str]] = defaultdict(deque)
+        self._hot_idle: dict[tuple[str, str], deque[str]] = defaultdict(deque)
+        self._in_flight: set[str] = set()
+        #: Cold spawns whose claim waits for readiness: worker id -> endpoint future.
+        self._spawn_waits: dict[str, asyncio.Future[str]] = {}
+        #: Facts from the runtime not yet persisted (a failed write is retried by the next pass).
+        self._pending_ready: dict[str, str] = {}
+        self._pending_lost: dict[str, str] = {}
+        self._pending_retire: dict[str, PendingRetire] = {}
+        #: Runtime refs of spawns not persisted yet. The write that takes a worker out of
+        #: `spawning` carries its ref, so that no worker becomes claimable without the ref
+        #: another replica needs to adopt and to stop its process.
+        self._unsaved_refs: dict[str, dict[str, Any]] = {}
+        self._warm_waiters: dict[str, deque[Waiter]] = defaultdict(deque)
+        #: Claims held by a cap, by (pool, org); org "" for the pool cap.
+        self._cap_waiters: dict[tuple[str, str], list[Waiter]] = defaultdict(list)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    # -- known workers ----------------------------------------------------------------------
+
+    def known(self, worker_id: str) -> Worker | None:
+        """The last persisted record of a worker this replica owns, if any."""
+        return self._known.get(worker_id)
+
+    def known_workers(self) -> dict[str, Worker]:
+        """Every worker this replica owns, as last persisted (a copy)."""
+        return dict(self._known)
+
+    def remember(self, worker: Worker) -> Worker:
+        """Record the last persisted state of a worker; one that retired or belongs to
+        another replica is forgotten."""
+        if worker.state is WorkerState.RETIRED or worker.owner != self.instance_id:
+            self._known.pop(worker.id, None)
+        else:
+            self._known[worker.id] = worker
+        return worker
+
+    async def refresh(self, worker_id: str) -> Worker | None:
+        """Re-read a worker after a missed CAS: another replica may have taken it over."""
+        try:
+            fresh = await self._reader.get_worker(worker_id)
+        except StoreError:
+            return None
+        if fresh is None:
+            self._known.pop(worker_id, None)
+            return None
+        return self.remember(fresh)
+
+    def load(self, workers: Iterable[Worker]) -> None:
+        """Fill memory from workers this replica owns (after adoption)."""
+        for worker in workers:
+            self.remember(worker)
+            if worker.state is WorkerState.WARM:
+                self.offer_warm(worker)
+            elif worker.state is WorkerState.HOT_IDLE:
+                self.offer_hot_idle(worker)
+
+    # -- queues -----------------------------------------------------------------------------
+
+    def offer_warm(self, worker: Worker) -> None:
+        """Queue a warm worker and wake the first claim waiting for one."""
+        self._ready[(worker.pool, worker.revision)].append(worker.id)
+        self._wake_warm_waiter(worker.pool)
+
+    def put_back_warm(self, worker: Worker) -> None:
+        """Return a warm worker to the head of its queue (its claim was held by a cap)."""
+        self._ready[(worker.pool, worker.revision)].appendleft(worker.id)
+
+    def pop_warm(self, pool: str, revision: str) -> Worker | None:
+        """The next queued worker still known warm and not being handed out, if any."""
+        queue = self._ready.get((pool, revision))
+        while queue:
+            known = self._known.get(queue.popleft())
+            if (
+                known is not None
+                and known.state is WorkerState.WARM
+                and known.id not in self._in_flight
+            ):
+                return known
+        return None
+
+    def offer_hot_idle(self, worker: Worker) -> None:
+        """Queue a hot_idle worker for its org and wake that org's waiting claims."""
+        if worker.org is None:
+            return
+        self._hot_idle[(worker.pool, worker.org)].append(worker.id)
+        self.hot_idle_parked(worker.pool, worker.org)
+
+    def pop_hot_idle(self, pool: str, org: str, revision: str) -> Worker | None:
+        """The next parked worker of `org` still known hot_idle at `revision`, if any."""
+        queue = self._hot_idle.get((pool, org))
+        while queue:
+            known = self._known.get(queue.popleft())
+            if (
+                known is not None
+                and known.state is WorkerState.HOT_IDLE
+                and known.revision == revision
+                and known.id not in self._in_flight
+            ):
+                return known
+        return None
+
+    # -- in flight --------------------------------------------------------------------------
+
+    def mark_in_flight(self, worker_id: str) -> None:
+        """This replica is handing the worker out: keep the sweeps and other claims away."""
+        self._in_flight.add(worker_id)
+
+    def clear_in_flight(self, worker_id: str) -> None:
+        """The hand-out ended (bound, given back or failed)."""
+        self._in_flight.discard(worker_id)
+
+    def in_flight(self) -> frozenset[str]:
+        """Workers this replica is handing out right now (the sweeps leave them alone)."""
+        return frozenset(self._in_flight)
+
+    # -- waiting claims ---------------------------------------------------------------------
+
+    def wait_for_warm(self, pool: str, waiter: Waiter) -> None:
+        """Wake `waiter` when a warm worker of `pool` is offered or a slot frees."""
+        self._warm_waiters[pool].append(waiter)
+
+    def wait_for_slot(self, pool: str, org: str, waiter: Waiter) -> None:
+        """Wake `waiter` when `org` (or, with org "", anyone) frees a slot of `pool`, or
+        parks a worker `org` may reuse."""
+        self._cap_waiters[(pool, org)].append(waiter)
+
+    def waiting_for_warm(self, pool: str) -> int:
+        """Claims of `pool` queued for a warm worker (part of demand)."""
+        return sum(1 for w in self._warm_waiters.get(pool, ()) if not w.abandoned)
+
+    def hot_idle_parked(self, pool: str, org: str | None) -> None:
+        """A worker of `org` was parked (here or on another replica): its claims held by
+        the org cap may reuse it."""
+        if org is None:
+            return
+        for waiter in self._cap_waiters.pop((pool, org), []):
+            waiter.wake()
+
+    def slot_freed(self, pool: str, org: str | None) -> None:
+        """A live worker of `pool` (bound to `org`, if any) retired: wake the claims held by
+        the pool cap or by an org cap of the pool, and one claim waiting for a warm worker."""
+        self.hot_idle_parked(pool, org)
+        for key in [key for key in self._cap_waiters if key[0] == pool]:
+            for waiter in self._cap_waiters.pop(key):
+                waiter.wake()
+        self._wake_warm_waiter(pool)
+
+    def _wake_warm_waiter(self, pool: str) -> None:
+        waiters = self._warm_waiters.get(pool)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.abandoned:
+                waiter.wake()
+                return
+
+    # -- cold spawns ------------------------------------------------------------------------
+
+    def expect_ready(self, worker_id: str) -> asyncio.Future[str]:
+        """A future for the endpoint of a cold spawn, set by its readiness event."""
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._spawn_waits[worker_id] = ready
+        return ready
+
+    def resolve_ready(self, worker_id: str, endpoint: str) -> bool:
+        """Hand a readiness event to the claim waiting on this spawn; False if none waits."""
+        waiter = self._spawn_waits.pop(worker_id, None)
+        if waiter is None or waiter.done():
+            return False
+        waiter.set_result(endpoint)
+        return True
+
+    def resolve_lost(self, worker_id: str, error: BaseException) -> None:
+        """Fail the claim waiting on this spawn, if any."""
+        waiter = self._spawn_waits.pop(worker_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+    def drop_spawn_wait(self, worker_id: str) -> None:
+        """Nobody waits on this spawn any more."""
+        self._spawn_waits.pop(worker_id, None)
+
+    # -- facts not persisted yet ------------------------------------------------------------
+
+    def note_ready(self, worker_id: str, endpoint: str) -> None:
+        """Remember a readiness fact until a write persists it."""
+        self._pending_ready[worker_id] = endpoint
+
+    def ready_fact(self, worker_id: str) -> str | None:
+        """The endpoint of a readiness fact not persisted yet."""
+        return self._pending_ready.get(worker_id)
+
+    def ready_settled(self, worker_id: str) -> None:
+        """The readiness fact is persisted or moot, and so is the runtime ref it carried."""
+        self._pending_ready.pop(worker_id, None)
+        self._unsaved_refs.pop(worker_id, None)
+
+    def note_lost(self, worker_id: str, reason: str) -> None:
+        """Remember a loss until a write persists it."""
+        self._pending_lost[worker_id] = reason
+
+    def lost_fact(self, worker_id: str) -> str | None:
+        """The reason of a loss not persisted yet."""
+        return self._pending_lost.get(worker_id)
+
+    def lost_settled(self, worker_id: str) -> None:
+        """The loss is persisted or moot."""
+        self._pending_lost.pop(worker_id, None)
+
+    def note_retire(self, worker_id: str, pending: PendingRetire) -> None:
+        """Remember a retirement whose write did not happen."""
+        self._pending_retire[worker_id] = pending
+
+    def take_retire(self, worker_id: str) -> PendingRetire | None:
+        """Remove and return a remembered retirement (to retry it)."""
+        return self._pending_retire.pop(worker_id, None)
+
+    def retire_settled(self, worker_id: str) -> None:
+        """The retirement is written."""
+        self._pending_retire.pop(worker_id, None)
+
+    def pending_facts(self) -> PendingFacts:
+        """Facts and retirements still to persist (a copy)."""
+        return PendingFacts(
+            dict(self._pending_ready), dict(self._pending_lost), dict(self._pending_retire)
+        )
+
+    def keep_unsaved_ref(self, worker_id: str, ref: Mapping[str, Any]) -> None:
+        """Keep a spawn's runtime ref until a write carries it."""
+        self._unsaved_refs[worker_id] = dict(ref)
+
+    def with_unsaved_ref(self, worker_id: str, **changes: Any) -> dict[str, Any]:
+        """`changes` plus the worker's runtime ref if its own write has not succeeded."""
+        ref = self._unsaved_refs.get(worker_id)
+        return changes if ref is None else {**changes, "runtime_ref": ref}
+
+    def ref_saved(self, worker_id: str) -> None:
+        """A write carried the worker's runtime ref."""
+        self._unsaved_refs.pop(worker_id, None)
+
+    # -- background tasks and shutdown ------------------------------------------------------
+
+    def spawn_task(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run `coro` in the background, keeping a reference until it ends."""
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logs.event("task_failed", task=task.get_name(), error=repr(exc), level=logs.ERROR)
+
+    def background_tasks(self) -> list[asyncio.Task[Any]]:
+        """The background tasks still referenced (stops, spawns, claims being served)."""
+        return list(self._tasks)
+
+    async def wait_background(self, timeout: float) -> None:
+        """Wait (bounded) for background stops and spawns to finish, then cancel the rest."""
+        tasks = [t for t in self._tasks if not t.done()]
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+
+    @property
+    def closing(self) -> bool:
+        """True once the replica stopped taking claims."""
+        return self._closing
+
+    def start_closing(self) -> None:
+        """Stop taking claims; releases retire their workers instead of parking them."""
+        self._closing = True

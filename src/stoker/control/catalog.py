@@ -1,0 +1,71 @@
+"""The catalog: the pools and orgs this replica serves, and the caps and TTLs they resolve to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from stoker.domain.errors import NotFound
+from stoker.domain.specs import OrgSpec, PoolSpec
+from stoker.policy.reaping import resolve_ttl
+from stoker.policy.scaling import effective_cap
+
+
+class Catalog:
+    """Pool and org specs by name, and what they resolve to (org -> pool -> built-in)."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, PoolSpec],
+        orgs: Mapping[str, OrgSpec],
+        *,
+        derived_cap: Callable[[PoolSpec], int],
+    ) -> None:
+        """`derived_cap` is the runtime's cap for a pool whose `max_workers` is 0."""
+        self._pools = dict(pools)
+        self._orgs = dict(orgs)
+        self._derived_cap = derived_cap
+
+    @property
+    def pools(self) -> Mapping[str, PoolSpec]:
+        """Every pool by name."""
+        return self._pools
+
+    def pool(self, name: str) -> PoolSpec:
+        """The pool spec, or NotFound."""
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise NotFound(f"unknown pool {name!r}") from None
+
+    def get(self, name: str) -> PoolSpec | None:
+        """The pool spec, if the pool is known."""
+        return self._pools.get(name)
+
+    def update_pool(self, spec: PoolSpec) -> None:
+        """Serve `spec` from now on (a new revision of a pool is a rollout)."""
+        self._pools[spec.name] = spec
+
+    def pool_cap(self, pool: PoolSpec) -> int:
+        """The pool cap in force (0 = unbounded)."""
+        return effective_cap(pool.max_workers, self._derived_cap(pool))
+
+    def org_cap(self, pool: PoolSpec, org: str) -> int:
+        """The org's cap in the pool (0 = unbounded)."""
+        spec = self._orgs.get(org)
+        if spec is not None and spec.max_workers is not None:
+            return spec.max_workers
+        return pool.max_workers_per_org
+
+    def min_hot_idle(self, pool_name: str, org: str) -> int:
+        """The org's hot_idle floor in the pool (org -> pool)."""
+        spec = self._orgs.get(org)
+        if spec is not None and spec.min_hot_idle is not None:
+            return spec.min_hot_idle
+        pool = self._pools.get(pool_name)
+        return pool.min_hot_idle if pool else 0
+
+    def hot_idle_ttl(self, pool: PoolSpec, org: str, claim_ttl: float | None) -> float:
+        """How long a worker of `org` stays parked: claim -> org -> pool, clamped by max_ttl."""
+        org_spec = self._orgs.get(org)
+        org_ttl = org_spec.hot_idle_ttl if org_spec else None
+        return resolve_ttl(claim_ttl, org_ttl, pool.hot_idle_ttl, pool.max_ttl)

@@ -1,0 +1,228 @@
+"""Where a claim enters: serve it reuse -> warm -> cold, by its mode, within its timeout.
+
+The work of binding a claim runs in a task of its own, so a requester that gives up
+(timeout, disconnect) never interrupts a transition half-way: a worker that becomes ready
+after its requester left goes back to `warm` if it was never activated, else to that
+org's `hot_idle`. A claim that finds nothing waits in the book until a worker is offered
+or a slot frees, and counts one miss (the demand signal) unless its org's cap held it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from stoker.control.attempt import Attempt
+from stoker.control.binding import Binder
+from stoker.control.book import Book
+from stoker.control.catalog import Catalog
+from stoker.control.demand import DemandPublisher
+from stoker.control.metrics import Metrics
+from stoker.control.reservations import Reservations
+from stoker.control.sessions import Sessions
+from stoker.control.spawning import Spawner
+from stoker.domain.errors import (
+    CapacityError,
+    InvalidRequest,
+    OrgCapError,
+    StokerError,
+    Unavailable,
+)
+from stoker.domain.records import Claim, ClaimRequest, Worker
+from stoker.domain.specs import PlaneSettings
+from stoker.domain.states import ClaimMode, ClaimSource, MissReason, Reuse
+from stoker.ports.clock import Clock
+
+
+def _consume(future: asyncio.Future[Claim]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class Claims:
+    """Serves the claims of one replica."""
+
+    def __init__(
+        self,
+        *,
+        book: Book,
+        catalog: Catalog,
+        reservations: Reservations,
+        spawner: Spawner,
+        binder: Binder,
+        sessions: Sessions,
+        demand: DemandPublisher,
+        clock: Clock,
+        metrics: Metrics,
+        settings: PlaneSettings,
+    ) -> None:
+        self._book = book
+        self._catalog = catalog
+        self._reservations = reservations
+        self._spawner = spawner
+        self._binder = binder
+        self._sessions = sessions
+        self._demand = demand
+        self._clock = clock
+        self._metrics = metrics
+        self._settings = settings
+        self._in_flight = 0
+
+    async def claim(self, req: ClaimRequest) -> Claim:
+        """Serve a claim: reuse -> warm -> cold by its mode, within its timeout.
+
+        Raises `OrgCapError` or `CapacityError` when no worker came in time, `NotFound` for
+        an unknown pool, `Unavailable` while shutting down.
+        """
+        pool = self._catalog.pool(req.pool)
+        if self._book.closing:
+            raise Unavailable("control plane is shutting down")
+        if not req.org:
+            raise InvalidRequest("org must not be empty")
+        timeout = pool.claim_timeout_s if req.timeout_s is None else req.timeout_s
+        loop = asyncio.get_running_loop()
+        now = self._clock.monotonic()
+        attempt = Attempt(
+            req=req,
+            pool=pool,
+            org_cap=self._catalog.org_cap(pool, req.org),
+            started=now,
+            deadline=now + timeout,
+            result=loop.create_future(),
+        )
+        # An abandoned attempt's outcome has nobody to read it: mark it read.
+        attempt.result.add_done_callback(_consume)
+        self._in_flight += 1
+        self._book.spawn_task(self._serve(attempt), f"claim:{req.org}")
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(attempt.result)
+        except TimeoutError:
+            if attempt.result.done() and not attempt.result.exception():
+                return attempt.result.result()
+            attempt.abandon()
+            raise self._timeout_error(attempt) from None
+        except asyncio.CancelledError:
+            attempt.abandon()
+            if attempt.result.done() and not attempt.result.exception():
+                # Bound just as the requester left: give the worker back at once.
+                claim_id = attempt.result.result().id
+                self._book.spawn_task(self._sessions.release(claim_id), "release:abandoned")
+            raise
+        finally:
+            self._in_flight -= 1
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking claims and wait (bounded) for in-flight ones to finish."""
+        self._book.start_closing()
+        deadline = self._clock.monotonic() + timeout
+        while self._in_flight and self._clock.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def _timeout_error(self, attempt: Attempt) -> StokerError:
+        pool = attempt.pool.name
+        if attempt.blocked_by is MissReason.ORG_CAP:
+            self._metrics.claims.labels(pool, "none", "org_cap").inc()
+            return OrgCapError(
+                f"org {attempt.req.org!r} holds its cap of {attempt.org_cap} workers in pool "
+                f"{pool!r}",
+                retry_after=self._settings.org_cap_retry_after_s,
+            )
+        reason = "pool_cap" if attempt.blocked_by is MissReason.POOL_CAP else "no_capacity"
+        self._metrics.claims.labels(pool, "none", reason).inc()
+        detail = (
+            f"pool {pool!r} is at its cap of {self._catalog.pool_cap(attempt.pool)} workers"
+            if reason == "pool_cap"
+            else f"no worker of pool {pool!r} became available"
+        )
+        return CapacityError(
+            f"{detail} within {attempt.deadline - attempt.started:g}s", reason=reason
+        )
+
+    async def _serve(self, a: Attempt) -> None:
+        """Try until bound, abandoned or past the deadline; then settle the future."""
+        try:
+            while not a.gone() and a.left(self._clock.monotonic()):
+                picked = await self._acquire(a)
+                if picked is None:
+                    continue
+                worker, source = picked
+                claim = await self._binder.activate_and_bind(a, worker, source)
+                if claim is None:
+                    continue
+                if a.gone():
+                    # The requester is gone: the session never starts, park the worker.
+                    await self._sessions.release(claim.id)
+                else:
+                    a.result.set_result(claim)
+                return
+        except StokerError as exc:
+            if not a.result.done():
+                a.result.set_exception(exc)
+        finally:
+            if not a.result.done():
+                a.result.set_exception(self._timeout_error(a))
+
+    async def _acquire(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
+        """Reserve a worker for the claim, or wait and return None (the caller loops)."""
+        pool, org, book = a.pool, a.req.org, self._book
+        if a.req.mode is not ClaimMode.COLD:
+            if pool.reuse is Reuse.SAME_ORG:
+                worker = await self._reservations.take_hot_idle(pool, org)
+                if worker is not None:
+                    return worker, ClaimSource.REUSE
+            worker, at_cap = await self._reservations.take_warm(pool, org, a.org_cap)
+            if worker is not None:
+                return worker, ClaimSource.WARM
+            if at_cap:
+                self._miss(a, MissReason.ORG_CAP)
+                await self._wait(a, lambda: book.wait_for_slot(pool.name, org, a))
+                return None
+            self._miss(a, MissReason.NO_WARM)
+            if a.req.mode is ClaimMode.REQUIRE_WARM:
+                await self._wait(a, lambda: book.wait_for_warm(pool.name, a))
+                return None
+        return await self._spawn_for(a)
+
+    async def _spawn_for(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
+        """Cold path: a spawn slot bound to the claim's org, then wait for readiness."""
+        pool, org, book = a.pool, a.req.org, self._book
+        result = await self._spawner.reserve_cold_slot(pool, org, a.org_cap)
+        if not result.workers:
+            if result.limited_by == "org_cap":
+                self._miss(a, MissReason.ORG_CAP)
+                await self._wait(a, lambda: book.wait_for_slot(pool.name, org, a))
+            else:
+                if result.limited_by == "pool_cap":
+                    self._miss(a, MissReason.POOL_CAP)
+                await self._wait(a, lambda: book.wait_for_slot(pool.name, "", a))
+            return None
+        return await self._reservations.take_cold(a, result.workers[0])
+
+    def _miss(self, a: Attempt, reason: MissReason) -> None:
+        """Record one miss per claim; a miss caused by the org's own cap is not demand."""
+        a.blocked_by = reason
+        if a.missed:
+            return
+        a.missed = True
+        self._metrics.misses.labels(a.pool.name, reason.value).inc()
+        # A require_warm claim counts as demand while it is queued (`waiting`), not twice.
+        if reason is not MissReason.ORG_CAP and a.req.mode is not ClaimMode.REQUIRE_WARM:
+            self._demand.record_miss(a.pool.name)
+
+    async def _wait(self, a: Attempt, register: Callable[[], None]) -> None:
+        """Sleep until woken by a release, a new warm worker or a freed slot, or the deadline."""
+        a.wakeup = asyncio.get_running_loop().create_future()
+        register()
+        self._metrics.claims_waiting.labels(a.pool.name).inc()
+        self._demand.publish_soon()
+        try:
+            remaining = a.left(self._clock.monotonic())
+            if remaining:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await asyncio.shield(a.wakeup)
+        finally:
+            self._metrics.claims_waiting.labels(a.pool.name).dec()
+            a.wakeup = None

@@ -1,0 +1,82 @@
+"""Demand this replica publishes: cumulative misses and claims queued, per pool.
+
+The leader's janitor reads every replica's rows (DESIGN.md §6), so misses seen by any
+replica raise the warm target. Publishing is coalesced per burst of claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from stoker.control import logs
+from stoker.control.book import Book
+from stoker.control.catalog import Catalog
+from stoker.domain.errors import StoreError
+from stoker.domain.specs import PlaneSettings
+from stoker.ports.clock import Clock
+from stoker.ports.store import ReplicaStore
+
+
+class DemandPublisher:
+    """Counts misses and writes this replica's demand rows."""
+
+    def __init__(
+        self,
+        *,
+        book: Book,
+        store: ReplicaStore,
+        catalog: Catalog,
+        clock: Clock,
+        settings: PlaneSettings,
+    ) -> None:
+        self._book = book
+        self._store = store
+        self._catalog = catalog
+        self._clock = clock
+        self._settings = settings
+        #: Cumulative misses per pool (the demand signal this replica publishes).
+        self._misses: dict[str, int] = dict.fromkeys(catalog.pools, 0)
+        self._flush: asyncio.Task[None] | None = None
+        #: The demand rows last written, and when (see `publish`).
+        self._published: tuple[dict[str, tuple[int, int]], float] | None = None
+
+    def record_miss(self, pool: str) -> None:
+        """Count one claim that found no worker (not held by its org cap) and publish soon."""
+        self._misses[pool] += 1
+        self.publish_soon()
+
+    def misses(self, pool: str) -> int:
+        """Misses of `pool` counted since this replica started."""
+        return self._misses[pool]
+
+    def waiting(self, pool: str) -> int:
+        """Claims of `pool` queued for a warm worker (part of demand)."""
+        return self._book.waiting_for_warm(pool)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """(cumulative misses, claims waiting now) per pool."""
+        return {name: (self._misses[name], self.waiting(name)) for name in self._catalog.pools}
+
+    def publish_soon(self) -> None:
+        """Publish demand once the current burst of claims has been seen (coalesced)."""
+        if self._flush is None or self._flush.done():
+            self._flush = self._book.spawn_task(self.publish(), "demand")
+
+    async def publish(self) -> None:
+        """Write this replica's demand rows so the leader's janitor sees them."""
+        await asyncio.sleep(0)  # let the claims of the same burst record their misses first
+        snapshot, now = self.snapshot(), self._clock.now()
+        if (
+            self._published is not None
+            and self._published[0] == snapshot
+            and now - self._published[1] < self._settings.instance_expiry_s / 2
+        ):
+            # Nothing new, and the rows stay fresh (younger than the expiry) until the
+            # next pass rewrites them: no write.
+            return
+        try:
+            await self._store.record_demand(self._book.instance_id, snapshot, now=now)
+            self._published = (snapshot, now)
+        except StoreError as exc:
+            # The next miss or pass publishes again: counters are cumulative, nothing is lost.
+            logs.event("demand_publish_failed", error=str(exc), level=logs.WARNING)

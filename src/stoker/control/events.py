@@ -1,0 +1,113 @@
+"""Runtime events: readiness and loss reported by the runtime become fenced transitions.
+
+A fact is noted in the book first and forgotten once persisted, so a failed write is
+retried by the next pass (persist before mutate).
+"""
+
+from __future__ import annotations
+
+from stoker.control.book import Book
+from stoker.control.lifecycle import Lifecycle
+from stoker.control.metrics import Metrics
+from stoker.control.retiring import Retirer
+from stoker.domain.errors import RuntimeFailure, StoreError
+from stoker.domain.states import RetireReason, WorkerState
+from stoker.ports.store import StoreReader
+
+
+class RuntimeEvents:
+    """The runtime's listener (`RuntimeListener`) for this replica."""
+
+    def __init__(
+        self,
+        *,
+        book: Book,
+        lifecycle: Lifecycle,
+        retirer: Retirer,
+        reader: StoreReader,
+        metrics: Metrics,
+    ) -> None:
+        self._book = book
+        self._lifecycle = lifecycle
+        self._retirer = retirer
+        self._reader = reader
+        self._metrics = metrics
+
+    def worker_ready(self, worker_id: str, endpoint: str) -> None:
+        """Runtime event: the worker answers its readiness probe."""
+        if self._book.resolve_ready(worker_id, endpoint):
+            return  # a cold claim waits for it and takes it from here
+        self._book.note_ready(worker_id, endpoint)
+        self._book.spawn_task(self.settle_ready(worker_id), f"ready:{worker_id}")
+
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        """Runtime event: the worker's process or pod is gone."""
+        self._book.resolve_lost(
+            worker_id, RuntimeFailure(f"worker {worker_id} {reason} before ready")
+        )
+        self._book.note_lost(worker_id, reason)
+        self._book.spawn_task(self.settle_lost(worker_id), f"lost:{worker_id}")
+
+    async def settle_pending(self) -> None:
+        """Retry the facts whose write failed earlier: losses first, then readiness."""
+        for worker_id in self._book.pending_facts().lost:
+            await self.settle_lost(worker_id)
+        for worker_id in self._book.pending_facts().ready:
+            await self.settle_ready(worker_id)
+
+    async def settle_ready(self, worker_id: str) -> None:
+        """Persist a readiness fact: a neutral spawning worker becomes warm."""
+        book = self._book
+        endpoint = book.ready_fact(worker_id)
+        if endpoint is None:
+            return
+        worker = book.known(worker_id) or await self._reader.get_worker(worker_id)
+        if (
+            worker is None
+            or worker.state is not WorkerState.SPAWNING
+            or worker.owner != book.instance_id
+        ):
+            book.ready_settled(worker_id)
+            return
+        warm = await self._lifecycle.move(
+            worker,
+            WorkerState.WARM,
+            **book.with_unsaved_ref(worker_id, endpoint=endpoint, org=None),
+        )
+        if warm is None:
+            fresh = await book.refresh(worker_id)
+            if (
+                fresh is None
+                or fresh.state is not WorkerState.SPAWNING
+                or fresh.owner != book.instance_id
+            ):
+                book.ready_settled(worker_id)  # someone else moved it on
+            return
+        book.ready_settled(worker_id)
+        book.offer_warm(book.remember(warm))
+
+    async def settle_lost(self, worker_id: str) -> None:
+        """Persist a loss: fail the claim of a hot worker, then retire the worker."""
+        reason = self._book.lost_fact(worker_id)
+        if reason is None:
+            return
+        try:
+            worker = await self._reader.get_worker(worker_id)
+        except StoreError:
+            return
+        if worker is None or worker.state is WorkerState.RETIRED:
+            self._book.lost_settled(worker_id)
+            return
+        why = RetireReason.EVICTED if reason == "evicted" else RetireReason.LOST
+        if worker.state is WorkerState.HOT and worker.claim_id:
+            # Never silently swapped (I6): the session fails with a clear reason, in the
+            # same write that drains the worker. A failed write is retried next pass.
+            if await self._retirer.fail_session(worker, why):
+                self._book.lost_settled(worker_id)
+            return
+        if worker.state is WorkerState.SPAWNING:
+            why = RetireReason.SPAWN_FAILURE
+            self._metrics.spawn_failures.labels(worker.pool, reason).inc()
+        stop = worker.state is not WorkerState.DRAINING
+        if await self._retirer.retire(worker, why, stop=stop):
+            self._book.lost_settled(worker_id)

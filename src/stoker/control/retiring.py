@@ -1,0 +1,172 @@
+"""Retiring: drain a worker (persisted), stop its runtime object, mark it retired.
+
+A draining write that fails is remembered in the book and retried by the next pass if the
+row is still as it was (a fence miss means someone else moved it: then not). The stop
+runs in the background, once at a time per worker; a failed stop leaves the row
+`draining` for the stuck sweep to retry. A retirement frees a slot against the caps.
+"""
+
+from __future__ import annotations
+
+from stoker.control import logs
+from stoker.control.book import Book, PendingRetire
+from stoker.control.catalog import Catalog
+from stoker.control.lifecycle import Lifecycle
+from stoker.control.metrics import Metrics
+from stoker.domain.errors import RuntimeFailure, StoreError
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import ClaimState, RetireReason, WorkerState
+from stoker.ports.runtime import Runtime
+from stoker.ports.store import StoreReader
+
+
+class Retirer:
+    """Retirements and the sessions that end with their worker (failed, expired)."""
+
+    def __init__(
+        self,
+        *,
+        book: Book,
+        lifecycle: Lifecycle,
+        reader: StoreReader,
+        runtime: Runtime,
+        catalog: Catalog,
+        metrics: Metrics,
+    ) -> None:
+        self._book = book
+        self._lifecycle = lifecycle
+        self._reader = reader
+        self._runtime = runtime
+        self._catalog = catalog
+        self._metrics = metrics
+        #: Workers whose stop task is running.
+        self._stopping: set[str] = set()
+
+    async def retire(
+        self, worker: Worker, reason: RetireReason | str, *, stop: bool = True
+    ) -> bool:
+        """Drain the worker (persisted), stop its runtime object, then mark it retired.
+
+        False when the draining write did not happen (the worker keeps its old state).
+        """
+        if worker.state is WorkerState.RETIRED:
+            return False
+        draining: Worker | None
+        if worker.state is WorkerState.DRAINING:
+            if worker.id in self._stopping:
+                return True  # its stop is under way
+            # A draining row from a snapshot may have been retired since: read it again.
+            try:
+                draining = await self._reader.get_worker(worker.id)
+            except StoreError:
+                return False
+            if draining is None or (draining.state, draining.epoch) != (
+                WorkerState.DRAINING,
+                worker.epoch,
+            ):
+                return False
+        elif worker.state is WorkerState.SPAWNING and not worker.runtime_ref and not stop:
+            # Nothing was created: free the slot at once.
+            done = await self._lifecycle.move(worker, WorkerState.RETIRED, reason=str(reason))
+            if done is None:
+                self._retry_later(worker, str(reason), stop)
+                return False
+            self._retired(done)
+            return True
+        else:
+            draining = await self._lifecycle.move(worker, WorkerState.DRAINING, reason=str(reason))
+        if draining is None:
+            self._retry_later(worker, str(reason), stop)
+            return False
+        self._book.retire_settled(worker.id)
+        self._book.remember(draining)
+        self.stop_soon(draining, stop=stop)
+        return True
+
+    async def fail_session(self, worker: Worker, why: RetireReason) -> bool:
+        """Fail a hot worker's claim and drain the worker in one write (never one alone).
+
+        False when that write failed; the caller retries later.
+        """
+        claim = await self._reader.get_claim(worker.claim_id or "")
+        if claim is None or claim.state is not ClaimState.BOUND:
+            # The claim ended meanwhile: its worker left `hot` in the same write.
+            fresh = await self._reader.get_worker(worker.id)
+            return fresh is not None and await self.retire(fresh, why)
+        return await self.end_session(
+            claim, ClaimState.FAILED, why, claim_reason=f"worker_{why.value}"
+        )
+
+    async def end_session(
+        self, claim: Claim, state: ClaimState, why: RetireReason, *, claim_reason: str
+    ) -> bool:
+        """End a bound claim as `state` and drain its worker in one write, then stop it.
+
+        False when the write failed or missed (someone else ended the claim).
+        """
+        try:
+            ended = await self._lifecycle.end_claim(
+                claim,
+                state=state,
+                worker_to=WorkerState.DRAINING,
+                claim_reason=claim_reason,
+                reason=why.value,
+            )
+        except StoreError:
+            return False
+        if ended is None:
+            return False
+        self._book.remember(ended[1])
+        self._metrics.claims.labels(claim.pool, claim.source.value, state.value).inc()
+        self.stop_soon(ended[1], stop=True)
+        return True
+
+    def stop_soon(self, worker: Worker, *, stop: bool) -> None:
+        """Stop and retire a draining worker in the background, once at a time per worker."""
+        if worker.id in self._stopping:
+            return
+        self._stopping.add(worker.id)
+        task = self._book.spawn_task(self._stop_and_retire(worker, stop=stop), f"stop:{worker.id}")
+        task.add_done_callback(lambda _t: self._stopping.discard(worker.id))
+
+    async def settle_pending(self) -> None:
+        """Retry the remembered retirements against a fresh read of their rows."""
+        for worker_id in list(self._book.pending_facts().retire):
+            await self._settle(worker_id)
+
+    async def _settle(self, worker_id: str) -> None:
+        pending = self._book.take_retire(worker_id)
+        if pending is None:
+            return
+        try:
+            fresh = await self._reader.get_worker(worker_id)
+        except StoreError:
+            self._book.note_retire(worker_id, pending)
+            return
+        if fresh is not None and (fresh.state, fresh.epoch) == (pending.state, pending.epoch):
+            await self.retire(fresh, pending.reason, stop=pending.stop)
+
+    def _retry_later(self, worker: Worker, reason: str, stop: bool) -> None:
+        """Remember a retirement whose write did not happen, as decided on `worker`."""
+        self._book.note_retire(worker.id, PendingRetire(worker.state, worker.epoch, reason, stop))
+
+    async def _stop_and_retire(self, worker: Worker, *, stop: bool) -> None:
+        pool = self._catalog.get(worker.pool)
+        grace = pool.timeouts.stop_grace_s if pool else 10.0
+        if stop:
+            try:
+                await self._runtime.stop(worker, grace)
+            except RuntimeFailure as exc:
+                logs.worker_event("stop_failed", worker, error=str(exc), level=logs.WARNING)
+                return
+        retired = await self._lifecycle.move(worker, WorkerState.RETIRED)
+        if retired is None:
+            self._retry_later(worker, worker.reason or "unknown", False)
+        else:
+            self._retired(retired)
+
+    def _retired(self, worker: Worker) -> None:
+        self._book.remember(worker)
+        self._lifecycle.retired(worker)
+        self._book.ready_settled(worker.id)
+        self._book.slot_freed(worker.pool, worker.org)

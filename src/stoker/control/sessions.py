@@ -1,0 +1,120 @@
+"""Sessions after binding: read, renew, release and expire a claim.
+
+A release parks the worker as its org's hot_idle (reuse: same_org) or retires it; a lease
+that ran out ends the claim and retires its worker.
+"""
+
+from __future__ import annotations
+
+from stoker.control.book import Book
+from stoker.control.catalog import Catalog
+from stoker.control.lifecycle import Lifecycle
+from stoker.control.metrics import Metrics
+from stoker.control.retiring import Retirer
+from stoker.domain.errors import ClaimConflict, NotFound
+from stoker.domain.records import Claim
+from stoker.domain.states import ClaimState, RetireReason, Reuse, WorkerState
+from stoker.ports.clock import Clock
+from stoker.ports.store import StoreReader
+
+
+class Sessions:
+    """Claims once bound: the session's lease."""
+
+    def __init__(
+        self,
+        *,
+        book: Book,
+        lifecycle: Lifecycle,
+        retirer: Retirer,
+        reader: StoreReader,
+        catalog: Catalog,
+        clock: Clock,
+        metrics: Metrics,
+    ) -> None:
+        self._book = book
+        self._lifecycle = lifecycle
+        self._retirer = retirer
+        self._reader = reader
+        self._catalog = catalog
+        self._clock = clock
+        self._metrics = metrics
+
+    async def get_claim(self, claim_id: str) -> Claim:
+        """A claim by id, or NotFound."""
+        claim = await self._reader.get_claim(claim_id)
+        if claim is None:
+            raise NotFound(f"unknown claim {claim_id!r}")
+        return claim
+
+    async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:
+        """Extend a bound claim's lease by `lease_s` (default: the claim's own) from now."""
+        claim = await self.get_claim(claim_id)
+        if claim.state is not ClaimState.BOUND:
+            raise ClaimConflict(f"claim {claim_id!r} is {claim.state.value}, not bound")
+        renewed = await self._lifecycle.renew(
+            claim_id, lease_s=lease_s if lease_s is not None else claim.lease_s
+        )
+        if renewed is None:
+            raise ClaimConflict(f"claim {claim_id!r} ended while renewing")
+        return renewed
+
+    async def release(self, claim_id: str) -> Claim:
+        """End a session: the worker parks as hot_idle (reuse: same_org) or retires.
+
+        Releasing a claim that already ended returns it unchanged.
+        """
+        claim = await self.get_claim(claim_id)
+        if claim.state is not ClaimState.BOUND:
+            return claim
+        return await self._end(claim, ClaimState.RELEASED)
+
+    async def expire(self, claim: Claim) -> bool:
+        """End a claim whose lease ran out and retire its worker."""
+        why = RetireReason.LEASE_EXPIRED
+        return await self._retirer.end_session(
+            claim, ClaimState.EXPIRED, why, claim_reason=why.value
+        )
+
+    async def _end(self, claim: Claim, state: ClaimState) -> Claim:
+        pool = self._catalog.get(claim.pool)
+        # Only the revision is needed, which never changes: memory will do when it knows.
+        worker = self._book.known(claim.worker_id) or await self._reader.get_worker(claim.worker_id)
+        reuse = (
+            pool is not None
+            and pool.reuse is Reuse.SAME_ORG
+            and worker is not None
+            and worker.revision == pool.revision
+            and not self._book.closing
+        )
+        if pool is not None and reuse:
+            ended = await self._lifecycle.end_claim(
+                claim,
+                state=state,
+                worker_to=WorkerState.HOT_IDLE,
+                idle_since=self._clock.now(),
+                ttl_s=self._catalog.hot_idle_ttl(pool, claim.org, claim.ttl_s),
+            )
+        else:
+            why = (
+                RetireReason.ROLLOUT
+                if pool is not None and pool.reuse is Reuse.SAME_ORG
+                else RetireReason.NO_REUSE
+            )
+            ended = await self._lifecycle.end_claim(
+                claim, state=state, worker_to=WorkerState.DRAINING, reason=why.value
+            )
+        if ended is None:
+            # Someone else ended it meanwhile (lease expiry, a lost worker): report that.
+            return await self.get_claim(claim.id)
+        done, moved = ended
+        self._metrics.claims.labels(claim.pool, claim.source.value, state.value).inc()
+        if moved.state is WorkerState.HOT_IDLE:
+            if moved.owner == self._book.instance_id:
+                self._book.offer_hot_idle(self._book.remember(moved))
+            else:
+                self._book.hot_idle_parked(moved.pool, moved.org)
+        else:
+            self._book.remember(moved)
+            self._retirer.stop_soon(moved, stop=True)
+        return done
