@@ -256,6 +256,23 @@ async def test_pool_cap_fails_with_pool_cap_reason(tmp_path: Path) -> None:
         assert err.value.reason == "pool_cap"
 
 
+async def test_pool_cap_waiter_gets_the_slot_a_retirement_frees(tmp_path: Path) -> None:
+    spec = pool(warm_target=1, max_workers=1, reuse=Reuse.NEVER)
+    async with running(tmp_path, [spec]) as h:
+        await h.settle()
+        first = await h.claim("a")
+        waiting = asyncio.create_task(h.claim("b", timeout_s=30))
+        await asyncio.sleep(1)
+        assert not waiting.done()
+        loop = asyncio.get_running_loop()
+        released_at = loop.time()
+        await h.plane.release(first.id)
+        # The retirement's freed slot wakes the waiter at once, not its deadline.
+        second = await waiting
+        assert second.source is ClaimSource.COLD and second.worker_id != first.worker_id
+        assert loop.time() - released_at < 5
+
+
 # -- requesters that leave ---------------------------------------------------------------
 
 

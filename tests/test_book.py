@@ -1,0 +1,227 @@
+"""The book: this replica's memory, its queues and the signals that wake waiting claims.
+
+Pure memory, no store writes: the reader is only asked when a worker is refreshed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from stoker.control.book import Book
+from stoker.domain.errors import RuntimeFailure
+from stoker.domain.records import Worker
+from stoker.domain.states import WorkerState
+
+S = WorkerState
+ME = "cp-me"
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A claim waiting in the book (the shape of `claims.Attempt` the book sees)."""
+
+    name: str
+    abandoned: bool = False
+    woken: int = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+class NoReads:
+    """A reader the book must not need for pure memory operations."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the book read the store: {name}")
+
+
+def book() -> Book:
+    return Book(reader=NoReads(), instance_id=ME)
+
+
+def worker(wid: str, state: WorkerState = S.WARM, **kw: Any) -> Worker:
+    base: dict[str, Any] = {
+        "id": wid,
+        "pool": "p",
+        "revision": "r1",
+        "state": state,
+        "epoch": 1,
+        "owner": ME,
+        "created_at": 0.0,
+        "updated_at": 0.0,
+    }
+    base.update(kw)
+    return Worker(**base)
+
+
+# -- slot freed ---------------------------------------------------------------------------
+
+
+def test_slot_freed_wakes_the_pool_cap_and_org_cap_waiters_of_that_pool_only() -> None:
+    b = book()
+    pool_cap, acme, globex = Waiting("pool"), Waiting("acme"), Waiting("globex")
+    other_pool = Waiting("other")
+    b.wait_for_slot("p", "", pool_cap)
+    b.wait_for_slot("p", "acme", acme)
+    b.wait_for_slot("p", "globex", globex)
+    b.wait_for_slot("q", "acme", other_pool)
+
+    b.slot_freed("p", "acme")
+
+    assert (pool_cap.woken, acme.woken, globex.woken) == (1, 1, 1)
+    assert other_pool.woken == 0
+    # Woken waiters leave the book: they register again if they must wait again.
+    b.slot_freed("p", None)
+    assert (pool_cap.woken, acme.woken, globex.woken) == (1, 1, 1)
+
+
+def test_slot_freed_wakes_one_claim_waiting_for_a_warm_worker() -> None:
+    b = book()
+    gone, first, second = Waiting("gone", abandoned=True), Waiting("first"), Waiting("second")
+    for w in (gone, first, second):
+        b.wait_for_warm("p", w)
+    assert b.waiting_for_warm("p") == 2
+
+    b.slot_freed("p", None)
+
+    assert (gone.woken, first.woken, second.woken) == (0, 1, 0)
+    assert b.waiting_for_warm("p") == 1
+
+
+def test_a_parked_worker_wakes_only_its_orgs_waiters() -> None:
+    b = book()
+    acme, globex, pool_cap = Waiting("acme"), Waiting("globex"), Waiting("pool")
+    b.wait_for_slot("p", "acme", acme)
+    b.wait_for_slot("p", "globex", globex)
+    b.wait_for_slot("p", "", pool_cap)
+
+    b.offer_hot_idle(worker("w1", S.HOT_IDLE, org="acme"))
+
+    assert (acme.woken, globex.woken, pool_cap.woken) == (1, 0, 0)
+
+
+async def test_slot_freed_lets_a_sleeping_claim_go_on() -> None:
+    """The signal ends an actual wait, as a claim held by a cap sleeps on it."""
+    b = book()
+    wakeup = asyncio.get_running_loop().create_future()
+
+    @dataclass(eq=False)
+    class Sleeper:
+        abandoned: bool = False
+
+        def wake(self) -> None:
+            if not wakeup.done():
+                wakeup.set_result(None)
+
+    b.wait_for_slot("p", "", Sleeper())
+    asyncio.get_running_loop().call_soon(b.slot_freed, "p", "acme")
+    await asyncio.wait_for(wakeup, timeout=1)
+
+
+# -- queues -------------------------------------------------------------------------------
+
+
+def test_ready_queue_skips_stale_entries_and_workers_in_flight() -> None:
+    b = book()
+    for w in (worker("w1"), worker("w2"), worker("w3"), worker("w4")):
+        b.remember(w)
+        b.offer_warm(w)
+    b.remember(worker("w1", S.RESERVED, org="acme"))  # taken meanwhile
+    b.remember(worker("w2", S.RETIRED))  # gone: forgotten
+    b.mark_in_flight("w3")
+
+    assert b.pop_warm("p", "r1") == worker("w4")
+    assert b.pop_warm("p", "r1") is None
+    assert b.pop_warm("p", "r2") is None
+    assert b.in_flight() == frozenset({"w3"})
+    b.clear_in_flight("w3")
+    assert b.in_flight() == frozenset()
+
+
+def test_a_warm_worker_put_back_is_picked_first() -> None:
+    b = book()
+    for w in (worker("w1"), worker("w2")):
+        b.remember(w)
+        b.offer_warm(w)
+    first = b.pop_warm("p", "r1")
+    assert first is not None
+    b.put_back_warm(first)
+    assert [b.pop_warm("p", "r1"), b.pop_warm("p", "r1")] == [worker("w1"), worker("w2")]
+
+
+def test_offering_a_warm_worker_wakes_the_first_claim_still_waiting() -> None:
+    b = book()
+    gone, waiting = Waiting("gone", abandoned=True), Waiting("waiting")
+    b.wait_for_warm("p", gone)
+    b.wait_for_warm("p", waiting)
+    w = b.remember(worker("w1"))
+    b.offer_warm(w)
+    assert (gone.woken, waiting.woken) == (0, 1)
+
+
+def test_hot_idle_queue_is_per_org_and_revision() -> None:
+    b = book()
+    old = b.remember(worker("w1", S.HOT_IDLE, org="acme", revision="r0"))
+    new = b.remember(worker("w2", S.HOT_IDLE, org="acme"))
+    theirs = b.remember(worker("w3", S.HOT_IDLE, org="globex"))
+    for w in (old, new, theirs):
+        b.offer_hot_idle(w)
+    assert b.pop_hot_idle("p", "acme", "r1") == new
+    assert b.pop_hot_idle("p", "acme", "r1") is None
+    assert b.pop_hot_idle("p", "globex", "r1") == theirs
+
+
+def test_load_queues_what_can_be_claimed_and_remembers_the_rest() -> None:
+    b = book()
+    warm, parked, hot = worker("w1"), worker("w2", S.HOT_IDLE, org="acme"), worker("w3", S.HOT)
+    b.load([warm, parked, hot])
+    assert b.known_workers() == {"w1": warm, "w2": parked, "w3": hot}
+    assert b.pop_warm("p", "r1") == warm
+    assert b.pop_hot_idle("p", "acme", "r1") == parked
+
+
+def test_memory_forgets_workers_of_other_replicas() -> None:
+    b = book()
+    b.remember(worker("w1"))
+    b.remember(worker("w1", owner="cp-other"))
+    assert b.known("w1") is None
+
+
+# -- cold spawns and facts ------------------------------------------------------------------
+
+
+async def test_readiness_goes_to_the_claim_waiting_on_the_spawn() -> None:
+    b = book()
+    ready = b.expect_ready("w1")
+    assert b.resolve_ready("w1", "http://w1")
+    assert await ready == "http://w1"
+    # Nobody waits any more: the next event is a fact to persist.
+    assert not b.resolve_ready("w1", "http://w1")
+
+    lost = b.expect_ready("w2")
+    b.resolve_lost("w2", RuntimeFailure("gone"))
+    with pytest.raises(RuntimeFailure):
+        await lost
+
+
+def test_facts_are_kept_until_settled() -> None:
+    b = book()
+    b.note_ready("w1", "http://w1")
+    b.keep_unsaved_ref("w1", {"pid": 7})
+    b.note_lost("w2", "evicted")
+    assert b.with_unsaved_ref("w1", endpoint="e") == {"endpoint": "e", "runtime_ref": {"pid": 7}}
+    facts = b.pending_facts()
+    assert (dict(facts.ready), dict(facts.lost), dict(facts.retire)) == (
+        {"w1": "http://w1"},
+        {"w2": "evicted"},
+        {},
+    )
+    b.ready_settled("w1")
+    b.lost_settled("w2")
+    assert b.with_unsaved_ref("w1", endpoint="e") == {"endpoint": "e"}
+    facts = b.pending_facts()
+    assert (facts.ready, facts.lost, facts.retire) == ({}, {}, {})
