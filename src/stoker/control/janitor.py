@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
 from stoker.control import logs
 from stoker.control.book import Book
@@ -25,10 +24,11 @@ from stoker.control.metrics import Metrics
 from stoker.control.retiring import Retirer
 from stoker.control.sessions import Sessions
 from stoker.control.spawning import Spawner
+from stoker.control.world import Reach, World, WorldReader
 from stoker.domain.errors import RuntimeFailure, StoreError
-from stoker.domain.records import Claim, Worker
+from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings
-from stoker.domain.states import LIVE, ClaimState, RetireReason, WorkerState
+from stoker.domain.states import LIVE, RetireReason, WorkerState
 from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import expired_claims, hot_idle_to_reap, stuck_workers
 from stoker.policy.scaling import (
@@ -37,37 +37,10 @@ from stoker.policy.scaling import (
     retirements_due,
     spawns_needed,
 )
-from stoker.ports.clock import Clock
-from stoker.ports.runtime import Runtime, RuntimeObject
-from stoker.ports.store import ReplicaStore, StateCount
+from stoker.ports.runtime import Runtime
+from stoker.ports.store import ReplicaStore
 
-#: States a worker passes through on its way somewhere (the stuck-row sweep watches them).
-_IN_FLIGHT = frozenset(
-    {WorkerState.SPAWNING, WorkerState.RESERVED, WorkerState.ACTIVATING, WorkerState.DRAINING}
-)
 DemandSource = Callable[[str, float], Awaitable[int]]
-
-
-class Scope(Enum):
-    """Fleet: the leader's janitor. Own: a replica's fallback reaper."""
-
-    FLEET = "fleet"
-    OWN = "own"
-
-
-@dataclass(slots=True)
-class World:
-    """What one sync read."""
-
-    now: float
-    counts: list[StateCount] = field(default_factory=list)
-    warm: list[Worker] = field(default_factory=list)
-    hot_idle: list[Worker] = field(default_factory=list)
-    in_flight: list[Worker] = field(default_factory=list)
-    expired: list[Claim] = field(default_factory=list)
-    live_instances: set[str] = field(default_factory=set)
-    orphans: list[Worker] = field(default_factory=list)
-    objects: list[RuntimeObject] | None = None
 
 
 @dataclass(slots=True)
@@ -87,12 +60,13 @@ class PassReport:
 
 
 class Janitor:
-    """One kind of pass; `Scope.FLEET` for the leader, `Scope.OWN` for the fallback reaper."""
+    """The active step of a pass: `Reach.FLEET` for the leader, `Reach.OWN` for the
+    fallback reaper."""
 
     def __init__(
         self,
         *,
-        scope: Scope,
+        world: WorldReader,
         store: ReplicaStore,
         runtime: Runtime,
         book: Book,
@@ -103,13 +77,13 @@ class Janitor:
         sessions: Sessions,
         events: RuntimeEvents,
         publisher: DemandPublisher,
-        clock: Clock,
         metrics: Metrics,
         settings: PlaneSettings,
         demand: DemandSource | None = None,
     ) -> None:
         """`demand` replaces the demand read from the store (the simulator's policies)."""
-        self.scope = scope
+        self.reach = world.reach
+        self._world = world
         self._store = store
         self._runtime = runtime
         self._book = book
@@ -120,7 +94,6 @@ class Janitor:
         self._sessions = sessions
         self._events = events
         self._publisher = publisher
-        self._clock = clock
         self._metrics = metrics
         self._settings = settings
         self._demand = demand or self._store_demand
@@ -130,7 +103,6 @@ class Janitor:
         #: What the last pass decided per pool (shown by `GET /v1/pools`).
         self.desired: dict[str, int] = {}
         self.demand: dict[str, int] = {}
-        self._last_scan: float | None = None
         self._last_purge: float | None = None
 
     async def _store_demand(self, pool: str, now: float) -> int:
@@ -154,51 +126,12 @@ class Janitor:
 
     async def sync(self) -> World:
         """Passive: read the world (store rows, replicas, runtime objects)."""
-        store, now, mine = self._store, self._clock.now(), self._book.instance_id
-        world = World(now=now)
-        own = mine if self.scope is Scope.OWN else None
-        # Liveness by heartbeat age, not only by state: the fallback reaper must recognise
-        # a dead replica's orphans while no leader runs the instance expiry.
-        fresh_after = now - self._settings.instance_expiry_s
-        instances = await store.list_instances()
-        if self.scope is Scope.FLEET and any(
-            i.state == "active" and i.heartbeat_at < fresh_after and i.id != mine for i in instances
-        ):
-            await store.expire_instances(before=fresh_after, now=now, keep=mine)
-        world.live_instances = {
-            i.id for i in instances if i.state == "active" and i.heartbeat_at >= fresh_after
-        }
-        world.live_instances.add(mine)
-        world.expired = await store.list_claims(
-            states=[ClaimState.BOUND], expires_before=now, owner=own
-        )
-        if self.scope is Scope.OWN:
-            world.hot_idle = await store.list_workers(states=[WorkerState.HOT_IDLE])
-        else:
-            world.counts = await store.count_workers()
-            # Every live row but the hot ones, sorted out here (oldest first, as listed);
-            # of the hot ones (most of a busy fleet) only those of dead replicas.
-            idle = await store.list_workers(states=LIVE - {WorkerState.HOT})
-            world.hot_idle = [w for w in idle if w.state is WorkerState.HOT_IDLE]
-            world.warm = [w for w in idle if w.state is WorkerState.WARM]
-            world.in_flight = [w for w in idle if w.state in _IN_FLIGHT]
-            world.orphans = [w for w in idle if w.owner not in world.live_instances]
-            world.orphans += await store.list_workers(
-                states=[WorkerState.HOT], not_owners=sorted(world.live_instances)
-            )
-            scan_due = self._clock.monotonic() - self._settings.stranded_scan_s
-            if self._last_scan is None or self._last_scan <= scan_due:
-                self._last_scan = self._clock.monotonic()
-                try:
-                    world.objects = await self._runtime.list_objects()
-                except RuntimeFailure as exc:
-                    logs.event("list_objects_failed", error=str(exc), level=logs.WARNING)
-        return world
+        return await self._world.read()
 
     async def step(self, world: World, report: PassReport) -> None:
         """Active: decide from the snapshot and act through fenced writes."""
         await self._settle_pending()
-        if self.scope is Scope.FLEET:
+        if self.reach is Reach.FLEET:
             await self._adopt_orphans(world, report)
             await self._scale(world, report)
             await self._sweep_stuck(world, report)
@@ -318,12 +251,12 @@ class Janitor:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
         mine = self._book.instance_id
         candidates = world.hot_idle
-        if self.scope is Scope.OWN:
+        if self.reach is Reach.OWN:
             candidates = [
                 w for w in candidates if w.owner == mine or w.owner not in world.live_instances
             ]
         stale = []
-        if self.scope is Scope.FLEET:
+        if self.reach is Reach.FLEET:
             # A parked worker of an old revision can never be reused: retire it.
             stale = [
                 w

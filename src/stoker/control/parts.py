@@ -17,13 +17,14 @@ from stoker.control.claims import Claims
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.ids import Ids
-from stoker.control.janitor import DemandSource, Janitor, Scope
+from stoker.control.janitor import DemandSource, Janitor
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.reservations import Reservations
 from stoker.control.retiring import Retirer
 from stoker.control.sessions import Sessions
 from stoker.control.spawning import Spawner
+from stoker.control.world import Reach, WorldReader
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock
@@ -133,9 +134,17 @@ def assemble(
         settings=settings,
     )
 
-    def janitor(scope: Scope, demand: DemandSource | None) -> Janitor:
+    def janitor(reach: Reach, demand: DemandSource | None) -> Janitor:
+        world = WorldReader(
+            reach=reach,
+            store=store,
+            runtime=runtime,
+            clock=clock,
+            settings=settings,
+            instance_id=instance_id,
+        )
         return Janitor(
-            scope=scope,
+            world=world,
             demand=demand,
             store=store,
             runtime=runtime,
@@ -147,7 +156,6 @@ def assemble(
             sessions=sessions,
             events=events,
             publisher=publisher,
-            clock=clock,
             metrics=metrics,
             settings=settings,
         )
@@ -161,6 +169,6 @@ def assemble(
         spawner=spawner,
         events=events,
         demand=publisher,
-        janitor=janitor(Scope.FLEET, demand),
-        reaper=janitor(Scope.OWN, None),
+        janitor=janitor(Reach.FLEET, demand),
+        reaper=janitor(Reach.OWN, None),
     )
