@@ -79,7 +79,9 @@ class Book:
         #: Claims held by a cap, by (pool, org); org "" for the pool cap.
         self._cap_waiters: dict[tuple[str, str], list[Waiter]] = defaultdict(list)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._closing = False
+        #: True once the replica stopped taking claims (`start_closing`); read on every
+        #: claim and release, so a plain attribute rather than a property.
+        self.closing = False
 
     # -- known workers ----------------------------------------------------------------------
 
@@ -132,7 +134,8 @@ class Book:
         self._ready[(worker.pool, worker.revision)].appendleft(worker.id)
 
     def pop_warm(self, pool: str, revision: str) -> Worker | None:
-        """The next queued worker still known warm and not being handed out, if any."""
+        """The next queued worker still known warm and not being handed out, if any,
+        marked in flight (the caller clears it once its reservation is decided)."""
         queue = self._ready.get((pool, revision))
         while queue:
             known = self._known.get(queue.popleft())
@@ -141,6 +144,7 @@ class Book:
                 and known.state is WorkerState.WARM
                 and known.id not in self._in_flight
             ):
+                self._in_flight.add(known.id)
                 return known
         return None
 
@@ -152,7 +156,8 @@ class Book:
         self.hot_idle_parked(worker.pool, worker.org)
 
     def pop_hot_idle(self, pool: str, org: str, revision: str) -> Worker | None:
-        """The next parked worker of `org` still known hot_idle at `revision`, if any."""
+        """The next parked worker of `org` still known hot_idle at `revision`, if any,
+        marked in flight (the caller clears it once its reservation is decided)."""
         queue = self._hot_idle.get((pool, org))
         while queue:
             known = self._known.get(queue.popleft())
@@ -162,6 +167,7 @@ class Book:
                 and known.revision == revision
                 and known.id not in self._in_flight
             ):
+                self._in_flight.add(known.id)
                 return known
         return None
 
@@ -332,11 +338,6 @@ class Book:
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
 
-    @property
-    def closing(self) -> bool:
-        """True once the replica stopped taking claims."""
-        return self._closing
-
     def start_closing(self) -> None:
         """Stop taking claims; releases retire their workers instead of parking them."""
-        self._closing = True
+        self.closing = True

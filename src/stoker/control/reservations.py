@@ -46,7 +46,6 @@ class Reservations:
         store can), or None."""
         book, owner = self._book, self._book.instance_id
         while (known := book.pop_hot_idle(pool.name, org, pool.revision)) is not None:
-            book.mark_in_flight(known.id)
             try:
                 result = await self._lifecycle.reserve(
                     known, org=org, org_cap=0, owner=owner, activate=True
@@ -72,7 +71,6 @@ class Reservations:
         (or None) and whether the org's cap held it back."""
         book, owner = self._book, self._book.instance_id
         while (known := book.pop_warm(pool.name, pool.revision)) is not None:
-            book.mark_in_flight(known.id)
             try:
                 result = await self._lifecycle.reserve(
                     known, org=org, org_cap=org_cap, owner=owner, activate=True
