@@ -134,9 +134,9 @@ def test_ready_queue_skips_stale_entries_and_workers_in_flight() -> None:
     b.remember(worker("w2", S.RETIRED))  # gone: forgotten
     b.mark_in_flight("w3")
 
-    assert b.pop_warm("p", "r1") == worker("w4")
-    assert b.pop_warm("p", "r1") is None
-    assert b.pop_warm("p", "r2") is None
+    assert b.pop(S.WARM, "p", "", "r1") == worker("w4")
+    assert b.pop(S.WARM, "p", "", "r1") is None
+    assert b.pop(S.WARM, "p", "", "r2") is None
     # A popped worker is being handed out until its reservation is decided.
     assert b.in_flight() == frozenset({"w3", "w4"})
     b.clear_in_flight("w3")
@@ -149,11 +149,14 @@ def test_a_warm_worker_put_back_is_picked_first() -> None:
     for w in (worker("w1"), worker("w2")):
         b.remember(w)
         b.offer_warm(w)
-    first = b.pop_warm("p", "r1")
+    first = b.pop(S.WARM, "p", "", "r1")
     assert first is not None
     b.clear_in_flight(first.id)
     b.put_back_warm(first)
-    assert [b.pop_warm("p", "r1"), b.pop_warm("p", "r1")] == [worker("w1"), worker("w2")]
+    assert [b.pop(S.WARM, "p", "", "r1"), b.pop(S.WARM, "p", "", "r1")] == [
+        worker("w1"),
+        worker("w2"),
+    ]
 
 
 def test_offering_a_warm_worker_wakes_the_first_claim_still_waiting() -> None:
@@ -173,10 +176,10 @@ def test_hot_idle_queue_is_per_org_and_revision() -> None:
     theirs = b.remember(worker("w3", S.HOT_IDLE, org="globex"))
     for w in (old, new, theirs):
         b.offer_hot_idle(w)
-    assert b.pop_hot_idle("p", "acme", "r1") == new
+    assert b.pop(S.HOT_IDLE, "p", "acme", "r1") == new
     assert b.in_flight() == frozenset({"w2"})
-    assert b.pop_hot_idle("p", "acme", "r1") is None
-    assert b.pop_hot_idle("p", "globex", "r1") == theirs
+    assert b.pop(S.HOT_IDLE, "p", "acme", "r1") is None
+    assert b.pop(S.HOT_IDLE, "p", "globex", "r1") == theirs
 
 
 def test_load_queues_what_can_be_claimed_and_remembers_the_rest() -> None:
@@ -184,8 +187,8 @@ def test_load_queues_what_can_be_claimed_and_remembers_the_rest() -> None:
     warm, parked, hot = worker("w1"), worker("w2", S.HOT_IDLE, org="acme"), worker("w3", S.HOT)
     b.load([warm, parked, hot])
     assert b.known_workers() == {"w1": warm, "w2": parked, "w3": hot}
-    assert b.pop_warm("p", "r1") == warm
-    assert b.pop_hot_idle("p", "acme", "r1") == parked
+    assert b.pop(S.WARM, "p", "", "r1") == warm
+    assert b.pop(S.HOT_IDLE, "p", "acme", "r1") == parked
 
 
 def test_memory_forgets_workers_of_other_replicas() -> None:
@@ -214,9 +217,9 @@ async def test_readiness_goes_to_the_claim_waiting_on_the_spawn() -> None:
 
 def test_facts_are_kept_until_settled() -> None:
     b = book()
-    b.note_ready("w1", "http://w1")
+    b.ready.note("w1", "http://w1")
     b.keep_unsaved_ref("w1", {"pid": 7})
-    b.note_lost("w2", "evicted")
+    b.lost.note("w2", "evicted")
     assert b.with_unsaved_ref("w1", endpoint="e") == {"endpoint": "e", "runtime_ref": {"pid": 7}}
     facts = b.pending_facts()
     assert (dict(facts.ready), dict(facts.lost), dict(facts.retire)) == (
@@ -225,7 +228,7 @@ def test_facts_are_kept_until_settled() -> None:
         {},
     )
     b.ready_settled("w1")
-    b.lost_settled("w2")
+    b.lost.settled("w2")
     assert b.with_unsaved_ref("w1", endpoint="e") == {"endpoint": "e"}
     facts = b.pending_facts()
     assert (facts.ready, facts.lost, facts.retire) == ({}, {}, {})

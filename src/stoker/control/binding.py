@@ -12,18 +12,13 @@ import asyncio
 
 from stoker.control import logs
 from stoker.control.attempt import Attempt
-from stoker.control.book import Book
-from stoker.control.catalog import Catalog
-from stoker.control.ids import Ids
-from stoker.control.lifecycle import Lifecycle
-from stoker.control.metrics import Metrics
 from stoker.control.retiring import Retirer
+from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import Activation
 from stoker.domain.states import ClaimSource, ClaimState, RetireReason, Reuse, WorkerState
 from stoker.ports.activator import ActivationPayload, Activator
-from stoker.ports.clock import Clock
 from stoker.ports.runtime import Runtime
 
 
@@ -31,27 +26,14 @@ class Binder:
     """Activates reserved workers and binds their claims; gives back what is not bound."""
 
     def __init__(
-        self,
-        *,
-        book: Book,
-        lifecycle: Lifecycle,
-        retirer: Retirer,
-        activator: Activator,
-        runtime: Runtime,
-        catalog: Catalog,
-        clock: Clock,
-        metrics: Metrics,
-        ids: Ids,
+        self, shared: Shared, *, retirer: Retirer, activator: Activator, runtime: Runtime
     ) -> None:
-        self._book = book
-        self._lifecycle = lifecycle
+        self._book, self._lifecycle = shared.book, shared.lifecycle
+        self._catalog, self._clock = shared.catalog, shared.clock
+        self._metrics, self._ids = shared.metrics, shared.ids
         self._retirer = retirer
         self._activator = activator
         self._runtime = runtime
-        self._catalog = catalog
-        self._clock = clock
-        self._metrics = metrics
-        self._ids = ids
 
     async def activate_and_bind(
         self, a: Attempt, worker: Worker, source: ClaimSource

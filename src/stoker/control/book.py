@@ -17,13 +17,15 @@ import asyncio
 from collections import defaultdict, deque
 from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from stoker.control import logs
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Worker
 from stoker.domain.states import WorkerState
 from stoker.ports.store import StoreReader
+
+_Fact = TypeVar("_Fact")
 
 
 class Waiter(Protocol):
@@ -55,6 +57,33 @@ class PendingFacts:
     retire: Mapping[str, PendingRetire]
 
 
+class Pending(Generic[_Fact]):
+    """Facts about workers, by worker id, kept until a write persists them."""
+
+    def __init__(self) -> None:
+        self._facts: dict[str, _Fact] = {}
+
+    def note(self, worker_id: str, fact: _Fact) -> None:
+        """Remember `fact` until it is settled."""
+        self._facts[worker_id] = fact
+
+    def get(self, worker_id: str) -> _Fact | None:
+        """The fact not persisted yet, if any."""
+        return self._facts.get(worker_id)
+
+    def take(self, worker_id: str) -> _Fact | None:
+        """Remove and return the fact (to retry it)."""
+        return self._facts.pop(worker_id, None)
+
+    def settled(self, worker_id: str) -> None:
+        """The fact is persisted or moot."""
+        self._facts.pop(worker_id, None)
+
+    def copy(self) -> dict[str, _Fact]:
+        """Every fact, by worker id (a copy)."""
+        return dict(self._facts)
+
+
 class Book:
     """This replica's memory of its workers, queues, waiters and background tasks."""
 
@@ -67,10 +96,11 @@ class Book:
         self._in_flight: set[str] = set()
         #: Cold spawns whose claim waits for readiness: worker id -> endpoint future.
         self._spawn_waits: dict[str, asyncio.Future[str]] = {}
-        #: Facts from the runtime not yet persisted (a failed write is retried by the next pass).
-        self._pending_ready: dict[str, str] = {}
-        self._pending_lost: dict[str, str] = {}
-        self._pending_retire: dict[str, PendingRetire] = {}
+        #: Facts not persisted yet (a failed write is retried by the next pass): readiness
+        #: (the endpoint), loss (the reason) and retirements whose write failed.
+        self.ready: Pending[str] = Pending()
+        self.lost: Pending[str] = Pending()
+        self.retirements: Pending[PendingRetire] = Pending()
         #: Runtime refs of spawns not persisted yet. The write that takes a worker out of
         #: `spawning` carries its ref, so that no worker becomes claimable without the ref
         #: another replica needs to adopt and to stop its process.
@@ -133,21 +163,6 @@ class Book:
         """Return a warm worker to the head of its queue (its claim was held by a cap)."""
         self._ready[(worker.pool, worker.revision)].appendleft(worker.id)
 
-    def pop_warm(self, pool: str, revision: str) -> Worker | None:
-        """The next queued worker still known warm and not being handed out, if any,
-        marked in flight (the caller clears it once its reservation is decided)."""
-        queue = self._ready.get((pool, revision))
-        while queue:
-            known = self._known.get(queue.popleft())
-            if (
-                known is not None
-                and known.state is WorkerState.WARM
-                and known.id not in self._in_flight
-            ):
-                self._in_flight.add(known.id)
-                return known
-        return None
-
     def offer_hot_idle(self, worker: Worker) -> None:
         """Queue a hot_idle worker for its org and wake that org's waiting claims."""
         if worker.org is None:
@@ -155,15 +170,20 @@ class Book:
         self._hot_idle[(worker.pool, worker.org)].append(worker.id)
         self.hot_idle_parked(worker.pool, worker.org)
 
-    def pop_hot_idle(self, pool: str, org: str, revision: str) -> Worker | None:
-        """The next parked worker of `org` still known hot_idle at `revision`, if any,
-        marked in flight (the caller clears it once its reservation is decided)."""
-        queue = self._hot_idle.get((pool, org))
+    def pop(self, state: WorkerState, pool: str, org: str, revision: str) -> Worker | None:
+        """The next worker of a queue still known in `state` at `revision` and not being
+        handed out, marked in flight (the caller clears it once its reservation is
+        decided); None when the queue ran dry. A `warm` worker comes from the revision's
+        ready queue, a `hot_idle` one from those `org` parked."""
+        if state is WorkerState.WARM:
+            queue = self._ready.get((pool, revision))
+        else:
+            queue = self._hot_idle.get((pool, org))
         while queue:
             known = self._known.get(queue.popleft())
             if (
                 known is not None
-                and known.state is WorkerState.HOT_IDLE
+                and known.state is state
                 and known.revision == revision
                 and known.id not in self._in_flight
             ):
@@ -251,50 +271,16 @@ class Book:
         """Nobody waits on this spawn any more."""
         self._spawn_waits.pop(worker_id, None)
 
-    # -- facts not persisted yet ------------------------------------------------------------
-
-    def note_ready(self, worker_id: str, endpoint: str) -> None:
-        """Remember a readiness fact until a write persists it."""
-        self._pending_ready[worker_id] = endpoint
-
-    def ready_fact(self, worker_id: str) -> str | None:
-        """The endpoint of a readiness fact not persisted yet."""
-        return self._pending_ready.get(worker_id)
+    # -- facts not persisted yet, and unsaved runtime refs ----------------------------------
 
     def ready_settled(self, worker_id: str) -> None:
         """The readiness fact is persisted or moot, and so is the runtime ref it carried."""
-        self._pending_ready.pop(worker_id, None)
+        self.ready.settled(worker_id)
         self._unsaved_refs.pop(worker_id, None)
-
-    def note_lost(self, worker_id: str, reason: str) -> None:
-        """Remember a loss until a write persists it."""
-        self._pending_lost[worker_id] = reason
-
-    def lost_fact(self, worker_id: str) -> str | None:
-        """The reason of a loss not persisted yet."""
-        return self._pending_lost.get(worker_id)
-
-    def lost_settled(self, worker_id: str) -> None:
-        """The loss is persisted or moot."""
-        self._pending_lost.pop(worker_id, None)
-
-    def note_retire(self, worker_id: str, pending: PendingRetire) -> None:
-        """Remember a retirement whose write did not happen."""
-        self._pending_retire[worker_id] = pending
-
-    def take_retire(self, worker_id: str) -> PendingRetire | None:
-        """Remove and return a remembered retirement (to retry it)."""
-        return self._pending_retire.pop(worker_id, None)
-
-    def retire_settled(self, worker_id: str) -> None:
-        """The retirement is written."""
-        self._pending_retire.pop(worker_id, None)
 
     def pending_facts(self) -> PendingFacts:
         """Facts and retirements still to persist (a copy)."""
-        return PendingFacts(
-            dict(self._pending_ready), dict(self._pending_lost), dict(self._pending_retire)
-        )
+        return PendingFacts(self.ready.copy(), self.lost.copy(), self.retirements.copy())
 
     def keep_unsaved_ref(self, worker_id: str, ref: Mapping[str, Any]) -> None:
         """Keep a spawn's runtime ref until a write carries it."""

@@ -15,12 +15,10 @@ from collections.abc import Callable
 
 from stoker.control.attempt import Attempt
 from stoker.control.binding import Binder
-from stoker.control.book import Book
-from stoker.control.catalog import Catalog
 from stoker.control.demand import DemandPublisher
-from stoker.control.metrics import Metrics
 from stoker.control.reservations import Reservations
 from stoker.control.sessions import Sessions
+from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
 from stoker.domain.errors import (
     CapacityError,
@@ -30,9 +28,7 @@ from stoker.domain.errors import (
     Unavailable,
 )
 from stoker.domain.records import Claim, ClaimRequest, Worker
-from stoker.domain.specs import PlaneSettings
-from stoker.domain.states import ClaimMode, ClaimSource, MissReason, Reuse
-from stoker.ports.clock import Clock
+from stoker.domain.states import ClaimMode, ClaimSource, MissReason, Reuse, WorkerState
 
 
 def _consume(future: asyncio.Future[Claim]) -> None:
@@ -45,28 +41,18 @@ class Claims:
 
     def __init__(
         self,
+        shared: Shared,
         *,
-        book: Book,
-        catalog: Catalog,
         reservations: Reservations,
         spawner: Spawner,
         binder: Binder,
         sessions: Sessions,
         demand: DemandPublisher,
-        clock: Clock,
-        metrics: Metrics,
-        settings: PlaneSettings,
     ) -> None:
-        self._book = book
-        self._catalog = catalog
-        self._reservations = reservations
-        self._spawner = spawner
-        self._binder = binder
-        self._sessions = sessions
-        self._demand = demand
-        self._clock = clock
-        self._metrics = metrics
-        self._settings = settings
+        self._book, self._catalog = shared.book, shared.catalog
+        self._clock, self._metrics, self._settings = shared.clock, shared.metrics, shared.settings
+        self._reservations, self._spawner = reservations, spawner
+        self._binder, self._sessions, self._demand = binder, sessions, demand
         self._in_flight = 0
 
     async def claim(self, req: ClaimRequest) -> Claim:
@@ -169,13 +155,13 @@ class Claims:
         pool, org, book = a.pool, a.req.org, self._book
         if a.req.mode is not ClaimMode.COLD:
             if pool.reuse is Reuse.SAME_ORG:
-                worker = await self._reservations.take_hot_idle(pool, org)
-                if worker is not None:
-                    return worker, ClaimSource.REUSE
-            worker, at_cap = await self._reservations.take_warm(pool, org, a.org_cap)
-            if worker is not None:
-                return worker, ClaimSource.WARM
-            if at_cap:
+                parked = await self._reservations.take(pool, org, WorkerState.HOT_IDLE)
+                if parked.worker is not None:
+                    return parked.worker, ClaimSource.REUSE
+            warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
+            if warm.worker is not None:
+                return warm.worker, ClaimSource.WARM
+            if warm.at_org_cap:
                 self._miss(a, MissReason.ORG_CAP)
                 await self._wait(a, lambda: book.wait_for_slot(pool.name, org, a))
                 return None

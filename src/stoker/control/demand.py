@@ -9,33 +9,20 @@ from __future__ import annotations
 import asyncio
 
 from stoker.control import logs
-from stoker.control.book import Book
-from stoker.control.catalog import Catalog
+from stoker.control.shared import Shared
 from stoker.domain.errors import StoreError
-from stoker.domain.specs import PlaneSettings
-from stoker.ports.clock import Clock
 from stoker.ports.store import ReplicaStore
 
 
 class DemandPublisher:
     """Counts misses and writes this replica's demand rows."""
 
-    def __init__(
-        self,
-        *,
-        book: Book,
-        store: ReplicaStore,
-        catalog: Catalog,
-        clock: Clock,
-        settings: PlaneSettings,
-    ) -> None:
-        self._book = book
+    def __init__(self, shared: Shared, *, store: ReplicaStore) -> None:
+        self._book, self._catalog = shared.book, shared.catalog
+        self._clock, self._settings = shared.clock, shared.settings
         self._store = store
-        self._catalog = catalog
-        self._clock = clock
-        self._settings = settings
         #: Cumulative misses per pool (the demand signal this replica publishes).
-        self._misses: dict[str, int] = dict.fromkeys(catalog.pools, 0)
+        self._misses: dict[str, int] = dict.fromkeys(shared.catalog.pools, 0)
         self._flush: asyncio.Task[None] | None = None
         #: The demand rows last written, and when (see `publish`).
         self._published: tuple[dict[str, tuple[int, int]], float] | None = None

@@ -6,10 +6,8 @@ retried by the next pass (persist before mutate).
 
 from __future__ import annotations
 
-from stoker.control.book import Book
-from stoker.control.lifecycle import Lifecycle
-from stoker.control.metrics import Metrics
 from stoker.control.retiring import Retirer
+from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.states import RetireReason, WorkerState
 from stoker.ports.store import StoreReader
@@ -18,26 +16,16 @@ from stoker.ports.store import StoreReader
 class RuntimeEvents:
     """The runtime's listener (`RuntimeListener`) for this replica."""
 
-    def __init__(
-        self,
-        *,
-        book: Book,
-        lifecycle: Lifecycle,
-        retirer: Retirer,
-        reader: StoreReader,
-        metrics: Metrics,
-    ) -> None:
-        self._book = book
-        self._lifecycle = lifecycle
+    def __init__(self, shared: Shared, *, retirer: Retirer, reader: StoreReader) -> None:
+        self._book, self._lifecycle, self._metrics = shared.book, shared.lifecycle, shared.metrics
         self._retirer = retirer
         self._reader = reader
-        self._metrics = metrics
 
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         """Runtime event: the worker answers its readiness probe."""
         if self._book.resolve_ready(worker_id, endpoint):
             return  # a cold claim waits for it and takes it from here
-        self._book.note_ready(worker_id, endpoint)
+        self._book.ready.note(worker_id, endpoint)
         self._book.spawn_task(self.settle_ready(worker_id), f"ready:{worker_id}")
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
@@ -45,20 +33,20 @@ class RuntimeEvents:
         self._book.resolve_lost(
             worker_id, RuntimeFailure(f"worker {worker_id} {reason} before ready")
         )
-        self._book.note_lost(worker_id, reason)
+        self._book.lost.note(worker_id, reason)
         self._book.spawn_task(self.settle_lost(worker_id), f"lost:{worker_id}")
 
     async def settle_pending(self) -> None:
         """Retry the facts whose write failed earlier: losses first, then readiness."""
-        for worker_id in self._book.pending_facts().lost:
+        for worker_id in self._book.lost.copy():
             await self.settle_lost(worker_id)
-        for worker_id in self._book.pending_facts().ready:
+        for worker_id in self._book.ready.copy():
             await self.settle_ready(worker_id)
 
     async def settle_ready(self, worker_id: str) -> None:
         """Persist a readiness fact: a neutral spawning worker becomes warm."""
         book = self._book
-        endpoint = book.ready_fact(worker_id)
+        endpoint = book.ready.get(worker_id)
         if endpoint is None:
             return
         worker = book.known(worker_id) or await self._reader.get_worker(worker_id)
@@ -88,7 +76,7 @@ class RuntimeEvents:
 
     async def settle_lost(self, worker_id: str) -> None:
         """Persist a loss: fail the claim of a hot worker, then retire the worker."""
-        reason = self._book.lost_fact(worker_id)
+        reason = self._book.lost.get(worker_id)
         if reason is None:
             return
         try:
@@ -96,18 +84,18 @@ class RuntimeEvents:
         except StoreError:
             return
         if worker is None or worker.state is WorkerState.RETIRED:
-            self._book.lost_settled(worker_id)
+            self._book.lost.settled(worker_id)
             return
         why = RetireReason.EVICTED if reason == "evicted" else RetireReason.LOST
         if worker.state is WorkerState.HOT and worker.claim_id:
             # Never silently swapped (I6): the session fails with a clear reason, in the
             # same write that drains the worker. A failed write is retried next pass.
             if await self._retirer.fail_session(worker, why):
-                self._book.lost_settled(worker_id)
+                self._book.lost.settled(worker_id)
             return
         if worker.state is WorkerState.SPAWNING:
             why = RetireReason.SPAWN_FAILURE
             self._metrics.spawn_failures.labels(worker.pool, reason).inc()
         stop = worker.state is not WorkerState.DRAINING
         if await self._retirer.retire(worker, why, stop=stop):
-            self._book.lost_settled(worker_id)
+            self._book.lost.settled(worker_id)

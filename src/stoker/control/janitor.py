@@ -15,19 +15,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from stoker.control import logs
-from stoker.control.book import Book
-from stoker.control.catalog import Catalog
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
-from stoker.control.lifecycle import Lifecycle
-from stoker.control.metrics import Metrics
 from stoker.control.retiring import Retirer
 from stoker.control.sessions import Sessions
+from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
 from stoker.control.world import Reach, World, WorldReader
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Worker
-from stoker.domain.specs import PlaneSettings
 from stoker.domain.states import LIVE, RetireReason, WorkerState
 from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import expired_claims, hot_idle_to_reap, stuck_workers
@@ -65,37 +61,29 @@ class Janitor:
 
     def __init__(
         self,
+        shared: Shared,
         *,
         world: WorldReader,
         store: ReplicaStore,
         runtime: Runtime,
-        book: Book,
-        catalog: Catalog,
-        lifecycle: Lifecycle,
         retirer: Retirer,
         spawner: Spawner,
         sessions: Sessions,
         events: RuntimeEvents,
         publisher: DemandPublisher,
-        metrics: Metrics,
-        settings: PlaneSettings,
         demand: DemandSource | None = None,
     ) -> None:
         """`demand` replaces the demand read from the store (the simulator's policies)."""
         self.reach = world.reach
-        self._world = world
-        self._store = store
-        self._runtime = runtime
-        self._book = book
-        self._catalog = catalog
-        self._lifecycle = lifecycle
-        self._retirer = retirer
-        self._spawner = spawner
-        self._sessions = sessions
-        self._events = events
-        self._publisher = publisher
-        self._metrics = metrics
-        self._settings = settings
+        self._world, self._store, self._runtime = world, store, runtime
+        self._book, self._lifecycle = shared.book, shared.lifecycle
+        self._catalog, self._metrics, self._settings = (
+            shared.catalog,
+            shared.metrics,
+            shared.settings,
+        )
+        self._retirer, self._spawner, self._sessions = retirer, spawner, sessions
+        self._events, self._publisher = events, publisher
         self._demand = demand or self._store_demand
         self._ledger = DemandLedger()
         self._demand_now: dict[str, int] | None = None

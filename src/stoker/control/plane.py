@@ -4,17 +4,16 @@ It composes the replica's parts, starts the store (migrations), registers the re
 starts the runtime, and runs three loops: the janitor (while leader), the fallback reaper
 and the replica heartbeat. Claims go to `Claims`; releases and renewals to `Sessions`.
 
-The parts, each with one job (upper ones call lower ones, never the reverse):
+The parts, each with one job (upper ones call lower ones, never the reverse; the
+import contract in pyproject.toml holds them to it):
 
-    plane ─ janitor (fleet passes; the fallback reaper is one too)
-          ─ claims (acquire: reuse -> warm -> cold, wait, miss)
+    plane ─ janitor (the active step of a pass) ─ world (its passive sync)
+          ─ claims (the entry: reuse -> warm -> cold, waits, misses)
               ─ reservations (pick and reserve) · binding (activate, bind, give back)
-              ─ runtime events (readiness, loss)
-          ─ sessions (renew, release, expire) · spawning
-          ─ retiring (drain, stop, retire)
-          ─ demand (misses, published rows)
-          ─ book (this replica's memory) · catalog (pools, orgs, caps) · lifecycle
-            (the only writer of workers and claims)
+          ─ runtime events (readiness, loss) · sessions (renew, release, expire)
+          ─ spawning ─ retiring (drain, stop, retire) ─ demand (misses, published rows)
+          ─ shared: book (this replica's memory) · catalog (pools, orgs, caps, TTLs)
+                    · lifecycle (the only writer of workers and claims)
 """
 
 from __future__ import annotations
@@ -27,10 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.control import logs
+from stoker.control.book import Book
+from stoker.control.catalog import Catalog
 from stoker.control.ids import Ids
 from stoker.control.janitor import DemandSource, PassReport
+from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
+from stoker.control.shared import Shared
 from stoker.domain.errors import StokerError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
@@ -90,22 +93,22 @@ class ControlPlane:
         self.activator = activator
         self.elector = elector or SoleLeader()
         self.metrics = metrics or Metrics()
-        parts = assemble(
-            store=store,
-            runtime=runtime,
-            activator=activator,
-            pools=pools,
-            orgs=orgs,
-            settings=self.settings,
+        self.catalog = Catalog(
+            {p.name: p for p in pools}, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap
+        )
+        self.book = Book(reader=store, instance_id=self.instance_id)
+        shared = Shared(
+            book=self.book,
+            lifecycle=Lifecycle(store, self.clock, self.metrics),
+            catalog=self.catalog,
             clock=self.clock,
             metrics=self.metrics,
             ids=self.ids,
-            instance_id=self.instance_id,
-            demand=demand,
+            settings=self.settings,
         )
-        self.catalog, self.book, self.claims = parts.catalog, parts.book, parts.claims
-        self.sessions, self.retirer, self.spawner = parts.sessions, parts.retirer, parts.spawner
-        self.events, self.demand = parts.events, parts.demand
+        parts = assemble(shared, store=store, runtime=runtime, activator=activator, demand=demand)
+        self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
+        self.spawner, self.events, self.demand = parts.spawner, parts.events, parts.demand
         self.janitor, self.reaper = parts.janitor, parts.reaper
         self.closers = tuple(closers)
         self._loops: list[asyncio.Task[None]] = []

@@ -9,10 +9,8 @@ runs in the background, once at a time per worker; a failed stop leaves the row
 from __future__ import annotations
 
 from stoker.control import logs
-from stoker.control.book import Book, PendingRetire
-from stoker.control.catalog import Catalog
-from stoker.control.lifecycle import Lifecycle
-from stoker.control.metrics import Metrics
+from stoker.control.book import PendingRetire
+from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, RetireReason, WorkerState
@@ -23,22 +21,11 @@ from stoker.ports.store import StoreReader
 class Retirer:
     """Retirements and the sessions that end with their worker (failed, expired)."""
 
-    def __init__(
-        self,
-        *,
-        book: Book,
-        lifecycle: Lifecycle,
-        reader: StoreReader,
-        runtime: Runtime,
-        catalog: Catalog,
-        metrics: Metrics,
-    ) -> None:
-        self._book = book
-        self._lifecycle = lifecycle
+    def __init__(self, shared: Shared, *, reader: StoreReader, runtime: Runtime) -> None:
+        self._book, self._lifecycle = shared.book, shared.lifecycle
+        self._catalog, self._metrics = shared.catalog, shared.metrics
         self._reader = reader
         self._runtime = runtime
-        self._catalog = catalog
-        self._metrics = metrics
         #: Workers whose stop task is running.
         self._stopping: set[str] = set()
 
@@ -78,7 +65,7 @@ class Retirer:
         if draining is None:
             self._retry_later(worker, str(reason), stop)
             return False
-        self._book.retire_settled(worker.id)
+        self._book.retirements.settled(worker.id)
         self._book.remember(draining)
         self.stop_soon(draining, stop=stop)
         return True
@@ -131,24 +118,26 @@ class Retirer:
 
     async def settle_pending(self) -> None:
         """Retry the remembered retirements against a fresh read of their rows."""
-        for worker_id in list(self._book.pending_facts().retire):
+        for worker_id in self._book.retirements.copy():
             await self._settle(worker_id)
 
     async def _settle(self, worker_id: str) -> None:
-        pending = self._book.take_retire(worker_id)
+        pending = self._book.retirements.take(worker_id)
         if pending is None:
             return
         try:
             fresh = await self._reader.get_worker(worker_id)
         except StoreError:
-            self._book.note_retire(worker_id, pending)
+            self._book.retirements.note(worker_id, pending)
             return
         if fresh is not None and (fresh.state, fresh.epoch) == (pending.state, pending.epoch):
             await self.retire(fresh, pending.reason, stop=pending.stop)
 
     def _retry_later(self, worker: Worker, reason: str, stop: bool) -> None:
         """Remember a retirement whose write did not happen, as decided on `worker`."""
-        self._book.note_retire(worker.id, PendingRetire(worker.state, worker.epoch, reason, stop))
+        self._book.retirements.note(
+            worker.id, PendingRetire(worker.state, worker.epoch, reason, stop)
+        )
 
     async def _stop_and_retire(self, worker: Worker, *, stop: bool) -> None:
         pool = self._catalog.get(worker.pool)

@@ -6,39 +6,22 @@ that ran out ends the claim and retires its worker.
 
 from __future__ import annotations
 
-from stoker.control.book import Book
-from stoker.control.catalog import Catalog
-from stoker.control.lifecycle import Lifecycle
-from stoker.control.metrics import Metrics
 from stoker.control.retiring import Retirer
+from stoker.control.shared import Shared
 from stoker.domain.errors import ClaimConflict, NotFound
 from stoker.domain.records import Claim
 from stoker.domain.states import ClaimState, RetireReason, Reuse, WorkerState
-from stoker.ports.clock import Clock
 from stoker.ports.store import StoreReader
 
 
 class Sessions:
     """Claims once bound: the session's lease."""
 
-    def __init__(
-        self,
-        *,
-        book: Book,
-        lifecycle: Lifecycle,
-        retirer: Retirer,
-        reader: StoreReader,
-        catalog: Catalog,
-        clock: Clock,
-        metrics: Metrics,
-    ) -> None:
-        self._book = book
-        self._lifecycle = lifecycle
+    def __init__(self, shared: Shared, *, retirer: Retirer, reader: StoreReader) -> None:
+        self._book, self._lifecycle = shared.book, shared.lifecycle
+        self._catalog, self._clock, self._metrics = shared.catalog, shared.clock, shared.metrics
         self._retirer = retirer
         self._reader = reader
-        self._catalog = catalog
-        self._clock = clock
-        self._metrics = metrics
 
     async def get_claim(self, claim_id: str) -> Claim:
         """A claim by id, or NotFound."""

@@ -7,17 +7,13 @@ A failed create frees its slot at once (I4).
 from __future__ import annotations
 
 from stoker.control import logs
-from stoker.control.book import Book
-from stoker.control.catalog import Catalog
-from stoker.control.ids import Ids
-from stoker.control.lifecycle import Lifecycle
-from stoker.control.metrics import Metrics
 from stoker.control.retiring import Retirer
+from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
-from stoker.domain.specs import PlaneSettings, PoolSpec
+from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason, WorkerState
-from stoker.ports.clock import Clock, TokenBucket
+from stoker.ports.clock import TokenBucket
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import SpawnRequest, SpawnResult
 
@@ -25,27 +21,15 @@ from stoker.ports.store import SpawnRequest, SpawnResult
 class Spawner:
     """Neutral warm spawns for the janitor, cold spawns for one org's claim."""
 
-    def __init__(
-        self,
-        *,
-        book: Book,
-        lifecycle: Lifecycle,
-        retirer: Retirer,
-        runtime: Runtime,
-        catalog: Catalog,
-        clock: Clock,
-        metrics: Metrics,
-        ids: Ids,
-        settings: PlaneSettings,
-    ) -> None:
-        self._book = book
-        self._lifecycle = lifecycle
+    def __init__(self, shared: Shared, *, retirer: Retirer, runtime: Runtime) -> None:
+        self._book, self._lifecycle = shared.book, shared.lifecycle
+        self._catalog, self._metrics, self._ids = shared.catalog, shared.metrics, shared.ids
         self._retirer = retirer
         self._runtime = runtime
-        self._catalog = catalog
-        self._metrics = metrics
-        self._ids = ids
-        self._bucket = TokenBucket(clock, rate=settings.spawn_rate, burst=settings.spawn_burst)
+        settings = shared.settings
+        self._bucket = TokenBucket(
+            shared.clock, rate=settings.spawn_rate, burst=settings.spawn_burst
+        )
 
     async def spawn_warm(self, pool: PoolSpec, count: int, *, target: int) -> int:
         """Reserve up to `count` neutral spawn slots (never beyond `target`) and spawn them."""

@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from stoker.control import logs
+from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Claim, Worker
-from stoker.domain.specs import PlaneSettings
 from stoker.domain.states import LIVE, ClaimState, WorkerState
-from stoker.ports.clock import Clock
 from stoker.ports.runtime import Runtime, RuntimeObject
 from stoker.ports.store import ReplicaStore, StateCount
 
@@ -50,21 +49,13 @@ class WorldReader:
     """Reads the world for one kind of pass (the fleet's, or this replica's own)."""
 
     def __init__(
-        self,
-        *,
-        reach: Reach,
-        store: ReplicaStore,
-        runtime: Runtime,
-        clock: Clock,
-        settings: PlaneSettings,
-        instance_id: str,
+        self, shared: Shared, *, reach: Reach, store: ReplicaStore, runtime: Runtime
     ) -> None:
         self.reach = reach
+        self._clock, self._settings = shared.clock, shared.settings
+        self._instance_id = shared.book.instance_id
         self._store = store
         self._runtime = runtime
-        self._clock = clock
-        self._settings = settings
-        self._instance_id = instance_id
         self._last_scan: float | None = None
 
     async def read(self) -> World:

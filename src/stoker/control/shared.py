@@ -1,0 +1,29 @@
+"""What every part of one replica uses: its memory, the one writer, the specs and the clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stoker.control.book import Book
+from stoker.control.catalog import Catalog
+from stoker.control.ids import Ids
+from stoker.control.lifecycle import Lifecycle
+from stoker.control.metrics import Metrics
+from stoker.domain.specs import PlaneSettings
+from stoker.ports.clock import Clock
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """Handed to every part; each part keeps the members it uses. The store's writer is
+    only reachable through `lifecycle`."""
+
+    #: This replica's memory (and its instance id).
+    book: Book
+    #: The only writer of workers and claims.
+    lifecycle: Lifecycle
+    catalog: Catalog
+    clock: Clock
+    metrics: Metrics
+    ids: Ids
+    settings: PlaneSettings
