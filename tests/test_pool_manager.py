@@ -1,4 +1,4 @@
-"""The pool manager and janitor of one replica, on virtual time (looptime).
+"""The claim path, sessions and janitor of one replica, on virtual time (looptime).
 
 Workers are `MemoryRuntime` entries (see tests/fakes.py for why); the store is the real
 SQLite adapter. Every claim path of DESIGN.md §3 and §7 is driven here; the same paths

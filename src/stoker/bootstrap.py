@@ -241,8 +241,8 @@ def build_plane(
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
     It mints the replica's instance id, builds its runtime, then its elector (None: the
-    plane's `SoleLeader`), and the plane around them and `activator`: pool manager, janitor
-    and fallback reaper. `stoker serve` builds its replica here from the config
+    plane's `SoleLeader`), and the plane around them and `activator`: its claim path,
+    janitor and fallback reaper. `stoker serve` builds its replica here from the config
     (`build_control_plane`); the simulator builds each of its replicas here too, on its
     own clock, cluster and store. `demand` replaces the janitor's demand source.
     """

@@ -2,7 +2,7 @@
 
 A runtime creates, watches and stops runtime objects and reports what happens to them
 through `RuntimeListener` events. Handing a ready worker its org is the `Activator`'s job
-(`stoker.ports.activator`). A runtime never writes the store: the pool manager turns its
+(`stoker.ports.activator`). A runtime never writes the store: the control plane turns its
 events into fenced transitions.
 """
 
@@ -31,7 +31,7 @@ class RuntimeObject:
 
 
 class RuntimeListener(Protocol):
-    """Receives runtime events; implemented by the pool manager."""
+    """Receives runtime events; implemented by `stoker.control.events.RuntimeEvents`."""
 
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         """The worker answers its readiness probe at `endpoint`."""
