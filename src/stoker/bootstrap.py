@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
+from stoker.adapters._election import ElectorOptions
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
@@ -182,15 +183,14 @@ def build_elector(
     if kind == "none" or lease_name is None:
         return None
     election = config.leader_election
+    timings = ElectorOptions(
+        lease_duration_s=election.lease_duration_s,
+        renew_deadline_s=election.renew_deadline_s,
+        retry_period_s=election.retry_period_s,
+    )
     if kind == "store":
         return StoreLeaseElector(
-            store,
-            clock=clock,
-            identity=instance_id,
-            name=lease_name,
-            lease_duration_s=election.lease_duration_s,
-            renew_deadline_s=election.renew_deadline_s,
-            retry_period_s=election.retry_period_s,
+            store, clock=clock, identity=instance_id, name=lease_name, **timings
         )
     runtime = config.runtime
     if not isinstance(runtime, KubernetesRuntimeConfig):
@@ -209,13 +209,7 @@ def build_elector(
     )
     closers.append(cluster.close)
     return KubernetesLeaseElector(
-        cluster=cluster,
-        clock=clock,
-        identity=instance_id,
-        lease_name=lease_name,
-        lease_duration_s=election.lease_duration_s,
-        renew_deadline_s=election.renew_deadline_s,
-        retry_period_s=election.retry_period_s,
+        cluster=cluster, clock=clock, identity=instance_id, lease_name=lease_name, **timings
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypedDict, TypeVar
 
 from stoker.adapters._deadlines import DeadlinePassed, within
 from stoker.ports.clock import Clock
@@ -36,6 +36,20 @@ T = TypeVar("T")
 StartedLeading = Callable[[int], None]
 #: Called when this replica stops leading (lost, deadline passed, resigned, cancelled).
 StoppedLeading = Callable[[], None]
+
+
+class ElectorOptions(TypedDict, total=False):
+    """The timings and callbacks of a `LeaseElector`, as every elector's constructor takes them.
+
+    The electors on a particular backend pass these on unchanged (`**options`), so the
+    defaults and their rules live once, in `LeaseElector.__init__`.
+    """
+
+    lease_duration_s: float
+    renew_deadline_s: float
+    retry_period_s: float
+    on_started_leading: StartedLeading | None
+    on_stopped_leading: StoppedLeading | None
 
 
 class LeaseBackend(Protocol):
@@ -157,14 +171,9 @@ class LeaseElector:
 
     async def _contend(self) -> None:
         """One attempt to acquire; on success this replica leads from that attempt's start."""
-        started, now = self._clock.monotonic(), self._clock.now()
+        started = self._clock.monotonic()
         try:
-            epoch = await self._bounded(
-                self._backend.try_acquire(self.identity, now, self.lease_duration_s),
-                self.renew_deadline_s,
-            )
-        except asyncio.CancelledError:
-            raise
+            epoch = await self._try_acquire(self.renew_deadline_s)
         except Exception as exc:
             # Any failure of the backend, a bug in it included: contend again next period.
             self.failures += 1
@@ -184,18 +193,13 @@ class LeaseElector:
             await self._clock.sleep(self.retry_period_s)
             if self.resigned() or not self._leading:
                 return
-            started, now = self._clock.monotonic(), self._clock.now()
+            started = self._clock.monotonic()
             remaining = self._renewed_at + self.renew_deadline_s - started
             if remaining <= 0:
                 self._step_down("renew_deadline_passed")
                 return
             try:
-                epoch = await self._bounded(
-                    self._backend.try_acquire(self.identity, now, self.lease_duration_s),
-                    remaining,
-                )
-            except asyncio.CancelledError:
-                raise
+                epoch = await self._try_acquire(remaining)
             except _Timeout:
                 self.failures += 1
                 self._step_down("renew_deadline_passed")
@@ -215,6 +219,14 @@ class LeaseElector:
                 self._start_term(epoch, started)
                 continue
             self._renewed_at = started
+
+    async def _try_acquire(self, seconds: float) -> int | None:
+        """One bounded acquire-or-renew call, stamped with the wall time of its start.
+
+        A cancellation passes through: callers catch `Exception` only, never `CancelledError`.
+        """
+        call = self._backend.try_acquire(self.identity, self._clock.now(), self.lease_duration_s)
+        return await self._bounded(call, seconds)
 
     def _start_term(self, epoch: int, started: float) -> None:
         self._leading = True

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Unpack
 
-from stoker.adapters._election import LeaseElector, StartedLeading, StoppedLeading
+from stoker.adapters._election import ElectorOptions, LeaseElector
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ClusterAPI, Conflict, Lease, ObjectNotFound
 
@@ -124,7 +125,8 @@ class KubernetesLeaseElector(LeaseElector):
     """The janitor's elector on a Kubernetes Lease (`leader_election: kubernetes`).
 
     Same interface and behaviour as every `LeaseElector`: it contends forever, steps down
-    when it cannot renew within `renew_deadline_s`, and re-contends.
+    when it cannot renew within `renew_deadline_s`, and re-contends. `options` are the
+    timings and callbacks of `LeaseElector`.
     """
 
     def __init__(
@@ -134,20 +136,7 @@ class KubernetesLeaseElector(LeaseElector):
         clock: Clock,
         identity: str,
         lease_name: str = DEFAULT_LEASE_NAME,
-        lease_duration_s: float = 15.0,
-        renew_deadline_s: float = 10.0,
-        retry_period_s: float = 2.0,
-        on_started_leading: StartedLeading | None = None,
-        on_stopped_leading: StoppedLeading | None = None,
+        **options: Unpack[ElectorOptions],
     ) -> None:
         self.backend = KubernetesLeaseBackend(cluster, lease_name)
-        super().__init__(
-            self.backend,
-            clock=clock,
-            identity=identity,
-            lease_duration_s=lease_duration_s,
-            renew_deadline_s=renew_deadline_s,
-            retry_period_s=retry_period_s,
-            on_started_leading=on_started_leading,
-            on_stopped_leading=on_stopped_leading,
-        )
+        super().__init__(self.backend, clock=clock, identity=identity, **options)

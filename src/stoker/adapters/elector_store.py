@@ -7,7 +7,9 @@ down at the renew deadline) is the one every elector shares, in `_election`.
 
 from __future__ import annotations
 
-from stoker.adapters._election import LeaseElector, StartedLeading, StoppedLeading
+from typing import Unpack
+
+from stoker.adapters._election import ElectorOptions, LeaseElector
 from stoker.domain.specs import JANITOR_LEASE
 from stoker.ports.clock import Clock
 from stoker.ports.store import Store
@@ -33,7 +35,10 @@ class StoreLeaseBackend:
 
 
 class StoreLeaseElector(LeaseElector):
-    """A `LeaseElector` whose lease is a row in the control plane's own store."""
+    """A `LeaseElector` whose lease is a row in the control plane's own store.
+
+    `options` are the timings and callbacks of `LeaseElector`.
+    """
 
     def __init__(
         self,
@@ -42,19 +47,6 @@ class StoreLeaseElector(LeaseElector):
         clock: Clock,
         identity: str,
         name: str = JANITOR_LEASE,
-        lease_duration_s: float = 15.0,
-        renew_deadline_s: float = 10.0,
-        retry_period_s: float = 2.0,
-        on_started_leading: StartedLeading | None = None,
-        on_stopped_leading: StoppedLeading | None = None,
+        **options: Unpack[ElectorOptions],
     ) -> None:
-        super().__init__(
-            StoreLeaseBackend(store, name),
-            clock=clock,
-            identity=identity,
-            lease_duration_s=lease_duration_s,
-            renew_deadline_s=renew_deadline_s,
-            retry_period_s=retry_period_s,
-            on_started_leading=on_started_leading,
-            on_stopped_leading=on_stopped_leading,
-        )
+        super().__init__(StoreLeaseBackend(store, name), clock=clock, identity=identity, **options)

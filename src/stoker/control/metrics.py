@@ -67,109 +67,86 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.workers = Gauge(
-            "stoker_workers", "Live workers by pool and state.", ["pool", "state"], registry=r
+        self.workers = self._gauge(
+            "stoker_workers", "Live workers by pool and state.", "pool", "state"
         )
-        self.warm_desired = Gauge(
-            "stoker_warm_desired",
-            "Warm workers the pool wants (target + demand).",
-            ["pool"],
-            registry=r,
+        self.warm_desired = self._gauge(
+            "stoker_warm_desired", "Warm workers the pool wants (target + demand).", "pool"
         )
-        self.demand = Gauge(
+        self.demand = self._gauge(
             "stoker_demand",
             "Demand seen by the last reconcile pass (misses + queued claims).",
-            ["pool"],
-            registry=r,
+            "pool",
         )
-        self.claims = Counter(
-            "stoker_claims",
-            "Claims by pool, source and outcome.",
-            ["pool", "source", "outcome"],
-            registry=r,
+        self.claims = self._counter(
+            "stoker_claims", "Claims by pool, source and outcome.", "pool", "source", "outcome"
         )
-        self.claim_seconds = Histogram(
+        self.claim_seconds = self._histogram(
             "stoker_claim_duration_seconds",
             "Time from claim request to bound worker.",
-            ["pool", "source"],
-            buckets=CLAIM_BUCKETS,
-            registry=r,
+            "pool",
+            "source",
         )
-        self.claims_waiting = Gauge(
-            "stoker_claims_waiting", "Claims waiting for a worker.", ["pool"], registry=r
+        self.claims_waiting = self._gauge(
+            "stoker_claims_waiting", "Claims waiting for a worker.", "pool"
         )
-        self.misses = Counter(
+        self.misses = self._counter(
             "stoker_misses",
             "Claims that found no warm or reusable worker, by reason.",
-            ["pool", "reason"],
-            registry=r,
+            "pool",
+            "reason",
         )
-        self.spawns = Counter(
+        self.spawns = self._counter(
             "stoker_spawns",
             "Workers spawned, by pool and purpose (warm or cold).",
-            ["pool", "purpose"],
-            registry=r,
+            "pool",
+            "purpose",
         )
-        self.spawn_failures = Counter(
-            "stoker_spawn_failures",
-            "Spawns that failed, by reason.",
-            ["pool", "reason"],
-            registry=r,
+        self.spawn_failures = self._counter(
+            "stoker_spawn_failures", "Spawns that failed, by reason.", "pool", "reason"
         )
-        self.retirements = Counter(
-            "stoker_retirements", "Workers retired, by reason.", ["pool", "reason"], registry=r
+        self.retirements = self._counter(
+            "stoker_retirements", "Workers retired, by reason.", "pool", "reason"
         )
-        self.transitions = Counter(
-            "stoker_transitions",
-            "Worker state changes written, by target state.",
-            ["pool", "to"],
-            registry=r,
+        self.transitions = self._counter(
+            "stoker_transitions", "Worker state changes written, by target state.", "pool", "to"
         )
-        self.fence_misses = Counter(
-            "stoker_fence_misses",
-            "Compare-and-set writes that found the row changed.",
-            ["operation"],
-            registry=r,
+        self.fence_misses = self._counter(
+            "stoker_fence_misses", "Compare-and-set writes that found the row changed.", "operation"
         )
-        self.persist_failures = Counter(
+        self.persist_failures = self._counter(
             "stoker_persist_failures",
             "Durable writes that failed (the old state was kept).",
-            ["transition"],
-            registry=r,
+            "transition",
         )
-        self.activation_seconds = Histogram(
-            "stoker_activation_duration_seconds",
-            "Time to activate a worker.",
-            ["pool"],
-            buckets=CLAIM_BUCKETS,
-            registry=r,
+        self.activation_seconds = self._histogram(
+            "stoker_activation_duration_seconds", "Time to activate a worker.", "pool"
         )
-        self.pass_seconds = Histogram(
-            "stoker_pass_duration_seconds",
-            "Duration of reconcile passes.",
-            ["pass"],
-            buckets=CLAIM_BUCKETS,
-            registry=r,
+        self.pass_seconds = self._histogram(
+            "stoker_pass_duration_seconds", "Duration of reconcile passes.", "pass"
         )
-        self.pass_failures = Counter(
-            "stoker_pass_failures", "Reconcile passes that failed.", ["pass"], registry=r
+        self.pass_failures = self._counter(
+            "stoker_pass_failures", "Reconcile passes that failed.", "pass"
         )
-        self.is_leader = Gauge(
-            "stoker_janitor_is_leader",
-            "1 while this replica runs the fleet-wide janitor.",
-            registry=r,
+        self.is_leader = self._gauge(
+            "stoker_janitor_is_leader", "1 while this replica runs the fleet-wide janitor."
         )
-        self.reaper_last_success = Gauge(
+        self.reaper_last_success = self._gauge(
             "stoker_reaper_last_success_timestamp_seconds",
             "When this replica's reaper last completed a pass (stale = reaping is stuck).",
-            registry=r,
         )
-        self.janitor_last_success = Gauge(
+        self.janitor_last_success = self._gauge(
             "stoker_janitor_last_success_timestamp_seconds",
             "When the janitor last completed a pass on this replica.",
-            registry=r,
         )
-        self.pool_cap = Gauge(
-            "stoker_pool_cap", "Pool cap in force (0 = unbounded).", ["pool"], registry=r
-        )
+        self.pool_cap = self._gauge("stoker_pool_cap", "Pool cap in force (0 = unbounded).", "pool")
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, *labels: str) -> Histogram:
+        # Every stoker histogram times something between a millisecond and a minute.
+        return Histogram(name, doc, labels, buckets=CLAIM_BUCKETS, registry=self.registry)

@@ -9,88 +9,69 @@ class StokerError(Exception):
     #: A stable machine-readable code, the last segment of the problem `type`.
     code = "error"
 
+    def __init_subclass__(cls, *, code: str | None = None, **kwargs: object) -> None:
+        # The code is a class keyword (`class NotFound(StokerError, code="not-found")`),
+        # so each error is declared in two lines; a subclass without one inherits its base's.
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
-class InvalidRequest(StokerError):
+
+class InvalidRequest(StokerError, code="invalid-request"):
     """The request is malformed or names something impossible (HTTP 400/422)."""
 
-    code = "invalid-request"
 
-
-class ConfigError(StokerError):
+class ConfigError(StokerError, code="invalid-config"):
     """The configuration is invalid; the message names the key and the problem."""
 
-    code = "invalid-config"
 
-
-class NotFound(StokerError):
+class NotFound(StokerError, code="not-found"):
     """An unknown pool, claim or worker (HTTP 404)."""
 
-    code = "not-found"
 
-
-class Unauthorized(StokerError):
+class Unauthorized(StokerError, code="unauthorized"):
     """No token or an unknown token (HTTP 401)."""
 
-    code = "unauthorized"
 
-
-class Forbidden(StokerError):
+class Forbidden(StokerError, code="forbidden"):
     """A token acting for another org (HTTP 403)."""
 
-    code = "forbidden"
 
-
-class ClaimConflict(StokerError):
+class ClaimConflict(StokerError, code="claim-conflict"):
     """The claim is not in a state that allows the operation, e.g. renewing a released claim."""
 
-    code = "claim-conflict"
 
-
-class OrgCapError(StokerError):
+class OrgCapError(StokerError, code="org-cap"):
     """The org holds as many workers of the pool as its cap allows (HTTP 429)."""
-
-    code = "org-cap"
 
     def __init__(self, message: str, *, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
 
-class CapacityError(StokerError):
+class CapacityError(StokerError, code="no-capacity"):
     """No worker became available within the claim's timeout (HTTP 503)."""
-
-    code = "no-capacity"
 
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
-class Unavailable(StokerError):
+class Unavailable(StokerError, code="unavailable"):
     """The control plane cannot serve right now: shutting down, store down (HTTP 503)."""
 
-    code = "unavailable"
 
-
-class IllegalTransition(StokerError):
+class IllegalTransition(StokerError, code="illegal-transition"):
     """A worker state change that the transition table forbids (a programming error)."""
 
-    code = "illegal-transition"
 
-
-class StoreError(StokerError):
+class StoreError(StokerError, code="store-error"):
     """A durable write or read failed; the caller keeps its old state and retries later."""
 
-    code = "store-error"
 
-
-class RuntimeFailure(StokerError):
+class RuntimeFailure(StokerError, code="runtime-failure"):
     """The runtime could not create, activate or stop a worker."""
 
-    code = "runtime-failure"
 
-
-class ActivationRejected(RuntimeFailure):
+class ActivationRejected(RuntimeFailure, code="activation-rejected"):
     """The worker refused the activation (HTTP 409 from the worker: second org, stale epoch)."""
-
-    code = "activation-rejected"

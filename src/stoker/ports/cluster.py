@@ -144,38 +144,28 @@ class Lease:
     resource_version: str = ""
 
 
-class ClusterError(RuntimeFailure):
+class ClusterError(RuntimeFailure, code="cluster-error"):
     """The cluster refused or could not serve a request; `status` is the HTTP status if any."""
-
-    code = "cluster-error"
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
 
 
-class ObjectNotFound(ClusterError):
+class ObjectNotFound(ClusterError, code="cluster-not-found"):
     """The named pod or lease does not exist (404)."""
 
-    code = "cluster-not-found"
 
-
-class Conflict(ClusterError):
+class Conflict(ClusterError, code="cluster-conflict"):
     """The object already exists, or its resourceVersion changed since it was read (409)."""
 
-    code = "cluster-conflict"
 
-
-class Gone(ClusterError):
+class Gone(ClusterError, code="cluster-gone"):
     """The watch's resourceVersion is older than the cluster's history (410): list again."""
 
-    code = "cluster-gone"
 
-
-class Throttled(ClusterError):
+class Throttled(ClusterError, code="cluster-throttled"):
     """The API server asked the client to slow down (429) and retries did not help."""
-
-    code = "cluster-throttled"
 
     def __init__(
         self, message: str, *, status: int | None = 429, retry_after: float | None = None
@@ -184,25 +174,19 @@ class Throttled(ClusterError):
         self.retry_after = retry_after
 
 
-class Invalid(ClusterError):
+class Invalid(ClusterError, code="cluster-invalid"):
     """The API server rejected the object or request as malformed (400, 422)."""
 
-    code = "cluster-invalid"
 
-
-class Forbidden(ClusterError):
+class Forbidden(ClusterError, code="cluster-forbidden"):
     """The API server refused stoker's own credentials or RBAC (401, 403).
 
     Not to be confused with `stoker.domain.errors.Forbidden`, an org acting for another org.
     """
 
-    code = "cluster-forbidden"
 
-
-class ClusterUnavailable(ClusterError):
+class ClusterUnavailable(ClusterError, code="cluster-unavailable"):
     """The API server kept failing (5xx) or could not be reached, after all retries."""
-
-    code = "cluster-unavailable"
 
 
 class ClusterAPI(Protocol):
