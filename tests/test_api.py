@@ -20,10 +20,12 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fakes import MemoryRuntime
 from stoker.api import StokerApp, create_app
-from stoker.api.asgi import Guard
+from stoker.api.routing import DECLINED, DirectRoute, DirectRoutes
 from stoker.bootstrap import build_control_plane
 from stoker.config import ApiConfig, StokerConfig
 from stoker.control.plane import ControlPlane
@@ -561,9 +563,10 @@ async def test_a_chunked_body_over_the_limit_is_413(tmp_path: Path) -> None:
         assert await api.snapshot() == before
 
 
-# The claim routes are served below the framework (stoker.api.claims); whatever they answer
-# must be what the framework's own routes answer. Each case is sent to the whole app and to
-# the guard in front of the framework alone, and the answers compared.
+# The claim routes are `DirectRoute`s: `DirectRoutes` serves their plain requests by calling
+# the endpoint itself (stoker.api.routing); whatever it answers must be what the framework
+# answers for the same routes. Each case is sent to the app and to the same app without
+# `DirectRoutes` (the framework alone), and the answers compared byte for byte.
 PARITY: list[tuple[str, str, str, dict[str, Any]]] = [
     *((name, m, p, k) for name, m, p, k, _ in MALFORMED if p.startswith("/v1/claims")),
     ("unknown pool", "POST", "/v1/claims", body(pool="nope")),
@@ -618,50 +621,167 @@ PARITY: list[tuple[str, str, str, dict[str, Any]]] = [
 ]
 
 
+def framework_alone(plane: ControlPlane) -> httpx.AsyncClient:
+    """A client of an app like `running`'s whose routes are all served by the framework."""
+    app = create_app(plane, ApiConfig(), manage_plane=False)
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not DirectRoutes]
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://stoker")
+
+
+def same_answer(direct: httpx.Response, framework: httpx.Response) -> None:
+    assert direct.status_code == framework.status_code, direct.text
+    assert direct.headers.multi_items() == framework.headers.multi_items()
+    assert direct.content == framework.content
+
+
 @pytest.mark.parametrize(
     ("method", "path", "kwargs"), [pytest.param(m, p, k, id=name) for name, m, p, k in PARITY]
 )
 async def test_claim_routes_answer_as_the_framework_does(
     tmp_path: Path, method: str, path: str, kwargs: dict[str, Any]
 ) -> None:
-    async with running(tmp_path) as api:
-        framework = Guard(api.app.framework, ApiConfig())
-        transport = httpx.ASGITransport(app=framework, client=("127.0.0.1", 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://stoker") as plain:
-            before = await api.snapshot()
-            fast = await api.http.request(method, path, **kwargs)
-            slow = await plain.request(method, path, **kwargs)
-            assert 300 <= fast.status_code == slow.status_code < 500, fast.text
-            for header in ("content-type", "allow", "location", "retry-after"):
-                assert fast.headers.get(header) == slow.headers.get(header)
-            assert fast.content == slow.content
-            assert await api.snapshot() == before
+    async with running(tmp_path) as api, framework_alone(api.plane) as framework:
+        before = await api.snapshot()
+        direct = await api.http.request(method, path, **kwargs)
+        assert 300 <= direct.status_code < 500, direct.text
+        same_answer(direct, await framework.request(method, path, **kwargs))
+        assert await api.snapshot() == before
 
 
 async def test_claims_by_either_route_give_the_same_answers(tmp_path: Path) -> None:
-    async with running(tmp_path, [pool(warm_target=2)]) as api:
-        framework = Guard(api.app.framework, ApiConfig())
-        transport = httpx.ASGITransport(app=framework, client=("127.0.0.1", 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://stoker") as plain:
-            answers = []
-            for http in (api.http, plain):
-                created = await http.post("/v1/claims", json={**OK_BODY, "lease_s": 60})
-                claim_id = created.json()["id"]
-                got = await http.get(f"/v1/claims/{claim_id}")
-                renewed = await http.post(f"/v1/claims/{claim_id}/renew", json={"lease_s": 90})
-                released = await http.delete(f"/v1/claims/{claim_id}")
-                answers.append((created, got, renewed, released))
-            for fast, slow in zip(*answers, strict=True):
-                assert fast.status_code == slow.status_code
-                assert fast.headers["content-type"] == slow.headers["content-type"]
-                assert fast.json().keys() == slow.json().keys()
-            (fast_created, *_), (slow_created, *_) = answers
-            assert fast_created.status_code == 201
-            assert fast_created.headers["location"] == f"/v1/claims/{fast_created.json()['id']}"
-            assert slow_created.headers["location"] == f"/v1/claims/{slow_created.json()['id']}"
-            for created, _, renewed, _ in answers:
-                assert renewed.json()["expires_at"] > created.json()["expires_at"]
-            assert [a[3].json()["state"] for a in answers] == ["released", "released"]
+    async with running(tmp_path, [pool(warm_target=2)]) as api, framework_alone(api.plane) as fw:
+        answers = {}
+        for name, http, org in (("direct", api.http, "acme"), ("framework", fw, "globex")):
+            created = await http.post(
+                "/v1/claims", json={"pool": "demo", "org": org, "lease_s": 60}
+            )
+            assert created.status_code == 201, created.text
+            claim_id = created.json()["id"]
+            assert created.headers["location"] == f"/v1/claims/{claim_id}"
+            # A claim just made reads back as it was created, by either route.
+            for reader in (api.http, fw):
+                got = await reader.get(f"/v1/claims/{claim_id}")
+                assert got.status_code == 200 and got.content == created.content
+            renewed = await http.post(f"/v1/claims/{claim_id}/renew", json={"lease_s": 90})
+            assert renewed.json()["expires_at"] > created.json()["expires_at"]
+            same_answer(
+                await api.http.get(f"/v1/claims/{claim_id}"),
+                await fw.get(f"/v1/claims/{claim_id}"),
+            )
+            assert (await fw.get(f"/v1/claims/{claim_id}")).content == renewed.content
+            released = await http.delete(f"/v1/claims/{claim_id}")
+            assert released.json()["state"] == "released"
+            # Releasing an ended claim returns it unchanged, by either route.
+            same_answer(
+                await api.http.delete(f"/v1/claims/{claim_id}"),
+                await fw.delete(f"/v1/claims/{claim_id}"),
+            )
+            assert (await api.http.delete(f"/v1/claims/{claim_id}")).content == released.content
+            answers[name] = (created, renewed, released)
+        # The two claims differ only in what each claim owns: id, org, worker, times.
+        for direct, framework in zip(answers["direct"], answers["framework"], strict=True):
+            assert direct.status_code == framework.status_code
+            assert direct.headers.keys() == framework.headers.keys()
+            assert direct.headers["content-type"] == framework.headers["content-type"]
+            own = {"id", "org", "worker", "expires_at", "created_at", "ended_at"}
+            ours, theirs = direct.json(), framework.json()
+            assert ours.keys() == theirs.keys()
+            assert {k: v for k, v in ours.items() if k not in own} == {
+                k: v for k, v in theirs.items() if k not in own
+            }
+            assert ours["worker"].keys() == theirs["worker"].keys()
+
+
+def direct_routes() -> list[DirectRoute]:
+    """The direct routes that take a body, of an app that is built and never started."""
+    cfg = StokerConfig.model_validate({"store": "sqlite:///:memory:", "pools": [pool()]})
+    app = create_app(build_control_plane(cfg, runtime=MemoryRuntime()), cfg.api)
+    return [r for r in app.routes if isinstance(r, DirectRoute) and r.body_field is not None]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=8,
+)
+CLAIM_BODIES = st.dictionaries(
+    st.sampled_from(["pool", "org", "mode", "timeout_s", "lease_s", "ttl_s", "config", "x"]),
+    JSON_VALUES | st.sampled_from(["demo", "acme", "cold", "require_warm", 0, 1, 30.5, 1e9]),
+)
+
+
+@settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None)
+@given(body=CLAIM_BODIES | JSON_VALUES)
+def test_a_direct_route_takes_a_body_as_the_framework_would(body: Any) -> None:
+    # What the direct path takes it must take as the framework does (same value), and a
+    # body the framework takes should not cost the framework's path.
+    raw = json.dumps(body).encode()
+    scope = {"headers": [(b"content-type", b"application/json")]}
+    for route in DIRECT_ROUTES:
+        assert route.body_field is not None
+        expected, errors = route.body_field.validate(json.loads(raw), {}, loc=("body",))
+        direct = route.parse_body(scope, raw)
+        if errors:
+            assert direct is DECLINED, (route.path, raw)
+        elif b"NaN" not in raw and b"Infinity" not in raw:
+            assert direct == expected, (route.path, raw)
+
+
+DIRECT_ROUTES = direct_routes()
+
+
+async def test_app_middleware_sees_every_claim_request(tmp_path: Path) -> None:
+    seen: dict[str, list[tuple[str, str, int]]] = {"asgi": [], "http": []}
+
+    class Recorder:
+        """A plain ASGI middleware, added with `app.add_middleware`."""
+
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def recording(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    seen["asgi"].append((scope["method"], scope["path"], message["status"]))
+                await send(message)
+
+            await self.app(scope, receive, recording if scope["type"] == "http" else send)
+
+    async with running(tmp_path, api=TOKENS) as api:
+        api.app.add_middleware(Recorder)
+
+        @api.app.middleware("http")
+        async def record(request: Any, call_next: Any) -> Any:
+            response = await call_next(request)
+            seen["http"].append((request.method, request.url.path, response.status_code))
+            return response
+
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        created = await api.claim(token=ADMIN)
+        claim = f"/v1/claims/{created.json()['id']}"
+        requests = [
+            ("POST", "/v1/claims", {"json": OK_BODY, "headers": {}}),
+            ("POST", "/v1/claims", {"json": {"pool": "nope", "org": "acme"}, "headers": admin}),
+            ("POST", "/v1/claims", {"json": {"pool": "demo"}, "headers": admin}),
+            ("GET", claim, {"headers": admin}),
+            ("GET", "/v1/claims/c-missing", {"headers": admin}),
+            ("POST", f"{claim}/renew", {"json": {"lease_s": 30}, "headers": admin}),
+            ("POST", f"{claim}/renew", {"json": {"lease_s": -1}, "headers": admin}),
+            ("POST", "/v1/claims/c-missing/renew", {"headers": admin}),
+            ("DELETE", claim, {"headers": admin}),
+            ("DELETE", "/v1/claims/c-missing", {"headers": admin}),
+        ]
+        statuses = []
+        for method, path, kwargs in requests:
+            statuses.append((await api.http.request(method, path, **kwargs)).status_code)
+        assert statuses == [401, 404, 422, 200, 404, 200, 422, 404, 200, 404]
+        expected = [("POST", "/v1/claims", 201)] + [
+            (method, path, status)
+            for (method, path, _), status in zip(requests, statuses, strict=True)
+        ]
+        assert seen["asgi"] == expected
+        assert seen["http"] == expected
 
 
 async def test_a_body_just_under_the_limit_is_accepted(tmp_path: Path) -> None:

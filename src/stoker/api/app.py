@@ -1,17 +1,17 @@
 """The HTTP API of DESIGN.md §7: `create_app(plane, api_config)` builds it.
 
-Where a claim enters over HTTP: `POST /v1/claims` -> `ControlPlane.claim`. The handler
-watches the connection while the claim waits; a client that disconnects cancels the claim,
-which takes the pool manager's abandonment path (a worker reserved for it goes back to
-`warm` or to its org's `hot_idle`), so a vanished client leaves nothing behind.
+Every route is in the app's router, and the OpenAPI document describes them all. The claim
+routes (`stoker.api.claims`) are the path every session takes; they are `DirectRoute`s,
+whose plain requests skip the framework's request handling (`stoker.api.routing`). Pools,
+workers, health and metrics are plain FastAPI routes, below.
 
-Authentication and the request-size limit run in `Guard` (`stoker.api.asgi`), a plain ASGI
-layer in front of the routes, so an unauthenticated or oversized request is turned away
-before its body is read or parsed. The claim routes are served below the framework by
-`stoker.api.claims`; their FastAPI routes here describe them in the OpenAPI document and
-answer what that layer hands on (bodies it does not take as given). The app's lifespan
-starts the control plane (the store is migrated and the runtime reconciled before the first
-request is served) and stops it on shutdown.
+Every request passes the app's middleware: `Guard` (`stoker.api.asgi`) authenticates `/v1/`
+requests and bounds request bodies, so an unauthenticated or oversized request is turned
+away before its body is read or parsed; then `DirectRoutes` serves the direct routes.
+Middleware added to the app later runs outside both and sees every request.
+
+The app's lifespan starts the control plane (the store is migrated and the runtime
+reconciled before the first request is served) and stops it on shutdown.
 """
 
 from __future__ import annotations
@@ -19,37 +19,28 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Path, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from stoker._version import __version__
 from stoker.api import problems
-from stoker.api.asgi import (
-    CLAIM_ID_MAX,
-    ApiState,
-    ASGIApp,
-    Guard,
-    Principal,
-    Receive,
-    Scope,
-    Send,
-    principal_of,
-)
-from stoker.api.claims import ClaimRoutes, check_owner, claim_request, claim_while_connected
+from stoker.api.asgi import ApiState, Guard, Receive, Scope, Send, principal_of
+from stoker.api.claims import add_claim_routes
 from stoker.api.models import (
-    ClaimCreate,
-    ClaimOut,
-    ClaimRenew,
     Health,
+    ModelResponse,
     PoolList,
     PoolOut,
     Problem,
     WorkerList,
     WorkerOut,
 )
+from stoker.api.problems import openapi_responses
+from stoker.api.routing import DirectRoutes
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import NotFound, StokerError, Unavailable
@@ -59,56 +50,35 @@ logger = logging.getLogger("stoker.api")
 
 # -- the app --------------------------------------------------------------------------------
 
-
-def _problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries for the problem answers a route may give."""
-    ref = {"$ref": "#/components/schemas/Problem"}
-    out: dict[int | str, dict[str, Any]] = {}
-    for status in statuses:
-        entry: dict[str, Any] = {
-            "description": problems.title(status),
-            "content": {problems.PROBLEM_JSON: {"schema": ref}},
-        }
-        if status == 429:
-            entry["headers"] = {
-                "Retry-After": {
-                    "description": "Seconds after which a retry may succeed.",
-                    "schema": {"type": "integer"},
-                }
-            }
-        out[status] = entry
-    return out
-
-
-def _json(model: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        model.model_dump_json(), status_code=status, media_type="application/json", headers=headers
-    )
+#: The framework's OpenTelemetry instrumentation, off: stoker reports its own metrics
+#: (Prometheus, `/metrics`) and configures no OpenTelemetry provider, and with the
+#: instrumentation on, every request first looked the global providers up (~10 us).
+_NO_TELEMETRY: TelemetryConfig = {
+    "tracing": False,
+    "metrics": False,
+    "logs": False,
+    "operation_spans": False,
+}
 
 
 class StokerApp(FastAPI):
     """FastAPI with a lifespan that starts and stops the control plane.
 
     The lifespan is handled here rather than by the framework so that a failed start is
-    reported in one line (`state.startup_error`) instead of a traceback. A request goes
-    through `front`: the guard, then the claim routes, then the framework.
+    reported in one line (`state.startup_error`) instead of a traceback; every other
+    connection goes to the framework (its middleware, then its router).
     """
 
     plane: ControlPlane
     api_state: ApiState
     stop_workers: bool
     manage_plane: bool
-    front: ASGIApp
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection; the lifespan protocol is handled here."""
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        await self.front(scope, receive, send)
-
-    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The FastAPI app itself, behind `front`."""
         await super().__call__(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -158,6 +128,7 @@ def create_app(
         docs_url="/docs",
         redoc_url=None,
         openapi_url="/openapi.json",
+        telemetry=_NO_TELEMETRY,
     )
     app.plane = plane
     app.api_state = ApiState()
@@ -167,108 +138,36 @@ def create_app(
     app.add_exception_handler(HTTPException, problems.handle_http_error)
     app.add_exception_handler(RequestValidationError, problems.handle_validation_error)
     app.add_exception_handler(Exception, problems.handle_unexpected)
-    app.front = Guard(ClaimRoutes(app.framework, plane, app.api_state), api)
+    # Added first, the direct routes run inside the guard; middleware added later wraps both.
+    app.add_middleware(DirectRoutes, routes=app.router.routes, handlers=app.exception_handlers)
+    app.add_middleware(Guard, api=api)
+    add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
     _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))
     return app
 
 
-def _principal(request: Request) -> Principal:
-    return principal_of(request.scope)
-
-
-ClaimId = Annotated[str, Path(min_length=1, max_length=CLAIM_ID_MAX)]
-
-
 def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
-    @app.post(
-        "/v1/claims",
-        operation_id="create_claim",
-        status_code=201,
-        response_model=ClaimOut,
-        responses=_problems(400, 401, 403, 404, 413, 422, 429, 503),
-        tags=["claims"],
-        summary="Claim a worker",
-    )
-    async def create_claim(request: Request, body: ClaimCreate) -> Response:
-        """Bind a worker of `pool` to `org`: reuse, then warm, then (by mode) a cold spawn.
-
-        Waits up to `timeout_s` for a worker; 503 when none came, 429 when the org holds
-        its cap. A client that disconnects while waiting cancels the claim.
-        """
-        req = claim_request(_principal(request), state, body)
-        claim = await claim_while_connected(plane, req, request.receive)
-        if claim is None:
-            # Nobody is listening any more; the status only shows in access logs.
-            return Response(status_code=499)
-        return _json(ClaimOut.of(claim), 201, {"Location": f"/v1/claims/{claim.id}"})
-
-    @app.get(
-        "/v1/claims/{claim_id}",
-        operation_id="get_claim",
-        response_model=ClaimOut,
-        responses=_problems(401, 403, 404, 422, 503),
-        tags=["claims"],
-        summary="Get a claim",
-    )
-    async def get_claim(request: Request, claim_id: ClaimId) -> Response:
-        """The claim, in any state (bound, released, expired, failed)."""
-        claim = await plane.get_claim(claim_id)
-        _principal(request).check_org(claim.org)
-        return _json(ClaimOut.of(claim))
-
-    @app.post(
-        "/v1/claims/{claim_id}/renew",
-        operation_id="renew_claim",
-        response_model=ClaimOut,
-        responses=_problems(400, 401, 403, 404, 409, 413, 422, 503),
-        tags=["claims"],
-        summary="Renew a claim's lease",
-    )
-    async def renew_claim(
-        request: Request,
-        claim_id: ClaimId,
-        body: Annotated[ClaimRenew | None, Body()] = None,
-    ) -> Response:
-        """Extend the lease by `lease_s` (default: the claim's own) from now; 409 once ended."""
-        await check_owner(plane, _principal(request), claim_id)
-        lease_s = body.lease_s if body is not None else None
-        return _json(ClaimOut.of(await plane.renew(claim_id, lease_s)))
-
-    @app.delete(
-        "/v1/claims/{claim_id}",
-        operation_id="release_claim",
-        response_model=ClaimOut,
-        responses=_problems(401, 403, 404, 422, 503),
-        tags=["claims"],
-        summary="Release a claim",
-    )
-    async def release_claim(request: Request, claim_id: ClaimId) -> Response:
-        """End the session: the worker parks as hot_idle (reuse: same_org) or retires.
-
-        Releasing a claim that already ended returns it unchanged.
-        """
-        await check_owner(plane, _principal(request), claim_id)
-        return _json(ClaimOut.of(await plane.release(claim_id)))
+    """Register the routes other than the claim routes: pools, workers, health, metrics."""
 
     @app.get(
         "/v1/pools",
         operation_id="list_pools",
         response_model=PoolList,
-        responses=_problems(401, 403, 503),
+        responses=openapi_responses(401, 403, 503),
         tags=["pools"],
         summary="List pools",
     )
     async def list_pools(request: Request) -> Response:
         """Every pool with its targets, demand, cap and workers by state."""
         statuses = await plane.pool_status()
-        return _json(PoolList.model_construct(pools=[PoolOut.of(s) for s in statuses]))
+        return ModelResponse(PoolList.model_construct(pools=[PoolOut.of(s) for s in statuses]))
 
     @app.get(
         "/v1/pools/{name}",
         operation_id="get_pool",
         response_model=PoolOut,
-        responses=_problems(401, 403, 404, 422, 503),
+        responses=openapi_responses(401, 403, 404, 422, 503),
         tags=["pools"],
         summary="Get a pool",
     )
@@ -276,14 +175,14 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         """One pool with its targets, demand, cap and workers by state."""
         for status in await plane.pool_status():
             if status.name == name:
-                return _json(PoolOut.of(status))
+                return ModelResponse(PoolOut.of(status))
         raise NotFound(f"unknown pool {name!r}")
 
     @app.get(
         "/v1/workers",
         operation_id="list_workers",
         response_model=WorkerList,
-        responses=_problems(401, 403, 422, 503),
+        responses=openapi_responses(401, 403, 422, 503),
         tags=["workers"],
         summary="List workers (admin)",
     )
@@ -295,13 +194,13 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> Response:
         """Workers, oldest first; live ones unless `state` asks for another (e.g. retired)."""
-        _principal(request).check_admin()
+        principal_of(request.scope).check_admin()
         if not plane.started:
             raise Unavailable("control plane is not running")
         workers = await plane.store.list_workers(
             pool=pool, states=[state_] if state_ else LIVE, org=org, limit=limit
         )
-        return _json(WorkerList.model_construct(workers=[WorkerOut.of(w) for w in workers]))
+        return ModelResponse(WorkerList.model_construct(workers=[WorkerOut.of(w) for w in workers]))
 
     @app.get(
         "/healthz",
@@ -312,13 +211,13 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
     )
     async def healthz() -> Response:
         """200 while the process runs."""
-        return _json(Health(status="ok"))
+        return ModelResponse(Health(status="ok"))
 
     @app.get(
         "/readyz",
         operation_id="readyz",
         response_model=Health,
-        responses=_problems(503),
+        responses=openapi_responses(503),
         tags=["health"],
         summary="Readiness",
     )
@@ -335,7 +234,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
                 "the store is not migrated or the runtime not reconciled yet",
                 reason="starting",
             )
-        return _json(Health(status="ready"))
+        return ModelResponse(Health(status="ready"))
 
     @app.get(
         "/metrics",

@@ -1,9 +1,8 @@
-"""The ASGI layer in front of the routes: who is calling, how big the body may be.
+"""The app's first middleware: who is calling, how big the body may be.
 
 `Guard` authenticates `/v1/` requests and bounds request bodies before anything reads or
-parses them; `ApiState` is what the HTTP layer knows beyond the plane (draining, a failed
-start). Shared by the FastAPI app (`stoker.api.app`) and the claim routes served below it
-(`stoker.api.claims`).
+parses them; `principal_of` tells a route who is calling. `ApiState` is what the HTTP layer
+knows beyond the plane (draining, a failed start).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PRINCIPAL_KEY = "stoker.principal"
 #: Methods whose requests carry a body worth limiting.
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-CLAIM_ID_MAX = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +69,7 @@ class ApiState:
         self.startup_error: str | None = None
 
 
-# -- the guard: auth and body size, before the framework ------------------------------------
+# -- the guard: auth and body size, before any route ----------------------------------------
 
 
 @functools.lru_cache(maxsize=1024)
@@ -84,7 +82,7 @@ def _is_loopback(host: str) -> bool:
 
 
 class Guard:
-    """ASGI layer: authenticates `/v1/` requests and bounds request bodies.
+    """ASGI middleware: authenticates `/v1/` requests and bounds request bodies.
 
     With tokens configured, a `/v1/` request needs `Authorization: Bearer <token>` (401
     otherwise); with none configured, only loopback clients are served (403 otherwise).
@@ -189,16 +187,11 @@ def _content_length(scope: Scope) -> int | None:
 async def send_problem(
     send: Send, status: int, code: str, detail: str, *, bearer: bool = False
 ) -> None:
+    """Answer with one problem, before any route ran."""
     body = problems.problem_bytes(status, code, detail)
-    extra = [(b"www-authenticate", b"Bearer")] if bearer else []
-    await send_body(send, status, problems.PROBLEM_JSON.encode(), body, *extra)
-
-
-async def send_body(
-    send: Send, status: int, content_type: bytes, body: bytes, *extra: tuple[bytes, bytes]
-) -> None:
-    """Answer with `body` whole (content type and length, then any `extra` headers)."""
     length = str(len(body)).encode()
-    headers = [(b"content-type", content_type), (b"content-length", length), *extra]
+    headers = [(b"content-type", problems.PROBLEM_JSON.encode()), (b"content-length", length)]
+    if bearer:
+        headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

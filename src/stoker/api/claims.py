@@ -1,234 +1,110 @@
-"""The claim routes, served below the framework: the path every session takes.
+"""The claim routes: the path every session takes.
 
-`POST /v1/claims`, `GET` and `DELETE /v1/claims/{id}` and `POST /v1/claims/{id}/renew` are
-answered here, behind `Guard` and in front of the FastAPI app, without the framework's
-routing, dependency solving and middleware (about a sixth of the server's time in a
-claim + release cycle). They validate with the same pydantic models, call the same plane
-methods and answer with the same bodies as the FastAPI routes, which stay registered and
-describe them in the OpenAPI document.
+`POST /v1/claims`, `GET` and `DELETE /v1/claims/{id}` and `POST /v1/claims/{id}/renew`, each
+written once as an endpoint (parse: its signature; call: the plane; render: `ClaimOut`).
+They are `DirectRoute`s (`stoker.api.routing`): routes of the app like any other, behind
+its middleware and in its OpenAPI document, whose plain requests skip the framework's
+request handling.
 
-What this layer does not take as given goes on to the FastAPI app unchanged, its body
-replayed: another content type, a body that is not JSON or does not validate, a path that is
-not a plain claim id. Every 400/422 answer is therefore the framework's own.
+Where a claim enters over HTTP: `POST /v1/claims` -> `ControlPlane.claim`. The handler
+watches the connection while the claim waits; a client that disconnects cancels the claim,
+which takes the pool manager's abandonment path (a worker reserved for it goes back to
+`warm` or to its org's `hot_idle`), so a vanished client leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException
+from fastapi import Body, FastAPI, Path
+from starlette.requests import Request
+from starlette.responses import Response
 
-from stoker.api import problems
-from stoker.api.asgi import (
-    CLAIM_ID_MAX,
-    ApiState,
-    ASGIApp,
-    Message,
-    Principal,
-    Receive,
-    Scope,
-    Send,
-    principal_of,
-    send_body,
-    send_problem,
-)
-from stoker.api.models import ClaimCreate, ClaimOut, ClaimRenew
+from stoker.api.asgi import ApiState, Principal, Receive, principal_of
+from stoker.api.models import ClaimCreate, ClaimOut, ClaimRenew, ModelResponse
+from stoker.api.problems import openapi_responses
+from stoker.api.routing import DirectRoute
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import StokerError, Unavailable
+from stoker.domain.errors import Unavailable
 from stoker.domain.records import Claim, ClaimRequest
 
-logger = logging.getLogger("stoker.api")
-
 PREFIX = "/v1/claims"
-_JSON = b"application/json"
-#: Media types this layer parses itself; others go to the framework.
-_JSON_TYPES = frozenset({b"application/json", b"application/json; charset=utf-8"})
+#: Longest claim id a path may carry.
+CLAIM_ID_MAX = 128
+
+ClaimId = Annotated[str, Path(min_length=1, max_length=CLAIM_ID_MAX)]
+Endpoint = Callable[..., Any]
 
 
-class ClaimRoutes:
-    """ASGI layer: the claim routes, falling back to `app` for anything else."""
+def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
+    """Register the four claim routes of `plane` on `app`."""
 
-    def __init__(self, app: ASGIApp, plane: ControlPlane, state: ApiState) -> None:
-        self.app = app
-        self.plane = plane
-        self.state = state
+    def route(
+        method: str, path: str, summary: str, *problems: int, status: int = 200
+    ) -> Callable[[Endpoint], Endpoint]:
+        """Register the endpoint it decorates; `problems`: the error statuses it may answer."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PREFIX):
-            route = self._route(scope["method"], scope["path"])
-            if route is not None:
-                await route(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        def register(endpoint: Endpoint) -> Endpoint:
+            app.router.add_api_route(
+                PREFIX + path,
+                endpoint,
+                methods=[method],
+                route_class_override=DirectRoute,
+                status_code=status,
+                response_model=ClaimOut,
+                responses=openapi_responses(*problems),
+                tags=["claims"],
+                summary=summary,
+                operation_id=endpoint.__name__,
+            )
+            return endpoint
 
-    def _route(self, method: str, path: str) -> ASGIApp | None:
-        if path == PREFIX:
-            return self._create if method == "POST" else None
-        rest = path[len(PREFIX) + 1 :] if path[len(PREFIX)] == "/" else ""
-        if rest.endswith("/renew"):
-            claim_id, action = rest[: -len("/renew")], "renew"
-        else:
-            claim_id, action = rest, ""
-        if "/" in claim_id or not 0 < len(claim_id) <= CLAIM_ID_MAX:
-            return None
-        if action == "renew":
-            return _with_id(self._renew, claim_id) if method == "POST" else None
-        if method == "GET":
-            return _with_id(self._get, claim_id)
-        if method == "DELETE":
-            return _with_id(self._release, claim_id)
-        return None
+        return register
 
-    # -- the routes -------------------------------------------------------------------------
+    @route("POST", "", "Claim a worker", 400, 401, 403, 404, 413, 422, 429, 503, status=201)
+    async def create_claim(request: Request, body: ClaimCreate) -> Response:
+        """Bind a worker of `pool` to `org`: reuse, then warm, then (by mode) a cold spawn.
 
-    async def _create(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._parse(scope, receive, send, ClaimCreate, required=True)
-        if not isinstance(body, ClaimCreate):
-            return
-        async with _answering(scope, receive, send):
-            req = claim_request(principal_of(scope), self.state, body)
-            claim = await claim_while_connected(self.plane, req, receive)
-            if claim is None:
-                # Nobody is listening any more; the status only shows in access logs.
-                await send_body(send, 499, _JSON, b"")
-                return
-            location = (b"location", f"{PREFIX}/{claim.id}".encode())
-            await _send_claim(send, claim, 201, location)
-
-    async def _get(self, claim_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        async with _answering(scope, receive, send):
-            claim = await self.plane.get_claim(claim_id)
-            principal_of(scope).check_org(claim.org)
-            await _send_claim(send, claim)
-
-    async def _release(self, claim_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        async with _answering(scope, receive, send):
-            await check_owner(self.plane, principal_of(scope), claim_id)
-            await _send_claim(send, await self.plane.release(claim_id))
-
-    async def _renew(self, claim_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._parse(scope, receive, send, ClaimRenew, required=False)
-        if body is _ANSWERED:
-            return
-        lease_s = body.lease_s if isinstance(body, ClaimRenew) else None
-        async with _answering(scope, receive, send):
-            await check_owner(self.plane, principal_of(scope), claim_id)
-            await _send_claim(send, await self.plane.renew(claim_id, lease_s))
-
-    # -- bodies -----------------------------------------------------------------------------
-
-    async def _parse(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        model: type[BaseModel],
-        *,
-        required: bool,
-    ) -> BaseModel | object | None:
-        """The request body as `model`; None for an optional body that is absent.
-
-        Returns `_ANSWERED` when the request was answered or handed to the framework
-        instead: a body over the limit (413), or one this layer does not take as given.
+        Waits up to `timeout_s` for a worker; 503 when none came, 429 when the org holds
+        its cap. A client that disconnects while waiting cancels the claim.
         """
-        try:
-            raw = await _read_body(receive)
-        except HTTPException as exc:
-            # The guard's limit on a chunked body.
-            detail = exc.detail if isinstance(exc.detail, str) else "body too large"
-            await send_problem(send, exc.status_code, "body-too-large", detail)
-            return _ANSWERED
-        if raw is None:
-            return _ANSWERED  # the client left before its body was complete
-        if not raw and not required:
-            return None
-        if raw and _content_type(scope) in _JSON_TYPES:
-            try:
-                return model.model_validate(json.loads(raw))
-            except Exception:
-                # Not JSON, not valid, nested past the parser's recursion limit, ...
-                pass
-        # Not taken as given: the framework answers, with the body it would have read.
-        await self.app(scope, _replay(raw, receive), send)
-        return _ANSWERED
+        req = claim_request(principal_of(request.scope), state, body)
+        claim = await claim_while_connected(plane, req, request.receive)
+        if claim is None:
+            # Nobody is listening any more; the status only shows in access logs.
+            return Response(status_code=499)
+        return ModelResponse(ClaimOut.of(claim), 201, location=f"{PREFIX}/{claim.id}")
 
+    @route("GET", "/{claim_id}", "Get a claim", 401, 403, 404, 422, 503)
+    async def get_claim(request: Request, claim_id: ClaimId) -> Response:
+        """The claim, in any state (bound, released, expired, failed)."""
+        claim = await plane.get_claim(claim_id)
+        principal_of(request.scope).check_org(claim.org)
+        return ModelResponse(ClaimOut.of(claim))
 
-#: `_parse`'s answer when the request needs nothing more from the route.
-_ANSWERED = object()
+    @route(
+        "POST", "/{claim_id}/renew", "Renew a claim's lease", 400, 401, 403, 404, 409, 413, 422, 503
+    )
+    async def renew_claim(
+        request: Request,
+        claim_id: ClaimId,
+        body: Annotated[ClaimRenew | None, Body()] = None,
+    ) -> Response:
+        """Extend the lease by `lease_s` (default: the claim's own) from now; 409 once ended."""
+        await check_owner(plane, principal_of(request.scope), claim_id)
+        lease_s = body.lease_s if body is not None else None
+        return ModelResponse(ClaimOut.of(await plane.renew(claim_id, lease_s)))
 
+    @route("DELETE", "/{claim_id}", "Release a claim", 401, 403, 404, 422, 503)
+    async def release_claim(request: Request, claim_id: ClaimId) -> Response:
+        """End the session: the worker parks as hot_idle (reuse: same_org) or retires.
 
-def _with_id(
-    route: Callable[[str, Scope, Receive, Send], Awaitable[None]], claim_id: str
-) -> ASGIApp:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await route(claim_id, scope, receive, send)
-
-    return app
-
-
-def _content_type(scope: Scope) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            return bytes(value).lower().replace(b"; ", b";").replace(b";", b"; ")
-    return None
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole body; None if the client disconnected first."""
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """`receive` as if the body had not been read yet."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
-class _answering:
-    """Turns a domain error into its problem answer, and anything else into a logged 500."""
-
-    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.scope, self.receive, self.send = scope, receive, send
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, kind: type[BaseException] | None, exc: Any, tb: Any) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        if isinstance(exc, StokerError):
-            response = problems.from_domain(exc)
-        else:
-            logger.error("event=request_failed error=%r", exc, exc_info=exc)
-            response = problems.problem_response(500, "internal-error", "internal error")
-        await response(self.scope, self.receive, self.send)
-        return True
-
-
-async def _send_claim(
-    send: Send, claim: Claim, status: int = 200, *extra: tuple[bytes, bytes]
-) -> None:
-    await send_body(send, status, _JSON, ClaimOut.of(claim).model_dump_json().encode(), *extra)
+        Releasing a claim that already ended returns it unchanged.
+        """
+        await check_owner(plane, principal_of(request.scope), claim_id)
+        return ModelResponse(ClaimOut.of(await plane.release(claim_id)))
 
 
 async def check_owner(plane: ControlPlane, principal: Principal, claim_id: str) -> None:

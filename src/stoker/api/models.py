@@ -8,11 +8,13 @@ valid, which keeps validation off the hot path.
 
 from __future__ import annotations
 
+import functools
 import math
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.responses import Response
 
 from stoker.control.plane import PoolStatus
 from stoker.domain.records import Claim, Worker
@@ -92,8 +94,34 @@ class ClaimRenew(_Request):
 # -- responses ------------------------------------------------------------------------------
 
 
+class ModelResponse(Response):
+    """An `application/json` answer whose body is a response model.
+
+    The model is serialized by pydantic, not validated again, and the headers are built
+    here rather than by `Response.__init__`'s general path: this is the answer to every
+    claim and release.
+    """
+
+    media_type = "application/json"
+
+    def __init__(
+        self, body: BaseModel, status_code: int = 200, location: str | None = None
+    ) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body.model_dump_json().encode()
+        self.raw_headers = [
+            (b"content-length", str(len(self.body)).encode()),
+            (b"content-type", b"application/json"),
+        ]
+        if location is not None:
+            self.raw_headers.append((b"location", location.encode("latin-1")))
+
+
+@functools.lru_cache(maxsize=4096)
 def timestamp(seconds: float) -> str:
     """RFC 3339 UTC with milliseconds."""
+    # Cached: a claim's creation and expiry are rendered again by its renewal and release.
     text = datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
     return text.replace("+00:00", "Z")
 

@@ -103,6 +103,26 @@ def problem_bytes(status: int, code: str, detail: str, **extra: Any) -> bytes:
     return json.dumps(problem_body(status, code, detail, **extra), ensure_ascii=False).encode()
 
 
+def openapi_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the problem answers a route may give."""
+    ref = {"$ref": "#/components/schemas/Problem"}
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        entry: dict[str, Any] = {
+            "description": title(status),
+            "content": {PROBLEM_JSON: {"schema": ref}},
+        }
+        if status == 429:
+            entry["headers"] = {
+                "Retry-After": {
+                    "description": "Seconds after which a retry may succeed.",
+                    "schema": {"type": "integer"},
+                }
+            }
+        out[status] = entry
+    return out
+
+
 def from_domain(exc: errors.StokerError) -> Response:
     """The answer to a domain error."""
     status = status_of(exc)
