@@ -1,7 +1,7 @@
 """Claims over HTTP against a real `stoker serve` with real demo workers.
 
     python benchmarks/claim_burst.py [--workers 300] [--duration 10] [--concurrency 32]
-                                     [--profile DIR]
+                                     [--profile DIR] [--baseline SRC [--rounds 3]]
 
 Prints:
   1. burst: N simultaneous `POST /v1/claims` (N distinct orgs) against N warm workers,
@@ -19,6 +19,13 @@ logging); the load comes from one aiohttp client on uvloop in this process, with
 connections opened before the clock starts, as an SDK client with keep-alive would have
 them. With `--profile DIR`, py-spy samples the server during each phase and the script
 prints where the server's time goes (by function, self and inclusive).
+
+With `--baseline SRC` (the `src` folder of another version of stoker, e.g. from
+`git worktree add /tmp/before main`), the script measures that version and this one side
+by side: `--rounds` rounds of one run each, in alternating order (baseline first, then
+this tree first, ...), the baseline's server started with `PYTHONPATH=SRC`. It prints the
+median of each figure per side and the median of the paired ratios (this / baseline), so
+that a change can be judged on a shared, noisy machine.
 """
 
 from __future__ import annotations
@@ -65,7 +72,9 @@ def summary(name: str, seconds: list[float]) -> str:
 class Server:
     """`stoker serve` in a temporary directory, stopped with its workers at the end."""
 
-    def __init__(self, workdir: Path, workers: int, refill: bool) -> None:
+    def __init__(
+        self, workdir: Path, workers: int, refill: bool, source: Path | None = None
+    ) -> None:
         self.workdir = workdir
         self.fleet = "bench-" + uuid.uuid4().hex[:8]
         pool = {
@@ -97,7 +106,7 @@ class Server:
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("STOKER_")},
+            env=server_env(source),
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -126,6 +135,14 @@ class Server:
                     process.kill()
             except psutil.Error:
                 continue
+
+
+def server_env(source: Path | None) -> dict[str, str]:
+    """The server's environment: ours without STOKER_ settings; `source` first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOKER_")}
+    if source is not None:
+        env["PYTHONPATH"] = str(source)
+    return env
 
 
 class Profiler:
@@ -299,7 +316,9 @@ async def open_connections(http: aiohttp.ClientSession, url: str, count: int) ->
     await asyncio.gather(*(probe() for _ in range(count)))
 
 
-async def burst(http: aiohttp.ClientSession, url: str, workers: int, server_pid: int) -> list[str]:
+async def burst(
+    http: aiohttp.ClientSession, url: str, workers: int, server_pid: int, figures: dict[str, float]
+) -> list[str]:
     await open_connections(http, url, workers)
     cpu = CpuMeter(server_pid)
     started = time.perf_counter()
@@ -313,6 +332,10 @@ async def burst(http: aiohttp.ClientSession, url: str, workers: int, server_pid:
     print("  " + summary("claim latency", latencies))
     print(f"  all {workers} bound after {all_bound * 1000:.0f} ms; sources: {dict(sources)}")
     print("  " + cpu.report(all_bound))
+    ms = [seconds * 1000 for seconds in latencies]
+    figures["burst p50 (ms)"] = percentile(ms, 0.5)
+    figures["burst p99 (ms)"] = percentile(ms, 0.99)
+    figures["all bound (ms)"] = all_bound * 1000
     return [answer["id"] for _, answer in results]
 
 
@@ -352,7 +375,12 @@ class CpuMeter:
 
 
 async def sustained(
-    http: aiohttp.ClientSession, url: str, concurrency: int, duration: float, profiler: Profiler
+    http: aiohttp.ClientSession,
+    url: str,
+    concurrency: int,
+    duration: float,
+    profiler: Profiler,
+    figures: dict[str, float],
 ) -> None:
     claims: list[float] = []
     releases: list[float] = []
@@ -386,11 +414,15 @@ async def sustained(
     print("  " + summary("claim latency", claims))
     print("  " + summary("release latency", releases))
     print("  " + cpu.report(elapsed))
+    figures["cycles/s"] = total / elapsed
+    figures["cycle claim p99 (ms)"] = percentile([s * 1000 for s in claims], 0.99)
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, source: Path | None = None) -> dict[str, float]:
+    """One measurement (fill, burst, sustained) of the server from `source` (default: ours)."""
+    figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
-        server = Server(Path(tmp), args.workers, args.refill)
+        server = Server(Path(tmp), args.workers, args.refill, source)
         profiler = Profiler(args.profile, server.proc.pid)
         try:
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -399,14 +431,37 @@ async def run(args: argparse.Namespace) -> None:
                 print(f"server at {server.url}: {args.workers} warm workers after {fill:.1f} s")
                 await asyncio.sleep(2)  # let the janitor settle after the fill
                 profiler.start("burst")
-                ids = await burst(http, server.url, args.workers, server.proc.pid)
+                ids = await burst(http, server.url, args.workers, server.proc.pid, figures)
                 profiler.stop()
                 # The burst's workers park for their orgs (hot_idle): the next phase reuses them.
                 await asyncio.gather(*(release(http, server.url, i) for i in ids))
-                await sustained(http, server.url, args.concurrency, args.duration, profiler)
+                await sustained(
+                    http, server.url, args.concurrency, args.duration, profiler, figures
+                )
                 profiler.stop()
         finally:
             server.stop()
+    return figures
+
+
+async def compare(args: argparse.Namespace) -> None:
+    """Rounds of the baseline and this tree in alternating order; medians and paired ratios."""
+    runs: dict[str, list[dict[str, float]]] = {"baseline": [], "this": []}
+    for round_ in range(args.rounds):
+        order = ["baseline", "this"] if round_ % 2 == 0 else ["this", "baseline"]
+        for side in order:
+            print(f"-- round {round_ + 1}/{args.rounds}: {side}")
+            runs[side].append(await run(args, args.baseline if side == "baseline" else None))
+    print(f"side by side, {args.rounds} rounds (medians; ratio: median of this / baseline):")
+    for name in runs["this"][0]:
+        before = [figures[name] for figures in runs["baseline"]]
+        after = [figures[name] for figures in runs["this"]]
+        ratios = [a / b for a, b in zip(after, before, strict=True)]
+        print(
+            f"  {name:22s} baseline {statistics.median(before):8.1f}  this "
+            f"{statistics.median(after):8.1f}  ratio {statistics.median(ratios):.3f} "
+            f"(each round: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
 
 
 def main() -> None:
@@ -416,12 +471,19 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="orgs cycling in parallel")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy output directory")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="src folder of another stoker version, measured side by side with this one",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds with --baseline")
+    parser.add_argument(
         "--refill",
         action="store_true",
         help="let the pool grow to twice --workers, so that it refills during the burst",
     )
     args = parser.parse_args()
-    uvloop.run(run(args))
+    uvloop.run(compare(args) if args.baseline is not None else run(args))
 
 
 if __name__ == "__main__":
