@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from stoker.sim.cluster.freeindex import FreeIndex, best_fit
+from stoker.sim.cluster.freeindex import Capacity, FreeIndex, best_fit
 from stoker.sim.cluster.model import (
     LABEL_HOSTNAME,
     LABEL_INSTANCE_TYPE,
@@ -89,32 +89,15 @@ class AutoscalerCounters:
     consolidated_underutilized: int = 0
 
 
-class _Bin:
+class _Bin(Capacity):
     """A node in a provisioning plan: a launching node, or a new one not yet typed."""
 
-    __slots__ = (
-        "alloc_cpu",
-        "alloc_mem",
-        "alloc_pods",
-        "bucket",
-        "free_cpu",
-        "free_mem",
-        "free_pods",
-        "instance_type",
-        "labels",
-        "members",
-    )
+    __slots__ = ("instance_type", "labels", "members")
 
     def __init__(self, instance_type: InstanceType, allocatable: Allocatable) -> None:
         self.instance_type = instance_type
         self.members: list[SimPod] = []
-        self.alloc_cpu = allocatable.cpu_m
-        self.alloc_mem = allocatable.memory_b
-        self.alloc_pods = allocatable.pods
-        self.free_cpu = allocatable.cpu_m
-        self.free_mem = allocatable.memory_b
-        self.free_pods = allocatable.pods
-        self.bucket = -1
+        super().__init__(allocatable)
         self.labels: dict[str, str] = {}
 
     def hold(self, pods: Sequence[SimPod], cpu: int, mem: int) -> None:

@@ -12,6 +12,32 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
+from stoker.sim.cluster.resources import Allocatable
+
+
+class Capacity:
+    """A node's allocatable and free capacity, a real node's or a planned one's."""
+
+    __slots__ = (
+        "alloc_cpu",
+        "alloc_mem",
+        "alloc_pods",
+        "bucket",
+        "free_cpu",
+        "free_mem",
+        "free_pods",
+    )
+
+    def __init__(self, allocatable: Allocatable) -> None:
+        self.alloc_cpu = allocatable.cpu_m
+        self.alloc_mem = allocatable.memory_b
+        self.alloc_pods = allocatable.pods
+        self.free_cpu = allocatable.cpu_m
+        self.free_mem = allocatable.memory_b
+        self.free_pods = allocatable.pods
+        #: Its bucket in the `FreeIndex` holding it (-1: none).
+        self.bucket = -1
+
 
 class FreeSlot(Protocol):
     """Anything with free capacity the index can bucket: a node or a planned node."""

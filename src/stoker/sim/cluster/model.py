@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from stoker.ports.cluster import Container, PodPhase, PodSpec, Toleration
 from stoker.sim.cluster.apiserver import FakeApiServer
-from stoker.sim.cluster.freeindex import FreeIndex
+from stoker.sim.cluster.freeindex import Capacity, FreeIndex
 from stoker.sim.cluster.resources import Allocatable, InstanceType, cpu_millis, memory_bytes
 from stoker.sim.cluster.specs import (
     Archetype,
@@ -150,19 +150,12 @@ class SimPod:
         return f"SimPod({self.namespace}/{self.name})"
 
 
-class SimNode:
+class SimNode(Capacity):
     """One node: its capacity, what is bound to it, and its place in the indices."""
 
     __slots__ = (
-        "alloc_cpu",
-        "alloc_mem",
-        "alloc_pods",
-        "bucket",
         "dnd_pods",
         "draining_since",
-        "free_cpu",
-        "free_mem",
-        "free_pods",
         "images",
         "index",
         "instance_type",
@@ -198,12 +191,7 @@ class SimNode:
         self.pool = pool
         self.instance_type = instance_type
         self.labels = dict(labels)
-        self.alloc_cpu = allocatable.cpu_m
-        self.alloc_mem = allocatable.memory_b
-        self.alloc_pods = allocatable.pods
-        self.free_cpu = allocatable.cpu_m
-        self.free_mem = allocatable.memory_b
-        self.free_pods = allocatable.pods
+        super().__init__(allocatable)
         self.state = NodeState.LAUNCHING
         self.launched_at = launched_at
         self.ready_at: float | None = None
@@ -221,9 +209,9 @@ class SimNode:
         self.images: dict[str, float] = {}
         self.pull_free_at = launched_at
         self.ip_next = 2
-        #: The FreeIndex holding the node while it is schedulable, and its bucket there.
+        #: The FreeIndex holding the node while it is schedulable (its bucket there is
+        #: `bucket`).
         self.index: FreeIndex[SimNode] | None = None
-        self.bucket = -1
 
     @property
     def used_cpu(self) -> int:
