@@ -56,6 +56,7 @@ from stoker.ports.cluster import (
 logger = logging.getLogger("stoker.adapters.cluster_lightkube")
 
 T = TypeVar("T")
+_Object = TypeVar("_Object", K8sPod, K8sLease)
 
 #: The field manager recorded in managedFields for everything stoker writes; passed on
 #: every write, so that an injected client attributes them to stoker too.
@@ -358,6 +359,16 @@ class LightkubeCluster:
     def _backoff(self, attempt: int) -> float:
         return float(min(self._backoff_s * 2**attempt, _MAX_BACKOFF_S))
 
+    async def _get(self, kind: type[_Object], name: str, what: str) -> _Object | None:
+        """GET one object of this namespace by name; None on 404 (it does not exist)."""
+        try:
+            return await self._request(
+                f"get {what} {name}",
+                lambda: self._client.get(kind, name, namespace=self._namespace),
+            )
+        except ObjectNotFound:
+            return None
+
     async def _request(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` within the budget, retrying what a retry can fix."""
         attempt = 0
@@ -439,14 +450,8 @@ class LightkubeCluster:
 
     async def get_pod(self, name: str) -> Pod | None:
         """GET the pod; None on 404."""
-        try:
-            found = await self._request(
-                f"get pod {name}",
-                lambda: self._client.get(K8sPod, name, namespace=self._namespace),
-            )
-        except ObjectNotFound:
-            return None
-        return _pod_from_k8s(found)
+        found = await self._get(K8sPod, name, "pod")
+        return None if found is None else _pod_from_k8s(found)
 
     async def list_pods(self, selector: Selector) -> PodList:
         """One LIST with `labelSelector`; its resourceVersion is where a watch starts."""
@@ -516,14 +521,8 @@ class LightkubeCluster:
 
     async def get_lease(self, name: str) -> Lease | None:
         """GET the lease; None on 404."""
-        try:
-            found = await self._request(
-                f"get lease {name}",
-                lambda: self._client.get(K8sLease, name, namespace=self._namespace),
-            )
-        except ObjectNotFound:
-            return None
-        return _lease_from_k8s(found)
+        found = await self._get(K8sLease, name, "lease")
+        return None if found is None else _lease_from_k8s(found)
 
     async def create_lease(self, lease: Lease) -> Lease:
         """POST the lease; `Conflict` if it exists."""
