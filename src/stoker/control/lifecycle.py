@@ -21,6 +21,17 @@ from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.clock import Clock
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StoreWriter
 
+#: The label of a bind in `stoker_persist_failures` and `stoker_fence_misses`.
+_BIND_LABEL = "activating->hot"
+
+
+def _label(before: WorkerState, to: WorkerState) -> str:
+    """A transition's label in the metrics and logs, e.g. `warm->reserved`.
+
+    Built only when a write failed or missed its fence: a written transition never needs it.
+    """
+    return f"{before.value}->{to.value}"
+
 
 class Lifecycle:
     """Fenced, persisted worker transitions, each logged and counted."""
@@ -33,6 +44,9 @@ class Lifecycle:
     def _persist_failed(self, label: str, exc: StoreError) -> None:
         self.metrics.persist_failures.labels(label).inc()
         logs.event("persist_failed", transition=label, error=str(exc), level=logs.WARNING)
+
+    def _fence_missed(self, label: str) -> None:
+        self.metrics.fence_misses.labels(label).inc()
 
     def _written(
         self, old_state: WorkerState | None, new: Worker, reason: str | None, **fields: Any
@@ -55,7 +69,6 @@ class Lifecycle:
         **changes: Any,
     ) -> Worker | None:
         """CAS `worker` (as last read) to `to` with `changes`; None if not written."""
-        label = f"{worker.state.value}->{to.value}"
         try:
             new = await self._writer.transition(
                 worker.id,
@@ -67,10 +80,10 @@ class Lifecycle:
                 changes=changes,
             )
         except StoreError as exc:
-            self._persist_failed(label, exc)
+            self._persist_failed(_label(worker.state, to), exc)
             return None
         if new is None:
-            self.metrics.fence_misses.labels(label).inc()
+            self._fence_missed(_label(worker.state, to))
             return None
         if to is not worker.state:
             self._written(worker.state, new, changes.get("reason"))
@@ -92,7 +105,6 @@ class Lifecycle:
     ) -> ReserveResult:
         """CAS a warm or hot_idle worker to reserved for `org` (epoch bumped); with
         `activate`, the store may move it on to activating in the same write."""
-        label = f"{worker.state.value}->reserved"
         try:
             result = await self._writer.reserve(
                 worker.id,
@@ -105,12 +117,12 @@ class Lifecycle:
                 activate=activate,
             )
         except StoreError as exc:
-            self._persist_failed(label, exc)
+            self._persist_failed(_label(worker.state, WorkerState.RESERVED), exc)
             return ReserveResult(None)
         if result.worker is not None:
             self._reserved(worker.state, result.worker, None)
         elif not result.at_org_cap:
-            self.metrics.fence_misses.labels(label).inc()
+            self._fence_missed(_label(worker.state, WorkerState.RESERVED))
         return result
 
     async def reserve_any(
@@ -137,7 +149,7 @@ class Lifecycle:
                 activate=activate,
             )
         except StoreError as exc:
-            self._persist_failed(f"{expect.value}->reserved", exc)
+            self._persist_failed(_label(expect, WorkerState.RESERVED), exc)
             return ReserveResult(None)
         if result.worker is not None:
             self._reserved(expect, result.worker, "store_pick")
@@ -159,10 +171,10 @@ class Lifecycle:
                 worker.id, epoch=worker.epoch, claim=claim, now=self.clock.now()
             )
         except StoreError as exc:
-            self._persist_failed("activating->hot", exc)
+            self._persist_failed(_BIND_LABEL, exc)
             return None
         if new is None:
-            self.metrics.fence_misses.labels("activating->hot").inc()
+            self._fence_missed(_BIND_LABEL)
             return None
         self._written(worker.state, new, None)
         return new
@@ -181,7 +193,6 @@ class Lifecycle:
         `claim_reason` is recorded on the claim; `worker_changes` (including a retire
         `reason`) on the worker.
         """
-        label = f"hot->{worker_to.value}"
         try:
             result = await self._writer.end_claim(
                 claim.id,
@@ -192,10 +203,10 @@ class Lifecycle:
                 worker_changes=worker_changes,
             )
         except StoreError as exc:
-            self._persist_failed(label, exc)
+            self._persist_failed(_label(WorkerState.HOT, worker_to), exc)
             raise
         if result is None:
-            self.metrics.fence_misses.labels(label).inc()
+            self._fence_missed(_label(WorkerState.HOT, worker_to))
             return None
         logs.event(
             "claim_ended", claim=claim.id, org=claim.org, state=state.value, reason=claim_reason
