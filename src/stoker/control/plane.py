@@ -250,9 +250,7 @@ class ControlPlane:
         self.refresh_gauges()
         if not self.elector.is_leader:
             return None
-        report = await self.janitor.run_pass()
-        self.metrics.janitor_last_success.set(self.clock.now())
-        return report
+        return await self.run_janitor_pass()
 
     async def _reaper_pass(self) -> PassReport:
         report = await self.reaper.run_pass()
