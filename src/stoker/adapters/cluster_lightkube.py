@@ -359,6 +359,22 @@ class LightkubeCluster:
     def _backoff(self, attempt: int) -> float:
         return float(min(self._backoff_s * 2**attempt, _MAX_BACKOFF_S))
 
+    def _retry_delay(
+        self, exc: httpx2.HTTPStatusError | httpx2.TransportError, attempt: int, what: str
+    ) -> float:
+        """How long to wait before trying `what` again after `exc` failed attempt `attempt`.
+
+        Raises the `ClusterError` for `exc` instead when no retry can help: a status a retry
+        does not change, or the retries are used up.
+        """
+        if isinstance(exc, httpx2.HTTPStatusError):
+            if not _retryable(_status_of(exc)) or attempt >= self._max_retries:
+                raise _cluster_error(exc, what) from exc
+            return max(self._backoff(attempt), _retry_after(exc) or 0.0)
+        if attempt >= self._max_retries:
+            raise ClusterUnavailable(f"{what}: {exc!r}") from exc
+        return self._backoff(attempt)
+
     async def _get(self, kind: type[_Object], name: str, what: str) -> _Object | None:
         """GET one object of this namespace by name; None on 404 (it does not exist)."""
         try:
@@ -376,17 +392,13 @@ class LightkubeCluster:
             await self._budget.acquire()
             try:
                 return await call()
-            except httpx2.HTTPStatusError as exc:
-                status = _status_of(exc)
-                if not _retryable(status) or attempt >= self._max_retries:
-                    raise _cluster_error(exc, what) from exc
-                delay = max(self._backoff(attempt), _retry_after(exc) or 0.0)
-                cause = f"HTTP {status}"
-            except httpx2.TransportError as exc:
-                if attempt >= self._max_retries:
-                    raise ClusterUnavailable(f"{what}: {exc!r}") from exc
-                delay = self._backoff(attempt)
-                cause = type(exc).__name__
+            except (httpx2.HTTPStatusError, httpx2.TransportError) as exc:
+                delay = self._retry_delay(exc, attempt, what)
+                cause = (
+                    f"HTTP {_status_of(exc)}"
+                    if isinstance(exc, httpx2.HTTPStatusError)
+                    else type(exc).__name__
+                )
             attempt += 1
             logger.warning(
                 "event=cluster_retry request=%r cause=%s attempt=%d delay_s=%.3f",
@@ -497,17 +509,10 @@ class LightkubeCluster:
                     if kind in _EVENT_TYPES:  # BOOKMARK is never asked for
                         yield WatchEvent(_EVENT_TYPES[kind], pod)
                 return  # lightkube re-opens closed watches itself; ending is final
-            except httpx2.HTTPStatusError as exc:
-                status = _status_of(exc)
-                if status == 410:
+            except (httpx2.HTTPStatusError, httpx2.TransportError) as exc:
+                if isinstance(exc, httpx2.HTTPStatusError) and _status_of(exc) == 410:
                     raise Gone(f"watch pods from {since}: {_message_of(exc)}", status=410) from exc
-                if not _retryable(status) or failures >= self._max_retries:
-                    raise _cluster_error(exc, "watch pods") from exc
-                delay = max(self._backoff(failures), _retry_after(exc) or 0.0)
-            except httpx2.TransportError as exc:
-                if failures >= self._max_retries:
-                    raise ClusterUnavailable(f"watch pods: {exc!r}") from exc
-                delay = self._backoff(failures)
+                delay = self._retry_delay(exc, failures, "watch pods")
             finally:
                 await stream.aclose()
             failures += 1
