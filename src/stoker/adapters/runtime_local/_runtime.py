@@ -196,15 +196,7 @@ class LocalProcessRuntime:
         """Kill a process that never became ready and report `spawn_failure` once."""
         watch.stopping = True
         watch.send(signal.SIGKILL)
-        _log(
-            "worker_spawn_failed",
-            level=logging.WARNING,
-            worker=watch.worker_id,
-            pool=watch.pool,
-            error=why,
-        )
-        if self._listener is not None:
-            self._listener.worker_lost(watch.worker_id, "spawn_failure")
+        self._report_lost(watch, "spawn_failure", "worker_spawn_failed", error=why)
 
     def _on_exit(self, watch: ProcessWatch) -> None:
         """A watched process ended: a loss unless this runtime ended it."""
@@ -212,14 +204,14 @@ class LocalProcessRuntime:
             _log("worker_exited", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
             return
         reason = "lost" if watch.ready else "spawn_failure"
-        _log(
-            "worker_lost",
-            level=logging.WARNING,
-            worker=watch.worker_id,
-            pool=watch.pool,
-            pid=watch.pid,
-            reason=reason,
-        )
+        self._report_lost(watch, reason, "worker_lost", pid=watch.pid, reason=reason)
+
+    def _report_lost(self, watch: ProcessWatch, reason: str, event: str, /, **fields: Any) -> None:
+        """Log a loss as `event` (a warning) and tell the listener `worker_lost(reason)`.
+
+        The parameters are positional-only so that `reason` can also be a field of the line.
+        """
+        _log(event, level=logging.WARNING, worker=watch.worker_id, pool=watch.pool, **fields)
         if self._listener is not None:
             self._listener.worker_lost(watch.worker_id, reason)
 
