@@ -3,9 +3,9 @@
 Two kinds of evidence, so that a violation is caught whether it lasts or not:
 
 - **events**, as they happen: every session the load driver is handed a worker for and
-  every session it ends, every worker write a replica makes (its store is wrapped by
-  the policy), every activation a simulated worker receives, every change of leader, and
-  every worker pod that disappears from the cluster;
+  every session it ends, every worker and claim write a replica makes (its store is an
+  `ObservedStore`), every activation a simulated worker receives, every change of
+  leader, and every worker pod that disappears from the cluster;
 - **checks** of the shared store every `check_interval_s`: of its live workers and bound
   claims as the replicas' acknowledged writes left them (`WrittenRows`, fed by the same
   reports), so they hold on whatever store the replicas share. Within one check,
@@ -26,9 +26,8 @@ act: DESIGN.md bounds leaks by "TTL + 2 reaper intervals", also while leadership
 - **I6** warm plus neutral spawning workers below the pool's warm target, with no warm
   spawn by any replica, for longer than 2 passes while the pool cap leaves room (claims
   may drain the pool between passes; a janitor that does not refill it is the fault);
-  a bound claim whose worker is not
-  serving it (the worker was drained, retired or lost and the claim was not failed),
-  or whose pod has been gone for longer than 2 passes;
+  a bound claim whose worker is not serving it (the worker was drained, retired or lost
+  and the claim was not failed), or whose pod has been gone for longer than 2 passes;
 - **I7** a janitor's spawn that left more warm and neutral spawning workers than the
   target it asked for (two janitors overshooting); a worker retired twice.
 
