@@ -180,7 +180,6 @@ _WRITES = frozenset(
         "reserve_any",
         "bind",
         "end_claim",
-        "fail_claim",
         "renew_claim",
     }
 )
@@ -249,10 +248,6 @@ class FaultyStore:
     async def end_claim(self, claim_id: str, **kw: Any) -> tuple[Claim, Worker] | None:
         self._maybe_fail("end_claim")
         return await self.inner.end_claim(claim_id, **kw)
-
-    async def fail_claim(self, claim_id: str, **kw: Any) -> Claim | None:
-        self._maybe_fail("fail_claim")
-        return await self.inner.fail_claim(claim_id, **kw)
 
     async def renew_claim(self, claim_id: str, **kw: Any) -> Claim | None:
         self._maybe_fail("renew_claim")

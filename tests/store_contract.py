@@ -148,6 +148,7 @@ class Fleet:
                 w.id,
                 expect=S.SPAWNING,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.WARM,
                 now=self.tick(),
                 changes={"endpoint": f"http://{w.id}", "runtime_ref": {"pid": 100}},
@@ -157,7 +158,14 @@ class Fleet:
     async def reserved(self, org: str, *, pool: str = "p", revision: str = "r1") -> Worker:
         w = await self.warm(pool=pool, revision=revision)
         result = await self.store.reserve(
-            w.id, expect=S.WARM, epoch=w.epoch, org=org, org_cap=0, owner=w.owner, now=self.tick()
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org=org,
+            org_cap=0,
+            owner=w.owner,
+            now=self.tick(),
         )
         return must(result.worker)
 
@@ -168,6 +176,7 @@ class Fleet:
                 w.id,
                 expect=S.RESERVED,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.ACTIVATING,
                 now=self.tick(),
                 changes={"activated": True, "heartbeat_at": self.now},
@@ -180,7 +189,9 @@ class Fleet:
         w = await self.activating(org, pool=pool)
         now = self.tick()
         claim = make_claim(w, f"c-{w.id}", now, lease_s=lease_s, owner=owner or self.owner)
-        return must(await self.store.bind(w.id, epoch=w.epoch, claim=claim, now=now)), claim
+        return must(
+            await self.store.bind(w.id, epoch=w.epoch, version=w.version, claim=claim, now=now)
+        ), claim
 
     async def hot_idle(self, org: str, *, pool: str = "p") -> Worker:
         _, claim = await self.hot(org, pool=pool)
@@ -198,7 +209,12 @@ class Fleet:
         w = await self.warm(pool=pool)
         return must(
             await self.store.transition(
-                w.id, expect=S.WARM, epoch=w.epoch, to=S.DRAINING, now=self.tick()
+                w.id,
+                expect=S.WARM,
+                epoch=w.epoch,
+                version=w.version,
+                to=S.DRAINING,
+                now=self.tick(),
             )
         )
 
@@ -209,6 +225,7 @@ class Fleet:
                 w.id,
                 expect=w.state,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.RETIRED,
                 now=self.tick(),
                 changes={"reason": "excess"},
@@ -365,6 +382,7 @@ class StoreContract:
             "a",
             expect=S.SPAWNING,
             epoch=a.epoch,
+            version=a.version,
             to=S.RETIRED,
             now=T0 + 1,
             changes={"reason": "spawn_failure"},
@@ -451,6 +469,7 @@ class StoreContract:
             w.id,
             expect=S.SPAWNING,
             epoch=0,
+            version=w.version,
             to=S.WARM,
             now=T0 + 100,
             changes={"endpoint": "http://x:1", "runtime_ref": {"pid": 7, "start": 1.5}},
@@ -466,17 +485,26 @@ class StoreContract:
     ) -> None:
         w = await fleet.warm()
         assert (
-            await store.transition(w.id, expect=S.SPAWNING, epoch=w.epoch, to=S.WARM, now=T0 + 50)
-            is None
-        )
-        assert (
             await store.transition(
-                w.id, expect=S.WARM, epoch=w.epoch + 1, to=S.DRAINING, now=T0 + 50
+                w.id, expect=S.SPAWNING, epoch=w.epoch, version=w.version, to=S.WARM, now=T0 + 50
             )
             is None
         )
         assert (
-            await store.transition("nobody", expect=S.WARM, epoch=0, to=S.DRAINING, now=T0 + 50)
+            await store.transition(
+                w.id,
+                expect=S.WARM,
+                epoch=w.epoch + 1,
+                version=w.version,
+                to=S.DRAINING,
+                now=T0 + 50,
+            )
+            is None
+        )
+        assert (
+            await store.transition(
+                "nobody", expect=S.WARM, epoch=0, version=0, to=S.DRAINING, now=T0 + 50
+            )
             is None
         )
         assert await store.get_worker(w.id) == w
@@ -486,7 +514,7 @@ class StoreContract:
         self, store: Store, src: WorkerState, dst: WorkerState
     ) -> None:
         with pytest.raises(IllegalTransition):
-            await store.transition("nobody", expect=src, epoch=0, to=dst, now=T0)
+            await store.transition("nobody", expect=src, epoch=0, version=0, to=dst, now=T0)
         assert await store.get_worker("nobody") is None
 
     @pytest.mark.parametrize(
@@ -498,18 +526,28 @@ class StoreContract:
     ) -> None:
         w = await fleet.in_state(src)
         with pytest.raises(IllegalTransition):
-            await store.transition(w.id, expect=src, epoch=w.epoch, to=dst, now=T0 + 50)
+            await store.transition(
+                w.id, expect=src, epoch=w.epoch, version=w.version, to=dst, now=T0 + 50
+            )
         assert await store.get_worker(w.id) == w
 
     async def test_bump_epoch_fences_the_old_epoch(self, store: Store, fleet: Fleet) -> None:
         (w,) = await fleet.spawning(org="org-a")
         new = must(
             await store.transition(
-                w.id, expect=S.SPAWNING, epoch=0, to=S.RESERVED, now=T0 + 50, bump_epoch=True
+                w.id,
+                expect=S.SPAWNING,
+                epoch=0,
+                version=w.version,
+                to=S.RESERVED,
+                now=T0 + 50,
+                bump_epoch=True,
             )
         )
         assert new.epoch == 1
-        stale = await store.transition(w.id, expect=S.RESERVED, epoch=0, to=S.WARM, now=T0 + 51)
+        stale = await store.transition(
+            w.id, expect=S.RESERVED, epoch=0, version=new.version, to=S.WARM, now=T0 + 51
+        )
         assert stale is None
         assert await store.get_worker(w.id) == new
 
@@ -521,11 +559,23 @@ class StoreContract:
         w = await fleet.warm()
         with pytest.raises(ValueError):
             await store.transition(
-                w.id, expect=S.WARM, epoch=w.epoch, to=S.DRAINING, now=T0 + 50, changes={field: "x"}
+                w.id,
+                expect=S.WARM,
+                epoch=w.epoch,
+                version=w.version,
+                to=S.DRAINING,
+                now=T0 + 50,
+                changes={field: "x"},
             )
         with pytest.raises(ValueError):  # also when the row would not match
             await store.transition(
-                w.id, expect=S.WARM, epoch=w.epoch + 9, to=S.WARM, now=T0 + 50, changes={field: "x"}
+                w.id,
+                expect=S.WARM,
+                epoch=w.epoch + 9,
+                version=w.version,
+                to=S.WARM,
+                now=T0 + 50,
+                changes={field: "x"},
             )
         assert await store.get_worker(w.id) == w
 
@@ -538,6 +588,7 @@ class StoreContract:
                 a.id,
                 expect=S.ACTIVATING,
                 epoch=a.epoch,
+                version=a.version,
                 to=S.ACTIVATING,
                 now=T0 + 60,
                 changes={"heartbeat_at": T0 + 60},
@@ -553,7 +604,8 @@ class StoreContract:
             await store.transition(
                 a.id,
                 expect=S.ACTIVATING,
-                epoch=a.epoch,
+                epoch=beat.epoch,
+                version=beat.version,
                 to=S.ACTIVATING,
                 now=T0 + 61,
                 changes={"owner": "cp-b", "endpoint": "http://moved"},
@@ -561,6 +613,101 @@ class StoreContract:
         )
         assert (adopted.owner, adopted.endpoint) == ("cp-b", "http://moved")
         assert await store.get_worker(a.id) == adopted
+
+    async def test_every_write_bumps_the_version(self, store: Store, fleet: Fleet) -> None:
+        (w,) = await fleet.spawning()
+        assert w.version == 0
+        warm = must(
+            await store.transition(
+                w.id, expect=S.SPAWNING, epoch=w.epoch, version=w.version, to=S.WARM, now=T0 + 50
+            )
+        )
+        same = must(
+            await store.transition(
+                w.id,
+                expect=S.WARM,
+                epoch=warm.epoch,
+                version=warm.version,
+                to=S.WARM,
+                now=T0 + 51,
+                changes={"owner": "cp-b"},
+            )
+        )
+        reserved = must(
+            (
+                await store.reserve(
+                    w.id,
+                    expect=S.WARM,
+                    epoch=same.epoch,
+                    version=same.version,
+                    org="org-a",
+                    org_cap=0,
+                    owner="cp-b",
+                    now=T0 + 52,
+                )
+            ).worker
+        )
+        assert [warm.version, same.version] == [1, 2]
+        assert reserved.version > same.version
+        assert must(await store.get_worker(w.id)).version == reserved.version
+
+    async def test_a_write_from_a_stale_version_misses(self, store: Store, fleet: Fleet) -> None:
+        """State and epoch as read, but the row was written since: every write misses."""
+        w = await fleet.warm()
+        beat = must(
+            await store.transition(
+                w.id,
+                expect=S.WARM,
+                epoch=w.epoch,
+                version=w.version,
+                to=S.WARM,
+                now=T0 + 50,
+                changes={"endpoint": "http://moved"},
+            )
+        )
+        assert (beat.state, beat.epoch, beat.version) == (w.state, w.epoch, w.version + 1)
+        for to in (S.DRAINING, S.WARM):
+            assert (
+                await store.transition(
+                    w.id, expect=S.WARM, epoch=w.epoch, version=w.version, to=to, now=T0 + 51
+                )
+                is None
+            )
+        stale = await store.reserve(
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org="org-a",
+            org_cap=0,
+            owner="cp-a",
+            now=T0 + 51,
+        )
+        assert (stale.worker, stale.at_org_cap) == (None, False)
+        assert await store.get_worker(w.id) == beat
+        a = await fleet.activating("org-a")
+        stamped = must(
+            await store.transition(
+                a.id,
+                expect=S.ACTIVATING,
+                epoch=a.epoch,
+                version=a.version,
+                to=S.ACTIVATING,
+                now=T0 + 52,
+                changes={"heartbeat_at": T0 + 52},
+            )
+        )
+        claim = make_claim(a, "c-1", T0 + 53)
+        assert (
+            await store.bind(a.id, epoch=a.epoch, version=a.version, claim=claim, now=T0 + 53)
+            is None
+        )
+        assert await store.get_claim("c-1") is None
+        assert await store.get_worker(a.id) == stamped
+        hot = await store.bind(
+            a.id, epoch=stamped.epoch, version=stamped.version, claim=claim, now=T0 + 54
+        )
+        assert must(hot).state is S.HOT
 
     async def test_every_mutable_field_round_trips(self, store: Store, fleet: Fleet) -> None:
         w = await fleet.reserved("org-a")
@@ -580,6 +727,7 @@ class StoreContract:
                 w.id,
                 expect=S.RESERVED,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.ACTIVATING,
                 now=T0 + 70,
                 changes=changes,
@@ -597,6 +745,7 @@ class StoreContract:
                 w.id,
                 expect=S.RESERVED,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.RESERVED,
                 now=T0 + 50,
                 changes={"org": "org-b"},
@@ -606,6 +755,7 @@ class StoreContract:
                 w.id,
                 expect=S.RESERVED,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.ACTIVATING,
                 now=T0 + 50,
                 changes={"org": "org-b", "activated": True},
@@ -615,6 +765,7 @@ class StoreContract:
             w.id,
             expect=S.RESERVED,
             epoch=w.epoch,
+            version=w.version,
             to=S.RESERVED,
             now=T0 + 51,
             changes={"org": "org-a"},
@@ -630,6 +781,7 @@ class StoreContract:
                 w.id,
                 expect=S.RESERVED,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.WARM,
                 now=T0 + 50,
                 changes={"org": None},
@@ -641,11 +793,18 @@ class StoreContract:
     async def test_a_warm_worker_never_keeps_an_org(self, store: Store, fleet: Fleet) -> None:
         w = await fleet.reserved("org-a")
         with pytest.raises(IllegalTransition):
-            await store.transition(w.id, expect=S.RESERVED, epoch=w.epoch, to=S.WARM, now=T0 + 50)
+            await store.transition(
+                w.id, expect=S.RESERVED, epoch=w.epoch, version=w.version, to=S.WARM, now=T0 + 50
+            )
         (cold,) = await fleet.spawning(org="org-b")
         with pytest.raises(IllegalTransition):
             await store.transition(
-                cold.id, expect=S.SPAWNING, epoch=cold.epoch, to=S.WARM, now=T0 + 50
+                cold.id,
+                expect=S.SPAWNING,
+                epoch=cold.epoch,
+                version=cold.version,
+                to=S.WARM,
+                now=T0 + 50,
             )
         warm = await fleet.warm()
         with pytest.raises(IllegalTransition):
@@ -653,6 +812,7 @@ class StoreContract:
                 warm.id,
                 expect=S.WARM,
                 epoch=warm.epoch,
+                version=warm.version,
                 to=S.WARM,
                 now=T0 + 50,
                 changes={"org": "org-a"},
@@ -664,6 +824,7 @@ class StoreContract:
             cold.id,
             expect=S.SPAWNING,
             epoch=cold.epoch,
+            version=cold.version,
             to=S.WARM,
             now=T0 + 51,
             changes={"org": None},
@@ -680,6 +841,7 @@ class StoreContract:
                     idle.id,
                     expect=S.HOT_IDLE,
                     epoch=idle.epoch,
+                    version=idle.version,
                     org="org-a",
                     org_cap=0,
                     owner="cp-a",
@@ -692,6 +854,7 @@ class StoreContract:
                 r.id,
                 expect=S.RESERVED,
                 epoch=r.epoch,
+                version=r.version,
                 to=S.WARM,
                 now=T0 + 51,
                 changes={"org": None},
@@ -701,6 +864,7 @@ class StoreContract:
                 r.id,
                 expect=S.RESERVED,
                 epoch=r.epoch,
+                version=r.version,
                 to=S.RESERVED,
                 now=T0 + 51,
                 changes={"org": None},
@@ -710,6 +874,7 @@ class StoreContract:
                 r.id,
                 expect=S.RESERVED,
                 epoch=r.epoch,
+                version=r.version,
                 to=S.RESERVED,
                 now=T0 + 51,
                 changes={"activated": False},
@@ -719,6 +884,7 @@ class StoreContract:
             r.id,
             expect=S.RESERVED,
             epoch=r.epoch,
+            version=r.version,
             to=S.HOT_IDLE,
             now=T0 + 52,
             changes={"idle_since": T0 + 52},
@@ -731,7 +897,12 @@ class StoreContract:
         w = await fleet.reserved("org-a")
         with pytest.raises(IllegalTransition):
             await store.transition(
-                w.id, expect=S.RESERVED, epoch=w.epoch, to=S.HOT_IDLE, now=T0 + 50
+                w.id,
+                expect=S.RESERVED,
+                epoch=w.epoch,
+                version=w.version,
+                to=S.HOT_IDLE,
+                now=T0 + 50,
             )
         assert await store.get_worker(w.id) == w
 
@@ -741,7 +912,12 @@ class StoreContract:
         w = await fleet.reserved("org-a")
         a = must(
             await store.transition(
-                w.id, expect=S.RESERVED, epoch=w.epoch, to=S.ACTIVATING, now=T0 + 50
+                w.id,
+                expect=S.RESERVED,
+                epoch=w.epoch,
+                version=w.version,
+                to=S.ACTIVATING,
+                now=T0 + 50,
             )
         )
         assert a.activated
@@ -752,6 +928,7 @@ class StoreContract:
                 w2.id,
                 expect=S.RESERVED,
                 epoch=w2.epoch,
+                version=w2.version,
                 to=S.ACTIVATING,
                 now=T0 + 50,
                 changes={"activated": False},
@@ -765,6 +942,7 @@ class StoreContract:
                 d.id,
                 expect=S.DRAINING,
                 epoch=d.epoch,
+                version=d.version,
                 to=S.RETIRED,
                 now=T0 + 50,
                 changes={"reason": "ttl"},
@@ -783,12 +961,18 @@ class StoreContract:
                 gone.id,
                 expect=S.RETIRED,
                 epoch=gone.epoch,
+                version=gone.version,
                 to=to,
                 now=T0 + 50,
                 changes={"reason": "again"},
             )
         missed = await store.transition(
-            gone.id, expect=S.WARM, epoch=gone.epoch, to=S.DRAINING, now=T0 + 50
+            gone.id,
+            expect=S.WARM,
+            epoch=gone.epoch,
+            version=gone.version,
+            to=S.DRAINING,
+            now=T0 + 50,
         )
         assert missed is None
         assert await store.get_worker(gone.id) == gone
@@ -802,6 +986,7 @@ class StoreContract:
                 w.id,
                 expect=S.HOT,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.RETIRED,
                 now=T0 + 50,
                 changes={"reason": "lost"},
@@ -812,6 +997,7 @@ class StoreContract:
                 gone.id,
                 expect=expect,
                 epoch=gone.epoch,
+                version=gone.version,
                 org="org-a",
                 org_cap=0,
                 owner="cp-a",
@@ -823,7 +1009,12 @@ class StoreContract:
             )
             assert any_.worker is None
         rebind = make_claim(gone, "c-2", T0 + 52)
-        assert await store.bind(gone.id, epoch=gone.epoch, claim=rebind, now=T0 + 52) is None
+        assert (
+            await store.bind(
+                gone.id, epoch=gone.epoch, version=gone.version, claim=rebind, now=T0 + 52
+            )
+            is None
+        )
         ended = await store.end_claim(
             claim.id, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, now=T0 + 53
         )
@@ -838,7 +1029,14 @@ class StoreContract:
     ) -> None:
         w = await fleet.warm()
         result = await store.reserve(
-            w.id, expect=S.WARM, epoch=w.epoch, org="org-a", org_cap=2, owner="cp-b", now=T0 + 50
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org="org-a",
+            org_cap=2,
+            owner="cp-b",
+            now=T0 + 50,
         )
         r = must(result.worker)
         assert not result.at_org_cap
@@ -857,6 +1055,7 @@ class StoreContract:
             warm.id,
             expect=S.WARM,
             epoch=warm.epoch,
+            version=warm.version,
             org="org-a",
             org_cap=0,
             owner="cp-b",
@@ -885,11 +1084,25 @@ class StoreContract:
         w = await fleet.warm()
         for expect, epoch in ((S.WARM, w.epoch + 1), (S.HOT_IDLE, w.epoch)):
             result = await store.reserve(
-                w.id, expect=expect, epoch=epoch, org="org-a", org_cap=0, owner="cp-a", now=T0 + 50
+                w.id,
+                expect=expect,
+                epoch=epoch,
+                version=w.version,
+                org="org-a",
+                org_cap=0,
+                owner="cp-a",
+                now=T0 + 50,
             )
             assert (result.worker, result.at_org_cap) == (None, False)
         result = await store.reserve(
-            "nobody", expect=S.WARM, epoch=0, org="org-a", org_cap=1, owner="cp-a", now=T0 + 50
+            "nobody",
+            expect=S.WARM,
+            epoch=0,
+            version=0,
+            org="org-a",
+            org_cap=1,
+            owner="cp-a",
+            now=T0 + 50,
         )
         assert (result.worker, result.at_org_cap) == (None, False)
         assert await store.get_worker(w.id) == w
@@ -906,6 +1119,7 @@ class StoreContract:
                 w.id,
                 expect=expect,
                 epoch=w.epoch,
+                version=w.version,
                 org="org-a",
                 org_cap=0,
                 owner="cp-a",
@@ -923,6 +1137,7 @@ class StoreContract:
             idle.id,
             expect=S.HOT_IDLE,
             epoch=idle.epoch,
+            version=idle.version,
             org="org-b",
             org_cap=0,
             owner="cp-a",
@@ -934,6 +1149,7 @@ class StoreContract:
             idle.id,
             expect=S.HOT_IDLE,
             epoch=idle.epoch,
+            version=idle.version,
             org="org-a",
             org_cap=0,
             owner="cp-b",
@@ -955,17 +1171,38 @@ class StoreContract:
         await fleet.reserved("org-a", pool="q")  # another pool: not counted
         w = await fleet.warm()
         capped = await store.reserve(
-            w.id, expect=S.WARM, epoch=w.epoch, org="org-a", org_cap=2, owner="cp-a", now=T0 + 50
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org="org-a",
+            org_cap=2,
+            owner="cp-a",
+            now=T0 + 50,
         )
         assert (capped.worker, capped.at_org_cap) == (None, True)
         assert await store.get_worker(w.id) == w
         other = await store.reserve(
-            w.id, expect=S.WARM, epoch=w.epoch, org="org-b", org_cap=2, owner="cp-a", now=T0 + 51
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org="org-b",
+            org_cap=2,
+            owner="cp-a",
+            now=T0 + 51,
         )
         assert must(other.worker).org == "org-b"
         w2 = await fleet.warm()
         roomier = await store.reserve(
-            w2.id, expect=S.WARM, epoch=w2.epoch, org="org-a", org_cap=3, owner="cp-a", now=T0 + 52
+            w2.id,
+            expect=S.WARM,
+            epoch=w2.epoch,
+            version=w2.version,
+            org="org-a",
+            org_cap=3,
+            owner="cp-a",
+            now=T0 + 52,
         )
         assert must(roomier.worker).org == "org-a"
 
@@ -974,7 +1211,14 @@ class StoreContract:
             await fleet.reserved("org-a")
         w = await fleet.warm()
         result = await store.reserve(
-            w.id, expect=S.WARM, epoch=w.epoch, org="org-a", org_cap=0, owner="cp-a", now=T0 + 50
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org="org-a",
+            org_cap=0,
+            owner="cp-a",
+            now=T0 + 50,
         )
         assert must(result.worker).state is S.RESERVED
 
@@ -987,6 +1231,7 @@ class StoreContract:
             idle.id,
             expect=S.HOT_IDLE,
             epoch=idle.epoch,
+            version=idle.version,
             org="org-a",
             org_cap=2,
             owner="cp-a",
@@ -1078,7 +1323,9 @@ class StoreContract:
     ) -> None:
         a = await fleet.activating("org-a")
         claim = make_claim(a, "c-1", T0 + 50)
-        hot = must(await store.bind(a.id, epoch=a.epoch, claim=claim, now=T0 + 50))
+        hot = must(
+            await store.bind(a.id, epoch=a.epoch, version=a.version, claim=claim, now=T0 + 50)
+        )
         assert (hot.state, hot.claim_id, hot.epoch, hot.org, hot.idle_since) == (
             S.HOT,
             "c-1",
@@ -1093,14 +1340,27 @@ class StoreContract:
         a = await fleet.activating("org-a")
         r = await fleet.reserved("org-a")
         stale = make_claim(a, "c-1", T0 + 50).evolve(worker_epoch=a.epoch + 1)
-        assert await store.bind(a.id, epoch=a.epoch + 1, claim=stale, now=T0 + 50) is None
+        assert (
+            await store.bind(a.id, epoch=a.epoch + 1, version=a.version, claim=stale, now=T0 + 50)
+            is None
+        )
         foreign = make_claim(a, "c-2", T0 + 50, org="org-b")
-        assert await store.bind(a.id, epoch=a.epoch, claim=foreign, now=T0 + 50) is None
+        assert (
+            await store.bind(a.id, epoch=a.epoch, version=a.version, claim=foreign, now=T0 + 50)
+            is None
+        )
         early = make_claim(r, "c-3", T0 + 50)
-        assert await store.bind(r.id, epoch=r.epoch, claim=early, now=T0 + 50) is None
+        assert (
+            await store.bind(r.id, epoch=r.epoch, version=r.version, claim=early, now=T0 + 50)
+            is None
+        )
         assert (
             await store.bind(
-                "nobody", epoch=r.epoch, claim=early.evolve(worker_id="nobody"), now=T0
+                "nobody",
+                epoch=r.epoch,
+                version=r.version,
+                claim=early.evolve(worker_id="nobody"),
+                now=T0,
             )
             is None
         )
@@ -1119,7 +1379,7 @@ class StoreContract:
             make_claim(a, "c-1", T0 + 50).evolve(state=ClaimState.RELEASED),
         ):
             with pytest.raises(ValueError):
-                await store.bind(a.id, epoch=a.epoch, claim=claim, now=T0 + 50)
+                await store.bind(a.id, epoch=a.epoch, version=a.version, claim=claim, now=T0 + 50)
         assert await store.get_claim("c-1") is None
         assert await store.get_worker(a.id) == a
 
@@ -1130,7 +1390,7 @@ class StoreContract:
         a = await fleet.activating("org-a")
         dup = make_claim(a, claim.id, T0 + 50)
         with pytest.raises(StoreError):
-            await store.bind(a.id, epoch=a.epoch, claim=dup, now=T0 + 50)
+            await store.bind(a.id, epoch=a.epoch, version=a.version, claim=dup, now=T0 + 50)
         assert await store.get_worker(a.id) == a  # still activating: the worker write rolled back
         assert await store.get_claim(claim.id) == claim
 
@@ -1203,7 +1463,13 @@ class StoreContract:
         hot, claim = await fleet.hot("org-a")
         bumped = must(
             await store.transition(
-                hot.id, expect=S.HOT, epoch=hot.epoch, to=S.HOT, now=T0 + 50, bump_epoch=True
+                hot.id,
+                expect=S.HOT,
+                epoch=hot.epoch,
+                version=hot.version,
+                to=S.HOT,
+                now=T0 + 50,
+                bump_epoch=True,
             )
         )
         missed = await store.end_claim(
@@ -1218,6 +1484,7 @@ class StoreContract:
                 hot2.id,
                 expect=S.HOT,
                 epoch=hot2.epoch,
+                version=hot2.version,
                 to=S.DRAINING,
                 now=T0 + 52,
                 changes={"reason": "lost"},
@@ -1263,9 +1530,19 @@ class StoreContract:
         assert await store.get_claim(claim.id) == claim
         assert await store.get_worker(hot.id) == hot
 
-    async def test_fail_claim_only_while_bound(self, store: Store, fleet: Fleet) -> None:
+    async def test_a_claim_fails_only_while_bound(self, store: Store, fleet: Fleet) -> None:
+        # A claim fails in the write that drains its worker (never one alone, I6).
         hot, claim = await fleet.hot("org-a")
-        failed = must(await store.fail_claim(claim.id, now=T0 + 50, reason="lost"))
+        failed, drained = must(
+            await store.end_claim(
+                claim.id,
+                state=ClaimState.FAILED,
+                worker_to=S.DRAINING,
+                now=T0 + 50,
+                reason="lost",
+                worker_changes={"reason": "lost"},
+            )
+        )
         assert (failed.state, failed.reason, failed.ended_at, failed.updated_at) == (
             ClaimState.FAILED,
             "lost",
@@ -1273,10 +1550,19 @@ class StoreContract:
             T0 + 50,
         )
         assert await store.get_claim(claim.id) == failed
-        assert await store.fail_claim(claim.id, now=T0 + 51, reason="again") is None
+        again = await store.end_claim(
+            claim.id, state=ClaimState.FAILED, worker_to=S.DRAINING, now=T0 + 51, reason="again"
+        )
+        assert again is None
         assert await store.get_claim(claim.id) == failed
-        assert await store.fail_claim("nobody", now=T0, reason="x") is None
-        assert await store.get_worker(hot.id) == hot  # the worker is someone else's business
+        assert (
+            await store.end_claim(
+                "nobody", state=ClaimState.FAILED, worker_to=S.DRAINING, now=T0, reason="x"
+            )
+            is None
+        )
+        assert (drained.state, drained.reason, drained.claim_id) == (S.DRAINING, "lost", None)
+        assert await store.get_worker(hot.id) == drained
 
     async def test_renew_claim_only_while_bound(self, store: Store, fleet: Fleet) -> None:
         _, claim = await fleet.hot("org-a")
@@ -1538,17 +1824,18 @@ class StoreContract:
     ) -> None:
         fleet = Fleet(store, prefix=f"h-{uuid.uuid4().hex[:8]}")
         (w,) = await fleet.spawning()
-        state, epoch, activated = S.SPAWNING, 0, False
+        state, epoch, version, activated = S.SPAWNING, 0, w.version, False
         for _ in range(data.draw(st.integers(1, 12), label="steps")):
             to = data.draw(st.sampled_from(list(S)), label="to")
             expect = data.draw(st.sampled_from([state, state, *S]), label="expect")
             seen = data.draw(st.sampled_from([epoch, epoch, epoch - 1, epoch + 1]), label="epoch")
+            read = data.draw(st.sampled_from([version, version, version - 1]), label="version")
             bump = data.draw(st.booleans(), label="bump")
             now = fleet.tick()
             outcome: str
             if to not in TRANSITIONS[expect] and (to is not expect or expect in TERMINAL):
                 outcome = "illegal"
-            elif (expect, seen) != (state, epoch):
+            elif (expect, seen, read) != (state, epoch, version):
                 outcome = "miss"
             else:
                 try:
@@ -1562,6 +1849,7 @@ class StoreContract:
                     w.id,
                     expect=expect,
                     epoch=seen,
+                    version=read,
                     to=to,
                     now=now,
                     bump_epoch=bump,
@@ -1573,10 +1861,16 @@ class StoreContract:
                 assert outcome == ("ok" if new is not None else "miss")
                 if new is not None:
                     epoch += 1 if bump else 0
+                    version += 1  # every write, the same-state ones too
                     activated = activated or to is S.ACTIVATING
                     state = to
             row = must(await store.get_worker(w.id))
-            assert (row.state, row.epoch, row.activated) == (state, epoch, activated)
+            assert (row.state, row.epoch, row.version, row.activated) == (
+                state,
+                epoch,
+                version,
+                activated,
+            )
 
     # -- concurrency (several instances on one database) ---------------------------------------
 
@@ -1591,6 +1885,7 @@ class StoreContract:
                 w.id,
                 expect=S.WARM,
                 epoch=w.epoch,
+                version=w.version,
                 to=S.DRAINING,
                 now=T0 + 100 + i,
                 changes={"reason": f"by-{i}"},
@@ -1601,17 +1896,55 @@ class StoreContract:
                 w.id,
                 expect=S.DRAINING,
                 epoch=w.epoch,
+                version=drained.version,
                 to=S.DRAINING,
                 now=T0 + 200 + i,
                 bump_epoch=True,
             )
 
+        drained = w
         for attempt in (drain, bump):
             results = await asyncio.gather(*(attempt(i) for i in range(30)))
             winners = [r for r in results if r is not None]
             assert len(winners) == 1
             assert await store.get_worker(w.id) == winners[0]
+            drained = winners[0]
         assert must(await store.get_worker(w.id)).epoch == w.epoch + 1
+
+    async def test_a_same_state_write_from_one_read_has_one_winner(
+        self, store: Store, make_store: MakeStore, fleet: Fleet
+    ) -> None:
+        """Two janitors adopt the same orphan from one snapshot: neither changes the state,
+        and still only the first write lands (the other's read is stale by then)."""
+        replicas = await self.replicas(store, make_store, n=2)
+        orphans = [await fleet.warm(), (await fleet.hot("org-a"))[0], await fleet.hot_idle("org-b")]
+        for orphan in orphans:
+
+            async def adopt(i: int, orphan: Worker = orphan) -> Worker | None:
+                return await replicas[i].transition(
+                    orphan.id,
+                    expect=orphan.state,
+                    epoch=orphan.epoch,
+                    version=orphan.version,
+                    to=orphan.state,
+                    now=T0 + 100 + i,
+                    changes={"owner": f"cp-{i}"},
+                )
+
+            results = await asyncio.gather(adopt(0), adopt(1))
+            winners = [r for r in results if r is not None]
+            assert len(winners) == 1
+            (won,) = winners
+            assert (won.state, won.epoch, won.version) == (
+                orphan.state,
+                orphan.epoch,
+                orphan.version + 1,
+            )
+            assert await store.get_worker(orphan.id) == won
+            # The loser, run again from the same read, still misses.
+            loser = results.index(None)
+            assert await adopt(loser) is None
+            assert await store.get_worker(orphan.id) == won
 
     async def test_50_claims_across_3_replicas_never_double_assign(
         self, store: Store, make_store: MakeStore, fleet: Fleet
@@ -1627,6 +1960,7 @@ class StoreContract:
                     target.id,
                     expect=S.WARM,
                     epoch=target.epoch,
+                    version=target.version,
                     org=org,
                     org_cap=1,
                     owner=f"cp-{i % 3}",

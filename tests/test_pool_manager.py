@@ -539,7 +539,12 @@ async def test_runtime_objects_without_a_live_row_are_stopped(tmp_path: Path) ->
         assert len(warm) == 3
         gone = warm[0]
         retired = await h.store.transition(
-            gone.id, expect=S.WARM, epoch=gone.epoch, to=S.RETIRED, now=h.clock.now()
+            gone.id,
+            expect=S.WARM,
+            epoch=gone.epoch,
+            version=gone.version,
+            to=S.RETIRED,
+            now=h.clock.now(),
         )
         assert retired is not None and gone.id in h.runtime.alive()
         h.runtime.procs["w-stray"] = FakeProcess("w-stray", "p")

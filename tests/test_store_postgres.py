@@ -147,7 +147,14 @@ async def test_no_lock_outlives_its_transaction(
     assert len((await store.reserve_spawn_slots(req, ["s-1", "s-2"], T0 + 50)).workers) == 2
     w = await fleet.warm()
     reserved = await store.reserve(
-        w.id, expect=S.WARM, epoch=w.epoch, org="org-a", org_cap=5, owner="cp-a", now=T0 + 51
+        w.id,
+        expect=S.WARM,
+        epoch=w.epoch,
+        version=w.version,
+        org="org-a",
+        org_cap=5,
+        owner="cp-a",
+        now=T0 + 51,
     )
     assert reserved.worker is not None
     picked = await store.reserve_any(
@@ -228,7 +235,9 @@ async def test_a_lost_connection_is_a_store_error_and_the_pool_recovers(
     )
     assert killed == [(True,)]
     with pytest.raises(StoreError):
-        await store.transition(w.id, expect=S.WARM, epoch=w.epoch, to=S.DRAINING, now=T0 + 50)
+        await store.transition(
+            w.id, expect=S.WARM, epoch=w.epoch, version=w.version, to=S.DRAINING, now=T0 + 50
+        )
     assert await store.get_worker(w.id) == w  # a fresh connection, and nothing was written
 
 
@@ -256,7 +265,13 @@ async def test_a_failed_claim_write_rolls_the_worker_back(
             claim.id, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, now=T0 + 50
         )
     with pytest.raises(StoreError, match="injected failure"):
-        await store.bind(a.id, epoch=a.epoch, claim=make_claim(a, "c-new", T0 + 51), now=T0 + 51)
+        await store.bind(
+            a.id,
+            epoch=a.epoch,
+            version=a.version,
+            claim=make_claim(a, "c-new", T0 + 51),
+            now=T0 + 51,
+        )
     assert await store.get_worker(hot.id) == hot
     assert await store.get_claim(claim.id) == claim
     assert await store.get_worker(a.id) == a

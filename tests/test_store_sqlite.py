@@ -120,7 +120,12 @@ async def test_a_full_disk_is_a_store_error_and_changes_nothing(tmp_path: Path) 
             await store.reserve_spawn_slots(spawn_req(count=200, owner="o" * 1000), ids, T0 + 1)
         assert await store.list_workers() == [w]
         moved = await store.transition(
-            "w-1", expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.RETIRED, now=T0 + 2
+            "w-1",
+            expect=WorkerState.SPAWNING,
+            epoch=0,
+            version=0,
+            to=WorkerState.RETIRED,
+            now=T0 + 2,
         )
         assert moved is not None and moved.state is WorkerState.RETIRED
     finally:
@@ -137,14 +142,25 @@ async def test_listings_follow_every_change_to_the_workers(tmp_path: Path) -> No
     try:
         (w,) = (await a.reserve_spawn_slots(spawn_req(), ["w1"], T0)).workers
         assert [x.state for x in await a.list_workers()] == [WorkerState.SPAWNING]
-        await a.transition(
-            "w1", expect=WorkerState.SPAWNING, epoch=w.epoch, to=WorkerState.WARM, now=T0
+        warm = await a.transition(
+            "w1",
+            expect=WorkerState.SPAWNING,
+            epoch=w.epoch,
+            version=w.version,
+            to=WorkerState.WARM,
+            now=T0,
         )
+        assert warm is not None
         assert [x.state for x in await a.list_workers()] == [WorkerState.WARM]
         a.db.execute("UPDATE workers SET owner = 'cp-z' WHERE id = 'w1'")
         assert [x.owner for x in await a.list_workers()] == ["cp-z"]
         await b.transition(
-            "w1", expect=WorkerState.WARM, epoch=w.epoch, to=WorkerState.RETIRED, now=T0 + 1
+            "w1",
+            expect=WorkerState.WARM,
+            epoch=w.epoch,
+            version=warm.version,
+            to=WorkerState.RETIRED,
+            now=T0 + 1,
         )
         assert [x.state for x in await a.list_workers()] == [WorkerState.RETIRED]
         assert await a.count_workers() == []
@@ -184,7 +200,9 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
     live_sql = f"state IN {LIVE_SQL}"
     try:
         for step in range(300):
-            rows = a.db.execute(f"SELECT id, state, epoch FROM workers WHERE {live_sql}").fetchall()
+            rows = a.db.execute(
+                f"SELECT id, state, epoch, version FROM workers WHERE {live_sql}"
+            ).fetchall()
             op = rng.choice(["spawn", "spawn", "move", "move", "other", "rollback", "raw"])
             if op == "spawn" or not rows:
                 owner = rng.choice(["cp-a", "cp-b"])
@@ -193,7 +211,7 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
                     spawn_req(owner=owner, count=2, **where), [f"w{step}a", f"w{step}b"], T0 + step
                 )
             else:
-                wid, state, epoch = rng.choice(rows)
+                wid, state, epoch, version = rng.choice(rows)
                 nxt = rng.choice(sorted(TRANSITIONS[WorkerState(state)] - {WorkerState.ACTIVATING}))
                 changes = {"org": None} if nxt is WorkerState.WARM else {}
                 store = b if op == "other" else a
@@ -210,6 +228,7 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
                             wid,
                             expect=WorkerState(state),
                             epoch=epoch,
+                            version=version,
                             to=nxt,
                             now=T0 + step,
                             changes=changes,
@@ -262,7 +281,7 @@ def _moved(
     store: SqliteStore, wid: str, to: WorkerState, now: float = T0 + 1
 ) -> Awaitable[Worker | None]:
     """A worker of `_spawning` moved on to `to`."""
-    return store.transition(wid, expect=WorkerState.SPAWNING, epoch=0, to=to, now=now)
+    return store.transition(wid, expect=WorkerState.SPAWNING, epoch=0, version=0, to=to, now=now)
 
 
 def _on_disk(path: str) -> dict[str, str]:
@@ -362,6 +381,7 @@ async def test_a_reservation_moves_on_to_activating_in_its_own_write(tmp_path: P
             wid,
             expect=WorkerState.WARM,
             epoch=ready.epoch,
+            version=ready.version,
             org="acme",
             org_cap=0,
             owner="cp-a",
@@ -417,10 +437,13 @@ async def test_a_full_disk_in_a_batch_tells_every_writer_the_truth(tmp_path: Pat
                 assert result is not None and states[wid] == "draining"
         # The store goes on: a later write opens a batch of its own.
         store.db.execute("PRAGMA max_page_count = 1000000")
+        row = await store.get_worker(first)
+        assert row is not None
         later = await store.transition(
             first,
             expect=WorkerState(states[first]),
             epoch=0,
+            version=row.version,
             to=WorkerState.RETIRED,
             now=T0 + 2,
         )

@@ -38,6 +38,7 @@ WORKER_COLUMNS = (
     "owner",
     "created_at",
     "updated_at",
+    "version",
     "org",
     "claim_id",
     "endpoint",
@@ -83,6 +84,7 @@ def worker_from_row(row: Sequence[Any]) -> Worker:
         owner,
         created_at,
         updated_at,
+        version,
         org,
         claim_id,
         endpoint,
@@ -102,6 +104,7 @@ def worker_from_row(row: Sequence[Any]) -> Worker:
         owner=owner,
         created_at=float(created_at),
         updated_at=float(updated_at),
+        version=int(version),
         org=org,
         claim_id=claim_id,
         endpoint=endpoint,
@@ -125,6 +128,7 @@ def worker_to_row(w: Worker) -> tuple[Any, ...]:
         w.owner,
         w.created_at,
         w.updated_at,
+        w.version,
         w.org,
         w.claim_id,
         w.endpoint,
@@ -298,6 +302,11 @@ def checked_changes(current: Worker, to: WorkerState, changes: Mapping[str, Any]
     if to is WorkerState.WARM and out.get("org", current.org) is not None:
         raise IllegalTransition(f"a warm worker is neutral: clear the org of {current.id}")
     return out
+
+
+def matches(current: Worker, state: WorkerState, epoch: int, version: int) -> bool:
+    """True when the row read is the one a caller's compare-and-set expects."""
+    return current.state is state and current.epoch == epoch and current.version == version
 
 
 def check_claim_for(worker_id: str, epoch: int, claim: Claim) -> None:

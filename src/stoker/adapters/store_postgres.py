@@ -7,10 +7,9 @@ with `prepare_threshold=None`.
 
 Concurrency, in READ COMMITTED:
 
-- Every worker write is a CAS `UPDATE ... WHERE id AND state AND epoch`, checked against
-  the transition table in Python first. When a check reads more of the row than the CAS
-  key (org, activated), those values join the WHERE clause, so the row cannot change
-  between the check and the write.
+- Every worker write is a CAS `UPDATE ... WHERE id AND version`, checked against the
+  transition table in Python first. Every write bumps the version, so the row cannot
+  change between the check (which reads org and activated too) and the write.
 - Caps and targets are counts. Whatever adds to a count (spawn slots, reserving a warm
   worker for an org) first takes `pg_advisory_xact_lock` on the pool and/or the (pool, org)
   in a statement of its own: a statement's snapshot is taken when it starts, so the count
@@ -59,6 +58,7 @@ from stoker.adapters._rows import (
     dump_json,
     instance_from_row,
     lease_from_row,
+    matches,
     spawn_room,
     spawning_workers,
     worker_from_row,
@@ -177,6 +177,13 @@ def _migrations(s: str) -> list[tuple[int, list[str]]]:
                 f"DROP INDEX {s}.claims_worker",
             ],
         ),
+        (
+            4,
+            [
+                # Every worker write compares and bumps the row version (a CAS on the row).
+                f"ALTER TABLE {s}.workers ADD COLUMN version bigint NOT NULL DEFAULT 0",
+            ],
+        ),
     ]
 
 
@@ -239,7 +246,8 @@ class PostgresStore:
         self._reserve_sql_by_id = {
             expect: self._reserve_sql(
                 f"SELECT id, pool FROM {self._workers} "
-                "WHERE id = %(id)s AND state = %(expect)s AND epoch = %(epoch)s"
+                "WHERE id = %(id)s AND state = %(expect)s AND epoch = %(epoch)s "
+                "AND version = %(version)s"
                 + (" AND org = %(org)s" if expect is WorkerState.HOT_IDLE else "")
                 + " FOR UPDATE"
             )
@@ -368,20 +376,24 @@ class PostgresStore:
     ) -> Worker | None:
         """Write a checked transition of `current` (as read); None if the row moved meanwhile.
 
-        The checks read `org` and `activated` too, so they are part of the compare.
+        The compare is on the version, which every write bumps: the checks read `org` and
+        `activated` too, and those cannot have changed either.
         """
         fields = checked_changes(current, to, changes)
-        sets = ["state = %s", "epoch = %s", "updated_at = %s"]
-        params: list[Any] = [to.value, current.epoch + 1 if bump_epoch else current.epoch, now]
+        sets = ["state = %s", "epoch = %s", "version = %s", "updated_at = %s"]
+        params: list[Any] = [
+            to.value,
+            current.epoch + 1 if bump_epoch else current.epoch,
+            current.version + 1,
+            now,
+        ]
         for name, value in fields.items():
             # `name` is one of MUTABLE_WORKER_FIELDS (checked above): safe to interpolate.
             sets.append(f"{name} = %s::jsonb" if name in _JSON_COLUMNS else f"{name} = %s")
             params.append(column_value(name, value))
-        params += [current.id, current.state.value, current.epoch, current.org, current.activated]
+        params += [current.id, current.version]
         cur = await conn.execute(
-            f"UPDATE {self._workers} SET {', '.join(sets)} "
-            "WHERE id = %s AND state = %s AND epoch = %s "
-            "AND org IS NOT DISTINCT FROM %s AND activated = %s "
+            f"UPDATE {self._workers} SET {', '.join(sets)} WHERE id = %s AND version = %s "
             f"RETURNING {WORKER_SELECT}",
             params,
         )
@@ -436,17 +448,19 @@ class PostgresStore:
         *,
         expect: WorkerState,
         epoch: int,
+        version: int,
         to: WorkerState,
         now: float,
         bump_epoch: bool = False,
         changes: Mapping[str, Any] | None = None,
     ) -> Worker | None:
-        """CAS `(id, expect, epoch)` -> `to`; None on a miss (two statements, no transaction)."""
+        """CAS `(id, expect, epoch, version)` -> `to`; None on a miss (two statements, no
+        transaction)."""
         # Illegal moves and unknown fields raise even when the row would not match.
         check_move(expect, to, changes or {})
         async with self._connection() as conn:
             current = await self._read_worker(conn, worker_id)
-            if current is None or current.state is not expect or current.epoch != epoch:
+            if current is None or not matches(current, expect, epoch, version):
                 return None
             return await self._cas(
                 conn, current, to=to, now=now, bump_epoch=bump_epoch, changes=changes or {}
@@ -466,7 +480,8 @@ class PostgresStore:
             f"SELECT count(*) AS n FROM {w} AS x JOIN picked ON x.pool = picked.pool "
             f"WHERE x.org = %(org)s AND x.state IN {LIVE_SQL}), "
             "moved AS ("
-            f"UPDATE {w} AS w SET state = 'reserved', epoch = w.epoch + 1, org = %(org)s, "
+            f"UPDATE {w} AS w SET state = 'reserved', epoch = w.epoch + 1, "
+            "version = w.version + 1, org = %(org)s, "
             "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s "
             "FROM picked WHERE w.id = picked.id AND w.state = %(expect)s "
             "AND (%(cap)s = 0 OR (SELECT n FROM live) < %(cap)s) "
@@ -503,6 +518,7 @@ class PostgresStore:
         *,
         expect: WorkerState,
         epoch: int,
+        version: int,
         org: str,
         org_cap: int,
         owner: str,
@@ -519,6 +535,7 @@ class PostgresStore:
             "id": worker_id,
             "expect": expect.value,
             "epoch": epoch,
+            "version": version,
             "org": org,
             "owner": owner,
             "now": now,
@@ -530,7 +547,7 @@ class PostgresStore:
                 # The lock is per (pool, org): read the pool first (a worker's pool never
                 # changes), and skip the transaction when the CAS would miss anyway.
                 current = await self._read_worker(conn, worker_id)
-                if current is None or current.state is not expect or current.epoch != epoch:
+                if current is None or not matches(current, expect, epoch, version):
                     return ReserveResult(None)
                 lock = lock_key(self.schema, "org", current.pool, org)
             return await self._reserve(conn, self._reserve_sql_by_id[expect], params, lock=lock)
@@ -604,14 +621,16 @@ class PostgresStore:
 
     # -- claims ---------------------------------------------------------------------------
 
-    async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
+    async def bind(
+        self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
+    ) -> Worker | None:
         """activating -> hot and insert the claim, in one transaction."""
         check_claim_for(worker_id, epoch, claim)
         async with self._tx() as conn:
             current = await self._read_worker(conn, worker_id, lock=True)
-            if current is None or current.state is not WorkerState.ACTIVATING:
+            if current is None or not matches(current, WorkerState.ACTIVATING, epoch, version):
                 return None
-            if current.epoch != epoch or current.org != claim.org:
+            if current.org != claim.org:
                 return None
             worker = await self._cas(
                 conn,
@@ -682,27 +701,14 @@ class PostgresStore:
                 raise StoreError(f"claim {claim_id} vanished while ending it")
             return claim_from_row(ended), worker
 
-    async def _end_or_renew(self, sets: str, params: Sequence[Any]) -> Claim | None:
-        row = await self._one(
-            f"UPDATE {self._claims} SET {sets} WHERE id = %s AND state = %s "
-            f"RETURNING {CLAIM_SELECT}",
-            params,
-        )
-        return claim_from_row(row) if row else None
-
-    async def fail_claim(self, claim_id: str, *, now: float, reason: str) -> Claim | None:
-        """Mark a bound claim failed."""
-        return await self._end_or_renew(
-            "state = %s, updated_at = %s, ended_at = %s, reason = %s",
-            (ClaimState.FAILED.value, now, now, reason, claim_id, ClaimState.BOUND.value),
-        )
-
     async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
         """Extend a bound claim's lease."""
-        return await self._end_or_renew(
-            "expires_at = %s, updated_at = %s",
+        row = await self._one(
+            f"UPDATE {self._claims} SET expires_at = %s, updated_at = %s "
+            f"WHERE id = %s AND state = %s RETURNING {CLAIM_SELECT}",
             (expires_at, now, claim_id, ClaimState.BOUND.value),
         )
+        return claim_from_row(row) if row else None
 
     async def get_claim(self, claim_id: str) -> Claim | None:
         """One claim."""

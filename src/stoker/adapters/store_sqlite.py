@@ -34,6 +34,7 @@ from stoker.adapters._rows import (
     dump_json,
     instance_from_row,
     lease_from_row,
+    matches,
     spawn_room,
     spawning_workers,
     worker_from_row,
@@ -149,6 +150,13 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "DROP INDEX workers_pool_org",
             "DROP INDEX workers_state",
             "CREATE INDEX workers_live ON workers (state, pool, revision)",
+        ],
+    ),
+    (
+        5,
+        [
+            # Every worker write compares and bumps the row version (a CAS on the row).
+            "ALTER TABLE workers ADD COLUMN version INTEGER NOT NULL DEFAULT 0",
         ],
     ),
 ]
@@ -560,23 +568,24 @@ class SqliteStore:
         bump_epoch: bool,
         changes: Mapping[str, Any],
     ) -> Worker | None:
-        """Apply a checked transition to `current` (already read in this transaction)."""
+        """Apply a checked transition to `current` (already read in this transaction),
+        bumping its version."""
         changes = checked_changes(current, to, changes)
         new = current.evolve(
             state=to,
             epoch=current.epoch + 1 if bump_epoch else current.epoch,
+            version=current.version + 1,
             updated_at=now,
             **changes,
         )
-        sets = ["state = ?", "epoch = ?", "updated_at = ?"]
-        params: list[Any] = [to.value, new.epoch, now]
+        sets = ["state = ?", "epoch = ?", "version = ?", "updated_at = ?"]
+        params: list[Any] = [to.value, new.epoch, new.version, now]
         for name, value in changes.items():
             sets.append(f"{name} = ?")
             params.append(column_value(name, value))
-        params += [current.id, current.state.value, current.epoch]
+        params += [current.id, current.version]
         cur = db.execute(
-            f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND state = ? AND epoch = ?",
-            params,
+            f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND version = ?", params
         )
         return new if cur.rowcount == 1 else None
 
@@ -586,17 +595,18 @@ class SqliteStore:
         *,
         expect: WorkerState,
         epoch: int,
+        version: int,
         to: WorkerState,
         now: float,
         bump_epoch: bool = False,
         changes: Mapping[str, Any] | None = None,
     ) -> Worker | None:
-        """CAS `(id, expect, epoch)` -> `to`; None on a miss."""
+        """CAS `(id, expect, epoch, version)` -> `to`; None on a miss."""
         # Illegal moves and unknown fields raise even when the row would not match.
         check_move(expect, to, changes or {})
         async with self._tx() as db:
             current = self._get(db, worker_id)
-            if current is None or current.state is not expect or current.epoch != epoch:
+            if current is None or not matches(current, expect, epoch, version):
                 return None
             return self._cas(
                 db, current, to=to, now=now, bump_epoch=bump_epoch, changes=changes or {}
@@ -646,6 +656,7 @@ class SqliteStore:
         *,
         expect: WorkerState,
         epoch: int,
+        version: int,
         org: str,
         org_cap: int,
         owner: str,
@@ -657,7 +668,7 @@ class SqliteStore:
         check_reservable(expect)
         async with self._tx() as db:
             current = self._get(db, worker_id)
-            if current is None or current.state is not expect or current.epoch != epoch:
+            if current is None or not matches(current, expect, epoch, version):
                 return ReserveResult(None)
             return self._reserve_row(db, current, org, org_cap, owner, now, activate)
 
@@ -778,14 +789,16 @@ class SqliteStore:
         row = db.execute(f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,)).fetchone()
         return claim_from_row(row) if row else None
 
-    async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
+    async def bind(
+        self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
+    ) -> Worker | None:
         """activating -> hot and insert the claim, atomically."""
         check_claim_for(worker_id, epoch, claim)
         async with self._tx() as db:
             current = self._get(db, worker_id)
-            if current is None or current.state is not WorkerState.ACTIVATING:
+            if current is None or not matches(current, WorkerState.ACTIVATING, epoch, version):
                 return None
-            if current.epoch != epoch or current.org != claim.org:
+            if current.org != claim.org:
                 return None
             worker = self._cas(
                 db,
@@ -842,21 +855,6 @@ class SqliteStore:
                 (state.value, now, now, reason, claim_id, ClaimState.BOUND.value),
             )
             return ended, worker
-
-    async def fail_claim(self, claim_id: str, *, now: float, reason: str) -> Claim | None:
-        """Mark a bound claim failed."""
-        async with self._tx() as db:
-            claim = self._get_claim(db, claim_id)
-            if claim is None or claim.state is not ClaimState.BOUND:
-                return None
-            db.execute(
-                "UPDATE claims SET state = ?, updated_at = ?, ended_at = ?, reason = ? "
-                "WHERE id = ? AND state = ?",
-                (ClaimState.FAILED.value, now, now, reason, claim_id, ClaimState.BOUND.value),
-            )
-            return claim.evolve(
-                state=ClaimState.FAILED, updated_at=now, ended_at=now, reason=reason
-            )
 
     async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
         """Extend a bound claim's lease (one statement: it returns the row it changed)."""

@@ -5,11 +5,14 @@ plane reads the store and asks the lifecycle to write (tests/test_store_writer_r
 checks). Every write goes to the store first (persist before mutate). A write that fails keeps the
 worker in its old state: the caller gets None, `stoker_persist_failures` counts it, and the
 next pass retries. A CAS that finds the row changed also returns None and counts a fence
-miss. On success one structured log line records the change.
+miss. Every write carries the version of the record it was decided on, so a decision made
+from a stale read misses even when it keeps the state. On success one structured log line
+records the change.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +43,8 @@ class Lifecycle:
         self._writer = writer
         self.clock = clock
         self.metrics = metrics
+        #: The last heartbeat of each activating worker (in flight or written), by id.
+        self._beats: dict[str, asyncio.Future[Worker | None]] = {}
 
     def _persist_failed(self, label: str, exc: StoreError) -> None:
         self.metrics.persist_failures.labels(label).inc()
@@ -74,6 +79,7 @@ class Lifecycle:
                 worker.id,
                 expect=worker.state,
                 epoch=worker.epoch,
+                version=worker.version,
                 to=to,
                 now=self.clock.now(),
                 bump_epoch=bump_epoch,
@@ -86,6 +92,8 @@ class Lifecycle:
             self._fence_missed(_label(worker.state, to))
             return None
         if to is not worker.state:
+            if self._beats:
+                self._beats.pop(worker.id, None)  # its activation, if any, is over
             self._written(worker.state, new, changes.get("reason"))
         return new
 
@@ -110,6 +118,7 @@ class Lifecycle:
                 worker.id,
                 expect=worker.state,
                 epoch=worker.epoch,
+                version=worker.version,
                 org=org,
                 org_cap=org_cap,
                 owner=owner,
@@ -168,8 +177,16 @@ class Lifecycle:
         """activating -> hot with the claim inserted, atomically."""
         try:
             new = await self._writer.bind(
-                worker.id, epoch=worker.epoch, claim=claim, now=self.clock.now()
+                worker.id,
+                epoch=worker.epoch,
+                version=worker.version,
+                claim=claim,
+                now=self.clock.now(),
             )
+            if new is None:
+                new = await self._bind_after_heartbeat(worker, claim)
+            elif self._beats:
+                self._beats.pop(worker.id, None)
         except StoreError as exc:
             self._persist_failed(_BIND_LABEL, exc)
             return None
@@ -178,6 +195,28 @@ class Lifecycle:
             return None
         self._written(worker.state, new, None)
         return new
+
+    async def _bind_after_heartbeat(self, worker: Worker, claim: Claim) -> Worker | None:
+        """Bind once more after a miss if the activation's own heartbeat wrote the row
+        meanwhile (its write can land between the read of `worker` and the bind): on the
+        record that heartbeat wrote, still activating at the same epoch."""
+        beat = self._beats.pop(worker.id, None)
+        if beat is None:
+            return None
+        stamped = await asyncio.shield(beat)
+        if (
+            stamped is None
+            or stamped.version <= worker.version
+            or (stamped.state, stamped.epoch) != (WorkerState.ACTIVATING, worker.epoch)
+        ):
+            return None
+        return await self._writer.bind(
+            stamped.id,
+            epoch=stamped.epoch,
+            version=stamped.version,
+            claim=claim,
+            now=self.clock.now(),
+        )
 
     async def end_claim(
         self,
@@ -227,8 +266,21 @@ class Lifecycle:
         return await self.move(worker, worker.state, owner=owner)
 
     async def heartbeat(self, worker: Worker) -> Worker | None:
-        """Re-stamp `heartbeat_at` of an activating worker (keeps the stuck sweep away)."""
-        return await self.move(worker, worker.state, heartbeat_at=self.clock.now())
+        """Re-stamp `heartbeat_at` of an activating worker (keeps the stuck sweep away).
+
+        The record it writes is kept for the bind of the same activation (see `bind`) until
+        the worker leaves `activating`.
+        """
+        beat: asyncio.Future[Worker | None] = asyncio.get_running_loop().create_future()
+        self._beats[worker.id] = beat
+        stamped: Worker | None = None
+        try:
+            stamped = await self.move(worker, worker.state, heartbeat_at=self.clock.now())
+        finally:
+            beat.set_result(stamped)
+            if stamped is None and self._beats.get(worker.id) is beat:
+                del self._beats[worker.id]
+        return stamped
 
     def retired(self, worker: Worker) -> None:
         """Count a retirement by its reason (called once the row is terminal)."""

@@ -21,6 +21,9 @@ class Worker:
     owner: str
     created_at: float
     updated_at: float
+    #: The row version: every write of the row bumps it, and every write compares it (a
+    #: write from a stale read misses). `epoch` stays the fencing token of activations.
+    version: int = 0
     org: str | None = None
     claim_id: str | None = None
     endpoint: str | None = None

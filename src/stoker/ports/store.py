@@ -1,17 +1,20 @@
 """The Store port: durable state of workers, claims, replicas and leases.
 
-The store is the authority. Every worker state change is a compare-and-set on
-`(id, state, epoch)` checked against the transition table; a CAS that misses returns None
-and changes nothing. Terminal rows are never written again. Times are passed in by the
-caller (SQL never reads a clock), so the store runs unchanged on virtual time.
+The store is the authority. Every worker write is a compare-and-set on the row's
+`version`, which every write bumps (so two writers from one read cannot both win, even
+when neither changes the state), besides `(id, state, epoch)`, and is checked against the
+transition table; a CAS that misses returns None and changes nothing. `epoch` is the
+fencing token of activations: only a reservation bumps it. Terminal rows are never written
+again. Times are passed in by the caller (SQL never reads a clock), so the store runs
+unchanged on virtual time.
 
 The port has sides: `StoreReader` (gets, lists, counts), `StoreWriter` (every write of a
 worker or a claim, held by the lifecycle alone) and `ReplicaStore` (the reader plus what a
 replica writes about itself: registration, leases, demand, purge). `Store` is all of them,
 what an adapter implements.
 
-Adapters: `stoker.adapters.store_sqlite` and `stoker.adapters.store_postgres`; both pass
-the contract suite in `tests/store_contract.py`.
+Adapters: `stoker.adapters.sqlite` and `stoker.adapters.postgres`; both pass the contract
+suite in `tests/store_contract.py`.
 """
 
 from __future__ import annotations
@@ -172,15 +175,17 @@ class StoreWriter(Protocol):
         *,
         expect: WorkerState,
         epoch: int,
+        version: int,
         to: WorkerState,
         now: float,
         bump_epoch: bool = False,
         changes: Mapping[str, Any] | None = None,
     ) -> Worker | None:
-        """CAS `(id, expect, epoch)` -> `to` with `changes`; None on a miss.
+        """CAS `(id, expect, epoch, version)` -> `to` with `changes`; None on a miss.
 
         Raises `IllegalTransition` for a move the table forbids. `to == expect` updates
-        fields without a state change (adoption, endpoint, heartbeat).
+        fields without a state change (adoption, endpoint, heartbeat); it bumps the version
+        too, so of two such writes from one read only the first lands.
         """
         ...
 
@@ -190,13 +195,15 @@ class StoreWriter(Protocol):
         *,
         expect: WorkerState,
         epoch: int,
+        version: int,
         org: str,
         org_cap: int,
         owner: str,
         now: float,
         activate: bool = False,
     ) -> ReserveResult:
-        """CAS a `warm` or `hot_idle` worker to `reserved` for `org`, bumping its epoch.
+        """CAS a `warm` or `hot_idle` worker (`expect`, `epoch`, `version` as read) to
+        `reserved` for `org`, bumping its epoch.
 
         A warm worker is reserved only while the org holds fewer than `org_cap` live workers
         of its pool; a hot_idle worker must already belong to `org`.
@@ -220,13 +227,17 @@ class StoreWriter(Protocol):
         now: float,
         activate: bool = False,
     ) -> ReserveResult:
-        """Like `reserve`, for any matching worker of the pool revision (one round trip)."""
+        """Like `reserve`, for any matching worker of the pool revision (one round trip);
+        the CAS is on the version the store reads as it picks."""
         ...
 
     # -- claims ---------------------------------------------------------------------------
 
-    async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
-        """Atomically move an `activating` worker to `hot` and insert its bound claim."""
+    async def bind(
+        self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
+    ) -> Worker | None:
+        """Atomically move an `activating` worker (at `epoch` and `version`) to `hot` and
+        insert its bound claim."""
         ...
 
     async def end_claim(
@@ -242,12 +253,9 @@ class StoreWriter(Protocol):
         """Atomically end a bound claim and move its `hot` worker to `worker_to`.
 
         None when the claim is not bound any more or its worker is not the claim's hot
-        worker at the claim's epoch (then nothing changes).
+        worker at the claim's epoch (then nothing changes). The claim is the fence: the
+        worker write compares the version read with the claim, under its lock.
         """
-        ...
-
-    async def fail_claim(self, claim_id: str, *, now: float, reason: str) -> Claim | None:
-        """Mark a bound claim failed (its worker is gone); None if it was not bound."""
         ...
 
     async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:

@@ -114,9 +114,13 @@ class ObservedStore:
         self._written(cas["expect"], result.worker)
         return result
 
-    async def bind(self, worker_id: str, *, epoch: int, claim: Claim, now: float) -> Worker | None:
+    async def bind(
+        self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
+    ) -> Worker | None:
         """As `Store.bind`; the worker's move to hot and the claim reported."""
-        worker = await self.inner.bind(worker_id, epoch=epoch, claim=claim, now=now)
+        worker = await self.inner.bind(
+            worker_id, epoch=epoch, version=version, claim=claim, now=now
+        )
         if worker is not None:
             self._observer.claim_bound(self.replica, claim)
         self._written(WorkerState.ACTIVATING, worker)
@@ -127,13 +131,6 @@ class ObservedStore:
         claim = await self.inner.renew_claim(claim_id, expires_at=expires_at, now=now)
         if claim is not None:
             self._observer.claim_renewed(self.replica, claim)
-        return claim
-
-    async def fail_claim(self, claim_id: str, *, now: float, reason: str) -> Claim | None:
-        """As `Store.fail_claim`, reported."""
-        claim = await self.inner.fail_claim(claim_id, now=now, reason=reason)
-        if claim is not None:
-            self._observer.claim_ended(self.replica, claim)
         return claim
 
     async def end_claim(self, claim_id: str, **end: Any) -> tuple[Claim, Worker] | None:
