@@ -190,7 +190,7 @@ class Profiler:
 
 #: Where a sample's time goes, by the file of its innermost Python frame (first match wins).
 CATEGORIES = [
-    ("sqlite store (stoker/adapters/store_sqlite.py, sqlite3)", ("store_sqlite.py", "_rows.py")),
+    ("sqlite store (stoker/adapters/sqlite, sqlite3)", ("stoker/adapters/sqlite/", "_rows.py")),
     (
         "activation client (activator_http + aiohttp)",
         ("activator_http.py", "aiohttp/", "yarl/", "multidict/"),

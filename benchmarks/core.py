@@ -26,7 +26,7 @@ import psutil
 
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.records import ClaimRequest
 from stoker.domain.specs import Activation, PlaneSettings, PoolSpec, ProcessTemplate

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import looptime
 
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec

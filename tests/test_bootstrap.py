@@ -22,10 +22,10 @@ from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
 from stoker.adapters.elector_store import StoreLeaseElector
+from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.adapters.store_postgres import PostgresStore
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.bootstrap import (
     ELECTOR_BURST,
     ELECTOR_QPS,

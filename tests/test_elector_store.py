@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from stoker.adapters.elector_store import StoreLeaseElector
-from stoker.adapters.store_postgres import PostgresStore
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.postgres import PostgresStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.domain.errors import StoreError
 from stoker.domain.records import LeaseRecord
 from stoker.ports.clock import LoopClock

@@ -22,7 +22,7 @@ import pytest
 
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate

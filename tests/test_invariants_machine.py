@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fakes import FaultyStore, MemoryRuntime
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, ClaimConflict, OrgCapError, StoreError

@@ -27,8 +27,8 @@ import pytest
 from fakes import FaultyStore
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
+from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.adapters.store_postgres import PostgresStore
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, ClaimConflict, OrgCapError, StoreError

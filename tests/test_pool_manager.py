@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from fakes import FakeProcess, FaultyStore, MemoryRuntime
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, ClaimConflict, NotFound, OrgCapError, StoreError
 from stoker.domain.records import ClaimRequest, Worker

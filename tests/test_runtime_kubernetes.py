@@ -31,7 +31,7 @@ from stoker.adapters.runtime_kubernetes import (
     LABEL_WORKER_ID,
     KubernetesRuntime,
 )
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import ClaimRequest, Worker

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from stoker import bootstrap
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts

@@ -20,8 +20,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from stoker.adapters import store_postgres
-from stoker.adapters.store_postgres import PostgresStore
+from stoker.adapters.postgres import PostgresStore
+from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.domain.errors import StoreError
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest
@@ -189,9 +189,9 @@ async def test_a_stalled_lock_holder_blocks_the_others_only_for_the_lock_idle_ti
 
     async def stall() -> None:
         try:
-            async with stalled._tx() as conn:
-                key = store_postgres.lock_key(schema, "pool", "p")
-                await conn.execute(store_postgres._LOCK, (stalled._lock_idle_ms, key))
+            async with stalled._db.tx() as conn:
+                key = lock_key(schema, "pool", "p")
+                await conn.execute(LOCK, (stalled._lock_idle_ms, key))
                 locked.set()
                 await asyncio.sleep(3)  # stopped, holding the lock
                 await conn.execute("SELECT 1")  # the server ended the session meanwhile

@@ -22,7 +22,7 @@ from typing import TypeVar
 import pytest
 
 from stoker.adapters._rows import LIVE_SQL, WORKER_SELECT, worker_from_row
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.domain.errors import IllegalTransition, StoreError
 from stoker.domain.records import Worker
 from stoker.domain.states import LIVE, TRANSITIONS, WorkerState
@@ -217,7 +217,7 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
                 store = b if op == "other" else a
                 if op == "rollback":
                     with contextlib.suppress(RuntimeError):
-                        async with a._tx() as db:
+                        async with a._writes.tx() as db:
                             db.execute("UPDATE workers SET state = 'retired' WHERE id = ?", (wid,))
                             raise RuntimeError("undone")
                 elif op == "raw":
@@ -255,12 +255,12 @@ async def test_live_rows_in_memory_agree_with_the_table(tmp_path: Path) -> None:
             ] == [tuple(r) for r in counted]
             # The counts that decide caps and targets inside write transactions.
             for pool in ("p", "q", "none"):
-                assert a._count_live(pool) == sql_count(a, f"pool = '{pool}'"), (step, op)
-                assert a._count_neutral(pool, "r1") == sql_count(
+                assert a._live.count_live(pool) == sql_count(a, f"pool = '{pool}'"), (step, op)
+                assert a._live.count_neutral(pool, "r1") == sql_count(
                     a, f"pool = '{pool}' AND (state = 'warm' OR state = 'spawning' AND org IS NULL)"
                 )
                 for org in ("acme", "zeta"):
-                    assert a._count_live(pool, org) == sql_count(
+                    assert a._live.count_live(pool, org) == sql_count(
                         a, f"pool = '{pool}' AND org = '{org}'"
                     )
     finally:
@@ -322,7 +322,7 @@ async def test_a_failed_write_undoes_only_itself_in_its_batch(tmp_path: Path) ->
         first, bad, last = await _spawning(store, 3)
 
         async def fail_after_writing(wid: str) -> None:
-            async with store._tx() as db:
+            async with store._writes.tx() as db:
                 db.execute("UPDATE workers SET state = 'retired' WHERE id = ?", (wid,))
                 raise RuntimeError("undone")
 
@@ -412,7 +412,7 @@ async def test_a_full_disk_in_a_batch_tells_every_writer_the_truth(tmp_path: Pat
         async def too_big() -> None:
             # A table without triggers: SQLite keeps no statement journal for a plain
             # INSERT, so a full disk rolls back the whole transaction, not the statement.
-            async with store._tx() as db:
+            async with store._writes.tx() as db:
                 db.execute(
                     "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
                     "VALUES (?, 'i', 0, 0, 0)",

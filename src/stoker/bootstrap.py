@@ -23,7 +23,7 @@ from stoker.adapters._election import ElectorOptions
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.adapters.store_sqlite import SqliteStore
+from stoker.adapters.sqlite import SqliteStore
 from stoker.config import KubernetesRuntimeConfig, StokerConfig, to_domain
 from stoker.control.ids import Ids
 from stoker.control.janitor import DemandSource
@@ -60,7 +60,7 @@ def build_store(config: StokerConfig) -> Store:
     """SqliteStore for `sqlite:///...`, PostgresStore for `postgresql://...`."""
     if config.is_postgres:
         # Imported here: psycopg is heavy, and most servers run on SQLite.
-        from stoker.adapters.store_postgres import PostgresStore
+        from stoker.adapters.postgres import PostgresStore
 
         opts = config.store_options
         return PostgresStore(

@@ -9,6 +9,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stoker.adapters._schema import CLAIMS, WORKERS
 from stoker.domain.errors import IllegalTransition
 from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
 from stoker.domain.states import (
@@ -29,46 +30,9 @@ from stoker.ports.store import MUTABLE_WORKER_FIELDS, SpawnRequest
 #: use them, and reads the whole history).
 LIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(LIVE)) + ")"
 
-WORKER_COLUMNS = (
-    "id",
-    "pool",
-    "revision",
-    "state",
-    "epoch",
-    "owner",
-    "created_at",
-    "updated_at",
-    "version",
-    "org",
-    "claim_id",
-    "endpoint",
-    "runtime_ref",
-    "activated",
-    "heartbeat_at",
-    "idle_since",
-    "ttl_s",
-    "reason",
-)
-CLAIM_COLUMNS = (
-    "id",
-    "pool",
-    "org",
-    "worker_id",
-    "worker_epoch",
-    "source",
-    "mode",
-    "state",
-    "token",
-    "endpoint",
-    "lease_s",
-    "expires_at",
-    "created_at",
-    "updated_at",
-    "owner",
-    "ttl_s",
-    "ended_at",
-    "reason",
-)
+#: Column order of the rows read and written below (the tables are described in `_schema`).
+WORKER_COLUMNS = WORKERS.names
+CLAIM_COLUMNS = CLAIMS.names
 WORKER_SELECT = ", ".join(WORKER_COLUMNS)
 CLAIM_SELECT = ", ".join(CLAIM_COLUMNS)
 

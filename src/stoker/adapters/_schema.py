@@ -1,0 +1,186 @@
+"""The tables of the SQL stores, described once: both adapters render their DDL from here.
+
+A column has a kind (text, a 64- or 32-bit integer, a float, a flag, a JSON object) that
+each store spells in its own SQL (`SQLITE`, `POSTGRES`); what differs between the stores
+beyond that (indexes, upgrades of older databases) stays in each store's `schema` module. The
+column order of `WORKERS` and `CLAIMS` is the order of the rows `_rows` reads and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(Enum):
+    """What a column holds, whatever the store."""
+
+    TEXT = "text"
+    INT = "int"
+    INT32 = "int32"
+    REAL = "real"
+    FLAG = "flag"
+    JSON = "json"
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column: its kind, whether it may be NULL, and its default (written as the
+    store's literal of that kind: 0, false, an empty object)."""
+
+    name: str
+    kind: Kind
+    nullable: bool = False
+    has_default: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A table: its columns in row order and its primary key."""
+
+    name: str
+    columns: tuple[Column, ...]
+    key: tuple[str, ...] = ("id",)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The column names, in row order."""
+        return tuple(c.name for c in self.columns)
+
+    def column(self, name: str) -> Column:
+        """The column called `name` (KeyError if there is none)."""
+        for column in self.columns:
+            if column.name == name:
+                return column
+        raise KeyError(f"{self.name} has no column {name!r}")
+
+
+def _text(*names: str, nullable: bool = False) -> tuple[Column, ...]:
+    return tuple(Column(name, Kind.TEXT, nullable) for name in names)
+
+
+def _real(*names: str, nullable: bool = False) -> tuple[Column, ...]:
+    return tuple(Column(name, Kind.REAL, nullable) for name in names)
+
+
+WORKERS = Table(
+    "workers",
+    (
+        *_text("id", "pool", "revision", "state"),
+        Column("epoch", Kind.INT, has_default=True),
+        *_text("owner"),
+        *_real("created_at", "updated_at"),
+        Column("version", Kind.INT, has_default=True),
+        *_text("org", "claim_id", "endpoint", nullable=True),
+        Column("runtime_ref", Kind.JSON, has_default=True),
+        Column("activated", Kind.FLAG, has_default=True),
+        *_real("heartbeat_at"),
+        *_real("idle_since", "ttl_s", nullable=True),
+        *_text("reason", nullable=True),
+    ),
+)
+CLAIMS = Table(
+    "claims",
+    (
+        *_text("id", "pool", "org", "worker_id"),
+        Column("worker_epoch", Kind.INT),
+        *_text("source", "mode", "state", "token", "endpoint"),
+        *_real("lease_s", "expires_at", "created_at", "updated_at"),
+        *_text("owner"),
+        *_real("ttl_s", "ended_at", nullable=True),
+        *_text("reason", nullable=True),
+    ),
+)
+INSTANCES = Table(
+    "instances",
+    (
+        *_text("id"),
+        *_real("started_at", "heartbeat_at"),
+        *_text("state"),
+        Column("meta", Kind.JSON, has_default=True),
+    ),
+)
+LEASES = Table(
+    "leases",
+    (*_text("name", "holder"), Column("epoch", Kind.INT), *_real("renewed_at", "duration_s")),
+    key=("name",),
+)
+DEMAND = Table(
+    "demand",
+    (
+        *_text("pool", "instance"),
+        Column("misses", Kind.INT),
+        Column("waiting", Kind.INT32),
+        *_real("updated_at"),
+    ),
+    key=("pool", "instance"),
+)
+#: Every table, in the order a new database creates them.
+TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND)
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one store spells each kind, and the default of each kind that has one."""
+
+    types: dict[Kind, str]
+    defaults: dict[Kind, str]
+
+    def column_sql(self, column: Column) -> str:
+        """`name TYPE [NOT NULL] [DEFAULT ...]`."""
+        sql = f"{column.name} {self.types[column.kind]}"
+        if not column.nullable:
+            sql += " NOT NULL"
+        if column.has_default:
+            sql += f" DEFAULT {self.defaults[column.kind]}"
+        return sql
+
+    def create_table(self, table: Table, qualified: str | None = None) -> str:
+        """`CREATE TABLE` for `table`, named `qualified` (schema-qualified) if given."""
+        lines = [self.column_sql(c) for c in table.columns]
+        lines.append(f"PRIMARY KEY ({', '.join(table.key)})")
+        body = ",\n    ".join(lines)
+        return f"CREATE TABLE {qualified or table.name} (\n    {body}\n)"
+
+    def add_column(self, table: Table, name: str, qualified: str | None = None) -> str:
+        """`ALTER TABLE ... ADD COLUMN` for one column of `table` (rows present get its
+        default)."""
+        column = self.column_sql(table.column(name))
+        return f"ALTER TABLE {qualified or table.name} ADD COLUMN {column}"
+
+
+#: Each kind as (SQLite, PostgreSQL) spell it, and the literal of its default in each.
+_SPELLINGS: dict[Kind, tuple[tuple[str, str], tuple[str, str] | None]] = {
+    Kind.TEXT: (("TEXT", "text"), None),
+    Kind.INT: (("INTEGER", "bigint"), ("0", "0")),
+    Kind.INT32: (("INTEGER", "integer"), ("0", "0")),
+    Kind.REAL: (("REAL", "double precision"), None),
+    Kind.FLAG: (("INTEGER", "boolean"), ("0", "false")),
+    Kind.JSON: (("TEXT", "jsonb"), ("'{}'", "'{}'")),
+}
+
+
+def _dialect(store: int) -> Dialect:
+    return Dialect(
+        types={kind: types[store] for kind, (types, _) in _SPELLINGS.items()},
+        defaults={kind: d[store] for kind, (_, d) in _SPELLINGS.items() if d is not None},
+    )
+
+
+SQLITE = _dialect(0)
+POSTGRES = _dialect(1)
+
+
+def pending(
+    applied: Collection[int], current: list[str], upgrades: list[tuple[int, list[str]]]
+) -> list[tuple[int, list[str]]]:
+    """The versions a store still has to apply, each with its statements, in order.
+
+    A database that has applied some version applies the `upgrades` it lacks. A new one
+    (nothing applied) creates the `current` schema as version 1, and records every later
+    version with nothing left to do.
+    """
+    if applied:
+        return [(version, sql) for version, sql in upgrades if version not in applied]
+    return [(1, current), *((version, []) for version, _ in upgrades)]

@@ -1,0 +1,120 @@
+"""The connection pool of one PostgreSQL store: psycopg errors surface as `StoreError`.
+
+Pooled connections are in autocommit; a multi-statement write takes `tx()`, so a failure
+leaves nothing half-done. Connections are not pinged on checkout (a round trip per
+operation): one broken by a server restart fails the operation that finds it, like any
+failed write, and the pool replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+
+from stoker.domain.errors import StoreError
+
+Connection = psycopg.AsyncConnection[TupleRow]
+Params = Sequence[Any] | Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOptions:
+    """How many connections to keep and open, whether statements are prepared on the server
+    (None: never, as behind a transaction-mode pooler), and the longest wait for one."""
+
+    min_size: int = 1
+    max_size: int = 10
+    prepare_threshold: int | None = 5
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.min_size < 0 or self.max_size < max(1, self.min_size):
+            raise ValueError(
+                "need 0 <= min_size <= max_size and max_size >= 1, "
+                f"got {self.min_size}, {self.max_size}"
+            )
+
+
+class Connections:
+    """A psycopg pool, opened once, for the store of `schema`."""
+
+    def __init__(self, url: str, *, schema: str, options: PoolOptions) -> None:
+        self.url = url
+        self._schema = schema
+        self._options = options
+        self._pool: AsyncConnectionPool[Connection] | None = None
+        self._opening = asyncio.Lock()
+
+    async def open(self, prepare: Callable[[Connection], Awaitable[None]]) -> None:
+        """Open the pool and run `prepare` (the migrations) on one connection; a no-op
+        when already open."""
+        async with self._opening:
+            if self._pool is not None:
+                return
+            o = self._options
+            pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
+                self.url,
+                kwargs={"autocommit": True, "prepare_threshold": o.prepare_threshold},
+                min_size=o.min_size,
+                max_size=o.max_size,
+                timeout=o.timeout_s,
+                name=f"stoker-{self._schema}",
+                open=False,
+            )
+            try:
+                await pool.open(wait=o.min_size > 0, timeout=o.timeout_s)
+                async with pool.connection() as conn:
+                    await prepare(conn)
+            except BaseException as exc:
+                await pool.close()
+                if isinstance(exc, psycopg.Error):
+                    raise StoreError(
+                        f"cannot open postgres store (schema {self._schema}): "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                raise
+            self._pool = pool
+
+    async def close(self) -> None:
+        """Close the pool and its connections."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Connection]:
+        """A pooled connection (autocommit); any psycopg error becomes a StoreError."""
+        pool = self._pool
+        if pool is None:
+            raise StoreError("store is not open")
+        try:
+            async with pool.connection() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            # PoolTimeout and PoolClosed are OperationalErrors too.
+            raise StoreError(f"postgres: {type(exc).__name__}: {exc}") from exc
+
+    @asynccontextmanager
+    async def tx(self) -> AsyncIterator[Connection]:
+        """One transaction on a pooled connection, rolled back on any error."""
+        async with self.connection() as conn, conn.transaction():
+            yield conn
+
+    async def all(self, sql: str, params: Params = ()) -> list[TupleRow]:
+        """The rows of one statement."""
+        async with self.connection() as conn:
+            cur = await conn.execute(sql, params)
+            return await cur.fetchall()
+
+    async def one(self, sql: str, params: Params = ()) -> TupleRow | None:
+        """The first row of one statement, if any."""
+        async with self.connection() as conn:
+            cur = await conn.execute(sql, params)
+            return await cur.fetchone()

@@ -1,0 +1,159 @@
+"""The PostgreSQL store's rows about replicas: registrations, leases, demand, and the purge
+of old history."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stoker.adapters._rows import dump_json, instance_from_row, lease_from_row
+from stoker.adapters.postgres.connections import Connections
+from stoker.adapters.postgres.schema import Names
+from stoker.domain.records import DemandRecord, Instance, LeaseRecord
+
+
+class ReplicaRows:
+    """Replicas, leases, demand and the purge."""
+
+    _db: Connections
+    _names: Names
+
+    async def register_instance(
+        self, instance_id: str, *, now: float, meta: Mapping[str, Any]
+    ) -> None:
+        """Insert an active replica."""
+        async with self._db.connection() as conn:
+            await conn.execute(
+                f"INSERT INTO {self._names.instances} (id, started_at, heartbeat_at, state, meta) "
+                "VALUES (%s, %s, %s, 'active', %s::jsonb)",
+                (instance_id, now, now, dump_json(meta)),
+            )
+
+    async def heartbeat_instance(self, instance_id: str, *, now: float) -> bool:
+        """Stamp the heartbeat of an active replica."""
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                f"UPDATE {self._names.instances} SET heartbeat_at = %s "
+                "WHERE id = %s AND state = 'active'",
+                (now, instance_id),
+            )
+            return cur.rowcount == 1
+
+    async def expire_instances(
+        self, *, before: float, now: float, keep: str | None = None
+    ) -> list[str]:
+        """Expire active replicas with a heartbeat older than `before`, except `keep`."""
+        rows = await self._db.all(
+            f"WITH expired AS (UPDATE {self._names.instances} SET state = 'expired' "
+            "WHERE state = 'active' AND heartbeat_at < %s AND id IS DISTINCT FROM %s "
+            "RETURNING id, started_at) "
+            "SELECT id FROM expired ORDER BY started_at, id",
+            (before, keep),
+        )
+        return [r[0] for r in rows]
+
+    async def stop_instance(self, instance_id: str, *, now: float) -> None:
+        """Mark a replica stopped."""
+        async with self._db.connection() as conn:
+            await conn.execute(
+                f"UPDATE {self._names.instances} SET state = 'stopped', heartbeat_at = %s "
+                "WHERE id = %s",
+                (now, instance_id),
+            )
+
+    async def list_instances(self) -> list[Instance]:
+        """All replicas."""
+        rows = await self._db.all(
+            f"SELECT id, started_at, heartbeat_at, state, meta FROM {self._names.instances} "
+            "ORDER BY started_at, id"
+        )
+        return [instance_from_row(r) for r in rows]
+
+    async def acquire_lease(
+        self, name: str, *, holder: str, now: float, duration_s: float
+    ) -> LeaseRecord | None:
+        """Take or renew the lease in one statement: insert, or update if ours, free or expired.
+
+        Renewing an unexpired lease keeps its epoch; anything else starts a new term.
+        """
+        row = await self._db.one(
+            f"INSERT INTO {self._names.leases} AS l "
+            "(name, holder, epoch, renewed_at, duration_s) "
+            "VALUES (%(name)s, %(holder)s, 1, %(now)s, %(duration)s) "
+            "ON CONFLICT (name) DO UPDATE SET "
+            "holder = EXCLUDED.holder, "
+            "epoch = CASE WHEN l.holder = EXCLUDED.holder "
+            "AND %(now)s < l.renewed_at + l.duration_s THEN l.epoch ELSE l.epoch + 1 END, "
+            "renewed_at = EXCLUDED.renewed_at, duration_s = EXCLUDED.duration_s "
+            "WHERE l.holder = EXCLUDED.holder OR l.holder = '' "
+            "OR %(now)s >= l.renewed_at + l.duration_s "
+            "RETURNING name, holder, epoch, renewed_at, duration_s",
+            {"name": name, "holder": holder, "now": now, "duration": duration_s},
+        )
+        return lease_from_row(row) if row else None
+
+    async def release_lease(self, name: str, *, holder: str, now: float) -> bool:
+        """Give the lease up if we hold it."""
+        async with self._db.connection() as conn:
+            cur = await conn.execute(
+                f"UPDATE {self._names.leases} SET holder = '', renewed_at = %s "
+                "WHERE name = %s AND holder = %s",
+                (now, name, holder),
+            )
+            return cur.rowcount == 1
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        """The lease row."""
+        row = await self._db.one(
+            f"SELECT name, holder, epoch, renewed_at, duration_s FROM {self._names.leases} "
+            "WHERE name = %s",
+            (name,),
+        )
+        return lease_from_row(row) if row else None
+
+    async def record_demand(
+        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+    ) -> None:
+        """Upsert this replica's demand rows in one statement."""
+        if not demand:
+            return
+        pools = sorted(demand)
+        async with self._db.connection() as conn:
+            await conn.execute(
+                f"INSERT INTO {self._names.demand} (pool, instance, misses, waiting, updated_at) "
+                "SELECT p, %s, m, w, %s FROM unnest(%s::text[], %s::bigint[], %s::int[]) "
+                "AS t(p, m, w) ON CONFLICT (pool, instance) DO UPDATE SET "
+                "misses = EXCLUDED.misses, waiting = EXCLUDED.waiting, "
+                "updated_at = EXCLUDED.updated_at",
+                (
+                    instance_id,
+                    now,
+                    pools,
+                    [demand[p][0] for p in pools],
+                    [demand[p][1] for p in pools],
+                ),
+            )
+
+    async def read_demand(self) -> list[DemandRecord]:
+        """Every replica's demand rows."""
+        rows = await self._db.all(
+            f"SELECT pool, instance, misses, waiting, updated_at FROM {self._names.demand} "
+            "ORDER BY pool, instance"
+        )
+        return [DemandRecord(p, i, int(m), int(w), float(u)) for p, i, m, w, u in rows]
+
+    async def purge(self, *, before: float) -> int:
+        """Delete terminal history older than `before`, in one transaction."""
+        n = self._names
+        async with self._db.tx() as conn:
+            deleted = 0
+            for sql in (
+                f"DELETE FROM {n.workers} WHERE state = 'retired' AND updated_at < %s",
+                f"DELETE FROM {n.claims} WHERE state <> 'bound' AND updated_at < %s",
+                f"DELETE FROM {n.demand} WHERE instance IN (SELECT id FROM "
+                f"{n.instances} WHERE state <> 'active' AND heartbeat_at < %s)",
+                f"DELETE FROM {n.instances} WHERE state <> 'active' AND heartbeat_at < %s",
+            ):
+                cur = await conn.execute(sql, (before,))
+                deleted += cur.rowcount
+            return deleted

@@ -1,0 +1,98 @@
+"""PostgreSQL's tables (rendered from the shared description in `_schema`) in one schema,
+their indexes, and the upgrades of a schema an older version made.
+
+Replicas opening at once take turns under an advisory lock. A new schema gets the current
+tables and indexes at once and every version recorded; an older one applies each version
+it lacks, once, in order, in one transaction.
+"""
+
+from __future__ import annotations
+
+from stoker.adapters._rows import CLAIM_SELECT, WORKER_SELECT
+from stoker.adapters._schema import DEMAND, POSTGRES, TABLES, WORKERS, pending
+from stoker.adapters.postgres.connections import Connection
+from stoker.adapters.postgres.locks import LOCK, lock_key
+
+
+class Names:
+    """The schema-qualified names of one store's tables (the schema name is checked to be a
+    plain identifier before it gets here, and quoted)."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self.quoted = s = f'"{schema}"'
+        self.workers = f"{s}.workers"
+        self.claims = f"{s}.claims"
+        self.instances = f"{s}.instances"
+        self.leases = f"{s}.leases"
+        self.demand = f"{s}.demand"
+        self.versions = f"{s}.schema_migrations"
+        #: One row by id, the statements every read of one repeats.
+        self.worker_by_id = f"SELECT {WORKER_SELECT} FROM {self.workers} WHERE id = %s"
+        self.claim_by_id = f"SELECT {CLAIM_SELECT} FROM {self.claims} WHERE id = %s"
+
+
+def indexes(s: str) -> list[str]:
+    """The indexes of the current version in schema `s` (quoted). Each is rewritten by every
+    write that touches its columns: only those a query needs."""
+    return [
+        # reserve_any: the oldest worker of a pool revision in a state
+        f"CREATE INDEX workers_pick ON {s}.workers (pool, revision, state, updated_at, id)",
+        f"CREATE INDEX workers_pool_org ON {s}.workers (pool, org, state)",
+        # live rows, and the purge of retired ones
+        f"CREATE INDEX workers_state ON {s}.workers (state)",
+        f"CREATE INDEX workers_created ON {s}.workers (created_at, id)",
+        f"CREATE INDEX claims_state_expires ON {s}.claims (state, expires_at)",
+        f"CREATE INDEX claims_created ON {s}.claims (created_at, id)",
+    ]
+
+
+def upgrades(s: str) -> list[tuple[int, list[str]]]:
+    """What each version changed in schema `s` (quoted), for a schema an older version made
+    (version 1 made the first tables; a new schema starts from the current ones)."""
+    return [
+        (
+            2,
+            [
+                POSTGRES.create_table(DEMAND, f"{s}.demand"),
+                f"CREATE INDEX workers_purge ON {s}.workers (state, updated_at)",
+                f"CREATE INDEX claims_purge ON {s}.claims (state, updated_at)",
+            ],
+        ),
+        (
+            3,
+            [
+                f"DROP INDEX {s}.workers_purge",
+                f"DROP INDEX {s}.workers_owner",
+                f"DROP INDEX {s}.claims_purge",
+                f"DROP INDEX {s}.claims_worker",
+            ],
+        ),
+        # Every worker write compares and bumps the row version (a CAS on the row).
+        (4, [POSTGRES.add_column(WORKERS, "version", f"{s}.workers")]),
+    ]
+
+
+async def migrate(conn: Connection, names: Names, lock_idle_ms: str) -> None:
+    """Apply pending versions under a transaction-scoped lock, so replicas take turns."""
+    s = names.quoted
+    async with conn.transaction():
+        await conn.execute(LOCK, (lock_idle_ms, lock_key("migrate", names.schema)))
+        # Create only what is missing: a role without CREATE on the database can run an
+        # already migrated schema.
+        cur = await conn.execute(
+            "SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %s", (names.schema,)
+        )
+        if await cur.fetchone() is None:
+            await conn.execute(f"CREATE SCHEMA {s}")
+        cur = await conn.execute("SELECT to_regclass(%s)", (names.versions,))
+        row = await cur.fetchone()
+        if row is None or row[0] is None:
+            await conn.execute(f"CREATE TABLE {names.versions} (version integer PRIMARY KEY)")
+        cur = await conn.execute(f"SELECT version FROM {names.versions}")
+        applied = {r[0] for r in await cur.fetchall()}
+        current = [POSTGRES.create_table(t, f"{s}.{t.name}") for t in TABLES] + indexes(s)
+        for version, statements in pending(applied, current, upgrades(s)):
+            for sql in statements:
+                await conn.execute(sql)
+            await conn.execute(f"INSERT INTO {names.versions} (version) VALUES (%s)", (version,))

@@ -1,0 +1,491 @@
+"""The worker and claim rows of the PostgreSQL store: reads, and writes that are each a
+compare-and-set.
+
+In READ COMMITTED:
+
+- Every worker write is a CAS `UPDATE ... WHERE id AND version`, checked against the
+  transition table in Python first. Every write bumps the version, so the row cannot
+  change between the check (which reads org and activated too) and the write.
+- Caps and targets are counts. Whatever adds to a count (spawn slots, reserving a warm
+  worker for an org) first takes an advisory lock (`locks`) on the pool and/or the
+  (pool, org) in a statement of its own: a statement's snapshot is taken when it starts, so
+  the count must come from a later statement than the lock to see the previous holder's
+  commit. Locks are always taken pool first, then org, so they cannot deadlock.
+- `reserve_any` is one statement: pick with `FOR UPDATE SKIP LOCKED LIMIT 1` and update
+  the picked row, so replicas claiming from one warm pool never wait on each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from stoker.adapters._rows import (
+    CLAIM_COLUMNS,
+    CLAIM_SELECT,
+    LIVE_SQL,
+    WORKER_COLUMNS,
+    WORKER_SELECT,
+    check_claim_for,
+    check_move,
+    check_reservable,
+    checked_changes,
+    claim_from_row,
+    claim_to_row,
+    column_value,
+    matches,
+    spawn_room,
+    spawning_workers,
+    worker_from_row,
+    worker_to_row,
+)
+from stoker.adapters.postgres.connections import Connection, Connections
+from stoker.adapters.postgres.locks import LOCK, lock_key
+from stoker.adapters.postgres.schema import Names
+from stoker.domain.errors import StoreError
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import ClaimState, WorkerState
+from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
+
+_JSON_COLUMNS = frozenset({"runtime_ref"})
+_WORKER_VALUES = ", ".join("%s::jsonb" if c in _JSON_COLUMNS else "%s" for c in WORKER_COLUMNS)
+_CLAIM_VALUES = ", ".join("%s" for _ in CLAIM_COLUMNS)
+
+
+class WorkerRows:
+    """Spawn slots, transitions, reservations, binding and ending claims, renewals; the
+    reads of workers and claims."""
+
+    _db: Connections
+    _names: Names
+    _lock_idle_ms: str
+    #: The reserve statements of the store's schema (`reserve_statements`), by state.
+    _reserve_any_sql: dict[WorkerState, str]
+    _reserve_sql_by_id: dict[WorkerState, str]
+
+    async def reserve_spawn_slots(
+        self, req: SpawnRequest, ids: Sequence[str], now: float
+    ) -> SpawnResult:
+        """Insert spawning rows within the caps and the target, serialised per pool and org."""
+        if req.count < 0:
+            raise ValueError(f"spawn count must not be negative, got {req.count}")
+        schema = self._names.schema
+        locks = []
+        if req.pool_cap > 0 or req.target is not None:
+            locks.append(lock_key(schema, "pool", req.pool))
+        if req.org is not None and req.org_cap > 0:
+            locks.append(lock_key(schema, "org", req.pool, req.org))
+        async with self._db.tx() as conn:
+            for key in locks:  # pool before org, everywhere
+                await conn.execute(LOCK, (self._lock_idle_ms, key))
+            cur = await conn.execute(
+                # Live rows only (every count is of live ones): the index skips the
+                # pool's retired history instead of reading all of it.
+                "SELECT "
+                "count(*), "
+                "count(*) FILTER (WHERE org = %(org)s), "
+                "count(*) FILTER (WHERE revision = %(revision)s "
+                "AND (state = 'warm' OR (state = 'spawning' AND org IS NULL))) "
+                f"FROM {self._names.workers} WHERE pool = %(pool)s AND state IN {LIVE_SQL}",
+                {"pool": req.pool, "org": req.org, "revision": req.revision},
+            )
+            counts = await cur.fetchone()
+            pool_live, org_live, neutral = (int(n) for n in counts) if counts else (0, 0, 0)
+            room, limited_by = spawn_room(
+                req, len(ids), pool_live=pool_live, org_live=org_live, neutral=neutral
+            )
+            rows = spawning_workers(req, ids[:room], now)
+            if rows:
+                async with conn.cursor() as ins:
+                    await ins.executemany(
+                        f"INSERT INTO {self._names.workers} ({WORKER_SELECT}) "
+                        f"VALUES ({_WORKER_VALUES})",
+                        [worker_to_row(w) for w in rows],
+                    )
+            return SpawnResult(rows, limited_by)
+
+    async def transition(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        version: int,
+        to: WorkerState,
+        now: float,
+        bump_epoch: bool = False,
+        changes: Mapping[str, Any] | None = None,
+    ) -> Worker | None:
+        """CAS `(id, expect, epoch, version)` -> `to`; None on a miss (two statements, no
+        transaction)."""
+        # Illegal moves and unknown fields raise even when the row would not match.
+        check_move(expect, to, changes or {})
+        async with self._db.connection() as conn:
+            current = await _read_worker(conn, self._names, worker_id)
+            if current is None or not matches(current, expect, epoch, version):
+                return None
+            return await _cas(
+                conn,
+                self._names,
+                current,
+                to=to,
+                now=now,
+                bump_epoch=bump_epoch,
+                changes=changes or {},
+            )
+
+    async def _reserve(
+        self,
+        conn: Connection,
+        sql: str,
+        params: dict[str, Any],
+        *,
+        lock: int | None,
+    ) -> ReserveResult:
+        """Run a reserve statement, after the org's lock when its cap must be checked."""
+        if lock is None:
+            cur = await conn.execute(sql, params)
+        else:
+            # Lock and statement are sent together; the statement still starts (and takes
+            # its snapshot) only once the lock is granted.
+            async with conn.pipeline(), conn.transaction():
+                await conn.execute(LOCK, (self._lock_idle_ms, lock))
+                cur = await conn.execute(sql, params)
+        row = await cur.fetchone()
+        if row is None or row[1] is None:
+            return ReserveResult(None, at_org_cap=bool(row and row[0]) and params["cap"] > 0)
+        return ReserveResult(worker_from_row(row[1:]))
+
+    async def reserve(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        version: int,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+        activate: bool = False,
+    ) -> ReserveResult:
+        """CAS one warm or hot_idle worker to reserved for `org` (warm: within the org cap).
+
+        `activate` is not taken up: the reserved worker is returned, and the caller moves
+        it on to activating."""
+        check_reservable(expect)
+        capped = expect is WorkerState.WARM and org_cap > 0
+        params = {
+            "id": worker_id,
+            "expect": expect.value,
+            "epoch": epoch,
+            "version": version,
+            "org": org,
+            "owner": owner,
+            "now": now,
+            "cap": org_cap if capped else 0,
+        }
+        async with self._db.connection() as conn:
+            lock = None
+            if capped:
+                # The lock is per (pool, org): read the pool first (a worker's pool never
+                # changes), and skip the transaction when the CAS would miss anyway.
+                current = await _read_worker(conn, self._names, worker_id)
+                if current is None or not matches(current, expect, epoch, version):
+                    return ReserveResult(None)
+                lock = lock_key(self._names.schema, "org", current.pool, org)
+            return await self._reserve(conn, self._reserve_sql_by_id[expect], params, lock=lock)
+
+    async def reserve_any(
+        self,
+        pool: str,
+        revision: str,
+        *,
+        expect: WorkerState,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+        activate: bool = False,
+    ) -> ReserveResult:
+        """Reserve the oldest matching worker nobody else is locking, in one statement
+        (`activate` not taken up, as in `reserve`)."""
+        check_reservable(expect)
+        capped = expect is WorkerState.WARM and org_cap > 0
+        params = {
+            "pool": pool,
+            "revision": revision,
+            "expect": expect.value,
+            "org": org,
+            "owner": owner,
+            "now": now,
+            "cap": org_cap if capped else 0,
+        }
+        lock = lock_key(self._names.schema, "org", pool, org) if capped else None
+        async with self._db.connection() as conn:
+            return await self._reserve(conn, self._reserve_any_sql[expect], params, lock=lock)
+
+    async def bind(
+        self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
+    ) -> Worker | None:
+        """activating -> hot and insert the claim, in one transaction."""
+        check_claim_for(worker_id, epoch, claim)
+        async with self._db.tx() as conn:
+            current = await _read_worker(conn, self._names, worker_id, lock=True)
+            if current is None or not matches(current, WorkerState.ACTIVATING, epoch, version):
+                return None
+            if current.org != claim.org:
+                return None
+            worker = await _cas(
+                conn,
+                self._names,
+                current,
+                to=WorkerState.HOT,
+                now=now,
+                bump_epoch=False,
+                changes={"claim_id": claim.id, "idle_since": None},
+            )
+            if worker is None:
+                return None
+            await conn.execute(
+                f"INSERT INTO {self._names.claims} ({CLAIM_SELECT}) VALUES ({_CLAIM_VALUES})",
+                claim_to_row(claim),
+            )
+            return worker
+
+    async def end_claim(
+        self,
+        claim_id: str,
+        *,
+        state: ClaimState,
+        worker_to: WorkerState,
+        now: float,
+        reason: str | None = None,
+        worker_changes: Mapping[str, Any] | None = None,
+    ) -> tuple[Claim, Worker] | None:
+        """End a bound claim and move its hot worker, in one transaction (claim row first)."""
+        if state is ClaimState.BOUND:
+            raise ValueError("end_claim needs a final claim state")
+        check_move(WorkerState.HOT, worker_to, worker_changes or {})
+        claims = self._names.claims
+        async with self._db.tx() as conn:
+            cur = await conn.execute(
+                f"SELECT {CLAIM_SELECT} FROM {claims} WHERE id = %s AND state = %s FOR UPDATE",
+                (claim_id, ClaimState.BOUND.value),
+            )
+            row = await cur.fetchone()
+            if row is None:
+                return None
+            claim = claim_from_row(row)
+            current = await _read_worker(conn, self._names, claim.worker_id, lock=True)
+            if (
+                current is None
+                or current.state is not WorkerState.HOT
+                or current.epoch != claim.worker_epoch
+                or current.claim_id != claim.id
+            ):
+                return None
+            worker = await _cas(
+                conn,
+                self._names,
+                current,
+                to=worker_to,
+                now=now,
+                bump_epoch=False,
+                changes={"claim_id": None, **(worker_changes or {})},
+            )
+            if worker is None:
+                return None
+            cur = await conn.execute(
+                f"UPDATE {claims} SET state = %s, updated_at = %s, ended_at = %s, "
+                f"reason = %s WHERE id = %s RETURNING {CLAIM_SELECT}",
+                (state.value, now, now, reason, claim_id),
+            )
+            ended = await cur.fetchone()
+            if ended is None:  # the claim row is locked above: this cannot miss
+                raise StoreError(f"claim {claim_id} vanished while ending it")
+            return claim_from_row(ended), worker
+
+    async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
+        """Extend a bound claim's lease."""
+        row = await self._db.one(
+            f"UPDATE {self._names.claims} SET expires_at = %s, updated_at = %s "
+            f"WHERE id = %s AND state = %s RETURNING {CLAIM_SELECT}",
+            (expires_at, now, claim_id, ClaimState.BOUND.value),
+        )
+        return claim_from_row(row) if row else None
+
+    async def get_worker(self, worker_id: str) -> Worker | None:
+        """One worker row."""
+        row = await self._db.one(self._names.worker_by_id, (worker_id,))
+        return worker_from_row(row) if row else None
+
+    async def list_workers(
+        self,
+        *,
+        pool: str | None = None,
+        states: Collection[WorkerState] | None = None,
+        org: str | None = None,
+        owner: str | None = None,
+        not_owners: Collection[str] | None = None,
+        limit: int | None = None,
+    ) -> list[Worker]:
+        """Rows matching every filter, oldest first."""
+        where, params = _filters(
+            pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
+        )
+        sql = f"SELECT {WORKER_SELECT} FROM {self._names.workers}{where} ORDER BY created_at, id"
+        if limit is not None:
+            sql += " LIMIT %s"
+            params.append(int(limit))
+        return [worker_from_row(r) for r in await self._db.all(sql, params)]
+
+    async def count_workers(self) -> list[StateCount]:
+        """Live workers grouped by pool, revision, state and binding."""
+        rows = await self._db.all(
+            "SELECT pool, revision, state, org IS NOT NULL, count(*) "
+            f"FROM {self._names.workers} WHERE state IN {LIVE_SQL} GROUP BY 1, 2, 3, 4"
+        )
+        return [
+            StateCount(pool, revision, WorkerState(state), bool(bound), int(n))
+            for pool, revision, state, bound, n in rows
+        ]
+
+    async def get_claim(self, claim_id: str) -> Claim | None:
+        """One claim."""
+        row = await self._db.one(self._names.claim_by_id, (claim_id,))
+        return claim_from_row(row) if row else None
+
+    async def list_claims(
+        self,
+        *,
+        states: Collection[ClaimState] | None = None,
+        expires_before: float | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Claim]:
+        """Claims matching every filter, oldest first (`expires_before` is inclusive)."""
+        where, params = _filters(owner=owner, states=states)
+        if expires_before is not None:
+            where += (" AND" if where else " WHERE") + " expires_at <= %s"
+            params.append(expires_before)
+        sql = f"SELECT {CLAIM_SELECT} FROM {self._names.claims}{where} ORDER BY created_at, id"
+        if limit is not None:
+            sql += " LIMIT %s"
+            params.append(int(limit))
+        return [claim_from_row(r) for r in await self._db.all(sql, params)]
+
+
+def reserve_statements(names: Names) -> tuple[dict[WorkerState, str], dict[WorkerState, str]]:
+    """The statements of `reserve_any` and of `reserve` (by id), by the state reserved."""
+    pick_any = (
+        f"SELECT id, pool FROM {names.workers} "
+        "WHERE pool = %(pool)s AND revision = %(revision)s AND state = %(expect)s{org} "
+        "ORDER BY updated_at, id LIMIT 1 FOR UPDATE SKIP LOCKED"
+    )
+    pick_by_id = (
+        f"SELECT id, pool FROM {names.workers} "
+        "WHERE id = %(id)s AND state = %(expect)s AND epoch = %(epoch)s "
+        "AND version = %(version)s{org} FOR UPDATE"
+    )
+    by_org = {WorkerState.WARM: "", WorkerState.HOT_IDLE: " AND org = %(org)s"}
+    return (
+        {state: _reserve_sql(names, pick_any.format(org=org)) for state, org in by_org.items()},
+        {state: _reserve_sql(names, pick_by_id.format(org=org)) for state, org in by_org.items()},
+    )
+
+
+def _reserve_sql(names: Names, pick: str) -> str:
+    """Reserve the row `pick` selects (and locks) in one statement.
+
+    The first column says whether a row was picked; the rest is the reserved worker, or
+    NULLs when the org's cap (`%(cap)s`, 0 = none) stopped it.
+    """
+    w = names.workers
+    moved = ", ".join(f"w.{c}" for c in WORKER_COLUMNS)
+    return (
+        f"WITH picked AS ({pick}), "
+        "live AS ("
+        f"SELECT count(*) AS n FROM {w} AS x JOIN picked ON x.pool = picked.pool "
+        f"WHERE x.org = %(org)s AND x.state IN {LIVE_SQL}), "
+        "moved AS ("
+        f"UPDATE {w} AS w SET state = 'reserved', epoch = w.epoch + 1, "
+        "version = w.version + 1, org = %(org)s, "
+        "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s "
+        "FROM picked WHERE w.id = picked.id AND w.state = %(expect)s "
+        "AND (%(cap)s = 0 OR (SELECT n FROM live) < %(cap)s) "
+        f"RETURNING {moved}) "
+        "SELECT EXISTS (SELECT 1 FROM picked), moved.* "
+        "FROM (VALUES (1)) AS one LEFT JOIN moved ON true"
+    )
+
+
+async def _read_worker(
+    conn: Connection, names: Names, worker_id: str, *, lock: bool = False
+) -> Worker | None:
+    """One worker row (locked for the transaction with `lock`)."""
+    sql = names.worker_by_id + (" FOR UPDATE" if lock else "")
+    cur = await conn.execute(sql, (worker_id,))
+    row = await cur.fetchone()
+    return worker_from_row(row) if row else None
+
+
+async def _cas(
+    conn: Connection,
+    names: Names,
+    current: Worker,
+    *,
+    to: WorkerState,
+    now: float,
+    bump_epoch: bool,
+    changes: Mapping[str, Any],
+) -> Worker | None:
+    """Write a checked transition of `current` (as read); None if the row moved meanwhile.
+
+    The compare is on the version, which every write bumps: the checks read `org` and
+    `activated` too, and those cannot have changed either.
+    """
+    fields = checked_changes(current, to, changes)
+    sets = ["state = %s", "epoch = %s", "version = %s", "updated_at = %s"]
+    params: list[Any] = [
+        to.value,
+        current.epoch + 1 if bump_epoch else current.epoch,
+        current.version + 1,
+        now,
+    ]
+    for name, value in fields.items():
+        # `name` is one of MUTABLE_WORKER_FIELDS (checked above): safe to interpolate.
+        sets.append(f"{name} = %s::jsonb" if name in _JSON_COLUMNS else f"{name} = %s")
+        params.append(column_value(name, value))
+    params += [current.id, current.version]
+    cur = await conn.execute(
+        f"UPDATE {names.workers} SET {', '.join(sets)} WHERE id = %s AND version = %s "
+        f"RETURNING {WORKER_SELECT}",
+        params,
+    )
+    row = await cur.fetchone()
+    return worker_from_row(row) if row else None
+
+
+def _filters(
+    *,
+    pool: str | None = None,
+    org: str | None = None,
+    owner: str | None = None,
+    states: Collection[Any] | None = None,
+    not_owners: Collection[str] | None = None,
+) -> tuple[str, list[Any]]:
+    """A WHERE clause for the filters given; one SQL text per combination (prepared once)."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (("pool", pool), ("org", org), ("owner", owner)):
+        if value is not None:
+            clauses.append(f"{column} = %s")
+            params.append(value)
+    if not_owners:
+        clauses.append("(owner IS NULL OR owner <> ALL(%s))")
+        params.append(list(not_owners))
+    if states is not None:
+        clauses.append("state = ANY(%s)")
+        params.append([s.value for s in states])
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

@@ -1,0 +1,159 @@
+"""The SQLite store's rows about replicas: registrations, leases, demand, and the purge of
+old history."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stoker.adapters._rows import dump_json, lease_from_row
+from stoker.adapters.sqlite.batching import GroupCommit
+from stoker.adapters.sqlite.decoded import DecodedRows
+from stoker.domain.records import DemandRecord, Instance, LeaseRecord
+
+_LEASE = "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?"
+
+
+class ReplicaRows:
+    """Replicas, leases, demand and the purge."""
+
+    _writes: GroupCommit
+    _decoded: DecodedRows
+
+    async def register_instance(
+        self, instance_id: str, *, now: float, meta: Mapping[str, Any]
+    ) -> None:
+        """Insert an active replica."""
+        async with self._writes.tx() as db:
+            db.execute(
+                "INSERT INTO instances (id, started_at, heartbeat_at, state, meta) "
+                "VALUES (?, ?, ?, 'active', ?)",
+                (instance_id, now, now, dump_json(meta)),
+            )
+
+    async def heartbeat_instance(self, instance_id: str, *, now: float) -> bool:
+        """Stamp the heartbeat of an active replica."""
+        changed, _ = await self._writes.write_one(
+            "UPDATE instances SET heartbeat_at = ? WHERE id = ? AND state = 'active'",
+            (now, instance_id),
+        )
+        return changed == 1
+
+    async def expire_instances(
+        self, *, before: float, now: float, keep: str | None = None
+    ) -> list[str]:
+        """Expire active replicas with a heartbeat older than `before`, except `keep`."""
+        stale = (
+            "SELECT id FROM instances WHERE state = 'active' AND heartbeat_at < ? "
+            "AND id IS NOT ? ORDER BY started_at, id"
+        )
+        if not self._writes.read(stale + " LIMIT 1", (before, keep)):
+            return []  # the usual case: no write transaction at all
+        async with self._writes.tx() as db:
+            ids = [r[0] for r in db.execute(stale, (before, keep))]
+            db.executemany(
+                "UPDATE instances SET state = 'expired' WHERE id = ? AND state = 'active'",
+                [(i,) for i in ids],
+            )
+            return ids
+
+    async def stop_instance(self, instance_id: str, *, now: float) -> None:
+        """Mark a replica stopped."""
+        async with self._writes.tx() as db:
+            db.execute(
+                "UPDATE instances SET state = 'stopped', heartbeat_at = ? WHERE id = ?",
+                (now, instance_id),
+            )
+
+    async def list_instances(self) -> list[Instance]:
+        """All replicas (every pass reads them all: a row's JSON is decoded once)."""
+        rows = self._writes.read(
+            "SELECT id, started_at, heartbeat_at, state, meta FROM instances "
+            "ORDER BY started_at, id"
+        )
+        return self._decoded.instances(rows)
+
+    async def acquire_lease(
+        self, name: str, *, holder: str, now: float, duration_s: float
+    ) -> LeaseRecord | None:
+        """Take or renew the lease by CAS."""
+        async with self._writes.tx() as db:
+            row = db.execute(_LEASE, (name,)).fetchone()
+            if row is None:
+                lease = LeaseRecord(name, holder, 1, now, duration_s)
+                db.execute(
+                    "INSERT INTO leases (name, holder, epoch, renewed_at, duration_s) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (name, holder, 1, now, duration_s),
+                )
+                return lease
+            current = lease_from_row(row)
+            if current.holder == holder and not current.expired(now):
+                lease = LeaseRecord(name, holder, current.epoch, now, duration_s)
+            elif current.holder == "" or current.expired(now):
+                lease = LeaseRecord(name, holder, current.epoch + 1, now, duration_s)
+            else:
+                return None
+            cur = db.execute(
+                "UPDATE leases SET holder = ?, epoch = ?, renewed_at = ?, duration_s = ? "
+                "WHERE name = ? AND holder = ? AND epoch = ?",
+                (holder, lease.epoch, now, duration_s, name, current.holder, current.epoch),
+            )
+            return lease if cur.rowcount == 1 else None
+
+    async def release_lease(self, name: str, *, holder: str, now: float) -> bool:
+        """Give the lease up if we hold it."""
+        async with self._writes.tx() as db:
+            cur = db.execute(
+                "UPDATE leases SET holder = '', renewed_at = ? WHERE name = ? AND holder = ?",
+                (now, name, holder),
+            )
+            return cur.rowcount == 1
+
+    async def get_lease(self, name: str) -> LeaseRecord | None:
+        """The lease row."""
+        rows = self._writes.read(_LEASE, (name,))
+        return lease_from_row(rows[0]) if rows else None
+
+    async def record_demand(
+        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+    ) -> None:
+        """Upsert this replica's demand rows."""
+        sql = (
+            "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (pool, instance) DO UPDATE SET "
+            "misses = excluded.misses, waiting = excluded.waiting, "
+            "updated_at = excluded.updated_at"
+        )
+        rows = [(pool, instance_id, m, w, now) for pool, (m, w) in sorted(demand.items())]
+        if len(rows) == 1:
+            await self._writes.write_one(sql, rows[0])
+            return
+        async with self._writes.tx() as db:
+            db.executemany(sql, rows)
+
+    async def read_demand(self) -> list[DemandRecord]:
+        """Every replica's demand rows."""
+        rows = self._writes.read(
+            "SELECT pool, instance, misses, waiting, updated_at FROM demand ORDER BY pool, instance"
+        )
+        return [DemandRecord(p, i, int(m), int(w), float(u)) for p, i, m, w, u in rows]
+
+    async def purge(self, *, before: float) -> int:
+        """Delete terminal history older than `before`."""
+        async with self._writes.tx() as db:
+            deleted = db.execute(
+                "DELETE FROM workers WHERE state = 'retired' AND updated_at < ?", (before,)
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM claims WHERE state <> 'bound' AND updated_at < ?", (before,)
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM demand WHERE instance IN (SELECT id FROM instances "
+                "WHERE state <> 'active' AND heartbeat_at < ?)",
+                (before,),
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM instances WHERE state <> 'active' AND heartbeat_at < ?", (before,)
+            ).rowcount
+            return int(deleted)

@@ -1,0 +1,66 @@
+"""SQLite's tables (rendered from the shared description in `_schema`), its indexes, and
+the upgrades of a database an older version made.
+
+A new database gets the current tables and indexes at once and every version recorded; an
+older one applies each version it lacks, once, in order, in the transaction of `migrate`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from stoker.adapters._schema import DEMAND, SQLITE, TABLES, WORKERS, pending
+
+#: The indexes of the current version. Each index is one page more written by every write
+#: that touches its columns, and a claim + release cycle makes four: only what a query
+#: needs. `workers_live` finds rows by state (the live ones, a pool's warm or hot_idle ones
+#: to pick, the retired ones to list or purge); counts by pool and org come from the live
+#: rows in memory.
+INDEXES = (
+    "CREATE INDEX workers_live ON workers (state, pool, revision)",
+    "CREATE INDEX claims_state_expires ON claims (state, expires_at)",
+)
+
+#: What each version changed, for a database an older version made (version 1 made the
+#: first tables; a new database starts from the current ones).
+UPGRADES: list[tuple[int, list[str]]] = [
+    (
+        2,
+        [
+            SQLITE.create_table(DEMAND),
+            "CREATE INDEX workers_purge ON workers (state, updated_at)",
+            "CREATE INDEX claims_purge ON claims (state, updated_at)",
+        ],
+    ),
+    (
+        3,
+        [
+            "DROP INDEX workers_purge",
+            "DROP INDEX workers_owner",
+            "DROP INDEX claims_purge",
+            "DROP INDEX claims_worker",
+        ],
+    ),
+    (
+        4,
+        [
+            "DROP INDEX workers_pool_state",
+            "DROP INDEX workers_pool_org",
+            "DROP INDEX workers_state",
+            "CREATE INDEX workers_live ON workers (state, pool, revision)",
+        ],
+    ),
+    # Every worker write compares and bumps the row version (a CAS on the row).
+    (5, [SQLITE.add_column(WORKERS, "version")]),
+]
+
+
+def migrate(tx: sqlite3.Connection) -> None:
+    """Bring the database up to the current version (`tx` is in a write transaction)."""
+    tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
+    applied = {r[0] for r in tx.execute("SELECT version FROM schema_migrations")}
+    current = [*(SQLITE.create_table(table) for table in TABLES), *INDEXES]
+    for version, statements in pending(applied, current, UPGRADES):
+        for sql in statements:
+            tx.execute(sql)
+        tx.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))

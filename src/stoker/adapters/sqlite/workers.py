@@ -1,0 +1,384 @@
+"""The worker and claim rows of the SQLite store: reads, and writes that are each a
+compare-and-set.
+
+Each write reads the row and writes it back in one transaction of the group commit (see
+`batching`), with no `await` between its statements: the writes of one process never
+interleave, and other processes wait for the write lock. The checks shared with PostgreSQL
+(the transition table, the org rule, caps) come from `_rows`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from stoker.adapters._rows import (
+    CLAIM_SELECT,
+    WORKER_COLUMNS,
+    WORKER_SELECT,
+    check_claim_for,
+    check_move,
+    check_reservable,
+    checked_changes,
+    claim_from_row,
+    claim_to_row,
+    column_value,
+    matches,
+    spawn_room,
+    spawning_workers,
+    worker_to_row,
+)
+from stoker.adapters.sqlite.batching import GroupCommit
+from stoker.adapters.sqlite.decoded import DecodedRows
+from stoker.adapters.sqlite.live_rows import LiveRows
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import LIVE, ClaimState, WorkerState
+from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
+
+_WORKER_VALUES = ", ".join("?" for _ in WORKER_COLUMNS)
+_ACTIVATED = {"activated": True}
+_PICK = f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? AND state = ?"
+#: The oldest warm worker of a pool revision, or the oldest hot_idle one of an org.
+_PICK_WARM = _PICK + " ORDER BY updated_at, id LIMIT 1"
+_PICK_HOT_IDLE = _PICK + " AND org = ? ORDER BY updated_at, id LIMIT 1"
+
+
+class WorkerRows:
+    """Spawn slots, transitions, reservations, binding and ending claims, renewals; the
+    reads of workers (live ones from memory) and claims."""
+
+    _writes: GroupCommit
+    _live: LiveRows
+    _decoded: DecodedRows
+
+    def _get(self, db: sqlite3.Connection, worker_id: str) -> Worker | None:
+        row = db.execute(
+            f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,)
+        ).fetchone()
+        return self._decoded.worker(row) if row else None
+
+    def _cas(
+        self,
+        db: sqlite3.Connection,
+        current: Worker,
+        *,
+        to: WorkerState,
+        now: float,
+        changes: Mapping[str, Any],
+        bump_epoch: bool = False,
+    ) -> Worker | None:
+        """Apply a checked transition to `current` (already read in this transaction),
+        bumping its version."""
+        changes = checked_changes(current, to, changes)
+        new = current.evolve(
+            state=to,
+            epoch=current.epoch + 1 if bump_epoch else current.epoch,
+            version=current.version + 1,
+            updated_at=now,
+            **changes,
+        )
+        sets = ["state = ?", "epoch = ?", "version = ?", "updated_at = ?"]
+        params: list[Any] = [to.value, new.epoch, new.version, now]
+        for name, value in changes.items():
+            sets.append(f"{name} = ?")
+            params.append(column_value(name, value))
+        params += [current.id, current.version]
+        cur = db.execute(
+            f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND version = ?", params
+        )
+        return new if cur.rowcount == 1 else None
+
+    async def reserve_spawn_slots(
+        self, req: SpawnRequest, ids: Sequence[str], now: float
+    ) -> SpawnResult:
+        """Insert spawning rows within the caps and the target, in one transaction."""
+        live = self._live
+        async with self._writes.tx() as db:
+            room, limited_by = spawn_room(
+                req,
+                len(ids),
+                pool_live=live.count_live(req.pool) if req.pool_cap > 0 else 0,
+                org_live=(
+                    live.count_live(req.pool, req.org)
+                    if req.org is not None and req.org_cap > 0
+                    else 0
+                ),
+                neutral=(
+                    live.count_neutral(req.pool, req.revision) if req.target is not None else 0
+                ),
+            )
+            rows = spawning_workers(req, ids[:room], now)
+            db.executemany(
+                f"INSERT INTO workers ({WORKER_SELECT}) VALUES ({_WORKER_VALUES})",
+                [worker_to_row(w) for w in rows],
+            )
+            return SpawnResult(rows, limited_by)
+
+    async def transition(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        version: int,
+        to: WorkerState,
+        now: float,
+        bump_epoch: bool = False,
+        changes: Mapping[str, Any] | None = None,
+    ) -> Worker | None:
+        """CAS `(id, expect, epoch, version)` -> `to`; None on a miss."""
+        # Illegal moves and unknown fields raise even when the row would not match.
+        check_move(expect, to, changes or {})
+        async with self._writes.tx() as db:
+            current = self._get(db, worker_id)
+            if current is None or not matches(current, expect, epoch, version):
+                return None
+            return self._cas(
+                db, current, to=to, now=now, bump_epoch=bump_epoch, changes=changes or {}
+            )
+
+    def _reserve_row(
+        self,
+        db: sqlite3.Connection,
+        current: Worker,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+        activate: bool,
+    ) -> ReserveResult:
+        if current.state is WorkerState.HOT_IDLE and current.org != org:
+            return ReserveResult(None)
+        if (
+            current.state is WorkerState.WARM
+            and org_cap > 0
+            and self._live.count_live(current.pool, org) >= org_cap
+        ):
+            return ReserveResult(None, at_org_cap=True)
+        worker = self._cas(
+            db,
+            current,
+            to=WorkerState.RESERVED,
+            now=now,
+            bump_epoch=True,
+            changes={"org": org, "owner": owner, "heartbeat_at": now},
+        )
+        if worker is not None and activate:
+            # On to activating in the same transaction: one write less per claim.
+            worker = self._cas(db, worker, to=WorkerState.ACTIVATING, now=now, changes=_ACTIVATED)
+        return ReserveResult(worker)
+
+    async def reserve(
+        self,
+        worker_id: str,
+        *,
+        expect: WorkerState,
+        epoch: int,
+        version: int,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+        activate: bool = False,
+    ) -> ReserveResult:
+        """CAS one warm or hot_idle worker to reserved for `org` (with `activate`, on to
+        activating in the same transaction)."""
+        check_reservable(expect)
+        async with self._writes.tx() as db:
+            current = self._get(db, worker_id)
+            if current is None or not matches(current, expect, epoch, version):
+                return ReserveResult(None)
+            return self._reserve_row(db, current, org, org_cap, owner, now, activate)
+
+    async def reserve_any(
+        self,
+        pool: str,
+        revision: str,
+        *,
+        expect: WorkerState,
+        org: str,
+        org_cap: int,
+        owner: str,
+        now: float,
+        activate: bool = False,
+    ) -> ReserveResult:
+        """Reserve the oldest matching worker of the pool revision."""
+        check_reservable(expect)
+        # Most calls find nothing (the queues in memory already had nothing): look in the
+        # live rows' counts first, without taking the write lock, then pick inside the
+        # write transaction.
+        if not self._live.may_hold(pool, revision, expect, org):
+            return ReserveResult(None)
+        params: tuple[str, ...] = (pool, revision, expect.value)
+        if expect is WorkerState.HOT_IDLE:
+            sql, params = _PICK_HOT_IDLE, (*params, org)
+        else:
+            sql = _PICK_WARM
+        async with self._writes.tx() as db:
+            row = db.execute(sql, params).fetchone()
+            if row is None:
+                return ReserveResult(None)
+            worker = self._decoded.worker(row)
+            return self._reserve_row(db, worker, org, org_cap, owner, now, activate)
+
+    async def bind(
+        self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
+    ) -> Worker | None:
+        """activating -> hot and insert the claim, atomically."""
+        check_claim_for(worker_id, epoch, claim)
+        async with self._writes.tx() as db:
+            current = self._get(db, worker_id)
+            if current is None or not matches(current, WorkerState.ACTIVATING, epoch, version):
+                return None
+            if current.org != claim.org:
+                return None
+            worker = self._cas(
+                db,
+                current,
+                to=WorkerState.HOT,
+                now=now,
+                changes={"claim_id": claim.id, "idle_since": None},
+            )
+            if worker is None:
+                return None
+            row = claim_to_row(claim)
+            values = ", ".join("?" for _ in row)
+            db.execute(f"INSERT INTO claims ({CLAIM_SELECT}) VALUES ({values})", row)
+            return worker
+
+    async def end_claim(
+        self,
+        claim_id: str,
+        *,
+        state: ClaimState,
+        worker_to: WorkerState,
+        now: float,
+        reason: str | None = None,
+        worker_changes: Mapping[str, Any] | None = None,
+    ) -> tuple[Claim, Worker] | None:
+        """End a bound claim and move its hot worker, atomically."""
+        if state is ClaimState.BOUND:
+            raise ValueError("end_claim needs a final claim state")
+        check_move(WorkerState.HOT, worker_to, worker_changes or {})
+        async with self._writes.tx() as db:
+            row = db.execute(
+                f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,)
+            ).fetchone()
+            claim = claim_from_row(row) if row else None
+            if claim is None or claim.state is not ClaimState.BOUND:
+                return None
+            current = self._get(db, claim.worker_id)
+            if (
+                current is None
+                or current.state is not WorkerState.HOT
+                or current.epoch != claim.worker_epoch
+                or current.claim_id != claim.id
+            ):
+                return None
+            changes = {"claim_id": None, **(worker_changes or {})}
+            worker = self._cas(db, current, to=worker_to, now=now, changes=changes)
+            if worker is None:
+                return None
+            ended = claim.evolve(state=state, updated_at=now, ended_at=now, reason=reason)
+            db.execute(
+                "UPDATE claims SET state = ?, updated_at = ?, ended_at = ?, reason = ? "
+                "WHERE id = ? AND state = ?",
+                (state.value, now, now, reason, claim_id, ClaimState.BOUND.value),
+            )
+            return ended, worker
+
+    async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
+        """Extend a bound claim's lease (one statement: it returns the row it changed)."""
+        _, rows = await self._writes.write_one(
+            "UPDATE claims SET expires_at = ?, updated_at = ? WHERE id = ? AND state = ? "
+            f"RETURNING {CLAIM_SELECT}",
+            (expires_at, now, claim_id, ClaimState.BOUND.value),
+        )
+        return claim_from_row(rows[0]) if rows else None
+
+    async def get_worker(self, worker_id: str) -> Worker | None:
+        """One worker row."""
+        rows = self._writes.read(f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,))
+        return self._decoded.worker(rows[0]) if rows else None
+
+    async def list_workers(
+        self,
+        *,
+        pool: str | None = None,
+        states: Collection[WorkerState] | None = None,
+        org: str | None = None,
+        owner: str | None = None,
+        not_owners: Collection[str] | None = None,
+        limit: int | None = None,
+    ) -> list[Worker]:
+        """Rows matching every filter, oldest first (live states: from the live rows)."""
+        if states is not None and LIVE.issuperset(states):
+            rows = self._live.select(
+                states, pool=pool, org=org, owner=owner, not_owners=not_owners, limit=limit
+            )
+        else:
+            where, params = _filters(
+                pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
+            )
+            sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
+            if limit is not None:
+                sql += f" LIMIT {int(limit)}"
+            rows = self._writes.read(sql, params)
+        return [self._decoded.worker(r) for r in rows]
+
+    async def count_workers(self) -> list[StateCount]:
+        """Live workers grouped by pool, revision, state and binding (from the live rows)."""
+        return self._live.state_counts()
+
+    async def get_claim(self, claim_id: str) -> Claim | None:
+        """One claim."""
+        rows = self._writes.read(f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,))
+        return claim_from_row(rows[0]) if rows else None
+
+    async def list_claims(
+        self,
+        *,
+        states: Collection[ClaimState] | None = None,
+        expires_before: float | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[Claim]:
+        """Claims matching every filter, oldest first."""
+        where, params = _filters(owner=owner, states=states)
+        if expires_before is not None:
+            where += (" AND" if where else " WHERE") + " expires_at <= ?"
+            params.append(expires_before)
+        sql = f"SELECT {CLAIM_SELECT} FROM claims{where} ORDER BY created_at, id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [claim_from_row(r) for r in self._writes.read(sql, params)]
+
+
+def _filters(
+    *,
+    pool: str | None = None,
+    org: str | None = None,
+    owner: str | None = None,
+    states: Collection[Any] | None = None,
+    not_owners: Collection[str] | None = None,
+) -> tuple[str, list[Any]]:
+    """A WHERE clause for the filters given, and its parameters."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (("pool", pool), ("org", org), ("owner", owner)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    if not_owners:
+        marks = ", ".join("?" for _ in not_owners)
+        clauses.append(f"(owner IS NULL OR owner NOT IN ({marks}))")
+        params += list(not_owners)
+    if states is not None:
+        values = [s.value for s in states]
+        if not values:
+            clauses.append("1 = 0")
+        else:
+            clauses.append(f"state IN ({', '.join('?' for _ in values)})")
+            params += values
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
