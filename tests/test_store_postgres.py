@@ -20,8 +20,11 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from stoker.adapters import _schema
+from stoker.adapters._schema import POSTGRES, WORKERS, Table
 from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
+from stoker.adapters.postgres.schema import indexes
 from stoker.domain.errors import StoreError
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest
@@ -73,11 +76,12 @@ class TestPostgresStoreUnprepared(TestPostgresStore):
 
 @pytest.fixture
 async def make_pg(postgres_url: str, schema: str) -> AsyncIterator[Callable[..., PostgresStore]]:
-    """Unopened stores on the test schema (any constructor option); all closed afterwards."""
+    """Unopened stores on the test schema (any constructor option, another schema too); all
+    closed afterwards."""
     made: list[PostgresStore] = []
 
     def make(url: str | None = None, **kw: Any) -> PostgresStore:
-        store = PostgresStore(url or postgres_url, schema=schema, **kw)
+        store = PostgresStore(url or postgres_url, **{"schema": schema, **kw})
         made.append(store)
         return store
 
@@ -311,3 +315,46 @@ async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(
     for w in live:
         if w.state is S.RESERVED:
             assert w.epoch == 1  # reserved once: no warm worker went to two claims
+
+
+async def test_a_schema_of_version_3_gains_the_row_version(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    s = f'"{schema}"'
+    before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name != "version"))
+    await sql(postgres_url, f"CREATE SCHEMA {s}")
+    for table in (before, *_schema.TABLES[1:]):
+        await sql(postgres_url, POSTGRES.create_table(table, f"{s}.{table.name}"))
+    for index in indexes(s):
+        await sql(postgres_url, index)
+    await sql(postgres_url, f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY)")
+    await sql(postgres_url, f"INSERT INTO {s}.schema_migrations VALUES (1), (2), (3)")
+    await sql(
+        postgres_url,
+        f"INSERT INTO {s}.workers (id, pool, revision, state, owner, created_at, updated_at, "
+        "heartbeat_at) VALUES ('w1', 'p', 'r1', 'warm', 'cp-a', 1, 1, 1)",
+    )
+    store = make_pg()
+    await store.open()
+    assert await store.schema_version() == 4
+    w = must(await store.get_worker("w1"))
+    assert w.version == 0
+    moved = await store.transition("w1", expect=S.WARM, epoch=0, version=0, to=S.DRAINING, now=T0)
+    assert must(moved).version == 1
+
+    fresh_schema = f"{schema}_new"
+    fresh = make_pg(schema=fresh_schema)
+    try:
+        await fresh.open()
+        shape = (
+            "SELECT table_name, column_name, data_type, is_nullable, column_default "
+            "FROM information_schema.columns WHERE table_schema = %s"
+        )
+        index_names = "SELECT indexname FROM pg_indexes WHERE schemaname = %s"
+        for query in (shape, index_names):
+            assert set(await sql(postgres_url, query, schema)) == set(
+                await sql(postgres_url, query, fresh_schema)
+            )
+    finally:
+        await fresh.close()
+        await sql(postgres_url, f'DROP SCHEMA IF EXISTS "{fresh_schema}" CASCADE')

@@ -1,6 +1,6 @@
-"""What the SQL store adapters share: row <-> record mapping (column order lives here) and
-the checks every worker write makes before it reaches a table, so both adapters refuse the
-same writes.
+"""What the SQL store adapters share: row <-> record mapping (in the column order of the
+tables in `_schema`) and the checks every worker write makes before it reaches a table, so
+both adapters refuse the same writes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""The shared table description and the SQLite store's migrations.
+
+(PostgreSQL's upgrade is checked in `test_store_postgres.py`.)
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import fields
+from pathlib import Path
+
+from stoker.adapters._rows import CLAIM_COLUMNS, WORKER_COLUMNS
+from stoker.adapters._schema import POSTGRES, SQLITE, TABLES, WORKERS, Table, pending
+from stoker.adapters.sqlite import SqliteStore
+from stoker.domain.records import Claim, Worker
+from stoker.domain.states import WorkerState
+from store_contract import T0, spawn_req
+
+
+def test_rows_are_read_in_the_order_of_the_records_fields() -> None:
+    assert tuple(f.name for f in fields(Worker)) == WORKER_COLUMNS
+    assert tuple(f.name for f in fields(Claim)) == CLAIM_COLUMNS
+
+
+def test_both_dialects_render_every_column() -> None:
+    for table in TABLES:
+        for dialect in (SQLITE, POSTGRES):
+            sql = dialect.create_table(table, f"s.{table.name}")
+            assert sql.startswith(f"CREATE TABLE s.{table.name} (")
+            for column in table.columns:
+                assert f"\n    {dialect.column_sql(column)}," in sql
+            assert sql.endswith(f"PRIMARY KEY ({', '.join(table.key)})\n)")
+    assert POSTGRES.add_column(WORKERS, "version", "s.workers") == (
+        "ALTER TABLE s.workers ADD COLUMN version bigint NOT NULL DEFAULT 0"
+    )
+    assert SQLITE.column_sql(WORKERS.column("activated")) == "activated INTEGER NOT NULL DEFAULT 0"
+    assert POSTGRES.column_sql(WORKERS.column("org")) == "org text"
+
+
+def test_pending_versions() -> None:
+    upgrades = [(2, ["b"]), (3, ["c"]), (4, ["d"])]
+    assert pending(set(), ["now"], upgrades) == [(1, ["now"]), (2, []), (3, []), (4, [])]
+    assert pending({1, 2}, ["now"], upgrades) == [(3, ["c"]), (4, ["d"])]
+    assert pending({1, 2, 3, 4}, ["now"], upgrades) == []
+
+
+def _shape(path: Path) -> tuple[set[tuple[object, ...]], set[str]]:
+    """Every table's columns (name, type, not null, default, key) and the indexes."""
+    db = sqlite3.connect(path)
+    try:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        columns = {
+            (table, *row[1:])
+            for table in tables
+            for row in db.execute(f"PRAGMA table_info({table})")
+        }
+        indexes = {
+            r[0]
+            for r in db.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND sql > ''")
+        }
+        return columns, indexes
+    finally:
+        db.close()
+
+
+async def test_a_database_of_version_4_gains_the_row_version(tmp_path: Path) -> None:
+    old = tmp_path / "old.db"
+    db = sqlite3.connect(old, isolation_level=None)
+    before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name != "version"))
+    for table in (before, *TABLES[1:]):
+        db.execute(SQLITE.create_table(table))
+    db.execute("CREATE INDEX workers_live ON workers (state, pool, revision)")
+    db.execute("CREATE INDEX claims_state_expires ON claims (state, expires_at)")
+    db.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY)")
+    db.executemany("INSERT INTO schema_migrations VALUES (?)", [(v,) for v in range(1, 5)])
+    db.execute(
+        "INSERT INTO workers (id, pool, revision, state, owner, created_at, updated_at, "
+        "heartbeat_at) VALUES ('w1', 'p', 'r1', 'warm', 'cp-a', 1, 1, 1)"
+    )
+    db.close()
+    upgraded = SqliteStore(str(old))
+    await upgraded.open()
+    fresh = SqliteStore(str(tmp_path / "new.db"))
+    await fresh.open()
+    try:
+        assert await upgraded.schema_version() == await fresh.schema_version() == 5
+        w = await upgraded.get_worker("w1")
+        assert w is not None and (w.state, w.version) == (WorkerState.WARM, 0)
+        moved = await upgraded.transition(
+            "w1", expect=w.state, epoch=0, version=0, to=WorkerState.DRAINING, now=T0
+        )
+        assert moved is not None and moved.version == 1
+        await fresh.reserve_spawn_slots(spawn_req(), ["w2"], T0)
+    finally:
+        await upgraded.close()
+        await fresh.close()
+    assert _shape(old) == _shape(tmp_path / "new.db")
