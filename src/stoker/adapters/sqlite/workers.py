@@ -37,6 +37,8 @@ from stoker.domain.states import LIVE, ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
 _WORKER_VALUES = ", ".join("?" for _ in WORKER_COLUMNS)
+_WORKER_BY_ID = f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?"
+_CLAIM_BY_ID = f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?"
 _ACTIVATED = {"activated": True}
 _PICK = f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? AND state = ?"
 #: The oldest warm worker of a pool revision, or the oldest hot_idle one of an org.
@@ -53,9 +55,7 @@ class WorkerRows:
     _decoded: DecodedRows
 
     def _get(self, db: sqlite3.Connection, worker_id: str) -> Worker | None:
-        row = db.execute(
-            f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,)
-        ).fetchone()
+        row = db.execute(_WORKER_BY_ID, (worker_id,)).fetchone()
         return self._decoded.worker(row) if row else None
 
     def _cas(
@@ -262,9 +262,7 @@ class WorkerRows:
             raise ValueError("end_claim needs a final claim state")
         check_move(WorkerState.HOT, worker_to, worker_changes or {})
         async with self._writes.tx() as db:
-            row = db.execute(
-                f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,)
-            ).fetchone()
+            row = db.execute(_CLAIM_BY_ID, (claim_id,)).fetchone()
             claim = claim_from_row(row) if row else None
             if claim is None or claim.state is not ClaimState.BOUND:
                 return None
@@ -299,7 +297,7 @@ class WorkerRows:
 
     async def get_worker(self, worker_id: str) -> Worker | None:
         """One worker row."""
-        rows = self._writes.read(f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?", (worker_id,))
+        rows = self._writes.read(_WORKER_BY_ID, (worker_id,))
         return self._decoded.worker(rows[0]) if rows else None
 
     async def list_workers(
@@ -333,7 +331,7 @@ class WorkerRows:
 
     async def get_claim(self, claim_id: str) -> Claim | None:
         """One claim."""
-        rows = self._writes.read(f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?", (claim_id,))
+        rows = self._writes.read(_CLAIM_BY_ID, (claim_id,))
         return claim_from_row(rows[0]) if rows else None
 
     async def list_claims(
