@@ -46,6 +46,7 @@ async def test_bind_after_the_activations_own_heartbeat_wrote_the_row(tmp_path: 
         assert beat.version == a.version + 1
         hot = must(await lifecycle.bind(a, make_claim(a, "c-1", lifecycle.clock.now())))
         assert (hot.state, hot.claim_id, hot.version) == (S.HOT, "c-1", beat.version + 1)
+        assert not lifecycle._beats  # the activation is over: its heartbeat is let go
     finally:
         await store.close()
 
