@@ -84,13 +84,19 @@ async def hot_worker(store: Any, worker_id: str, org: str, now: float) -> tuple[
         )
     ).workers
     warm = await store.transition(
-        worker_id, expect=WorkerState.SPAWNING, epoch=0, to=WorkerState.WARM, now=now
+        worker_id,
+        expect=WorkerState.SPAWNING,
+        epoch=0,
+        version=spawned.version,
+        to=WorkerState.WARM,
+        now=now,
     )
     reserved = (
         await store.reserve(
             worker_id,
             expect=WorkerState.WARM,
             epoch=warm.epoch,
+            version=warm.version,
             org=org,
             org_cap=0,
             owner="cp-a",
@@ -101,12 +107,15 @@ async def hot_worker(store: Any, worker_id: str, org: str, now: float) -> tuple[
         worker_id,
         expect=WorkerState.RESERVED,
         epoch=reserved.epoch,
+        version=reserved.version,
         to=WorkerState.ACTIVATING,
         now=now,
         changes={"activated": True},
     )
     claim = claim_for(activating, f"c-{worker_id}", now)
-    hot = await store.bind(worker_id, epoch=activating.epoch, claim=claim, now=now)
+    hot = await store.bind(
+        worker_id, epoch=activating.epoch, version=activating.version, claim=claim, now=now
+    )
     assert hot is not None and spawned.state is WorkerState.SPAWNING
     return hot, claim
 
@@ -120,7 +129,12 @@ async def test_the_store_wrapper_reports_every_write_and_passes_the_rest_through
         hot, claim = await hot_worker(store, "w-1", "acme", T0)
         # A write that keeps the state is reported too (with that state as `before`).
         await store.transition(
-            "w-1", expect=WorkerState.HOT, epoch=hot.epoch, to=WorkerState.HOT, now=T0 + 1
+            "w-1",
+            expect=WorkerState.HOT,
+            epoch=hot.epoch,
+            version=hot.version,
+            to=WorkerState.HOT,
+            now=T0 + 1,
         )
         await store.renew_claim(claim.id, expires_at=T0 + 120, now=T0 + 1)
         await store.end_claim(
