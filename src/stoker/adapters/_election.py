@@ -26,9 +26,10 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, TypedDict, TypeVar
 
 from stoker.adapters._deadlines import DeadlinePassed, within
+from stoker.adapters._logs import EventLog
 from stoker.ports.clock import Clock
 
-logger = logging.getLogger("stoker.elector")
+_log = EventLog("stoker.elector")
 
 T = TypeVar("T")
 
@@ -177,7 +178,12 @@ class LeaseElector:
         except Exception as exc:
             # Any failure of the backend, a bug in it included: contend again next period.
             self.failures += 1
-            _log("lease_acquire_failed", level=logging.WARNING, identity=self.identity, error=exc)
+            _log(
+                "lease_acquire_failed",
+                level=logging.WARNING,
+                identity=self.identity,
+                error=repr(exc),
+            )
             return
         if epoch is None:
             return
@@ -207,7 +213,12 @@ class LeaseElector:
             except Exception as exc:
                 # Keep trying until the deadline: one failed renewal is not a lost lease.
                 self.failures += 1
-                _log("lease_renew_failed", level=logging.WARNING, identity=self.identity, error=exc)
+                _log(
+                    "lease_renew_failed",
+                    level=logging.WARNING,
+                    identity=self.identity,
+                    error=repr(exc),
+                )
                 continue
             if epoch is None:
                 self._step_down("taken_by_another_holder")
@@ -271,12 +282,4 @@ def _notify(callback: Callable[..., None], *args: int) -> None:
     try:
         callback(*args)
     except Exception as exc:
-        logger.error("event=elector_callback_failed error=%r", exc)
-
-
-def _log(event: str, *, level: int = logging.INFO, **fields: object) -> None:
-    """One `key=value` line per event, like the rest of stoker's logs."""
-    if logger.isEnabledFor(level):
-        parts = [f"event={event}"]
-        parts += [f"{k}={v!r}" if k == "error" else f"{k}={v}" for k, v in fields.items()]
-        logger.log(level, " ".join(parts))
+        _log("elector_callback_failed", level=logging.ERROR, error=repr(exc))
