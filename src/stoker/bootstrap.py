@@ -347,13 +347,13 @@ class _Timestamps(logging.Formatter):
     _second = -1
     _text = ""
 
-    def second(self, record: logging.LogRecord) -> str:
-        """`%Y-%m-%dT%H:%M:%S` of the record's local time."""
+    def stamp(self, record: logging.LogRecord) -> str:
+        """`%Y-%m-%dT%H:%M:%S.mmm` of the record's local time."""
         second = int(record.created)
         if second != self._second:
             self._text = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
             self._second = second
-        return self._text
+        return f"{self._text}.{int(record.msecs):03d}"
 
 
 class KvFormatter(_Timestamps):
@@ -361,11 +361,10 @@ class KvFormatter(_Timestamps):
 
     def format(self, record: logging.LogRecord) -> str:
         """One line per record."""
-        ts = self.second(record)
         text = record.getMessage()
         if "=" not in text.split(" ", 1)[0]:
             text = "msg=" + json.dumps(text, ensure_ascii=False)
-        line = f"ts={ts}.{int(record.msecs):03d} level={record.levelname.lower()} "
+        line = f"ts={self.stamp(record)} level={record.levelname.lower()} "
         line += f"logger={record.name} {text}"
         if record.exc_info:
             line += " exc=" + json.dumps(self.formatException(record.exc_info))
@@ -377,9 +376,8 @@ class JsonFormatter(_Timestamps):
 
     def format(self, record: logging.LogRecord) -> str:
         """One line per record."""
-        ts = self.second(record)
         body: dict[str, Any] = {
-            "ts": f"{ts}.{int(record.msecs):03d}",
+            "ts": self.stamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
         }
