@@ -177,13 +177,7 @@ class LeaseElector:
             epoch = await self._try_acquire(self.renew_deadline_s)
         except Exception as exc:
             # Any failure of the backend, a bug in it included: contend again next period.
-            self.failures += 1
-            _log(
-                "lease_acquire_failed",
-                level=logging.WARNING,
-                identity=self.identity,
-                error=repr(exc),
-            )
+            self._failed("lease_acquire_failed", exc)
             return
         if epoch is None:
             return
@@ -212,13 +206,7 @@ class LeaseElector:
                 return
             except Exception as exc:
                 # Keep trying until the deadline: one failed renewal is not a lost lease.
-                self.failures += 1
-                _log(
-                    "lease_renew_failed",
-                    level=logging.WARNING,
-                    identity=self.identity,
-                    error=repr(exc),
-                )
+                self._failed("lease_renew_failed", exc)
                 continue
             if epoch is None:
                 self._step_down("taken_by_another_holder")
@@ -238,6 +226,11 @@ class LeaseElector:
         """
         call = self._backend.try_acquire(self.identity, self._clock.now(), self.lease_duration_s)
         return await self._bounded(call, seconds)
+
+    def _failed(self, event: str, exc: Exception) -> None:
+        """Count a failed backend call and log it as `event`, a warning."""
+        self.failures += 1
+        _log(event, level=logging.WARNING, identity=self.identity, error=repr(exc))
 
     def _start_term(self, epoch: int, started: float) -> None:
         self._leading = True
