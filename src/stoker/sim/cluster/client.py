@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import AsyncGenerator, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from stoker.domain.errors import ConfigError
 from stoker.ports.clock import Clock
@@ -66,6 +66,8 @@ class FaultKind(StrEnum):
     WATCH_DROP = "watch_drop"
     LATENCY = "latency"
 
+
+_T = TypeVar("_T")
 
 _LEASE_WRITES = frozenset({"create_lease", "update_lease"})
 
@@ -231,19 +233,11 @@ class SimClient:
 
     async def create_pod(self, pod: Pod) -> Pod:
         """As `ClusterAPI.create_pod`, through this client's budget, latency and faults."""
-        fault = await self._enter("create_pod")
-        call = self._server.create_pod(pod)
-        if fault is not None:
-            await self._fail(fault, "create_pod", call)
-        return await call
+        return await self._call("create_pod", lambda: self._server.create_pod(pod))
 
     async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
         """As `ClusterAPI.delete_pod`."""
-        fault = await self._enter("delete_pod")
-        call = self._server.delete_pod(name, grace_s)
-        if fault is not None:
-            await self._fail(fault, "delete_pod", call)
-        await call
+        await self._call("delete_pod", lambda: self._server.delete_pod(name, grace_s))
 
     async def patch_pod(
         self,
@@ -252,27 +246,17 @@ class SimClient:
         annotations: Mapping[str, str | None] | None = None,
     ) -> Pod:
         """As `ClusterAPI.patch_pod`."""
-        fault = await self._enter("patch_pod")
-        call = self._server.patch_pod(name, labels, annotations)
-        if fault is not None:
-            await self._fail(fault, "patch_pod", call)
-        return await call
+        return await self._call(
+            "patch_pod", lambda: self._server.patch_pod(name, labels, annotations)
+        )
 
     async def get_pod(self, name: str) -> Pod | None:
         """As `ClusterAPI.get_pod`."""
-        fault = await self._enter("get_pod")
-        call = self._server.get_pod(name)
-        if fault is not None:
-            await self._fail(fault, "get_pod", call)
-        return await call
+        return await self._call("get_pod", lambda: self._server.get_pod(name))
 
     async def list_pods(self, selector: Selector) -> PodList:
         """As `ClusterAPI.list_pods`."""
-        fault = await self._enter("list_pods")
-        call = self._server.list_pods(selector)
-        if fault is not None:
-            await self._fail(fault, "list_pods", call)
-        return await call
+        return await self._call("list_pods", lambda: self._server.list_pods(selector))
 
     def watch_pods(
         self, selector: Selector, resource_version: str
@@ -282,27 +266,15 @@ class SimClient:
 
     async def get_lease(self, name: str) -> Lease | None:
         """As `ClusterAPI.get_lease`."""
-        fault = await self._enter("get_lease")
-        call = self._server.get_lease(name)
-        if fault is not None:
-            await self._fail(fault, "get_lease", call)
-        return await call
+        return await self._call("get_lease", lambda: self._server.get_lease(name))
 
     async def create_lease(self, lease: Lease) -> Lease:
         """As `ClusterAPI.create_lease`."""
-        fault = await self._enter("create_lease")
-        call = self._server.create_lease(lease)
-        if fault is not None:
-            await self._fail(fault, "create_lease", call)
-        return await call
+        return await self._call("create_lease", lambda: self._server.create_lease(lease))
 
     async def update_lease(self, lease: Lease) -> Lease:
         """As `ClusterAPI.update_lease`."""
-        fault = await self._enter("update_lease")
-        call = self._server.update_lease(lease)
-        if fault is not None:
-            await self._fail(fault, "update_lease", call)
-        return await call
+        return await self._call("update_lease", lambda: self._server.update_lease(lease))
 
     async def close(self) -> None:
         """End this client's watches; later calls fail (the shared server stays up)."""
@@ -321,6 +293,14 @@ class SimClient:
                 yield event
         finally:
             await stream.aclose()
+
+    async def _call(self, op: str, call: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+        """Serve `call()` through the budget, latency and faults of operation `op`."""
+        fault = await self._enter(op)
+        served = call()
+        if fault is not None:
+            await self._fail(fault, op, served)
+        return await served
 
     async def _enter(self, op: str) -> FaultSpec | None:
         """Count the call, wait for a token and the latency; the fault to apply, if any."""
