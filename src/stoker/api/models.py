@@ -185,6 +185,15 @@ class ClaimOut(BaseModel):
         )
 
 
+def _fields(model: type[BaseModel], record: object, **converted: Any) -> dict[str, Any]:
+    """The values of `model`'s fields, read by name from `record` except those `converted`
+    (admin views, which show a record as it is: one list of names, the model's)."""
+    return {
+        name: converted[name] if name in converted else getattr(record, name)
+        for name in model.model_fields
+    }
+
+
 class PoolOut(BaseModel):
     """A pool's targets, demand and workers by state."""
 
@@ -202,17 +211,7 @@ class PoolOut(BaseModel):
     @classmethod
     def of(cls, status: PoolStatus) -> PoolOut:
         """The response body of one pool."""
-        return cls.model_construct(
-            name=status.name,
-            revision=status.revision,
-            warm_target=status.warm_target,
-            desired_warm=status.desired_warm,
-            demand=status.demand,
-            cap=status.cap,
-            max_workers_per_org=status.max_workers_per_org,
-            reuse=status.reuse,
-            counts=dict(status.counts),
-        )
+        return cls.model_construct(**_fields(cls, status, counts=dict(status.counts)))
 
 
 class PoolList(BaseModel):
@@ -244,21 +243,13 @@ class WorkerOut(BaseModel):
     def of(cls, worker: Worker) -> WorkerOut:
         """The response body of one worker."""
         return cls.model_construct(
-            id=worker.id,
-            pool=worker.pool,
-            revision=worker.revision,
-            state=worker.state,
-            epoch=worker.epoch,
-            org=worker.org,
-            claim_id=worker.claim_id,
-            endpoint=worker.endpoint,
-            owner=worker.owner,
-            activated=worker.activated,
-            created_at=timestamp(worker.created_at),
-            updated_at=timestamp(worker.updated_at),
-            idle_since=optional_timestamp(worker.idle_since),
-            ttl_s=worker.ttl_s,
-            reason=worker.reason,
+            **_fields(
+                cls,
+                worker,
+                created_at=timestamp(worker.created_at),
+                updated_at=timestamp(worker.updated_at),
+                idle_since=optional_timestamp(worker.idle_since),
+            )
         )
 
 
