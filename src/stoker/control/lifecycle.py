@@ -1,7 +1,7 @@
 """The only module that writes a worker's state or a claim.
 
 It alone holds the store's writer side (`StoreWriter`); every other part of the control
-plane reads the store and asks the lifecycle to write (tests/test_store_writer_rule.py
+plane reads the store and asks the lifecycle to write (tests/control/test_store_writer_rule.py
 checks). Every write goes to the store first (persist before mutate). A write that fails keeps the
 worker in its old state: the caller gets None, `stoker_persist_failures` counts it, and the
 next pass retries. A CAS that finds the row changed also returns None and counts a fence

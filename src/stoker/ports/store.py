@@ -153,7 +153,7 @@ class StoreReader(Protocol):
 
 class StoreWriter(Protocol):
     """The writing side: every write of a worker or a claim. Only
-    `stoker.control.lifecycle` holds it (tests/test_store_writer_rule.py checks).
+    `stoker.control.lifecycle` holds it (tests/control/test_store_writer_rule.py checks).
     """
 
     # -- workers --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
+from test_runtime_local import MakeRuntime, local_runtimes, make_pool
 
 from activator_contract import ActivatorContract
 from runtime_contract import Recorder, make_worker, spawn_ready
@@ -26,7 +27,6 @@ from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.states import WorkerState
 from stoker.ports.activator import ActivationPayload, Activator
-from test_runtime_local import MakeRuntime, local_runtimes, make_pool
 
 pytestmark = pytest.mark.processes
 

@@ -26,7 +26,7 @@ from stoker.domain.specs import (
     Timeouts,
 )
 
-CONFIG_PACKAGE = Path(__file__).resolve().parents[1] / "src" / "stoker" / "config"
+CONFIG_PACKAGE = Path(__file__).resolve().parents[2] / "src" / "stoker" / "config"
 SPECS = (PoolSpec, Timeouts, OrgSpec, PlaneSettings, ProcessTemplate, PodTemplate)
 #: The fields of each spec that are not settings: identity and the worker template.
 NOT_SETTINGS = {"name", "template", "revision", "argv"}

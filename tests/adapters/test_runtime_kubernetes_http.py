@@ -15,14 +15,6 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-
-from stoker.adapters.cluster_lightkube import LightkubeCluster
-from stoker.adapters.runtime_kubernetes import KubernetesRuntime
-from stoker.domain.records import Worker
-from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts
-from stoker.domain.states import WorkerState
-from stoker.ports.clock import LoopClock
-from stoker.ports.cluster import Container, Pod, PodSpec
 from test_cluster_lightkube import (
     NAMESPACE,
     PODS,
@@ -31,6 +23,14 @@ from test_cluster_lightkube import (
     StepClock,
     client_for,
 )
+
+from stoker.adapters.cluster_lightkube import LightkubeCluster
+from stoker.adapters.runtime_kubernetes import KubernetesRuntime
+from stoker.domain.records import Worker
+from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts
+from stoker.domain.states import WorkerState
+from stoker.ports.clock import LoopClock
+from stoker.ports.cluster import Container, Pod, PodSpec
 
 pytestmark = pytest.mark.kmock(cls=ContractEmulator)
 

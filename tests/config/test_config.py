@@ -21,7 +21,7 @@ from stoker.domain.errors import ConfigError
 from stoker.domain.specs import Activation, PlaneSettings, PodTemplate, ProcessTemplate
 from stoker.domain.states import Reuse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str) -> Path:
