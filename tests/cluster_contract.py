@@ -1,8 +1,8 @@
 """The ClusterAPI contract: what every cluster adapter must do, run against each of them.
 
 No Kubernetes cluster can run where these tests run, so the subclasses stand in for one:
-`tests/test_cluster_fake.py` runs the suite on the in-process `FakeApiServer`, and
-`tests/test_cluster_lightkube.py` on the lightkube adapter talking HTTP to a kmock API
+`tests/sim/test_cluster_fake.py` runs the suite on the in-process `FakeApiServer`, and
+`tests/adapters/test_cluster_lightkube.py` on the lightkube adapter talking HTTP to a kmock API
 server. A subclass provides an async `cluster` fixture: a `ClusterAPI` on an empty namespace.
 
 Kubernetes calls resourceVersions opaque; the ordering tests below compare them as integers

@@ -3,8 +3,8 @@
 The in-memory runtime the control-plane tests use (`tests/fakes.py`) is checked here
 against the real ones, so a control-plane test on it means what it would on a real
 runtime: `tests/test_fakes.py` runs the suite on `MemoryRuntime`,
-`tests/test_runtime_local.py` on real demo-worker processes and
-`tests/test_runtime_kubernetes.py` on pods of the in-process fake cluster.
+`tests/adapters/test_runtime_local.py` on real demo-worker processes and
+`tests/adapters/test_runtime_kubernetes.py` on pods of the in-process fake cluster.
 
 A subclass provides a `harness` fixture (a `RuntimeHarness`): it starts runtimes of one
 fleet, kills a worker from outside (the process dies, the pod fails) and lets events

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -269,9 +270,9 @@ def test_serve_with_a_store_it_cannot_open_says_why(tmp_path: Path) -> None:
 
 def settled(url: str, fleet: str) -> bool:
     """Nothing spawning, the pool at its desired warm count, one process per live worker."""
-    pool = httpx.get(f"{url}/v1/pools/demo", timeout=5).json()
+    pool: dict[str, Any] = httpx.get(f"{url}/v1/pools/demo", timeout=5).json()
     counts = pool["counts"]
-    return (
+    return bool(
         counts["spawning"] == 0
         and counts["warm"] >= pool["desired_warm"]
         and len(fleet_processes(fleet)) == sum(counts.values())

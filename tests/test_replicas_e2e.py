@@ -7,7 +7,7 @@ Faults come from outside, as in production: SIGKILL, SIGSTOP/SIGCONT, and a PL/p
 trigger in the test's schema that makes PostgreSQL refuse writes. The tests observe what
 an operator would: `/metrics`, `/v1/pools`, `/v1/workers`, `/v1/claims/...`, the worker
 processes, and the store read with psycopg. Every wait is a bounded poll of an observable
-condition; the in-process versions of these faults are in tests/test_multi_replica.py.
+condition; the in-process versions of these faults are in tests/control/test_multi_replica.py.
 """
 
 from __future__ import annotations

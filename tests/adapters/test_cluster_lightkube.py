@@ -30,6 +30,7 @@ from cluster_contract import ClusterContract, collect, make_lease, make_pod, sum
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import (
+    ClusterAPI,
     ClusterUnavailable,
     Conflict,
     Container,
@@ -163,7 +164,7 @@ class ContractEmulator(kmock.KubernetesEmulator):
             return body
 
     async def _serve_list(self, request: Any) -> dict[str, Any]:
-        listing = await super()._serve_list(request)
+        listing: Any = await super()._serve_list(request)
         selector = _selector(request.params.get("labelSelector", ""))
         return {
             "metadata": {"resourceVersion": str(self.rv)},
@@ -276,13 +277,13 @@ class TestLightkubeContract(ClusterContract):
         return await make_cluster()
 
     @pytest.mark.skip(reason="kmock 0.8 does not compare resourceVersions on update")
-    async def test_update_with_a_stale_version_conflicts(self, cluster: LightkubeCluster) -> None:
+    async def test_update_with_a_stale_version_conflicts(self, cluster: ClusterAPI) -> None:
         """Skipped: kmock's emulator updates without checking the resourceVersion, so it
         cannot refuse a stale one. The adapter sends the resourceVersion and maps a 409 to
         Conflict without retrying: see test_update_lease_conflict_is_not_retried."""
 
     @pytest.mark.skip(reason="kmock 0.8 does not compare resourceVersions on update")
-    async def test_concurrent_updaters_exactly_one_wins(self, cluster: LightkubeCluster) -> None:
+    async def test_concurrent_updaters_exactly_one_wins(self, cluster: ClusterAPI) -> None:
         """Skipped: without a compare-and-set in kmock both updates would succeed; the
         decision is the API server's, and the fake's contract run covers the semantics."""
 

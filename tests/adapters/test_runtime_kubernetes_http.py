@@ -1,7 +1,7 @@
 """The Kubernetes runtime through the lightkube adapter, at the HTTP level (kmock).
 
 No Kubernetes cluster can run where these tests run; kmock's emulator (extended in
-`tests/test_cluster_lightkube.py` with resourceVersions and label selectors) stands in for
+`tests/adapters/test_cluster_lightkube.py` with resourceVersions and label selectors) stands in for
 the API server, so the exact requests the runtime makes are recorded and asserted: the
 pod body it creates (labels, annotations, requests equal to limits, restartPolicy Never,
 no owner references), the merge patches of the do-not-disrupt annotation, the delete with
@@ -203,7 +203,8 @@ async def test_the_informer_lists_and_watches_its_fleet_only(
     (watch,) = kmock["watch", PODS]
     assert watch.params["labelSelector"] == "stoker.dev/fleet=fleet-a"
     assert int(watch.params["resourceVersion"]) >= 1
-    placeholder = json.loads(kmock["post", PODS][-1].body)
+    # kmock types a selection as a View; a selected request carries its body.
+    placeholder = json.loads(kmock["post", PODS][-1].body)  # type: ignore[attr-defined]
     assert placeholder["metadata"]["labels"]["stoker.dev/placeholder"] == "duck"
     assert "stoker.dev/worker-id" not in placeholder["metadata"]["labels"]
     assert placeholder["spec"]["priorityClassName"] == "stoker-placeholder"

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -129,7 +130,9 @@ CLAIM_IDS: list[str] = []
 
 
 @schema.hook
-def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+def map_case(
+    context: schemathesis.HookContext, case: schemathesis.Case[Any]
+) -> schemathesis.Case[Any]:
     """Aim two in three valid claims at a real pool, and keep their waits short.
 
     Random pool names are almost never a configured pool, and random claim ids never an
@@ -179,7 +182,7 @@ def assert_not_a_fault(response: schemathesis.Response) -> None:
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=EXAMPLES)
 def test_the_api_answers_every_generated_request_within_its_schema(
-    case: schemathesis.Case, fuzz_server: ThreadedServer
+    case: schemathesis.Case[Any], fuzz_server: ThreadedServer
 ) -> None:
     response = case.call(
         base_url=fuzz_server.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30
@@ -194,7 +197,7 @@ def test_the_api_answers_every_generated_request_within_its_schema(
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=10)
 def test_unauthenticated_requests_are_refused(
-    case: schemathesis.Case, fuzz_server: ThreadedServer
+    case: schemathesis.Case[Any], fuzz_server: ThreadedServer
 ) -> None:
     response = case.call(base_url=fuzz_server.url, timeout=30)
     case.validate_response(response, checks=CHECKS)

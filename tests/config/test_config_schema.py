@@ -89,7 +89,7 @@ def test_a_domain_bound_is_a_config_error_that_names_the_key(name: str, annotate
         for m in typing.get_args(annotated)[1:]
         if isinstance(m, annotated_types.Ge | annotated_types.Gt)
     ]
-    bound = lower.ge if isinstance(lower, annotated_types.Ge) else lower.gt
+    bound: Any = lower.ge if isinstance(lower, annotated_types.Ge) else lower.gt
     below = bound - 1 if isinstance(lower, annotated_types.Ge) else bound
     with pytest.raises(ConfigError) as info:
         load_config(None, {f"STOKER_POOLS__0__{name.upper()}": str(below)})

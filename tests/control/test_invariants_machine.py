@@ -219,15 +219,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         reports.append(self.run(self.plane.run_janitor_pass()))
         self.settle()
         workers = self.run(self.store.list_workers(states=LIVE))
-        for pool in POOLS:
+        for spec in POOLS:
             ready = sum(
                 1
                 for w in workers
-                if w.pool == pool.name
+                if w.pool == spec.name
                 and (w.state is S.WARM or (w.state is S.SPAWNING and w.org is None))
             )
-            capped = pool.name in reports[-1].capped
-            assert capped or ready >= pool.warm_target, (pool.name, ready, reports, workers)
+            capped = spec.name in reports[-1].capped
+            assert capped or ready >= spec.warm_target, (spec.name, ready, reports, workers)
         # Lost hot workers failed their claims instead of being silently swapped (I6).
         for claim in self.run(self.store.list_claims(states=[ClaimState.FAILED])):
             assert claim.reason and claim.reason.startswith("worker_"), claim

@@ -200,7 +200,7 @@ def test_the_package_root_exposes_the_sdk() -> None:
     assert stoker.Client is Client
     assert stoker.CapacityError is CapacityError
     with pytest.raises(AttributeError):
-        _ = stoker.NoSuchThing  # type: ignore[attr-defined]
+        _ = stoker.NoSuchThing
 
 
 async def test_async_session_renews_and_releases_on_exception(server: Server) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -606,7 +607,7 @@ async def test_a_statefulset_starts_in_order_and_keeps_the_evicted_pods_name(
     expected = [f"{workload}-{i}" for i in range(3)]
     created = {}
     for name in expected:
-        await until(cluster, lambda name=name: name in bg_pods(cluster))
+        await until(cluster, functools.partial(lambda name: name in bg_pods(cluster), name))
         created[name] = cluster.now() - 0.25
     # db-0 pulls (10 s) and starts (2 s); the others only start, the image being cached.
     assert list(created.values()) == [0.0, 12.0, 14.0]
@@ -754,7 +755,8 @@ async def test_a_client_waits_for_tokens_and_pays_its_latency(make_cluster: Make
     assert done == pytest.approx([0.1, 0.6, 1.1])
     stats = cluster.snapshot().api["slow"]
     assert stats.calls == {"get_pod": 3}
-    assert (stats.throttled_calls, stats.throttle_wait_s) == (2, pytest.approx(1.5))
+    assert stats.throttled_calls == 2
+    assert stats.throttle_wait_s == pytest.approx(1.5)
 
 
 async def test_scheduled_faults_hit_their_client_and_window(make_cluster: MakeCluster) -> None:

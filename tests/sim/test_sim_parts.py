@@ -20,6 +20,7 @@ from stoker.sim.cluster.distributions import (
     BIGFLEET_REPLICAS,
     BIGFLEET_STATEFUL_REPLICAS,
     Constant,
+    Distribution,
     Exponential,
     LogNormal,
     Uniform,
@@ -88,7 +89,12 @@ def test_allocatable_follows_the_karpenter_formulas() -> None:
 
 def test_draws_depend_only_on_the_seed() -> None:
     """The same generator state gives the same draws; nothing global is consumed."""
-    kinds = [Uniform(1, 2), Exponential(5), LogNormal(10, 0.5, cap=20), BIGFLEET_REPLICAS]
+    kinds: list[Distribution] = [
+        Uniform(1, 2),
+        Exponential(5),
+        LogNormal(10, 0.5, cap=20),
+        BIGFLEET_REPLICAS,
+    ]
     first = [kind.sample(random.Random(3)) for kind in kinds]
     random.seed(99)  # the module-level generator must not matter
     assert [kind.sample(random.Random(3)) for kind in kinds] == first
