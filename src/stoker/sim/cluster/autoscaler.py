@@ -116,26 +116,37 @@ class _Bin(Capacity):
         )
 
 
-class Provisioner:
+@dataclass(frozen=True, slots=True)
+class AutoscalerParts:
+    """What provisioning and consolidation both act with: the fleet they grow or shrink,
+    the scheduler whose placements they plan around, the timeline and the counters."""
+
+    config: AutoscalerConfig
+    fleet: NodeFleet
+    scheduler: Scheduler
+    timeline: Timeline
+    counters: AutoscalerCounters
+
+
+class _NodeAutoscaler:
+    """The parts, as the provisioner and the consolidator read them."""
+
+    def __init__(self, parts: AutoscalerParts) -> None:
+        self._config = parts.config
+        self._fleet = parts.fleet
+        self._scheduler = parts.scheduler
+        self._timeline = parts.timeline
+        self._counters = parts.counters
+
+
+class Provisioner(_NodeAutoscaler):
     """Launches nodes for Unschedulable pods; see the module docstring."""
 
-    def __init__(
-        self,
-        *,
-        config: AutoscalerConfig,
-        fleet: NodeFleet,
-        scheduler: Scheduler,
-        timeline: Timeline,
-        counters: AutoscalerCounters,
-    ) -> None:
-        self._config = config
-        self._fleet = fleet
-        self._scheduler = scheduler
-        self._timeline = timeline
-        self._counters = counters
+    def __init__(self, parts: AutoscalerParts) -> None:
+        super().__init__(parts)
         self._batch_start: float | None = None
         self._batch_last = 0.0
-        self._trigger = Trigger(timeline, self._close_batch)
+        self._trigger = Trigger(parts.timeline, self._close_batch)
 
     def pod_unschedulable(self, pod: SimPod) -> None:
         """A pod was marked Unschedulable: open or extend the batch window."""
@@ -302,29 +313,16 @@ def _cheapest_holding(
     return min(fitting, key=lambda itype: (itype.price_per_hour, itype.cpu, itype.name))
 
 
-class Consolidator:
+class Consolidator(_NodeAutoscaler):
     """Removes empty and under-used nodes; see the module docstring.
 
     `evict(pod)` is the Eviction API (True when the eviction was accepted).
     """
 
-    def __init__(
-        self,
-        *,
-        config: AutoscalerConfig,
-        fleet: NodeFleet,
-        scheduler: Scheduler,
-        evict: Callable[[SimPod], bool],
-        timeline: Timeline,
-        counters: AutoscalerCounters,
-    ) -> None:
-        self._config = config
-        self._fleet = fleet
-        self._scheduler = scheduler
+    def __init__(self, parts: AutoscalerParts, *, evict: Callable[[SimPod], bool]) -> None:
+        super().__init__(parts)
         self._evict = evict
-        self._timeline = timeline
-        self._counters = counters
-        self._trigger = Trigger(timeline, self._pass)
+        self._trigger = Trigger(parts.timeline, self._pass)
 
     def start(self) -> None:
         """Begin the periodic passes."""

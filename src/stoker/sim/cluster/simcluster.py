@@ -28,7 +28,12 @@ from stoker.domain.errors import ConfigError
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ObjectNotFound, Pod, PodPhase
 from stoker.sim.cluster.apiserver import FakeApiServer
-from stoker.sim.cluster.autoscaler import AutoscalerCounters, Consolidator, Provisioner
+from stoker.sim.cluster.autoscaler import (
+    AutoscalerCounters,
+    AutoscalerParts,
+    Consolidator,
+    Provisioner,
+)
 from stoker.sim.cluster.client import ClientStats, FaultKind, FaultSchedule, SimClient
 from stoker.sim.cluster.config import SimClusterConfig
 from stoker.sim.cluster.disruption import DisruptionBudgets, EvictionVerdict
@@ -95,21 +100,15 @@ class SimCluster:
         )
         self.kubelet = Kubelet(config=config.kubelet, timeline=self.timeline, rng=rng)
         self._autoscaler_counters = AutoscalerCounters()
-        self.provisioner = Provisioner(
+        autoscaling = AutoscalerParts(
             config=config.autoscaler,
             fleet=self.fleet,
             scheduler=self.scheduler,
             timeline=self.timeline,
             counters=self._autoscaler_counters,
         )
-        self.consolidator = Consolidator(
-            config=config.autoscaler,
-            fleet=self.fleet,
-            scheduler=self.scheduler,
-            evict=self._evict,
-            timeline=self.timeline,
-            counters=self._autoscaler_counters,
-        )
+        self.provisioner = Provisioner(autoscaling)
+        self.consolidator = Consolidator(autoscaling, evict=self._evict)
         self.controller = WorkloadController(
             server=self.background_api,
             timeline=self.timeline,
