@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from stoker.adapters._schema import CLAIMS, WORKERS
 from stoker.domain.errors import IllegalTransition
@@ -271,6 +271,23 @@ def checked_changes(current: Worker, to: WorkerState, changes: Mapping[str, Any]
 def matches(current: Worker, state: WorkerState, epoch: int, version: int) -> bool:
     """True when the row read is the one a caller's compare-and-set expects."""
     return current.state is state and current.epoch == epoch and current.version == version
+
+
+def check_ending(state: ClaimState, worker_to: WorkerState, changes: Mapping[str, Any]) -> None:
+    """An ended claim's state must be final, and its hot worker's move legal."""
+    if state is ClaimState.BOUND:
+        raise ValueError("end_claim needs a final claim state")
+    check_move(WorkerState.HOT, worker_to, changes)
+
+
+def holds(current: Worker | None, claim: Claim) -> TypeGuard[Worker]:
+    """True when `current` (as read) is the hot worker `claim` is bound to, at its epoch."""
+    return (
+        current is not None
+        and current.state is WorkerState.HOT
+        and current.epoch == claim.worker_epoch
+        and current.claim_id == claim.id
+    )
 
 
 def check_claim_for(worker_id: str, epoch: int, claim: Claim) -> None:

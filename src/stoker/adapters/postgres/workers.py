@@ -27,12 +27,14 @@ from stoker.adapters._rows import (
     WORKER_COLUMNS,
     WORKER_SELECT,
     check_claim_for,
+    check_ending,
     check_move,
     check_reservable,
     checked_changes,
     claim_from_row,
     claim_to_row,
     column_value,
+    holds,
     matches,
     spawn_room,
     spawning_workers,
@@ -264,9 +266,7 @@ class WorkerRows:
         worker_changes: Mapping[str, Any] | None = None,
     ) -> tuple[Claim, Worker] | None:
         """End a bound claim and move its hot worker, in one transaction (claim row first)."""
-        if state is ClaimState.BOUND:
-            raise ValueError("end_claim needs a final claim state")
-        check_move(WorkerState.HOT, worker_to, worker_changes or {})
+        check_ending(state, worker_to, worker_changes or {})
         claims = self._names.claims
         async with self._db.tx() as conn:
             cur = await conn.execute(
@@ -278,12 +278,7 @@ class WorkerRows:
                 return None
             claim = claim_from_row(row)
             current = await _read_worker(conn, self._names, claim.worker_id, lock=True)
-            if (
-                current is None
-                or current.state is not WorkerState.HOT
-                or current.epoch != claim.worker_epoch
-                or current.claim_id != claim.id
-            ):
+            if not holds(current, claim):
                 return None
             worker = await _cas(
                 conn,

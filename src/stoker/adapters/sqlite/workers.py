@@ -18,12 +18,14 @@ from stoker.adapters._rows import (
     WORKER_COLUMNS,
     WORKER_SELECT,
     check_claim_for,
+    check_ending,
     check_move,
     check_reservable,
     checked_changes,
     claim_from_row,
     claim_to_row,
     column_value,
+    holds,
     matches,
     spawn_room,
     spawning_workers,
@@ -258,21 +260,14 @@ class WorkerRows:
         worker_changes: Mapping[str, Any] | None = None,
     ) -> tuple[Claim, Worker] | None:
         """End a bound claim and move its hot worker, atomically."""
-        if state is ClaimState.BOUND:
-            raise ValueError("end_claim needs a final claim state")
-        check_move(WorkerState.HOT, worker_to, worker_changes or {})
+        check_ending(state, worker_to, worker_changes or {})
         async with self._writes.tx() as db:
             row = db.execute(_CLAIM_BY_ID, (claim_id,)).fetchone()
             claim = claim_from_row(row) if row else None
             if claim is None or claim.state is not ClaimState.BOUND:
                 return None
             current = self._get(db, claim.worker_id)
-            if (
-                current is None
-                or current.state is not WorkerState.HOT
-                or current.epoch != claim.worker_epoch
-                or current.claim_id != claim.id
-            ):
+            if not holds(current, claim):
                 return None
             changes = {"claim_id": None, **(worker_changes or {})}
             worker = self._cas(db, current, to=worker_to, now=now, changes=changes)
