@@ -8,6 +8,7 @@ of h11 and httpx).
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -159,7 +160,7 @@ class Calls:
         return ServerUnreachable(f"cannot reach stoker at {self.url}: {exc}")
 
 
-class BaseClient(Generic[TransportT]):
+class BaseClient(abc.ABC, Generic[TransportT]):
     """What `Client` and `AsyncClient` share: the calls to one server (`Calls`, which says
     what `url`, `token` and `timeout` default to) and the httpx client that sends them;
     `transport` replaces httpx's network transport (tests pass an `httpx.MockTransport`).
@@ -176,9 +177,9 @@ class BaseClient(Generic[TransportT]):
         self._calls = Calls(url, token, timeout)
         self._connect(transport)
 
+    @abc.abstractmethod
     def _connect(self, transport: TransportT | None) -> None:
-        """Open the httpx client the calls go through."""
-        raise NotImplementedError
+        """Open the httpx client the calls go through (sync or async, by subclass)."""
 
     @property
     def url(self) -> str:
