@@ -35,11 +35,8 @@ from stoker.ports.clock import Clock, TokenBucket
 from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
-    Conflict,
     Container,
-    Forbidden,
     Gone,
-    Invalid,
     Lease,
     ObjectNotFound,
     Pod,
@@ -47,10 +44,10 @@ from stoker.ports.cluster import (
     PodPhase,
     PodSpec,
     Selector,
-    Throttled,
     Toleration,
     WatchEvent,
     WatchEventType,
+    error_for_status,
 )
 
 logger = logging.getLogger("stoker.adapters.cluster_lightkube")
@@ -113,23 +110,9 @@ def _retry_after(exc: httpx2.HTTPStatusError) -> float | None:
 
 
 def _cluster_error(exc: httpx2.HTTPStatusError, what: str) -> ClusterError:
-    status = _status_of(exc)
-    message = f"{what}: {_message_of(exc)}"
-    if status == 404:
-        return ObjectNotFound(message, status=status)
-    if status == 409:
-        return Conflict(message, status=status)
-    if status == 410:
-        return Gone(message, status=status)
-    if status == 429:
-        return Throttled(message, status=status, retry_after=_retry_after(exc))
-    if status in (400, 422):
-        return Invalid(message, status=status)
-    if status in (401, 403):
-        return Forbidden(message, status=status)
-    if status >= 500:
-        return ClusterUnavailable(message, status=status)
-    return ClusterError(message, status=status)
+    return error_for_status(
+        _status_of(exc), f"{what}: {_message_of(exc)}", retry_after=_retry_after(exc)
+    )
 
 
 # -- conversions between lightkube models and the port's dataclasses --------------------

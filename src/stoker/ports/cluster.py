@@ -189,6 +189,29 @@ class ClusterUnavailable(ClusterError, code="cluster-unavailable"):
     """The API server kept failing (5xx) or could not be reached, after all retries."""
 
 
+def error_for_status(
+    status: int, message: str, *, retry_after: float | None = None
+) -> ClusterError:
+    """The port's error for an HTTP status the API server answered (one mapping for every
+    ClusterAPI adapter): 404, 409, 410, 429, 400/422, 401/403 and 5xx each have theirs,
+    any other status is a plain `ClusterError`. `retry_after` goes with a 429."""
+    if status == 404:
+        return ObjectNotFound(message, status=status)
+    if status == 409:
+        return Conflict(message, status=status)
+    if status == 410:
+        return Gone(message, status=status)
+    if status == 429:
+        return Throttled(message, status=status, retry_after=retry_after)
+    if status in (400, 422):
+        return Invalid(message, status=status)
+    if status in (401, 403):
+        return Forbidden(message, status=status)
+    if status >= 500:
+        return ClusterUnavailable(message, status=status)
+    return ClusterError(message, status=status)
+
+
 class ClusterAPI(Protocol):
     """Pods and Leases in one namespace, with Kubernetes' resourceVersion semantics."""
 

@@ -15,8 +15,8 @@ Each control-plane replica gets its own `SimClient`, a `ClusterAPI` over the sha
 Fault kinds (`FaultSpec`; `at` and `duration` in seconds after the cluster started):
 
 - `error`: the call fails with the given HTTP `status` (500 by default), mapped to the
-  port's errors (429 Throttled, 409 Conflict, 410 Gone, 404, 400/422, 401/403, 5xx
-  ClusterUnavailable);
+  port's errors as the real adapter maps them (`error_for_status`: 429 Throttled, 409
+  Conflict, 410 Gone, 404, 400/422, 401/403, 5xx ClusterUnavailable);
 - `timeout`: the call hangs `timeout_s` then fails with ClusterUnavailable; with
   `applied` the server did perform it (the response was lost: a create then conflicts);
 - `lease_blip`: `create_lease` and `update_lease` fail (a lease-renewal blip of one
@@ -40,17 +40,12 @@ from stoker.ports.clock import Clock
 from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
-    Conflict,
-    Forbidden,
-    Gone,
-    Invalid,
     Lease,
-    ObjectNotFound,
     Pod,
     PodList,
     Selector,
-    Throttled,
     WatchEvent,
+    error_for_status,
 )
 from stoker.sim.cluster.apiserver import FakeApiServer
 from stoker.sim.cluster.calls import OPERATIONS
@@ -132,23 +127,6 @@ def _float(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"fault: expected a number, got {value!r}")
     return float(value)
-
-
-def error_for(status: int, message: str) -> ClusterError:
-    """The port's error for an HTTP status, as the real adapter maps it."""
-    if status == 404:
-        return ObjectNotFound(message, status=status)
-    if status == 409:
-        return Conflict(message, status=status)
-    if status == 410:
-        return Gone(message, status=status)
-    if status == 429:
-        return Throttled(message, retry_after=1.0)
-    if status in (400, 422):
-        return Invalid(message, status=status)
-    if status in (401, 403):
-        return Forbidden(message, status=status)
-    return ClusterUnavailable(message, status=status)
 
 
 class FaultSchedule:
@@ -347,7 +325,7 @@ class SimClient:
             return ClusterUnavailable(f"{what}: lease renewal failed", status=503)
         if fault.kind is FaultKind.WATCH_DROP:
             return ClusterUnavailable(f"{what}: watch refused", status=503)
-        return error_for(fault.status, f"{what}: HTTP {fault.status}")
+        return error_for_status(fault.status, f"{what}: HTTP {fault.status}", retry_after=1.0)
 
 
 def latency_from(spec: object) -> Distribution | None:
