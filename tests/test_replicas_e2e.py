@@ -60,6 +60,8 @@ INTERVALS: dict[str, Any] = {
 FAILOVER_S = LEASE + RETRY + 2 * INTERVALS["janitor_interval_s"]
 #: Allowance for a busy two-core machine on top of every protocol bound below.
 SLACK_S = 3.0
+#: How long a claim may wait on the server before it answers 503.
+CLAIM_TIMEOUT_S = 10
 
 
 def pool(name: str = "demo", *, start_delay: float = 0.0, **overrides: Any) -> dict[str, Any]:
@@ -74,7 +76,7 @@ def pool(name: str = "demo", *, start_delay: float = 0.0, **overrides: Any) -> d
         "hot_idle_ttl": 60,
         "scale_down_delay": 600,
         "lease_s": 60,
-        "claim_timeout_s": 10,
+        "claim_timeout_s": CLAIM_TIMEOUT_S,
         "timeouts": {"spawn_s": 20, "stop_grace_s": 1},
     }
     spec.update(overrides)
@@ -322,10 +324,14 @@ class Fleet:
         return found[0]
 
     def claim(self, replica: Replica, org: str, **body: Any) -> dict[str, Any]:
+        """A claim that must bind; the client outwaits the server's claim timeout, so a
+        failure shows the server's answer, with the end of the replica's log."""
         response = self.http.post(
-            replica.url + "/v1/claims", json={"pool": "demo", "org": org, **body}
+            replica.url + "/v1/claims",
+            json={"pool": "demo", "org": org, **body},
+            timeout=CLAIM_TIMEOUT_S + SLACK_S,
         )
-        assert response.status_code == 201, response.text
+        assert response.status_code == 201, f"{response.text}\n{replica.log()[-4000:]}"
         answer: dict[str, Any] = response.json()
         return answer
 

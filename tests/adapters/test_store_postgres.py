@@ -215,6 +215,51 @@ async def test_a_stalled_lock_holder_blocks_the_others_only_for_the_lock_idle_ti
     assert len(ended) == 1, "the server should have ended the stalled transaction"
 
 
+async def test_a_stalled_transaction_holding_a_row_blocks_the_others_only_for_a_while(
+    make_pg: Callable[..., PostgresStore],
+) -> None:
+    # The same for a row lock taken without any advisory lock (a claim's end, a bind): every
+    # pooled connection bounds how long its transactions may sit idle, not only the ones
+    # that take a lock.
+    stalled = make_pg(lock_idle_timeout_s=0.5)
+    other = make_pg()
+    await stalled.open()
+    await other.open()
+    w = await Fleet(other).warm()
+    locked = asyncio.Event()
+    ended: list[StoreError] = []
+
+    async def stall() -> None:
+        try:
+            async with stalled._db.tx() as conn:
+                await conn.execute(
+                    f"SELECT id FROM {stalled._names.workers} WHERE id = %s FOR UPDATE", (w.id,)
+                )
+                locked.set()
+                await asyncio.sleep(3)  # stopped, holding the row
+                await conn.execute("SELECT 1")  # the server ended the session meanwhile
+        except StoreError as exc:
+            ended.append(exc)
+
+    holder = asyncio.create_task(stall())
+    await asyncio.wait_for(locked.wait(), 5)
+    moved = await asyncio.wait_for(
+        other.transition(
+            w.id,
+            expect=WorkerState.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            to=WorkerState.WARM,
+            now=T0 + 10,
+            changes={"heartbeat_at": T0 + 10},
+        ),
+        2.5,
+    )
+    assert moved is not None and moved.version == w.version + 1
+    await holder
+    assert len(ended) == 1, "the server should have ended the stalled transaction"
+
+
 async def test_open_fails_with_store_error_when_the_server_is_unreachable(
     make_pg: Callable[..., PostgresStore],
 ) -> None:

@@ -4,6 +4,11 @@ Pooled connections are in autocommit; a multi-statement write takes `tx()`, so a
 leaves nothing half-done. Connections are not pinged on checkout (a round trip per
 operation): one broken by a server restart fails the operation that finds it, like any
 failed write, and the pool replaces it.
+
+Every connection bounds how long a transaction may sit idle
+(`idle_in_transaction_session_timeout`, set once when the pool opens the connection): a
+replica stopped inside a transaction (SIGSTOP, a frozen VM) would otherwise hold its row
+locks, and every other replica touching those rows would wait until it ran again.
 """
 
 from __future__ import annotations
@@ -27,18 +32,24 @@ Params = Sequence[Any] | Mapping[str, Any]
 @dataclass(frozen=True, slots=True)
 class PoolOptions:
     """How many connections to keep and open, whether statements are prepared on the server
-    (None: never, as behind a transaction-mode pooler), and the longest wait for one."""
+    (None: never, as behind a transaction-mode pooler), the longest wait for one, and how
+    long a transaction may sit idle before the server ends it (0: the server's setting)."""
 
     min_size: int = 1
     max_size: int = 10
     prepare_threshold: int | None = 5
     timeout_s: float = 30.0
+    idle_in_transaction_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.min_size < 0 or self.max_size < max(1, self.min_size):
             raise ValueError(
                 "need 0 <= min_size <= max_size and max_size >= 1, "
                 f"got {self.min_size}, {self.max_size}"
+            )
+        if self.idle_in_transaction_ms < 0:
+            raise ValueError(
+                f"idle_in_transaction_ms must not be negative, got {self.idle_in_transaction_ms}"
             )
 
 
@@ -66,6 +77,7 @@ class Connections:
                 max_size=o.max_size,
                 timeout=o.timeout_s,
                 name=f"stoker-{self._schema}",
+                configure=self._configure if o.idle_in_transaction_ms else None,
                 open=False,
             )
             try:
@@ -81,6 +93,13 @@ class Connections:
                     ) from exc
                 raise
             self._pool = pool
+
+    async def _configure(self, conn: Connection) -> None:
+        """Session settings of a new connection (in autocommit: no transaction stays open)."""
+        await conn.execute(
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+            (str(self._options.idle_in_transaction_ms),),
+        )
 
     async def close(self) -> None:
         """Close the pool and its connections."""

@@ -38,17 +38,18 @@ class PostgresStore(WorkerRows, ReplicaRows):
         lock_idle_timeout_s: float = 5.0,
     ) -> None:
         """`url`: a libpq URL or conninfo; `timeout_s`: longest wait for a pooled connection;
-        `lock_idle_timeout_s`: how long a transaction holding a lock may sit idle before
-        PostgreSQL ends it (its client stalled)."""
+        `lock_idle_timeout_s`: how long any transaction (one holding a lock or a row
+        included) may sit idle before PostgreSQL ends it (its client stalled)."""
         if lock_idle_timeout_s <= 0:
             raise ValueError(f"lock_idle_timeout_s must be > 0, got {lock_idle_timeout_s}")
         if not _IDENTIFIER.fullmatch(schema):
             raise ValueError(f"schema must be a plain SQL identifier, got {schema!r}")
-        options = PoolOptions(min_size, max_size, prepare_threshold, timeout_s)
+        idle_ms = max(1, round(lock_idle_timeout_s * 1000))
+        options = PoolOptions(min_size, max_size, prepare_threshold, timeout_s, idle_ms)
         self.url = url
         self.schema = schema
         self._db = Connections(url, schema=schema, options=options)
-        self._lock_idle_ms = str(max(1, round(lock_idle_timeout_s * 1000)))
+        self._lock_idle_ms = str(idle_ms)
         self._names = Names(schema)
         self._reserve_any_sql, self._reserve_sql_by_id = reserve_statements(self._names)
 
