@@ -23,6 +23,7 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -47,6 +48,10 @@ from stoker.domain.errors import NotFound, StokerError, Unavailable
 from stoker.domain.states import LIVE, WorkerState
 
 logger = logging.getLogger("stoker.api")
+
+#: Renders one pool (a pydantic dataclass, not a model: `ModelResponse` does not take it).
+_POOL_JSON = TypeAdapter(PoolOut)
+_JSON = "application/json"
 
 # -- the app --------------------------------------------------------------------------------
 
@@ -175,7 +180,7 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         """One pool with its targets, demand, cap and workers by state."""
         for status in await plane.pool_status():
             if status.name == name:
-                return ModelResponse(PoolOut.of(status))
+                return Response(_POOL_JSON.dump_json(PoolOut.of(status)), media_type=_JSON)
         raise NotFound(f"unknown pool {name!r}")
 
     @app.get(

@@ -8,12 +8,14 @@ valid, which keeps validation off the hot path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from starlette.responses import Response
 
 from stoker.control.plane import PoolStatus
@@ -194,24 +196,16 @@ def _fields(model: type[BaseModel], record: object, **converted: Any) -> dict[st
     }
 
 
-class PoolOut(BaseModel):
+# The fields are `PoolStatus`'s, declared once there; this subclass gives them the name and
+# the description the OpenAPI document shows.
+@pydantic_dataclass(frozen=True)
+class PoolOut(PoolStatus):
     """A pool's targets, demand and workers by state."""
-
-    name: str
-    revision: str
-    warm_target: int
-    desired_warm: int
-    demand: int
-    #: Live workers allowed in the pool; 0 = unbounded.
-    cap: int
-    max_workers_per_org: int
-    reuse: str
-    counts: dict[str, int]
 
     @classmethod
     def of(cls, status: PoolStatus) -> PoolOut:
         """The response body of one pool."""
-        return cls.model_construct(**_fields(cls, status, counts=dict(status.counts)))
+        return cls(*(getattr(status, f.name) for f in dataclasses.fields(PoolStatus)))
 
 
 class PoolList(BaseModel):

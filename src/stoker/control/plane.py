@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from stoker.control import logs
@@ -57,7 +57,7 @@ class PoolStatus:
     cap: int
     max_workers_per_org: int
     reuse: str
-    counts: Mapping[str, int] = field(default_factory=dict)
+    counts: Mapping[str, int]
 
 
 class ControlPlane:
