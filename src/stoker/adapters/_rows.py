@@ -280,6 +280,16 @@ def check_ending(state: ClaimState, worker_to: WorkerState, changes: Mapping[str
     check_move(WorkerState.HOT, worker_to, changes)
 
 
+def may_bind(current: Worker | None, claim: Claim, epoch: int, version: int) -> TypeGuard[Worker]:
+    """True when `current` (as read) is the activating worker a bind at `epoch` and
+    `version` expects, activated for the claim's org."""
+    return (
+        current is not None
+        and matches(current, WorkerState.ACTIVATING, epoch, version)
+        and current.org == claim.org
+    )
+
+
 def holds(current: Worker | None, claim: Claim) -> TypeGuard[Worker]:
     """True when `current` (as read) is the hot worker `claim` is bound to, at its epoch."""
     return (

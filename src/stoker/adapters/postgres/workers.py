@@ -36,6 +36,7 @@ from stoker.adapters._rows import (
     column_value,
     holds,
     matches,
+    may_bind,
     spawn_room,
     spawning_workers,
     worker_from_row,
@@ -234,9 +235,7 @@ class WorkerRows:
         check_claim_for(worker_id, epoch, claim)
         async with self._db.tx() as conn:
             current = await _read_worker(conn, self._names, worker_id, lock=True)
-            if current is None or not matches(current, WorkerState.ACTIVATING, epoch, version):
-                return None
-            if current.org != claim.org:
+            if not may_bind(current, claim, epoch, version):
                 return None
             worker = await _cas(
                 conn,

@@ -27,6 +27,7 @@ from stoker.adapters._rows import (
     column_value,
     holds,
     matches,
+    may_bind,
     spawn_room,
     spawning_workers,
     worker_to_row,
@@ -231,9 +232,7 @@ class WorkerRows:
         check_claim_for(worker_id, epoch, claim)
         async with self._writes.tx() as db:
             current = self._get(db, worker_id)
-            if current is None or not matches(current, WorkerState.ACTIVATING, epoch, version):
-                return None
-            if current.org != claim.org:
+            if not may_bind(current, claim, epoch, version):
                 return None
             worker = self._cas(
                 db,
