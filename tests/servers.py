@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -77,8 +78,12 @@ def start_server(
     args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
+    open_files: int | None = None,
 ) -> Server:
-    """Run `stoker serve` in `workdir` and wait until it listens (or fail with its log)."""
+    """Run `stoker serve` in `workdir` and wait until it listens (or fail with its log).
+
+    `open_files` sets the server's open-files limit (soft and hard).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     argv = [STOKER, "serve", *args]
     if config is not None:
@@ -93,6 +98,7 @@ def start_server(
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
+        preexec_fn=None if open_files is None else _limit_files(open_files),
     )
     log.close()
     lines: queue.Queue[str | None] = queue.Queue()
@@ -125,6 +131,13 @@ def start_server(
         match = LISTENING.search(line)
         if match:
             return Server(proc, match.group(1), workdir, seen)
+
+
+def _limit_files(n: int) -> Callable[[], None]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return limit
 
 
 def fleet_processes(fleet: str) -> list[psutil.Process]:

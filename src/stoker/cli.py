@@ -155,6 +155,7 @@ def serve(
         run_server(
             api,
             sock,
+            api=config.api,
             shutdown_grace_s=config.intervals.shutdown_grace_s,
             on_started=announce,
         )

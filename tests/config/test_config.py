@@ -45,6 +45,9 @@ def test_defaults_are_the_embedded_ones() -> None:
     assert (config.api.host, config.api.port) == ("127.0.0.1", 8080)
     assert not config.api.has_tokens
     assert config.api.max_body_bytes == 65536
+    assert (config.api.max_header_bytes, config.api.max_connections) == (32768, 1024)
+    assert (config.api.header_timeout_s, config.api.body_timeout_s) == (10.0, 30.0)
+    assert config.api.keep_alive_s == 5.0
     [demo] = config.pools
     assert demo.name == "demo" and demo.warm_target == 2
     assert demo.command == DEMO_COMMAND

@@ -31,6 +31,7 @@ from stoker._version import __version__
 from stoker.api import problems
 from stoker.api.asgi import ApiState, Guard, Receive, Scope, Send, principal_of
 from stoker.api.claims import add_claim_routes
+from stoker.api.connections import RefusalLog
 from stoker.api.models import (
     Health,
     ModelResponse,
@@ -78,6 +79,8 @@ class StokerApp(FastAPI):
     api_state: ApiState
     stop_workers: bool
     manage_plane: bool
+    #: Where the API and its connections log and count what they refuse.
+    refusals: RefusalLog
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection; the lifespan protocol is handled here."""
@@ -145,7 +148,8 @@ def create_app(
     app.add_exception_handler(Exception, problems.handle_unexpected)
     # Added first, the direct routes run inside the guard; middleware added later wraps both.
     app.add_middleware(DirectRoutes, routes=app.router.routes, handlers=app.exception_handlers)
-    app.add_middleware(Guard, api=api)
+    app.refusals = RefusalLog(plane.metrics.api_refusals)
+    app.add_middleware(Guard, api=api, refusals=app.refusals)
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
     _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))

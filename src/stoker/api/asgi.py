@@ -7,6 +7,7 @@ knows beyond the plane (draining, a failed start).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import ipaddress
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from stoker.api import problems
+from stoker.api.connections import RefusalLog
 from stoker.config import ApiConfig
 from stoker.domain.errors import Forbidden
 
@@ -90,8 +92,9 @@ class Guard:
     or as soon as a chunked body grows past the limit.
     """
 
-    def __init__(self, app: ASGIApp, api: ApiConfig) -> None:
+    def __init__(self, app: ASGIApp, api: ApiConfig, refusals: RefusalLog | None = None) -> None:
         self.app = app
+        self.refusals = refusals or RefusalLog()
         self.max_body = api.max_body_bytes
         self.open = not api.has_tokens
         self.tokens: dict[bytes, Principal] = {
@@ -114,13 +117,20 @@ class Guard:
         if scope["method"] in _BODY_METHODS:
             length = _content_length(scope)
             if length is not None and length > self.max_body:
+                self._refused_body(scope)
                 await send_problem(send, 413, "body-too-large", self._too_large())
                 return
-            receive = self._limited(receive)
+            receive = self._limited(scope, receive)
         await self.app(scope, receive, send)
 
     def _too_large(self) -> str:
         return f"the request body exceeds {self.max_body} bytes"
+
+    def _refused_body(self, scope: Scope) -> None:
+        client = scope.get("client")
+        where = f"{client[0]}:{client[1]}" if client else "-"
+        now = asyncio.get_running_loop().time()
+        self.refusals.refused(now, "body_too_large", 413, where, self._too_large())
 
     def _authenticate(
         self, scope: Scope
@@ -149,7 +159,7 @@ class Guard:
                 found = principal
         return found
 
-    def _limited(self, receive: Receive) -> Receive:
+    def _limited(self, scope: Scope, receive: Receive) -> Receive:
         limit, seen = self.max_body, 0
 
         async def limited_receive() -> Message:
@@ -158,6 +168,7 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    self._refused_body(scope)
                     raise HTTPException(413, self._too_large())
             return message
 

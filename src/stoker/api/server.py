@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import importlib.util
 import ipaddress
+import logging
+import resource
 import signal
 import socket
 from collections.abc import Callable
@@ -20,8 +22,15 @@ from types import FrameType
 import uvicorn
 
 from stoker.api.app import StokerApp
+from stoker.api.connections import ClientLimits, bounded_protocol
 from stoker.config import ApiConfig
 from stoker.domain.errors import ConfigError, StokerError
+
+logger = logging.getLogger("stoker.api")
+
+#: Open files kept for everything but client connections: the store, the runtime's pipes
+#: and log files, activation requests to workers.
+_RESERVED_FILES = 64
 
 
 class ServeError(StokerError):
@@ -80,14 +89,35 @@ def bound_url(sock: socket.socket) -> str:
     return f"http://{authority}"
 
 
+def client_limits(api: ApiConfig) -> ClientLimits:
+    """The client bounds of `api`, with the connection cap fitted to the open-files limit.
+
+    The soft limit is first raised to the hard one; if that still leaves too little room,
+    the cap is lowered (one log line), so that at the limit new connections are refused
+    by the server's own rule rather than by a failing accept() that tells nobody.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    cap = api.max_connections
+    if soft != resource.RLIM_INFINITY and cap > soft - 2 * _RESERVED_FILES:
+        cap = max(16, soft - 2 * _RESERVED_FILES)
+        logger.warning(
+            "event=connection_limit_lowered max_connections=%d to=%d open_files_limit=%d",
+            api.max_connections,
+            cap,
+            soft,
+        )
+    return ClientLimits.of(api, cap)
+
+
 def fast_loop() -> str:
     """uvloop when installed (it serves HTTP noticeably faster), else asyncio."""
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-
-
-def fast_http() -> str:
-    """httptools when installed, else h11."""
-    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
 def settle_heap() -> None:
@@ -142,6 +172,7 @@ def serve(
     app: StokerApp,
     sock: socket.socket,
     *,
+    api: ApiConfig,
     shutdown_grace_s: float,
     on_started: Callable[[], None],
 ) -> None:
@@ -150,7 +181,7 @@ def serve(
     config = uvicorn.Config(
         app,
         loop=fast_loop(),
-        http=fast_http(),
+        http=bounded_protocol(client_limits(api), app.refusals),
         lifespan="on",
         access_log=False,
         log_config=None,

@@ -132,6 +132,19 @@ class ApiConfig(Section):
     org_tokens: dict[Token, OrgName] = Field(default_factory=dict)
     #: Largest request body accepted; larger ones get 413.
     max_body_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
+    #: Largest request line plus headers accepted; larger ones get 431.
+    max_header_bytes: int = Field(32768, ge=1024, le=1024 * 1024)
+    #: A request's line and headers must arrive within this time of its first byte (or of
+    #: the connection's opening); else 408 and the connection is closed.
+    header_timeout_s: PositiveSeconds = 10.0
+    #: A request's body must arrive within this time of its headers; else 408 and close.
+    body_timeout_s: PositiveSeconds = 30.0
+    #: An idle keep-alive connection is closed after this time.
+    keep_alive_s: PositiveSeconds = 5.0
+    #: Open connections at most; at the limit a new connection closes the longest-idle one
+    #: that has no request in progress, or gets 503 when every one is serving a request.
+    #: Lowered at start to what the open-files limit leaves room for.
+    max_connections: int = Field(1024, ge=16, le=1_000_000)
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

@@ -139,6 +139,11 @@ class Metrics:
             "stoker_janitor_last_success_timestamp_seconds",
             "When the janitor last completed a pass on this replica.",
         )
+        self.api_refusals = self._counter(
+            "stoker_api_refusals",
+            "Requests and connections the API refused or closed early, by reason.",
+            "reason",
+        )
         self.pool_cap = self._gauge("stoker_pool_cap", "Pool cap in force (0 = unbounded).", "pool")
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
