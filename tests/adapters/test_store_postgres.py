@@ -12,6 +12,7 @@ statements off (what a transaction-mode pooler needs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
@@ -258,6 +259,54 @@ async def test_a_stalled_transaction_holding_a_row_blocks_the_others_only_for_a_
     assert moved is not None and moved.version == w.version + 1
     await holder
     assert len(ended) == 1, "the server should have ended the stalled transaction"
+
+
+async def test_a_cancellation_racing_the_hand_over_is_delivered(
+    make_pg: Callable[..., PostgresStore],
+) -> None:
+    # A task waiting for the pool's only connection is cancelled just as the connection
+    # is handed to it, at every step of the hand-over: each time it ends cancelled (on
+    # Python 3.11 the pool alone lost the cancellation in the first few steps, and a
+    # stopped loop went on running).
+    store = make_pg(min_size=1, max_size=1)
+    await store.open()
+    db = store._db
+    ran_on: list[int] = []
+    cancelled: list[int] = []
+    for steps in range(8):
+        holder_has_it = asyncio.Event()
+        give_back = asyncio.Event()
+
+        async def hold(has_it: asyncio.Event, give_back: asyncio.Event) -> None:
+            async with db.connection():
+                has_it.set()
+                await give_back.wait()
+
+        async def wait_for_it(steps: int = steps) -> None:
+            async with db.connection() as conn:
+                await conn.execute("SELECT 1")
+                ran_on.append(steps)
+
+        holder = asyncio.create_task(hold(holder_has_it, give_back))
+        await holder_has_it.wait()
+        waiter = asyncio.create_task(wait_for_it())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the waiter queues for the connection
+        give_back.set()
+        await holder
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        if waiter.cancel():
+            cancelled.append(steps)
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+        else:
+            await waiter  # it was through before the cancellation: nothing to deliver
+    assert cancelled, "no step cancelled the waiter in time"
+    lost = [steps for steps in cancelled if steps in ran_on]
+    assert lost == [], f"cancelled waiters went on running (steps {lost})"
+    # The pool kept its connection through all of it.
+    assert await store.schema_version() > 0
 
 
 async def test_open_fails_with_store_error_when_the_server_is_unreachable(

@@ -264,10 +264,6 @@ async def test_any_replica_serves_renews_and_releases(cluster: Cluster) -> None:
         await a.plane.renew(first.id)
 
 
-# Retried once: in about one run in ten its crash() finds the dead leader's elector task
-# still cancelling after 30 s, somewhere inside `elector.run()` (not yet explained; the
-# message now names every frame it waits in). A second failure in a row fails the suite.
-@pytest.mark.flaky(reruns=1)
 @bounded(120)
 async def test_a_dead_leaders_workers_are_adopted_and_its_spawns_retired(
     cluster: Cluster,

@@ -109,12 +109,22 @@ class Connections:
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[Connection]:
-        """A pooled connection (autocommit); any psycopg error becomes a StoreError."""
+        """A pooled connection (autocommit); any psycopg error becomes a StoreError.
+
+        A cancellation that arrives while the pool hands this task a connection is
+        delivered, not lost: on Python 3.11 the pool's wait (`asyncio.wait_for`) can return
+        the connection and drop the cancellation, and a loop being stopped would then go
+        on running (`test_a_cancellation_racing_the_hand_over_is_delivered`).
+        """
         pool = self._pool
         if pool is None:
             raise StoreError("store is not open")
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             async with pool.connection() as conn:
+                if task is not None and task.cancelling() > cancels:
+                    raise asyncio.CancelledError
                 yield conn
         except psycopg.Error as exc:
             # PoolTimeout and PoolClosed are OperationalErrors too.
