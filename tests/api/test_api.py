@@ -836,6 +836,26 @@ async def _post_then_disconnect(app: StokerApp, payload: dict[str, Any], after: 
     return sent
 
 
+async def test_a_claim_cut_off_by_the_shutdown_grace_gets_503_shutting_down(
+    tmp_path: Path,
+) -> None:
+    """The server cancels the requests still running when its shutdown grace ends (as
+    uvicorn does); a waiting claim answers 503 `shutting_down` as problem JSON, not 500."""
+    async with running(tmp_path, [pool(warm_target=0)]) as api:
+        payload = {**OK_BODY, "mode": "require_warm", "timeout_s": 600}
+        request = asyncio.ensure_future(_post_then_disconnect(api.app, payload, after=3600))
+        await asyncio.sleep(2)
+        assert api.plane.demand.waiting("demo") == 1
+        api.app.api_state.draining = True
+        request.cancel("Task cancelled, timeout graceful shutdown exceeded")
+        sent = await asyncio.wait_for(request, 10)
+        assert sent[0]["status"] == 503
+        assert (b"content-type", b"application/problem+json") in sent[0]["headers"]
+        body = json.loads(sent[1]["body"])
+        assert body["reason"] == "shutting_down" and "shutdown grace" in body["detail"]
+        assert api.plane.demand.waiting("demo") == 0
+
+
 async def test_a_client_that_leaves_while_waiting_leaves_nothing_behind(tmp_path: Path) -> None:
     async with running(tmp_path, [pool(warm_target=0)]) as api:
         payload = {**OK_BODY, "mode": "require_warm", "timeout_s": 60}

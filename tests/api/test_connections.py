@@ -3,7 +3,8 @@
 Each attack of a hostile neighbour is reproduced on raw sockets: an endless header, headers
 or a body dripped a byte at a time, hundreds of idle connections, a low open-files limit.
 Each is refused with its status and one log line, while `/healthz` and a claim (also one
-already in flight) keep answering. Waits are bounded generously; no test measures a time.
+already in flight) keep answering; a claim still waiting when the shutdown grace ends gets
+a problem answer. Waits are bounded generously; no test measures a time.
 """
 
 from __future__ import annotations
@@ -295,3 +296,39 @@ def test_a_body_over_the_limit_gets_413_and_a_log_line(server: Server) -> None:
     assert wait_until(lambda: refusals(server, "body_too_large") >= 1, SOON)
     metrics = httpx.get(server.url + "/metrics", timeout=SOON).text
     assert 'stoker_api_refusals_total{reason="body_too_large"}' in metrics
+
+
+def test_a_claim_waiting_when_the_shutdown_grace_ends_gets_503_problem_json(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a claim waits for a worker that never comes: once the shutdown grace
+    ends, the claim is answered 503 `shutting_down` as problem JSON, and nothing in the
+    log is a traceback."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    never = {"name": "never", "command": ["sleep", "600"], "warm_target": 0}
+    text = (
+        f"store: sqlite:///./stoker.db\nfleet: {fleet}\napi: {{port: 0}}\n"
+        f"intervals: {{shutdown_grace_s: 1}}\npools: {json.dumps([never])}\n"
+    )
+    srv = start_server(tmp_path, config=text, args=["--stop-workers"])
+    answers: list[httpx.Response] = []
+    body = {"pool": "never", "org": "acme", "mode": "require_warm", "timeout_s": 600}
+    client = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(srv.url + "/v1/claims", json=body, timeout=4 * SOON)
+        )
+    )
+    try:
+        client.start()
+        waiting = 'stoker_claims_waiting{pool="never"} 1.0'
+        assert wait_until(lambda: waiting in httpx.get(srv.url + "/metrics").text, SOON)
+        assert srv.stop() == 0
+        client.join(SOON)
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+    [answer] = answers
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["reason"] == "shutting_down"
+    assert "Traceback" not in srv.log()

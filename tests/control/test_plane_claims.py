@@ -19,7 +19,14 @@ import pytest
 from fakes import FakeProcess, FaultyStore, MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import CapacityError, ClaimConflict, NotFound, OrgCapError, StoreError
+from stoker.domain.errors import (
+    CapacityError,
+    ClaimConflict,
+    NotFound,
+    OrgCapError,
+    StoreError,
+    Unavailable,
+)
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec, ProcessTemplate, Timeouts
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, Reuse, WorkerState
@@ -568,6 +575,18 @@ async def test_rollout_retires_stale_warm_and_spawns_the_new_revision(tmp_path: 
         assert {w.revision for w in warm} == {new.revision}
         reasons = sorted(w.reason or "" for w in await h.workers(S.RETIRED))
         assert reasons == ["rollout", "rollout"]
+
+
+async def test_a_claim_still_waiting_when_the_shutdown_grace_ends_is_unavailable(
+    tmp_path: Path,
+) -> None:
+    settings = PlaneSettings(shutdown_grace_s=2.0)
+    async with running(tmp_path, [pool(warm_target=0)], settings=settings) as h:
+        waiting = asyncio.ensure_future(h.claim(mode=ClaimMode.REQUIRE_WARM, timeout_s=600))
+        await h.settle()
+        await h.plane.stop()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await asyncio.wait_for(waiting, 10)
 
 
 # -- restart -----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         its cap. A client that disconnects while waiting cancels the claim.
         """
         req = claim_request(principal_of(request.scope), state, body)
-        claim = await claim_while_connected(plane, req, request.receive)
+        claim = await claim_while_connected(plane, req, request.receive, state)
         if claim is None:
             # Nobody is listening any more; the status only shows in access logs.
             return Response(status_code=499)
@@ -133,14 +133,15 @@ def claim_request(principal: Principal, state: ApiState, body: ClaimCreate) -> C
 
 
 async def claim_while_connected(
-    plane: ControlPlane, req: ClaimRequest, receive: Receive
+    plane: ControlPlane, req: ClaimRequest, receive: Receive, state: ApiState
 ) -> Claim | None:
     """`plane.claim(req)`, cancelled if the client disconnects first (None then).
 
     The claim runs in this request's own task; a watcher task cancels it when the client
     goes, which is the pool manager's abandonment path (cheaper than running the claim in
     a task of its own: this is the hot path). A claim that was bound just as the client
-    left is released at once.
+    left is released at once. A claim the server cancels because its shutdown grace ended
+    raises `Unavailable` (503 `shutting_down`) instead of leaving the server a bare 500.
     """
     task = asyncio.current_task()
     assert task is not None
@@ -152,6 +153,14 @@ async def claim_while_connected(
             # Our own watcher cancelled the claim: the request ends here, quietly.
             task.uncancel()
             return None
+        if state.draining:
+            # The server cancels the requests still running when its shutdown grace ends;
+            # the client still gets an answer it can act on.
+            task.uncancel()
+            raise Unavailable(
+                "control plane is shutting down: the claim was still waiting when the "
+                "shutdown grace ended"
+            ) from None
         raise
     finally:
         gone.cancel()

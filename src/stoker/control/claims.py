@@ -143,6 +143,11 @@ class Claims:
                 else:
                     a.result.set_result(claim)
                 return
+        except asyncio.CancelledError:
+            # Only a shutdown cancels an attempt (its grace ended with the claim waiting).
+            if not a.result.done():
+                a.result.set_exception(Unavailable("control plane is shutting down"))
+            raise
         except StokerError as exc:
             if not a.result.done():
                 a.result.set_exception(exc)
