@@ -334,6 +334,8 @@ class ReplicaSet:
                     "STOKER_STORE_OPTIONS__SCHEMA": self.schema,
                     "STOKER_FLEET": self.fleet,
                     "STOKER_API__ADMIN_TOKENS": ADMIN_TOKEN,
+                    # Replicas of one store share one fleet activation key.
+                    "STOKER_ACTIVATION__KEY": f"{self.fleet}-activation-key-shared-by-replicas",
                     "STOKER_INTERVALS": json.dumps(timings.intervals()),
                     "STOKER_POOLS": json.dumps(self.pools),
                     "STOKER_LOG_LEVEL": "info",

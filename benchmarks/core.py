@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import statistics
 import tempfile
 import time
@@ -28,6 +29,7 @@ from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
+from stoker.domain.activation import ActivationKey
 from stoker.domain.records import ClaimRequest
 from stoker.domain.specs import Activation, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimMode, WorkerState
@@ -47,13 +49,15 @@ def percentile(values: list[float], q: float) -> float:
 async def make_plane(db: Path, **pool: Any) -> ControlPlane:
     clock = LoopClock()
     # Wired as bootstrap wires a server: readiness probes on the activator's connections.
-    activator = HttpActivator()
+    key = ActivationKey(secrets.token_bytes(32))
+    activator = HttpActivator(activation_key=key)
     plane = ControlPlane(
         store=SqliteStore(str(db)),
         runtime=LocalProcessRuntime(
             clock=clock,
             fleet="bench-" + uuid.uuid4().hex[:6],
             instance_id="bench",
+            activation_key=key,
             probe_session=activator.session,
         ),
         activator=activator,

@@ -37,6 +37,7 @@ import looptime
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
+from stoker.domain.activation import ActivationKey
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec
 from stoker.domain.states import WorkerState
@@ -59,6 +60,9 @@ TEMPLATE = PodTemplate(
     priority_class="stoker-worker",
     service_account="stoker-worker",
 )
+
+#: Pods carry a derived activation secret as real ones do.
+KEY = ActivationKey(b"stoker-benchmark-fleet-activation-key")
 
 
 class NoActivation:
@@ -156,6 +160,7 @@ async def creation_rate(qps: int, pods: int, db: Path) -> tuple[float, float, fl
         cluster=cluster,
         clock=clock,
         fleet="bench",
+        activation_key=KEY,
         instance_id="cp-bench",
     )
     plane = ControlPlane(
@@ -191,7 +196,9 @@ async def cache_memory(pods: int) -> tuple[float, float]:
     clock = LoopClock(epoch=1_700_000_000.0)
     server = FakeApiServer(clock=clock, namespace="stoker", history_size=4 * pods)
     pool = PoolSpec(name="duck", template=TEMPLATE)
-    creator = KubernetesRuntime(cluster=server, clock=clock, fleet="bench", instance_id="cp-a")
+    creator = KubernetesRuntime(
+        cluster=server, clock=clock, fleet="bench", instance_id="cp-a", activation_key=KEY
+    )
     for index in range(pods):
         worker = Worker(
             id=f"w-{index:012x}",
@@ -214,7 +221,9 @@ async def cache_memory(pods: int) -> tuple[float, float]:
     # Unlimited budget: this figure is about memory, not pacing.
     budget = TokenBucket(clock, rate=1e9, burst=1_000_000)
     cluster = BudgetedCluster(server, budget, decode=True)
-    runtime = KubernetesRuntime(cluster=cluster, clock=clock, fleet="bench", instance_id="cp-b")
+    runtime = KubernetesRuntime(
+        cluster=cluster, clock=clock, fleet="bench", instance_id="cp-b", activation_key=KEY
+    )
 
     class Quiet:
         def worker_ready(self, worker_id: str, endpoint: str) -> None:

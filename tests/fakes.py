@@ -20,6 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.specs import PoolSpec
@@ -27,6 +28,10 @@ from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.activator import ActivationPayload
 from stoker.ports.runtime import RuntimeListener, RuntimeObject
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount, Store
+
+#: The fleet activation key of tests that run real runtimes and activators: any key of 32
+#: bytes or more would do, and one shared constant lets a test derive a worker's secret.
+TEST_ACTIVATION_KEY = ActivationKey(b"stoker-tests-fleet-activation-key-0001")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fakes import MemoryRuntime
+from fakes import TEST_ACTIVATION_KEY, MemoryRuntime
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
@@ -208,7 +208,7 @@ async def test_build_plane_gives_one_instance_id_to_every_part_and_keeps_their_c
         ids=Ids(7),
         store=store,
         runtime=runtime,
-        activator=HttpActivator(),
+        activator=HttpActivator(activation_key=TEST_ACTIVATION_KEY),
         elector=elector,
     )
     assert plane.instance_id == Ids(7).instance()
@@ -222,17 +222,22 @@ async def test_build_plane_gives_one_instance_id_to_every_part_and_keeps_their_c
 
 def test_processes_and_pods_are_activated_over_http(tmp_path: Path) -> None:
     """One HTTP activator for both runtimes; for pods it retries a port not yet open."""
-    local = build_activator(StokerConfig(store=f"sqlite:///{tmp_path}/stoker.db"))
+    local = build_activator(
+        StokerConfig(store=f"sqlite:///{tmp_path}/stoker.db"), TEST_ACTIVATION_KEY
+    )
     assert isinstance(local, HttpActivator) and local.refused_retry_s is None
-    pods = build_activator(kubernetes_config(tmp_path, tmp_path / "kubeconfig"))
+    pods = build_activator(
+        kubernetes_config(tmp_path, tmp_path / "kubeconfig"), TEST_ACTIVATION_KEY
+    )
     assert isinstance(pods, HttpActivator) and pods.refused_retry_s == POD_ACTIVATION_RETRY_S
 
 
-async def test_postgres_builds_a_store_lease_elector() -> None:
+async def test_postgres_builds_a_store_lease_elector(tmp_path: Path) -> None:
     config = StokerConfig.model_validate(
         {
             "store": "postgresql://stoker@127.0.0.1:5432/stoker",
             "leader_election": {"lease_duration_s": 30, "renew_deadline_s": 20},
+            "activation": {"key_file": str(tmp_path / "activation-key")},
         }
     )
     plane = build_control_plane(config)
@@ -425,7 +430,7 @@ async def test_closers_run_in_order_after_the_runtime_even_when_one_fails(
     plane = ControlPlane(
         store=SqliteStore(str(tmp_path / "stoker.db")),
         runtime=ClosingRuntime(events),
-        activator=HttpActivator(),
+        activator=HttpActivator(activation_key=TEST_ACTIVATION_KEY),
         pools=[PoolSpec(name="p", template=ProcessTemplate(argv=("x",)))],
         closers=[first, second],
     )

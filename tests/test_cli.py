@@ -253,18 +253,31 @@ def test_serve_on_a_port_in_use_is_one_line(server: Server, tmp_path: Path) -> N
     assert f"cannot listen on 127.0.0.1:{port}" in line
 
 
-def test_serve_with_a_store_it_cannot_open_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        # The default key file goes next to the database: its directory is missing first.
+        (None, "config error: store: the activation key next to the SQLite file: cannot create"),
+        ("k" * 40, "stoker: could not start: cannot open sqlite store"),
+    ],
+)
+def test_serve_with_a_store_it_cannot_open_says_why(
+    tmp_path: Path, key: str | None, says: str
+) -> None:
+    env = environment(STOKER_API__PORT="0", STOKER_STORE="sqlite:///./no/such/dir/s.db")
+    if key is not None:
+        env["STOKER_ACTIVATION__KEY"] = key
     result = subprocess.run(
         [STOKER, "serve"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=60,
-        env=environment(STOKER_API__PORT="0", STOKER_STORE="sqlite:///./no/such/dir/s.db"),
+        env=env,
         check=False,
     )
     assert result.returncode == 1
-    assert "stoker: could not start: cannot open sqlite store" in result.stderr
+    assert says in result.stderr and "no/such/dir" in result.stderr
     assert "Traceback" not in result.stderr
 
 

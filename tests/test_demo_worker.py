@@ -1,8 +1,15 @@
-"""The demo worker over real HTTP: the worker side of the activation protocol (DESIGN.md §7)."""
+"""The demo worker over real HTTP: the worker side of the protocol (docs/worker-protocol.md).
+
+Activations are signed here as the control plane signs them, with the worker's secret
+derived from the tests' fleet key; the refusals of unsigned and wrongly signed ones are
+pinned below, and end to end through `stoker serve` in `tests/test_activation_hijack.py`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,6 +19,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+
+from fakes import TEST_ACTIVATION_KEY
+from stoker.worker import SECRET_ENV, SIGNATURE_HEADER, signature
 
 pytestmark = pytest.mark.processes
 
@@ -25,6 +35,11 @@ class DemoWorker:
     process: asyncio.subprocess.Process
     worker_id: str
     endpoint: str
+
+    @property
+    def secret(self) -> str:
+        """The activation secret the worker was started with."""
+        return TEST_ACTIVATION_KEY.worker_secret(self.worker_id)
 
     @property
     def port(self) -> int:
@@ -44,6 +59,7 @@ async def start_worker() -> AsyncIterator[StartWorker]:
             *(sys.executable, "-m", "stoker.demo_worker", "--port", "0", "--worker-id", worker_id),
             stdout=asyncio.subprocess.PIPE,
             stdin=asyncio.subprocess.DEVNULL,
+            env={**os.environ, SECRET_ENV: TEST_ACTIVATION_KEY.worker_secret(worker_id)},
         )
         started.append(process)
         assert process.stdout is not None
@@ -86,6 +102,22 @@ def activation(**overrides: Any) -> dict[str, Any]:
     return body
 
 
+async def activate(
+    client: httpx.AsyncClient,
+    worker: DemoWorker,
+    body: dict[str, Any] | None = None,
+    *,
+    content: bytes | None = None,
+    secret: str | None = None,
+) -> httpx.Response:
+    """POST an activation signed as the control plane signs it (with `secret`, else the
+    worker's own): `body` as JSON, or `content` as it is."""
+    raw = content if content is not None else json.dumps(body).encode()
+    key = worker.secret if secret is None else secret
+    headers = {SIGNATURE_HEADER: signature(key, "POST", "/activate", raw)}
+    return await client.post(f"{worker.endpoint}/activate", content=raw, headers=headers)
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
@@ -125,7 +157,7 @@ async def test_healthz_and_state_before_activation(
 async def test_activation_binds_the_org_and_requires_the_token(
     worker: DemoWorker, client: httpx.AsyncClient
 ) -> None:
-    activated = await client.post(f"{worker.endpoint}/activate", json=activation())
+    activated = await activate(client, worker, activation())
     assert activated.status_code == 200
     assert activated.json() == {"worker_id": "w-1", "org": "acme", "epoch": 1}
 
@@ -151,6 +183,62 @@ async def test_activation_binds_the_org_and_requires_the_token(
     assert (await client.get(f"{worker.endpoint}/healthz")).status_code == 200
 
 
+async def test_an_unsigned_or_wrongly_signed_activation_is_401_and_binds_nothing(
+    start_worker: StartWorker, client: httpx.AsyncClient
+) -> None:
+    """Without the worker's signature nothing is bound, before or after an activation:
+    no signature, a made-up one, another worker's (its secret differs), and a captured
+    signature sent with a body at a newer epoch (the signature covers the body)."""
+    worker = await start_worker("w-1")
+    other = await start_worker("w-2")
+    endpoint = f"{worker.endpoint}/activate"
+    intruder = activation(epoch=100, token="intruder")
+
+    async def refused(response: httpx.Response) -> None:
+        assert response.status_code == 401
+        assert response.json()["code"] == "activation-unauthenticated"
+
+    await refused(await client.post(endpoint, json=intruder))
+    await refused(await client.post(endpoint, json=intruder, headers={SIGNATURE_HEADER: "v1=00"}))
+    await refused(await activate(client, worker, intruder, secret=other.secret))
+    assert (await client.get(f"{worker.endpoint}/")).json()["org"] is None
+
+    captured = json.dumps(activation()).encode()
+    signed = {SIGNATURE_HEADER: signature(worker.secret, "POST", "/activate", captured)}
+    assert (await client.post(endpoint, content=captured, headers=signed)).status_code == 200
+    # The captured activation, replayed: at a newer epoch, to another worker, and as is.
+    newer = json.dumps(activation(epoch=2, token="intruder")).encode()
+    await refused(await client.post(endpoint, content=newer, headers=signed))
+    retargeted = json.dumps(activation(worker_id="w-2")).encode()
+    await refused(
+        await client.post(f"{other.endpoint}/activate", content=retargeted, headers=signed)
+    )
+    await refused(await client.post(f"{other.endpoint}/activate", content=captured, headers=signed))
+    replayed = await client.post(endpoint, content=captured, headers=signed)
+    assert (replayed.status_code, replayed.json()["code"]) == (409, "stale-epoch")
+
+    # The tenant keeps its session; the intruder's token opens nothing.
+    assert (await client.get(f"{worker.endpoint}/", headers=bearer("tok-1"))).status_code == 200
+    assert (await client.get(f"{worker.endpoint}/", headers=bearer("intruder"))).status_code == 401
+    assert (await client.get(f"{other.endpoint}/")).json()["org"] is None
+
+
+async def test_the_worker_refuses_to_start_without_its_secret() -> None:
+    """A worker that could not check activations would accept anyone's: it does not start."""
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "stoker.demo_worker", "--port", "0", "--worker-id", "w-1"),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
+    assert process.returncode == 2
+    assert out == b""
+    assert f"{SECRET_ENV} is not set".encode() in err
+
+
 @pytest.mark.parametrize(
     ("overrides", "code"),
     [
@@ -163,9 +251,9 @@ async def test_activation_binds_the_org_and_requires_the_token(
 async def test_fencing_rejects_with_409_and_keeps_the_binding(
     worker: DemoWorker, client: httpx.AsyncClient, overrides: dict[str, Any], code: str
 ) -> None:
-    assert (await client.post(f"{worker.endpoint}/activate", json=activation())).status_code == 200
+    assert (await activate(client, worker, activation())).status_code == 200
 
-    rejected = await client.post(f"{worker.endpoint}/activate", json=activation(**overrides))
+    rejected = await activate(client, worker, activation(**overrides))
     assert rejected.status_code == 409
     assert rejected.json()["code"] == code
 
@@ -178,7 +266,7 @@ async def test_fencing_rejects_with_409_and_keeps_the_binding(
 async def test_wrong_worker_id_is_rejected_before_any_activation(
     worker: DemoWorker, client: httpx.AsyncClient
 ) -> None:
-    rejected = await client.post(f"{worker.endpoint}/activate", json=activation(worker_id="w-9"))
+    rejected = await activate(client, worker, activation(worker_id="w-9"))
     assert rejected.status_code == 409
     state = await client.get(f"{worker.endpoint}/")
     assert state.json()["org"] is None
@@ -187,10 +275,9 @@ async def test_wrong_worker_id_is_rejected_before_any_activation(
 async def test_reactivation_by_the_same_org_revokes_the_old_token(
     worker: DemoWorker, client: httpx.AsyncClient
 ) -> None:
-    assert (await client.post(f"{worker.endpoint}/activate", json=activation())).status_code == 200
-    again = await client.post(
-        f"{worker.endpoint}/activate",
-        json=activation(epoch=5, token="tok-2", config={"fresh": True}),
+    assert (await activate(client, worker, activation())).status_code == 200
+    again = await activate(
+        client, worker, activation(epoch=5, token="tok-2", config={"fresh": True})
     )
     assert again.status_code == 200
     assert again.json()["epoch"] == 5
@@ -217,7 +304,7 @@ async def test_reactivation_by_the_same_org_revokes_the_old_token(
 async def test_malformed_activation_is_400(
     worker: DemoWorker, client: httpx.AsyncClient, content: bytes
 ) -> None:
-    response = await client.post(f"{worker.endpoint}/activate", content=content)
+    response = await activate(client, worker, content=content)
     assert response.status_code == 400
     assert response.json()["status"] == 400
     # Nothing was bound by a rejected request.
@@ -252,11 +339,12 @@ async def test_oversized_and_chunked_bodies_are_refused(worker: DemoWorker) -> N
 
 async def test_expect_100_continue_is_answered_before_the_body(worker: DemoWorker) -> None:
     body = b'{"worker_id": "w-1", "org": "acme", "epoch": 1, "token": "t"}'
+    signed = signature(worker.secret, "POST", "/activate", body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", worker.port)
     try:
         writer.write(
             b"POST /activate HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)
+            b"Stoker-Signature: %s\r\nContent-Length: %d\r\n\r\n" % (signed, len(body))
         )
         interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -294,7 +382,7 @@ async def test_signal_exits_zero_promptly_with_an_open_connection(
 async def test_idle_memory(start_worker: StartWorker, client: httpx.AsyncClient) -> None:
     worker = await start_worker("w-mem")
     body = activation(worker_id="w-mem")
-    assert (await client.post(f"{worker.endpoint}/activate", json=body)).status_code == 200
+    assert (await activate(client, worker, body)).status_code == 200
     for _ in range(20):
         response = await client.get(f"{worker.endpoint}/", headers=bearer("tok-1"))
         assert response.status_code == 200

@@ -25,6 +25,7 @@ import yaml
 
 import stoker.adapters.elector_k8s as elector_k8s
 import stoker.adapters.runtime_kubernetes as runtime_kubernetes
+from fakes import TEST_ACTIVATION_KEY
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.domain.records import Worker
@@ -255,6 +256,7 @@ async def test_everything_the_runtime_and_elector_do_is_granted() -> None:
         clock=clock,
         fleet="stoker",
         instance_id="cp-new",
+        activation_key=TEST_ACTIVATION_KEY,
         placeholder_priority_class="stoker-placeholder",
     )
     elector = KubernetesLeaseElector(cluster=cluster, clock=clock, identity="cp-new")

@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from fakes import TEST_ACTIVATION_KEY
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
@@ -52,8 +53,10 @@ async def plane_on(
     store = SqliteStore(str(db))
     plane = ControlPlane(
         store=store,
-        runtime=LocalProcessRuntime(clock=clock, fleet=fleet, instance_id="unused"),
-        activator=HttpActivator(),
+        runtime=LocalProcessRuntime(
+            clock=clock, fleet=fleet, instance_id="unused", activation_key=TEST_ACTIVATION_KEY
+        ),
+        activator=HttpActivator(activation_key=TEST_ACTIVATION_KEY),
         pools=[demo_pool(**pool_kw)],
         settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
         clock=clock,
@@ -242,8 +245,10 @@ async def test_a_crashed_control_planes_workers_are_adopted_after_expiry(
     db = tmp_path / "s.db"
     crashed = ControlPlane(
         store=SqliteStore(str(db)),
-        runtime=LocalProcessRuntime(clock=clock, fleet=fleet, instance_id="crashed"),
-        activator=HttpActivator(),
+        runtime=LocalProcessRuntime(
+            clock=clock, fleet=fleet, instance_id="crashed", activation_key=TEST_ACTIVATION_KEY
+        ),
+        activator=HttpActivator(activation_key=TEST_ACTIVATION_KEY),
         pools=[demo_pool()],
         clock=clock,
     )

@@ -200,6 +200,8 @@ class Fleet:
                 STOKER_STORE_OPTIONS__SCHEMA=self.schema,
                 STOKER_FLEET=self.label,
                 STOKER_API__ADMIN_TOKENS=ADMIN,
+                # Replicas of one store share one fleet activation key.
+                STOKER_ACTIVATION__KEY=f"{self.label}-activation-key-shared-by-replicas",
                 STOKER_INTERVALS=json.dumps(settings),
                 STOKER_POOLS=json.dumps(pools),
             )

@@ -2,7 +2,9 @@
 
 The one module that imports adapters and control together. It picks the store adapter
 from the store URL, the runtime from `runtime.kind` (local processes, or pods through a
-lightkube client), the HTTP activator for either, and the elector from `leader_election`
+lightkube client), the HTTP activator for either (both given the fleet activation key:
+the runtime hands each worker its secret, the activator signs with it), and the elector
+from `leader_election`
 (none, a lease row in the store, or a Kubernetes Lease). The plane, its runtime and its
 elector share one instance id, and every cluster client built here is closed when the
 plane stops.
@@ -24,10 +26,11 @@ from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
-from stoker.config import KubernetesRuntimeConfig, StokerConfig, to_domain
+from stoker.config import KubernetesRuntimeConfig, StokerConfig, load_activation_key, to_domain
 from stoker.control.ids import Ids
 from stoker.control.janitor import DemandSource
 from stoker.control.plane import ControlPlane
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.ports.activator import Activator
@@ -117,18 +120,29 @@ def build_cluster(
     return LightkubeCluster(namespace=namespace, clock=clock, qps=qps, burst=burst, client=client)
 
 
+def build_activation_key(config: StokerConfig) -> ActivationKey:
+    """The fleet activation key `activation` names (a file next to SQLite by default).
+
+    Raises `ConfigError` naming the key to set (see `stoker.config.activation`).
+    """
+    sqlite_path = None if config.is_postgres else config.sqlite_path()
+    return load_activation_key(config.activation, sqlite_path=sqlite_path)
+
+
 def build_runtime(
     config: StokerConfig,
     *,
     clock: Clock,
     instance_id: str,
     closers: list[Closer],
+    activation_key: ActivationKey,
     activator: Activator | None = None,
 ) -> Runtime:
     """The runtime `runtime.kind` names; a cluster client it needs is added to `closers`.
 
     Local workers are probed on the HTTP `activator`'s session, when it is one: a worker's
-    first activation then reuses the connection of its readiness probe.
+    first activation then reuses the connection of its readiness probe. Each worker gets
+    the activation secret `activation_key` derives for it.
     """
     runtime = config.runtime
     if not isinstance(runtime, KubernetesRuntimeConfig):
@@ -136,6 +150,7 @@ def build_runtime(
             clock=clock,
             fleet=config.fleet_name(),
             instance_id=instance_id,
+            activation_key=activation_key,
             memory_budget_mb=runtime.memory_budget_mb,
             log_dir=runtime.log_dir,
             probe_session=activator.session if isinstance(activator, HttpActivator) else None,
@@ -157,6 +172,7 @@ def build_runtime(
         clock=clock,
         fleet=config.fleet_name(),
         instance_id=instance_id,
+        activation_key=activation_key,
         resync_s=runtime.resync_s,
         placeholder_priority_class=runtime.placeholder_priority_class,
         placeholder_image=runtime.placeholder_image,
@@ -164,11 +180,12 @@ def build_runtime(
     )
 
 
-def build_activator(config: StokerConfig) -> Activator:
-    """The HTTP activator, retrying a refused connection for pods (see `HttpActivator`)."""
+def build_activator(config: StokerConfig, activation_key: ActivationKey) -> Activator:
+    """The HTTP activator signing with `activation_key`, retrying a refused connection for
+    pods (see `HttpActivator`)."""
     if isinstance(config.runtime, KubernetesRuntimeConfig):
-        return HttpActivator(refused_retry_s=POD_ACTIVATION_RETRY_S)
-    return HttpActivator()
+        return HttpActivator(activation_key=activation_key, refused_retry_s=POD_ACTIVATION_RETRY_S)
+    return HttpActivator(activation_key=activation_key)
 
 
 def build_elector(
@@ -274,19 +291,29 @@ def build_control_plane(
 
     `store`, `runtime` and `activator` replace the ones the config names (tests use an
     in-memory runtime, which is its workers' activator too); the elector is always the
-    config's, on `store` when it is a store lease.
-    Raises `ConfigError` when the Kubernetes credentials cannot be loaded.
+    config's, on `store` when it is a store lease. The fleet activation key is loaded (or
+    created) when the config's runtime or activator is built.
+    Raises `ConfigError` when the activation key or the Kubernetes credentials cannot be
+    loaded.
     """
     domain = to_domain(config)
     clock = clock or LoopClock()
+    # Loaded only when a part of the config's needs it, and before the store is opened.
+    key = build_activation_key(config) if runtime is None or activator is None else None
     shared = store or build_store(config)
-    activator = activator or build_activator(config)
+    if activator is None:
+        activator = build_activator(config, _loaded(key))
 
     def config_runtime(instance_id: str, closers: list[Closer]) -> Runtime:
         if runtime is not None:
             return runtime
         return build_runtime(
-            config, clock=clock, instance_id=instance_id, closers=closers, activator=activator
+            config,
+            clock=clock,
+            instance_id=instance_id,
+            closers=closers,
+            activation_key=_loaded(key),
+            activator=activator,
         )
 
     def config_elector(instance_id: str, closers: list[Closer]) -> Elector | None:
@@ -305,6 +332,13 @@ def build_control_plane(
         activator=activator,
         elector=config_elector,
     )
+
+
+def _loaded(key: ActivationKey | None) -> ActivationKey:
+    """`key`, loaded by `build_control_plane` whenever a part it builds needs one."""
+    if key is None:
+        raise ConfigError("config error: activation: the fleet activation key was not loaded")
+    return key
 
 
 # -- logging --------------------------------------------------------------------------------

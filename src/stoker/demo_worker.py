@@ -1,14 +1,16 @@
-"""The built-in demo worker: a tiny HTTP/1.1 server speaking the activation protocol.
+"""The built-in demo worker: a tiny HTTP/1.1 server speaking the worker protocol.
 
-Run as ``python -m stoker.demo_worker --port P --worker-id W [--host 127.0.0.1]``.
+Run as ``python -m stoker.demo_worker --port P --worker-id W [--host 127.0.0.1]`` with the
+activation secret in ``STOKER_ACTIVATION_SECRET`` (the control plane sets it).
 
-It implements the worker side of DESIGN.md §7: ``GET /healthz`` answers once the socket
-listens; ``POST /activate`` binds the worker to one org for good, fenced by a strictly
-increasing epoch; afterwards every request but ``/healthz`` and ``/activate`` must carry
-the current session token. ``GET /`` shows what the worker holds.
+It implements the worker side of `docs/worker-protocol.md` through the kit
+(`stoker.worker`): ``GET /healthz`` answers once the socket listens; ``POST /activate``,
+signed with the worker's activation secret, binds the worker to one org for good, fenced
+by a strictly increasing epoch; afterwards every request but ``/healthz`` and
+``/activate`` must carry the current session token. ``GET /`` shows what the worker holds.
 
-Standard library only, and nothing from stoker: hundreds of these run on one machine, so
-every imported module is resident memory multiplied by the fleet.
+Standard library only, and nothing from stoker but the kit: hundreds of these run on one
+machine, so every imported module is resident memory multiplied by the fleet.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
-import json
 import signal
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from stoker.worker import MissingSecret, Reply, WorkerProtocol, problem
 
 #: Largest request body accepted (an activation carries a config, not a data set).
 MAX_BODY_BYTES = 1024 * 1024
@@ -46,80 +48,21 @@ _REASONS = {
     411: "Length Required",
     413: "Content Too Large",
     431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
 }
 
-#: Allowed methods per path; also the routing table.
-_ROUTES: dict[str, tuple[str, ...]] = {
-    "/": ("GET",),
-    "/healthz": ("GET",),
-    "/activate": ("POST",),
-}
+#: Allowed methods of the worker's own paths (the protocol's are the kit's).
+_ROUTES: dict[str, tuple[str, ...]] = {"/": ("GET",)}
 
 
-@dataclass(slots=True)
-class ActivationState:
-    """What the worker holds: its identity and, once activated, its org binding."""
-
-    worker_id: str
-    #: False while the (simulated) engine is still starting: /healthz answers 503.
-    started: bool = True
-    org: str | None = None
-    epoch: int | None = None
-    token: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def activate(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Apply an activation payload; returns the HTTP status and the JSON answer.
-
-        Fencing (DESIGN.md §3 rule 2): another worker's id, a second org, or an epoch
-        not strictly newer than the one held is a 409. The same org with a newer epoch
-        replaces the token, which revokes the previous session's.
-        """
-        worker_id = body.get("worker_id")
-        org = body.get("org")
-        epoch = body.get("epoch")
-        token = body.get("token")
-        config = body.get("config", {})
-        if not isinstance(worker_id, str) or not worker_id:
-            return _problem(400, "invalid-activation", "worker_id must be a non-empty string")
-        if not isinstance(org, str) or not org:
-            return _problem(400, "invalid-activation", "org must be a non-empty string")
-        # bool is an int subclass; an epoch of `true` is malformed, not epoch 1.
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            return _problem(400, "invalid-activation", "epoch must be a non-negative integer")
-        if not isinstance(token, str) or not token:
-            return _problem(400, "invalid-activation", "token must be a non-empty string")
-        if not isinstance(config, dict):
-            return _problem(400, "invalid-activation", "config must be an object")
-        if worker_id != self.worker_id:
-            return _problem(409, "wrong-worker", f"this is worker {self.worker_id!r}")
-        if self.org is not None and org != self.org:
-            return _problem(409, "second-org", "worker already activated for another org")
-        if self.epoch is not None and epoch <= self.epoch:
-            return _problem(409, "stale-epoch", f"epoch {epoch} is not newer than {self.epoch}")
-        self.org, self.epoch, self.token, self.config = org, epoch, token, config
-        return 200, {"worker_id": self.worker_id, "org": org, "epoch": epoch}
-
-    def authorized(self, authorization: str | None) -> bool:
-        """True before activation, else only for `Bearer <current token>`."""
-        if self.token is None:
-            return True
-        if authorization is None:
-            return False
-        scheme, _, credential = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        # Constant-time, so the token cannot be guessed byte by byte from response times.
-        return hmac.compare_digest(credential.strip().encode(), self.token.encode())
-
-    def describe(self) -> dict[str, Any]:
-        """The body of `GET /`."""
-        return {
-            "worker_id": self.worker_id,
-            "org": self.org,
-            "epoch": self.epoch,
-            "config_keys": sorted(self.config),
-        }
+def describe(protocol: WorkerProtocol) -> dict[str, Any]:
+    """The body of `GET /`: what the worker holds (config keys only, never values)."""
+    return {
+        "worker_id": protocol.worker_id,
+        "org": protocol.org,
+        "epoch": protocol.epoch,
+        "config_keys": sorted(protocol.config),
+    }
 
 
 @dataclass(slots=True)
@@ -148,17 +91,6 @@ class BadRequest(Exception):
         self.status = status
         self.code = code
         self.detail = detail
-
-
-def _problem(status: int, code: str, detail: str) -> tuple[int, dict[str, Any]]:
-    """An RFC 9457 problem body; `code` is a stable machine-readable extension member."""
-    return status, {
-        "type": "about:blank",
-        "title": _REASONS.get(status, "Error"),
-        "status": status,
-        "detail": detail,
-        "code": code,
-    }
 
 
 def parse_head(head: bytes) -> Request:
@@ -198,54 +130,29 @@ def body_length(request: Request) -> int:
     return length
 
 
-def route(state: ActivationState, request: Request) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """Answer one request: status, JSON body and extra headers."""
+def route(protocol: WorkerProtocol, request: Request) -> Reply:
+    """Answer one request: the protocol's part (the kit), then the worker's own paths."""
+    reply = protocol.answer(request.method, request.path, request.headers, request.body)
+    if reply is not None:
+        return reply
     allowed = _ROUTES.get(request.path)
-    if request.path == "/healthz" and request.method == "GET":
-        if not state.started:
-            return _refuse(503, "starting", "the worker is still starting")
-        return 200, {"status": "ok"}, {}
-    # /activate is the control plane's channel; it is fenced by epoch, not by token.
-    if request.path != "/activate" and not state.authorized(request.headers.get("authorization")):
-        challenge = {"WWW-Authenticate": "Bearer"}
-        return _refuse(401, "unauthorized", "missing or wrong bearer token", challenge)
     if allowed is None:
-        return _refuse(404, "not-found", f"no such path {request.path!r}")
+        return problem(404, "not-found", f"no such path {request.path!r}")
     if request.method not in allowed:
         allow = {"Allow": ", ".join(allowed)}
-        return _refuse(405, "method-not-allowed", f"{request.method} not allowed", allow)
-    if request.path == "/":
-        return 200, state.describe(), {}
-    try:
-        payload = json.loads(request.body)
-    except (UnicodeDecodeError, ValueError):
-        return _refuse(400, "invalid-json", "the body is not valid JSON")
-    if not isinstance(payload, dict):
-        return _refuse(400, "invalid-activation", "the body must be a JSON object")
-    status, body = state.activate(payload)
-    return status, body, {}
+        return problem(405, "method-not-allowed", f"{request.method} not allowed", allow)
+    return Reply(200, describe(protocol))
 
 
-def _refuse(
-    status: int, code: str, detail: str, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """`route`'s answer for a request it refuses: the problem and any extra headers."""
-    status, body = _problem(status, code, detail)
-    return status, body, headers or {}
-
-
-def render(
-    status: int, body: Mapping[str, Any], *, keep_alive: bool, headers: Mapping[str, str]
-) -> bytes:
+def render(reply: Reply, *, keep_alive: bool) -> bytes:
     """Serialise one response."""
-    content = json.dumps(body, separators=(",", ":")).encode()
-    content_type = "application/problem+json" if status >= 400 else "application/json"
+    content = reply.json()
     lines = [
-        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
-        f"Content-Type: {content_type}",
+        f"HTTP/1.1 {reply.status} {_REASONS.get(reply.status, 'Error')}",
+        f"Content-Type: {reply.content_type}",
         f"Content-Length: {len(content)}",
         f"Connection: {'keep-alive' if keep_alive else 'close'}",
-        *(f"{name}: {value}" for name, value in headers.items()),
+        *(f"{name}: {value}" for name, value in reply.headers.items()),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + content
 
@@ -253,8 +160,8 @@ def render(
 class Server:
     """Serves one worker's HTTP connections until `close`."""
 
-    def __init__(self, state: ActivationState) -> None:
-        self.state = state
+    def __init__(self, protocol: WorkerProtocol) -> None:
+        self.protocol = protocol
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -303,16 +210,15 @@ class Server:
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             async with asyncio.timeout(BODY_TIMEOUT_S):
                 request.body = await reader.readexactly(length)
-        status, body, headers = route(self.state, request)
         keep_alive = request.keep_alive()
-        writer.write(render(status, body, keep_alive=keep_alive, headers=headers))
+        writer.write(render(route(self.protocol, request), keep_alive=keep_alive))
         await writer.drain()
         return keep_alive
 
     async def _reject(self, writer: asyncio.StreamWriter, error: BadRequest) -> None:
         # The stream position is unknown after a bad head, so the connection closes.
-        _status, body = _problem(error.status, error.code, error.detail)
-        writer.write(render(error.status, body, keep_alive=False, headers={}))
+        reply = problem(error.status, error.code, error.detail)
+        writer.write(render(reply, keep_alive=False))
         await writer.drain()
 
     async def close(self) -> None:
@@ -332,17 +238,18 @@ class Server:
                 await asyncio.wait(pending)
 
 
-async def serve(host: str, port: int, worker_id: str, start_delay: float = 0.0) -> None:
+async def serve(host: str, port: int, protocol: WorkerProtocol, start_delay: float = 0.0) -> None:
     """Listen on `host:port` until SIGTERM or SIGINT; ready after `start_delay` seconds."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    state = ActivationState(worker_id=worker_id, started=start_delay <= 0)
+    protocol.ready = start_delay <= 0
     if start_delay > 0:
         # Stands in for an engine that takes a while to start (tests of slow spawns).
-        loop.call_later(start_delay, setattr, state, "started", True)
-    server = Server(state)
+        loop.call_later(start_delay, setattr, protocol, "ready", True)
+    server = Server(protocol)
+    worker_id = protocol.worker_id
     listener = await asyncio.start_server(server.handle, host, port, limit=MAX_HEAD_BYTES)
     bound = listener.sockets[0].getsockname()[1]
     authority = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
@@ -374,7 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the worker; returns the process exit status (0 after SIGTERM or SIGINT)."""
     args = parse_args(argv)
     try:
-        asyncio.run(serve(args.host, args.port, args.worker_id, args.start_delay))
+        protocol = WorkerProtocol.from_env(args.worker_id)
+    except MissingSecret as exc:
+        print(f"demo_worker cannot start: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(args.host, args.port, protocol, args.start_delay))
     except OSError as exc:
         print(f"demo_worker cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ runtime ref, and the retry of a refused connection (pods).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -20,20 +21,23 @@ from aiohttp import web
 from test_runtime_local import MakeRuntime, local_runtimes, make_pool
 
 from activator_contract import ActivatorContract
+from fakes import TEST_ACTIVATION_KEY
 from runtime_contract import Recorder, make_worker, spawn_ready
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.states import WorkerState
 from stoker.ports.activator import ActivationPayload, Activator
+from stoker.worker import SIGNATURE_HEADER, signature_valid
 
 pytestmark = pytest.mark.processes
 
 
 @pytest.fixture
 async def activator() -> AsyncIterator[HttpActivator]:
-    activator = HttpActivator()
+    activator = HttpActivator(activation_key=TEST_ACTIVATION_KEY)
     yield activator
     await activator.close()
 
@@ -178,9 +182,15 @@ async def test_the_activator_posts_the_payload_to_the_worker(
 ) -> None:
     """POST {endpoint}/activate with the payload: 200 binds, 409 is a rejection, else a failure."""
     received: list[Mapping[str, Any]] = []
+    signed: list[bool] = []
 
     async def handler(request: web.Request) -> web.Response:
-        received.append(await request.json())
+        raw = await request.read()
+        received.append(json.loads(raw))
+        # Signed over the exact bytes received, with the secret of the worker addressed.
+        secret = TEST_ACTIVATION_KEY.worker_secret("w-1")
+        given = request.headers.get(SIGNATURE_HEADER)
+        signed.append(signature_valid(secret, "POST", "/activate", raw, given))
         return web.json_response({"detail": "no"}, status=status)
 
     async with worker_server(handler) as endpoint:
@@ -196,6 +206,27 @@ async def test_the_activator_posts_the_payload_to_the_worker(
     assert received == [
         {"worker_id": "w-1", "org": "acme", "epoch": 3, "token": "secret", "config": {"dsn": "x"}}
     ]
+    assert signed == [True]
+
+
+async def test_an_activator_with_another_fleet_key_is_refused_and_binds_nothing(
+    activator: HttpActivator, demo_workers: tuple[LocalProcessRuntime, Recorder]
+) -> None:
+    """A replica holding another key (or none) cannot activate: the worker answers 401,
+    a failure that is not a rejection, and it still takes the right key's activation."""
+    rt, recorder = demo_workers
+    worker = await spawn_ready(rt, recorder, make_pool())
+    foreign = HttpActivator(activation_key=ActivationKey(b"another-fleet-key-of-32-bytes-or-more"))
+    payload = ActivationPayload(worker_id=worker.id, org="globex", epoch=7, token="intruder")
+    try:
+        with pytest.raises(RuntimeFailure, match="401") as failure:
+            await foreign.activate(worker, payload, 5.0)
+    finally:
+        await foreign.close()
+    assert not isinstance(failure.value, ActivationRejected)
+    assert "intruder" not in str(failure.value)
+    own = ActivationPayload(worker_id=worker.id, org="acme", epoch=1, token="tok-1")
+    await activator.activate(worker, own, 5.0)
 
 
 async def test_a_pod_activator_retries_a_closed_port_until_the_timeout() -> None:
@@ -206,7 +237,7 @@ async def test_a_pod_activator_retries_a_closed_port_until_the_timeout() -> None
 
     async with worker_server(accept) as endpoint:
         closed = endpoint  # nothing listens there once the block ends
-    activator = HttpActivator(refused_retry_s=0.2)
+    activator = HttpActivator(activation_key=TEST_ACTIVATION_KEY, refused_retry_s=0.2)
     one = activating("w-1", closed)
     payload = ActivationPayload(worker_id="w-1", org="acme", epoch=1, token="t")
     loop = asyncio.get_running_loop()
@@ -223,4 +254,4 @@ async def test_a_pod_activator_retries_a_closed_port_until_the_timeout() -> None
 
 def test_a_retry_pause_must_be_positive() -> None:
     with pytest.raises(ValueError, match="refused_retry_s"):
-        HttpActivator(refused_retry_s=0.0)
+        HttpActivator(activation_key=TEST_ACTIVATION_KEY, refused_retry_s=0.0)

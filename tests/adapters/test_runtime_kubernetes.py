@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from looptime import LoopTimeProxy
 
+from fakes import TEST_ACTIVATION_KEY
 from runtime_contract import Recorder, RuntimeContract
 from stoker.adapters.runtime_kubernetes import (
     DO_NOT_DISRUPT,
@@ -54,6 +55,7 @@ from stoker.ports.cluster import (
 )
 from stoker.ports.runtime import Runtime
 from stoker.sim.cluster import FakeApiServer
+from stoker.worker import SECRET_ENV
 
 pytestmark = pytest.mark.looptime
 
@@ -174,7 +176,12 @@ def make_runtime(
 ) -> tuple[KubernetesRuntime, Events]:
     kw.setdefault("placeholder_priority_class", "stoker-placeholder")
     runtime = KubernetesRuntime(
-        cluster=server, clock=LoopClock(epoch=EPOCH), fleet=FLEET, instance_id=instance_id, **kw
+        cluster=server,
+        clock=LoopClock(epoch=EPOCH),
+        fleet=FLEET,
+        instance_id=instance_id,
+        activation_key=TEST_ACTIVATION_KEY,
+        **kw,
     )
     events = Events()
     runtime.subscribe(events)
@@ -211,7 +218,8 @@ def run(server: FakeApiServer, name: str, ip: str = "10.1.2.3") -> Pod:
 
 
 async def test_a_worker_pod_is_built_from_the_pool_template() -> None:
-    """Labels, resources (requests = limits), placement, restartPolicy Never, the grace."""
+    """Labels, resources (requests = limits), placement, restartPolicy Never, the grace,
+    and the worker's activation secret in its environment."""
     server = server_for_test()
     runtime, _ = make_runtime(server)
     spec = pool()
@@ -243,6 +251,8 @@ async def test_a_worker_pod_is_built_from_the_pool_template() -> None:
             "STOKER_POOL": "duck",
             "STOKER_FLEET": FLEET,
             "STOKER_PORT": "8080",
+            # Its own secret, derived from the fleet key; the key itself is not in the pod.
+            SECRET_ENV: TEST_ACTIVATION_KEY.worker_secret("w-1"),
         },
         cpu="500m",
         memory="256Mi",
@@ -309,10 +319,20 @@ async def test_cluster_mode_is_unbounded() -> None:
 async def test_fleet_and_instance_must_be_label_values() -> None:
     """They label every pod, so what Kubernetes would refuse is refused at construction."""
     with pytest.raises(ValueError, match="fleet"):
-        KubernetesRuntime(cluster=server_for_test(), clock=LoopClock(), fleet="", instance_id="a")
+        KubernetesRuntime(
+            cluster=server_for_test(),
+            clock=LoopClock(),
+            fleet="",
+            instance_id="a",
+            activation_key=TEST_ACTIVATION_KEY,
+        )
     with pytest.raises(ValueError, match="instance_id"):
         KubernetesRuntime(
-            cluster=server_for_test(), clock=LoopClock(), fleet="f", instance_id="x" * 64
+            cluster=server_for_test(),
+            clock=LoopClock(),
+            fleet="f",
+            instance_id="x" * 64,
+            activation_key=TEST_ACTIVATION_KEY,
         )
 
 
@@ -845,6 +865,7 @@ async def plane(
         clock=clock,
         fleet=FLEET,
         instance_id=instance_id,
+        activation_key=TEST_ACTIVATION_KEY,
         placeholder_priority_class="stoker-placeholder",
     )
     control = ControlPlane(
@@ -980,7 +1001,11 @@ class KubernetesHarness:
 
     async def start(self, instance_id: str) -> tuple[Runtime, Recorder]:
         runtime = KubernetesRuntime(
-            cluster=self.server, clock=LoopClock(epoch=EPOCH), fleet=FLEET, instance_id=instance_id
+            cluster=self.server,
+            clock=LoopClock(epoch=EPOCH),
+            fleet=FLEET,
+            instance_id=instance_id,
+            activation_key=TEST_ACTIVATION_KEY,
         )
         recorder = Recorder()
         runtime.subscribe(recorder)

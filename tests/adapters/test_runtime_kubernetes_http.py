@@ -24,6 +24,7 @@ from test_cluster_lightkube import (
     client_for,
 )
 
+from fakes import TEST_ACTIVATION_KEY
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.domain.records import Worker
@@ -84,6 +85,7 @@ async def make_runtime(kmock: ContractEmulator) -> AsyncIterator[MakeRuntime]:
             clock=LoopClock(),
             fleet=FLEET,
             instance_id="cp-one",
+            activation_key=TEST_ACTIVATION_KEY,
             placeholder_priority_class="stoker-placeholder",
         )
         made.append((runtime, cluster))

@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 
+from fakes import TEST_ACTIVATION_KEY
 from runtime_contract import EVENT_TIMEOUT_S, Recorder, RuntimeContract
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.domain.errors import RuntimeFailure
@@ -27,6 +28,7 @@ from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, Timeouts
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.runtime import Runtime
+from stoker.worker import SECRET_ENV
 
 pytestmark = pytest.mark.processes
 
@@ -132,7 +134,9 @@ async def local_runtimes() -> AsyncIterator[MakeRuntime]:
         fleet = fleet or f"test-{uuid.uuid4().hex[:8]}"
         fleets.add(fleet)
         options.setdefault("instance_id", f"cp-{len(runtimes)}")
-        runtime = LocalProcessRuntime(clock=LoopClock(), fleet=fleet, **options)
+        runtime = LocalProcessRuntime(
+            clock=LoopClock(), fleet=fleet, activation_key=TEST_ACTIVATION_KEY, **options
+        )
         recorder = Recorder()
         runtime.subscribe(recorder)
         await runtime.start()
@@ -181,7 +185,9 @@ async def spawn_ready(
 
 
 async def test_the_runtime_satisfies_the_port() -> None:
-    runtime: Runtime = LocalProcessRuntime(clock=LoopClock(), fleet="f", instance_id="i")
+    runtime: Runtime = LocalProcessRuntime(
+        clock=LoopClock(), fleet="f", instance_id="i", activation_key=TEST_ACTIVATION_KEY
+    )
     assert runtime.kind == "local"
 
 
@@ -191,8 +197,9 @@ async def test_spawn_reports_ready_with_a_working_endpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rt, recorder = runtime
-    # The control plane's own settings (tokens among them) must not leak into workers.
+    # The control plane's own settings (tokens, the fleet key) must not leak into workers.
     monkeypatch.setenv("STOKER_ADMIN_TOKEN", "secret")
+    monkeypatch.setenv("STOKER_ACTIVATION__KEY", "the-fleet-key-of-the-control-plane-0123")
     worker = make_worker()
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -211,7 +218,12 @@ async def test_spawn_reports_ready_with_a_working_endpoint(
     assert env["STOKER_WORKER_ID"] == worker.id
     assert env["STOKER_POOL"] == "demo"
     assert env["STOKER_INSTANCE"] == rt.instance_id
-    assert "STOKER_ADMIN_TOKEN" not in env
+    assert "STOKER_ADMIN_TOKEN" not in env and "STOKER_ACTIVATION__KEY" not in env
+    # Its activation secret is in its environment (readable by its user only), never in
+    # its argv, which every local user can read in `ps`.
+    secret = TEST_ACTIVATION_KEY.worker_secret(worker.id)
+    assert env[SECRET_ENV] == secret
+    assert not any(secret in arg for arg in process.cmdline())
 
     state = await client.get(f"{endpoint}/")
     assert state.status_code == 200
@@ -406,7 +418,9 @@ async def test_spawn_refuses_what_it_cannot_start(
     with pytest.raises(RuntimeFailure):
         await rt.spawn(make_worker(), make_pool(("/nonexistent/worker-binary", "{port}")))
     assert recorder.events == []
-    unstarted = LocalProcessRuntime(clock=LoopClock(), fleet=rt.fleet, instance_id="x")
+    unstarted = LocalProcessRuntime(
+        clock=LoopClock(), fleet=rt.fleet, instance_id="x", activation_key=TEST_ACTIVATION_KEY
+    )
     with pytest.raises(RuntimeFailure):
         await unstarted.spawn(make_worker(), make_pool())
 
@@ -414,7 +428,11 @@ async def test_spawn_refuses_what_it_cannot_start(
 async def test_derived_cap_is_the_memory_budget_over_the_worker_size() -> None:
     def cap(budget_mb: int | None, memory_mb: int) -> int:
         rt = LocalProcessRuntime(
-            clock=LoopClock(), fleet="f", instance_id="i", memory_budget_mb=budget_mb
+            clock=LoopClock(),
+            fleet="f",
+            instance_id="i",
+            activation_key=TEST_ACTIVATION_KEY,
+            memory_budget_mb=budget_mb,
         )
         pool = PoolSpec(name="p", template=ProcessTemplate(argv=("x",), memory_mb=memory_mb))
         return rt.derived_cap(pool)
@@ -425,7 +443,13 @@ async def test_derived_cap_is_the_memory_budget_over_the_worker_size() -> None:
     total_mb = psutil.virtual_memory().total // 2**20
     assert cap(None, 64) == total_mb // 2 // 64
     pods = PoolSpec(name="pods", template=PodTemplate(image="busybox"))
-    rt = LocalProcessRuntime(clock=LoopClock(), fleet="f", instance_id="i", memory_budget_mb=512)
+    rt = LocalProcessRuntime(
+        clock=LoopClock(),
+        fleet="f",
+        instance_id="i",
+        activation_key=TEST_ACTIVATION_KEY,
+        memory_budget_mb=512,
+    )
     assert rt.derived_cap(pods) == 1
 
 

@@ -23,7 +23,7 @@ import httpx
 import psycopg
 import pytest
 
-from fakes import FaultyStore
+from fakes import TEST_ACTIVATION_KEY, FaultyStore
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.postgres import PostgresStore
@@ -108,8 +108,13 @@ class Cluster:
         elector = StoreLeaseElector(store, clock=clock, identity=instance, **LEASE)  # type: ignore[arg-type]
         plane = ControlPlane(
             store=store,
-            runtime=LocalProcessRuntime(clock=clock, fleet=self.fleet, instance_id=instance),
-            activator=HttpActivator(),
+            runtime=LocalProcessRuntime(
+                clock=clock,
+                fleet=self.fleet,
+                instance_id=instance,
+                activation_key=TEST_ACTIVATION_KEY,
+            ),
+            activator=HttpActivator(activation_key=TEST_ACTIVATION_KEY),
             pools=[pool_spec],
             settings=SETTINGS,
             clock=clock,

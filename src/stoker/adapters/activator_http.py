@@ -1,8 +1,10 @@
-"""The HTTP activator: POSTs the activation payload to the worker's `/activate`.
+"""The HTTP activator: POSTs the signed activation payload to the worker's `/activate`.
 
 One adapter for every worker that listens on HTTP, local processes and pods alike
-(DESIGN.md §7, worker activation protocol): 200 binds the worker, 409 is a refusal (a
-second org, an epoch not newer than the one it holds), anything else is a failure.
+(`docs/worker-protocol.md`): 200 binds the worker, 409 is a refusal (a second org, an
+epoch not newer than the one it holds), anything else is a failure. Every activation
+carries `Stoker-Signature`, the HMAC of the exact body bytes under the worker's
+activation secret (derived from the fleet key), so only the control plane can activate.
 
 Activation is on the claim path, so the client is aiohttp with one session shared by every
 activation, keeping each worker's connection alive: a round trip costs about 0.45 ms with
@@ -21,9 +23,11 @@ from typing import Any
 import aiohttp
 
 from stoker.adapters._logs import EventLog
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.ports.activator import ActivationPayload
+from stoker.worker import ACTIVATE_PATH, SIGNATURE_HEADER, signature
 
 _log = EventLog("stoker.activator.http")
 
@@ -40,11 +44,15 @@ class HttpActivator:
     the timeout: a pod can report Ready a moment before its server listens, and nothing
     reached the worker, so trying again cannot activate it twice. Left unset (local
     processes, probed on `/healthz` before they count as ready), a refusal fails at once.
+    Activations are signed with the secret `activation_key` derives for each worker.
     """
 
-    def __init__(self, *, refused_retry_s: float | None = None) -> None:
+    def __init__(
+        self, *, activation_key: ActivationKey, refused_retry_s: float | None = None
+    ) -> None:
         if refused_retry_s is not None and refused_retry_s <= 0:
             raise ValueError("refused_retry_s must be > 0")
+        self._key = activation_key
         self.refused_retry_s = refused_retry_s
         self._client: aiohttp.ClientSession | None = None
         self._closed = False
@@ -60,15 +68,22 @@ class HttpActivator:
         endpoint = worker.endpoint or worker.runtime_ref.get("endpoint")
         if not endpoint:
             raise RuntimeFailure(f"worker {worker.id} has no endpoint")
-        url = f"{endpoint}/activate"
+        url = f"{endpoint}{ACTIVATE_PATH}"
         try:
-            body = {name: getattr(payload, name) for name in _PAYLOAD_FIELDS}
-            body["config"] = dict(payload.config)
+            fields = {name: getattr(payload, name) for name in _PAYLOAD_FIELDS}
+            fields["config"] = dict(payload.config)
+            # The signature covers these exact bytes: they are sent as they are.
+            body = json.dumps(fields, separators=(",", ":")).encode()
+            secret = self._key.worker_secret(worker.id)
+            headers = {
+                "Content-Type": "application/json",
+                SIGNATURE_HEADER: signature(secret, "POST", ACTIVATE_PATH, body),
+            }
             async with asyncio.timeout(timeout) as deadline:
                 while True:
                     try:
                         async with client.post(
-                            url, json=body, timeout=_NO_CLIENT_TIMEOUT
+                            url, data=body, headers=headers, timeout=_NO_CLIENT_TIMEOUT
                         ) as response:
                             status, text = response.status, await response.text()
                         break

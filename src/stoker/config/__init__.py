@@ -18,6 +18,7 @@ The parts, one job each:
 - `schema`: the base of every section, and sections derived from the domain's dataclasses
   (a setting's default, bounds and doc are declared once, in `stoker.domain.specs`);
 - `sections`: the store's options, the runtime, leader election, the HTTP API;
+- `activation`: the fleet activation key (the key, its file, or one next to SQLite);
 - `pools`: a pool and its worker template (`PoolSpec`, `ProcessTemplate`, `PodTemplate`);
 - `rules`: checks that span sections; `problems`: problems under the key to change;
 - `models`: `StokerConfig`, the whole config, and the values it derives;
@@ -25,6 +26,7 @@ The parts, one job each:
 - `convert`: the domain objects.
 """
 
+from stoker.config.activation import ActivationConfig, load_activation_key
 from stoker.config.convert import DomainConfig, plane_settings, to_domain
 from stoker.config.loading import ENV_PREFIX, LoadedConfig, format_errors, load_config
 from stoker.config.models import StokerConfig
@@ -47,6 +49,7 @@ __all__ = [
     "ENV_PREFIX",
     "LABEL_VALUE_RULE",
     "RUNTIME_KINDS",
+    "ActivationConfig",
     "ApiConfig",
     "ConfigProblems",
     "DomainConfig",
@@ -63,6 +66,7 @@ __all__ = [
     "TolerationConfig",
     "format_errors",
     "is_label_value",
+    "load_activation_key",
     "load_config",
     "plane_settings",
     "to_domain",

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
+from stoker.config.activation import ActivationConfig
 from stoker.config.names import LABEL_VALUE_RULE, is_label_value
 from stoker.config.pools import PoolConfig, default_pools
 from stoker.config.problems import raise_problems
@@ -41,6 +42,8 @@ class StokerConfig(Section):
     #: workers for stranded ones.
     fleet: str | None = None
     api: ApiConfig = Field(default_factory=ApiConfig)
+    #: The fleet activation key that signs every activation (see `config.activation`).
+    activation: ActivationConfig = Field(default_factory=ActivationConfig)
     #: Intervals and budgets of the control plane: the fields of `PlaneSettings`.
     intervals: PlaneSettings = Field(default_factory=PlaneSettings)
     pools: list[PoolConfig] = Field(default_factory=default_pools, min_length=1)

@@ -29,6 +29,7 @@ from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.bootstrap import Closer, build_plane
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import (
@@ -129,11 +130,16 @@ def plane_settings(scenario: Scenario) -> PlaneSettings:
 
 # -- the worker side of activation -----------------------------------------------------------
 
+#: The simulated fleet's activation key: its pods carry derived secrets like real ones, and
+#: a fixed key keeps a run reproducible from its seed.
+SIM_ACTIVATION_KEY = ActivationKey(b"stoker-simulator-fleet-activation-key")
+
 
 class SimActivator:
     """The workers' `/activate`, simulated: a latency, an optional failure, and the
     worker-side fence (a second org or an epoch not newer than the last is refused).
-    Implements the `Activator` port.
+    Implements the `Activator` port. The call is in-process, so there is no request to
+    sign: the signature is the HTTP activator's (`tests/adapters/test_activator_http.py`).
 
     One instance serves every replica: the workers are the same pods whoever activates.
     """
@@ -291,6 +297,7 @@ class _ReplicaParts:
             clock=self._clock,
             fleet=scenario.control_plane.fleet,
             instance_id=instance_id,
+            activation_key=SIM_ACTIVATION_KEY,
             resync_s=scenario.control_plane.resync_s,
             placeholder_priority_class=PLACEHOLDER_PRIORITY_CLASS,
             placeholder_size=placeholder_size,

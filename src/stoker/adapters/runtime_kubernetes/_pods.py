@@ -17,10 +17,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec
 from stoker.ports.cluster import Container, Pod, PodPhase, PodSpec, Toleration
+from stoker.worker import SECRET_ENV
 
 #: Labels every pod of this runtime carries.
 LABEL_FLEET = "stoker.dev/fleet"
@@ -151,8 +153,14 @@ def worker_pod(
     fleet: str,
     instance_id: str,
     grace_s: float,
+    activation_key: ActivationKey,
 ) -> Pod:
-    """The pod of `worker`, labelled for `fleet` and the replica `instance_id`."""
+    """The pod of `worker`, labelled for `fleet` and the replica `instance_id`.
+
+    Its environment holds the worker's activation secret, derived from `activation_key`:
+    one value per pod, no Secret object per worker; the fleet key stays with the
+    control plane.
+    """
     substitutions = {"{port}": str(template.port), "{worker_id}": worker.id}
     env = {key: _substitute(value, substitutions) for key, value in template.env.items()}
     env.update(
@@ -161,6 +169,7 @@ def worker_pod(
             "STOKER_POOL": pool.name,
             "STOKER_FLEET": fleet,
             "STOKER_PORT": str(template.port),
+            SECRET_ENV: activation_key.worker_secret(worker.id),
         }
     )
     labels = {

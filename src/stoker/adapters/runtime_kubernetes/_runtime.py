@@ -18,6 +18,7 @@ from stoker.adapters.runtime_kubernetes._pods import (
     valid_label_value,
     worker_pod,
 )
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec
@@ -40,7 +41,8 @@ class KubernetesRuntime:
     class below the workers' they would never be preempted), `placeholder_image`, and
     `placeholder_size` = (cpu, memory), else the pool worker's size. `stop_grace_s`, when
     set, caps the grace of every stop and the pods' terminationGracePeriodSeconds; by
-    default both are the pool's `timeouts.stop_grace_s`.
+    default both are the pool's `timeouts.stop_grace_s`. Each pod's environment holds its
+    worker's activation secret, derived from `activation_key`.
     """
 
     kind = "kubernetes"
@@ -52,6 +54,7 @@ class KubernetesRuntime:
         clock: Clock,
         fleet: str,
         instance_id: str,
+        activation_key: ActivationKey,
         resync_s: float = 300.0,
         placeholder_priority_class: str | None = None,
         placeholder_image: str = "registry.k8s.io/pause:3.10",
@@ -72,6 +75,7 @@ class KubernetesRuntime:
         self.fleet = fleet
         self.instance_id = instance_id
         self.stop_grace_s = stop_grace_s
+        self._key = activation_key
         #: The pods of the fleet as last seen (listed and watched); it reports the events.
         self.informer = PodInformer(
             cluster,
@@ -130,6 +134,7 @@ class KubernetesRuntime:
             fleet=self.fleet,
             instance_id=self.instance_id,
             grace_s=self._grace(pool.timeouts.stop_grace_s),
+            activation_key=self._key,
         )
         try:
             await self.cluster.create_pod(pod)

@@ -32,11 +32,13 @@ from stoker.adapters.runtime_local._processes import (
 )
 from stoker.adapters.runtime_local._readiness import probe_client, probe_until_ready
 from stoker.adapters.runtime_local._watches import ProcessWatch, ProcessWatches
+from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec, ProcessTemplate
 from stoker.ports.clock import Clock
 from stoker.ports.runtime import RuntimeListener, RuntimeObject
+from stoker.worker import SECRET_ENV
 
 _log = EventLog("stoker.runtime.local")
 
@@ -53,6 +55,8 @@ class LocalProcessRuntime:
     when given, opens the HTTP session the probes use (the HTTP activator's: a worker's
     first activation then reuses the connection its last probe left open, as activations
     are on the claim path); its owner closes it. Else the runtime opens and closes its own.
+    Each worker gets its activation secret (derived from `activation_key`) in its
+    environment, never in its argv: every local user can read a process's argv.
     """
 
     kind = "local"
@@ -63,6 +67,7 @@ class LocalProcessRuntime:
         clock: Clock,
         fleet: str,
         instance_id: str,
+        activation_key: ActivationKey,
         memory_budget_mb: int | None = None,
         log_dir: str | None = None,
         ready_poll_s: float = 0.05,
@@ -72,6 +77,7 @@ class LocalProcessRuntime:
         self.clock = clock
         self.fleet = fleet
         self.instance_id = instance_id
+        self._key = activation_key
         if memory_budget_mb is None:
             # Half the machine: the rest is for the control plane, the store and the OS.
             memory_budget_mb = psutil.virtual_memory().total // (2 * 1024 * 1024)
@@ -142,6 +148,8 @@ class LocalProcessRuntime:
             LABEL_ENDPOINT: endpoint,
         }
         env = worker_environment(template.env, labels)
+        # /proc/<pid>/environ is readable by the worker's own user only (unlike argv).
+        env[SECRET_ENV] = self._key.worker_secret(worker.id)
         pid = start_process(worker.id, argv, env, template.cwd, self.log_dir)
         try:
             pidfd = os.pidfd_open(pid)
