@@ -101,6 +101,7 @@ def test_the_manifests_hold_every_object_the_deployment_needs() -> None:
         "Deployment": 1,
         "Service": 1,
         "PodDisruptionBudget": 1,
+        "NetworkPolicy": 1,
     }
     namespace = one("Namespace")["metadata"]["name"]
     for _, doc in documents():
@@ -332,7 +333,8 @@ def test_the_deployment_runs_three_probed_replicas() -> None:
         for env in container["env"]
         if "secretKeyRef" in env.get("valueFrom", {})
     }
-    assert set(secrets) >= {"STOKER_STORE", "STOKER_API__ADMIN_TOKENS"}
+    assert set(secrets) >= {"STOKER_STORE", "STOKER_API__ADMIN_TOKENS", "STOKER_ACTIVATION__KEY"}
+    assert not secrets["STOKER_ACTIVATION__KEY"].get("optional", False)
     assert {ref["name"] for ref in secrets.values()} == {"stoker-secrets"}
     assert all("value" not in env for env in container["env"])
     # The server drains claims for 30 s on SIGTERM; the kubelet must wait longer.
@@ -377,4 +379,79 @@ def test_the_configuration_refers_to_objects_that_exist() -> None:
     assert (config["intervals"]["spawn_rate"], config["intervals"]["spawn_burst"]) == (
         budget["qps"],
         budget["burst"],
+    )
+
+
+def _selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """True when a label selector (matchLabels, matchExpressions) matches `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values", [])
+        matched = {
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+        }[operator]
+        if not matched:
+            return False
+    return True
+
+
+def test_only_the_control_plane_and_labelled_clients_reach_the_workers() -> None:
+    """The NetworkPolicy selects every worker pod the runtime renders (not placeholders),
+    and admits on the pool's port only the control plane's pods and pods labelled as
+    worker clients: a neighbour on the pod network cannot reach `/activate`."""
+    from stoker.adapters.runtime_kubernetes._pods import placeholder_pods, worker_pod
+    from stoker.config import StokerConfig, to_domain
+
+    policy = one("NetworkPolicy")["spec"]
+    config = StokerConfig.model_validate(
+        yaml.safe_load(one("ConfigMap")["data"]["stoker.yaml"])
+        | {"store": "postgresql://stoker@db/stoker"}
+    )
+    (pool,) = to_domain(config).pools
+    assert isinstance(pool.template, PodTemplate)
+    worker = Worker(
+        id="w-1",
+        pool=pool.name,
+        revision=pool.revision,
+        state=WorkerState.SPAWNING,
+        epoch=0,
+        owner="cp-a",
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    pod = worker_pod(
+        worker,
+        pool,
+        pool.template,
+        fleet="stoker",
+        instance_id="cp-a",
+        grace_s=30,
+        activation_key=TEST_ACTIVATION_KEY,
+    )
+    assert _selects(policy["podSelector"], pod.labels)
+    placeholders = placeholder_pods(
+        pool,
+        pool.template,
+        fleet="stoker",
+        image="pause",
+        priority_class=None,
+        size=None,
+    )
+    assert not any(_selects(policy["podSelector"], p.labels) for p in placeholders)
+    assert policy["policyTypes"] == ["Ingress"]
+    control_plane = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    rules = policy["ingress"]
+    for rule in rules:
+        # No rule admits everyone: each names who, and only the pool's port.
+        assert rule["from"] and [p["port"] for p in rule["ports"]] == [pool.template.port]
+        for peer in rule["from"]:
+            selector = peer["podSelector"]
+            assert selector["matchLabels"] in (control_plane, {"stoker.dev/worker-client": "true"})
+    assert any(
+        peer["podSelector"]["matchLabels"] == control_plane for r in rules for peer in r["from"]
     )
