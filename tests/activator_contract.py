@@ -1,11 +1,12 @@
 """The Activator contract: the worker side of activation, run against every activator.
 
-The fence of DESIGN.md §3 rule 2 is kept by the worker; each activator must surface it the
-same way: a refusal (another worker's payload, a second org, an epoch not newer than the
-one held) is `ActivationRejected`, a worker that cannot be reached is a `RuntimeFailure`
-that is not a rejection. `tests/adapters/test_activator_http.py` runs the suite on the HTTP
-activator against real demo workers, `tests/test_fakes.py` on `MemoryRuntime` (the
-control-plane tests' activator) and on the simulator's `SimActivator`.
+The fence (docs/worker-protocol.md, "Fencing") is kept by the worker; each activator must
+surface it the same way: a refusal (another worker's payload, a second org, an epoch not
+newer than the one held) is `ActivationRejected`, a worker that cannot be reached is a
+`RuntimeFailure` that is not a rejection. `tests/adapters/test_activator_http.py` runs
+the suite on the HTTP activator against real demo workers (signing every activation, as
+those workers require), `tests/test_fakes.py` on `MemoryRuntime` (the control-plane
+tests' activator) and on the simulator's `SimActivator`.
 
 A subclass provides a `target` fixture (an `ActivationTarget`).
 """

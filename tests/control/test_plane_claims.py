@@ -1,8 +1,8 @@
 """The claim path, sessions and janitor of one replica, on virtual time (looptime).
 
 Workers are `MemoryRuntime` entries (see tests/fakes.py for why); the store is the real
-SQLite adapter. Every claim path of DESIGN.md §3 and §7 is driven here; the same paths
-with real processes are in tests/test_integration_local.py.
+SQLite adapter. Every claim path (README, "HTTP API", and the lifecycle) is driven here; the
+same paths with real processes are in tests/test_integration_local.py.
 """
 
 from __future__ import annotations

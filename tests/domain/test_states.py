@@ -1,4 +1,4 @@
-"""The transition table (DESIGN.md §3): every legal move, every illegal one, the org rules."""
+"""The transition table of `stoker.domain.states`: every legal and illegal move, the org rules."""
 
 from __future__ import annotations
 

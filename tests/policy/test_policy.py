@@ -1,4 +1,4 @@
-"""Pure scaling and reaping policy (DESIGN.md §6)."""
+"""Pure scaling and reaping policy (`stoker.policy`)."""
 
 from __future__ import annotations
 

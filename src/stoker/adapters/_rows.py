@@ -247,7 +247,7 @@ def check_reservable(expect: WorkerState) -> None:
 
 
 def checked_changes(current: Worker, to: WorkerState, changes: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked field changes of moving `current` (as read) to `to` (DESIGN.md §3).
+    """The checked field changes of moving `current` (as read) to `to` (`stoker.domain.states`).
 
     Beyond the table and the org rule: a warm worker is neutral (no org), and `activated` is
     set on entering `activating` and never cleared, since a worker that saw an org's data

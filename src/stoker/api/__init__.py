@@ -1,4 +1,4 @@
-"""The HTTP API (DESIGN.md §7): FastAPI app factory and the server that runs it."""
+"""The HTTP API (README, "HTTP API"): FastAPI app factory and the server that runs it."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def loopback_only(host: str) -> bool:
 
 
 def check_exposure(api: ApiConfig) -> None:
-    """Refuse a non-loopback address without tokens (DESIGN.md §7), saying why."""
+    """Refuse a non-loopback address without tokens (README, "HTTP API"), saying why."""
     if api.has_tokens or loopback_only(api.host):
         return
     raise ConfigError(

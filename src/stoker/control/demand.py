@@ -1,7 +1,7 @@
 """Demand this replica publishes: cumulative misses and claims queued, per pool.
 
-The leader's janitor reads every replica's rows (DESIGN.md §6), so misses seen by any
-replica raise the warm target. Publishing is coalesced per burst of claims.
+The leader's janitor reads every replica's rows (README, "Metrics": `stoker_demand`), so
+misses seen by any replica raise the warm target. Publishing is coalesced per burst of claims.
 """
 
 from __future__ import annotations

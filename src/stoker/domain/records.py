@@ -123,7 +123,7 @@ class LeaseRecord:
 
 @dataclass(frozen=True, slots=True)
 class ClaimRequest:
-    """What a client asks for (DESIGN.md §7, `POST /v1/claims`)."""
+    """What a client asks for (`POST /v1/claims`, README "HTTP API")."""
 
     pool: str
     org: str

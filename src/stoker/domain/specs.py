@@ -1,4 +1,4 @@
-"""Pool and org specifications: what a platform engineer configures (DESIGN.md §2, §6).
+"""Pool and org specifications: what a platform engineer configures (README, "Configuration").
 
 Each setting is declared here once: its type, its default, its bounds (`annotated_types`
 metadata, which the configuration's validation enforces) and its doc comment.
@@ -32,7 +32,7 @@ PositiveSeconds = Annotated[float, Gt(0), Le(_YEAR_S)]
 
 
 class Activation(StrEnum):
-    """Whether workers of a pool implement the activation protocol of DESIGN.md §7."""
+    """Whether workers of a pool implement the protocol of docs/worker-protocol.md."""
 
     HTTP = "http"
     NONE = "none"

@@ -1,4 +1,4 @@
-"""Worker and claim states, and the one table of legal worker transitions (DESIGN.md §3).
+"""Worker and claim states, and the one table of legal worker transitions (README, diagram).
 
 Every write of a worker's state is checked against `TRANSITIONS` by `check_transition`;
 the store adapters call it before they touch a row, so an illegal move never reaches disk.
@@ -91,7 +91,7 @@ class ClaimState(StrEnum):
 
 
 class ClaimMode(StrEnum):
-    """How a claim may be served (DESIGN.md §7)."""
+    """How a claim may be served (`mode` of `POST /v1/claims`, README "HTTP API")."""
 
     PREFER_WARM = "prefer_warm"
     REQUIRE_WARM = "require_warm"

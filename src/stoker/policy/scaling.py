@@ -1,4 +1,4 @@
-"""How many warm workers a pool wants, and how many to spawn or retire this pass (DESIGN.md §6).
+"""How many warm workers a pool wants, and how many to spawn or retire this pass.
 
 Scale-up and scale-down read the same `desired_warm`, so they cannot oscillate: a pass
 either spawns towards it or, after `scale_down_delay` above it, retires towards it.

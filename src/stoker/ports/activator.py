@@ -1,10 +1,10 @@
 """The Activator port: how a reserved worker is handed its org and late-bound config.
 
-Activation is one protocol whatever runs the worker (DESIGN.md §7, worker activation
-protocol): the control plane sends `(worker id, org, epoch, token, config)` and the worker
-accepts it or rejects it (second org, stale epoch). A Runtime only starts, watches and
-stops workers; an Activator speaks to them once they are ready. Adapters: HTTP (local
-processes and pods alike) and the simulator's.
+Activation is one protocol whatever runs the worker (`docs/worker-protocol.md`): the
+control plane sends `(worker id, org, epoch, token, config)` and the worker accepts it or
+rejects it (second org, stale epoch). A Runtime only starts, watches and stops workers; an
+Activator speaks to them once they are ready. Adapters: HTTP (local processes and pods
+alike, signing each activation) and the simulator's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from stoker.domain.records import Worker
 
 @dataclass(frozen=True, slots=True)
 class ActivationPayload:
-    """What a worker receives at activation (DESIGN.md §7, worker activation protocol)."""
+    """What a worker receives at activation (`docs/worker-protocol.md`, "The activation body")."""
 
     worker_id: str
     org: str

@@ -322,7 +322,7 @@ class ReplicaStore(StoreReader, Protocol):
         """Publish this replica's demand per pool: (cumulative misses, claims waiting now).
 
         The leader's janitor reads every replica's rows, so misses seen by any replica
-        raise the warm target (DESIGN.md §6).
+        raise the warm target (`stoker.policy.scaling`).
         """
         ...
 

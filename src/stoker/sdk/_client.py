@@ -1,4 +1,4 @@
-"""`Client`: the synchronous client of the stoker API (DESIGN.md §7).
+"""`Client`: the synchronous client of the stoker API (README, "HTTP API").
 
 A session is a claim held for the duration of a `with` block::
 

@@ -8,7 +8,7 @@ Two parts, one on top of the other (an import contract keeps it so):
 - the scale test on top of it: `scenario` (the YAML scenarios), `replicas` (each policy's
   control-plane replicas, built by the same builder as `stoker serve`), `baselines` (the
   historical policies stoker is compared with), `observed` (the wrappers that report each
-  replica's writes), `load` (the tenants' sessions), `invariants` (DESIGN.md §4, checked
+  replica's writes), `load` (the tenants' sessions), `invariants` (I1-I7, checked
   all through a run on the rows as written, `written`), `runner` (one virtual-time loop
   per policy, `vloop`) and `report` (summary, timeseries, plots).
 """

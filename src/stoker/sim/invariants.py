@@ -1,4 +1,4 @@
-"""The invariant checker: DESIGN.md §4's I1-I7, checked all through a simulated run.
+"""The invariant checker: stoker's invariants I1-I7, checked all through a simulated run.
 
 Two kinds of evidence, so that a violation is caught whether it lasts or not:
 
@@ -12,13 +12,13 @@ Two kinds of evidence, so that a violation is caught whether it lasts or not:
   violations come in the order the rows were created.
 
 The rules (a "pass" below is the scenario's reaper interval, the slowest loop that must
-act: DESIGN.md bounds leaks by "TTL + 2 reaper intervals", also while leadership is lost):
+act: leaks are bounded by "TTL + 2 reaper intervals", also while leadership is lost):
 
 - **I1** a claim is handed out for a worker that another live session still holds; two
   bound claims on one worker; a hot worker without exactly its one bound claim;
 - **I2** an activated worker seen with a second org: in a claim, in a write, in an
   activation (a slot reserved for an org that goes back to warm before activation has
-  served nobody, DESIGN.md §3 rule 4);
+  served nobody: org is written once, `stoker.domain.states`);
 - **I3** a hot_idle worker past its TTL + 2 passes that the org's `min_hot_idle` floor
   does not keep; a bound claim past its lease + 2 passes;
 - **I4** a spawning, reserved or activating row past its timeout + 2 passes;
@@ -251,7 +251,7 @@ class InvariantChecker:
             worker.id,
         )
         # Only an activated worker has served its org: a slot reserved for an org's cold
-        # claim that went back to warm before activation is neutral (DESIGN.md §3 rule 4).
+        # claim that went back to warm before activation is neutral (org is written once).
         if worker.org is not None and worker.activated:
             self._same_org(worker.id, worker.org, f"a write by cp-{replica}")
         if worker.state is WorkerState.RETIRED and before is not WorkerState.RETIRED:

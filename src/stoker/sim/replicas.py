@@ -6,7 +6,7 @@ uses, on the run's clock, cluster and store:
 - a `KubernetesRuntime` on `SimCluster.client(f"cp-{i}", qps, burst, latency)`, its own
   API budget, inside an `ObservedRuntime`;
 - one simulated activator shared by all replicas (`SimActivator`: a latency, an optional
-  failure rate and the worker-side fence of DESIGN.md §7, no HTTP);
+  failure rate and the worker-side fence of docs/worker-protocol.md, no HTTP);
 - a `KubernetesLeaseElector` on the same client view (a `lease_blip` fault on `cp-i`
   hits its renewals);
 - the one store every replica shares, seen through an `ObservedStore` (open once, closed

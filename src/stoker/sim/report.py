@@ -312,7 +312,7 @@ def markdown(result: ScenarioResult) -> str:
         "scenario's target; vCPU-hours integrate the workers' requests (busy: reserved, "
         "activating, hot; idle: warm, hot_idle) and the placeholders'.",
         "",
-        "## Invariants (DESIGN.md §4)",
+        "## Invariants (I1-I7, stoker.sim.invariants)",
         "",
     ]
     for p in result.policies:

@@ -252,7 +252,7 @@ class PoolConfig(_Model):
     cpu: str = "2"
     memory: str = "4Gi"
     warm_target: int = Field(0, ge=0)
-    #: 0 = unbounded: in cluster mode the cluster bounds the fleet (DESIGN.md §1, #597).
+    #: 0 = unbounded: in cluster mode the cluster bounds the fleet (duckgres #597).
     max_workers: int = Field(0, ge=0)
     max_workers_per_org: int = Field(0, ge=0)
     #: stoker's and duckgres' built-in hot_idle TTL: 60 s.
@@ -265,7 +265,7 @@ class PoolConfig(_Model):
     scale_down_delay_s: float = Field(60.0, ge=0)
     #: duckgres' acquire budget, `DUCKGRES_WORKER_QUEUE_TIMEOUT` 60 s.
     claim_timeout_s: float = Field(60.0, ge=0)
-    #: Constant node-sized placeholders (DESIGN.md §6); 0 turns headroom off.
+    #: Constant node-sized placeholders, a constant (duckgres #820); 0 turns headroom off.
     headroom_nodes: int = Field(0, ge=0)
     #: Size of one placeholder: None = the worker's size. A node-sized placeholder holds
     #: a whole spare node (e.g. 15 cores / 56 GiB of an m5.4xlarge).
