@@ -1,7 +1,8 @@
-"""The `stoker` command: serve, claim, release, status, scaletest, version.
+"""The `stoker` command: serve, claim, release, status, scaletest, worker-check, version.
 
 `serve` runs the control plane and its HTTP API; `scaletest` runs it against a simulated
-cluster in virtual time (`stoker.sim`); the other commands are clients of a
+cluster in virtual time (`stoker.sim`); `worker-check` checks a worker command against the
+worker protocol (`stoker.worker_check`); the other commands are clients of a
 running server (through the SDK), found at `--url` / `$STOKER_URL` (default
 http://127.0.0.1:8080) with `--token` / `$STOKER_TOKEN`. Every failure is one line on
 stderr and a non-zero exit status (2 for bad usage, 1 for everything else), never a
@@ -22,6 +23,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from stoker._version import __version__
@@ -49,7 +51,7 @@ TokenOption = Annotated[
 
 
 class Mode(StrEnum):
-    """Claim modes of DESIGN.md §7."""
+    """Claim modes of `POST /v1/claims` (README, "HTTP API")."""
 
     prefer_warm = "prefer_warm"
     require_warm = "require_warm"
@@ -425,6 +427,48 @@ def _virtual(done: float, total: float) -> str:
     if total >= 3 * 3600:
         return f"{done / 3600:.1f}/{total / 3600:g} h virtual"
     return f"{done / 60:.1f}/{total / 60:g} min virtual"
+
+
+@app.command(
+    "worker-check",
+    context_settings={"allow_interspersed_args": False},
+)
+def worker_check(
+    command: Annotated[
+        list[str],
+        typer.Argument(
+            help="The worker's argv after `--`; {port}, {worker_id} and {python} are replaced",
+            show_default=False,
+        ),
+    ],
+    host: Annotated[str, typer.Option(help="Address the worker listens on")] = "127.0.0.1",
+    ready_timeout: Annotated[
+        float, typer.Option(help="Seconds the worker has to answer /healthz", min=0.1)
+    ] = 30.0,
+) -> None:
+    """Start a worker as stoker would and check it against the worker protocol."""
+    from stoker.worker_check import CannotStart, check_worker
+
+    try:
+        report = check_worker(command, host=host, ready_timeout_s=ready_timeout)
+    except CannotStart as exc:
+        _fail(str(exc))
+    table = Table(title=escape(f"worker-check: {' '.join(command)}"))
+    for column in ("rule", "expected", "got", "result"):
+        table.add_column(column)
+    for row in report.rows:
+        result = "[green]pass[/green]" if row.passed else "[bold red]FAIL[/bold red]"
+        table.add_row(row.rule, row.expected, row.got, result)
+    console = _console()
+    console.print(table)
+    failed = sum(not row.passed for row in report.rows)
+    if report.passed:
+        console.print(f"all {len(report.rows)} rules passed")
+        return
+    if report.output:
+        console.print("worker output (last lines):", markup=False)
+        console.print(report.output.rstrip(), markup=False, highlight=False)
+    _fail(f"{failed} of {len(report.rows)} rules failed")
 
 
 @app.command()
