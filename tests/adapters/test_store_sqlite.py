@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import sqlite3
 import threading
@@ -448,5 +449,43 @@ async def test_a_full_disk_in_a_batch_tells_every_writer_the_truth(tmp_path: Pat
             now=T0 + 2,
         )
         assert later is not None and later.state is WorkerState.RETIRED
+    finally:
+        await store.close()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+async def test_the_database_and_its_wal_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "stoker.db"
+    old = os.umask(0o022)  # the usual umask: files would be created 0644
+    try:
+        store = SqliteStore(str(path))
+        await store.open()
+        try:
+            await store.reserve_spawn_slots(spawn_req(), ["w1"], T0)
+            await store.get_worker("w1")
+            files = [path, tmp_path / "stoker.db-wal", tmp_path / "stoker.db-shm"]
+            assert all(p.exists() for p in files)
+            assert [_mode(p) for p in files] == [0o600, 0o600, 0o600]
+        finally:
+            await store.close()
+    finally:
+        os.umask(old)
+
+
+async def test_opening_takes_other_users_access_away_from_an_existing_database(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "stoker.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    path.chmod(0o644)  # as an older version created it
+    store = SqliteStore(str(path))
+    await store.open()
+    try:
+        assert _mode(path) == 0o600
     finally:
         await store.close()

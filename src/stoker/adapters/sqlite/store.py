@@ -30,6 +30,24 @@ from stoker.domain.errors import StoreError
 MIN_SQLITE = (3, 35, 0)
 
 
+def keep_private(path: str) -> None:
+    """Create the database file readable by its owner only (0600), and take group and other
+    access away from an existing one and its WAL and shared-memory files.
+
+    SQLite creates the WAL and shared-memory files with the database file's mode, so they
+    follow. The store holds claims, org names and endpoints: nobody else on the machine
+    needs to read them.
+    """
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        try:
+            mode = os.stat(name).st_mode & 0o777
+        except FileNotFoundError:
+            continue
+        if mode & 0o077:
+            os.chmod(name, mode & 0o700)
+
+
 class SqliteStore(WorkerRows, ReplicaRows):
     """The Store port on one SQLite file (or `:memory:`)."""
 
@@ -60,7 +78,11 @@ class SqliteStore(WorkerRows, ReplicaRows):
                 f"(UPDATE ... RETURNING); this Python has {sqlite3.sqlite_version}"
             )
         try:
+            if self._writes.file is not None:
+                keep_private(self._writes.file)
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except OSError as exc:
+            raise StoreError(f"cannot open sqlite store {self.path!r}: {exc}") from exc
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open sqlite store {self.path!r}: {exc}") from exc
         self._writes.db = db
