@@ -14,6 +14,7 @@ the suite knows nothing of an adapter's tables.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoker.domain.errors import IllegalTransition, StoreError
-from stoker.domain.records import Claim, DemandRecord, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, LeaseRecord, Worker, token_digest
 from stoker.domain.states import (
     TERMINAL,
     TRANSITIONS,
@@ -101,6 +102,11 @@ def make_claim(
         owner=owner,
         ttl_s=120.0,
     )
+
+
+def stored(claim: Claim) -> Claim:
+    """`claim` as the store keeps it: its token as a digest."""
+    return claim.evolve(token=token_digest(claim.token))
 
 
 class Fleet:
@@ -1334,7 +1340,19 @@ class StoreContract:
             None,
         )
         assert await store.get_worker(a.id) == hot
-        assert await store.get_claim("c-1") == claim
+        assert await store.get_claim("c-1") == stored(claim)
+
+    async def test_a_claim_is_kept_with_the_digest_of_its_token_only(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        a = await fleet.activating("org-a")
+        claim = make_claim(a, "c-1", T0 + 50)
+        await store.bind(a.id, epoch=a.epoch, version=a.version, claim=claim, now=T0 + 50)
+        kept = must(await store.get_claim("c-1"))
+        assert kept.token == token_digest(claim.token) != claim.token
+        assert kept.token == "sha256:" + hashlib.sha256(claim.token.encode()).hexdigest()
+        renewed = must(await store.renew_claim("c-1", expires_at=T0 + 90, now=T0 + 60))
+        assert renewed.token == kept.token  # written again, not hashed twice
 
     async def test_bind_that_misses_inserts_nothing(self, store: Store, fleet: Fleet) -> None:
         a = await fleet.activating("org-a")
@@ -1392,7 +1410,7 @@ class StoreContract:
         with pytest.raises(StoreError):
             await store.bind(a.id, epoch=a.epoch, version=a.version, claim=dup, now=T0 + 50)
         assert await store.get_worker(a.id) == a  # still activating: the worker write rolled back
-        assert await store.get_claim(claim.id) == claim
+        assert await store.get_claim(claim.id) == stored(claim)
 
     async def test_release_parks_the_worker_hot_idle(self, store: Store, fleet: Fleet) -> None:
         hot, claim = await fleet.hot("org-a")
@@ -1476,7 +1494,7 @@ class StoreContract:
             claim.id, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, now=T0 + 51
         )
         assert missed is None
-        assert await store.get_claim(claim.id) == claim
+        assert await store.get_claim(claim.id) == stored(claim)
         assert await store.get_worker(hot.id) == bumped
         hot2, claim2 = await fleet.hot("org-b")
         drained = must(
@@ -1496,7 +1514,7 @@ class StoreContract:
             )
             is None
         )
-        assert await store.get_claim(claim2.id) == claim2
+        assert await store.get_claim(claim2.id) == stored(claim2)
         assert await store.get_worker(hot2.id) == drained
 
     async def test_end_claim_rejects_bad_arguments_and_changes_nothing(
@@ -1527,7 +1545,7 @@ class StoreContract:
                 now=T0 + 50,
                 worker_changes={"org": "org-b"},
             )
-        assert await store.get_claim(claim.id) == claim
+        assert await store.get_claim(claim.id) == stored(claim)
         assert await store.get_worker(hot.id) == hot
 
     async def test_a_claim_fails_only_while_bound(self, store: Store, fleet: Fleet) -> None:
@@ -1599,7 +1617,7 @@ class StoreContract:
         async def ids(**kw: Any) -> list[str]:
             return [c.id for c in await store.list_claims(**kw)]
 
-        assert await store.list_claims() == [c1, c2, c3, ended]
+        assert await store.list_claims() == [stored(c) for c in (c1, c2, c3, ended)]
         assert await ids(states=[ClaimState.BOUND]) == [c1.id, c2.id, c3.id]
         assert await ids(states=[ClaimState.RELEASED, ClaimState.FAILED]) == [c4.id]
         assert await ids(states=[]) == []

@@ -27,9 +27,19 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import indexes
 from stoker.domain.errors import StoreError
+from stoker.domain.records import token_digest
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest
-from store_contract import T0, Fleet, MakeStore, StoreContract, make_claim, must, store_factory
+from store_contract import (
+    T0,
+    Fleet,
+    MakeStore,
+    StoreContract,
+    make_claim,
+    must,
+    store_factory,
+    stored,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -371,7 +381,7 @@ async def test_a_failed_claim_write_rolls_the_worker_back(
             now=T0 + 51,
         )
     assert await store.get_worker(hot.id) == hot
-    assert await store.get_claim(claim.id) == claim
+    assert await store.get_claim(claim.id) == stored(claim)
     assert await store.get_worker(a.id) == a
     assert await store.get_claim("c-new") is None
 
@@ -430,7 +440,7 @@ async def test_a_schema_of_version_3_gains_the_row_version(
     )
     store = make_pg()
     await store.open()
-    assert await store.schema_version() == 4
+    assert await store.schema_version() == 5
     w = must(await store.get_worker("w1"))
     assert w.version == 0
     moved = await store.transition("w1", expect=S.WARM, epoch=0, version=0, to=S.DRAINING, now=T0)
@@ -452,3 +462,28 @@ async def test_a_schema_of_version_3_gains_the_row_version(
     finally:
         await fresh.close()
         await sql(postgres_url, f'DROP SCHEMA IF EXISTS "{fresh_schema}" CASCADE')
+
+
+async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    store = make_pg()
+    await store.open()
+    await store.close()
+    s = f'"{schema}"'
+    # What version 4 left behind: a token in plain text, and version 5 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 5")
+    await sql(
+        postgres_url,
+        f"INSERT INTO {s}.claims (id, pool, org, worker_id, worker_epoch, source, mode, state, "
+        "token, endpoint, lease_s, expires_at, created_at, updated_at, owner) VALUES "
+        "('c1', 'p', 'acme', 'w1', 1, 'warm', 'prefer_warm', 'bound', 'secret-token', "
+        "'http://w', 30, 31, 1, 1, 'cp-a'), "
+        "('c2', 'p', 'acme', 'w2', 1, 'warm', 'prefer_warm', 'bound', '', 'http://w', "
+        "30, 31, 1, 1, 'cp-a')",
+    )
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == 5
+    assert must(await upgraded.get_claim("c1")).token == token_digest("secret-token")
+    assert must(await upgraded.get_claim("c2")).token == ""

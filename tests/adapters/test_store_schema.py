@@ -12,7 +12,7 @@ from pathlib import Path
 from stoker.adapters._rows import CLAIM_COLUMNS, WORKER_COLUMNS
 from stoker.adapters._schema import POSTGRES, SQLITE, TABLES, WORKERS, Table, pending
 from stoker.adapters.sqlite import SqliteStore
-from stoker.domain.records import Claim, Worker
+from stoker.domain.records import Claim, Worker, token_digest
 from stoker.domain.states import WorkerState
 from store_contract import T0, spawn_req
 
@@ -83,7 +83,7 @@ async def test_a_database_of_version_4_gains_the_row_version(tmp_path: Path) -> 
     fresh = SqliteStore(str(tmp_path / "new.db"))
     await fresh.open()
     try:
-        assert await upgraded.schema_version() == await fresh.schema_version() == 5
+        assert await upgraded.schema_version() == await fresh.schema_version() == 6
         w = await upgraded.get_worker("w1")
         assert w is not None and (w.state, w.version) == (WorkerState.WARM, 0)
         moved = await upgraded.transition(
@@ -95,3 +95,35 @@ async def test_a_database_of_version_4_gains_the_row_version(tmp_path: Path) -> 
         await upgraded.close()
         await fresh.close()
     assert _shape(old) == _shape(tmp_path / "new.db")
+
+
+async def test_a_database_of_version_5_keeps_its_session_tokens_as_digests(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 5 left behind: a token in plain text, and version 6 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 6")
+    db.execute(
+        "INSERT INTO claims (id, pool, org, worker_id, worker_epoch, source, mode, state, "
+        "token, endpoint, lease_s, expires_at, created_at, updated_at, owner) VALUES "
+        "('c1', 'p', 'acme', 'w1', 1, 'warm', 'prefer_warm', 'bound', 'secret-token', "
+        "'http://w', 30, 31, 1, 1, 'cp-a'), "
+        "('c2', 'p', 'acme', 'w2', 1, 'warm', 'prefer_warm', 'bound', '', 'http://w', "
+        "30, 31, 1, 1, 'cp-a')"
+    )
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == 6
+        c1, c2 = (await upgraded.get_claim("c1")), (await upgraded.get_claim("c2"))
+        assert c1 is not None and c1.token == token_digest("secret-token")
+        assert c2 is not None and c2.token == ""
+    finally:
+        await upgraded.close()
+    files = b"".join(p.read_bytes() for p in tmp_path.iterdir())  # noqa: ASYNC240
+    assert b"secret-token" not in files

@@ -11,7 +11,7 @@ from typing import Any, TypeGuard
 
 from stoker.adapters._schema import CLAIMS, WORKERS
 from stoker.domain.errors import IllegalTransition
-from stoker.domain.records import Claim, Instance, LeaseRecord, Worker
+from stoker.domain.records import Claim, Instance, LeaseRecord, Worker, token_digest
 from stoker.domain.states import (
     LIVE,
     RESERVABLE,
@@ -160,7 +160,7 @@ def claim_to_row(c: Claim) -> tuple[Any, ...]:
         c.source.value,
         c.mode.value,
         c.state.value,
-        c.token,
+        token_digest(c.token),
         c.endpoint,
         c.lease_s,
         c.expires_at,

@@ -75,7 +75,7 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         if claim is None:
             # Nobody is listening any more; the status only shows in access logs.
             return Response(status_code=499)
-        return ModelResponse(ClaimOut.of(claim), 201, location=f"{PREFIX}/{claim.id}")
+        return ModelResponse(ClaimOut.of(claim, new=True), 201, location=f"{PREFIX}/{claim.id}")
 
     @route("GET", "/{claim_id}", "Get a claim", 401, 403, 404, 422, 503)
     async def get_claim(request: Request, claim_id: ClaimId) -> Response:

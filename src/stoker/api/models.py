@@ -19,7 +19,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from starlette.responses import Response
 
 from stoker.control.plane import PoolStatus
-from stoker.domain.records import Claim, Worker
+from stoker.domain.records import Claim, Worker, is_minted
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
 
 #: Largest nesting of the late-bound config (objects and arrays).
@@ -138,8 +138,9 @@ class WorkerRef(BaseModel):
 
     id: str
     endpoint: str
-    #: Session credential the worker demands (`Authorization: Bearer <token>`); null once
-    #: the claim ended, or for pools with `activation: none`.
+    #: Session credential the worker demands (`Authorization: Bearer <token>`), in the
+    #: answer to the claim only: the server keeps only its digest, so any later read of the
+    #: claim (get, renew, release) has null, as do pools with `activation: none`.
     token: str | None
     epoch: int
 
@@ -162,9 +163,9 @@ class ClaimOut(BaseModel):
     ttl_s: float | None
 
     @classmethod
-    def of(cls, claim: Claim) -> ClaimOut:
-        """The response body of `claim`."""
-        bound = claim.state is ClaimState.BOUND
+    def of(cls, claim: Claim, *, new: bool = False) -> ClaimOut:
+        """The response body of `claim`; `new`: the answer to the claim, with its token."""
+        bound = new and claim.state is ClaimState.BOUND and is_minted(claim.token)
         return cls.model_construct(
             id=claim.id,
             pool=claim.pool,
@@ -175,7 +176,7 @@ class ClaimOut(BaseModel):
             worker=WorkerRef.model_construct(
                 id=claim.worker_id,
                 endpoint=claim.endpoint,
-                token=claim.token if bound and claim.token else None,
+                token=claim.token if bound else None,
                 epoch=claim.worker_epoch,
             ),
             lease_s=claim.lease_s,

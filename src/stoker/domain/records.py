@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
@@ -41,6 +42,26 @@ class Worker:
         return _evolved(self, _WORKER_FIELDS, changes)
 
 
+#: How a stored session token begins: what follows is the SHA-256 of the token, in hex.
+DIGEST_PREFIX = "sha256:"
+
+
+def token_digest(token: str) -> str:
+    """What the store keeps of a session token: its SHA-256 (idempotent; "" stays "").
+
+    Tokens are 192 random bits, so a plain hash is enough: no salt or slow hash could make
+    guessing one from its digest any harder.
+    """
+    if not token or token.startswith(DIGEST_PREFIX):
+        return token
+    return DIGEST_PREFIX + hashlib.sha256(token.encode()).hexdigest()
+
+
+def is_minted(token: str) -> bool:
+    """True for a session token as minted (not empty, not a stored digest)."""
+    return bool(token) and not token.startswith(DIGEST_PREFIX)
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """A claim bound to a worker: the session's lease."""
@@ -53,6 +74,10 @@ class Claim:
     source: ClaimSource
     mode: ClaimMode
     state: ClaimState
+    #: The session token: as minted on the claim the binding returns (the one answer
+    #: that carries it); a claim read from the store holds only its digest
+    #: (`token_digest`), so that reading the store yields no usable token. "" for pools
+    #: with `activation: none`.
     token: str
     endpoint: str
     lease_s: float

@@ -31,6 +31,8 @@ class SessionState:
 
     def __init__(self, claim: ClaimInfo) -> None:
         self._claim = claim
+        #: Only the claim's answer carries the token: later reads of the claim do not.
+        self._token = claim.worker.token
         self._released: ClaimInfo | None = None
         #: The last renewal failure (None while renewals succeed). A `ClaimConflict` or
         #: `NotFound` here means the session ended on the server (lease expired, worker lost).
@@ -54,7 +56,7 @@ class SessionState:
     @property
     def token(self) -> str | None:
         """The session token the worker demands."""
-        return self._claim.worker.token
+        return self._token
 
     @property
     def worker_id(self) -> str:

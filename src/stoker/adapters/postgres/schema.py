@@ -70,6 +70,15 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
         ),
         # Every worker write compares and bumps the row version (a CAS on the row).
         (4, [POSTGRES.add_column(WORKERS, "version", f"{s}.workers")]),
+        # Session tokens are kept as digests (`records.token_digest`), never in plain text.
+        (
+            5,
+            [
+                f"UPDATE {s}.claims SET token = 'sha256:' || "
+                "encode(sha256(convert_to(token, 'UTF8')), 'hex') "
+                "WHERE token <> '' AND left(token, 7) <> 'sha256:'"
+            ],
+        ),
     ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlite3
 
 from stoker.adapters._schema import DEMAND, SQLITE, TABLES, WORKERS, pending
+from stoker.domain.records import token_digest
 
 #: The indexes of the current version. Each index is one page more written by every write
 #: that touches its columns, and a claim + release cycle makes four: only what a query
@@ -52,11 +53,20 @@ UPGRADES: list[tuple[int, list[str]]] = [
     ),
     # Every worker write compares and bumps the row version (a CAS on the row).
     (5, [SQLITE.add_column(WORKERS, "version")]),
+    # Session tokens are kept as digests (`records.token_digest`), never in plain text.
+    (
+        6,
+        [
+            "UPDATE claims SET token = stoker_token_digest(token) "
+            "WHERE token != '' AND substr(token, 1, 7) != 'sha256:'"
+        ],
+    ),
 ]
 
 
 def migrate(tx: sqlite3.Connection) -> None:
     """Bring the database up to the current version (`tx` is in a write transaction)."""
+    tx.create_function("stoker_token_digest", 1, token_digest, deterministic=True)
     tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
     applied = {r[0] for r in tx.execute("SELECT version FROM schema_migrations")}
     current = [*(SQLITE.create_table(table) for table in TABLES), *INDEXES]
