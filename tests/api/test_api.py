@@ -391,10 +391,17 @@ async def test_org_token_acts_only_for_its_org(tmp_path: Path) -> None:
         acme = {"Authorization": f"Bearer {ACME}"}
         body = assert_problem(await api.claim(org="globex", token=ACME), 403)
         assert body["code"] == "forbidden"
-        assert_problem(await api.http.get(f"/v1/claims/{claim['id']}", headers=acme), 403)
-        renew = await api.http.post(f"/v1/claims/{claim['id']}/renew", headers=acme)
-        assert_problem(renew, 403)
-        assert_problem(await api.http.delete(f"/v1/claims/{claim['id']}", headers=acme), 403)
+        # Another org's claim answers as an unknown one would: nothing names its owner.
+        unknown = assert_problem(await api.http.get("/v1/claims/c-nope", headers=acme), 404)
+        foreign = [
+            await api.http.get(f"/v1/claims/{claim['id']}", headers=acme),
+            await api.http.post(f"/v1/claims/{claim['id']}/renew", headers=acme),
+            await api.http.delete(f"/v1/claims/{claim['id']}", headers=acme),
+        ]
+        for answer in foreign:
+            body = assert_problem(answer, 404)
+            assert body["detail"] == unknown["detail"].replace("c-nope", claim["id"])
+            assert "globex" not in answer.text
         assert_problem(await api.http.get("/v1/workers", headers=acme), 403)
         assert await api.snapshot() == before
 

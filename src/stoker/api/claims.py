@@ -27,7 +27,7 @@ from stoker.api.models import ClaimCreate, ClaimOut, ClaimRenew, ModelResponse
 from stoker.api.problems import openapi_responses
 from stoker.api.routing import DirectRoute
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import Unavailable
+from stoker.domain.errors import NotFound, Unavailable, unknown_claim
 from stoker.domain.records import Claim, ClaimRequest
 
 PREFIX = "/v1/claims"
@@ -77,16 +77,14 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
             return Response(status_code=499)
         return ModelResponse(ClaimOut.of(claim, new=True), 201, location=f"{PREFIX}/{claim.id}")
 
-    @route("GET", "/{claim_id}", "Get a claim", 401, 403, 404, 422, 503)
+    @route("GET", "/{claim_id}", "Get a claim", 401, 404, 422, 503)
     async def get_claim(request: Request, claim_id: ClaimId) -> Response:
         """The claim, in any state (bound, released, expired, failed)."""
         claim = await plane.get_claim(claim_id)
-        principal_of(request.scope).check_org(claim.org)
+        check_visible(principal_of(request.scope), claim)
         return ModelResponse(ClaimOut.of(claim))
 
-    @route(
-        "POST", "/{claim_id}/renew", "Renew a claim's lease", 400, 401, 403, 404, 409, 413, 422, 503
-    )
+    @route("POST", "/{claim_id}/renew", "Renew a claim's lease", 400, 401, 404, 409, 413, 422, 503)
     async def renew_claim(
         request: Request,
         claim_id: ClaimId,
@@ -97,7 +95,7 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         lease_s = body.lease_s if body is not None else None
         return ModelResponse(ClaimOut.of(await plane.renew(claim_id, lease_s)))
 
-    @route("DELETE", "/{claim_id}", "Release a claim", 401, 403, 404, 422, 503)
+    @route("DELETE", "/{claim_id}", "Release a claim", 401, 404, 422, 503)
     async def release_claim(request: Request, claim_id: ClaimId) -> Response:
         """End the session: the worker parks as hot_idle (reuse: same_org) or retires.
 
@@ -112,7 +110,14 @@ async def check_owner(plane: ControlPlane, principal: Principal, claim_id: str) 
     # An admin may act on any claim: the plane's own lookup answers 404 for a missing one,
     # so only an org token costs a read here.
     if not principal.admin:
-        principal.check_org((await plane.get_claim(claim_id)).org)
+        check_visible(principal, await plane.get_claim(claim_id))
+
+
+def check_visible(principal: Principal, claim: Claim) -> None:
+    """Raise `NotFound` unless `principal` may see `claim`: to another org's token a claim
+    id answers exactly as an unknown one would, so it learns nothing of who owns it."""
+    if not principal.admin and principal.org != claim.org:
+        raise NotFound(unknown_claim(claim.id))
 
 
 def claim_request(principal: Principal, state: ApiState, body: ClaimCreate) -> ClaimRequest:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
-from stoker.domain.errors import ClaimConflict, NotFound
+from stoker.domain.errors import ClaimConflict, NotFound, unknown_claim
 from stoker.domain.records import Claim
 from stoker.domain.states import ClaimState, RetireReason, Reuse, WorkerState
 from stoker.ports.store import StoreReader
@@ -27,7 +27,7 @@ class Sessions:
         """A claim by id, or NotFound."""
         claim = await self._reader.get_claim(claim_id)
         if claim is None:
-            raise NotFound(f"unknown claim {claim_id!r}")
+            raise NotFound(unknown_claim(claim_id))
         return claim
 
     async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:

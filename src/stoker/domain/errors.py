@@ -29,6 +29,11 @@ class NotFound(StokerError, code="not-found"):
     """An unknown pool, claim or worker (HTTP 404)."""
 
 
+def unknown_claim(claim_id: str) -> str:
+    """The one detail of a 404 for a claim, whether it does not exist or is another org's."""
+    return f"unknown claim {claim_id!r}"
+
+
 class Unauthorized(StokerError, code="unauthorized"):
     """No token or an unknown token (HTTP 401)."""
 
