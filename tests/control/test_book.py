@@ -232,3 +232,92 @@ def test_facts_are_kept_until_settled() -> None:
     assert b.with_unsaved_ref("w1", endpoint="e") == {"endpoint": "e"}
     facts = b.pending_facts()
     assert (facts.ready, facts.lost, facts.retire) == ({}, {}, {})
+
+
+# -- nothing outlives what it describes ------------------------------------------------------
+
+EMPTY = {
+    "known": 0,
+    "ready": 0,
+    "ready_queues": 0,
+    "hot_idle": 0,
+    "hot_idle_queues": 0,
+    "in_flight": 0,
+    "spawn_waits": 0,
+    "pending_ready": 0,
+    "pending_lost": 0,
+    "pending_retire": 0,
+    "unsaved_refs": 0,
+    "warm_waiters": 0,
+    "warm_waiter_pools": 0,
+    "cap_waiters": 0,
+    "cap_waiter_keys": 0,
+    "tasks": 0,
+}
+
+
+def test_claims_that_stop_waiting_leave_the_book() -> None:
+    b = book()
+    held = [Waiting(f"c{i}") for i in range(50)]
+    for i, w in enumerate(held):
+        b.wait_for_slot("p", "" if i % 2 else "acme", w)
+        b.wait_for_warm("p", w)
+    # Every one gave up (timed out or left) without being woken.
+    for i, w in enumerate(held):
+        b.stop_waiting("p", "" if i % 2 else "acme", w)
+    assert b.sizes() == EMPTY
+    # A release afterwards wakes nobody that has gone.
+    b.slot_freed("p", "acme")
+    assert all(w.woken == 0 for w in held)
+
+
+def test_woken_waiters_leave_no_empty_lists_behind() -> None:
+    b = book()
+    acme, pool_cap, warm = Waiting("acme"), Waiting("pool"), Waiting("warm")
+    b.wait_for_slot("p", "acme", acme)
+    b.wait_for_slot("p", "", pool_cap)
+    b.wait_for_warm("p", warm)
+    b.offer_hot_idle(worker("w1", S.HOT_IDLE, org="acme"))
+    b.slot_freed("p", None)
+    assert (acme.woken, pool_cap.woken, warm.woken) == (1, 1, 1)
+    for w, org in ((acme, "acme"), (pool_cap, ""), (warm, "")):
+        b.stop_waiting("p", org, w)
+    sizes = b.sizes()
+    assert (sizes["cap_waiter_keys"], sizes["warm_waiter_pools"]) == (0, 0)
+
+
+def test_reaped_hot_idle_workers_leave_their_orgs_queues() -> None:
+    """200 orgs park a worker each and all are reaped: no queue keeps a stale id."""
+    b = book()
+    for i in range(200):
+        b.offer_hot_idle(b.remember(worker(f"w{i}", S.HOT_IDLE, org=f"org{i}")))
+    assert b.sizes()["hot_idle"] == 200
+    for i in range(200):
+        b.remember(worker(f"w{i}", S.DRAINING, org=f"org{i}"))
+        b.remember(worker(f"w{i}", S.RETIRED, org=f"org{i}"))
+    assert b.sizes() == EMPTY
+
+
+def test_old_revision_ready_queues_go_with_their_workers() -> None:
+    b = book()
+    for i in range(20):
+        b.offer_warm(b.remember(worker(f"w{i}", revision="r0")))
+    b.offer_warm(b.remember(worker("new", revision="r1")))
+    for i in range(20):
+        b.remember(worker(f"w{i}", S.DRAINING, revision="r0"))
+    assert b.sizes()["ready_queues"] == 1
+    for i in range(20):
+        b.remember(worker(f"w{i}", S.RETIRED, revision="r0"))
+    # A worker another replica took over is forgotten and unqueued too.
+    b.remember(worker("new", revision="r1", owner="cp-other"))
+    assert b.sizes() == EMPTY
+
+
+def test_a_drained_queue_is_dropped() -> None:
+    b = book()
+    b.offer_warm(b.remember(worker("w1")))
+    assert b.pop(S.WARM, "p", "", "r1") == worker("w1")
+    assert b.pop(S.WARM, "p", "", "r1") is None
+    b.clear_in_flight("w1")
+    sizes = b.sizes()
+    assert (sizes["ready"], sizes["ready_queues"]) == (0, 0)

@@ -9,12 +9,17 @@ not persisted yet, the claims waiting for a worker or a slot, and the background
 The store is the authority and the book only a hint: a stale queue entry costs one missed
 CAS, never a double assignment. Nothing here writes the store; the parts that do (through
 the lifecycle) record the outcome here afterwards (persist before mutate).
+
+Nothing here outlives what it describes: a worker leaves its queue when this replica
+records it in another state (or forgets it), a claim leaves the waiters when its wait
+ends however it ends, and an emptied queue or waiter list is dropped, so after any run
+of claims the book is back to the size of the fleet it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict, deque
+from collections import OrderedDict
 from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -91,8 +96,10 @@ class Book:
         self._reader = reader
         self.instance_id = instance_id
         self._known: dict[str, Worker] = {}
-        self._ready: dict[tuple[str, str], deque[str]] = defaultdict(deque)
-        self._hot_idle: dict[tuple[str, str], deque[str]] = defaultdict(deque)
+        #: Queues as ordered sets of worker ids (O(1) pop, put back and removal): warm by
+        #: (pool, revision), hot_idle by (pool, org).
+        self._ready: dict[tuple[str, str], OrderedDict[str, None]] = {}
+        self._hot_idle: dict[tuple[str, str], OrderedDict[str, None]] = {}
         self._in_flight: set[str] = set()
         #: Cold spawns whose claim waits for readiness: worker id -> endpoint future.
         self._spawn_waits: dict[str, asyncio.Future[str]] = {}
@@ -105,9 +112,10 @@ class Book:
         #: `spawning` carries its ref, so that no worker becomes claimable without the ref
         #: another replica needs to adopt and to stop its process.
         self._unsaved_refs: dict[str, dict[str, Any]] = {}
-        self._warm_waiters: dict[str, deque[Waiter]] = defaultdict(deque)
-        #: Claims held by a cap, by (pool, org); org "" for the pool cap.
-        self._cap_waiters: dict[tuple[str, str], list[Waiter]] = defaultdict(list)
+        #: Claims waiting for a warm worker, by pool, in arrival order.
+        self._warm_waiters: dict[str, dict[Waiter, None]] = {}
+        #: Claims held by a cap, by pool and org; org "" for the pool cap.
+        self._cap_waiters: dict[str, dict[str, dict[Waiter, None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: True once the replica stopped taking claims (`start_closing`); read on every
         #: claim and release, so a plain attribute rather than a property.
@@ -126,11 +134,19 @@ class Book:
     def remember(self, worker: Worker) -> Worker:
         """Record the last persisted state of a worker; one that retired or belongs to
         another replica is forgotten."""
+        before = self._known.get(worker.id)
         if worker.state is WorkerState.RETIRED or worker.owner != self.instance_id:
-            self._known.pop(worker.id, None)
+            self._forget(worker.id)
         else:
+            if before is not None and before.state is not worker.state:
+                self._unqueue(before)
             self._known[worker.id] = worker
         return worker
+
+    def _forget(self, worker_id: str) -> None:
+        before = self._known.pop(worker_id, None)
+        if before is not None:
+            self._unqueue(before)
 
     async def refresh(self, worker_id: str) -> Worker | None:
         """Re-read a worker after a missed CAS: another replica may have taken it over."""
@@ -139,7 +155,7 @@ class Book:
         except StoreError:
             return None
         if fresh is None:
-            self._known.pop(worker_id, None)
+            self._forget(worker_id)
             return None
         return self.remember(fresh)
 
@@ -156,31 +172,47 @@ class Book:
 
     def offer_warm(self, worker: Worker) -> None:
         """Queue a warm worker and wake the first claim waiting for one."""
-        self._ready[(worker.pool, worker.revision)].append(worker.id)
+        self._ready.setdefault((worker.pool, worker.revision), OrderedDict())[worker.id] = None
         self._wake_warm_waiter(worker.pool)
 
     def put_back_warm(self, worker: Worker) -> None:
         """Return a warm worker to the head of its queue (its claim was held by a cap)."""
-        self._ready[(worker.pool, worker.revision)].appendleft(worker.id)
+        queue = self._ready.setdefault((worker.pool, worker.revision), OrderedDict())
+        queue[worker.id] = None
+        queue.move_to_end(worker.id, last=False)
 
     def offer_hot_idle(self, worker: Worker) -> None:
         """Queue a hot_idle worker for its org and wake that org's waiting claims."""
         if worker.org is None:
             return
-        self._hot_idle[(worker.pool, worker.org)].append(worker.id)
+        self._hot_idle.setdefault((worker.pool, worker.org), OrderedDict())[worker.id] = None
         self.hot_idle_parked(worker.pool, worker.org)
+
+    def _unqueue(self, worker: Worker) -> None:
+        """Take a worker out of the queue its last known state put it in."""
+        if worker.state is WorkerState.WARM:
+            queues, key = self._ready, (worker.pool, worker.revision)
+        elif worker.state is WorkerState.HOT_IDLE and worker.org is not None:
+            queues, key = self._hot_idle, (worker.pool, worker.org)
+        else:
+            return
+        queue = queues.get(key)
+        if queue is not None:
+            queue.pop(worker.id, None)
+            if not queue:
+                del queues[key]
 
     def pop(self, state: WorkerState, pool: str, org: str, revision: str) -> Worker | None:
         """The next worker of a queue still known in `state` at `revision` and not being
         handed out, marked in flight (the caller clears it once its reservation is
         decided); None when the queue ran dry. A `warm` worker comes from the revision's
         ready queue, a `hot_idle` one from those `org` parked."""
-        if state is WorkerState.WARM:
-            queue = self._ready.get((pool, revision))
-        else:
-            queue = self._hot_idle.get((pool, org))
+        queues = self._ready if state is WorkerState.WARM else self._hot_idle
+        key = (pool, revision) if state is WorkerState.WARM else (pool, org)
+        queue = queues.get(key)
+        found = None
         while queue:
-            known = self._known.get(queue.popleft())
+            known = self._known.get(queue.popitem(last=False)[0])
             if (
                 known is not None
                 and known.state is state
@@ -188,8 +220,11 @@ class Book:
                 and known.id not in self._in_flight
             ):
                 self._in_flight.add(known.id)
-                return known
-        return None
+                found = known
+                break
+        if queue is not None and not queue:
+            del queues[key]
+        return found
 
     # -- in flight --------------------------------------------------------------------------
 
@@ -208,13 +243,29 @@ class Book:
     # -- waiting claims ---------------------------------------------------------------------
 
     def wait_for_warm(self, pool: str, waiter: Waiter) -> None:
-        """Wake `waiter` when a warm worker of `pool` is offered or a slot frees."""
-        self._warm_waiters[pool].append(waiter)
+        """Wake `waiter` when a warm worker of `pool` is offered or a slot frees (until
+        `stop_waiting`)."""
+        self._warm_waiters.setdefault(pool, {})[waiter] = None
 
     def wait_for_slot(self, pool: str, org: str, waiter: Waiter) -> None:
         """Wake `waiter` when `org` (or, with org "", anyone) frees a slot of `pool`, or
-        parks a worker `org` may reuse."""
-        self._cap_waiters[(pool, org)].append(waiter)
+        parks a worker `org` may reuse (until `stop_waiting`)."""
+        self._cap_waiters.setdefault(pool, {}).setdefault(org, {})[waiter] = None
+
+    def stop_waiting(self, pool: str, org: str, waiter: Waiter) -> None:
+        """The wait of `waiter` ended (woken, timed out or abandoned): forget it."""
+        warm = self._warm_waiters.get(pool)
+        if warm is not None and warm.pop(waiter, 0) is None and not warm:
+            del self._warm_waiters[pool]
+        by_org = self._cap_waiters.get(pool)
+        if by_org is None:
+            return
+        for key in (org, ""):
+            held = by_org.get(key)
+            if held is not None and held.pop(waiter, 0) is None and not held:
+                del by_org[key]
+        if not by_org:
+            del self._cap_waiters[pool]
 
     def waiting_for_warm(self, pool: str) -> int:
         """Claims of `pool` queued for a warm worker (part of demand)."""
@@ -225,25 +276,31 @@ class Book:
         the org cap may reuse it."""
         if org is None:
             return
-        for waiter in self._cap_waiters.pop((pool, org), []):
+        by_org = self._cap_waiters.get(pool)
+        held = by_org.pop(org, None) if by_org is not None else None
+        if by_org is not None and not by_org:
+            del self._cap_waiters[pool]
+        for waiter in held or ():
             waiter.wake()
 
     def slot_freed(self, pool: str, org: str | None) -> None:
         """A live worker of `pool` (bound to `org`, if any) retired: wake the claims held by
         the pool cap or by an org cap of the pool, and one claim waiting for a warm worker."""
-        self.hot_idle_parked(pool, org)
-        for key in [key for key in self._cap_waiters if key[0] == pool]:
-            for waiter in self._cap_waiters.pop(key):
+        for held in self._cap_waiters.pop(pool, {}).values():
+            for waiter in held:
                 waiter.wake()
         self._wake_warm_waiter(pool)
 
     def _wake_warm_waiter(self, pool: str) -> None:
         waiters = self._warm_waiters.get(pool)
         while waiters:
-            waiter = waiters.popleft()
+            waiter = next(iter(waiters))
+            del waiters[waiter]
             if not waiter.abandoned:
                 waiter.wake()
-                return
+                break
+        if waiters is not None and not waiters:
+            del self._warm_waiters[pool]
 
     # -- cold spawns ------------------------------------------------------------------------
 
@@ -294,6 +351,36 @@ class Book:
     def ref_saved(self, worker_id: str) -> None:
         """A write carried the worker's runtime ref."""
         self._unsaved_refs.pop(worker_id, None)
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def sizes(self) -> dict[str, int]:
+        """How many entries each structure of the book holds: what a leak would grow.
+
+        `known` follows the fleet this replica owns; every other entry belongs to work in
+        progress (a queued worker, a waiting claim, a spawn, a fact, a task) and goes when
+        that work ends.
+        """
+        return {
+            "known": len(self._known),
+            "ready": sum(map(len, self._ready.values())),
+            "ready_queues": len(self._ready),
+            "hot_idle": sum(map(len, self._hot_idle.values())),
+            "hot_idle_queues": len(self._hot_idle),
+            "in_flight": len(self._in_flight),
+            "spawn_waits": len(self._spawn_waits),
+            "pending_ready": len(self.ready.copy()),
+            "pending_lost": len(self.lost.copy()),
+            "pending_retire": len(self.retirements.copy()),
+            "unsaved_refs": len(self._unsaved_refs),
+            "warm_waiters": sum(map(len, self._warm_waiters.values())),
+            "warm_waiter_pools": len(self._warm_waiters),
+            "cap_waiters": sum(
+                len(held) for by_org in self._cap_waiters.values() for held in by_org.values()
+            ),
+            "cap_waiter_keys": sum(map(len, self._cap_waiters.values())),
+            "tasks": len(self._tasks),
+        }
 
     # -- background tasks and shutdown ------------------------------------------------------
 

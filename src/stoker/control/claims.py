@@ -99,6 +99,10 @@ class Claims:
         finally:
             self._in_flight -= 1
 
+    def in_flight(self) -> int:
+        """Claims being served now (their requesters wait)."""
+        return self._in_flight
+
     async def drain(self, timeout: float) -> None:
         """Stop taking claims and wait (bounded) for in-flight ones to finish."""
         self._book.start_closing()
@@ -210,10 +214,13 @@ class Claims:
         self._demand.publish_soon()
         try:
             remaining = a.left(self._clock.monotonic())
-            if remaining:
+            # A requester that left while the attempt was on its way here woke nobody.
+            if remaining and not a.gone():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
                         await asyncio.shield(a.wakeup)
         finally:
+            # However the wait ended, the book lets go of the claim (and of its config).
+            self._book.stop_waiting(a.pool.name, a.req.org, a)
             self._metrics.claims_waiting.labels(a.pool.name).dec()
             a.wakeup = None

@@ -116,6 +116,10 @@ class Retirer:
         task = self._book.spawn_task(self._stop_and_retire(worker, stop=stop), f"stop:{worker.id}")
         task.add_done_callback(lambda _t: self._stopping.discard(worker.id))
 
+    def stopping(self) -> int:
+        """Workers whose stop runs now."""
+        return len(self._stopping)
+
     async def settle_pending(self) -> None:
         """Retry the remembered retirements against a fresh read of their rows."""
         for worker_id in self._book.retirements.copy():
