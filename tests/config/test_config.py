@@ -108,6 +108,14 @@ def test_org_tokens_accept_the_list_form(tmp_path: Path) -> None:
             "pools:\n  - {name: p, command: [x], warm_target: -1}\n",
             "config error: pools[0].warm_target: must be >= 0",
         ),
+        (
+            "pools:\n  - {name: p, command: [x], max_claim_s: -5}\n",
+            "config error: pools[0].max_claim_s: must be >= 0",
+        ),
+        (
+            "orgs:\n  - {name: acme, max_claim_s: forever}\n",
+            "config error: orgs[0].max_claim_s: must be a number",
+        ),
         ("api: {prot: 80}\n", "config error: api.prot: unknown key"),
         ("api: {port: 70000}\n", "config error: api.port: must be <= 65535"),
         ("api: {port: eighty}\n", "config error: api.port: must be an integer"),

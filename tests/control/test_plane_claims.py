@@ -423,6 +423,53 @@ async def test_a_late_heartbeat_never_makes_a_replica_expire_itself(tmp_path: Pa
         assert await h.store.heartbeat_instance(h.plane.instance_id, now=h.clock.now())
 
 
+async def test_max_claim_s_caps_the_lease_then_a_renewal_past_it_is_409(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, [pool(max_claim_s=100)]) as h:
+        claim = await h.claim(lease_s=60)
+        assert claim.expires_at == claim.created_at + 60
+        h.clock.advance(50)
+        # The renewal asks for 60 s more; the session may last 50 more at most.
+        renewed = await h.plane.renew(claim.id)
+        assert renewed.expires_at == pytest.approx(claim.created_at + 100)
+        h.clock.advance(51)
+        with pytest.raises(ClaimConflict, match="max_claim_s of 100s"):
+            await h.plane.renew(claim.id)
+        ended = await h.plane.get_claim(claim.id)
+        assert (ended.state, ended.reason) == (ClaimState.EXPIRED, "max_claim")
+        await h.settle()
+        worker = await h.store.get_worker(claim.worker_id)
+        assert worker is not None and worker.state is S.RETIRED and worker.reason == "max_claim"
+
+
+async def test_a_session_renewed_to_its_cap_is_ended_by_the_reaper(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_claim_s=100)]) as h:
+        claim = await h.claim(lease_s=30)
+        for step in (25, 25, 25, 20):
+            h.clock.advance(step)
+            renewed = await h.plane.renew(claim.id)
+        assert renewed.expires_at == pytest.approx(claim.created_at + 100)
+        h.clock.advance(6)  # past the cap: the last renewal ran to it, not beyond
+        report = await h.plane.run_reaper_pass()
+        assert report.retired == {"max_claim": 1}
+        ended = await h.plane.get_claim(claim.id)
+        assert (ended.state, ended.reason) == (ClaimState.EXPIRED, "max_claim")
+
+
+async def test_an_orgs_max_claim_s_wins_over_the_pools(tmp_path: Path) -> None:
+    orgs = [OrgSpec(name="acme", max_claim_s=10), OrgSpec(name="globex", max_claim_s=0)]
+    async with running(tmp_path, [pool(max_claim_s=100)], orgs=orgs) as h:
+        acme = await h.claim("acme", lease_s=60)
+        globex = await h.claim("globex", lease_s=60)
+        assert acme.lease_s == 10 and acme.expires_at == acme.created_at + 10
+        h.clock.advance(200)
+        renewed = await h.plane.renew(globex.id)  # no limit for globex
+        assert renewed.expires_at == pytest.approx(h.clock.now() + 60)
+        with pytest.raises(ClaimConflict):
+            await h.plane.renew(acme.id)
+
+
 async def test_renew_keeps_the_lease_alive(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
         claim = await h.claim(lease_s=30)

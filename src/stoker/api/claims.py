@@ -90,7 +90,9 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         claim_id: ClaimId,
         body: Annotated[ClaimRenew | None, Body()] = None,
     ) -> Response:
-        """Extend the lease by `lease_s` (default: the claim's own) from now; 409 once ended."""
+        """Extend the lease by `lease_s` (default: the claim's own) from now, never past the
+        pool's or org's `max_claim_s`; 409 once ended, or once the claim reached its
+        `max_claim_s` (the claim then ends)."""
         await check_owner(plane, principal_of(request.scope), claim_id)
         lease_s = body.lease_s if body is not None else None
         return ModelResponse(ClaimOut.of(await plane.renew(claim_id, lease_s)))

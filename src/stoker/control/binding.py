@@ -100,6 +100,10 @@ class Binder:
                 return None
             now = self._clock.now()
             lease_s = a.req.lease_s if a.req.lease_s is not None else pool.lease_s
+            max_claim_s = self._catalog.max_claim_s(pool.name, a.req.org)
+            if max_claim_s > 0:
+                # The lease never runs past the session's hard cap (renewals neither).
+                lease_s = min(lease_s, max_claim_s)
             claim = Claim(
                 id=self._ids.claim(),
                 pool=pool.name,

@@ -56,6 +56,14 @@ class Catalog:
             return spec.max_workers
         return pool.max_workers_per_org
 
+    def max_claim_s(self, pool_name: str, org: str) -> float:
+        """The longest a session of `org` in the pool may last (org -> pool; 0 = no limit)."""
+        spec = self._orgs.get(org)
+        if spec is not None and spec.max_claim_s is not None:
+            return spec.max_claim_s
+        pool = self._pools.get(pool_name)
+        return pool.max_claim_s if pool else 0.0
+
     def min_hot_idle(self, pool_name: str, org: str) -> int:
         """The org's hot_idle floor in the pool (org -> pool)."""
         spec = self._orgs.get(org)

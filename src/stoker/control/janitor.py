@@ -26,7 +26,12 @@ from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Worker
 from stoker.domain.states import LIVE, RetireReason, WorkerState
 from stoker.policy.demand import DemandLedger
-from stoker.policy.reaping import expired_claims, hot_idle_to_reap, stuck_workers
+from stoker.policy.reaping import (
+    expired_claims,
+    hot_idle_to_reap,
+    session_left,
+    stuck_workers,
+)
 from stoker.policy.scaling import (
     PoolCounts,
     desired_warm,
@@ -261,9 +266,13 @@ class Janitor:
 
     async def _expire_leases(self, world: World, report: PassReport) -> None:
         for claim in expired_claims(world.expired, world.now):
-            if await self._sessions.expire(claim):
+            left = session_left(
+                claim.created_at, self._catalog.max_claim_s(claim.pool, claim.org), world.now
+            )
+            why = RetireReason.MAX_CLAIM if left == 0 else RetireReason.LEASE_EXPIRED
+            if await self._sessions.expire(claim, why):
                 report.expired_claims += 1
-                report.count(RetireReason.LEASE_EXPIRED)
+                report.count(why)
 
     async def _sweep_stuck(self, world: World, report: PassReport) -> None:
         """In-flight rows past their timeout are retired (I4); draining rows retried."""

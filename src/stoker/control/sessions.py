@@ -11,6 +11,7 @@ from stoker.control.shared import Shared
 from stoker.domain.errors import ClaimConflict, NotFound, unknown_claim
 from stoker.domain.records import Claim
 from stoker.domain.states import ClaimState, RetireReason, Reuse, WorkerState
+from stoker.policy.reaping import session_left
 from stoker.ports.store import StoreReader
 
 
@@ -31,13 +32,22 @@ class Sessions:
         return claim
 
     async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:
-        """Extend a bound claim's lease by `lease_s` (default: the claim's own) from now."""
+        """Extend a bound claim's lease by `lease_s` (default: the claim's own) from now,
+        never past the session's `max_claim_s`; a claim past it ends (`ClaimConflict`)."""
         claim = await self.get_claim(claim_id)
         if claim.state is not ClaimState.BOUND:
             raise ClaimConflict(f"claim {claim_id!r} is {claim.state.value}, not bound")
-        renewed = await self._lifecycle.renew(
-            claim_id, lease_s=lease_s if lease_s is not None else claim.lease_s
-        )
+        lease = lease_s if lease_s is not None else claim.lease_s
+        max_claim_s = self._catalog.max_claim_s(claim.pool, claim.org)
+        left = session_left(claim.created_at, max_claim_s, self._clock.now())
+        if left is not None:
+            if left <= 0:
+                await self.expire(claim, RetireReason.MAX_CLAIM)
+                raise ClaimConflict(
+                    f"claim {claim_id!r} reached its max_claim_s of {max_claim_s:g}s and ended"
+                )
+            lease = min(lease, left)
+        renewed = await self._lifecycle.renew(claim_id, lease_s=lease)
         if renewed is None:
             raise ClaimConflict(f"claim {claim_id!r} ended while renewing")
         return renewed
@@ -52,9 +62,9 @@ class Sessions:
             return claim
         return await self._end(claim, ClaimState.RELEASED)
 
-    async def expire(self, claim: Claim) -> bool:
-        """End a claim whose lease ran out and retire its worker."""
-        why = RetireReason.LEASE_EXPIRED
+    async def expire(self, claim: Claim, why: RetireReason = RetireReason.LEASE_EXPIRED) -> bool:
+        """End a claim whose lease ran out (or that reached its `max_claim_s`) and retire
+        its worker."""
         return await self._retirer.end_session(
             claim, ClaimState.EXPIRED, why, claim_reason=why.value
         )

@@ -118,6 +118,9 @@ class PoolSpec:
     lease_s: Annotated[float, Gt(0), Le(86400)] = 60.0
     #: How long a claim waits for a worker when it sets no timeout_s.
     claim_timeout_s: Annotated[float, Ge(0), Le(3600)] = 30.0
+    #: The longest a session may last from its bind, renewals included: its lease never
+    #: runs past it, a renewal past it gets 409 and the claim ends. 0 means no limit.
+    max_claim_s: Seconds = 0.0
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
@@ -143,6 +146,8 @@ class OrgSpec:
     hot_idle_ttl: Seconds | None = None
     min_hot_idle: Annotated[int, Ge(0)] | None = None
     max_workers: Annotated[int, Ge(0)] | None = None
+    #: The org's own `max_claim_s` (0: no limit for this org).
+    max_claim_s: Seconds | None = None
 
 
 def revision_of(template: RuntimeTemplate) -> str:

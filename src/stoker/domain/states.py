@@ -121,6 +121,8 @@ class RetireReason(StrEnum):
     SPAWN_FAILURE = "spawn_failure"
     ACTIVATION_FAILURE = "activation_failure"
     LEASE_EXPIRED = "lease_expired"
+    #: The session reached its pool's or org's `max_claim_s`.
+    MAX_CLAIM = "max_claim"
     LOST = "lost"
     EVICTED = "evicted"
     STUCK = "stuck"

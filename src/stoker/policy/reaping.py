@@ -95,6 +95,14 @@ def stuck_workers(
     return out
 
 
+def session_left(created_at: float, max_claim_s: float, now: float) -> float | None:
+    """Seconds a session may still last under `max_claim_s` (never below 0); None when
+    there is no limit (0)."""
+    if max_claim_s <= 0:
+        return None
+    return max(0.0, created_at + max_claim_s - now)
+
+
 def expired_claims(claims: Iterable[Claim], now: float) -> list[Claim]:
     """Bound claims whose lease ran out."""
     return [c for c in claims if c.state is ClaimState.BOUND and c.expires_at <= now]
