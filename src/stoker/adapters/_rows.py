@@ -268,6 +268,21 @@ def checked_changes(current: Worker, to: WorkerState, changes: Mapping[str, Any]
     return out
 
 
+def checked_ending_changes(worker_to: WorkerState, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked field changes of moving a bound claim's hot worker to `worker_to`,
+    without reading the row: a hot worker was activated for the claim's org, and ending the
+    claim changes neither (its `claim_id` is cleared). Raises IllegalTransition or
+    ValueError, as `checked_changes` would for that row."""
+    check_move(WorkerState.HOT, worker_to, changes)
+    if worker_to is not WorkerState.HOT:
+        check_transition(WorkerState.HOT, worker_to, activated=True)
+    if "org" in changes:
+        raise IllegalTransition("ending a claim keeps its worker's org")
+    if not changes.get("activated", True):
+        raise IllegalTransition("a hot worker was activated; that is never undone")
+    return {**changes, "claim_id": None}
+
+
 def matches(current: Worker, state: WorkerState, epoch: int, version: int) -> bool:
     """True when the row read is the one a caller's compare-and-set expects."""
     return current.state is state and current.epoch == epoch and current.version == version

@@ -18,7 +18,7 @@ import re
 from stoker.adapters.postgres.connections import Connection, Connections, PoolOptions
 from stoker.adapters.postgres.replicas import ReplicaRows
 from stoker.adapters.postgres.schema import Names, migrate
-from stoker.adapters.postgres.workers import WorkerRows, reserve_statements
+from stoker.adapters.postgres.workers import WorkerRows, bind_statement, reserve_statements
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
@@ -52,6 +52,7 @@ class PostgresStore(WorkerRows, ReplicaRows):
         self._lock_idle_ms = str(idle_ms)
         self._names = Names(schema)
         self._reserve_any_sql, self._reserve_sql_by_id = reserve_statements(self._names)
+        self._bind_sql = bind_statement(self._names)
 
     async def open(self) -> None:
         """Open the connection pool and apply pending migrations; a no-op when already open."""

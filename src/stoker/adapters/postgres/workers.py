@@ -31,28 +31,29 @@ from stoker.adapters._rows import (
     check_move,
     check_reservable,
     checked_changes,
+    checked_ending_changes,
     claim_from_row,
     claim_to_row,
     column_value,
-    holds,
     matches,
-    may_bind,
     spawn_room,
     spawning_workers,
     worker_from_row,
     worker_to_row,
 )
+from stoker.adapters._schema import CLAIMS, POSTGRES
 from stoker.adapters.postgres.connections import Connection, Connections
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import Names
-from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
 
 _JSON_COLUMNS = frozenset({"runtime_ref"})
 _WORKER_VALUES = ", ".join("%s::jsonb" if c in _JSON_COLUMNS else "%s" for c in WORKER_COLUMNS)
-_CLAIM_VALUES = ", ".join("%s" for _ in CLAIM_COLUMNS)
+#: The claim's values with their column types, for an INSERT ... SELECT (where PostgreSQL
+#: cannot infer them from the target columns).
+_CLAIM_TYPED = ", ".join(f"%s::{POSTGRES.types[c.kind]}" for c in CLAIMS.columns)
 
 
 class WorkerRows:
@@ -64,6 +65,7 @@ class WorkerRows:
     _lock_idle_ms: str
     #: The reserve statements of the store's schema (`reserve_statements`), by state.
     _reserve_any_sql: dict[WorkerState, str]
+    _bind_sql: str
     _reserve_sql_by_id: dict[WorkerState, str]
 
     async def reserve_spawn_slots(
@@ -172,10 +174,8 @@ class WorkerRows:
         now: float,
         activate: bool = False,
     ) -> ReserveResult:
-        """CAS one warm or hot_idle worker to reserved for `org` (warm: within the org cap).
-
-        `activate` is not taken up: the reserved worker is returned, and the caller moves
-        it on to activating."""
+        """CAS one warm or hot_idle worker to reserved for `org` (warm: within the org cap),
+        and with `activate` on to activating, in one statement."""
         check_reservable(expect)
         capped = expect is WorkerState.WARM and org_cap > 0
         params = {
@@ -187,6 +187,7 @@ class WorkerRows:
             "owner": owner,
             "now": now,
             "cap": org_cap if capped else 0,
+            "activate": activate,
         }
         async with self._db.connection() as conn:
             lock = None
@@ -212,7 +213,7 @@ class WorkerRows:
         activate: bool = False,
     ) -> ReserveResult:
         """Reserve the oldest matching worker nobody else is locking, in one statement
-        (`activate` not taken up, as in `reserve`)."""
+        (moved on to activating with `activate`, as in `reserve`)."""
         check_reservable(expect)
         capped = expect is WorkerState.WARM and org_cap > 0
         params = {
@@ -223,6 +224,7 @@ class WorkerRows:
             "owner": owner,
             "now": now,
             "cap": org_cap if capped else 0,
+            "activate": activate,
         }
         lock = lock_key(self._names.schema, "org", pool, org) if capped else None
         async with self._db.connection() as conn:
@@ -231,28 +233,15 @@ class WorkerRows:
     async def bind(
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
     ) -> Worker | None:
-        """activating -> hot and insert the claim, in one transaction."""
+        """activating -> hot and insert the claim, in one statement: the claim row is
+        inserted only when the worker's compare-and-set lands."""
         check_claim_for(worker_id, epoch, claim)
-        async with self._db.tx() as conn:
-            current = await _read_worker(conn, self._names, worker_id, lock=True)
-            if not may_bind(current, claim, epoch, version):
-                return None
-            worker = await _cas(
-                conn,
-                self._names,
-                current,
-                to=WorkerState.HOT,
-                now=now,
-                bump_epoch=False,
-                changes={"claim_id": claim.id, "idle_since": None},
-            )
-            if worker is None:
-                return None
-            await conn.execute(
-                f"INSERT INTO {self._names.claims} ({CLAIM_SELECT}) VALUES ({_CLAIM_VALUES})",
-                claim_to_row(claim),
-            )
-            return worker
+        check_move(WorkerState.ACTIVATING, WorkerState.HOT, {"claim_id": claim.id})
+        row = await self._db.one(
+            self._bind_sql,
+            (now, claim.id, worker_id, epoch, version, claim.org, *claim_to_row(claim)),
+        )
+        return worker_from_row(row) if row else None
 
     async def end_claim(
         self,
@@ -264,41 +253,35 @@ class WorkerRows:
         reason: str | None = None,
         worker_changes: Mapping[str, Any] | None = None,
     ) -> tuple[Claim, Worker] | None:
-        """End a bound claim and move its hot worker, in one transaction (claim row first)."""
+        """End a bound claim and move its hot worker, in one statement that locks both rows
+        first (claim row first, as everywhere)."""
         check_ending(state, worker_to, worker_changes or {})
-        claims = self._names.claims
-        async with self._db.tx() as conn:
-            cur = await conn.execute(
-                f"SELECT {CLAIM_SELECT} FROM {claims} WHERE id = %s AND state = %s FOR UPDATE",
-                (claim_id, ClaimState.BOUND.value),
-            )
-            row = await cur.fetchone()
-            if row is None:
-                return None
-            claim = claim_from_row(row)
-            current = await _read_worker(conn, self._names, claim.worker_id, lock=True)
-            if not holds(current, claim):
-                return None
-            worker = await _cas(
-                conn,
-                self._names,
-                current,
-                to=worker_to,
-                now=now,
-                bump_epoch=False,
-                changes={"claim_id": None, **(worker_changes or {})},
-            )
-            if worker is None:
-                return None
-            cur = await conn.execute(
-                f"UPDATE {claims} SET state = %s, updated_at = %s, ended_at = %s, "
-                f"reason = %s WHERE id = %s RETURNING {CLAIM_SELECT}",
-                (state.value, now, now, reason, claim_id),
-            )
-            ended = await cur.fetchone()
-            if ended is None:  # the claim row is locked above: this cannot miss
-                raise StoreError(f"claim {claim_id} vanished while ending it")
-            return claim_from_row(ended), worker
+        fields = checked_ending_changes(worker_to, worker_changes or {})
+        sets, values = _sets(fields)
+        w, c = self._names.workers, self._names.claims
+        moved = ", ".join(f"w.{name}" for name in WORKER_COLUMNS)
+        ended = ", ".join(f"c.{name}" for name in CLAIM_COLUMNS)
+        sql = (
+            "WITH target AS ("
+            f"SELECT c.id AS claim_id, w.id AS worker_id FROM {c} AS c "
+            f"JOIN {w} AS w ON w.id = c.worker_id "
+            "WHERE c.id = %s AND c.state = 'bound' AND w.state = 'hot' "
+            "AND w.epoch = c.worker_epoch AND w.claim_id = c.id FOR UPDATE OF c, w), "
+            "moved AS ("
+            f"UPDATE {w} AS w SET state = %s, version = w.version + 1, updated_at = %s"
+            f"{''.join(', ' + set_ for set_ in sets)} "
+            f"FROM target WHERE w.id = target.worker_id RETURNING {moved}), "
+            "ended AS ("
+            f"UPDATE {c} AS c SET state = %s, updated_at = %s, ended_at = %s, reason = %s "
+            f"FROM target WHERE c.id = target.claim_id RETURNING {ended}) "
+            "SELECT ended.*, moved.* FROM ended, moved"
+        )
+        params = [claim_id, worker_to.value, now, *values, state.value, now, now, reason]
+        row = await self._db.one(sql, params)
+        if row is None:
+            return None
+        n = len(CLAIM_COLUMNS)
+        return claim_from_row(row[:n]), worker_from_row(row[n:])
 
     async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
         """Extend a bound claim's lease."""
@@ -390,7 +373,8 @@ def reserve_statements(names: Names) -> tuple[dict[WorkerState, str], dict[Worke
 
 
 def _reserve_sql(names: Names, pick: str) -> str:
-    """Reserve the row `pick` selects (and locks) in one statement.
+    """Reserve the row `pick` selects (and locks) in one statement, moved on to activating
+    with `%(activate)s` (the move the transition table allows next, in the same write).
 
     The first column says whether a row was picked; the rest is the reserved worker, or
     NULLs when the org's cap (`%(cap)s`, 0 = none) stopped it.
@@ -403,7 +387,9 @@ def _reserve_sql(names: Names, pick: str) -> str:
         f"SELECT count(*) AS n FROM {w} AS x JOIN picked ON x.pool = picked.pool "
         f"WHERE x.org = %(org)s AND x.state IN {LIVE_SQL}), "
         "moved AS ("
-        f"UPDATE {w} AS w SET state = 'reserved', epoch = w.epoch + 1, "
+        f"UPDATE {w} AS w SET "
+        "state = CASE WHEN %(activate)s THEN 'activating' ELSE 'reserved' END, "
+        "activated = w.activated OR %(activate)s, epoch = w.epoch + 1, "
         "version = w.version + 1, org = %(org)s, "
         "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s "
         "FROM picked WHERE w.id = picked.id AND w.state = %(expect)s "
@@ -440,18 +426,17 @@ async def _cas(
     `activated` too, and those cannot have changed either.
     """
     fields = checked_changes(current, to, changes)
-    sets = ["state = %s", "epoch = %s", "version = %s", "updated_at = %s"]
+    field_sets, values = _sets(fields)
+    sets = ["state = %s", "epoch = %s", "version = %s", "updated_at = %s", *field_sets]
     params: list[Any] = [
         to.value,
         current.epoch + 1 if bump_epoch else current.epoch,
         current.version + 1,
         now,
+        *values,
+        current.id,
+        current.version,
     ]
-    for name, value in fields.items():
-        # `name` is one of MUTABLE_WORKER_FIELDS (checked above): safe to interpolate.
-        sets.append(f"{name} = %s::jsonb" if name in _JSON_COLUMNS else f"{name} = %s")
-        params.append(column_value(name, value))
-    params += [current.id, current.version]
     cur = await conn.execute(
         f"UPDATE {names.workers} SET {', '.join(sets)} WHERE id = %s AND version = %s "
         f"RETURNING {WORKER_SELECT}",
@@ -459,6 +444,31 @@ async def _cas(
     )
     row = await cur.fetchone()
     return worker_from_row(row) if row else None
+
+
+def _sets(fields: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
+    """`name = %s` for each checked field change, and the values in column form."""
+    sets, values = [], []
+    for name, value in fields.items():
+        # `name` is one of MUTABLE_WORKER_FIELDS (checked by the caller): safe to interpolate.
+        sets.append(f"{name} = %s::jsonb" if name in _JSON_COLUMNS else f"{name} = %s")
+        values.append(column_value(name, value))
+    return sets, values
+
+
+def bind_statement(names: Names) -> str:
+    """activating -> hot for the claim's org at the expected epoch and version, and the
+    claim's row inserted from the moved worker's row (nothing when the CAS misses)."""
+    moved = ", ".join(f"w.{name}" for name in WORKER_COLUMNS)
+    return (
+        f"WITH moved AS (UPDATE {names.workers} AS w SET state = 'hot', "
+        "version = w.version + 1, updated_at = %s, claim_id = %s, idle_since = NULL "
+        "WHERE w.id = %s AND w.state = 'activating' AND w.epoch = %s AND w.version = %s "
+        f"AND w.org = %s RETURNING {moved}), "
+        f"inserted AS (INSERT INTO {names.claims} ({CLAIM_SELECT}) "
+        f"SELECT {_CLAIM_TYPED} FROM moved) "
+        "SELECT * FROM moved"
+    )
 
 
 def _filters(
