@@ -116,6 +116,14 @@ def test_org_tokens_accept_the_list_form(tmp_path: Path) -> None:
             "orgs:\n  - {name: acme, max_claim_s: forever}\n",
             "config error: orgs[0].max_claim_s: must be a number",
         ),
+        (
+            "pools:\n  - {name: p, command: [x], spawn_backoff: {factor: 0.5}}\n",
+            "config error: pools[0].spawn_backoff.factor: must be >= 1",
+        ),
+        (
+            "pools:\n  - {name: p, command: [x], spawn_backoff: {initial_s: 0}}\n",
+            "config error: pools[0].spawn_backoff.initial_s: must be > 0",
+        ),
         ("api: {prot: 80}\n", "config error: api.prot: unknown key"),
         ("api: {port: 70000}\n", "config error: api.port: must be <= 65535"),
         ("api: {port: eighty}\n", "config error: api.port: must be an integer"),

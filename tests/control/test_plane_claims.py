@@ -28,7 +28,14 @@ from stoker.domain.errors import (
     Unavailable,
 )
 from stoker.domain.records import ClaimRequest, Worker
-from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec, ProcessTemplate, Timeouts
+from stoker.domain.specs import (
+    OrgSpec,
+    PlaneSettings,
+    PoolSpec,
+    ProcessTemplate,
+    SpawnBackoff,
+    Timeouts,
+)
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, Reuse, WorkerState
 from stoker.ports.clock import VirtualClock
 
@@ -344,6 +351,67 @@ async def test_spawn_failure_frees_its_slot_at_once(tmp_path: Path) -> None:
         retired = await h.workers(S.RETIRED)
         assert [w.reason for w in retired] == ["spawn_failure"]
         assert h.metric("stoker_spawn_failures_total", pool="p", reason="create") == 1
+
+
+async def test_a_worker_command_that_cannot_start_backs_off(tmp_path: Path) -> None:
+    """A claim against a pool whose every spawn fails tries a handful of spawns in 30 s
+    (the back-off: 1, 2, 4, 8 s...), not one per freed slot as fast as the token bucket
+    allows (1,569 in 30 s before), and its 503 names the spawn error."""
+    async with running(tmp_path, [pool(warm_target=0)]) as h:
+        h.runtime.fail_spawns = 10**9
+        with pytest.raises(CapacityError, match="injected spawn failure") as failed:
+            await h.claim(timeout_s=30)
+        assert failed.value.reason == "spawn_failing"
+        assert h.runtime.spawn_calls == 5  # at 0, 1, 3, 7 and 15 s
+        [status] = await h.plane.pool_status()
+        assert status.spawn_failing and status.spawn_failures == 5
+        assert status.last_spawn_error == "injected spawn failure"
+        assert h.metric("stoker_spawn_failing", pool="p") == 5
+
+        # The command is fixed: the next spawn after the back-off works and resets it.
+        h.runtime.fail_spawns = 0
+        await asyncio.sleep(60)
+        claim = await h.claim(timeout_s=5)
+        assert claim.source is ClaimSource.COLD
+        [status] = await h.plane.pool_status()
+        assert (status.spawn_failing, status.spawn_failures, status.last_spawn_error) == (
+            False,
+            0,
+            None,
+        )
+        assert h.metric("stoker_spawn_failing", pool="p") == 0
+
+
+async def test_the_janitor_backs_off_a_failing_pool_and_probes_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    backoff = SpawnBackoff(initial_s=2, max_s=8, factor=2)
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 10**9
+    pools = [pool(warm_target=3, spawn_backoff=backoff)]
+    async with running(tmp_path, pools, runtime=runtime) as h:
+        assert h.runtime.spawn_calls == 3  # the start's pass: three failures in a row
+        for _ in range(30):  # a pass a second for 30 s
+            await h.plane.run_janitor_pass()
+            await asyncio.sleep(1)
+        # Then one probe after each back-off of 8 s (the cap), never three at once.
+        assert 3 + 3 <= h.runtime.spawn_calls <= 3 + 4
+        h.runtime.fail_spawns = 0
+        for _ in range(20):
+            await h.plane.run_janitor_pass()
+            await asyncio.sleep(1)
+        assert len(await h.workers(S.WARM)) == 3
+
+
+async def test_workers_lost_before_ready_count_as_failed_spawns(tmp_path: Path) -> None:
+    runtime = MemoryRuntime(auto_ready=False)
+    async with running(tmp_path, [pool(warm_target=1)], runtime=runtime) as h:
+        [spawning] = await h.workers(S.SPAWNING)
+        h.runtime.kill(spawning.id, "exited with status 1")
+        await h.settle()
+        [status] = await h.plane.pool_status()
+        assert status.spawn_failing
+        assert status.last_spawn_error == f"worker {spawning.id} exited with status 1 before ready"
 
 
 async def test_lost_hot_worker_fails_its_claim_and_is_replaced(tmp_path: Path) -> None:

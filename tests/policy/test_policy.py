@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stoker.domain.records import Claim, DemandRecord, Worker
-from stoker.domain.specs import Timeouts
+from stoker.domain.specs import SpawnBackoff, Timeouts
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
 from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import (
@@ -18,6 +18,7 @@ from stoker.policy.scaling import (
     effective_cap,
     retirements_due,
     scale_down_budget,
+    spawn_backoff_s,
     spawns_needed,
 )
 
@@ -225,3 +226,10 @@ def test_expired_claims() -> None:
 
     claims = [claim("a", 10), claim("b", 200), claim("c", 10, ClaimState.RELEASED)]
     assert [c.id for c in expired_claims(claims, now=100)] == ["a"]
+
+
+def test_spawn_backoff_doubles_from_the_first_failure_and_stops_at_its_cap() -> None:
+    backoff = SpawnBackoff()
+    assert [spawn_backoff_s(n, backoff) for n in range(9)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert spawn_backoff_s(10**6, backoff) == 60  # no overflow after a long outage
+    assert spawn_backoff_s(3, SpawnBackoff(initial_s=5, max_s=300, factor=1)) == 5

@@ -119,6 +119,17 @@ class Claims:
                 f"{pool!r}",
                 retry_after=self._settings.org_cap_retry_after_s,
             )
+        within = f"within {attempt.deadline - attempt.started:g}s"
+        trouble = self._spawner.trouble(attempt.pool)
+        error = trouble.last_error if trouble else attempt.spawn_error
+        if error is not None and attempt.blocked_by is not MissReason.POOL_CAP:
+            self._metrics.claims.labels(pool, "none", "spawn_failing").inc()
+            failures = f" ({trouble.failures} in a row)" if trouble else ""
+            return CapacityError(
+                f"no worker of pool {pool!r} became available {within}: its spawns are "
+                f"failing{failures}; last error: {error}",
+                reason="spawn_failing",
+            )
         reason = "pool_cap" if attempt.blocked_by is MissReason.POOL_CAP else "no_capacity"
         self._metrics.claims.labels(pool, "none", reason).inc()
         detail = (
@@ -126,9 +137,7 @@ class Claims:
             if reason == "pool_cap"
             else f"no worker of pool {pool!r} became available"
         )
-        return CapacityError(
-            f"{detail} within {attempt.deadline - attempt.started:g}s", reason=reason
-        )
+        return CapacityError(f"{detail} {within}", reason=reason)
 
     async def _serve(self, a: Attempt) -> None:
         """Try until bound, abandoned or past the deadline; then settle the future."""
@@ -185,7 +194,14 @@ class Claims:
         pool, org, book = a.pool, a.req.org, self._book
         result = await self._spawner.reserve_cold_slot(pool, org, a.org_cap)
         if not result.workers:
-            if result.limited_by == "org_cap":
+            if result.limited_by == "backoff":
+                # The pool's spawns keep failing: wait for the back-off to end (or for a
+                # worker), rather than try again at once.
+                trouble = self._spawner.trouble(pool)
+                a.spawn_error = trouble.last_error if trouble else None
+                left = self._spawner.backoff_left(pool)
+                await self._wait(a, lambda: book.wait_for_warm(pool.name, a), at_most=left)
+            elif result.limited_by == "org_cap":
                 self._miss(a, MissReason.ORG_CAP)
                 await self._wait(a, lambda: book.wait_for_slot(pool.name, org, a))
             else:
@@ -206,14 +222,19 @@ class Claims:
         if reason is not MissReason.ORG_CAP and a.req.mode is not ClaimMode.REQUIRE_WARM:
             self._demand.record_miss(a.pool.name)
 
-    async def _wait(self, a: Attempt, register: Callable[[], None]) -> None:
-        """Sleep until woken by a release, a new warm worker or a freed slot, or the deadline."""
+    async def _wait(
+        self, a: Attempt, register: Callable[[], None], *, at_most: float | None = None
+    ) -> None:
+        """Sleep until woken by a release, a new warm worker or a freed slot, or the deadline
+        (or `at_most` seconds)."""
         a.wakeup = asyncio.get_running_loop().create_future()
         register()
         self._metrics.claims_waiting.labels(a.pool.name).inc()
         self._demand.publish_soon()
         try:
             remaining = a.left(self._clock.monotonic())
+            if at_most is not None:
+                remaining = min(remaining, at_most)
             # A requester that left while the attempt was on its way here woke nobody.
             if remaining and not a.gone():
                 with contextlib.suppress(TimeoutError):

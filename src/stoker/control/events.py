@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
+from stoker.control.spawning import Spawner
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.states import RetireReason, WorkerState
 from stoker.ports.store import StoreReader
@@ -16,13 +17,19 @@ from stoker.ports.store import StoreReader
 class RuntimeEvents:
     """The runtime's listener (`RuntimeListener`) for this replica."""
 
-    def __init__(self, shared: Shared, *, retirer: Retirer, reader: StoreReader) -> None:
+    def __init__(
+        self, shared: Shared, *, retirer: Retirer, spawner: Spawner, reader: StoreReader
+    ) -> None:
         self._book, self._lifecycle, self._metrics = shared.book, shared.lifecycle, shared.metrics
         self._retirer = retirer
+        self._spawner = spawner
         self._reader = reader
 
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         """Runtime event: the worker answers its readiness probe."""
+        known = self._book.known(worker_id)
+        if known is not None:
+            self._spawner.spawn_ready(known.pool, known.revision)
         if self._book.resolve_ready(worker_id, endpoint):
             return  # a cold claim waits for it and takes it from here
         self._book.ready.note(worker_id, endpoint)
@@ -96,6 +103,9 @@ class RuntimeEvents:
         if worker.state is WorkerState.SPAWNING:
             why = RetireReason.SPAWN_FAILURE
             self._metrics.spawn_failures.labels(worker.pool, reason).inc()
+            self._spawner.spawn_failed(
+                worker.pool, worker.revision, f"worker {worker_id} {reason} before ready"
+            )
         stop = worker.state is not WorkerState.DRAINING
         if await self._retirer.retire(worker, why, stop=stop):
             self._book.lost.settled(worker_id)

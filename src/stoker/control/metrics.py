@@ -105,6 +105,12 @@ class Metrics:
         self.spawn_failures = self._counter(
             "stoker_spawn_failures", "Spawns that failed, by reason.", "pool", "reason"
         )
+        self.spawn_failing = self._gauge(
+            "stoker_spawn_failing",
+            "Spawns of the pool's revision that failed in a row (0: spawning works); while "
+            "above 0 the pool backs off.",
+            "pool",
+        )
         self.retirements = self._counter(
             "stoker_retirements", "Workers retired, by reason.", "pool", "reason"
         )

@@ -52,7 +52,7 @@ def assemble(
     retirer = Retirer(shared, reader=store, runtime=runtime)
     spawner = Spawner(shared, retirer=retirer, runtime=runtime)
     sessions = Sessions(shared, retirer=retirer, reader=store)
-    events = RuntimeEvents(shared, retirer=retirer, reader=store)
+    events = RuntimeEvents(shared, retirer=retirer, spawner=spawner, reader=store)
     publisher = DemandPublisher(shared, store=store)
     claims = Claims(
         shared,

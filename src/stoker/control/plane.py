@@ -58,6 +58,12 @@ class PoolStatus:
     max_workers_per_org: int
     reuse: str
     counts: Mapping[str, int]
+    #: True while spawns of the current revision fail in a row and the pool backs off.
+    spawn_failing: bool = False
+    #: Spawns of the current revision that failed in a row.
+    spawn_failures: int = 0
+    #: The last of those failures, as the runtime reported it.
+    last_spawn_error: str | None = None
 
 
 class ControlPlane:
@@ -310,6 +316,7 @@ class ControlPlane:
             counts[c.pool][c.state.value] += c.count
         out = []
         for name, pool in self.catalog.pools.items():
+            trouble = self.spawner.trouble(pool)
             out.append(
                 PoolStatus(
                     name=name,
@@ -321,6 +328,9 @@ class ControlPlane:
                     max_workers_per_org=pool.max_workers_per_org,
                     reuse=pool.reuse.value,
                     counts={s.value: counts[name].get(s.value, 0) for s in LIVE},
+                    spawn_failing=trouble is not None,
+                    spawn_failures=trouble.failures if trouble else 0,
+                    last_spawn_error=trouble.last_error if trouble else None,
                 )
             )
         return out

@@ -1,10 +1,15 @@
 """Spawning: reserve spawn slots in the store within caps and target, then create the
 runtime objects, rate-limited by a token bucket sized to the runtime's API budget.
 
-A failed create frees its slot at once (I4).
+A failed create frees its slot at once (I4). Spawns that keep failing (a worker command
+that cannot start, a crash loop) back off per pool and revision, exponentially and
+capped (`PoolSpec.spawn_backoff`): no spawn starts until the back-off ends, then one
+probes; the first worker that gets ready ends the trouble.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from stoker.control import logs
 from stoker.control.retiring import Retirer
@@ -13,9 +18,20 @@ from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason, WorkerState
+from stoker.policy.scaling import spawn_backoff_s
 from stoker.ports.clock import TokenBucket
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import SpawnRequest, SpawnResult
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnTrouble:
+    """Spawns of one pool revision failing in a row: how many, the last error, and when
+    (monotonic) the next one may start."""
+
+    failures: int
+    last_error: str
+    retry_at: float
 
 
 class Spawner:
@@ -27,12 +43,78 @@ class Spawner:
         self._retirer = retirer
         self._runtime = runtime
         settings = shared.settings
+        self._clock = shared.clock
         self._bucket = TokenBucket(
             shared.clock, rate=settings.spawn_rate, burst=settings.spawn_burst
         )
+        #: Pool revisions whose spawns fail, by (pool, revision).
+        self._trouble: dict[tuple[str, str], SpawnTrouble] = {}
+
+    # -- crash-loop back-off ------------------------------------------------------------------
+
+    def trouble(self, pool: PoolSpec) -> SpawnTrouble | None:
+        """The failing spawns of the pool's current revision, if its spawns fail."""
+        return self._trouble.get((pool.name, pool.revision))
+
+    def backoff_left(self, pool: PoolSpec) -> float:
+        """Seconds before the pool may start a spawn again (0: it may now)."""
+        trouble = self._trouble.get((pool.name, pool.revision))
+        if trouble is None:
+            return 0.0
+        return max(0.0, trouble.retry_at - self._clock.monotonic())
+
+    def spawn_failed(self, pool: str, revision: str, error: str) -> None:
+        """A spawn of the revision failed (not created, or lost before ready): back off."""
+        spec = self._catalog.get(pool)
+        if spec is None:
+            return
+        before = self._trouble.get((pool, revision))
+        failures = 1 + (before.failures if before else 0)
+        delay = spawn_backoff_s(failures, spec.spawn_backoff)
+        self._trouble[(pool, revision)] = SpawnTrouble(
+            failures, error, self._clock.monotonic() + delay
+        )
+        if revision == spec.revision:
+            self._metrics.spawn_failing.labels(pool).set(failures)
+        logs.event(
+            "spawn_backoff",
+            pool=pool,
+            revision=revision,
+            failures=failures,
+            retry_in_s=round(delay, 3),
+            error=error,
+            level=logs.WARNING,
+        )
+
+    def spawn_ready(self, pool: str, revision: str) -> None:
+        """A worker of the revision got ready: its spawns work (again)."""
+        if self._trouble.pop((pool, revision), None) is not None:
+            self._metrics.spawn_failing.labels(pool).set(0)
+            logs.event("spawn_recovered", pool=pool, revision=revision)
+
+    def _allowed(self, pool: PoolSpec, count: int) -> int:
+        """How many of `count` spawns may start now: none while backing off, one probe
+        once the back-off ended."""
+        trouble = self._trouble.get((pool.name, pool.revision))
+        if trouble is None:
+            return count
+        if trouble.retry_at > self._clock.monotonic():
+            return 0
+        # The probe takes the slot of the next failure: until it fails or gets ready, no
+        # other spawn starts.
+        self._trouble[(pool.name, pool.revision)] = SpawnTrouble(
+            trouble.failures,
+            trouble.last_error,
+            self._clock.monotonic() + spawn_backoff_s(trouble.failures, pool.spawn_backoff),
+        )
+        return min(count, 1)
 
     async def spawn_warm(self, pool: PoolSpec, count: int, *, target: int) -> int:
-        """Reserve up to `count` neutral spawn slots (never beyond `target`) and spawn them."""
+        """Reserve up to `count` neutral spawn slots (never beyond `target`) and spawn them
+        (fewer while the pool's spawns fail: see `SpawnTrouble`)."""
+        count = self._allowed(pool, count)
+        if count <= 0:
+            return 0
         req = SpawnRequest(
             pool=pool.name,
             revision=pool.revision,
@@ -50,7 +132,10 @@ class Spawner:
         return len(result.workers)
 
     async def reserve_cold_slot(self, pool: PoolSpec, org: str, org_cap: int) -> SpawnResult:
-        """One spawn slot bound to `org` within the pool and org caps (not created yet)."""
+        """One spawn slot bound to `org` within the pool and org caps (not created yet);
+        none, `limited_by` "backoff", while the pool's spawns fail and back off."""
+        if not self._allowed(pool, 1):
+            return SpawnResult(workers=[], limited_by="backoff")
         req = SpawnRequest(
             pool=pool.name,
             revision=pool.revision,
@@ -74,6 +159,7 @@ class Spawner:
         except RuntimeFailure as exc:
             self._metrics.spawn_failures.labels(pool.name, "create").inc()
             logs.worker_event("spawn_failed", worker, error=str(exc), level=logs.WARNING)
+            self.spawn_failed(worker.pool, worker.revision, str(exc))
             self._book.drop_spawn_wait(worker.id)
             await self._retirer.retire(worker, RetireReason.SPAWN_FAILURE, stop=False)
             return False

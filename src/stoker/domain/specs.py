@@ -89,6 +89,17 @@ class Timeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class SpawnBackoff:
+    """How a pool backs off while its spawns fail (a crash loop), per revision: after the
+    n-th failure in a row no spawn starts for `min(max_s, initial_s * factor ** (n - 1))`
+    seconds, then one spawn probes; the first worker that gets ready resets it."""
+
+    initial_s: PositiveSeconds = 1.0
+    max_s: PositiveSeconds = 60.0
+    factor: Annotated[float, Ge(1), Le(10)] = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     """A named kind of worker with its targets, caps, TTLs and reuse policy."""
 
@@ -122,6 +133,7 @@ class PoolSpec:
     #: runs past it, a renewal past it gets 409 and the claim ends. 0 means no limit.
     max_claim_s: Seconds = 0.0
     timeouts: Timeouts = field(default_factory=Timeouts)
+    spawn_backoff: SpawnBackoff = field(default_factory=SpawnBackoff)
 
     def __post_init__(self) -> None:
         if not self.revision:

@@ -2,11 +2,14 @@
 
 Scale-up and scale-down read the same `desired_warm`, so they cannot oscillate: a pass
 either spawns towards it or, after `scale_down_delay` above it, retires towards it.
+A pool whose spawns keep failing backs off (`spawn_backoff_s`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from stoker.domain.specs import SpawnBackoff
 
 #: Share of a pool that one pass may retire as excess (at least one worker).
 SCALE_DOWN_SHARE = 0.10
@@ -29,6 +32,14 @@ class PoolCounts:
 def effective_cap(max_workers: int, derived_cap: int) -> int:
     """The pool cap in force: the configured one, else the runtime's derived one (0 = none)."""
     return max_workers if max_workers > 0 else derived_cap
+
+
+def spawn_backoff_s(failures: int, backoff: SpawnBackoff) -> float:
+    """Seconds without spawns after `failures` failed spawns in a row (0: none failed)."""
+    if failures <= 0:
+        return 0.0
+    # The exponent is bounded so a long outage never overflows a float.
+    return min(backoff.max_s, backoff.initial_s * backoff.factor ** min(failures - 1, 64))
 
 
 def desired_warm(warm_target: int, demand: int, cap: int) -> int:
