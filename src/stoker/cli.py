@@ -112,6 +112,7 @@ def serve(
     from stoker.api.app import create_app
     from stoker.api.server import bind, bound_url, check_exposure
     from stoker.api.server import serve as run_server
+    from stoker.api.tokens import TokenTable
     from stoker.bootstrap import build_control_plane, configure_logging
     from stoker.config import load_config
     from stoker.domain.errors import ConfigError
@@ -121,6 +122,7 @@ def serve(
         loaded = load_config(config_file)
         config = loaded.config
         check_exposure(config.api)
+        tokens = TokenTable(config.api)
     except ConfigError as exc:
         # Already one `config error: <key>: <problem>` line per problem.
         print(str(exc), file=sys.stderr)
@@ -138,7 +140,7 @@ def serve(
         sock.close()
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
-    api = create_app(plane, config.api, stop_workers=stop_workers)
+    api = create_app(plane, config.api, stop_workers=stop_workers, tokens=tokens)
     overrides = f" + {', '.join(loaded.overrides)}" if loaded.overrides else ""
     pools = ", ".join(p.name for p in config.pools)
     auth = "bearer tokens" if config.api.has_tokens else "loopback only, no tokens"

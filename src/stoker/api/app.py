@@ -43,6 +43,7 @@ from stoker.api.models import (
 )
 from stoker.api.problems import openapi_responses
 from stoker.api.routing import DirectRoutes
+from stoker.api.tokens import TokenTable
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import NotFound, StokerError, Unavailable
@@ -81,6 +82,8 @@ class StokerApp(FastAPI):
     manage_plane: bool
     #: Where the API and its connections log and count what they refuse.
     refusals: RefusalLog
+    #: The admin and org tokens in force (reloaded on SIGHUP or a token file's change).
+    tokens: TokenTable
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection; the lifespan protocol is handled here."""
@@ -121,12 +124,14 @@ def create_app(
     *,
     stop_workers: bool = False,
     manage_plane: bool = True,
+    tokens: TokenTable | None = None,
 ) -> StokerApp:
     """The API app serving `plane`.
 
     With `manage_plane` the ASGI lifespan starts the plane and stops it (leaving workers
     for the next start to adopt, or stopping them with `stop_workers`); tests that drive
-    the plane themselves pass False.
+    the plane themselves pass False. `tokens`: the table the server reloads (default: read
+    from `api_config` now).
     """
     api = api_config or ApiConfig()
     app = StokerApp(
@@ -149,7 +154,8 @@ def create_app(
     # Added first, the direct routes run inside the guard; middleware added later wraps both.
     app.add_middleware(DirectRoutes, routes=app.router.routes, handlers=app.exception_handlers)
     app.refusals = RefusalLog(plane.metrics.api_refusals)
-    app.add_middleware(Guard, api=api, refusals=app.refusals)
+    app.tokens = tokens or TokenTable(api)
+    app.add_middleware(Guard, api=api, tokens=app.tokens, refusals=app.refusals)
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
     _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
 
 from stoker.api import problems
 from stoker.api.connections import RefusalLog
+from stoker.api.tokens import ANONYMOUS_ADMIN, Principal, TokenTable
+
+__all__ = ["ANONYMOUS_ADMIN", "ApiState", "Guard", "Principal", "principal_of", "send_problem"]
 from stoker.config import ApiConfig
-from stoker.domain.errors import Forbidden
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -32,27 +32,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PRINCIPAL_KEY = "stoker.principal"
 #: Methods whose requests carry a body worth limiting.
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling: an admin (every org) or one org."""
-
-    admin: bool
-    org: str | None = None
-
-    def check_org(self, org: str) -> None:
-        """Raise `Forbidden` unless this caller may act for `org`."""
-        if not self.admin and self.org != org:
-            raise Forbidden(f"this token acts for org {self.org!r}, not for {org!r}")
-
-    def check_admin(self) -> None:
-        """Raise `Forbidden` unless this caller holds an admin token."""
-        if not self.admin:
-            raise Forbidden("an admin token is required")
-
-
-ANONYMOUS_ADMIN = Principal(admin=True)
 
 
 def principal_of(scope: Scope) -> Principal:
@@ -92,17 +71,18 @@ class Guard:
     or as soon as a chunked body grows past the limit.
     """
 
-    def __init__(self, app: ASGIApp, api: ApiConfig, refusals: RefusalLog | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api: ApiConfig,
+        tokens: TokenTable,
+        refusals: RefusalLog | None = None,
+    ) -> None:
         self.app = app
         self.refusals = refusals or RefusalLog()
         self.max_body = api.max_body_bytes
         self.open = not api.has_tokens
-        self.tokens: dict[bytes, Principal] = {
-            t.encode(): Principal(admin=True) for t in api.admin_tokens
-        }
-        self.tokens.update(
-            {t.encode(): Principal(admin=False, org=o) for t, o in api.org_tokens.items()}
-        )
+        self.tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -145,19 +125,11 @@ class Guard:
         if credential is None:
             detail = "missing bearer token (Authorization: Bearer <token>)"
             return None, lambda send: send_problem(send, 401, "unauthorized", detail, bearer=True)
-        principal = self._match(credential)
+        principal = self.tokens.match(credential)
         if principal is None:
             detail = "unknown bearer token"
             return None, lambda send: send_problem(send, 401, "unauthorized", detail, bearer=True)
         return principal, None
-
-    def _match(self, credential: bytes) -> Principal | None:
-        found = None
-        # Compare with every token in constant time, so timing tells nothing about them.
-        for token, principal in self.tokens.items():
-            if hmac.compare_digest(token, credential):
-                found = principal
-        return found
 
     def _limited(self, scope: Scope, receive: Receive) -> Receive:
         limit, seen = self.max_body, 0

@@ -9,6 +9,7 @@ app's lifespan stops the control plane, leaving live workers for the next start 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib.util
 import ipaddress
@@ -154,7 +155,10 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        """uvicorn's periodic check; also leaves when this replica's identity expired."""
+        """uvicorn's periodic check (every 0.1 s); also leaves when this replica's identity
+        expired, and reloads the tokens when a token file changed (checked every second)."""
+        if counter % 10 == 0:
+            self.app.tokens.reload_if_changed()
         if self.app.plane.expired and not self.should_exit:
             self.app.api_state.draining = True
             self.should_exit = True
@@ -164,6 +168,8 @@ class _Server(uvicorn.Server):
         """Start (plane first, via the lifespan), then announce the address."""
         await super().startup(sockets)
         if not self.should_exit:
+            # SIGHUP rereads the token files (rotation without a restart).
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.app.tokens.reload)
             settle_heap()
             self.on_started()
 

@@ -130,6 +130,11 @@ class ApiConfig(Section):
     admin_tokens: list[Token] = Field(default_factory=list)
     #: Tokens that act for one org only: `{token: org}` or a list of `{org, token}`.
     org_tokens: dict[Token, OrgName] = Field(default_factory=dict)
+    #: A file of admin tokens, one a line, read at start and again on SIGHUP or when it
+    #: changes (rotation without a restart); added to `admin_tokens`.
+    admin_tokens_file: str | None = Field(None, min_length=1)
+    #: A file of org tokens, `<org> <token>` a line, read like `admin_tokens_file`.
+    org_tokens_file: str | None = Field(None, min_length=1)
     #: Largest request body accepted; larger ones get 413.
     max_body_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
     #: Largest request line plus headers accepted; larger ones get 431.
@@ -181,4 +186,6 @@ class ApiConfig(Section):
     @property
     def has_tokens(self) -> bool:
         """True when clients must authenticate."""
-        return bool(self.admin_tokens or self.org_tokens)
+        return bool(
+            self.admin_tokens or self.org_tokens or self.admin_tokens_file or self.org_tokens_file
+        )
