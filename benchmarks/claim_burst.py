@@ -73,7 +73,14 @@ class Server:
     """`stoker serve` in a temporary directory, stopped with its workers at the end."""
 
     def __init__(
-        self, workdir: Path, workers: int, refill: bool, source: Path | None = None
+        self,
+        workdir: Path,
+        workers: int,
+        refill: bool,
+        source: Path | None = None,
+        *,
+        store: str = "sqlite:///./stoker.db",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.fleet = "bench-" + uuid.uuid4().hex[:8]
@@ -90,7 +97,7 @@ class Server:
             "hot_idle_ttl": 600,
         }
         config = {
-            "store": "sqlite:///./stoker.db",
+            "store": store,
             "fleet": self.fleet,
             "api": {"port": 0},
             "runtime": {"memory_budget_mb": 64 * 1024},
@@ -106,7 +113,7 @@ class Server:
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
-            env=server_env(source),
+            env={**server_env(source), **(env or {})},
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

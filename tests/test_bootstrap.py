@@ -35,6 +35,7 @@ from stoker.bootstrap import (
     KvFormatter,
     build_activator,
     build_control_plane,
+    build_store,
     build_plane,
     kubernetes_namespace,
 )
@@ -252,6 +253,25 @@ async def test_postgres_builds_a_store_lease_elector(tmp_path: Path) -> None:
         2,
     )
     assert plane.closers == ()
+
+
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_postgres_store_options_reach_the_store(synchronous: bool) -> None:
+    config = StokerConfig.model_validate(
+        {
+            "store": "postgresql://stoker@127.0.0.1:5432/stoker",
+            "store_options": {
+                "schema": "fleet_a",
+                "max_pool_size": 4,
+                "synchronous_commit": synchronous,
+            },
+        }
+    )
+    store = build_store(config)
+    assert isinstance(store, PostgresStore)
+    assert store.schema == "fleet_a"
+    options = store._db._options
+    assert (options.max_size, options.synchronous_commit) == (4, synchronous)
 
 
 async def test_the_store_lease_is_held_under_the_configured_name(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ def build_store(config: StokerConfig) -> Store:
             min_size=opts.min_pool_size,
             max_size=opts.max_pool_size,
             prepare_threshold=opts.prepare_threshold,
+            synchronous_commit=opts.synchronous_commit,
         )
     return SqliteStore(config.sqlite_path())
 

@@ -319,6 +319,21 @@ async def test_a_cancellation_racing_the_hand_over_is_delivered(
     assert await store.schema_version() > 0
 
 
+@pytest.mark.parametrize(("synchronous", "shown"), [(True, "on"), (False, "off")])
+async def test_each_connection_has_the_stores_session_settings(
+    make_pg: Callable[..., PostgresStore], synchronous: bool, shown: str
+) -> None:
+    store = make_pg(lock_idle_timeout_s=2.5, synchronous_commit=synchronous, min_size=2)
+    await store.open()
+    async with store._db.connection() as a, store._db.connection() as b:
+        for conn in (a, b):
+            cur = await conn.execute(
+                "SELECT current_setting('synchronous_commit'), "
+                "current_setting('idle_in_transaction_session_timeout')"
+            )
+            assert await cur.fetchone() == (shown, "2500ms")
+
+
 async def test_open_fails_with_store_error_when_the_server_is_unreachable(
     make_pg: Callable[..., PostgresStore],
 ) -> None:

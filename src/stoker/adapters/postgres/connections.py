@@ -32,14 +32,16 @@ Params = Sequence[Any] | Mapping[str, Any]
 @dataclass(frozen=True, slots=True)
 class PoolOptions:
     """How many connections to keep and open, whether statements are prepared on the server
-    (None: never, as behind a transaction-mode pooler), the longest wait for one, and how
-    long a transaction may sit idle before the server ends it (0: the server's setting)."""
+    (None: never, as behind a transaction-mode pooler), the longest wait for one, how
+    long a transaction may sit idle before the server ends it (0: no bound),
+    and whether a commit waits for the disk (False: `synchronous_commit = off`)."""
 
     min_size: int = 1
     max_size: int = 10
     prepare_threshold: int | None = 5
     timeout_s: float = 30.0
     idle_in_transaction_ms: int = 0
+    synchronous_commit: bool = True
 
     def __post_init__(self) -> None:
         if self.min_size < 0 or self.max_size < max(1, self.min_size):
@@ -77,7 +79,7 @@ class Connections:
                 max_size=o.max_size,
                 timeout=o.timeout_s,
                 name=f"stoker-{self._schema}",
-                configure=self._configure if o.idle_in_transaction_ms else None,
+                configure=self._configure,
                 open=False,
             )
             try:
@@ -95,10 +97,13 @@ class Connections:
             self._pool = pool
 
     async def _configure(self, conn: Connection) -> None:
-        """Session settings of a new connection (in autocommit: no transaction stays open)."""
+        """Session settings of a new connection, in one statement (in autocommit: no
+        transaction stays open)."""
+        o = self._options
         await conn.execute(
-            "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-            (str(self._options.idle_in_transaction_ms),),
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, false), "
+            "set_config('synchronous_commit', %s, false)",
+            (str(o.idle_in_transaction_ms), "on" if o.synchronous_commit else "off"),
         )
 
     async def close(self) -> None:

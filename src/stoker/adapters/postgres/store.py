@@ -36,16 +36,21 @@ class PostgresStore(WorkerRows, ReplicaRows):
         prepare_threshold: int | None = 5,
         timeout_s: float = 30.0,
         lock_idle_timeout_s: float = 5.0,
+        synchronous_commit: bool = True,
     ) -> None:
         """`url`: a libpq URL or conninfo; `timeout_s`: longest wait for a pooled connection;
         `lock_idle_timeout_s`: how long any transaction (one holding a lock or a row
-        included) may sit idle before PostgreSQL ends it (its client stalled)."""
+        included) may sit idle before PostgreSQL ends it (its client stalled);
+        `synchronous_commit`: whether a commit waits for the disk (off: a database crash may
+        lose the last commits, see the `store_options` reference)."""
         if lock_idle_timeout_s <= 0:
             raise ValueError(f"lock_idle_timeout_s must be > 0, got {lock_idle_timeout_s}")
         if not _IDENTIFIER.fullmatch(schema):
             raise ValueError(f"schema must be a plain SQL identifier, got {schema!r}")
         idle_ms = max(1, round(lock_idle_timeout_s * 1000))
-        options = PoolOptions(min_size, max_size, prepare_threshold, timeout_s, idle_ms)
+        options = PoolOptions(
+            min_size, max_size, prepare_threshold, timeout_s, idle_ms, synchronous_commit
+        )
         self.url = url
         self.schema = schema
         self._db = Connections(url, schema=schema, options=options)
