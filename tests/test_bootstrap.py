@@ -35,8 +35,8 @@ from stoker.bootstrap import (
     KvFormatter,
     build_activator,
     build_control_plane,
-    build_store,
     build_plane,
+    build_store,
     kubernetes_namespace,
 )
 from stoker.config import KubernetesRuntimeConfig, StokerConfig
