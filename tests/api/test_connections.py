@@ -42,6 +42,7 @@ def config(fleet: str, api: dict[str, object]) -> str:
     pools = [
         {"name": "demo", "command": DEMO, "warm_target": 1},
         {"name": "slow", "command": SLOW_START, "warm_target": 0},
+        {"name": "tiny", "command": DEMO, "warm_target": 0, "max_workers": 1},
     ]
     return (
         f"store: sqlite:///./stoker.db\nfleet: {fleet}\napi: {json.dumps(api)}\n"
@@ -332,3 +333,48 @@ def test_a_claim_waiting_when_the_shutdown_grace_ends_gets_503_problem_json(
     assert answer.headers["content-type"] == "application/problem+json"
     assert answer.json()["reason"] == "shutting_down"
     assert "Traceback" not in srv.log()
+
+
+def test_only_connections_all_serving_requests_make_a_newcomer_wait(tmp_path: Path) -> None:
+    """At the cap with every connection serving a claim that waits, a newcomer gets 503;
+    the waiting claims are never cut off, and once they are answered there is room again."""
+    api: dict[str, object] = {"port": 0, "max_connections": 16}
+    servers = launch(tmp_path, api)
+    srv = next(servers)
+    with contextlib.closing(servers):
+        # The tiny pool's one worker is held: claims that want a warm one wait.
+        held = httpx.post(
+            srv.url + "/v1/claims", json={"pool": "tiny", "org": "acme"}, timeout=SOON
+        ).json()
+        answers: list[str] = []
+
+        def wait_for_a_worker() -> None:
+            body = {"pool": "tiny", "org": "globex", "mode": "require_warm", "timeout_s": 8}
+            try:
+                answer = httpx.post(srv.url + "/v1/claims", json=body, timeout=SOON)
+            except httpx.RemoteProtocolError:
+                # Evicted before its request was sent: it was the longest-idle connection.
+                answers.append("evicted")
+                return
+            assert answer.status_code == 503
+            problem = answer.json()
+            answers.append(problem.get("reason") or problem["code"])
+
+        def probe() -> int:
+            sock = connect(srv)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            return status_of(read_until_closed(sock))
+
+        waiting = [threading.Thread(target=wait_for_a_worker, daemon=True) for _ in range(40)]
+        for thread in waiting:
+            thread.start()
+        saw_503 = wait_until(lambda: probe() == 503, SOON)
+        for thread in waiting:
+            thread.join(SOON)
+        assert wait_until(lambda: probe() == 200, SOON)
+        httpx.delete(srv.url + f"/v1/claims/{held['id']}", timeout=SOON)
+    assert saw_503 and refusals(srv, "connection_limit") >= 1
+    # Claims that reached the plane waited their time out and were answered; the others
+    # were refused with 503 at the cap (or closed before they sent anything).
+    assert len(answers) == 40 and answers.count("no_capacity") >= 1
+    assert set(answers) <= {"no_capacity", "connection-limit", "evicted"}, answers

@@ -3,10 +3,10 @@
 uvicorn's httptools protocol, plus: request line and headers are bounded in size (431) and
 in time from the first byte (408); a body must arrive within its own time (408); a
 connection that never sends a byte is closed after the header time; open connections are
-capped. At the cap a new connection closes the longest-idle one that has no request in
-progress, so idle or half-sent connections can never keep `/healthz` or a claim out, and
-a request already being served is never cut off; only when every open connection is
-serving a request does the newcomer get 503.
+capped. At the cap a new connection closes the longest-idle one that has no whole request
+in progress (idle, or still sending its headers or body), so idle or half-sent connections
+can never keep `/healthz` or a claim out, and a request already being served is never cut
+off; only when every open connection is serving a request does the newcomer get 503.
 
 Each refusal is answered with a problem-details body (when there is a request to answer),
 counted in `stoker_api_refusals_total{reason}`, and logged as one `event=client_refused`
@@ -34,6 +34,10 @@ logger = logging.getLogger("stoker.api")
 
 #: Seconds within which further refusals of one reason are folded into the next line.
 _LOG_FOLD_S = 1.0
+#: Seconds a refused connection stays open, not read, for its answer to arrive.
+_LINGER_S = 2.0
+#: Refused connections lingering at once at most; past it they are closed at once.
+_MAX_LINGERING = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +97,7 @@ def bounded_protocol(limits: ClientLimits, refusals: RefusalLog) -> type[Bounded
     return type(
         "BoundedHttpProtocol",
         (BoundedHttpProtocol,),
-        {"limits": limits, "refusals": refusals},
+        {"limits": limits, "refusals": refusals, "lingering": set()},
     )
 
 
@@ -102,6 +106,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ClientLimits]
     refusals: ClassVar[RefusalLog]
+    #: Refused connections waiting for their answer to arrive before they close.
+    lingering: ClassVar[set[BoundedHttpProtocol]]
 
     def __init__(
         self,
@@ -119,6 +125,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._request_bytes = 0
         #: True from a request's headers until its response is complete.
         self._serving = False
+        #: True once the request being served has arrived whole (its body too).
+        self._arrived = False
         self._refused = False
         self._deadline: asyncio.TimerHandle | None = None
         #: Loop time since when this connection has served nothing.
@@ -135,16 +143,18 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.lingering.discard(self)
         super().connection_lost(exc)
 
     def _make_room(self) -> bool:
-        """Close the longest-idle connection serving no request; False if there is none."""
+        """Close the longest-idle connection with no whole request in progress (idle, or
+        still sending headers or a body); False if there is none."""
         victim: BoundedHttpProtocol | None = None
         for connection in self.connections:
             if (
                 connection is self
                 or not isinstance(connection, BoundedHttpProtocol)
-                or connection._serving
+                or (connection._serving and connection._arrived)
                 or connection._refused
             ):
                 continue
@@ -153,8 +163,6 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if victim is None:
             return False
         victim._refuse(None, "evicted", "closed to make room for a new connection")
-        # Not yet gone from the set (that happens when the transport reports it closed).
-        self.connections.discard(victim)
         return True
 
     # -- bytes in -------------------------------------------------------------------------
@@ -208,6 +216,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._has_body():
             self._arm(self.limits.body_timeout_s, self._on_body_timeout)
         self._serving = True
+        self._arrived = False
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -218,6 +227,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._disarm()
+        self._arrived = True
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -268,12 +278,38 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             # The route waiting for the rest of the body sees the client gone.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+        # A refused connection no longer counts against the cap (it is on its way out).
+        self.connections.discard(self)
         if not self.transport.is_closing():
             if status is not None:
                 self.transport.write(_response(status, reason, detail))
-            self.transport.close()
+                self._linger()
+            else:
+                self.transport.close()
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
         self.refusals.refused(self.loop.time(), reason, status, client, detail)
+
+    def _linger(self) -> None:
+        """Close after the answer had time to arrive.
+
+        Closed at once, a connection whose client is still sending is reset, and the
+        reset can destroy the answer in the client's buffers before it reads it. So the
+        write side is shut, reading stops (what the client still sends waits in the
+        kernel, unread, so a flood costs nothing) and the close follows `_LINGER_S`
+        later; past `_MAX_LINGERING` such connections, the close is immediate.
+        """
+        if len(self.lingering) >= _MAX_LINGERING or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.lingering.add(self)
+        self.transport.write_eof()
+        self.transport.pause_reading()
+        self.loop.call_later(_LINGER_S, self._stop_lingering)
+
+    def _stop_lingering(self) -> None:
+        self.lingering.discard(self)
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Refused(Exception):
