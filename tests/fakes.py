@@ -261,6 +261,9 @@ class FaultyStore:
     async def get_claim(self, claim_id: str) -> Claim | None:
         return await self.inner.get_claim(claim_id)
 
+    async def claim_by_key(self, org: str, idempotency_key: str) -> Claim | None:
+        return await self.inner.claim_by_key(org, idempotency_key)
+
     async def list_claims(
         self,
         *,

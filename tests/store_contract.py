@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoker.domain.errors import IllegalTransition, StoreError
+from stoker.domain.errors import ClaimKeyTaken, IllegalTransition, StoreError
 from stoker.domain.records import Claim, DemandRecord, LeaseRecord, Worker, token_digest
 from stoker.domain.states import (
     TERMINAL,
@@ -1411,6 +1411,36 @@ class StoreContract:
             await store.bind(a.id, epoch=a.epoch, version=a.version, claim=dup, now=T0 + 50)
         assert await store.get_worker(a.id) == a  # still activating: the worker write rolled back
         assert await store.get_claim(claim.id) == stored(claim)
+
+    async def test_an_orgs_idempotency_key_names_one_claim(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        a = await fleet.activating("org-a")
+        keyed = make_claim(a, "c-1", T0 + 50).evolve(
+            idempotency_key="sha256:k1", request_digest="sha256:r1", sealed_token="v1:00"
+        )
+        await store.bind(a.id, epoch=a.epoch, version=a.version, claim=keyed, now=T0 + 50)
+        assert await store.claim_by_key("org-a", "sha256:k1") == stored(keyed)
+        assert await store.claim_by_key("org-b", "sha256:k1") is None
+        assert await store.claim_by_key("org-a", "sha256:k2") is None
+        # The same key for a second claim of the org: refused, and nothing changes.
+        b = await fleet.activating("org-a")
+        again = make_claim(b, "c-2", T0 + 60).evolve(idempotency_key="sha256:k1")
+        with pytest.raises(ClaimKeyTaken):
+            await store.bind(b.id, epoch=b.epoch, version=b.version, claim=again, now=T0 + 60)
+        assert await store.get_worker(b.id) == b  # still activating: the move rolled back
+        assert await store.get_claim("c-2") is None
+        # Another org may use the same key; claims without a key never clash.
+        c = await fleet.activating("org-b")
+        other = make_claim(c, "c-3", T0 + 70).evolve(idempotency_key="sha256:k1")
+        assert await store.bind(c.id, epoch=c.epoch, version=c.version, claim=other, now=T0 + 70)
+        for n in (4, 5):
+            d = await fleet.activating("org-a")
+            plain = make_claim(d, f"c-{n}", T0 + 80)
+            assert await store.bind(
+                d.id, epoch=d.epoch, version=d.version, claim=plain, now=T0 + 80
+            )
+        assert await store.claim_by_key("org-b", "sha256:k1") == stored(other)
 
     async def test_release_parks_the_worker_hot_idle(self, store: Store, fleet: Fleet) -> None:
         hot, claim = await fleet.hot("org-a")

@@ -22,10 +22,10 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from stoker.adapters import _schema
-from stoker.adapters._schema import POSTGRES, WORKERS, Table
+from stoker.adapters._schema import CLAIM_IDEMPOTENCY_COLUMNS, CLAIMS, POSTGRES, WORKERS, Table
 from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
-from stoker.adapters.postgres.schema import indexes
+from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes
 from stoker.domain.errors import StoreError
 from stoker.domain.records import token_digest
 from stoker.domain.states import ClaimState, WorkerState
@@ -436,16 +436,20 @@ async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(
             assert w.epoch == 1  # reserved once: no warm worker went to two claims
 
 
-async def test_a_schema_of_version_3_gains_the_row_version(
+async def test_a_schema_of_version_3_gains_the_row_version_and_idempotency_keys(
     make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
 ) -> None:
     s = f'"{schema}"'
     before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name != "version"))
+    claims = Table(
+        CLAIMS.name, tuple(c for c in CLAIMS.columns if c.name not in CLAIM_IDEMPOTENCY_COLUMNS)
+    )
     await sql(postgres_url, f"CREATE SCHEMA {s}")
-    for table in (before, *_schema.TABLES[1:]):
+    for table in (before, claims, *_schema.TABLES[2:]):
         await sql(postgres_url, POSTGRES.create_table(table, f"{s}.{table.name}"))
     for index in indexes(s):
-        await sql(postgres_url, index)
+        if IDEMPOTENCY_INDEX not in index:
+            await sql(postgres_url, index)
     await sql(postgres_url, f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY)")
     await sql(postgres_url, f"INSERT INTO {s}.schema_migrations VALUES (1), (2), (3)")
     await sql(
@@ -455,7 +459,7 @@ async def test_a_schema_of_version_3_gains_the_row_version(
     )
     store = make_pg()
     await store.open()
-    assert await store.schema_version() == 5
+    assert await store.schema_version() == 6
     w = must(await store.get_worker("w1"))
     assert w.version == 0
     moved = await store.transition("w1", expect=S.WARM, epoch=0, version=0, to=S.DRAINING, now=T0)
@@ -487,7 +491,10 @@ async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(
     await store.close()
     s = f'"{schema}"'
     # What version 4 left behind: a token in plain text, and version 5 not applied.
-    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 5")
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version IN (5, 6)")
+    await sql(postgres_url, f"DROP INDEX {s}.{IDEMPOTENCY_INDEX}")
+    for name in CLAIM_IDEMPOTENCY_COLUMNS:
+        await sql(postgres_url, f"ALTER TABLE {s}.claims DROP COLUMN {name}")
     await sql(
         postgres_url,
         f"INSERT INTO {s}.claims (id, pool, org, worker_id, worker_epoch, source, mode, state, "
@@ -499,6 +506,6 @@ async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(
     )
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == 5
+    assert await upgraded.schema_version() == 6
     assert must(await upgraded.get_claim("c1")).token == token_digest("secret-token")
     assert must(await upgraded.get_claim("c2")).token == ""

@@ -10,7 +10,16 @@ from dataclasses import fields
 from pathlib import Path
 
 from stoker.adapters._rows import CLAIM_COLUMNS, WORKER_COLUMNS
-from stoker.adapters._schema import POSTGRES, SQLITE, TABLES, WORKERS, Table, pending
+from stoker.adapters._schema import (
+    CLAIM_IDEMPOTENCY_COLUMNS,
+    CLAIMS,
+    POSTGRES,
+    SQLITE,
+    TABLES,
+    WORKERS,
+    Table,
+    pending,
+)
 from stoker.adapters.sqlite import SqliteStore
 from stoker.domain.records import Claim, Worker, token_digest
 from stoker.domain.states import WorkerState
@@ -63,11 +72,16 @@ def _shape(path: Path) -> tuple[set[tuple[object, ...]], set[str]]:
         db.close()
 
 
-async def test_a_database_of_version_4_gains_the_row_version(tmp_path: Path) -> None:
+async def test_a_database_of_version_4_gains_the_row_version_and_idempotency_keys(
+    tmp_path: Path,
+) -> None:
     old = tmp_path / "old.db"
     db = sqlite3.connect(old, isolation_level=None)
     before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name != "version"))
-    for table in (before, *TABLES[1:]):
+    claims = Table(
+        CLAIMS.name, tuple(c for c in CLAIMS.columns if c.name not in CLAIM_IDEMPOTENCY_COLUMNS)
+    )
+    for table in (before, claims, *TABLES[2:]):
         db.execute(SQLITE.create_table(table))
     db.execute("CREATE INDEX workers_live ON workers (state, pool, revision)")
     db.execute("CREATE INDEX claims_state_expires ON claims (state, expires_at)")
@@ -83,7 +97,7 @@ async def test_a_database_of_version_4_gains_the_row_version(tmp_path: Path) -> 
     fresh = SqliteStore(str(tmp_path / "new.db"))
     await fresh.open()
     try:
-        assert await upgraded.schema_version() == await fresh.schema_version() == 6
+        assert await upgraded.schema_version() == await fresh.schema_version() == 7
         w = await upgraded.get_worker("w1")
         assert w is not None and (w.state, w.version) == (WorkerState.WARM, 0)
         moved = await upgraded.transition(
@@ -106,7 +120,10 @@ async def test_a_database_of_version_5_keeps_its_session_tokens_as_digests(
     await store.close()
     # What version 5 left behind: a token in plain text, and version 6 not applied.
     db = sqlite3.connect(path, isolation_level=None)
-    db.execute("DELETE FROM schema_migrations WHERE version = 6")
+    db.execute("DELETE FROM schema_migrations WHERE version IN (6, 7)")
+    db.execute("DROP INDEX claims_idempotency")
+    for name in CLAIM_IDEMPOTENCY_COLUMNS:
+        db.execute(f"ALTER TABLE claims DROP COLUMN {name}")
     db.execute(
         "INSERT INTO claims (id, pool, org, worker_id, worker_epoch, source, mode, state, "
         "token, endpoint, lease_s, expires_at, created_at, updated_at, owner) VALUES "
@@ -119,7 +136,7 @@ async def test_a_database_of_version_5_keeps_its_session_tokens_as_digests(
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == 6
+        assert await upgraded.schema_version() == 7
         c1, c2 = (await upgraded.get_claim("c1")), (await upgraded.get_claim("c2"))
         assert c1 is not None and c1.token == token_digest("secret-token")
         assert c2 is not None and c2.token == ""

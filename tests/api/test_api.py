@@ -128,6 +128,48 @@ def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
 # -- claims ---------------------------------------------------------------------------------
 
 
+async def test_a_claim_repeated_with_its_idempotency_key_is_the_same_claim(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as api:
+        key = {"Idempotency-Key": "5f0c6a3e-key"}
+        body = {"pool": "demo", "org": "acme", "config": {"role": "ro"}}
+        first = await api.http.post("/v1/claims", json=body, headers=key)
+        assert first.status_code == 201, first.text
+        assert "idempotent-replayed" not in first.headers
+        again = await api.http.post("/v1/claims", json=body, headers=key)
+        assert again.status_code == 200, again.text
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.headers["location"] == first.headers["location"]
+        assert again.json() == first.json()  # same id, worker and token
+        assert len(await api.claims()) == 1
+
+        reused = await api.http.post(
+            "/v1/claims", json={**body, "config": {"role": "rw"}}, headers=key
+        )
+        problem = assert_problem(reused, 422)
+        assert problem["code"] == "idempotency-key-reused"
+        assert first.json()["id"] in problem["detail"]
+
+        await api.http.delete(first.headers["location"])
+        ended = await api.http.post("/v1/claims", json=body, headers=key)
+        assert ended.status_code == 200
+        assert ended.json()["state"] == "released" and ended.json()["worker"]["token"] is None
+        assert len(await api.claims()) == 1
+
+
+@pytest.mark.parametrize("key", ["", "x" * 256, "clé", "a\tb"])
+async def test_a_malformed_idempotency_key_is_refused(tmp_path: Path, key: str) -> None:
+    # Headers travel as bytes: a non-ASCII key reaches the server as latin-1 text.
+    async with running(tmp_path) as api:
+        headers = {b"Idempotency-Key": key.encode("utf-8")}
+        response = await api.http.post(
+            "/v1/claims", json={"pool": "demo", "org": "acme"}, headers=headers
+        )
+        assert "Idempotency-Key" in assert_problem(response, 400)["detail"]
+        assert await api.claims() == []
+
+
 async def test_claim_get_renew_release(tmp_path: Path) -> None:
     async with running(tmp_path) as api:
         created = await api.claim(config={"dsn": "postgres://x", "role": "ro"})

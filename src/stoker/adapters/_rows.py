@@ -126,6 +126,9 @@ def claim_from_row(row: Sequence[Any]) -> Claim:
         ttl_s,
         ended_at,
         reason,
+        idempotency_key,
+        request_digest,
+        sealed_token,
     ) = row
     return Claim(
         id=id_,
@@ -146,6 +149,9 @@ def claim_from_row(row: Sequence[Any]) -> Claim:
         ttl_s=None if ttl_s is None else float(ttl_s),
         ended_at=None if ended_at is None else float(ended_at),
         reason=reason,
+        idempotency_key=idempotency_key,
+        request_digest=request_digest,
+        sealed_token=sealed_token,
     )
 
 
@@ -170,6 +176,9 @@ def claim_to_row(c: Claim) -> tuple[Any, ...]:
         c.ttl_s,
         c.ended_at,
         c.reason,
+        c.idempotency_key,
+        c.request_digest,
+        c.sealed_token,
     )
 
 

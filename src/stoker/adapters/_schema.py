@@ -90,8 +90,12 @@ CLAIMS = Table(
         *_text("owner"),
         *_real("ttl_s", "ended_at", nullable=True),
         *_text("reason", nullable=True),
+        # Idempotent claims (`domain.idempotency`): unique per (org, idempotency_key).
+        *_text("idempotency_key", "request_digest", "sealed_token", nullable=True),
     ),
 )
+#: The columns each version added to `CLAIMS`, for the upgrades of older databases.
+CLAIM_IDEMPOTENCY_COLUMNS = ("idempotency_key", "request_digest", "sealed_token")
 INSTANCES = Table(
     "instances",
     (

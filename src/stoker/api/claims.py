@@ -27,10 +27,25 @@ from stoker.api.models import ClaimCreate, ClaimOut, ClaimRenew, ModelResponse
 from stoker.api.problems import openapi_responses
 from stoker.api.routing import DirectRoute
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import NotFound, Unavailable, unknown_claim
+from stoker.domain import idempotency
+from stoker.domain.errors import InvalidRequest, NotFound, Unavailable, unknown_claim
 from stoker.domain.records import Claim, ClaimRequest
 
 PREFIX = "/v1/claims"
+#: The header that makes a claim idempotent (lower-case, as ASGI spells headers).
+IDEMPOTENCY_KEY = "idempotency-key"
+IDEMPOTENCY_KEY_PARAMETER: dict[str, Any] = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": (
+        "A key that names this claim (e.g. a UUID4), unique per org: a request with a key "
+        "already used by the org gets that claim (200, `Idempotent-Replayed: true`, with "
+        "its token while bound) instead of a second worker; the same key with another "
+        "body (pool, mode, lease_s, ttl_s, config) is 422 `idempotency-key-reused`."
+    ),
+    "schema": {"type": "string", "minLength": 1, "maxLength": idempotency.KEY_MAX},
+}
 #: Longest claim id a path may carry.
 CLAIM_ID_MAX = 128
 
@@ -42,7 +57,12 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
     """Register the four claim routes of `plane` on `app`."""
 
     def route(
-        method: str, path: str, summary: str, *problems: int, status: int = 200
+        method: str,
+        path: str,
+        summary: str,
+        *problems: int,
+        status: int = 200,
+        openapi_extra: dict[str, Any] | None = None,
     ) -> Callable[[Endpoint], Endpoint]:
         """Register the endpoint it decorates; `problems`: the error statuses it may answer."""
 
@@ -58,24 +78,49 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
                 tags=["claims"],
                 summary=summary,
                 operation_id=endpoint.__name__,
+                openapi_extra=openapi_extra,
             )
             return endpoint
 
         return register
 
-    @route("POST", "", "Claim a worker", 400, 401, 403, 404, 413, 422, 429, 503, status=201)
+    @route(
+        "POST",
+        "",
+        "Claim a worker",
+        400,
+        401,
+        403,
+        404,
+        409,
+        413,
+        422,
+        429,
+        503,
+        status=201,
+        openapi_extra={"parameters": [IDEMPOTENCY_KEY_PARAMETER]},
+    )
     async def create_claim(request: Request, body: ClaimCreate) -> Response:
         """Bind a worker of `pool` to `org`: reuse, then warm, then (by mode) a cold spawn.
 
         Waits up to `timeout_s` for a worker; 503 when none came, 429 when the org holds
-        its cap. A client that disconnects while waiting cancels the claim.
+        its cap. A client that disconnects while waiting cancels the claim. With an
+        `Idempotency-Key`, a request that repeats an earlier one gets its claim (200,
+        `Idempotent-Replayed: true`) instead of a second worker.
         """
-        req = claim_request(principal_of(request.scope), state, body)
-        claim = await claim_while_connected(plane, req, request.receive, state)
-        if claim is None:
+        key = request.headers.get(IDEMPOTENCY_KEY)
+        req = claim_request(principal_of(request.scope), state, body, key)
+        outcome = await claim_while_connected(plane, req, request.receive, state)
+        if outcome is None:
             # Nobody is listening any more; the status only shows in access logs.
             return Response(status_code=499)
-        return ModelResponse(ClaimOut.of(claim, new=True), 201, location=f"{PREFIX}/{claim.id}")
+        claim, replayed = outcome
+        answer = ModelResponse(
+            ClaimOut.of(claim, new=True), 200 if replayed else 201, location=f"{PREFIX}/{claim.id}"
+        )
+        if replayed:
+            answer.raw_headers.append((b"idempotent-replayed", b"true"))
+        return answer
 
     @route("GET", "/{claim_id}", "Get a claim", 401, 404, 422, 503)
     async def get_claim(request: Request, claim_id: ClaimId) -> Response:
@@ -122,10 +167,16 @@ def check_visible(principal: Principal, claim: Claim) -> None:
         raise NotFound(unknown_claim(claim.id))
 
 
-def claim_request(principal: Principal, state: ApiState, body: ClaimCreate) -> ClaimRequest:
-    """The plane's request for `body`, once `principal` may claim for its org and the
-    server still takes claims."""
+def claim_request(
+    principal: Principal, state: ApiState, body: ClaimCreate, key: str | None = None
+) -> ClaimRequest:
+    """The plane's request for `body` (and the `Idempotency-Key` header's value, if any),
+    once `principal` may claim for its org and the server still takes claims."""
     principal.check_org(body.org)
+    if key is not None:
+        problem = idempotency.check_key(key)
+        if problem is not None:
+            raise InvalidRequest(problem)
     if state.draining:
         raise Unavailable("control plane is shutting down")
     return ClaimRequest(
@@ -136,13 +187,14 @@ def claim_request(principal: Principal, state: ApiState, body: ClaimCreate) -> C
         lease_s=body.lease_s,
         ttl_s=body.ttl_s,
         config=body.config,
+        idempotency_key=key,
     )
 
 
 async def claim_while_connected(
     plane: ControlPlane, req: ClaimRequest, receive: Receive, state: ApiState
-) -> Claim | None:
-    """`plane.claim(req)`, cancelled if the client disconnects first (None then).
+) -> tuple[Claim, bool] | None:
+    """`plane.claim_once(req)`, cancelled if the client disconnects first (None then).
 
     The claim runs in this request's own task; a watcher task cancels it when the client
     goes, which is the pool manager's abandonment path (cheaper than running the claim in
@@ -154,7 +206,7 @@ async def claim_while_connected(
     assert task is not None
     gone = asyncio.ensure_future(_cancel_on_disconnect(receive, task))
     try:
-        claim = await plane.claim(req)
+        claim, replayed = await plane.claim_once(req)
     except asyncio.CancelledError:
         if gone.done() and not gone.cancelled() and gone.result():
             # Our own watcher cancelled the claim: the request ends here, quietly.
@@ -172,9 +224,11 @@ async def claim_while_connected(
     finally:
         gone.cancel()
     if gone.done() and not gone.cancelled() and gone.result():
-        await plane.release(claim.id)
+        if not replayed:
+            # A replayed claim was the earlier request's; its client may still retry.
+            await plane.release(claim.id)
         return None
-    return claim
+    return claim, replayed
 
 
 async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> bool:

@@ -26,6 +26,7 @@ PROBLEM_JSON = "application/problem+json"
 #: HTTP status of each error class; the most specific class in the MRO wins.
 STATUS_OF: dict[type[errors.StokerError], int] = {
     errors.InvalidRequest: 400,
+    errors.IdempotencyKeyReused: 422,
     errors.Unauthorized: 401,
     errors.Forbidden: 403,
     errors.NotFound: 404,

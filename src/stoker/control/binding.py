@@ -14,7 +14,8 @@ from stoker.control import logs
 from stoker.control.attempt import Attempt
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
-from stoker.domain.errors import RuntimeFailure
+from stoker.domain import idempotency
+from stoker.domain.errors import ClaimKeyTaken, RuntimeFailure
 from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import Activation
 from stoker.domain.states import ClaimSource, ClaimState, RetireReason, Reuse, WorkerState
@@ -122,7 +123,20 @@ class Binder:
                 owner=book.instance_id,
                 ttl_s=a.req.ttl_s,
             )
-            hot = await self._lifecycle.bind(activating, claim)
+            key = a.req.idempotency_key
+            if key is not None:
+                claim = claim.evolve(
+                    idempotency_key=idempotency.key_digest(key),
+                    request_digest=idempotency.request_digest(a.req),
+                    sealed_token=idempotency.seal(claim.token, key, claim.id),
+                )
+            try:
+                hot = await self._lifecycle.bind(activating, claim)
+            except ClaimKeyTaken:
+                # Another request with the key bound first (on another replica): this
+                # worker goes back, and the requester answers with that claim.
+                await self.give_back(activating)
+                raise
             if hot is None:
                 await self.give_back(activating)
                 return None

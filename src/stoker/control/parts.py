@@ -14,6 +14,7 @@ from stoker.control.binding import Binder
 from stoker.control.claims import Claims
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
+from stoker.control.idempotency import IdempotentClaims
 from stoker.control.janitor import DemandSource, Janitor
 from stoker.control.reservations import Reservations
 from stoker.control.retiring import Retirer
@@ -31,6 +32,8 @@ class Parts:
     """The parts a `ControlPlane` calls (the others are inside these)."""
 
     claims: Claims
+    #: Claims through their Idempotency-Key (the API's entry).
+    idempotent: IdempotentClaims
     sessions: Sessions
     retirer: Retirer
     spawner: Spawner
@@ -79,6 +82,7 @@ def assemble(
 
     return Parts(
         claims=claims,
+        idempotent=IdempotentClaims(shared, claims=claims, reader=store),
         sessions=sessions,
         retirer=retirer,
         spawner=spawner,

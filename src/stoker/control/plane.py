@@ -114,6 +114,7 @@ class ControlPlane:
         )
         parts = assemble(shared, store=store, runtime=runtime, activator=activator, demand=demand)
         self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
+        self.idempotent = parts.idempotent
         self.spawner, self.events, self.demand = parts.spawner, parts.events, parts.demand
         self.janitor, self.reaper = parts.janitor, parts.reaper
         self.closers = tuple(closers)
@@ -289,9 +290,15 @@ class ControlPlane:
             raise Unavailable("control plane is not running")
 
     async def claim(self, req: ClaimRequest) -> Claim:
-        """Claim a worker (see `Claims.claim`)."""
+        """Claim a worker (see `Claims.claim`; with an idempotency key, `claim_once`)."""
+        claim, _ = await self.claim_once(req)
+        return claim
+
+    async def claim_once(self, req: ClaimRequest) -> tuple[Claim, bool]:
+        """Claim a worker, or get the claim an earlier request with the same idempotency
+        key made (then True: a replay). See `IdempotentClaims.claim`."""
         self._check_running()
-        return await self.claims.claim(req)
+        return await self.idempotent.claim(req)
 
     async def release(self, claim_id: str) -> Claim:
         """Release a claim's worker."""

@@ -46,6 +46,15 @@ class ClaimConflict(StokerError, code="claim-conflict"):
     """The claim is not in a state that allows the operation, e.g. renewing a released claim."""
 
 
+class IdempotencyKeyReused(InvalidRequest, code="idempotency-key-reused"):
+    """An `Idempotency-Key` sent again with a different request (HTTP 422)."""
+
+
+class ClaimKeyTaken(ClaimConflict, code="idempotency-key-taken"):
+    """The store holds a claim with this org's `Idempotency-Key` already: another request
+    with the key bound first (the caller answers with that claim)."""
+
+
 class OrgCapError(StokerError, code="org-cap"):
     """The org holds as many workers of the pool as its cap allows (HTTP 429)."""
 

@@ -88,6 +88,15 @@ class Claim:
     ttl_s: float | None = None
     ended_at: float | None = None
     reason: str | None = None
+    #: The digest of the client's `Idempotency-Key` (`domain.idempotency`), unique per org;
+    #: None for a claim sent without one.
+    idempotency_key: str | None = None
+    #: The digest of the request the key was first sent with: the same key with another
+    #: request is refused.
+    request_digest: str | None = None
+    #: The session token sealed with the key, so that a retry on any replica gets it
+    #: back and reading the store does not.
+    sealed_token: str | None = None
 
     def evolve(self, **changes: Any) -> Claim:
         """A copy with `changes` applied."""
@@ -161,3 +170,5 @@ class ClaimRequest:
     ttl_s: float | None = None
     #: Late-bound config handed to the worker at activation.
     config: Mapping[str, Any] = field(default_factory=dict)
+    #: The client's `Idempotency-Key`: a retry with the same key gets the same claim.
+    idempotency_key: str | None = field(default=None, repr=False)

@@ -127,6 +127,11 @@ class StoreReader(Protocol):
         """One claim."""
         ...
 
+    async def claim_by_key(self, org: str, idempotency_key: str) -> Claim | None:
+        """The org's claim stored with `idempotency_key` (the digest of the client's
+        `Idempotency-Key`), whatever its state; None when there is none."""
+        ...
+
     async def list_claims(
         self,
         *,
@@ -237,7 +242,8 @@ class StoreWriter(Protocol):
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
     ) -> Worker | None:
         """Atomically move an `activating` worker (at `epoch` and `version`) to `hot` and
-        insert its bound claim."""
+        insert its bound claim. Raises `ClaimKeyTaken` (and changes nothing) when the org
+        has a claim with the claim's `idempotency_key` already."""
         ...
 
     async def end_claim(

@@ -9,9 +9,20 @@ it lacks, once, in order, in one transaction.
 from __future__ import annotations
 
 from stoker.adapters._rows import CLAIM_SELECT, WORKER_SELECT
-from stoker.adapters._schema import DEMAND, POSTGRES, TABLES, WORKERS, pending
+from stoker.adapters._schema import (
+    CLAIM_IDEMPOTENCY_COLUMNS,
+    CLAIMS,
+    DEMAND,
+    POSTGRES,
+    TABLES,
+    WORKERS,
+    pending,
+)
 from stoker.adapters.postgres.connections import Connection
 from stoker.adapters.postgres.locks import LOCK, lock_key
+
+#: The unique index that makes an org's Idempotency-Key name one claim.
+IDEMPOTENCY_INDEX = "claims_idempotency"
 
 
 class Names:
@@ -30,6 +41,9 @@ class Names:
         #: One row by id, the statements every read of one repeats.
         self.worker_by_id = f"SELECT {WORKER_SELECT} FROM {self.workers} WHERE id = %s"
         self.claim_by_id = f"SELECT {CLAIM_SELECT} FROM {self.claims} WHERE id = %s"
+        self.claim_by_key = (
+            f"SELECT {CLAIM_SELECT} FROM {self.claims} WHERE org = %s AND idempotency_key = %s"
+        )
 
 
 def indexes(s: str) -> list[str]:
@@ -44,6 +58,8 @@ def indexes(s: str) -> list[str]:
         f"CREATE INDEX workers_created ON {s}.workers (created_at, id)",
         f"CREATE INDEX claims_state_expires ON {s}.claims (state, expires_at)",
         f"CREATE INDEX claims_created ON {s}.claims (created_at, id)",
+        # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
+        f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
     ]
 
 
@@ -77,6 +93,17 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
                 f"UPDATE {s}.claims SET token = 'sha256:' || "
                 "encode(sha256(convert_to(token, 'UTF8')), 'hex') "
                 "WHERE token <> '' AND left(token, 7) <> 'sha256:'"
+            ],
+        ),
+        # Idempotent claims: the key's digest, the request's and the sealed token.
+        (
+            6,
+            [
+                *(
+                    POSTGRES.add_column(CLAIMS, name, f"{s}.claims")
+                    for name in CLAIM_IDEMPOTENCY_COLUMNS
+                ),
+                f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
             ],
         ),
     ]

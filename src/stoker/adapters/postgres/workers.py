@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import psycopg
+
 from stoker.adapters._rows import (
     CLAIM_COLUMNS,
     CLAIM_SELECT,
@@ -44,7 +46,8 @@ from stoker.adapters._rows import (
 from stoker.adapters._schema import CLAIMS, POSTGRES
 from stoker.adapters.postgres.connections import Connection, Connections
 from stoker.adapters.postgres.locks import LOCK, lock_key
-from stoker.adapters.postgres.schema import Names
+from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, Names
+from stoker.domain.errors import ClaimKeyTaken, StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
@@ -237,10 +240,23 @@ class WorkerRows:
         inserted only when the worker's compare-and-set lands."""
         check_claim_for(worker_id, epoch, claim)
         check_move(WorkerState.ACTIVATING, WorkerState.HOT, {"claim_id": claim.id})
-        row = await self._db.one(
-            self._bind_sql,
-            (now, claim.id, worker_id, epoch, version, claim.org, *claim_to_row(claim)),
-        )
+        try:
+            row = await self._db.one(
+                self._bind_sql,
+                (now, claim.id, worker_id, epoch, version, claim.org, *claim_to_row(claim)),
+            )
+        except StoreError as exc:
+            # One statement: the unique index refused the claim, and the worker's move
+            # was undone with it.
+            cause = exc.__cause__
+            if (
+                isinstance(cause, psycopg.errors.UniqueViolation)
+                and cause.diag.constraint_name == IDEMPOTENCY_INDEX
+            ):
+                raise ClaimKeyTaken(
+                    f"org {claim.org!r} has a claim with this Idempotency-Key"
+                ) from None
+            raise
         return worker_from_row(row) if row else None
 
     async def end_claim(
@@ -331,6 +347,11 @@ class WorkerRows:
     async def get_claim(self, claim_id: str) -> Claim | None:
         """One claim."""
         row = await self._db.one(self._names.claim_by_id, (claim_id,))
+        return claim_from_row(row) if row else None
+
+    async def claim_by_key(self, org: str, idempotency_key: str) -> Claim | None:
+        """The org's claim stored with `idempotency_key` (a digest), if any."""
+        row = await self._db.one(self._names.claim_by_key, (org, idempotency_key))
         return claim_from_row(row) if row else None
 
     async def list_claims(

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import sqlite3
 
-from stoker.adapters._schema import DEMAND, SQLITE, TABLES, WORKERS, pending
+from stoker.adapters._schema import (
+    CLAIM_IDEMPOTENCY_COLUMNS,
+    CLAIMS,
+    DEMAND,
+    SQLITE,
+    TABLES,
+    WORKERS,
+    pending,
+)
 from stoker.domain.records import token_digest
 
 #: The indexes of the current version. Each index is one page more written by every write
@@ -20,6 +28,8 @@ from stoker.domain.records import token_digest
 INDEXES = (
     "CREATE INDEX workers_live ON workers (state, pool, revision)",
     "CREATE INDEX claims_state_expires ON claims (state, expires_at)",
+    # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
+    "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
 )
 
 #: What each version changed, for a database an older version made (version 1 made the
@@ -59,6 +69,14 @@ UPGRADES: list[tuple[int, list[str]]] = [
         [
             "UPDATE claims SET token = stoker_token_digest(token) "
             "WHERE token != '' AND substr(token, 1, 7) != 'sha256:'"
+        ],
+    ),
+    # Idempotent claims: the key's digest, the request's and the sealed token.
+    (
+        7,
+        [
+            *(SQLITE.add_column(CLAIMS, name) for name in CLAIM_IDEMPOTENCY_COLUMNS),
+            "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
         ],
     ),
 ]

@@ -35,6 +35,7 @@ from stoker.adapters._rows import (
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.live_rows import LiveRows
+from stoker.domain.errors import ClaimKeyTaken
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import LIVE, ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
@@ -42,6 +43,7 @@ from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCo
 _WORKER_VALUES = ", ".join("?" for _ in WORKER_COLUMNS)
 _WORKER_BY_ID = f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?"
 _CLAIM_BY_ID = f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?"
+_CLAIM_BY_KEY = f"SELECT {CLAIM_SELECT} FROM claims WHERE org = ? AND idempotency_key = ?"
 _ACTIVATED = {"activated": True}
 _PICK = f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? AND state = ?"
 #: The oldest warm worker of a pool revision, or the oldest hot_idle one of an org.
@@ -243,6 +245,12 @@ class WorkerRows:
             )
             if worker is None:
                 return None
+            if (
+                claim.idempotency_key is not None
+                and db.execute(_CLAIM_BY_KEY, (claim.org, claim.idempotency_key)).fetchone()
+            ):
+                # Raised inside the transaction: the worker's move is undone with it.
+                raise ClaimKeyTaken(f"org {claim.org!r} has a claim with this Idempotency-Key")
             row = claim_to_row(claim)
             values = ", ".join("?" for _ in row)
             db.execute(f"INSERT INTO claims ({CLAIM_SELECT}) VALUES ({values})", row)
@@ -326,6 +334,11 @@ class WorkerRows:
     async def get_claim(self, claim_id: str) -> Claim | None:
         """One claim."""
         rows = self._writes.read(_CLAIM_BY_ID, (claim_id,))
+        return claim_from_row(rows[0]) if rows else None
+
+    async def claim_by_key(self, org: str, idempotency_key: str) -> Claim | None:
+        """The org's claim stored with `idempotency_key` (a digest), if any."""
+        rows = self._writes.read(_CLAIM_BY_KEY, (org, idempotency_key))
         return claim_from_row(rows[0]) if rows else None
 
     async def list_claims(
