@@ -2,16 +2,29 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Every dependency of `.[dev]`, pinned with hashes: what `make install` and CI install.
+LOCK := requirements/dev.lock
+# Lock files compile for every platform and Python >= 3.11 (pyproject's requires-python).
+COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
+	--generate-hashes --custom-compile-command 'make lock'
 
-.PHONY: install demo serve test lint fmt bench clean
+.PHONY: install lock demo serve test lint fmt bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --require-hashes -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Recompiles the lock files from pyproject's ranges (after changing a dependency); add
+# --upgrade-package NAME (or --upgrade) through UV_ARGS to move pins forward.
+lock:
+	test -x $(VENV)/bin/uv || { python3 -m venv $(VENV) && $(PY) -m pip install -q uv; }
+	$(COMPILE) $(UV_ARGS) --extra dev -o requirements/dev.lock
+	$(COMPILE) $(UV_ARGS) --extra all -o requirements/all.lock
 
 demo: install
 	$(PY) -m stoker.demo

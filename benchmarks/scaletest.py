@@ -2,7 +2,7 @@
 
     python benchmarks/scaletest.py [SCENARIO ...] [--out DIR] [--short] [--jobs N]
 
-Runs each scenario of `scenarios/` (all of them by default) as `stoker scaletest` does,
+Runs each shipped scenario (all of them by default) as `stoker scaletest` does,
 writes its report into `DIR/<scenario>/` (default: a temporary directory), and prints,
 per scenario: the wall time, the virtual time it covered (duration x policies), the
 speed-up, the peak nodes and live workers of its largest run, and its comparison table.

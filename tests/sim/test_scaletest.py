@@ -1,4 +1,4 @@
-"""Every scenario of `scenarios/` in its short form, with assertions on what it shows.
+"""Every shipped scenario in its short form, with assertions on what it shows.
 
 These run the real control plane (replicas, pool managers, janitors, fallback reapers,
 electors, the Kubernetes runtime) against `SimCluster`, the in-process cluster: there is

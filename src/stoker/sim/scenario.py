@@ -1,9 +1,9 @@
 """Scenarios of `stoker scaletest`: what to run, against which cluster, under which load.
 
-A scenario is one YAML file under `scenarios/`. Every key has a default here, and the
-comment next to each default says where it comes from (a research finding, a Kubernetes
-or stoker default, or an assumption made explicit). Unknown keys are refused with the key
-named, so a typo never silently falls back to a default. A sketch:
+A scenario is one YAML file (the shipped ones: `stoker/sim/scenarios/`). Every key has a
+default here, and the comment next to each default says where it comes from (a research
+finding, a Kubernetes or stoker default, or an assumption made explicit). Unknown keys are
+refused with the key named, so a typo never silently falls back to a default. A sketch:
 
     name: cold-ramp
     duration_s: 900
@@ -79,9 +79,9 @@ BASE_CLUSTER: Mapping[str, Any] = {
     "track_labels": ["stoker.dev/pool", "stoker.dev/placeholder"],
 }
 
-#: Where `load_scenario` looks for a scenario given by name: ./scenarios, then the
-#: `scenarios/` directory next to the source tree.
-SCENARIO_DIRS = (Path("scenarios"), Path(__file__).resolve().parents[3] / "scenarios")
+#: Where `load_scenario` looks for a scenario given by name: ./scenarios (a user's own),
+#: then the scenarios shipped in the package (`stoker/sim/scenarios/`).
+SCENARIO_DIRS = (Path("scenarios"), Path(__file__).resolve().parent / "scenarios")
 
 _HOUR = 3600.0
 
