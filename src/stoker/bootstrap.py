@@ -33,6 +33,7 @@ from stoker.control.plane import ControlPlane
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
+from stoker.extras import missing_extra
 from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector
@@ -59,9 +60,29 @@ POD_ACTIVATION_RETRY_S = 0.2
 Closer = Callable[[], Awaitable[None]]
 
 
-def build_store(config: StokerConfig) -> Store:
-    """SqliteStore for `sqlite:///...`, PostgresStore for `postgresql://...`."""
+def check_extras(config: StokerConfig) -> None:
+    """Raise `ConfigError` naming the extra to install when a part that `config` names
+    needs one that is missing (before anything is built: no traceback from an import)."""
     if config.is_postgres:
+        _require("postgres", "the postgres store")
+    # The Kubernetes Lease elector needs the Kubernetes runtime (the config says so).
+    if isinstance(config.runtime, KubernetesRuntimeConfig):
+        _require("kubernetes", "the kubernetes runtime")
+
+
+def _require(extra: str, feature: str) -> None:
+    problem = missing_extra(extra, feature)
+    if problem is not None:
+        raise ConfigError(f"config error: {problem}")
+
+
+def build_store(config: StokerConfig) -> Store:
+    """SqliteStore for `sqlite:///...`, PostgresStore for `postgresql://...`.
+
+    Raises `ConfigError` naming the `postgres` extra when psycopg is not installed.
+    """
+    if config.is_postgres:
+        _require("postgres", "the postgres store")
         # Imported here: psycopg is heavy, and most servers run on SQLite.
         from stoker.adapters.postgres import PostgresStore
 
@@ -96,8 +117,9 @@ def build_cluster(
     """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used.
 
     Raises `ConfigError` naming `runtime.kubeconfig` (or `runtime.context`) when the
-    credentials cannot be loaded.
+    credentials cannot be loaded, or the `kubernetes` extra when lightkube is missing.
     """
+    _require("kubernetes", "the kubernetes runtime")
     # Imported here: a local server never needs the Kubernetes client.
     from stoker.adapters.cluster_lightkube import LightkubeCluster
 
@@ -295,8 +317,9 @@ def build_control_plane(
     config's, on `store` when it is a store lease. The fleet activation key is loaded (or
     created) when the config's runtime or activator is built.
     Raises `ConfigError` when the activation key or the Kubernetes credentials cannot be
-    loaded.
+    loaded, or an extra the config needs is not installed (see `check_extras`).
     """
+    check_extras(config)
     domain = to_domain(config)
     clock = clock or LoopClock()
     # Loaded only when a part of the config's needs it, and before the store is opened.

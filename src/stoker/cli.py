@@ -290,7 +290,10 @@ def _watch_live(client: Client, console: Console, table: Table, interval: float)
 def scaletest(
     scenario: Annotated[
         str,
-        typer.Argument(metavar="SCENARIO", help="A scenario file, or a name in scenarios/"),
+        typer.Argument(
+            metavar="SCENARIO",
+            help="A scenario file, or a scenario name (shipped, or in ./scenarios)",
+        ),
     ],
     out: Annotated[
         Path,
@@ -326,6 +329,13 @@ def scaletest(
     """
     # Imported here: the client commands need none of the simulator.
     import os
+
+    from stoker.extras import missing_extra
+
+    # Before the run, not at its end: the report's plots need matplotlib.
+    problem = missing_extra("sim", "the scale test")
+    if problem is not None:
+        _fail(problem)
 
     from stoker.domain.errors import ConfigError
     from stoker.sim.report import headlines, write_report
