@@ -740,3 +740,71 @@ async def test_stop_workers_retires_everything(tmp_path: Path) -> None:
         await h.claim()
         await h.plane.stop(stop_workers=True)
         assert h.runtime.alive() == set()
+
+
+# -- the fallback reaper, while nobody leads -------------------------------------------------
+
+
+async def test_the_fallback_reaper_ends_a_gone_replicas_expired_claims_only(
+    tmp_path: Path,
+) -> None:
+    # Two replicas on one store, no leader: b serves a claim, then falls silent. a's
+    # fallback reaper leaves b's claim alone while b is alive, and ends it once b is gone
+    # (past instance_expiry_s), without waiting for a leader.
+    async with running(tmp_path) as a, running(tmp_path) as b:
+        claim = await b.claim("acme", lease_s=30)
+        a.clock.advance(31)
+        await b.store.heartbeat_instance(b.plane.instance_id, now=a.clock.now())
+        report = await a.plane.run_reaper_pass()
+        assert report.expired_claims == 0
+        assert (await a.plane.get_claim(claim.id)).state is ClaimState.BOUND
+
+        a.clock.advance(a.plane.settings.instance_expiry_s + 1)
+        report = await a.plane.run_reaper_pass()
+        assert report.expired_claims == 1
+        ended = await a.plane.get_claim(claim.id)
+        assert (ended.state, ended.reason) == (ClaimState.EXPIRED, "lease_expired")
+
+
+async def test_the_fallback_reaper_retires_parked_workers_past_their_ttl(
+    tmp_path: Path,
+) -> None:
+    # Its own parked worker goes at its TTL; a live replica's stays until that replica is
+    # gone, whoever's reaper runs.
+    async with (
+        running(tmp_path, [pool(hot_idle_ttl=60)]) as a,
+        running(tmp_path, [pool(hot_idle_ttl=60)]) as b,
+    ):
+        mine = await a.claim("acme")
+        theirs = await b.claim("globex")
+        await a.plane.release(mine.id)
+        await b.plane.release(theirs.id)
+        a.clock.advance(61)
+        await b.store.heartbeat_instance(b.plane.instance_id, now=a.clock.now())
+        report = await a.plane.run_reaper_pass()
+        assert report.retired == {"ttl": 1}
+        await a.settle()
+        assert (await a.store.get_worker(mine.worker_id)).state is S.RETIRED  # type: ignore[union-attr]
+        assert (await a.store.get_worker(theirs.worker_id)).state is S.HOT_IDLE  # type: ignore[union-attr]
+
+        a.clock.advance(a.plane.settings.instance_expiry_s + 1)
+        report = await a.plane.run_reaper_pass()
+        assert report.retired == {"ttl": 1}
+        await a.settle()
+        assert (await a.store.get_worker(theirs.worker_id)).state is S.RETIRED  # type: ignore[union-attr]
+
+
+async def test_the_last_reap_gauge_stays_put_when_a_pass_fails(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await h.plane.run_reaper_pass()
+        stamped = h.metric("stoker_reaper_last_success_timestamp_seconds")
+        assert stamped == pytest.approx(h.clock.now())
+        h.clock.advance(30)
+
+        async def failing(**_: Any) -> Any:
+            raise StoreError("injected failure of list_claims")
+
+        h.store.inner.list_claims = failing  # type: ignore[method-assign]
+        with pytest.raises(StoreError):
+            await h.plane.run_reaper_pass()
+        assert h.metric("stoker_reaper_last_success_timestamp_seconds") == stamped

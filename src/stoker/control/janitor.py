@@ -242,12 +242,8 @@ class Janitor:
 
     async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
-        mine = self._book.instance_id
-        candidates = world.hot_idle
-        if self.reach is Reach.OWN:
-            candidates = [
-                w for w in candidates if w.owner == mine or w.owner not in world.live_instances
-            ]
+        reachable = self._reachable([w.owner for w in world.hot_idle], world)
+        candidates = [w for w, ok in zip(world.hot_idle, reachable, strict=True) if ok]
         stale = []
         if self.reach is Reach.FLEET:
             # A parked worker of an old revision can never be reused: retire it.
@@ -264,8 +260,18 @@ class Janitor:
             if w.id not in gone and await self._retirer.retire(w, RetireReason.TTL):
                 report.count(RetireReason.TTL)
 
+    def _reachable(self, owners: list[str], world: World) -> list[bool]:
+        """Which of `owners` this pass may act for: any for the fleet's janitor; this
+        replica and replicas that are gone for a fallback reaper."""
+        if self.reach is Reach.FLEET:
+            return [True] * len(owners)
+        mine = self._book.instance_id
+        return [o == mine or o not in world.live_instances for o in owners]
+
     async def _expire_leases(self, world: World, report: PassReport) -> None:
-        for claim in expired_claims(world.expired, world.now):
+        reachable = self._reachable([c.owner for c in world.expired], world)
+        claims = [c for c, ok in zip(world.expired, reachable, strict=True) if ok]
+        for claim in expired_claims(claims, world.now):
             left = session_left(
                 claim.created_at, self._catalog.max_claim_s(claim.pool, claim.org), world.now
             )

@@ -62,7 +62,6 @@ class WorldReader:
         """Passive: read the world (store rows, replicas, runtime objects)."""
         store, now, mine = self._store, self._clock.now(), self._instance_id
         world = World(now=now)
-        own = mine if self.reach is Reach.OWN else None
         # Liveness by heartbeat age, not only by state: the fallback reaper must recognise
         # a dead replica's orphans while no leader runs the instance expiry.
         fresh_after = now - self._settings.instance_expiry_s
@@ -75,9 +74,10 @@ class WorldReader:
             i.id for i in instances if i.state == "active" and i.heartbeat_at >= fresh_after
         }
         world.live_instances.add(mine)
-        world.expired = await store.list_claims(
-            states=[ClaimState.BOUND], expires_before=now, owner=own
-        )
+        # Every claim past its lease, whoever served it: the fallback reaper ends its own
+        # and those of replicas that are gone (the janitor's step sorts them out), so a
+        # dead replica's sessions end while nobody leads too.
+        world.expired = await store.list_claims(states=[ClaimState.BOUND], expires_before=now)
         if self.reach is Reach.OWN:
             world.hot_idle = await store.list_workers(states=[WorkerState.HOT_IDLE])
         else:
