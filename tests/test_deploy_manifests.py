@@ -1,19 +1,32 @@
 """The Kubernetes manifests in deploy/kubernetes/: valid objects, consistent, least privilege.
 
-No Kubernetes cluster can run where these tests run, so the manifests are validated against
-the API's own JSON schema (kubernetes-validate, strict: unknown fields are errors), and the
-Role is checked against the calls the code makes: derived from the source of the runtime
-and the elector, and recorded while they run against the fake cluster. A Role that grants
-a verb nobody calls, or misses one that is called, fails here instead of in production.
+The manifests are a kustomize base and two overlays (`single`, `ha`); every test reads
+what `kubectl kustomize` renders for an overlay, as `kubectl apply -k` would apply it.
+Without kubectl these tests are skipped, except under CI=true, where a missing kubectl
+fails them.
+
+No Kubernetes cluster can run where these tests run, so the rendered objects are
+validated against the API's own JSON schema (kubernetes-validate, strict: unknown fields
+are errors), and the Role is checked against the calls the code makes: derived from the
+source of the runtime and the elector, and recorded while they run against the fake
+cluster. A Role that grants a verb nobody calls, or misses one that is called, fails here
+instead of in production.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import importlib
 import inspect
+import json
+import os
 import pkgutil
+import re
+import shutil
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
@@ -35,8 +48,12 @@ from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import ClusterAPI, Lease, Pod, PodList, PodPhase, Selector, WatchEvent
 from stoker.sim.cluster import FakeApiServer
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("single", "ha")
 KUBERNETES_VERSION = "1.37"
+#: Custom resources of the Prometheus Operator: not in the Kubernetes schema.
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 #: How each ClusterAPI operation reaches the API server (see cluster_lightkube): the
 #: (API group, resource, verb) that RBAC must allow for it.
@@ -54,24 +71,56 @@ RBAC_OF: dict[str, tuple[str, str, str]] = {
 Grant = tuple[str, str, str]
 
 
-def documents() -> list[tuple[str, dict[str, Any]]]:
-    """(file name, object) for every object of every manifest, in apply order."""
-    found = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
-        for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-            if document is not None:
-                found.append((path.name, document))
-    return found
+def kubectl() -> str:
+    """kubectl's path (on PATH, or installed into this virtual environment by .ci/run);
+    skips the test where kubectl is missing, unless CI=true."""
+    found = shutil.which("kubectl") or shutil.which("kubectl", path=Path(sys.executable).parent)
+    if found is not None:
+        return found
+    if os.environ.get("CI") == "true":
+        pytest.fail("kubectl is not installed: CI renders the kustomize overlays with it")
+    pytest.skip("kubectl is not installed: `kubectl kustomize` renders the overlays")
 
 
-def one(kind: str, name: str | None = None) -> dict[str, Any]:
+@functools.cache
+def _rendered(overlay: str) -> str:
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(DEPLOY / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def documents(overlay: str = "ha") -> list[dict[str, Any]]:
+    """Every object `kubectl kustomize` renders for `overlay`, in its order (a fresh copy)."""
+    return [doc for doc in yaml.safe_load_all(_rendered(overlay)) if doc is not None]
+
+
+def one(kind: str, name: str | None = None, overlay: str = "ha") -> dict[str, Any]:
+    """The one object of `kind` (named `name`, or with a generated name `name-<hash>`)."""
     matches = [
         doc
-        for _, doc in documents()
-        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
+        for doc in documents(overlay)
+        if doc["kind"] == kind
+        and (
+            name is None
+            or doc["metadata"]["name"] == name
+            or re.fullmatch(rf"{re.escape(name)}-[a-z0-9]{{10}}", doc["metadata"]["name"])
+        )
     ]
     assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
     return matches[0]
+
+
+def stoker_yaml(overlay: str = "ha") -> dict[str, Any]:
+    """The configuration file the overlay mounts (the generated ConfigMap's stoker.yaml)."""
+    text = one("ConfigMap", "stoker-config", overlay)["data"]["stoker.yaml"]
+    config: dict[str, Any] = yaml.safe_load(text)
+    return config
 
 
 def role_grants() -> set[Grant]:
@@ -87,40 +136,52 @@ def role_grants() -> set[Grant]:
 # -- every object is valid -------------------------------------------------------------------
 
 
-def test_the_manifests_hold_every_object_the_deployment_needs() -> None:
+#: What each overlay adds to the base's objects.
+BASE_KINDS = {
+    "Namespace": 1,
+    "PriorityClass": 2,
+    "ServiceAccount": 2,
+    "Role": 1,
+    "RoleBinding": 1,
+    "ConfigMap": 1,
+    "Deployment": 1,
+    "Service": 1,
+    "PodDisruptionBudget": 1,
+    "NetworkPolicy": 1,
+}
+OVERLAY_KINDS = {
+    "single": {"PersistentVolumeClaim": 1},
+    "ha": {},
+}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_overlay_holds_every_object_the_deployment_needs(overlay: str) -> None:
     """Namespace, accounts, Role and binding, priority classes, config, Deployment, PDB,
-    Service: each once, all in one namespace (PriorityClasses are cluster-scoped)."""
-    kinds = Counter(doc["kind"] for _, doc in documents())
-    assert kinds == {
-        "Namespace": 1,
-        "PriorityClass": 2,
-        "ServiceAccount": 2,
-        "Role": 1,
-        "RoleBinding": 1,
-        "ConfigMap": 1,
-        "Deployment": 1,
-        "Service": 1,
-        "PodDisruptionBudget": 1,
-        "NetworkPolicy": 1,
-    }
-    namespace = one("Namespace")["metadata"]["name"]
-    for _, doc in documents():
+    Service, NetworkPolicy (and the overlay's own): each once, all in one namespace
+    (PriorityClasses are cluster-scoped)."""
+    kinds = Counter(doc["kind"] for doc in documents(overlay))
+    assert kinds == Counter(BASE_KINDS) + Counter(OVERLAY_KINDS[overlay])
+    namespace = one("Namespace", overlay=overlay)["metadata"]["name"]
+    for doc in documents(overlay):
         if doc["kind"] not in ("Namespace", "PriorityClass"):
             assert doc["metadata"]["namespace"] == namespace, doc["metadata"]["name"]
-    # `kubectl apply -f deploy/kubernetes/` goes in file-name order: the namespace first.
-    assert documents()[0][1]["kind"] == "Namespace"
+    # `kubectl apply -k` creates the namespace before what lives in it.
+    assert documents(overlay)[0]["kind"] == "Namespace"
 
 
-@pytest.mark.parametrize(
-    ("file", "document"),
-    documents(),
-    ids=[f"{file}:{doc['kind']}/{doc['metadata']['name']}" for file, doc in documents()],
-)
-def test_each_object_is_valid_against_the_kubernetes_schema(
-    file: str, document: dict[str, Any]
-) -> None:
-    """Strict validation: a misspelt or misplaced field is an error, not silently dropped."""
-    assert kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_object_is_valid_against_the_kubernetes_schema(overlay: str) -> None:
+    """Strict validation: a misspelt or misplaced field is an error, not silently dropped
+    (the Prometheus Operator's custom resources are checked by their own tests)."""
+    for document in documents(overlay):
+        if document["kind"] in CUSTOM_KINDS:
+            continue
+        name = f"{document['kind']}/{document['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{overlay}: {name}: {exc}")
 
 
 def test_an_invalid_object_is_caught() -> None:
@@ -129,6 +190,33 @@ def test_an_invalid_object_is_caught() -> None:
     broken = {**broken, "spec": {**broken["spec"], "replica": 3}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_missing_kubectl_skips_only_outside_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without kubectl on PATH the rendering tests skip with the reason, and fail under
+    CI=true (CI must have kubectl)."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="kubectl is not installed"):
+        kubectl()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="kubectl is not installed"):
+        kubectl()
+
+
+def test_the_overlays_differ_only_where_they_mean_to() -> None:
+    """Every object but the Deployment (and the single overlay's volume claim) renders the
+    same in both overlays: the base is shared, not copied."""
+
+    def keyed(overlay: str) -> dict[str, dict[str, Any]]:
+        return {f"{d['kind']}/{d['metadata']['name']}": d for d in documents(overlay)}
+
+    single, ha = keyed("single"), keyed("ha")
+    assert set(single) - set(ha) == {"PersistentVolumeClaim/stoker-data"}
+    assert set(ha) <= set(single)
+    differing = {key for key in ha if ha[key] != single[key]}
+    assert differing == {"Deployment/stoker"}
 
 
 # -- the Role grants exactly what the code calls ---------------------------------------------
@@ -317,28 +405,119 @@ def test_the_role_is_bound_to_the_control_planes_account() -> None:
     one("ServiceAccount", account)
 
 
-def test_the_deployment_runs_three_probed_replicas() -> None:
-    """3 replicas; readiness on /readyz and liveness on /healthz of the API port; secrets
-    from the Secret, never inline."""
-    deployment = one("Deployment")
-    assert deployment["spec"]["replicas"] == 3
-    pod = deployment["spec"]["template"]
-    assert pod["metadata"]["labels"] == deployment["spec"]["selector"]["matchLabels"]
-    (container,) = pod["spec"]["containers"]
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert [p["name"] for p in container["ports"]] == ["http"]
-    secrets = {
+def container(overlay: str) -> dict[str, Any]:
+    """The Deployment's one container."""
+    (only,) = one("Deployment", overlay=overlay)["spec"]["template"]["spec"]["containers"]
+    found: dict[str, Any] = only
+    return found
+
+
+def secret_refs(overlay: str) -> dict[str, dict[str, Any]]:
+    """Environment variable -> secretKeyRef, for the variables read from a Secret."""
+    return {
         env["name"]: env["valueFrom"]["secretKeyRef"]
-        for env in container["env"]
+        for env in container(overlay)["env"]
         if "secretKeyRef" in env.get("valueFrom", {})
     }
-    assert set(secrets) >= {"STOKER_STORE", "STOKER_API__ADMIN_TOKENS", "STOKER_ACTIVATION__KEY"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_deployment_is_probed_and_reads_its_secrets_from_the_secret(overlay: str) -> None:
+    """Readiness on /readyz and liveness on /healthz of the API port; the tokens and the
+    activation key from the Secret, never inline."""
+    deployment = one("Deployment", overlay=overlay)
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["labels"] == deployment["spec"]["selector"]["matchLabels"]
+    stoker = container(overlay)
+    assert stoker["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert stoker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert [p["name"] for p in stoker["ports"]] == ["http"]
+    secrets = secret_refs(overlay)
+    assert set(secrets) >= {"STOKER_API__ADMIN_TOKENS", "STOKER_ACTIVATION__KEY"}
     assert not secrets["STOKER_ACTIVATION__KEY"].get("optional", False)
+    assert secrets["STOKER_ACTIVATION__KEY"]["key"] == "activation-key"
     assert {ref["name"] for ref in secrets.values()} == {"stoker-secrets"}
-    assert all("value" not in env for env in container["env"])
     # The server drains claims for 30 s on SIGTERM; the kubelet must wait longer.
     assert pod["spec"]["terminationGracePeriodSeconds"] > 30
+
+
+def test_ha_runs_three_replicas_on_postgresql_from_the_secret() -> None:
+    """Three rolling replicas; the store URL (with its password) only from the Secret."""
+    deployment = one("Deployment", overlay="ha")
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert secret_refs("ha")["STOKER_STORE"]["key"] == "store-url"
+    assert all("value" not in env for env in container("ha")["env"])
+
+
+def test_single_runs_one_replica_on_sqlite_on_its_volume_claim() -> None:
+    """One replica, recreated (the claim mounts on one node, SQLite has one writer); the
+    store is a file on a mounted volume backed by the overlay's PersistentVolumeClaim."""
+    deployment = one("Deployment", overlay="single")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    [store] = [env for env in container("single")["env"] if env["name"] == "STOKER_STORE"]
+    path = Path(store["value"].removeprefix("sqlite:///"))
+    assert store["value"].startswith("sqlite:////") and path.name == "stoker.db"
+    mounts = {m["mountPath"]: m["name"] for m in container("single")["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    claim = volumes[mounts[str(path.parent)]]["persistentVolumeClaim"]["claimName"]
+    pvc = one("PersistentVolumeClaim", claim, overlay="single")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+    # The non-root user can write there: the volume belongs to its group.
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_image_runs_the_mounted_configuration_as_the_pods_user(overlay: str) -> None:
+    """The Dockerfile's entry point (`stoker serve`) with the container's args reads the
+    mounted ConfigMap, and the image's user is the one the pod's securityContext names."""
+    dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
+    [entrypoint] = [
+        json.loads(x.split(" ", 1)[1]) for x in dockerfile if x.startswith("ENTRYPOINT")
+    ]
+    [user] = [x.split()[1] for x in dockerfile if x.startswith("USER ")]
+    spec = one("Deployment", overlay=overlay)["spec"]["template"]["spec"]
+    stoker = container(overlay)
+    assert "command" not in stoker
+    argv = [*entrypoint, *stoker["args"]]
+    assert argv[:3] == ["stoker", "serve", "--config"]
+    config_path = Path(argv[3])
+    [mount] = [m for m in stoker["volumeMounts"] if m["mountPath"] == str(config_path.parent)]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    config_map = one("ConfigMap", "stoker-config", overlay)
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert config_path.name in config_map["data"]
+    context = spec["securityContext"]
+    assert user == f"{context['runAsUser']}:{context['runAsGroup']}"
+    assert context["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_configuration_each_overlay_runs_is_valid(overlay: str, tmp_path: Path) -> None:
+    """stoker's own loader accepts the mounted stoker.yaml with the container's
+    environment (the Secret's values filled in): a store of the overlay's kind, the
+    Kubernetes runtime, the Lease elector, listening on all interfaces with tokens."""
+    from stoker.config import KubernetesRuntimeConfig, load_config
+
+    filled = {
+        "store-url": "postgresql://stoker:pw@postgres:5432/stoker",
+        "admin-tokens": "admin-token-0123456789",
+        "activation-key": "k" * 64,
+    }
+    environ: dict[str, str] = {}
+    for env in container(overlay)["env"]:
+        if "value" in env:
+            environ[env["name"]] = env["value"]
+        elif env["valueFrom"]["secretKeyRef"]["key"] in filled:
+            environ[env["name"]] = filled[env["valueFrom"]["secretKeyRef"]["key"]]
+    path = tmp_path / "stoker.yaml"
+    path.write_text(one("ConfigMap", "stoker-config", overlay)["data"]["stoker.yaml"])
+    config = load_config(path, environ).config
+    assert isinstance(config.runtime, KubernetesRuntimeConfig)
+    assert config.is_postgres == (overlay == "ha")
+    assert config.elector_kind() == "kubernetes"
+    assert config.api.host == "0.0.0.0" and config.api.has_tokens
 
 
 def test_the_service_and_the_budget_select_the_control_plane() -> None:
@@ -364,11 +543,11 @@ def test_placeholders_give_way_to_workers_and_stay_visible_to_the_autoscaler() -
 def test_the_configuration_refers_to_objects_that_exist() -> None:
     """The config runs on Kubernetes with a Lease elector, and every priority class and
     account it names is one of these manifests; the workers' account has no token."""
-    config = yaml.safe_load(one("ConfigMap")["data"]["stoker.yaml"])
+    config = stoker_yaml()
     assert config["runtime"]["kind"] == "kubernetes"
     assert config["leader_election"] == "kubernetes"
     assert config["api"]["host"] == "0.0.0.0"
-    classes = {doc["metadata"]["name"] for _, doc in documents() if doc["kind"] == "PriorityClass"}
+    classes = {doc["metadata"]["name"] for doc in documents() if doc["kind"] == "PriorityClass"}
     assert config["runtime"]["placeholder_priority_class"] in classes
     for pool in config["pools"]:
         assert pool["pod"]["priority_class"] in classes
@@ -408,10 +587,7 @@ def test_only_the_control_plane_and_labelled_clients_reach_the_workers() -> None
     from stoker.config import StokerConfig, to_domain
 
     policy = one("NetworkPolicy")["spec"]
-    config = StokerConfig.model_validate(
-        yaml.safe_load(one("ConfigMap")["data"]["stoker.yaml"])
-        | {"store": "postgresql://stoker@db/stoker"}
-    )
+    config = StokerConfig.model_validate(stoker_yaml() | {"store": "postgresql://stoker@db/stoker"})
     (pool,) = to_domain(config).pools
     assert isinstance(pool.template, PodTemplate)
     worker = Worker(

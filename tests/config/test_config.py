@@ -710,8 +710,7 @@ def test_the_store_url_is_shown_without_its_password() -> None:
 
 def test_the_kubernetes_example_is_the_deployed_configuration() -> None:
     example = ROOT / "examples" / "kubernetes.yaml"
-    manifest = (ROOT / "deploy" / "kubernetes" / "04-configmap.yaml").read_text()
-    deployed = yaml.safe_load(manifest)["data"]["stoker.yaml"]
+    deployed = (ROOT / "deploy" / "kubernetes" / "base" / "stoker.yaml").read_text()
     assert yaml.safe_load(example.read_text()) == yaml.safe_load(deployed)
     # As deployed: the store and the tokens come from the Secret.
     env = {
