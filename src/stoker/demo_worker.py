@@ -22,6 +22,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from stoker.worker import MissingSecret, Reply, WorkerProtocol, problem
@@ -38,18 +39,14 @@ BODY_TIMEOUT_S = 10.0
 #: At shutdown, connections get this long to finish the response they are writing.
 SHUTDOWN_GRACE_S = 1.0
 
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    409: "Conflict",
-    411: "Length Required",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    503: "Service Unavailable",
-}
+
+def _phrase(status: int) -> str:
+    """The reason phrase of an HTTP status ("Error" for one the standard does not name)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
 
 #: Allowed methods of the worker's own paths (the protocol's are the kit's).
 _ROUTES: dict[str, tuple[str, ...]] = {"/": ("GET",)}
@@ -148,7 +145,7 @@ def render(reply: Reply, *, keep_alive: bool) -> bytes:
     """Serialise one response."""
     content = reply.json()
     lines = [
-        f"HTTP/1.1 {reply.status} {_REASONS.get(reply.status, 'Error')}",
+        f"HTTP/1.1 {reply.status} {_phrase(reply.status)}",
         f"Content-Type: {reply.content_type}",
         f"Content-Length: {len(content)}",
         f"Connection: {'keep-alive' if keep_alive else 'close'}",

@@ -32,6 +32,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 #: The environment variable holding the worker's activation secret.
@@ -47,15 +48,13 @@ SIGNATURE_SCHEME = "v1"
 HEALTHZ_PATH = "/healthz"
 ACTIVATE_PATH = "/activate"
 
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    409: "Conflict",
-    503: "Service Unavailable",
-}
+
+def _phrase(status: int) -> str:
+    """The reason phrase of an HTTP status ("Error" for one the standard does not name)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
 
 
 class MissingSecret(RuntimeError):
@@ -115,7 +114,7 @@ def problem(status: int, code: str, detail: str, headers: Mapping[str, str] | No
     """An RFC 9457 problem answer; `code` is a stable machine-readable extension member."""
     body = {
         "type": "about:blank",
-        "title": _REASONS.get(status, "Error"),
+        "title": _phrase(status),
         "status": status,
         "detail": detail,
         "code": code,
