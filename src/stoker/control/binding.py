@@ -12,6 +12,7 @@ import asyncio
 
 from stoker.control import logs
 from stoker.control.attempt import Attempt
+from stoker.control.journal import EventKind
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
 from stoker.domain import idempotency
@@ -33,6 +34,7 @@ class Binder:
         self._catalog, self._clock = shared.catalog, shared.clock
         self._metrics, self._ids = shared.metrics, shared.ids
         self._retirer = retirer
+        self._journal = shared.journal
         self._activator = activator
         self._runtime = runtime
 
@@ -86,6 +88,7 @@ class Binder:
                 except RuntimeFailure as exc:
                     self._metrics.spawn_failures.labels(pool.name, "activation").inc()
                     logs.worker_event("activation_failed", activating, error=str(exc))
+                    self._journal.worker(EventKind.ACTIVATION_FAILED, activating, detail=str(exc))
                     await self._retirer.retire(
                         book.known(worker.id) or activating, RetireReason.ACTIVATION_FAILURE
                     )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stoker.control import logs
+from stoker.control.journal import EventKind, Journal
 from stoker.control.metrics import Metrics
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, Worker
@@ -39,16 +40,20 @@ def _label(before: WorkerState, to: WorkerState) -> str:
 class Lifecycle:
     """Fenced, persisted worker transitions, each logged and counted."""
 
-    def __init__(self, writer: StoreWriter, clock: Clock, metrics: Metrics) -> None:
+    def __init__(
+        self, writer: StoreWriter, clock: Clock, metrics: Metrics, journal: Journal | None = None
+    ) -> None:
         self._writer = writer
         self.clock = clock
         self.metrics = metrics
+        self.journal = journal or Journal(clock.now)
         #: The last heartbeat of each activating worker (in flight or written), by id.
         self._beats: dict[str, asyncio.Future[Worker | None]] = {}
 
     def _persist_failed(self, label: str, exc: StoreError) -> None:
         self.metrics.persist_failures.labels(label).inc()
         logs.event("persist_failed", transition=label, error=str(exc), level=logs.WARNING)
+        self.journal.record(EventKind.PERSIST_FAILED, reason=label, detail=str(exc))
 
     def _fence_missed(self, label: str) -> None:
         self.metrics.fence_misses.labels(label).inc()
@@ -64,6 +69,8 @@ class Lifecycle:
             reason=reason,
             **fields,
         )
+        if old_state is None:
+            self.journal.worker(EventKind.SPAWNED, new)
 
     async def move(
         self,
@@ -283,5 +290,6 @@ class Lifecycle:
         return stamped
 
     def retired(self, worker: Worker) -> None:
-        """Count a retirement by its reason (called once the row is terminal)."""
+        """Count and journal a retirement by its reason (called once the row is terminal)."""
         self.metrics.retirements.labels(worker.pool, worker.reason or "unknown").inc()
+        self.journal.worker(EventKind.RETIRED, worker)

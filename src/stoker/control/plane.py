@@ -28,8 +28,10 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
+from stoker.control.history import History, PoolSample
 from stoker.control.ids import Ids
 from stoker.control.janitor import DemandSource, PassReport
+from stoker.control.journal import EventKind, Journal
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
@@ -103,14 +105,18 @@ class ControlPlane:
             {p.name: p for p in pools}, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap
         )
         self.book = Book(reader=store, instance_id=self.instance_id)
+        #: Recent events and the last hour of each pool, for the dashboard.
+        self.journal = Journal(self.clock.now)
+        self.history = History(self.settings.pool_sample_s)
         shared = Shared(
             book=self.book,
-            lifecycle=Lifecycle(store, self.clock, self.metrics),
+            lifecycle=Lifecycle(store, self.clock, self.metrics, self.journal),
             catalog=self.catalog,
             clock=self.clock,
             metrics=self.metrics,
             ids=self.ids,
             settings=self.settings,
+            journal=self.journal,
         )
         parts = assemble(shared, store=store, runtime=runtime, activator=activator, demand=demand)
         self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
@@ -150,6 +156,8 @@ class ControlPlane:
             await self._guarded("janitor", self.janitor.run_pass)
         self.reconciled = True
         if loops:
+            # The chart starts with the pools as they are at start.
+            await self._guarded("sample", self.sample_pools)
             self._loops = [
                 asyncio.create_task(self._elect(), name="elector"),
                 asyncio.create_task(
@@ -163,6 +171,10 @@ class ControlPlane:
                 asyncio.create_task(
                     self._every(self.settings.instance_heartbeat_s, "heartbeat", self._heartbeat),
                     name="heartbeat",
+                ),
+                asyncio.create_task(
+                    self._every(self.settings.pool_sample_s, "sample", self.sample_pools),
+                    name="sample",
                 ),
             ]
 
@@ -237,6 +249,7 @@ class ControlPlane:
         except Exception as exc:
             self.metrics.pass_failures.labels(name).inc()
             logs.event("pass_failed", loop=name, error=repr(exc), level=logs.WARNING)
+            self.journal.record(EventKind.PASS_FAILED, reason=name, detail=repr(exc))
             return False
         self.metrics.pass_seconds.labels(name).observe(self.clock.monotonic() - started)
         return True
@@ -278,6 +291,25 @@ class ControlPlane:
         report = await self.janitor.run_pass()
         self.metrics.janitor_last_success.set(self.clock.now())
         return report
+
+    async def sample_pools(self) -> None:
+        """Add one sample of every pool to `history` (the dashboard's chart)."""
+        now = self.clock.now()
+        for status in await self.pool_status():
+            counts = status.counts
+            self.history.add(
+                status.name,
+                PoolSample(
+                    at=now,
+                    warm_target=status.warm_target,
+                    desired_warm=status.desired_warm,
+                    demand=status.demand,
+                    warm=counts.get("warm", 0),
+                    hot=counts.get("hot", 0),
+                    hot_idle=counts.get("hot_idle", 0),
+                    spawning=counts.get("spawning", 0),
+                ),
+            )
 
     async def run_reaper_pass(self) -> PassReport:
         """One fallback-reaper pass now (tests and tools)."""

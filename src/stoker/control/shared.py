@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
 from stoker.control.ids import Ids
+from stoker.control.journal import Journal
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.domain.specs import PlaneSettings
@@ -27,3 +28,5 @@ class Shared:
     metrics: Metrics
     ids: Ids
     settings: PlaneSettings
+    #: This replica's recent events (spawns, retirements, failures).
+    journal: Journal

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stoker.control import logs
+from stoker.control.journal import EventKind
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure
@@ -42,6 +43,7 @@ class Spawner:
         self._catalog, self._metrics, self._ids = shared.catalog, shared.metrics, shared.ids
         self._retirer = retirer
         self._runtime = runtime
+        self._journal = shared.journal
         settings = shared.settings
         self._clock = shared.clock
         self._bucket = TokenBucket(
@@ -85,6 +87,7 @@ class Spawner:
             error=error,
             level=logs.WARNING,
         )
+        self._journal.record(EventKind.SPAWN_FAILED, pool=pool, detail=f"{revision}: {error}")
 
     def spawn_ready(self, pool: str, revision: str) -> None:
         """A worker of the revision got ready: its spawns work (again)."""

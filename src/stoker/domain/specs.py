@@ -197,3 +197,5 @@ class PlaneSettings:
     shutdown_grace_s: Seconds = 30.0
     #: Retry-After hint on an org-cap rejection (duckgres: 45 s).
     org_cap_retry_after_s: Seconds = 45.0
+    #: How often each replica samples its pools for the dashboard's chart (one hour kept).
+    pool_sample_s: Annotated[float, Ge(1), Le(3600)] = 10.0

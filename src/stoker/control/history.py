@@ -1,0 +1,53 @@
+"""The last hour of each pool's warm target, demand and workers, sampled by this replica.
+
+The dashboard's chart reads it (README, "Dashboard"): kept on the server, a page opened
+now shows the hour before it, every viewer sees the same curve, and a reload loses
+nothing. One sample per pool every `PlaneSettings.pool_sample_s`, in a ring of one hour:
+at the default 10 s, 360 samples of a few integers per pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: How far back the history reaches.
+SPAN_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSample:
+    """One pool at one instant (`at`: wall-clock seconds)."""
+
+    at: float
+    warm_target: int
+    desired_warm: int
+    demand: int
+    warm: int
+    hot: int
+    hot_idle: int
+    spawning: int
+
+
+class History:
+    """One ring of samples per pool, each covering `SPAN_S`."""
+
+    def __init__(self, interval_s: float, span_s: float = SPAN_S) -> None:
+        self.interval_s = interval_s
+        self._size = max(1, math.ceil(span_s / interval_s))
+        self._pools: dict[str, deque[PoolSample]] = {}
+
+    def add(self, pool: str, sample: PoolSample) -> None:
+        """Keep `sample` of `pool` (the oldest goes once the ring is full)."""
+        ring = self._pools.get(pool)
+        if ring is None:
+            ring = self._pools[pool] = deque(maxlen=self._size)
+        ring.append(sample)
+
+    def samples(self, *, since: float = -math.inf) -> Mapping[str, list[PoolSample]]:
+        """Every pool's samples taken after `since`, oldest first."""
+        return {
+            pool: [s for s in ring if s.at > since] for pool, ring in sorted(self._pools.items())
+        }
