@@ -331,6 +331,81 @@ async def test_workers_are_listed_with_filters(tmp_path: Path) -> None:
         assert retired.json()["workers"] == []
 
 
+async def test_open_claims_are_listed(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        first = (await api.claim()).json()
+        second = (await api.claim(org="globex")).json()
+        listed = (await api.http.get("/v1/claims")).json()["claims"]
+        assert [c["id"] for c in listed] == [first["id"], second["id"]]
+        assert listed[0]["org"] == "acme" and listed[0]["state"] == "bound"
+        # The list never carries a session token: the server keeps only digests.
+        assert {c["worker"]["token"] for c in listed} == {None}
+        await api.http.delete(f"/v1/claims/{first['id']}")
+        listed = (await api.http.get("/v1/claims")).json()["claims"]
+        assert [c["id"] for c in listed] == [second["id"]]
+        ended = (await api.http.get("/v1/claims", params={"state": "released"})).json()
+        assert [c["id"] for c in ended["claims"]] == [first["id"]]
+        assert_problem(await api.http.get("/v1/claims", params={"state": "nope"}), 422)
+
+
+async def test_events_record_spawns_and_retirements_with_reasons(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(reuse="never")]) as api:
+        claim = (await api.claim()).json()
+        await api.http.delete(f"/v1/claims/{claim['id']}")
+        await asyncio.sleep(1)  # the worker stops in the background, then retires
+        answer = (await api.http.get("/v1/events")).json()
+        assert answer["replica"] == api.plane.instance_id
+        events = answer["events"]
+        # Newest first: the released worker retired (no reuse), after two spawns.
+        assert events[0]["kind"] == "retired"
+        assert events[0]["worker"] == claim["worker"]["id"]
+        assert events[0]["reason"] == "no_reuse" and events[0]["org"] == "acme"
+        spawned = [e for e in events if e["kind"] == "spawned"]
+        assert len(spawned) == 2 and {e["pool"] for e in spawned} == {"demo"}
+        newest = events[0]["seq"]
+        assert (await api.http.get("/v1/events", params={"after": newest})).json()["events"] == []
+        one = (await api.http.get("/v1/events", params={"limit": 1})).json()["events"]
+        assert [e["seq"] for e in one] == [newest]
+
+
+async def test_events_record_failed_spawns(tmp_path: Path) -> None:
+    async with running(tmp_path, start=False) as api:
+        api.runtime.fail_spawns = 1
+        await api.plane.start(loops=False)
+        await asyncio.sleep(1)
+        events = (await api.http.get("/v1/events")).json()["events"]
+        failed = [e for e in events if e["kind"] == "spawn_failed"]
+        assert failed and failed[0]["pool"] == "demo" and failed[0]["detail"]
+        retired = [e for e in events if e["kind"] == "retired"]
+        assert retired and retired[0]["reason"] == "spawn_failure"
+
+
+async def test_history_samples_each_pool(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(), pool("other", warm_target=1)]) as api:
+        await api.plane.sample_pools()
+        await api.claim()
+        await asyncio.sleep(10)
+        await api.plane.sample_pools()
+        answer = (await api.http.get("/v1/history")).json()
+        assert answer["interval_s"] == 10 and answer["replica"] == api.plane.instance_id
+        demo = answer["pools"]["demo"]
+        assert [(s["hot"], s["warm_target"]) for s in demo] == [(0, 2), (1, 2)]
+        assert demo[0]["at"] < demo[1]["at"] <= answer["now"]
+        assert len(answer["pools"]["other"]) == 2
+        later = await api.http.get("/v1/history", params={"since": demo[0]["at"]})
+        assert [s["hot"] for s in later.json()["pools"]["demo"]] == [1]
+
+
+async def test_dashboard_data_is_for_admins_only(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        acme = {"Authorization": f"Bearer {ACME}"}
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        for path in ("/v1/claims", "/v1/events", "/v1/history"):
+            assert_problem(await api.http.get(path), 401)
+            assert_problem(await api.http.get(path, headers=acme), 403)
+            assert (await api.http.get(path, headers=admin)).status_code == 200, path
+
+
 async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
     async with running(tmp_path) as api:
         assert (await api.http.get("/healthz")).json() == {"status": "ok"}
@@ -387,7 +462,7 @@ async def test_openapi_document_lists_every_route(tmp_path: Path) -> None:
     async with running(tmp_path) as api:
         doc = (await api.http.get("/openapi.json")).json()
         paths = doc["paths"]
-        assert set(paths["/v1/claims"]) == {"post"}
+        assert set(paths["/v1/claims"]) == {"post", "get"}
         assert set(paths["/v1/claims/{claim_id}"]) == {"get", "delete"}
         assert set(paths["/v1/claims/{claim_id}/renew"]) == {"post"}
         for path in ("/v1/pools", "/v1/pools/{name}", "/v1/workers", "/healthz", "/readyz"):

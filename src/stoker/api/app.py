@@ -3,7 +3,9 @@
 Every route is in the app's router, and the OpenAPI document describes them all. The claim
 routes (`stoker.api.claims`) are the path every session takes; they are `DirectRoute`s,
 whose plain requests skip the framework's request handling (`stoker.api.routing`). Pools,
-workers, health and metrics are plain FastAPI routes, below.
+workers, claim listings, the dashboard's events and history, health and metrics are plain
+FastAPI routes, below; the pages a browser loads (`/ui`, `/docs`, `/redoc`) are in
+`stoker.api.pages`.
 
 Every request passes the app's middleware: `Guard` (`stoker.api.asgi`) authenticates `/v1/`
 requests and bounds request bodies, so an unauthenticated or oversized request is turned
@@ -33,21 +35,27 @@ from stoker.api.asgi import ApiState, Guard, Receive, Scope, Send, principal_of
 from stoker.api.claims import add_claim_routes
 from stoker.api.connections import RefusalLog
 from stoker.api.models import (
+    ClaimList,
+    ClaimOut,
+    EventList,
+    EventOut,
     Health,
     ModelResponse,
+    PoolHistory,
     PoolList,
     PoolOut,
     Problem,
     WorkerList,
     WorkerOut,
 )
+from stoker.api.pages import add_pages
 from stoker.api.problems import openapi_responses
 from stoker.api.routing import DirectRoutes
 from stoker.api.tokens import TokenTable
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import NotFound, StokerError, Unavailable
-from stoker.domain.states import LIVE, WorkerState
+from stoker.domain.states import LIVE, ClaimState, WorkerState
 
 logger = logging.getLogger("stoker.api")
 
@@ -138,7 +146,8 @@ def create_app(
         title="stoker",
         version=__version__,
         summary="Claims of warm workers, pools and workers of one stoker control plane.",
-        docs_url="/docs",
+        # Served by `add_pages` from the package's own files, not from a CDN.
+        docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
         telemetry=_NO_TELEMETRY,
@@ -158,6 +167,8 @@ def create_app(
     app.add_middleware(Guard, api=api, tokens=app.tokens, refusals=app.refusals)
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
+    _dashboard_routes(app, plane)
+    add_pages(app, openapi_url="/openapi.json")
     _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))
     return app
 
@@ -218,6 +229,27 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         return ModelResponse(WorkerList.model_construct(workers=[WorkerOut.of(w) for w in workers]))
 
     @app.get(
+        "/v1/claims",
+        operation_id="list_claims",
+        response_model=ClaimList,
+        responses=openapi_responses(401, 403, 422, 503),
+        tags=["claims"],
+        summary="List claims (admin)",
+    )
+    async def list_claims(
+        request: Request,
+        state_: Annotated[ClaimState, Query(alias="state")] = ClaimState.BOUND,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> Response:
+        """Claims in `state` (default: the open ones, `bound`), oldest first, without
+        their session tokens (the server keeps only digests)."""
+        principal_of(request.scope).check_admin()
+        if not plane.started:
+            raise Unavailable("control plane is not running")
+        claims = await plane.store.list_claims(states=[state_], limit=limit)
+        return ModelResponse(ClaimList.model_construct(claims=[ClaimOut.of(c) for c in claims]))
+
+    @app.get(
         "/healthz",
         operation_id="healthz",
         response_model=Health,
@@ -263,6 +295,58 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         """The plane's metrics in the Prometheus text format."""
         plane.refresh_gauges()
         return Response(generate_latest(plane.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _dashboard_routes(app: FastAPI, plane: ControlPlane) -> None:
+    """What the dashboard (`/ui`) reads beyond pools, workers and claims: this replica's
+    recent events and the last hour of its pool samples (admin)."""
+
+    @app.get(
+        "/v1/events",
+        operation_id="list_events",
+        response_model=EventList,
+        responses=openapi_responses(401, 403, 422),
+        tags=["dashboard"],
+        summary="Recent events of this replica (admin)",
+    )
+    async def list_events(
+        request: Request,
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> Response:
+        """Spawns, retirements with their reasons, and failures this replica recorded,
+        newest first; `after`: only events with a greater `seq`."""
+        principal_of(request.scope).check_admin()
+        events = plane.journal.recent(after=after, limit=limit)
+        return ModelResponse(
+            EventList.model_construct(
+                replica=plane.instance_id, events=[EventOut.of(e) for e in events]
+            )
+        )
+
+    @app.get(
+        "/v1/history",
+        operation_id="pool_history",
+        response_model=PoolHistory,
+        responses=openapi_responses(401, 403, 422),
+        tags=["dashboard"],
+        summary="The last hour of each pool (admin)",
+    )
+    async def pool_history(
+        request: Request, since: Annotated[float, Query(ge=0)] = 0.0
+    ) -> Response:
+        """Each pool's warm target, demand and workers sampled every `interval_s` by this
+        replica over the last hour, oldest first; `since`: only later samples."""
+        principal_of(request.scope).check_admin()
+        history = plane.history
+        return ModelResponse(
+            PoolHistory.of(
+                plane.instance_id,
+                history.interval_s,
+                plane.clock.now(),
+                history.samples(since=since),
+            )
+        )
 
 
 def _document(app: FastAPI, *, secured: bool, pools: list[str]) -> None:

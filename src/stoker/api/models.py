@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -18,6 +19,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from starlette.responses import Response
 
+from stoker.control.history import PoolSample
+from stoker.control.journal import Event, EventKind
 from stoker.control.plane import PoolStatus
 from stoker.domain.records import Claim, Worker, is_minted
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
@@ -252,6 +255,75 @@ class WorkerList(BaseModel):
     """`GET /v1/workers`."""
 
     workers: list[WorkerOut]
+
+
+class ClaimList(BaseModel):
+    """`GET /v1/claims`."""
+
+    claims: list[ClaimOut]
+
+
+class EventOut(BaseModel):
+    """One event this replica recorded: a spawn, a retirement (with its reason) or a
+    failure (`detail`: the error)."""
+
+    seq: int
+    at: str
+    kind: EventKind
+    pool: str | None
+    worker: str | None
+    org: str | None
+    reason: str | None
+    detail: str | None
+
+    @classmethod
+    def of(cls, event: Event) -> EventOut:
+        """The response body of one event."""
+        return cls.model_construct(**_fields(cls, event, at=timestamp(event.at)))
+
+
+class EventList(BaseModel):
+    """`GET /v1/events`: newest first; `replica`: the server that recorded them."""
+
+    replica: str
+    events: list[EventOut]
+
+
+class PoolSampleOut(BaseModel):
+    """One pool at one instant; `at` in seconds since the Unix epoch."""
+
+    at: float
+    warm_target: int
+    desired_warm: int
+    demand: int
+    warm: int
+    hot: int
+    hot_idle: int
+    spawning: int
+
+
+class PoolHistory(BaseModel):
+    """`GET /v1/history`: each pool's samples over the last hour, oldest first."""
+
+    replica: str
+    interval_s: float
+    now: float
+    pools: dict[str, list[PoolSampleOut]]
+
+    @classmethod
+    def of(
+        cls, replica: str, interval_s: float, now: float, pools: Mapping[str, list[PoolSample]]
+    ) -> PoolHistory:
+        """The response body of the history."""
+        return cls.model_construct(
+            replica=replica,
+            interval_s=interval_s,
+            now=now,
+            pools={
+                name: [PoolSampleOut.model_construct(**dataclasses.asdict(s)) for s in samples]
+                for name, samples in pools.items()
+            },
+        )
 
 
 class Health(BaseModel):

@@ -1,0 +1,274 @@
+// The stoker dashboard: polls the server's own API with the admin token this tab holds.
+// No framework, no build step, no request to anywhere but this server.
+"use strict";
+
+(function () {
+  const TOKEN_KEY = "stoker.token";
+  const params = new URLSearchParams(location.search);
+  const POLL_MS = Math.max(500, Number(params.get("interval_ms")) || 2000);
+  const HOUR_S = 3600;
+  const SERIES = [
+    ["desired_warm", "--target"],
+    ["warm", "--warm"],
+    ["demand", "--demand"],
+    ["hot", "--hot"],
+  ];
+
+  const $ = (id) => document.getElementById(id);
+  let history = {};        // pool -> samples, oldest first
+  let lastSampleAt = 0;    // newest sample's `at`, for ?since=
+  let livePools = [];      // the last GET /v1/pools
+  let serverSkewS = 0;     // server clock - this browser's clock, seconds
+  let timer = null;
+
+  function token() { return sessionStorage.getItem(TOKEN_KEY) || ""; }
+
+  class ApiError extends Error {
+    constructor(status, detail) { super(detail); this.status = status; }
+  }
+
+  async function api(path) {
+    const headers = { Accept: "application/json" };
+    const t = token();
+    if (t) headers.Authorization = "Bearer " + t;
+    const response = await fetch(path, { headers, cache: "no-store" });
+    const date = response.headers.get("date");
+    if (date) serverSkewS = (Date.parse(date) - Date.now()) / 1000;
+    let body = null;
+    try { body = await response.json(); } catch (e) { body = null; }
+    if (!response.ok) {
+      throw new ApiError(response.status, (body && body.detail) || response.statusText);
+    }
+    return body;
+  }
+
+  function nowS() { return Date.now() / 1000 + serverSkewS; }
+
+  function cell(row, text, cls) {
+    const td = document.createElement("td");
+    td.textContent = text === null || text === undefined ? "" : String(text);
+    if (cls) td.className = cls;
+    row.appendChild(td);
+    return td;
+  }
+
+  function fill(tableId, items, render) {
+    const body = $(tableId).querySelector("tbody");
+    const rows = items.map((item) => {
+      const tr = document.createElement("tr");
+      render(tr, item);
+      return tr;
+    });
+    body.replaceChildren(...rows);
+  }
+
+  function age(iso) {
+    if (!iso) return "";
+    return duration(nowS() - Date.parse(iso) / 1000);
+  }
+
+  function duration(s) {
+    if (!isFinite(s)) return "";
+    const sign = s < 0 ? "-" : "";
+    s = Math.abs(Math.round(s));
+    if (s < 60) return sign + s + "s";
+    if (s < 3600) return sign + Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
+    return sign + Math.floor(s / 3600) + "h" + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m";
+  }
+
+  function short(id) { return id && id.length > 14 ? id.slice(0, 14) + "…" : id; }
+
+  function renderPools(pools) {
+    fill("pools", pools, (tr, p) => {
+      tr.dataset.pool = p.name;
+      const c = p.counts || {};
+      cell(tr, p.name);
+      cell(tr, p.revision);
+      for (const v of [p.warm_target, p.desired_warm, p.demand, p.cap, c.spawning, c.warm,
+        c.reserved, c.activating, c.hot, c.hot_idle, c.draining]) {
+        cell(tr, v === undefined ? 0 : v, "num");
+      }
+      const spawns = p.spawn_failing
+        ? "failing ×" + p.spawn_failures + (p.last_spawn_error ? ": " + p.last_spawn_error : "")
+        : "ok";
+      cell(tr, spawns, p.spawn_failing ? "failing detail" : "");
+    });
+    const select = $("chart-pool");
+    const names = pools.map((p) => p.name);
+    const current = [...select.options].map((o) => o.value);
+    if (names.join("\n") !== current.join("\n")) {
+      const chosen = select.value;
+      select.replaceChildren(...names.map((n) => new Option(n, n)));
+      if (names.includes(chosen)) select.value = chosen;
+    }
+  }
+
+  function renderWorkers(workers) {
+    $("workers-count").textContent = "(" + workers.length + ")";
+    fill("workers", workers, (tr, w) => {
+      tr.dataset.worker = w.id;
+      tr.dataset.state = w.state;
+      cell(tr, w.id);
+      cell(tr, w.pool);
+      cell(tr, w.state, "state-" + w.state);
+      cell(tr, w.org);
+      cell(tr, age(w.created_at), "num");
+      cell(tr, w.revision);
+      cell(tr, short(w.claim_id));
+      cell(tr, w.endpoint);
+    });
+  }
+
+  function renderClaims(claims) {
+    $("claims-count").textContent = "(" + claims.length + ")";
+    fill("claims", claims, (tr, c) => {
+      tr.dataset.claim = c.id;
+      cell(tr, short(c.id)).title = c.id;
+      cell(tr, c.pool);
+      cell(tr, c.org);
+      cell(tr, c.worker.id);
+      cell(tr, c.source);
+      cell(tr, age(c.created_at), "num");
+      cell(tr, duration(Date.parse(c.expires_at) / 1000 - nowS()), "num");
+    });
+  }
+
+  function renderEvents(events) {
+    fill("events", events, (tr, e) => {
+      tr.dataset.kind = e.kind;
+      if (e.kind.endsWith("_failed")) tr.className = "failure";
+      cell(tr, new Date(e.at).toLocaleTimeString());
+      cell(tr, e.kind);
+      cell(tr, e.pool);
+      cell(tr, e.worker);
+      cell(tr, e.reason);
+      cell(tr, e.detail, "detail");
+    });
+  }
+
+  function mergeHistory(answer) {
+    const horizon = answer.now - HOUR_S;
+    for (const [pool, samples] of Object.entries(answer.pools)) {
+      const kept = (history[pool] || []).concat(samples).filter((s) => s.at >= horizon);
+      history[pool] = kept;
+      for (const s of samples) lastSampleAt = Math.max(lastSampleAt, s.at);
+    }
+  }
+
+  function drawChart() {
+    const canvas = $("chart");
+    const pool = $("chart-pool").value;
+    const ratio = window.devicePixelRatio || 1;
+    const width = canvas.clientWidth || 900;
+    const height = canvas.clientHeight || 240;
+    canvas.width = width * ratio;
+    canvas.height = height * ratio;
+    const g = canvas.getContext("2d");
+    g.setTransform(ratio, 0, 0, ratio, 0, 0);
+    g.clearRect(0, 0, width, height);
+    const style = getComputedStyle(document.documentElement);
+    const points = (history[pool] || []).slice();
+    const live = livePools.find((p) => p.name === pool);
+    const end = nowS();
+    if (live) {
+      const c = live.counts || {};
+      points.push({ at: end, desired_warm: live.desired_warm, demand: live.demand,
+        warm: c.warm || 0, hot: c.hot || 0 });
+    }
+    $("chart-note").textContent = points.length > 1 ? "" : "(collecting samples)";
+    const left = 36, right = 8, top = 8, bottom = 22;
+    const plotW = width - left - right, plotH = height - top - bottom;
+    let max = 1;
+    for (const s of points) for (const [key] of SERIES) max = Math.max(max, s[key] || 0);
+    max = Math.ceil(max * 1.15);
+    const x = (at) => left + ((at - (end - HOUR_S)) / HOUR_S) * plotW;
+    const y = (v) => top + plotH - (v / max) * plotH;
+    g.font = "11px system-ui, sans-serif";
+    g.fillStyle = style.getPropertyValue("--muted");
+    g.strokeStyle = style.getPropertyValue("--line");
+    g.lineWidth = 1;
+    const step = Math.max(1, Math.ceil(max / 5));
+    g.textAlign = "left";
+    for (let v = 0; v <= max; v += step) {
+      g.beginPath(); g.moveTo(left, y(v)); g.lineTo(width - right, y(v)); g.stroke();
+      g.fillText(String(v), 4, y(v) + 4);
+    }
+    for (let m = 60; m >= 0; m -= 10) {
+      const at = end - m * 60;
+      g.textAlign = m === 60 ? "left" : m === 0 ? "right" : "center";
+      g.fillText(m === 0 ? "now" : "-" + m + "m", x(at), height - 6);
+    }
+    for (const [key, color] of SERIES) {
+      g.strokeStyle = style.getPropertyValue(color);
+      g.lineWidth = 2;
+      g.beginPath();
+      points.forEach((s, i) => {
+        const px = x(Math.max(s.at, end - HOUR_S)), py = y(s[key] || 0);
+        if (i === 0) g.moveTo(px, py);
+        else { g.lineTo(px, y(points[i - 1][key] || 0)); g.lineTo(px, py); }
+      });
+      g.stroke();
+    }
+    canvas.dataset.points = String(points.length);
+  }
+
+  function setStatus(text, error) {
+    const el = $("status");
+    el.textContent = text;
+    el.classList.toggle("error", !!error);
+  }
+
+  async function poll() {
+    try {
+      const [pools, workers, claims, events, hist] = await Promise.all([
+        api("/v1/pools"),
+        api("/v1/workers?limit=500"),
+        api("/v1/claims?limit=500"),
+        api("/v1/events?limit=100"),
+        api("/v1/history" + (lastSampleAt ? "?since=" + lastSampleAt : "")),
+      ]);
+      livePools = pools.pools;
+      renderPools(livePools);
+      renderWorkers(workers.workers);
+      renderClaims(claims.claims);
+      renderEvents(events.events);
+      mergeHistory(hist);
+      drawChart();
+      document.body.dataset.loaded = "true";
+      setStatus("updated " + new Date().toLocaleTimeString() + " · replica " + events.replica);
+    } catch (e) {
+      if (e.status === 401) {
+        setStatus("this server needs an admin token: enter it above", true);
+        $("token").focus();
+      } else if (e.status === 403) {
+        setStatus("refused: " + e.message, true);
+      } else {
+        setStatus("cannot reach the server: " + e.message + " (retrying)", true);
+      }
+    }
+  }
+
+  function restart() {
+    if (timer) clearInterval(timer);
+    history = {}; lastSampleAt = 0;
+    poll();
+    timer = setInterval(poll, POLL_MS);
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("token-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const value = $("token").value.trim();
+      if (value) sessionStorage.setItem(TOKEN_KEY, value);
+      $("token").value = "";
+      restart();
+    });
+    $("forget").addEventListener("click", () => {
+      sessionStorage.removeItem(TOKEN_KEY);
+      restart();
+    });
+    $("chart-pool").addEventListener("change", drawChart);
+    window.addEventListener("resize", drawChart);
+    restart();
+  });
+})();
