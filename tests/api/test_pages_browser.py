@@ -1,0 +1,216 @@
+"""The dashboard and the API docs in a real headless Chromium, against a real `stoker serve`.
+
+Debian's `chromium` and `chromium-driver`, driven by selenium (`.ci/run` installs them).
+The browser resolves no host name but the server's, so a page that needed the network
+would not render; each test also checks that every request the page made went to the
+server. Without the browser the tests skip, except under CI=true, where they fail.
+A screenshot of the dashboard is kept in the test's tmp dir and, when
+$STOKER_TEST_ARTIFACTS is set, in that folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from servers import DEMO, Server, kill_fleet, start_server
+
+pytestmark = pytest.mark.processes
+
+ADMIN = "dashboard-admin-token-0123456789"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+#: Bound for each wait on the page (a condition, polled; never a fixed sleep).
+WAIT_S = 30.0
+
+
+def _browser_missing() -> str | None:
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not Path(path).exists():
+            return f"{path} is not installed (apt-get install chromium chromium-driver)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    pool = {"name": "demo", "command": DEMO, "warm_target": 2}
+    config = (
+        f"store: sqlite:///./stoker.db\nfleet: {fleet}\n"
+        f"api: {{port: 0, admin_tokens: [{ADMIN}]}}\n"
+        "intervals: {janitor_interval_s: 0.2, pool_sample_s: 1, shutdown_grace_s: 5}\n"
+        f"pools:\n  - {json.dumps(pool)}\n"
+    )
+    srv = start_server(tmp_path_factory.mktemp("ui"), config=config, args=["--stop-workers"])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    missing = _browser_missing()
+    if missing is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the browser tests must run in CI: {missing}")
+        pytest.skip(missing)
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+        # No name resolves but loopback's: a page that needs the network cannot load it.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    ):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver: WebDriver, what: str, condition: Any) -> Any:
+    """Poll `condition(driver)` until it is truthy (bounded by WAIT_S)."""
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition)
+    except TimeoutException:
+        status = driver.find_elements(By.ID, "status")
+        shown = status[0].text if status else driver.page_source[:2000]
+        raise AssertionError(f"waited {WAIT_S}s for {what}; the page shows: {shown}") from None
+
+
+def requested(driver: WebDriver, *, images: bool = True) -> list[str]:
+    """Every URL the page loaded or fetched (`images`: also the images it tried)."""
+    names = driver.execute_script(
+        "return [location.href].concat(performance.getEntriesByType('resource')"
+        ".filter(e => arguments[0] || e.initiatorType !== 'img').map(e => e.name))",
+        images,
+    )
+    assert isinstance(names, list)
+    return [str(n) for n in names]
+
+
+def cells(driver: WebDriver, selector: str) -> list[str]:
+    return [td.text for td in driver.find_elements(By.CSS_SELECTOR, selector + " td")]
+
+
+def keep_screenshot(driver: WebDriver, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    assert driver.save_screenshot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    artifacts = os.environ.get("STOKER_TEST_ARTIFACTS")
+    if artifacts:
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(artifacts) / name)
+    return path
+
+
+def test_dashboard_asks_for_the_token_then_shows_pools_and_follows_a_claim(
+    server: Server, browser: WebDriver, tmp_path: Path
+) -> None:
+    browser.get(server.url + "/ui")
+    # The server has tokens: the page's first calls answer 401 and it asks for one.
+    wait_for(
+        browser, "the token prompt", lambda d: "admin token" in d.find_element(By.ID, "status").text
+    )
+    browser.find_element(By.ID, "token").send_keys(ADMIN)
+    browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+    wait_for(
+        browser, "the demo pool", lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-pool=demo]")
+    )
+    wait_for(
+        browser,
+        "two warm workers",
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#workers tr[data-state=warm]")) == 2,
+    )
+    row = cells(browser, "#pools tr[data-pool=demo]")
+    assert row[:3] == ["demo", row[1], "2"], row  # name, revision, warm target
+    assert browser.execute_script("return sessionStorage.getItem('stoker.token')") == ADMIN
+    assert browser.find_elements(By.CSS_SELECTOR, "#events tr[data-kind=spawned]")
+
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    claim = httpx.post(
+        server.url + "/v1/claims", json={"pool": "demo", "org": "acme"}, headers=headers, timeout=30
+    ).json()
+    try:
+        wait_for(
+            browser,
+            "the claim in the open claims",
+            lambda d: d.find_elements(By.CSS_SELECTOR, f"#claims tr[data-claim='{claim['id']}']"),
+        )
+        worker = claim["worker"]["id"]
+        wait_for(
+            browser,
+            "the claimed worker hot for acme",
+            lambda d: cells(d, f"#workers tr[data-worker='{worker}']")[2:4] == ["hot", "acme"],
+        )
+        # pool, revision, target, desired, demand, cap, spawning, warm, reserved, activating, hot
+        wait_for(
+            browser,
+            "one hot worker in the pool row",
+            lambda d: cells(d, "#pools tr[data-pool=demo]")[10] == "1",
+        )
+        claim_row = cells(browser, f"#claims tr[data-claim='{claim['id']}']")
+        assert claim_row[1:5] == ["demo", "acme", worker, "warm"], claim_row
+        # The chart has the server's samples and the live point.
+        wait_for(
+            browser,
+            "the chart's points",
+            lambda d: int(d.find_element(By.ID, "chart").get_attribute("data-points") or 0) >= 2,
+        )
+        shot = keep_screenshot(browser, tmp_path, "dashboard.png")
+        assert shot.stat().st_size > 10_000
+    finally:
+        httpx.delete(f"{server.url}/v1/claims/{claim['id']}", headers=headers, timeout=30)
+    wait_for(
+        browser,
+        "the released claim gone from the open claims",
+        lambda d: not d.find_elements(By.CSS_SELECTOR, f"#claims tr[data-claim='{claim['id']}']"),
+    )
+    assert all(url.startswith(server.url) for url in requested(browser)), requested(browser)
+
+
+def test_docs_render_the_operations_without_network(server: Server, browser: WebDriver) -> None:
+    browser.get(server.url + "/docs")
+    wait_for(
+        browser,
+        "Swagger UI's claim operations",
+        lambda d: d.find_elements(By.CSS_SELECTOR, ".opblock-summary-path[data-path='/v1/claims']"),
+    )
+    paths = {
+        e.get_attribute("data-path")
+        for e in browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")
+    }
+    assert {"/v1/claims", "/v1/claims/{claim_id}", "/v1/claims/{claim_id}/renew"} <= paths
+    assert all(url.startswith(server.url) for url in requested(browser)), requested(browser)
+
+    browser.get(server.url + "/redoc")
+    wait_for(
+        browser,
+        "ReDoc's claim operation",
+        lambda d: "Claim a worker" in d.find_element(By.TAG_NAME, "body").text,
+    )
+    # ReDoc's sidebar tries its vendor's logo from a CDN (the page's policy blocks it and
+    # ReDoc hides the image); every script, style sheet and fetch came from the server.
+    loaded = requested(browser, images=False)
+    assert all(url.startswith(server.url) for url in loaded), loaded
