@@ -129,6 +129,22 @@ def test_the_wheel_ships_the_scenarios_and_the_type_marker(
     assert "stoker/py.typed" in names
 
 
+def test_the_wheel_ships_the_pages_static_files(metadata: tuple[Message, list[str]]) -> None:
+    _, names = metadata
+    static = "stoker/api/static/"
+    for name in (
+        "ui/index.html",
+        "ui/dashboard.js",
+        "ui/dashboard.css",
+        "vendor/swagger-ui/swagger-ui-bundle.js",
+        "vendor/swagger-ui/swagger-ui.css",
+        "vendor/swagger-ui/LICENSE",
+        "vendor/redoc/redoc.standalone.js",
+        "vendor/redoc/LICENSE",
+    ):
+        assert static + name in names, name
+
+
 def locked(name: str) -> dict[str, list[tuple[Version, Requirement]]]:
     """The pins of requirements/NAME.lock: name -> [(version, the pin with its marker)]."""
     pins: dict[str, list[tuple[Version, Requirement]]] = {}
