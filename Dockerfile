@@ -4,8 +4,9 @@
 #   docker run --rm -p 8080:8080 -e STOKER_API__ADMIN_TOKENS="$(openssl rand -hex 24)" stoker:0.1.0
 #
 # The builder stage builds the wheel from pyproject.toml, README.md and src/ (all the
-# wheel needs; .dockerignore admits nothing else) and installs it with its dependencies
-# into a virtual environment without pip. The final stage copies that environment onto a
+# wheel needs; .dockerignore admits nothing else but the lock file) and installs it with
+# the postgres and kubernetes extras, at the lock file's versions, into a virtual
+# environment without pip. The final stage copies that environment onto a
 # fresh slim image: no compiler, no pip, no setuptools, no source tree.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -16,11 +17,17 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /build
 COPY pyproject.toml README.md ./
+COPY requirements/all.lock ./requirements/
 COPY src ./src
-# The target environment has no pip of its own: the builder's pip installs into it.
-RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
+# The dependencies at the versions of the lock file (as constraints, without the hashes:
+# only those of the extras a Kubernetes deployment needs are installed). The target
+# environment has no pip of its own: the builder's pip installs into it.
+RUN sed -e '/^[[:space:]#]/d' -e 's/ *\\$//' requirements/all.lock > /tmp/constraints.txt \
+ && python -m pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv --without-pip /opt/stoker \
- && python -m pip --python /opt/stoker/bin/python install /wheels/stoker-*.whl
+ && set -- /wheels/stoker-*.whl \
+ && python -m pip --python /opt/stoker/bin/python install \
+      --constraint /tmp/constraints.txt "$1[postgres,kubernetes]"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/stoker/bin:$PATH \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shlex
 import shutil
 import signal
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from servers import environment, kill_fleet, start_server, wait_until
 from stoker.config import StokerConfig
@@ -188,7 +190,7 @@ def test_the_build_context_holds_what_the_copies_need() -> None:
     .dockerignore keeps the virtual environments, tests and git history out."""
     patterns = ignore_patterns()
     sources = context_sources()
-    assert sorted(sources) == ["README.md", "pyproject.toml", "src"]
+    assert sorted(sources) == ["README.md", "pyproject.toml", "requirements/all.lock", "src"]
     for source in sources:
         assert (ROOT / source).exists(), source
         assert admitted(source, patterns), source
@@ -203,6 +205,7 @@ def test_the_wheel_builds_from_the_context_alone(tmp_path: Path) -> None:
     context = tmp_path / "context"
     context.mkdir()
     for source in context_sources():
+        (context / source).parent.mkdir(parents=True, exist_ok=True)
         if (ROOT / source).is_dir():
             shutil.copytree(
                 ROOT / source,
@@ -234,15 +237,43 @@ def test_the_wheel_builds_from_the_context_alone(tmp_path: Path) -> None:
     assert "[console_scripts]\nstoker = stoker.cli:main" in scripts
 
 
-def test_the_image_installs_only_extras_the_package_declares() -> None:
-    """An extra named in the install step (`stoker-*.whl[...]`) exists in pyproject.toml."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = set(project.get("optional-dependencies", {}))
+def install_step() -> str:
+    """The builder stage's RUN that builds and installs the package."""
     [builder, _] = stages()
-    install = " ".join(i.arguments for i in builder if i.keyword == "RUN")
-    named = install.partition(".whl[")[2].partition("]")[0]
-    for extra in filter(None, named.split(",")):
-        assert extra in declared, extra
+    [run] = [i.arguments for i in builder if i.keyword == "RUN" and "pip" in i.arguments]
+    return run
+
+
+def test_the_image_installs_the_extras_a_kubernetes_deployment_needs() -> None:
+    """The wheel is installed with the postgres and kubernetes extras, which the package
+    declares (and not the simulator's)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = set(project["optional-dependencies"])
+    match = re.search(r'"\$1\[([a-z,]+)\]"', install_step())
+    assert match, install_step()
+    assert match.group(1).split(",") == ["postgres", "kubernetes"]
+    assert {"postgres", "kubernetes"} <= declared
+
+
+def test_the_lock_file_becomes_pinned_constraints(tmp_path: Path) -> None:
+    """The install step's sed turns the hashed lock file into one `name==version` pin a
+    line (the constraints pip installs with), covering the extras' packages."""
+    command = install_step().partition(" > ")[0]
+    assert command.startswith("sed ")
+    result = subprocess.run(
+        ["sh", "-c", command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    pins = [Requirement(line) for line in result.stdout.splitlines()]
+    assert pins and all(
+        len(p.specifier) == 1 and next(iter(p.specifier)).operator == "==" for p in pins
+    )
+    names = {p.name for p in pins}
+    assert {"fastapi", "uvicorn", "psycopg", "lightkube"} <= names
 
 
 # -- the image's environment, entry point and health check, run for real -------------------
