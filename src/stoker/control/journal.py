@@ -28,17 +28,6 @@ class EventKind(StrEnum):
     PASS_FAILED = "pass_failed"
 
 
-#: The kinds that are failures (the dashboard marks them).
-FAILURES = frozenset(
-    {
-        EventKind.SPAWN_FAILED,
-        EventKind.ACTIVATION_FAILED,
-        EventKind.PERSIST_FAILED,
-        EventKind.PASS_FAILED,
-    }
-)
-
-
 @dataclass(frozen=True, slots=True)
 class Event:
     """One recorded event; `seq` grows by one per event of this replica."""
