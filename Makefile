@@ -8,7 +8,7 @@ LOCK := requirements/dev.lock
 COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
 	--generate-hashes --custom-compile-command 'make lock'
 
-.PHONY: install lock demo serve test lint fmt bench clean
+.PHONY: install lock demo serve test lint fmt bench docs clean
 
 install: $(STAMP)
 
@@ -26,6 +26,7 @@ lock:
 	$(COMPILE) $(UV_ARGS) --extra dev -o requirements/dev.lock
 	$(COMPILE) $(UV_ARGS) --extra all -o requirements/all.lock
 
+# The README's tour on a server of its own (python -m stoker.demo).
 demo: install
 	$(PY) -m stoker.demo
 
@@ -45,8 +46,13 @@ fmt: install
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
+# The benchmarks that need nothing but this machine; BENCH_ARGS=--all adds PostgreSQL's.
 bench: install
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+# Regenerates the API reference (docs/api.md, docs/openapi.json) from the routes.
+docs: install
+	$(PY) -m stoker.api.reference docs
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
