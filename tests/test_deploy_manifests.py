@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import functools
 import importlib
 import inspect
 import json
-import os
 import pkgutil
-import re
-import shutil
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
@@ -34,11 +29,11 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
 import stoker.adapters.elector_k8s as elector_k8s
 import stoker.adapters.runtime_kubernetes as runtime_kubernetes
 from fakes import TEST_ACTIVATION_KEY
+from kustomize import OVERLAYS, ROOT, documents, kubectl, one, stoker_yaml
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.domain.records import Worker
@@ -48,11 +43,9 @@ from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import ClusterAPI, Lease, Pod, PodList, PodPhase, Selector, WatchEvent
 from stoker.sim.cluster import FakeApiServer
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("single", "ha")
 KUBERNETES_VERSION = "1.37"
-#: Custom resources of the Prometheus Operator: not in the Kubernetes schema.
+#: Custom resources of the Prometheus Operator: not in the Kubernetes schema
+#: (tests/test_deploy_monitoring.py checks them).
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 #: How each ClusterAPI operation reaches the API server (see cluster_lightkube): the
@@ -69,58 +62,6 @@ RBAC_OF: dict[str, tuple[str, str, str]] = {
     "update_lease": ("coordination.k8s.io", "leases", "update"),
 }
 Grant = tuple[str, str, str]
-
-
-def kubectl() -> str:
-    """kubectl's path (on PATH, or installed into this virtual environment by .ci/run);
-    skips the test where kubectl is missing, unless CI=true."""
-    found = shutil.which("kubectl") or shutil.which("kubectl", path=Path(sys.executable).parent)
-    if found is not None:
-        return found
-    if os.environ.get("CI") == "true":
-        pytest.fail("kubectl is not installed: CI renders the kustomize overlays with it")
-    pytest.skip("kubectl is not installed: `kubectl kustomize` renders the overlays")
-
-
-@functools.cache
-def _rendered(overlay: str) -> str:
-    result = subprocess.run(
-        [kubectl(), "kustomize", str(DEPLOY / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def documents(overlay: str = "ha") -> list[dict[str, Any]]:
-    """Every object `kubectl kustomize` renders for `overlay`, in its order (a fresh copy)."""
-    return [doc for doc in yaml.safe_load_all(_rendered(overlay)) if doc is not None]
-
-
-def one(kind: str, name: str | None = None, overlay: str = "ha") -> dict[str, Any]:
-    """The one object of `kind` (named `name`, or with a generated name `name-<hash>`)."""
-    matches = [
-        doc
-        for doc in documents(overlay)
-        if doc["kind"] == kind
-        and (
-            name is None
-            or doc["metadata"]["name"] == name
-            or re.fullmatch(rf"{re.escape(name)}-[a-z0-9]{{10}}", doc["metadata"]["name"])
-        )
-    ]
-    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
-    return matches[0]
-
-
-def stoker_yaml(overlay: str = "ha") -> dict[str, Any]:
-    """The configuration file the overlay mounts (the generated ConfigMap's stoker.yaml)."""
-    text = one("ConfigMap", "stoker-config", overlay)["data"]["stoker.yaml"]
-    config: dict[str, Any] = yaml.safe_load(text)
-    return config
 
 
 def role_grants() -> set[Grant]:
@@ -143,11 +84,13 @@ BASE_KINDS = {
     "ServiceAccount": 2,
     "Role": 1,
     "RoleBinding": 1,
-    "ConfigMap": 1,
+    "ConfigMap": 2,  # stoker-config, and the Grafana dashboard (components/monitoring)
     "Deployment": 1,
     "Service": 1,
     "PodDisruptionBudget": 1,
     "NetworkPolicy": 1,
+    "ServiceMonitor": 1,
+    "PrometheusRule": 1,
 }
 OVERLAY_KINDS = {
     "single": {"PersistentVolumeClaim": 1},
@@ -158,7 +101,7 @@ OVERLAY_KINDS = {
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_each_overlay_holds_every_object_the_deployment_needs(overlay: str) -> None:
     """Namespace, accounts, Role and binding, priority classes, config, Deployment, PDB,
-    Service, NetworkPolicy (and the overlay's own): each once, all in one namespace
+    Service, NetworkPolicy, monitoring (and the overlay's own): each once, all in one namespace
     (PriorityClasses are cluster-scoped)."""
     kinds = Counter(doc["kind"] for doc in documents(overlay))
     assert kinds == Counter(BASE_KINDS) + Counter(OVERLAY_KINDS[overlay])
