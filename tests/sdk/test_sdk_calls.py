@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -20,14 +21,19 @@ import pytest
 
 from stoker.sdk import (
     AsyncClient,
+    AsyncSession,
     CapacityError,
     ClaimConflict,
     ClaimInfo,
     Client,
+    InvalidRequest,
     NotFound,
     OrgCapError,
     PoolInfo,
+    Retries,
     ServerUnreachable,
+    Session,
+    SessionLost,
     StokerError,
     Unavailable,
     WorkerInfo,
@@ -177,15 +183,20 @@ async def test_both_clients_send_the_same_requests_and_read_the_same_results() -
     assert ready is True
 
     create, get, renew, renew_default, *_, list_workers, _ready = sync_server.requests
-    # The claim's body holds the options that are set; its read waits out the claim's wait.
+    # The claim's body holds the options that are set; its read waits out the claim's wait
+    # (the pools' default claim timeout when none is given), not an hour.
     assert wire(create) == (
         "POST",
         "http://stoker.test:8080/v1/claims",
         "Bearer t0k",
         "application/json, application/problem+json",
         {"pool": "demo", "org": "acme", "lease_s": 30, "config": {"role": "ro"}},
-        3600.0 + 10.0,
+        30.0 + 10.0,
     )
+    # Each claim carries a key of its own (a UUID4), so that it is safe to send again.
+    keys = {r.headers["idempotency-key"] for r in (create, async_server.requests[0])}
+    assert len(keys) == 2 and all(len(k) == 36 for k in keys)
+    assert "idempotency-key" not in get.headers
     # A claim id is one path segment, whatever it holds.
     assert get.url.raw_path == b"/v1/claims/c%2F1"
     assert json.loads(renew.content) == {"lease_s": 60} and renew_default.content == b""
@@ -211,8 +222,11 @@ async def test_both_clients_map_answers_onto_the_same_exceptions() -> None:
         ("garbled", StokerError, lambda e: e.status == 200 and "not JSON" in str(e)),
         ("missing", NotFound, lambda e: e.detail == "no such thing"),
     ]
-    sync_client = Client("http://s", transport=httpx.MockTransport(Server(answers)))
-    async_client = AsyncClient("http://s", transport=httpx.MockTransport(Server(answers)))
+    once = Retries(enabled=False)  # each error as the first answer maps it (retries: below)
+    sync_client = Client("http://s", retries=once, transport=httpx.MockTransport(Server(answers)))
+    async_client = AsyncClient(
+        "http://s", retries=once, transport=httpx.MockTransport(Server(answers))
+    )
     async with async_client:
         for claim_id, kind, check in expected:
             with pytest.raises(kind) as sync_error:
@@ -229,11 +243,13 @@ async def test_no_answer_is_server_unreachable_for_both_clients() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    with Client("http://s:1", transport=httpx.MockTransport(refuse)) as client:
+    once = Retries(enabled=False)
+    with Client("http://s:1", retries=once, transport=httpx.MockTransport(refuse)) as client:
         with pytest.raises(ServerUnreachable, match="cannot reach stoker at http://s:1"):
             client.pools()
         assert client.ready() is False
-    async with AsyncClient("http://s:1", transport=httpx.MockTransport(refuse)) as aclient:
+    transport = httpx.MockTransport(refuse)
+    async with AsyncClient("http://s:1", retries=once, transport=transport) as aclient:
         with pytest.raises(ServerUnreachable, match="cannot reach stoker at http://s:1"):
             await aclient.pools()
         assert await aclient.ready() is False
@@ -281,32 +297,57 @@ def renew_count(server: Server) -> int:
 
 def test_a_session_renews_until_the_server_ends_it() -> None:
     server, ended = renewals_until_conflict(2)
+    lost: list[SessionLost] = []
+    held: list[Session] = []
+
+    def hold(client: Client) -> None:
+        with client.claim("demo", "acme", on_lost=lost.append) as session:
+            held.append(session)
+            assert ended.wait(10)
+            renewer = session._renewer
+            assert renewer is not None
+            renewer.join(10)
+            # A 409 ends the renewals: no further request comes.
+            assert not renewer.is_alive() and renew_count(server) == 3
+            assert isinstance(session.renewal_error, ClaimConflict)
+            # The application hears of it at once (and may ask), and the exit raises it.
+            assert lost == [session.lost]
+            assert session.lost is not None
+            assert isinstance(session.lost.__cause__, ClaimConflict)
+            with pytest.raises(SessionLost):
+                session.check()
+
     with (
         Client("http://s", transport=httpx.MockTransport(server)) as client,
-        client.claim("demo", "acme") as session,
+        pytest.raises(SessionLost, match="c/1 was lost") as raised,
     ):
-        assert ended.wait(10)
-        renewer = session._renewer
-        assert renewer is not None
-        renewer.join(10)
-        # A 409 ends the renewals: no further request comes.
-        assert not renewer.is_alive() and renew_count(server) == 3
-        assert isinstance(session.renewal_error, ClaimConflict)
-    assert session.claim.state == "expired"
+        hold(client)
+    assert raised.value is held[0].lost
+    assert held[0].claim.state == "expired"
 
 
 @pytest.mark.looptime
 async def test_an_async_session_renews_until_the_server_ends_it() -> None:
     server, ended = renewals_until_conflict(2)
-    async with (
-        AsyncClient("http://s", transport=httpx.MockTransport(server)) as client,
-        client.claim("demo", "acme") as session,
-    ):
-        # Renewals come every third of the 0.15 s lease: three of them by 0.2 s.
-        await asyncio.sleep(1)
-        assert ended.is_set() and renew_count(server) == 3
-        assert isinstance(session.renewal_error, ClaimConflict)
-    assert session.claim.state == "expired"
+    lost: list[SessionLost] = []
+    held: list[AsyncSession] = []
+
+    async def hold(client: AsyncClient) -> None:
+        async with client.claim("demo", "acme", on_lost=lost.append) as session:
+            held.append(session)
+            # Renewals come every third of the 0.15 s lease: three of them by 0.2 s.
+            await asyncio.sleep(1)
+            assert ended.is_set() and renew_count(server) == 3
+            assert isinstance(session.renewal_error, ClaimConflict)
+            assert lost == [session.lost]
+            raise ValueError("the application's own")
+
+    async with AsyncClient("http://s", transport=httpx.MockTransport(server)) as client:
+        with pytest.raises(ValueError, match="the application's own") as raised:
+            await hold(client)
+    # The block's own exception wins; the lost session is noted on it.
+    assert any("was lost" in note for note in raised.value.__notes__)
+    assert held[0].claim.state == "expired"
 
 
 def test_the_package_root_is_the_sdk_loaded_on_first_use() -> None:
@@ -323,3 +364,88 @@ def test_the_package_root_is_the_sdk_loaded_on_first_use() -> None:
     for code in (lazy, script):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+# -- retries --------------------------------------------------------------------------------
+
+
+def test_retry_waits_are_jittered_back_off_never_shorter_than_retry_after() -> None:
+    rng = random.Random(7)
+    retries = Retries(backoff_s=0.5, max_backoff_s=4.0)
+    down = ServerUnreachable("cannot reach stoker")
+    waits = [retries.delay(n, down, left=100.0, rng=rng) for n in range(8)]
+    caps = [min(4.0, 0.5 * 2**n) for n in range(8)]
+    assert all(w is not None and 0 <= w <= cap for w, cap in zip(waits, caps, strict=True))
+    assert len(set(waits)) == 8  # jittered: clients that failed together spread out
+    capped = OrgCapError("429", retry_after=3.0)
+    busy = Unavailable("503", retry_after=2.0)
+    assert retries.delay(0, capped, left=100.0, rng=rng) == 3.0
+    assert retries.delay(0, busy, left=100.0, rng=rng) == 2.0
+    # Past the call's deadline, or for an answer another try would not change: give up.
+    assert retries.delay(0, capped, left=2.5, rng=rng) is None
+    for final in (CapacityError("503 no capacity"), NotFound("404"), InvalidRequest("422")):
+        assert retries.delay(0, final, left=100.0, rng=rng) is None
+    assert Retries(enabled=False).delay(0, down, left=100.0) is None
+
+
+def flaky_claims(*failures: Callable[[], httpx.Response]) -> Server:
+    """A server whose claims fail as `failures` say, in turn, then succeed."""
+    left = list(failures)
+
+    def claim() -> httpx.Response:
+        if left:
+            return left.pop(0)()
+        return httpx.Response(201, json=claim_body())
+
+    return Server({("POST", "/v1/claims"): claim})
+
+
+def unavailable(retry_after: str) -> Callable[[], httpx.Response]:
+    def answer() -> httpx.Response:
+        body = {"code": "unavailable", "detail": "starting", "reason": "starting"}
+        return httpx.Response(503, json=body, headers={"Retry-After": retry_after})
+
+    return answer
+
+
+def refused() -> httpx.Response:
+    raise httpx.ConnectError("connection refused")
+
+
+@pytest.mark.looptime
+async def test_a_claim_is_retried_with_its_key_after_retry_after() -> None:
+    server = flaky_claims(unavailable("2"), refused, unavailable("1"))
+    loop = asyncio.get_running_loop()
+    async with AsyncClient("http://s", transport=httpx.MockTransport(server)) as client:
+        started = loop.time()
+        claim = await client.create_claim("demo", "acme", timeout_s=5)
+        elapsed = loop.time() - started
+    assert claim.id == "c/1"
+    assert len(server.requests) == 4
+    # Every try carries the claim's one key: the server binds at most one worker for it.
+    assert len({r.headers["idempotency-key"] for r in server.requests}) == 1
+    assert elapsed >= 3.0  # both Retry-After waits were honoured
+
+
+def test_the_sync_client_retries_a_refused_connection() -> None:
+    server = flaky_claims(refused, refused)
+    retries = Retries(backoff_s=0.001)
+    with Client("http://s", retries=retries, transport=httpx.MockTransport(server)) as client:
+        assert client.create_claim("demo", "acme").id == "c/1"
+    assert len(server.requests) == 3
+    assert len({r.headers["idempotency-key"] for r in server.requests}) == 1
+
+
+@pytest.mark.looptime
+async def test_retries_end_at_the_calls_deadline_with_the_last_error() -> None:
+    server = flaky_claims(*[unavailable("2")] * 100)
+    loop = asyncio.get_running_loop()
+    retries = Retries(deadline_s=5.0)
+    transport = httpx.MockTransport(server)
+    async with AsyncClient("http://s", retries=retries, transport=transport) as client:
+        started = loop.time()
+        with pytest.raises(Unavailable, match="starting"):
+            await client.create_claim("demo", "acme", timeout_s=1)
+        # The claim's wait (1 s) plus the retry deadline (5 s), never a try past them.
+        assert loop.time() - started <= 6.0
+    assert len(server.requests) == 3

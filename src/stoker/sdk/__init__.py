@@ -15,12 +15,14 @@ from stoker.sdk._errors import (
     OrgCapError,
     ServerError,
     ServerUnreachable,
+    SessionLost,
     StokerError,
     Unauthorized,
     Unavailable,
     error_from_response,
 )
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo, WorkerRef
+from stoker.sdk._retry import Retries
 
 __all__ = [
     "AsyncClaim",
@@ -36,9 +38,11 @@ __all__ = [
     "NotFound",
     "OrgCapError",
     "PoolInfo",
+    "Retries",
     "ServerError",
     "ServerUnreachable",
     "Session",
+    "SessionLost",
     "StokerError",
     "Unauthorized",
     "Unavailable",

@@ -22,7 +22,7 @@ import httpx
 from stoker.sdk._calls import READY_PATH, BaseClient, Call, ClaimOptions, WorkerFilters
 from stoker.sdk._errors import StokerError
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
-from stoker.sdk._session import SessionState, release_note
+from stoker.sdk._session import OnLost, SessionState
 
 T = TypeVar("T")
 
@@ -32,10 +32,14 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
 
     def _connect(self, transport: httpx.AsyncBaseTransport | None) -> None:
         self._http = httpx.AsyncClient(transport=transport, **self._calls.http_options())
+        self._renewals = httpx.AsyncClient(
+            transport=transport, **self._calls.http_options(renewals=True)
+        )
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
         await self._http.aclose()
+        await self._renewals.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -43,14 +47,36 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _send(self, call: Call[T]) -> T:
-        try:
-            response = await self._http.request(
-                call.method, call.path, json=call.json, params=call.params, timeout=call.timeout
-            )
-        except httpx.TransportError as exc:
-            raise self._calls.unreachable(exc) from None
-        return call.answer(response)
+    async def _send(
+        self,
+        call: Call[T],
+        *,
+        deadline_s: float | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> T:
+        """Send `call`, again on a retryable failure (`Retries`) until its deadline."""
+        http = http or self._http
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._budget(call, deadline_s)
+        attempt = 0
+        while True:
+            try:
+                response = await http.request(
+                    call.method,
+                    call.path,
+                    json=call.json,
+                    params=call.params,
+                    headers=call.headers,
+                    timeout=call.timeout_within(deadline - loop.time()),
+                )
+                return call.answer(response)
+            except (httpx.TransportError, StokerError) as exc:
+                error = self._failed(exc)
+            delay = self._retries.delay(attempt, error, deadline - loop.time())
+            if delay is None:
+                raise error
+            await asyncio.sleep(delay)
+            attempt += 1
 
     async def create_claim(self, pool: str, org: str, **options: Unpack[ClaimOptions]) -> ClaimInfo:
         """Claim a worker and return the claim; nothing renews or releases it.
@@ -60,14 +86,23 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         return await self._send(self._calls.create_claim(pool, org, options))
 
     def claim(
-        self, pool: str, org: str, *, renew: bool = True, **options: Unpack[ClaimOptions]
+        self,
+        pool: str,
+        org: str,
+        *,
+        renew: bool = True,
+        on_lost: OnLost | None = None,
+        **options: Unpack[ClaimOptions],
     ) -> AsyncClaim:
         """Claim a worker for a session: `async with client.claim(...) as session:`.
 
-        Renews the lease in a background task and releases on exit, also on an exception.
+        Renews the lease in a background task (over connections of its own) and releases
+        on exit, also on an exception. A lost session calls `on_lost(error)` from the
+        renewing task and makes the block's exit raise `SessionLost` (see `SessionState`).
         `await client.claim(...)` returns the session without the block (release it).
         """
-        return AsyncClaim(self, self._calls.create_claim(pool, org, options), renew)
+        call = self._calls.create_claim(pool, org, options)
+        return AsyncClaim(self, call, renew, on_lost)
 
     async def get_claim(self, claim_id: str) -> ClaimInfo:
         """A claim by id."""
@@ -104,15 +139,18 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
 class AsyncClaim:
     """A pending claim: `async with` it for a session, or await it for the session."""
 
-    def __init__(self, client: AsyncClient, call: Call[ClaimInfo], renew: bool) -> None:
+    def __init__(
+        self, client: AsyncClient, call: Call[ClaimInfo], renew: bool, on_lost: OnLost | None
+    ) -> None:
         self._client = client
         self._call = call
         self._renew = renew
+        self._on_lost = on_lost
         self._session: AsyncSession | None = None
 
     async def _open(self) -> AsyncSession:
         claim = await self._client._send(self._call)
-        return AsyncSession(self._client, claim, renew=self._renew)
+        return AsyncSession(self._client, claim, renew=self._renew, on_lost=self._on_lost)
 
     def __await__(self) -> Generator[Any, None, AsyncSession]:
         return self._open().__await__()
@@ -130,19 +168,26 @@ class AsyncClaim:
         session, self._session = self._session, None
         if session is None:
             return
+        release_error = None
         try:
             await session.release()
         except StokerError as error:
-            if exc is None:
-                raise
-            exc.add_note(release_note(session.id, error))
+            release_error = error
+        session._exit_error(exc, release_error)
 
 
 class AsyncSession(SessionState):
     """A claimed worker renewed by a background task until released."""
 
-    def __init__(self, client: AsyncClient, claim: ClaimInfo, *, renew: bool = True) -> None:
-        super().__init__(claim)
+    def __init__(
+        self,
+        client: AsyncClient,
+        claim: ClaimInfo,
+        *,
+        renew: bool = True,
+        on_lost: OnLost | None = None,
+    ) -> None:
+        super().__init__(claim, on_lost, asyncio.get_running_loop().time)
         self._client = client
         self._renewer: asyncio.Task[None] | None = None
         if renew:
@@ -152,10 +197,18 @@ class AsyncSession(SessionState):
 
     async def _renew_loop(self) -> None:
         interval: float | None = self._first_renewal()
+        client = self._client
         while interval is not None:
             await asyncio.sleep(interval)
+            sent_at = self._now()
             try:
-                interval = self._renewed(await self._client.renew(self.id))
+                # Its own connections, and a deadline within what is left of the lease.
+                renewed = await client._send(
+                    client._calls.renew(self.id, None),
+                    deadline_s=max(self._lease_left(), 0.0),
+                    http=client._renewals,
+                )
+                interval = self._renewed(renewed, sent_at)
             except StokerError as exc:
                 interval = self._renewal_failed(exc)
 

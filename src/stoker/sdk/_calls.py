@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
@@ -19,13 +20,20 @@ import httpx
 
 from stoker.sdk._errors import ServerUnreachable, StokerError, error_from_response
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
+from stoker.sdk._retry import Retries
 
 T = TypeVar("T")
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-#: Longest claim wait the server accepts; bounds the read timeout of a claim request.
-MAX_CLAIM_WAIT_S = 3600.0
+#: How long a claim sent without `timeout_s` is waited for (the server's default
+#: `claim_timeout_s` of a pool); pass `timeout_s` for a pool that waits longer.
+DEFAULT_CLAIM_WAIT_S = 30.0
+#: The header that makes a claim safe to send again (the server answers with one claim).
+IDEMPOTENCY_KEY = "Idempotency-Key"
+#: Connections kept for the background renewals of a client's sessions, apart from the
+#: others, so that claims waiting for workers never hold a renewal up.
+RENEWAL_CONNECTIONS = 8
 #: The readiness probe: 200 once the server serves claims.
 READY_PATH = "/readyz"
 
@@ -70,6 +78,20 @@ class Call(Generic[T]):
     read: Callable[[Any], T]
     json: Any = None
     params: Mapping[str, Any] | None = None
+    headers: Mapping[str, str] | None = None
+    #: Seconds this call may take beyond the retry deadline (a claim's wait).
+    wait_s: float = 0.0
+
+    def timeout_within(self, left: float) -> httpx.Timeout:
+        """The timeout of one try with `left` seconds to the call's deadline."""
+        left = max(left, 0.001)
+        t = self.timeout
+        return httpx.Timeout(
+            connect=_at_most(t.connect, left),
+            read=_at_most(t.read, left),
+            write=_at_most(t.write, left),
+            pool=_at_most(t.pool, left),
+        )
 
     def answer(self, response: httpx.Response) -> T:
         """The result of a response, or the `StokerError` of an error answer."""
@@ -92,7 +114,9 @@ class Calls:
     `$STOKER_TOKEN`; `timeout` bounds every request but a claim's wait.
     """
 
-    def __init__(self, url: str | None, token: str | None, timeout: float) -> None:
+    def __init__(
+        self, url: str | None, token: str | None, timeout: float, trust_env: bool = True
+    ) -> None:
         self.url = (url or os.environ.get("STOKER_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else os.environ.get("STOKER_TOKEN") or None
         self.timeout = timeout
@@ -101,16 +125,24 @@ class Calls:
         if self.token:
             self.headers["Authorization"] = f"Bearer {self.token}"
         self._default_timeout = httpx.Timeout(timeout)
+        self.trust_env = trust_env
 
-    def http_options(self) -> dict[str, Any]:
-        """The settings of the httpx client that sends the calls."""
-        return {
+    def http_options(self, *, renewals: bool = False) -> dict[str, Any]:
+        """The settings of the httpx client that sends the calls (`renewals`: of the one
+        that sends background renewals, with its own few connections)."""
+        options: dict[str, Any] = {
             "base_url": self.url,
             "headers": self.headers,
             "timeout": self.timeout,
-            # The server's URL is the whole address: no proxy or netrc from the environment.
-            "trust_env": False,
+            # The environment's proxy (HTTPS_PROXY, NO_PROXY) and CA bundle
+            # (SSL_CERT_FILE, SSL_CERT_DIR) apply, as to any HTTP client of the application.
+            "trust_env": self.trust_env,
         }
+        if renewals:
+            options["limits"] = httpx.Limits(
+                max_connections=RENEWAL_CONNECTIONS, max_keepalive_connections=RENEWAL_CONNECTIONS
+            )
+        return options
 
     def create_claim(self, pool: str, org: str, options: ClaimOptions) -> Call[ClaimInfo]:
         """`POST /v1/claims`: claim a worker."""
@@ -121,9 +153,19 @@ class Calls:
             body["config"] = dict(config)
         # The server holds the request while it waits for a worker: read past that wait.
         timeout_s = given.get("timeout_s")
-        wait = MAX_CLAIM_WAIT_S if timeout_s is None else timeout_s
+        wait = DEFAULT_CLAIM_WAIT_S if timeout_s is None else float(timeout_s)
         timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
-        return Call("POST", "/v1/claims", timeout, ClaimInfo.from_json, json=body)
+        # One key per claim, sent again with each retry of it: never a second worker.
+        headers = {IDEMPOTENCY_KEY: str(uuid.uuid4())}
+        return Call(
+            "POST",
+            "/v1/claims",
+            timeout,
+            ClaimInfo.from_json,
+            json=body,
+            headers=headers,
+            wait_s=wait,
+        )
 
     def get_claim(self, claim_id: str) -> Call[ClaimInfo]:
         """`GET /v1/claims/{id}`."""
@@ -162,7 +204,11 @@ class Calls:
 
 class BaseClient(abc.ABC, Generic[TransportT]):
     """What `Client` and `AsyncClient` share: the calls to one server (`Calls`, which says
-    what `url`, `token` and `timeout` default to) and the httpx client that sends them;
+    what `url`, `token` and `timeout` default to) and the two httpx clients that send them
+    (one for the background renewals of sessions, one for every other call).
+
+    `retries` says how a call that got no answer, a 429 or a 503 is sent again (see
+    `Retries`); `trust_env=False` ignores the environment's proxy and CA settings;
     `transport` replaces httpx's network transport (tests pass an `httpx.MockTransport`).
     """
 
@@ -172,19 +218,40 @@ class BaseClient(abc.ABC, Generic[TransportT]):
         *,
         token: str | None = None,
         timeout: float = 10.0,
+        retries: Retries | None = None,
+        trust_env: bool = True,
         transport: TransportT | None = None,
     ) -> None:
-        self._calls = Calls(url, token, timeout)
+        self._calls = Calls(url, token, timeout, trust_env)
+        self._retries = retries or Retries()
         self._connect(transport)
 
     @abc.abstractmethod
     def _connect(self, transport: TransportT | None) -> None:
-        """Open the httpx client the calls go through (sync or async, by subclass)."""
+        """Open the httpx clients the calls go through (sync or async, by subclass)."""
+
+    def _budget(self, call: Call[Any], deadline_s: float | None) -> float:
+        """Seconds a call may take with its retries."""
+        if deadline_s is not None:
+            return deadline_s
+        return call.wait_s + self._retries.deadline_s
+
+    def _failed(self, exc: Exception) -> StokerError:
+        """The SDK's error for what a try raised (re-raises what is not a call's failure)."""
+        if isinstance(exc, httpx.TransportError):
+            return self._calls.unreachable(exc)
+        if isinstance(exc, StokerError):
+            return exc
+        raise exc
 
     @property
     def url(self) -> str:
         """The server's base URL."""
         return self._calls.url
+
+
+def _at_most(value: float | None, left: float) -> float:
+    return left if value is None else min(value, left)
 
 
 def _claim_path(claim_id: str) -> str:

@@ -6,14 +6,16 @@ A session is a claim held for the duration of a `with` block::
         with client.claim(pool="demo", org="acme", config={"role": "ro"}) as session:
             httpx.get(session.endpoint, headers=session.headers)
 
-The lease is renewed in the background (every third of it) while the block runs, and the
-claim is released on exit, also when the block raises. What each call sends and how its
-answer reads is in `_calls`; this module only sends it.
+The lease is renewed in the background (every third of it, over connections of its own)
+while the block runs, and the claim is released on exit, also when the block raises. A
+session lost meanwhile (see `SessionState`) makes the exit raise `SessionLost`. What each
+call sends and how its answer reads is in `_calls`; this module only sends it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from types import TracebackType
 from typing import TypeVar, Unpack
 
@@ -22,7 +24,8 @@ import httpx
 from stoker.sdk._calls import READY_PATH, BaseClient, Call, ClaimOptions, WorkerFilters
 from stoker.sdk._errors import StokerError
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
-from stoker.sdk._session import SessionState, release_note
+from stoker.sdk._retry import now
+from stoker.sdk._session import OnLost, SessionState
 
 T = TypeVar("T")
 
@@ -33,10 +36,14 @@ class Client(BaseClient[httpx.BaseTransport]):
 
     def _connect(self, transport: httpx.BaseTransport | None) -> None:
         self._http = httpx.Client(transport=transport, **self._calls.http_options())
+        self._renewals = httpx.Client(
+            transport=transport, **self._calls.http_options(renewals=True)
+        )
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
         self._http.close()
+        self._renewals.close()
 
     def __enter__(self) -> Client:
         return self
@@ -44,14 +51,31 @@ class Client(BaseClient[httpx.BaseTransport]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, call: Call[T]) -> T:
-        try:
-            response = self._http.request(
-                call.method, call.path, json=call.json, params=call.params, timeout=call.timeout
-            )
-        except httpx.TransportError as exc:
-            raise self._calls.unreachable(exc) from None
-        return call.answer(response)
+    def _send(
+        self, call: Call[T], *, deadline_s: float | None = None, http: httpx.Client | None = None
+    ) -> T:
+        """Send `call`, again on a retryable failure (`Retries`) until its deadline."""
+        http = http or self._http
+        deadline = now() + self._budget(call, deadline_s)
+        attempt = 0
+        while True:
+            try:
+                response = http.request(
+                    call.method,
+                    call.path,
+                    json=call.json,
+                    params=call.params,
+                    headers=call.headers,
+                    timeout=call.timeout_within(deadline - now()),
+                )
+                return call.answer(response)
+            except (httpx.TransportError, StokerError) as exc:
+                error = self._failed(exc)
+            delay = self._retries.delay(attempt, error, deadline - now())
+            if delay is None:
+                raise error
+            time.sleep(delay)
+            attempt += 1
 
     def create_claim(self, pool: str, org: str, **options: Unpack[ClaimOptions]) -> ClaimInfo:
         """Claim a worker and return the claim; nothing renews or releases it.
@@ -61,14 +85,23 @@ class Client(BaseClient[httpx.BaseTransport]):
         return self._send(self._calls.create_claim(pool, org, options))
 
     def claim(
-        self, pool: str, org: str, *, renew: bool = True, **options: Unpack[ClaimOptions]
+        self,
+        pool: str,
+        org: str,
+        *,
+        renew: bool = True,
+        on_lost: OnLost | None = None,
+        **options: Unpack[ClaimOptions],
     ) -> Session:
         """Claim a worker for a session: use as `with client.claim(...) as session:`.
 
         The lease is renewed in the background (unless `renew=False`) and the claim is
-        released when the block ends, also on an exception.
+        released when the block ends, also on an exception. A lost session calls
+        `on_lost(error)` from the renewing thread and makes the block's exit raise
+        `SessionLost` (see `SessionState`).
         """
-        return Session(self, self.create_claim(pool, org, **options), renew=renew)
+        claim = self.create_claim(pool, org, **options)
+        return Session(self, claim, renew=renew, on_lost=on_lost)
 
     def get_claim(self, claim_id: str) -> ClaimInfo:
         """A claim by id."""
@@ -105,8 +138,15 @@ class Client(BaseClient[httpx.BaseTransport]):
 class Session(SessionState):
     """A claimed worker for the duration of a `with` block (see `Client.claim`)."""
 
-    def __init__(self, client: Client, claim: ClaimInfo, *, renew: bool = True) -> None:
-        super().__init__(claim)
+    def __init__(
+        self,
+        client: Client,
+        claim: ClaimInfo,
+        *,
+        renew: bool = True,
+        on_lost: OnLost | None = None,
+    ) -> None:
+        super().__init__(claim, on_lost)
         self._client = client
         # Guards the claim and its release between the renewing thread and the caller's.
         self._lock = threading.Lock()
@@ -120,15 +160,24 @@ class Session(SessionState):
 
     def _renew_loop(self) -> None:
         interval: float | None = self._first_renewal()
+        client = self._client
         while interval is not None and not self._stop.wait(interval):
+            sent_at = now()
             try:
-                interval = self._renewed(self._client.renew(self.id))
+                # Its own connections, and a deadline within what is left of the lease.
+                renewed = client._send(
+                    client._calls.renew(self.id, None),
+                    deadline_s=max(self._lease_left(), 0.0),
+                    http=client._renewals,
+                )
+                interval = self._renewed(renewed, sent_at)
             except StokerError as exc:
-                interval = self._renewal_failed(exc)
+                with self._lock:
+                    interval = self._renewal_failed(exc)
 
-    def _renewed(self, renewed: ClaimInfo) -> float:
+    def _renewed(self, renewed: ClaimInfo, sent_at: float) -> float:
         with self._lock:
-            return super()._renewed(renewed)
+            return super()._renewed(renewed, sent_at)
 
     def renew(self, lease_s: float | None = None) -> ClaimInfo:
         """Renew now (the background renewal does this by itself)."""
@@ -162,9 +211,9 @@ class Session(SessionState):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        release_error = None
         try:
             self.release()
         except StokerError as error:
-            if exc is None:
-                raise
-            exc.add_note(release_note(self.id, error))
+            release_error = error
+        self._exit_error(exc, release_error)

@@ -75,12 +75,39 @@ class CapacityError(StokerError):
 
 
 class Unavailable(StokerError):
-    """503: the server cannot serve right now (starting, shutting down, store down)."""
+    """503: the server cannot serve right now (starting, shutting down, store down); the
+    server's `Retry-After` is `retry_after` (0 when it sent none)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 503,
+        problem: Mapping[str, Any] | None = None,
+        retry_after: float = 0.0,
+    ) -> None:
+        super().__init__(message, status=status, problem=problem)
+        self.retry_after = retry_after
 
     @property
     def reason(self) -> str:
         """`shutting_down`, `starting`, `store_unavailable`, ..."""
         return str(self.problem.get("reason", ""))
+
+
+class SessionLost(StokerError):
+    """A session ended without its holder releasing it: the lease expired, the worker
+    died, the claim failed, or the server no longer knows the claim. `claim_id` names it;
+    the error that showed it is the `__cause__`."""
+
+    def __init__(self, message: str, *, claim_id: str, cause: StokerError | None = None) -> None:
+        super().__init__(
+            message,
+            status=cause.status if cause else 0,
+            problem=cause.problem if cause else None,
+        )
+        self.claim_id = claim_id
+        self.__cause__ = cause
 
 
 class ServerError(StokerError):
@@ -119,7 +146,8 @@ def error_from_response(response: httpx.Response) -> StokerError:
     if status == 503:
         if problem.get("code") == "no-capacity":
             return CapacityError(message, status=status, problem=problem)
-        return Unavailable(message, status=status, problem=problem)
+        retry_after = _retry_after(response, problem)
+        return Unavailable(message, status=status, problem=problem, retry_after=retry_after)
     if status >= 500:
         return ServerError(message, status=status, problem=problem)
     cls = _BY_STATUS.get(status, StokerError)
