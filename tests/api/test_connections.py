@@ -378,3 +378,22 @@ def test_only_connections_all_serving_requests_make_a_newcomer_wait(tmp_path: Pa
     # were refused with 503 at the cap (or closed before they sent anything).
     assert len(answers) == 40 and answers.count("no_capacity") >= 1
     assert set(answers) <= {"no_capacity", "connection-limit", "evicted"}, answers
+
+
+def test_a_connection_answered_before_its_body_ended_still_closes_when_idle(
+    server: Server,
+) -> None:
+    sock = connect(server)
+    body = b"{" + b" " * 99_998 + b"}"
+    sock.sendall(
+        b"POST /v1/claims HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+    )
+    # 413 by the Content-Length, before the body; the body comes after the answer.
+    answer = b""
+    while not answer.endswith(b"}"):
+        answer += sock.recv(65536)
+    assert status_of(answer) == 413
+    sock.sendall(body)
+    # Then idle, the connection is closed by the keep-alive limit (bounded by SOON).
+    assert read_until_closed(sock) == b""

@@ -229,6 +229,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         self._arrived = True
         super().on_message_complete()
+        if not self._serving and not self.transport.is_closing():
+            # Answered before its body ended (a 401, a 413): the body's bytes cancelled
+            # the keep-alive timer, which is armed again from now.
+            self._request_bytes = 0
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
     def on_response_complete(self) -> None:
         self._serving = False
