@@ -140,6 +140,15 @@ def serve(
         sock.close()
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
+    if not config.is_postgres and config.sqlite_path() not in ("", ":memory:"):
+        from stoker.adapters.sqlite.ownership import hold
+
+        try:
+            # Held until the process exits (the kernel drops it however it exits).
+            store_lock = hold(config.sqlite_path())  # noqa: F841
+        except ServerSideError as exc:
+            sock.close()
+            _fail(str(exc))
     api = create_app(plane, config.api, stop_workers=stop_workers, tokens=tokens)
     overrides = f" + {', '.join(loaded.overrides)}" if loaded.overrides else ""
     pools = ", ".join(p.name for p in config.pools)

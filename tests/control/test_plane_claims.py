@@ -8,6 +8,7 @@ same paths with real processes are in tests/test_integration_local.py.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -808,3 +809,30 @@ async def test_the_last_reap_gauge_stays_put_when_a_pass_fails(tmp_path: Path) -
         with pytest.raises(StoreError):
             await h.plane.run_reaper_pass()
         assert h.metric("stoker_reaper_last_success_timestamp_seconds") == stamped
+
+
+# -- a failing store ---------------------------------------------------------------------------
+
+
+async def test_while_the_store_fails_claims_fail_at_once_and_recover_with_it(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+
+        def store_error() -> str | None:
+            return h.plane.store_error
+
+        assert store_error() is None
+        os.replace(tmp_path / "stoker.db", tmp_path / "moved.db")
+        await h.plane.check_store()
+        assert "was deleted" in (store_error() or "")
+        started = h.clock.now()
+        with pytest.raises(StoreError, match="the store is failing"):
+            await h.claim(timeout_s=30)
+        assert h.clock.now() == started  # at once, not after the claim's timeout
+
+        os.replace(tmp_path / "moved.db", tmp_path / "stoker.db")
+        await h.plane.check_store()
+        assert store_error() is None
+        claim = await h.claim()
+        assert claim.state is ClaimState.BOUND

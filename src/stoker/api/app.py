@@ -269,7 +269,8 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         summary="Readiness",
     )
     async def readyz() -> Response:
-        """200 once the store is migrated and the runtime reconciled, until shutdown."""
+        """200 once the store is migrated and the runtime reconciled, until shutdown or
+        while the store fails (the last heartbeat's write)."""
         if state.draining:
             return problems.problem_response(
                 503, "not-ready", "shutting down", reason="shutting_down"
@@ -280,6 +281,10 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
                 "not-ready",
                 "the store is not migrated or the runtime not reconciled yet",
                 reason="starting",
+            )
+        if plane.store_error is not None:
+            return problems.problem_response(
+                503, "not-ready", plane.store_error, reason="store_unavailable"
             )
         return ModelResponse(Health(status="ready"))
 

@@ -36,7 +36,7 @@ from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
 from stoker.control.shared import Shared
-from stoker.domain.errors import StokerError, Unavailable
+from stoker.domain.errors import StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
@@ -132,6 +132,10 @@ class ControlPlane:
         #: the others have adopted or retired its workers, so the identity is dead. A
         #: server exits on it so that its supervisor starts a fresh replica.
         self.expired = False
+        #: What the last heartbeat's store write failed with (None: it succeeded). While
+        #: set, the replica is not ready and claims fail at once with 503
+        #: `store_unavailable` instead of waiting out their timeout on a dead store.
+        self.store_error: str | None = None
 
     # -- lifecycle of the replica -------------------------------------------------------------
 
@@ -279,7 +283,18 @@ class ControlPlane:
         return report
 
     async def _heartbeat(self) -> None:
-        if not await self.store.heartbeat_instance(self.instance_id, now=self.clock.now()):
+        """Stamp this replica's registration; what it finds says whether the store works."""
+        try:
+            alive = await self.store.heartbeat_instance(self.instance_id, now=self.clock.now())
+        except StoreError as exc:
+            if self.store_error is None:
+                logs.event("store_unavailable", error=str(exc), level=logs.ERROR)
+            self.store_error = str(exc)
+            raise
+        if self.store_error is not None:
+            logs.event("store_recovered", after=self.store_error)
+            self.store_error = None
+        if not alive:
             if not self.expired:
                 logs.event(
                     "instance_expired_while_alive", instance=self.instance_id, level=logs.ERROR
@@ -321,6 +336,11 @@ class ControlPlane:
         if not self.started:
             raise Unavailable("control plane is not running")
 
+    async def check_store(self) -> None:
+        """One heartbeat now (tests and tools): sets or clears `store_error`."""
+        with contextlib.suppress(StoreError):
+            await self._heartbeat()
+
     async def claim(self, req: ClaimRequest) -> Claim:
         """Claim a worker (see `Claims.claim`; with an idempotency key, `claim_once`)."""
         claim, _ = await self.claim_once(req)
@@ -330,6 +350,8 @@ class ControlPlane:
         """Claim a worker, or get the claim an earlier request with the same idempotency
         key made (then True: a replay). See `IdempotentClaims.claim`."""
         self._check_running()
+        if self.store_error is not None:
+            raise StoreError(f"the store is failing: {self.store_error}")
         return await self.idempotent.claim(req)
 
     async def release(self, claim_id: str) -> Claim:

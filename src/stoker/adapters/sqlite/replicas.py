@@ -9,6 +9,7 @@ from typing import Any
 from stoker.adapters._rows import dump_json, lease_from_row
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
+from stoker.adapters.sqlite.ownership import FileIdentity
 from stoker.domain.records import DemandRecord, Instance, LeaseRecord
 
 _LEASE = "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?"
@@ -19,6 +20,7 @@ class ReplicaRows:
 
     _writes: GroupCommit
     _decoded: DecodedRows
+    _identity: FileIdentity | None
 
     async def register_instance(
         self, instance_id: str, *, now: float, meta: Mapping[str, Any]
@@ -32,7 +34,11 @@ class ReplicaRows:
             )
 
     async def heartbeat_instance(self, instance_id: str, *, now: float) -> bool:
-        """Stamp the heartbeat of an active replica."""
+        """Stamp the heartbeat of an active replica; StoreError when the database file was
+        deleted or replaced since the store opened it (checked here, every heartbeat, not
+        on every write)."""
+        if self._identity is not None:
+            self._identity.check()
         changed, _ = await self._writes.write_one(
             "UPDATE instances SET heartbeat_at = ? WHERE id = ? AND state = 'active'",
             (now, instance_id),

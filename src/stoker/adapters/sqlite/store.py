@@ -21,6 +21,7 @@ import sqlite3
 from stoker.adapters.sqlite.batching import PROCESS_BATCHES, GroupCommit, OpenBatches
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.live_rows import LiveRows
+from stoker.adapters.sqlite.ownership import FileIdentity
 from stoker.adapters.sqlite.replicas import ReplicaRows
 from stoker.adapters.sqlite.schema import migrate
 from stoker.adapters.sqlite.workers import WorkerRows
@@ -62,6 +63,7 @@ class SqliteStore(WorkerRows, ReplicaRows):
         self._decoded = DecodedRows()
         file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._writes = GroupCommit(file, on_undo=self._live.forget, batches=batches)
+        self._identity: FileIdentity | None = None
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -93,6 +95,8 @@ class SqliteStore(WorkerRows, ReplicaRows):
             with self._writes.tx_now() as tx:
                 migrate(tx)
             self._live.watch(db)
+            if self._writes.file is not None:
+                self._identity = FileIdentity.of(self._writes.file)
         except BaseException as exc:
             # A store that failed to open holds no connection: a retry starts afresh.
             self._writes.db = None

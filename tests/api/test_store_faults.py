@@ -1,0 +1,81 @@
+"""The embedded store failing under a real `stoker serve`: a second server on the same
+SQLite file, and the database file deleted while the server runs. Waits are bounded
+generously; no test measures a time."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from servers import DEMO, STOKER, environment, kill_fleet, start_server, wait_until
+
+pytestmark = pytest.mark.processes
+
+SOON = 30.0
+
+
+def config(fleet: str) -> str:
+    return (
+        f"store: sqlite:///./stoker.db\nfleet: {fleet}\napi: {{port: 0}}\n"
+        "intervals: {instance_heartbeat_s: 0.2, janitor_interval_s: 0.5}\n"
+        f"pools: [{{name: demo, warm_target: 1, command: {DEMO!r}}}]\n"
+    )
+
+
+def test_a_second_server_on_the_same_sqlite_file_refuses_to_start(tmp_path: Path) -> None:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = start_server(tmp_path, config=config(fleet), args=["--stop-workers"])
+    try:
+        second = subprocess.run(
+            [STOKER, "serve", "-c", "stoker.yaml"],
+            cwd=tmp_path,
+            env=environment(STOKER_API__PORT="0"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 1
+        lines = second.stderr.strip().splitlines()
+        assert lines == [
+            f"stoker: another stoker serve (pid {srv.proc.pid}) is using "
+            f"{tmp_path / 'stoker.db'}: one server per SQLite file (several replicas share a "
+            "PostgreSQL store)"
+        ], second.stderr
+        # The first one serves on, its worker untouched.
+        assert httpx.get(srv.url + "/readyz").status_code == 200
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+def test_a_deleted_database_file_makes_the_server_unready_and_claims_fail_at_once(
+    tmp_path: Path,
+) -> None:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = start_server(tmp_path, config=config(fleet), args=["--stop-workers"])
+    try:
+        assert wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, SOON)
+        (tmp_path / "stoker.db").unlink()
+
+        def unready() -> bool:
+            answer = httpx.get(srv.url + "/readyz")
+            return answer.status_code == 503 and answer.json()["reason"] == "store_unavailable"
+
+        assert wait_until(unready, SOON), srv.log()
+        answer = httpx.post(
+            srv.url + "/v1/claims", json={"pool": "demo", "org": "acme", "timeout_s": 60}
+        )
+        assert answer.status_code == 503
+        body = answer.json()
+        assert body["reason"] == "store_unavailable"
+        assert "was deleted while the server ran" in body["detail"]
+        # One loud line, not one per failed heartbeat.
+        assert srv.log().count("store_unavailable") == 1, srv.log()
+        assert "Traceback" not in srv.log()
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
