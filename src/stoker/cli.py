@@ -148,7 +148,7 @@ def serve(
             store_lock = hold(config.sqlite_path())  # noqa: F841
         except ServerSideError as exc:
             sock.close()
-            _fail(str(exc))
+            _fail(f"could not start: {exc}")
     api = create_app(plane, config.api, stop_workers=stop_workers, tokens=tokens)
     overrides = f" + {', '.join(loaded.overrides)}" if loaded.overrides else ""
     pools = ", ".join(p.name for p in config.pools)

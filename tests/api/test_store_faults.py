@@ -41,7 +41,7 @@ def test_a_second_server_on_the_same_sqlite_file_refuses_to_start(tmp_path: Path
         assert second.returncode == 1
         lines = second.stderr.strip().splitlines()
         assert lines == [
-            f"stoker: another stoker serve (pid {srv.proc.pid}) is using "
+            f"stoker: could not start: another stoker serve (pid {srv.proc.pid}) is using "
             f"{tmp_path / 'stoker.db'}: one server per SQLite file (several replicas share a "
             "PostgreSQL store)"
         ], second.stderr

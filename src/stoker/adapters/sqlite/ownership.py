@@ -29,7 +29,9 @@ def hold(path: str) -> IO[str]:
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
-        raise StoreError(f"cannot create the lock file {lock_path}: {exc.strerror}") from None
+        raise StoreError(
+            f"cannot open sqlite store {path!r}: its lock file {lock_path}: {exc.strerror}"
+        ) from None
     file = os.fdopen(fd, "r+")
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
