@@ -27,7 +27,7 @@ def test_a_second_holder_of_a_file_is_refused_with_the_first_ones_pid(tmp_path: 
 
 
 def test_a_lock_file_that_cannot_be_created_is_a_store_error(tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match="cannot open sqlite store .*: its lock file"):
+    with pytest.raises(StoreError, match=r"cannot open sqlite store .*: its lock file"):
         hold(str(tmp_path / "missing" / "stoker.db"))
 
 
