@@ -63,7 +63,12 @@ class ClientLimits:
 
 
 class RefusalLog:
-    """One log line and one count per refusal; a flood of one reason folds its lines."""
+    """One log line and one count per refusal; a flood of one reason folds its lines.
+
+    The first refusal of a reason is logged at once; the ones that follow within
+    `_LOG_FOLD_S` are counted, and one `event=client_refused_folded` line says how many
+    when that second is over.
+    """
 
     def __init__(self, counter: Counter | None = None) -> None:
         self.counter = counter
@@ -73,22 +78,34 @@ class RefusalLog:
     def refused(
         self, now: float, reason: str, status: int | None, client: str, detail: str
     ) -> None:
-        """Record one refusal at loop time `now`."""
+        """Record one refusal at loop time `now` (called on the event loop)."""
         if self.counter is not None:
             self.counter.labels(reason).inc()
         last = self._last.get(reason)
         if last is not None and now - last < _LOG_FOLD_S:
-            self._folded[reason] = self._folded.get(reason, 0) + 1
+            if reason not in self._folded:
+                self._folded[reason] = 0
+                asyncio.get_running_loop().call_later(
+                    _LOG_FOLD_S - (now - last), self._flush, reason
+                )
+            self._folded[reason] += 1
             return
         self._last[reason] = now
-        folded = self._folded.pop(reason, 0)
         logger.warning(
-            "event=client_refused reason=%s status=%s client=%s folded=%d detail=%r",
+            "event=client_refused reason=%s status=%s client=%s detail=%r",
             reason,
             status if status is not None else "-",
             client,
-            folded,
             detail,
+        )
+
+    def _flush(self, reason: str) -> None:
+        folded = self._folded.pop(reason, 0)
+        logger.warning(
+            "event=client_refused_folded reason=%s count=%d within_s=%g",
+            reason,
+            folded,
+            _LOG_FOLD_S,
         )
 
 
