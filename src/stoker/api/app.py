@@ -269,8 +269,8 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         summary="Readiness",
     )
     async def readyz() -> Response:
-        """200 once the store is migrated and the runtime reconciled, until shutdown or
-        while the store fails (the last heartbeat's write)."""
+        """200 once the store is migrated and the runtime reconciled; 503 while shutting
+        down and while the store fails (the last heartbeat's write failed)."""
         if state.draining:
             return problems.problem_response(
                 503, "not-ready", "shutting down", reason="shutting_down"

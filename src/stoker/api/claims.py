@@ -63,8 +63,10 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         *problems: int,
         status: int = 200,
         openapi_extra: dict[str, Any] | None = None,
+        answers: dict[int | str, dict[str, Any]] | None = None,
     ) -> Callable[[Endpoint], Endpoint]:
-        """Register the endpoint it decorates; `problems`: the error statuses it may answer."""
+        """Register the endpoint it decorates; `problems`: the error statuses it may answer,
+        `answers`: success statuses besides `status`."""
 
         def register(endpoint: Endpoint) -> Endpoint:
             app.router.add_api_route(
@@ -74,7 +76,7 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
                 route_class_override=DirectRoute,
                 status_code=status,
                 response_model=ClaimOut,
-                responses=openapi_responses(*problems),
+                responses={**(answers or {}), **openapi_responses(*problems)},
                 tags=["claims"],
                 summary=summary,
                 operation_id=endpoint.__name__,
@@ -99,6 +101,13 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         503,
         status=201,
         openapi_extra={"parameters": [IDEMPOTENCY_KEY_PARAMETER]},
+        answers={
+            200: {
+                "model": ClaimOut,
+                "description": "A repeat of an earlier request with the same Idempotency-Key: "
+                "its claim (header `Idempotent-Replayed: true`)",
+            }
+        },
     )
     async def create_claim(request: Request, body: ClaimCreate) -> Response:
         """Bind a worker of `pool` to `org`: reuse, then warm, then (by mode) a cold spawn.
