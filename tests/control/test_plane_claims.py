@@ -226,6 +226,9 @@ async def test_require_warm_times_out_with_no_capacity(tmp_path: Path) -> None:
         with pytest.raises(CapacityError) as err:
             await h.claim(mode=ClaimMode.REQUIRE_WARM, timeout_s=3)
         assert err.value.reason == "no_capacity"
+        await h.settle(5)
+        # One claim, one answer, counted once.
+        assert h.metric("stoker_claims_total", pool="p", source="none", outcome="no_capacity") == 1
 
 
 async def test_org_cap_waits_then_fails_with_retry_after(tmp_path: Path) -> None:

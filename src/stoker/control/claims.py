@@ -110,10 +110,14 @@ class Claims:
         while self._in_flight and self._clock.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    def _timeout_error(self, attempt: Attempt) -> StokerError:
+    def _timeout_error(self, attempt: Attempt, *, count: bool = True) -> StokerError:
+        """The error of a claim that found no worker in time, counted once in
+        `stoker_claims_total` unless `count` is off (nobody will read it)."""
         pool = attempt.pool.name
+        counted = self._metrics.claims if count else None
         if attempt.blocked_by is MissReason.ORG_CAP:
-            self._metrics.claims.labels(pool, "none", "org_cap").inc()
+            if counted is not None:
+                counted.labels(pool, "none", "org_cap").inc()
             return OrgCapError(
                 f"org {attempt.req.org!r} holds its cap of {attempt.org_cap} workers in pool "
                 f"{pool!r}",
@@ -123,7 +127,8 @@ class Claims:
         trouble = self._spawner.trouble(attempt.pool)
         error = trouble.last_error if trouble else attempt.spawn_error
         if error is not None and attempt.blocked_by is not MissReason.POOL_CAP:
-            self._metrics.claims.labels(pool, "none", "spawn_failing").inc()
+            if counted is not None:
+                counted.labels(pool, "none", "spawn_failing").inc()
             failures = f" ({trouble.failures} in a row)" if trouble else ""
             return CapacityError(
                 f"no worker of pool {pool!r} became available {within}: its spawns are "
@@ -131,7 +136,8 @@ class Claims:
                 reason="spawn_failing",
             )
         reason = "pool_cap" if attempt.blocked_by is MissReason.POOL_CAP else "no_capacity"
-        self._metrics.claims.labels(pool, "none", reason).inc()
+        if counted is not None:
+            counted.labels(pool, "none", reason).inc()
         detail = (
             f"pool {pool!r} is at its cap of {self._catalog.pool_cap(attempt.pool)} workers"
             if reason == "pool_cap"
@@ -166,7 +172,8 @@ class Claims:
                 a.result.set_exception(exc)
         finally:
             if not a.result.done():
-                a.result.set_exception(self._timeout_error(a))
+                # A requester that gave up was answered (and counted) where it gave up.
+                a.result.set_exception(self._timeout_error(a, count=not a.abandoned))
 
     async def _acquire(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
         """Reserve a worker for the claim, or wait and return None (the caller loops)."""
