@@ -193,6 +193,10 @@ def test_pools_and_workers_are_typed(admin: Client) -> None:
         [worker] = admin.workers(state="hot", org="globex")
         assert worker.id == session.worker_id and worker.claim_id == session.id
         assert worker.activated and worker.state == "hot"
+        assert session.id in {c.id for c in admin.claims()}
+    assert session.id not in {c.id for c in admin.claims()}
+    released = admin.claims(state="released", limit=10000)
+    assert [c.org for c in released if c.id == session.id] == ["globex"]
     assert admin.ready()
 
 

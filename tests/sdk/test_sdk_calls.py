@@ -118,6 +118,7 @@ def every_call_server() -> Server:
             ("GET", "/v1/pools"): ok({"pools": [POOL]}),
             ("GET", "/v1/pools/demo"): ok(POOL),
             ("GET", "/v1/workers"): ok({"workers": [WORKER_ROW]}),
+            ("GET", "/v1/claims"): ok({"claims": [claim_body()]}),
             ("GET", "/readyz"): ok({"status": "ready"}),
         }
     )
@@ -146,6 +147,7 @@ def sync_calls(client: Client) -> list[Any]:
         client.pools(),
         client.pool("demo"),
         client.workers(state="hot", org="acme", pool=None),
+        client.claims(state="expired", limit=5),
         client.ready(),
     ]
 
@@ -160,6 +162,7 @@ async def async_calls(client: AsyncClient) -> list[Any]:
         await client.pools(),
         await client.pool("demo"),
         await client.workers(state="hot", org="acme", pool=None),
+        await client.claims(state="expired", limit=5),
         await client.ready(),
     ]
 
@@ -175,14 +178,16 @@ async def test_both_clients_send_the_same_requests_and_read_the_same_results() -
 
     assert async_results == sync_results
     assert [wire(r) for r in async_server.requests] == [wire(r) for r in sync_server.requests]
-    claim, *_, pools, pool, workers, ready = sync_results
+    claim, *_, pools, pool, workers, claims, ready = sync_results
     assert isinstance(claim, ClaimInfo) and claim.worker.epoch == 3 and claim.bound
     assert claim.raw["id"] == "c/1" and claim.expires_at.tzinfo is not None
     assert pools == [pool] and isinstance(pool, PoolInfo) and pool.counts == {"warm": 2, "hot": 1}
     assert isinstance(workers[0], WorkerInfo) and workers[0].ttl_s == 60.0
+    assert workers[0].raw == WORKER_ROW and pool.raw == POOL
+    assert claims == [claim] and claims[0].raw["state"] == "bound"
     assert ready is True
 
-    create, get, renew, renew_default, *_, list_workers, _ready = sync_server.requests
+    create, get, renew, renew_default, *_, list_workers, list_claims, _ = sync_server.requests
     # The claim's body holds the options that are set; its read waits out the claim's wait
     # (the pools' default claim timeout when none is given), not an hour.
     assert wire(create) == (
@@ -202,6 +207,38 @@ async def test_both_clients_send_the_same_requests_and_read_the_same_results() -
     assert json.loads(renew.content) == {"lease_s": 60} and renew_default.content == b""
     assert wire(renew)[-1] == 10.0
     assert dict(list_workers.url.params) == {"state": "hot", "org": "acme"}
+    assert dict(list_claims.url.params) == {"state": "expired", "limit": "5"}
+
+
+@pytest.mark.parametrize("claim_id", ["", ".", ".."])
+async def test_an_id_that_is_no_path_segment_is_refused_before_anything_is_sent(
+    claim_id: str,
+) -> None:
+    server = every_call_server()
+    with Client("http://s", transport=httpx.MockTransport(server)) as client:
+        for call in (client.get_claim, client.renew, client.release):
+            with pytest.raises(InvalidRequest, match=f"invalid claim id {claim_id!r}"):
+                call(claim_id)
+    async with AsyncClient("http://s", transport=httpx.MockTransport(server)) as aclient:
+        with pytest.raises(InvalidRequest, match="invalid claim id"):
+            await aclient.release(claim_id)
+    assert server.requests == []
+
+
+def test_a_redirect_says_the_url_is_not_the_api() -> None:
+    moved = Server(
+        {("GET", "/v1/pools"): lambda: httpx.Response(307, headers={"Location": "/login"})}
+    )
+    with (
+        Client("http://s", transport=httpx.MockTransport(moved)) as client,
+        pytest.raises(StokerError) as error,
+    ):
+        client.pools()
+    assert error.value.status == 307
+    assert str(error.value) == (
+        "307 Temporary Redirect: the server sent /v1/pools to /login; "
+        "is the URL the base URL of the stoker API?"
+    )
 
 
 async def test_both_clients_map_answers_onto_the_same_exceptions() -> None:

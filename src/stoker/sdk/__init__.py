@@ -4,7 +4,7 @@ one exception per kind of error. It depends on httpx only, never on the server's
 from __future__ import annotations
 
 from stoker.sdk._async_client import AsyncClaim, AsyncClient, AsyncSession
-from stoker.sdk._calls import ClaimOptions, WorkerFilters
+from stoker.sdk._calls import ClaimFilters, ClaimOptions, WorkerFilters
 from stoker.sdk._client import Client, Session
 from stoker.sdk._errors import (
     CapacityError,
@@ -30,6 +30,7 @@ __all__ = [
     "AsyncSession",
     "CapacityError",
     "ClaimConflict",
+    "ClaimFilters",
     "ClaimInfo",
     "ClaimOptions",
     "Client",

@@ -19,7 +19,14 @@ from typing import Any, TypeVar, Unpack
 
 import httpx
 
-from stoker.sdk._calls import READY_PATH, BaseClient, Call, ClaimOptions, WorkerFilters
+from stoker.sdk._calls import (
+    READY_PATH,
+    BaseClient,
+    Call,
+    ClaimFilters,
+    ClaimOptions,
+    WorkerFilters,
+)
 from stoker.sdk._errors import StokerError
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
 from stoker.sdk._session import OnLost, SessionState
@@ -103,6 +110,10 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         """
         call = self._calls.create_claim(pool, org, options)
         return AsyncClaim(self, call, renew, on_lost)
+
+    async def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
+        """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`)."""
+        return await self._send(self._calls.claims(filters))
 
     async def get_claim(self, claim_id: str) -> ClaimInfo:
         """A claim by id."""

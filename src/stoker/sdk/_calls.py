@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-from stoker.sdk._errors import ServerUnreachable, StokerError, error_from_response
+from stoker.sdk._errors import InvalidRequest, ServerUnreachable, StokerError, error_from_response
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
 from stoker.sdk._retry import Retries
 
@@ -64,8 +64,18 @@ class WorkerFilters(TypedDict, total=False):
     limit: int | None
 
 
+class ClaimFilters(TypedDict, total=False):
+    """Which claims `claims()` lists; each filter left out (or None) takes the server's
+    default."""
+
+    #: bound (the open claims, when left out), released, expired or failed.
+    state: str | None
+    limit: int | None
+
+
 _CLAIM_OPTIONS = tuple(ClaimOptions.__annotations__)
 _WORKER_FILTERS = tuple(WorkerFilters.__annotations__)
+_CLAIM_FILTERS = tuple(ClaimFilters.__annotations__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +177,11 @@ class Calls:
             wait_s=wait,
         )
 
+    def claims(self, filters: ClaimFilters) -> Call[list[ClaimInfo]]:
+        """`GET /v1/claims` with the filters that are set."""
+        params = _given(filters, _CLAIM_FILTERS, "claim filter")
+        return Call("GET", "/v1/claims", self._default_timeout, _claims, params=params)
+
     def get_claim(self, claim_id: str) -> Call[ClaimInfo]:
         """`GET /v1/claims/{id}`."""
         return Call("GET", _claim_path(claim_id), self._default_timeout, ClaimInfo.from_json)
@@ -255,11 +270,19 @@ def _at_most(value: float | None, left: float) -> float:
 
 
 def _claim_path(claim_id: str) -> str:
+    # An empty id would name the collection (answered with a redirect) and `.` or `..`
+    # another path once the URL is normalised: refused here, before anything is sent.
+    if claim_id.strip(".") == "":
+        raise InvalidRequest(f"invalid claim id {claim_id!r}: expected an id such as c-...")
     return f"/v1/claims/{quote(claim_id, safe='')}"
 
 
 def _pools(body: Any) -> list[PoolInfo]:
     return [PoolInfo.from_json(p) for p in body["pools"]]
+
+
+def _claims(body: Any) -> list[ClaimInfo]:
+    return [ClaimInfo.from_json(c) for c in body["claims"]]
 
 
 def _workers(body: Any) -> list[WorkerInfo]:

@@ -21,7 +21,14 @@ from typing import TypeVar, Unpack
 
 import httpx
 
-from stoker.sdk._calls import READY_PATH, BaseClient, Call, ClaimOptions, WorkerFilters
+from stoker.sdk._calls import (
+    READY_PATH,
+    BaseClient,
+    Call,
+    ClaimFilters,
+    ClaimOptions,
+    WorkerFilters,
+)
 from stoker.sdk._errors import StokerError
 from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
 from stoker.sdk._retry import now
@@ -102,6 +109,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         """
         claim = self.create_claim(pool, org, **options)
         return Session(self, claim, renew=renew, on_lost=on_lost)
+
+    def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
+        """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`)."""
+        return self._send(self._calls.claims(filters))
 
     def get_claim(self, claim_id: str) -> ClaimInfo:
         """A claim by id."""

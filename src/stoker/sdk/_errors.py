@@ -139,6 +139,14 @@ def error_from_response(response: httpx.Response) -> StokerError:
     except ValueError:
         body = None
     problem: dict[str, Any] = body if isinstance(body, dict) else {}
+    if response.is_redirect:
+        # The API never redirects: another server answers at that URL, or a path is off.
+        where = response.headers.get("location", "elsewhere")
+        return StokerError(
+            f"{status} {response.reason_phrase}: the server sent {response.request.url.path} "
+            f"to {where}; is the URL the base URL of the stoker API?",
+            status=status,
+        )
     detail = str(problem.get("detail") or response.reason_phrase or f"HTTP {status}")
     message = f"{status} {problem.get('title') or response.reason_phrase}: {detail}"
     if status == 429:

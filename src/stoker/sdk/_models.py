@@ -160,6 +160,10 @@ class PoolInfo(Result):
     max_workers_per_org: int
     reuse: str
     counts: Mapping[str, int]
+    #: The JSON body as received.
+    raw: Mapping[str, Any] = field(
+        repr=False, compare=False, default_factory=dict, metadata={"whole_body": True}
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,3 +185,7 @@ class WorkerInfo(Result):
     idle_since: datetime | None
     ttl_s: float | None
     reason: str | None
+    #: The JSON body as received.
+    raw: Mapping[str, Any] = field(
+        repr=False, compare=False, default_factory=dict, metadata={"whole_body": True}
+    )
