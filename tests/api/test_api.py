@@ -272,6 +272,7 @@ async def test_no_capacity_within_the_timeout_is_503_with_the_reason(tmp_path: P
         response = await api.claim(mode="require_warm", timeout_s=0.5)
         body = assert_problem(response, 503)
         assert body["code"] == "no-capacity" and body["reason"] == "no_capacity"
+        assert response.headers["Retry-After"] == "1"
         assert await api.claims() == []
 
 
@@ -418,6 +419,8 @@ async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
         assert metrics.status_code == 200
         assert metrics.headers["content-type"].startswith("text/plain")
         assert 'stoker_claims_total{outcome="bound",pool="demo",source="warm"} 1.0' in metrics.text
+        # One series per counter and histogram label set, no `_created` twin.
+        assert "_created" not in metrics.text
         api.app.api_state.draining = True
         assert assert_problem(await api.http.get("/readyz"), 503)["reason"] == "shutting_down"
 

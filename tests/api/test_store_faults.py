@@ -70,6 +70,7 @@ def test_a_deleted_database_file_makes_the_server_unready_and_claims_fail_at_onc
             srv.url + "/v1/claims", json={"pool": "demo", "org": "acme", "timeout_s": 60}
         )
         assert answer.status_code == 503
+        assert answer.headers["Retry-After"] == "5"
         body = answer.json()
         assert body["reason"] == "store_unavailable"
         assert "was deleted while the server ran" in body["detail"]

@@ -144,6 +144,9 @@ def from_domain(exc: errors.StokerError) -> Response:
         extra["reason"] = "runtime_unavailable"
     elif isinstance(exc, errors.Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
+    if status == 503:
+        # A worker may free up any moment; a store, a runtime or a restart takes longer.
+        headers["Retry-After"] = "1" if isinstance(exc, errors.CapacityError) else "5"
     detail = str(exc) if status < 500 or status == 503 else "internal error"
     return problem_response(status, exc.code, detail, headers=headers, **extra)
 

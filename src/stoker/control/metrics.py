@@ -7,6 +7,10 @@ from typing import Any, TypeVar
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
+# Counters and histograms without a `_created` series each: a creation timestamp per label
+# set doubles the series and tells an operator nothing the process start time does not.
+prometheus_client.disable_created_metrics()
+
 CLAIM_BUCKETS = (
     0.001,
     0.0025,
