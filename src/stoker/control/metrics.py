@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 # Counters and histograms without a `_created` series each: a creation timestamp per label
 # set doubles the series and tells an operator nothing the process start time does not.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CLAIM_BUCKETS = (
     0.001,
