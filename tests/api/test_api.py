@@ -607,6 +607,9 @@ MALFORMED: list[tuple[str, str, str, dict[str, Any], int]] = [
     ("negative timeout", "POST", "/v1/claims", body(timeout_s=-1), 422),
     ("huge timeout", "POST", "/v1/claims", body(timeout_s=1e12), 422),
     ("timeout is text", "POST", "/v1/claims", body(timeout_s="soon"), 422),
+    ("timeout is a numeric string", "POST", "/v1/claims", body(timeout_s="5"), 422),
+    ("lease is a boolean", "POST", "/v1/claims", body(lease_s=True), 422),
+    ("ttl is a boolean", "POST", "/v1/claims", body(ttl_s=False), 422),
     (
         "NaN timeout",
         "POST",

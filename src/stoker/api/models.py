@@ -71,6 +71,9 @@ ClaimConfig = Annotated[dict[str, Any], AfterValidator(_json_config)]
 
 
 class _Request(BaseModel):
+    """A request body: unknown keys are errors, and numbers must be JSON numbers (strict:
+    `true` or `"5"` is a 422, not a 1 s lease or a 5 s timeout)."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -81,11 +84,11 @@ class ClaimCreate(_Request):
     org: Name
     mode: ClaimMode = ClaimMode.PREFER_WARM
     #: Longest wait for a worker; default: the pool's claim_timeout_s.
-    timeout_s: float | None = Field(None, ge=0, le=3600)
+    timeout_s: float | None = Field(None, ge=0, le=3600, strict=True)
     #: Lease length; default: the pool's lease_s.
-    lease_s: float | None = Field(None, ge=1, le=86400)
+    lease_s: float | None = Field(None, ge=1, le=86400, strict=True)
     #: hot_idle TTL wanted after release; default: org, then pool, then 60 s.
-    ttl_s: float | None = Field(None, ge=0, le=86400)
+    ttl_s: float | None = Field(None, ge=0, le=86400, strict=True)
     #: Late-bound config handed to the worker at activation.
     config: ClaimConfig = Field(default_factory=dict)
 
@@ -93,7 +96,7 @@ class ClaimCreate(_Request):
 class ClaimRenew(_Request):
     """`POST /v1/claims/{id}/renew`: a new lease length (default: the claim's own)."""
 
-    lease_s: float | None = Field(None, ge=1, le=86400)
+    lease_s: float | None = Field(None, ge=1, le=86400, strict=True)
 
 
 # -- responses ------------------------------------------------------------------------------
