@@ -8,12 +8,16 @@ gracefully, leaving workers for the next start to adopt (or stopping them when a
 from __future__ import annotations
 
 import json
+import queue
 import signal
+import socket
 import sqlite3
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +160,245 @@ def test_version() -> None:
     assert result.returncode == 0 and result.stdout.strip() == "stoker 0.1.0"
 
 
+def test_bare_stoker_prints_the_help() -> None:
+    result = run([])
+    assert result.returncode == 0, result.stderr
+    assert "Usage: stoker" in result.stdout
+    for command in ("claims", "workers", "pools", "config", "status", "--install-completion"):
+        assert command in result.stdout
+
+
+def test_version_flag() -> None:
+    result = run(["--version"])
+    assert result.returncode == 0 and result.stdout.strip() == "stoker 0.1.0"
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["status", "--help"], "[default: 2.0]"),
+        (["claim", "--help"], "[default: (prefer_warm)]"),
+        (["claims", "list", "--help"], "[default: bound]"),
+        (["workers", "list", "--help"], "[default: 1000]"),
+    ],
+)
+def test_help_shows_the_defaults(args: list[str], shown: str) -> None:
+    result = run(args, COLUMNS="200")
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["release", ""], ["claims", "show", ""], ["claims", "renew", ".."], ["release", "."]],
+)
+def test_a_claim_id_that_is_no_id_says_so(args: list[str]) -> None:
+    # Refused before anything is sent: the URL needs no server.
+    line = one_line_error(run(args, url="http://127.0.0.1:9"), 1)
+    assert f"invalid claim id {args[-1]!r}" in line and "307" not in line
+
+
+def instant(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def test_claims_list_show_and_renew(server: Server) -> None:
+    claim = json.loads(run(["claim", "-p", "demo", "-o", "initech"], url=server.url).stdout)
+    listed = run(["claims", "list"], url=server.url)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if claim["id"] in line)
+    assert "initech" in row and "bound" in row and claim["worker"]["id"] in row
+    as_json = json.loads(run(["claims", "list", "--json"], url=server.url).stdout)
+    [mine] = [c for c in as_json["claims"] if c["id"] == claim["id"]]
+    # The listing never carries the session token.
+    assert mine["worker"]["token"] is None and mine["org"] == "initech"
+
+    shown = run(["claims", "show", claim["id"]], url=server.url)
+    assert shown.returncode == 0, shown.stderr
+    assert "initech" in shown.stdout and claim["worker"]["endpoint"] in shown.stdout
+    assert (
+        json.loads(run(["claims", "show", claim["id"], "--json"], url=server.url).stdout)["state"]
+        == "bound"
+    )
+
+    renewed = run(["claims", "renew", claim["id"], "--lease", "120", "--json"], url=server.url)
+    assert renewed.returncode == 0, renewed.stderr
+    body = json.loads(renewed.stdout)
+    # 120 s from the renewal, which came after the claim was made.
+    lasts = instant(body["expires_at"]) - instant(body["created_at"])
+    assert lasts.total_seconds() >= 120
+
+    assert run(["release", claim["id"]], url=server.url).returncode == 0
+    released = json.loads(
+        run(["claims", "list", "--state", "released", "--json"], url=server.url).stdout
+    )
+    assert claim["id"] in {c["id"] for c in released["claims"]}
+    assert claim["id"] not in run(["claims", "list"], url=server.url).stdout
+    ended = one_line_error(run(["claims", "renew", claim["id"]], url=server.url), 1)
+    assert "409" in ended
+    assert "unknown claim" in one_line_error(
+        run(["claims", "show", "c-missing"], url=server.url), 1
+    )
+
+
+def test_workers_list_with_filters(server: Server) -> None:
+    claim = json.loads(run(["claim", "-p", "demo", "-o", "umbrella"], url=server.url).stdout)
+    try:
+        listed = run(["workers", "list"], url=server.url)
+        assert listed.returncode == 0, listed.stderr
+        assert claim["worker"]["id"] in listed.stdout
+        hot = json.loads(
+            run(
+                ["workers", "list", "--state", "hot", "--org", "umbrella", "--json"],
+                url=server.url,
+            ).stdout
+        )
+        [worker] = hot["workers"]
+        assert worker["id"] == claim["worker"]["id"] and worker["claim_id"] == claim["id"]
+        other = run(["workers", "list", "--pool", "nope", "--json"], url=server.url)
+        assert json.loads(other.stdout) == {"workers": []}
+        table = run(["workers", "list", "-s", "hot", "-o", "umbrella"], url=server.url)
+        assert "1 workers" in table.stdout and claim["id"] in table.stdout
+    finally:
+        run(["release", claim["id"]], url=server.url)
+
+
+def test_pools_lists_and_shows_pools(server: Server) -> None:
+    listed = run(["pools"], url=server.url)
+    assert listed.returncode == 0, listed.stderr
+    header = next(line for line in listed.stdout.splitlines() if "pool" in line and "reuse" in line)
+    for column in ("revision", "target", "desired", "demand", "cap", "per org", "workers"):
+        assert column in header
+    as_json = json.loads(run(["pools", "--json"], url=server.url).stdout)
+    assert [p["name"] for p in as_json["pools"]] == ["demo"]
+    one = json.loads(run(["pools", "demo", "--json"], url=server.url).stdout)
+    assert one["warm_target"] == 1 and one == as_json["pools"][0] | {"counts": one["counts"]}
+    assert "unknown pool 'nope'" in one_line_error(run(["pools", "nope"], url=server.url), 1)
+
+
+def test_config_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -> None:
+    secrets = ["hunter2-pass", "adm1n-token-0123456789abcdef", "org-token-0123456789abcdef"]
+    key = "k" * 40
+    (tmp_path / "stoker.yaml").write_text(
+        f"store: postgresql://stoker:{secrets[0]}@db:5432/stoker\n"
+        f"api: {{admin_tokens: [{secrets[1]}], org_tokens: {{{secrets[2]}: acme}}}}\n"
+        "pools:\n  - {name: p, command: [x], warm_target: 3}\n"
+    )
+    result = run(
+        ["config", "check", "-c", str(tmp_path / "stoker.yaml")],
+        STOKER_ACTIVATION__KEY=key,
+    )
+    assert result.returncode == 0, result.stderr
+    for secret in [*secrets, key]:
+        assert secret not in result.stdout
+    assert "STOKER_ACTIVATION__KEY" in result.stdout.splitlines()[0]
+    shown = json.loads(
+        run(
+            ["config", "check", "-c", str(tmp_path / "stoker.yaml"), "--json"],
+            STOKER_ACTIVATION__KEY=key,
+        ).stdout
+    )
+    assert shown["store"] == "postgresql://stoker:***@db:5432/stoker"
+    assert shown["api"]["admin_tokens"] == ["***"]
+    assert shown["api"]["org_tokens"] == {"***1": "acme"}
+    assert shown["activation"]["key"] == "***"
+    # The effective config: defaults filled in.
+    assert shown["pools"][0]["warm_target"] == 3 and shown["pools"][0]["lease_s"] == 60
+
+
+def test_config_check_exits_1_with_the_config_errors(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text(
+        "api: {prot: 80}\npools:\n  - {name: p, command: [x], warm_target: -1}\n"
+    )
+    result = run(["config", "check", "-c", str(tmp_path / "bad.yaml")])
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "config error: api.prot: unknown key",
+        "config error: pools[0].warm_target: must be >= 0",
+    ]
+    public = run(
+        ["config", "check", "-c", str(tmp_path / "bad.yaml")],
+        STOKER_API__HOST="0.0.0.0",
+    )
+    assert public.returncode == 1 and "Traceback" not in public.stderr
+
+
+def test_status_stays_readable_at_80_columns(server: Server) -> None:
+    result = run(["status"], url=server.url, COLUMNS="80")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), result.stdout
+    assert "…" not in result.stdout
+    headers = " ".join(line for line in lines if line.startswith("pool"))
+    for column in ("target", "desired", "demand", "cap", *("warm", "hot", "hot_idle")):
+        assert f" {column} " in f"{headers} "
+    assert "updated" in lines[0]
+
+
+def test_status_json(server: Server) -> None:
+    result = run(["status", "--json"], url=server.url)
+    assert result.returncode == 0, result.stderr
+    assert [p["name"] for p in json.loads(result.stdout)["pools"]] == ["demo"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_status_watch_rides_out_a_server_that_is_down(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [STOKER, "status", "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment(STOKER_URL=url),
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    def next_line_with(text: str) -> str:
+        deadline = time.perf_counter() + 60
+        while time.perf_counter() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if text in line:
+                return line
+        raise AssertionError(f"no line with {text!r}")
+
+    threading.Thread(target=pump, daemon=True).start()
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = None
+    try:
+        error = next_line_with("cannot reach stoker")
+        assert error.startswith("stoker: ") and "retrying every 0.2 s" in error
+        assert proc.poll() is None
+        srv = start_server(tmp_path, config=config(fleet).replace("port: 0", f"port: {port}"))
+        assert next_line_with(f"stoker at {url} · updated ")
+        next_line_with(" demo ")
+        srv.stop()
+        srv = None
+        next_line_with("cannot reach stoker")
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+        if srv is not None:
+            srv.stop()
+        kill_fleet(fleet)
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
 def test_an_unreachable_server_is_one_line() -> None:
     for args in (["status"], ["claim", "-p", "demo", "-o", "acme"], ["release", "c-1"]):
         line = one_line_error(run(args, url="http://127.0.0.1:9"), 1)
@@ -181,6 +424,12 @@ def test_server_side_errors_are_one_line(server: Server) -> None:
         ["claim", "--pool", "demo", "--org", "acme", "--lease", "0"],
         ["release"],
         ["status", "--interval", "fast"],
+        ["status", "--json", "--watch"],
+        ["claims", "list", "--state", "open"],
+        ["claims", "renew"],
+        ["workers", "list", "--state", "dead"],
+        ["workers", "list", "--limit", "0"],
+        ["config", "check"],
         ["frobnicate"],
         ["serve", "--no-such-flag"],
     ],

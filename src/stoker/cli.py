@@ -1,52 +1,75 @@
-"""The `stoker` command: serve, claim, release, status, scaletest, worker-check, version.
+"""The `stoker` command: serve, claim, release, claims, workers, pools, status, config,
+scaletest, worker-check, version.
 
-`serve` runs the control plane and its HTTP API; `scaletest` runs it against a simulated
-cluster in virtual time (`stoker.sim`); `worker-check` checks a worker command against the
-worker protocol (`stoker.worker_check`); the other commands are clients of a
-running server (through the SDK), found at `--url` / `$STOKER_URL` (default
-http://127.0.0.1:8080) with `--token` / `$STOKER_TOKEN`. Every failure is one line on
-stderr and a non-zero exit status (2 for bad usage, 1 for everything else), never a
-traceback.
+`serve` runs the control plane and its HTTP API; `config check` validates a config file
+as `serve` would; `scaletest` runs it against a simulated cluster in virtual time
+(`stoker.sim`); `worker-check` checks a worker command against the worker protocol
+(`stoker.worker_check`); the other commands are clients of a running server (through the
+SDK), found at `--url` / `$STOKER_URL` (default http://127.0.0.1:8080) with `--token` /
+`$STOKER_TOKEN`, and print a table, or with `--json` the server's JSON. Every failure is
+one line on stderr and a non-zero exit status (2 for bad usage, 1 for everything else),
+never a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from stoker._version import __version__
-from stoker.sdk import Client, StokerError
+from stoker.sdk import ClaimInfo, Client, PoolInfo, Retries, StokerError
 
+HELP = "Keep a fleet of workers warm; claim them over HTTP."
 app = typer.Typer(
     name="stoker",
-    help="Keep a fleet of workers warm; claim them over HTTP.",
-    add_completion=False,
-    no_args_is_help=True,
+    help=HELP,
+    add_completion=True,
+    invoke_without_command=True,
     pretty_exceptions_enable=False,
+    context_settings={"show_default": True},
 )
+claims_app = typer.Typer(
+    name="claims", help="Claims on the server (admin token).", no_args_is_help=True
+)
+workers_app = typer.Typer(
+    name="workers", help="Workers on the server (admin token).", no_args_is_help=True
+)
+config_app = typer.Typer(name="config", help="The server's configuration.", no_args_is_help=True)
+app.add_typer(claims_app)
+app.add_typer(workers_app)
+app.add_typer(config_app)
 
 #: Column order of the state counts in `stoker status`.
 STATES = ("spawning", "warm", "reserved", "activating", "hot", "hot_idle", "draining")
 
 UrlOption = Annotated[
     str | None,
-    typer.Option("--url", envvar="STOKER_URL", help="Server URL [default: http://127.0.0.1:8080]"),
+    typer.Option(
+        "--url", envvar="STOKER_URL", help="Server URL", show_default="http://127.0.0.1:8080"
+    ),
 ]
 TokenOption = Annotated[
     str | None,
     typer.Option("--token", envvar="STOKER_TOKEN", help="Bearer token", show_default=False),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the server's JSON instead of a table")
 ]
 
 
@@ -74,14 +97,32 @@ def _server(url: str | None, token: str | None) -> Iterator[Client]:
 
 
 def _console() -> Console:
-    """A console for tables; piped or captured, no terminal width to fit, so never
-    squeeze the columns."""
+    """A console for tables; piped or captured, no terminal width to fit (unless
+    `$COLUMNS` gives one), so never squeeze the columns."""
     console = Console()
-    return console if console.is_terminal else Console(width=200)
+    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return console
+    return Console(width=200)
 
 
 def _print_json(body: Any) -> None:
     print(json.dumps(body, indent=2, ensure_ascii=False))
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit", is_eager=True)
+    ] = False,
+) -> None:
+    if version:
+        print(f"stoker {__version__}")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        # Bare `stoker`: the help, on stdout, and success.
+        print(ctx.get_help())
+        raise typer.Exit(0)
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -177,6 +218,70 @@ def serve(
     print("stoker stopped", flush=True)
 
 
+# -- config check ---------------------------------------------------------------------------
+
+#: What a secret is shown as.
+MASK = "***"
+
+
+@config_app.command("check")
+def config_check(
+    config_file: Annotated[
+        Path,
+        typer.Option(
+            "--config",
+            "-c",
+            envvar="STOKER_CONFIG",
+            help="YAML config file, as `stoker serve -c` takes it",
+            dir_okay=False,
+            show_default=False,
+        ),
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML")] = False,
+) -> None:
+    """Validate a config file (with the `STOKER_*` overrides) as `serve` would, and print
+    the effective config with its secrets masked; exit 1 with the errors otherwise."""
+    import yaml
+
+    from stoker.api.server import check_exposure
+    from stoker.api.tokens import TokenTable
+    from stoker.config import load_config
+    from stoker.domain.errors import ConfigError
+
+    try:
+        loaded = load_config(config_file)
+        check_exposure(loaded.config.api)
+        TokenTable(loaded.config.api)
+    except ConfigError as exc:
+        # One `config error: <key>: <problem>` line per problem, as `serve` prints them.
+        print(str(exc), file=sys.stderr)
+        raise typer.Exit(1) from None
+    effective = _masked(loaded.config.model_dump(mode="json"))
+    if as_json:
+        _print_json(effective)
+        return
+    overrides = f" + {', '.join(loaded.overrides)}" if loaded.overrides else ""
+    print(f"# effective config of {loaded.source}{overrides} (valid; secrets masked)")
+    print(yaml.safe_dump(effective, sort_keys=False, allow_unicode=True), end="")
+
+
+def _masked(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's JSON form with the store password, API tokens and activation key masked."""
+    scheme, sep, rest = str(config["store"]).partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if at and ":" in userinfo:
+        config["store"] = f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{MASK}@{host}"
+    api = config["api"]
+    api["admin_tokens"] = [MASK for _ in api["admin_tokens"]]
+    # Tokens are the keys of org_tokens: each becomes a numbered mask, to stay distinct.
+    api["org_tokens"] = {
+        f"{MASK}{n}": org for n, org in enumerate(api["org_tokens"].values(), start=1)
+    }
+    if config["activation"]["key"] is not None:
+        config["activation"]["key"] = MASK
+    return config
+
+
 # -- client commands ------------------------------------------------------------------------
 
 
@@ -200,14 +305,30 @@ def claim(
     org: Annotated[str, typer.Option("--org", "-o", help="Org the session belongs to")],
     mode: Annotated[
         Mode | None,
-        typer.Option("--mode", "-m", help="How the claim may be served [default: prefer_warm]"),
+        typer.Option(
+            "--mode", "-m", help="How the claim may be served", show_default="prefer_warm"
+        ),
     ] = None,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", "-t", min=0, max=3600, help="Seconds to wait for a worker"),
+        typer.Option(
+            "--timeout",
+            "-t",
+            min=0,
+            max=3600,
+            help="Seconds to wait for a worker",
+            show_default="the pool's claim_timeout_s",
+        ),
     ] = None,
     lease: Annotated[
-        float | None, typer.Option("--lease", min=1, max=86400, help="Lease length in seconds")
+        float | None,
+        typer.Option(
+            "--lease",
+            min=1,
+            max=86400,
+            help="Lease length in seconds",
+            show_default="the pool's lease_s",
+        ),
     ] = None,
     config: Annotated[
         list[str] | None,
@@ -220,6 +341,7 @@ def claim(
     ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (the output anyway)")] = False,
 ) -> None:
     """Claim a worker and print the claim as JSON (release it with `stoker release ID`)."""
     settings = _parse_config_items(config or [])
@@ -240,6 +362,7 @@ def release(
     claim_id: Annotated[str, typer.Argument(metavar="ID", help="Claim id")],
     url: UrlOption = None,
     token: TokenOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (the output anyway)")] = False,
 ) -> None:
     """Release a claim and print it as JSON: the worker parks for its org or retires."""
     with _server(url, token) as client:
@@ -247,52 +370,351 @@ def release(
     _print_json(dict(info.raw))
 
 
-def _status_table(client: Client) -> Table:
-    """The pools as the server reports them now."""
-    pools = client.pools()
-    table = Table(title=f"stoker at {client.url}", title_justify="left")
-    table.add_column("pool")
-    for name in ("target", "desired", "demand", "cap", *STATES):
-        table.add_column(name, justify="right")
-    for p in pools:
-        cap = str(p.cap) if p.cap else "-"
-        counts = [str(p.counts.get(s, 0)) for s in STATES]
-        table.add_row(p.name, str(p.warm_target), str(p.desired_warm), str(p.demand), cap, *counts)
+# -- claims, workers, pools ---------------------------------------------------------------
+
+
+class ClaimStateChoice(StrEnum):
+    """Claim states `GET /v1/claims` lists by."""
+
+    bound = "bound"
+    released = "released"
+    expired = "expired"
+    failed = "failed"
+
+
+class WorkerStateChoice(StrEnum):
+    """Worker states `GET /v1/workers` lists by (DESIGN.md §2)."""
+
+    spawning = "spawning"
+    warm = "warm"
+    reserved = "reserved"
+    activating = "activating"
+    hot = "hot"
+    hot_idle = "hot_idle"
+    draining = "draining"
+    retired = "retired"
+
+
+ClaimIdArgument = Annotated[str, typer.Argument(metavar="ID", help="Claim id")]
+LimitOption = Annotated[
+    int, typer.Option("--limit", "-n", min=1, max=10000, help="At most this many rows")
+]
+
+
+def _when(value: datetime | None) -> str:
+    """A timestamp as UTC, to the second; '-' for none."""
+    return value.strftime("%Y-%m-%d %H:%M:%SZ") if value is not None else "-"
+
+
+def _claims_table(claims: Sequence[ClaimInfo], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("id", "pool", "org", "state", "source", "worker", "created", "expires"):
+        table.add_column(column, overflow="fold")
+    for c in claims:
+        table.add_row(
+            c.id,
+            c.pool,
+            c.org,
+            c.state,
+            c.source,
+            c.worker.id,
+            _when(c.created_at),
+            _when(c.expires_at) if c.bound else "-",
+        )
     return table
+
+
+def _claim_details(c: ClaimInfo) -> Table:
+    """One claim as rows of field and value (its session token left out)."""
+    table = Table(title=f"claim {c.id}", title_justify="left", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    rows = {
+        "pool": c.pool,
+        "org": c.org,
+        "state": c.state,
+        "source": c.source,
+        "mode": c.mode,
+        "worker": f"{c.worker.id} (epoch {c.worker.epoch})",
+        "endpoint": c.worker.endpoint,
+        "lease_s": f"{c.lease_s:g}",
+        "created": _when(c.created_at),
+        "expires": _when(c.expires_at),
+        "ended": _when(c.ended_at),
+        "reason": c.reason or "-",
+        "ttl_s": "-" if c.ttl_s is None else f"{c.ttl_s:g}",
+    }
+    for name, value in rows.items():
+        table.add_row(name, escape(value))
+    return table
+
+
+@claims_app.command("list")
+def claims_list(
+    state: Annotated[
+        ClaimStateChoice, typer.Option("--state", "-s", help="Claims in this state")
+    ] = ClaimStateChoice.bound,
+    limit: LimitOption = 1000,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Claims in a state (the open ones by default), oldest first."""
+    with _server(url, token) as client:
+        claims = client.claims(state=state.value, limit=limit)
+    if as_json:
+        _print_json({"claims": [dict(c.raw) for c in claims]})
+        return
+    _console().print(_claims_table(claims, f"{len(claims)} {state.value} claims"))
+
+
+@claims_app.command("show")
+def claims_show(
+    claim_id: ClaimIdArgument,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """One claim."""
+    with _server(url, token) as client:
+        info = client.get_claim(claim_id)
+    if as_json:
+        _print_json(dict(info.raw))
+        return
+    _console().print(_claim_details(info))
+
+
+@claims_app.command("renew")
+def claims_renew(
+    claim_id: ClaimIdArgument,
+    lease: Annotated[
+        float | None,
+        typer.Option(
+            "--lease", min=1, max=86400, help="Lease in seconds from now", show_default="its own"
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Extend a claim's lease from now."""
+    with _server(url, token) as client:
+        info = client.renew(claim_id, lease)
+    if as_json:
+        _print_json(dict(info.raw))
+        return
+    _console().print(_claim_details(info))
+
+
+@workers_app.command("list")
+def workers_list(
+    pool: Annotated[str | None, typer.Option("--pool", "-p", help="Only this pool")] = None,
+    state: Annotated[
+        WorkerStateChoice | None,
+        typer.Option("--state", "-s", help="Only this state", show_default="the live ones"),
+    ] = None,
+    org: Annotated[str | None, typer.Option("--org", "-o", help="Only this org")] = None,
+    limit: LimitOption = 1000,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Workers, oldest first: the live ones, or those in `--state`."""
+    with _server(url, token) as client:
+        workers = client.workers(
+            pool=pool, state=state.value if state else None, org=org, limit=limit
+        )
+    if as_json:
+        _print_json({"workers": [dict(w.raw) for w in workers]})
+        return
+    table = Table(title=f"{len(workers)} workers", title_justify="left")
+    for column in ("id", "pool", "state", "org", "claim", "revision", "created", "reason"):
+        table.add_column(column, overflow="fold")
+    for w in workers:
+        table.add_row(
+            w.id,
+            w.pool,
+            w.state,
+            w.org or "-",
+            w.claim_id or "-",
+            w.revision,
+            _when(w.created_at),
+            escape(w.reason or "-"),
+        )
+    _console().print(table)
+
+
+@app.command()
+def pools(
+    name: Annotated[
+        str | None, typer.Argument(metavar="[NAME]", help="Only this pool", show_default=False)
+    ] = None,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Pools with their settings, target, demand and workers by state."""
+    with _server(url, token) as client:
+        found = [client.pool(name)] if name is not None else client.pools()
+    if as_json:
+        if name is not None:
+            _print_json(dict(found[0].raw))
+        else:
+            _print_json({"pools": [dict(p.raw) for p in found]})
+        return
+    table = Table(title=f"pools at {client.url}", title_justify="left")
+    table.add_column("pool", overflow="fold")
+    table.add_column("revision", overflow="fold")
+    table.add_column("reuse")
+    for column in ("target", "desired", "demand", "cap", "per org", "workers"):
+        table.add_column(column, justify="right")
+    for p in found:
+        table.add_row(
+            p.name,
+            p.revision,
+            p.reuse,
+            str(p.warm_target),
+            str(p.desired_warm),
+            str(p.demand),
+            str(p.cap) if p.cap else "-",
+            str(p.max_workers_per_org) if p.max_workers_per_org else "-",
+            str(sum(p.counts.values())),
+        )
+    _console().print(table)
+
+
+def _status_tables(pools: Sequence[PoolInfo], width: int) -> list[Table]:
+    """The pools as one table, or as two (targets; workers by state) when one would not
+    fit in `width` columns: a header is never cut short."""
+    targets = ("target", "desired", "demand", "cap")
+    rows = [
+        (
+            p.name,
+            str(p.warm_target),
+            str(p.desired_warm),
+            str(p.demand),
+            str(p.cap) if p.cap else "-",
+            *(str(p.counts.get(s, 0)) for s in STATES),
+        )
+        for p in pools
+    ]
+    headers = ("pool", *targets, *STATES)
+    cells = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    # Each column: its cells, a space either side and a rule; the left edge.
+    if sum(cells) + 3 * len(cells) + 1 <= width:
+        return [_pool_table(None, headers, rows)]
+    split = 1 + len(targets)
+    compact = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
+    return [
+        _pool_table(None, headers[:split], [r[:split] for r in rows], **compact),
+        _pool_table(
+            "workers by state",
+            (headers[0], *headers[split:]),
+            [(r[0], *r[split:]) for r in rows],
+            **compact,
+        ),
+    ]
+
+
+def _pool_table(
+    title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str]], **style: Any
+) -> Table:
+    table = Table(title=title, title_justify="left", **style)
+    table.add_column(headers[0], overflow="fold")
+    for name in headers[1:]:
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+class _StatusView:
+    """What `status` shows: the pools as last fetched, when, and the last error."""
+
+    def __init__(self, client: Client, width: int) -> None:
+        self.client = client
+        self.width = width
+        self.pools: list[PoolInfo] | None = None
+        self.updated = "never"
+        self.error: str | None = None
+
+    def refresh(self) -> None:
+        """Fetch the pools; on failure keep the last ones and remember the error."""
+        try:
+            self.pools = self.client.pools()
+        except StokerError as exc:
+            self.error = f"{time.strftime('%H:%M:%S')} {exc}"
+            return
+        self.updated = time.strftime("%H:%M:%S")
+        self.error = None
+
+    def render(self, interval: float) -> Group:
+        """The tables, and the error line while the server does not answer."""
+        headline = Text(f"stoker at {self.client.url} · updated {self.updated}", style="italic")
+        parts: list[Any] = [headline, *_status_tables(self.pools or [], self.width)]
+        if self.error is not None:
+            parts.append(Text(f"{self.error} (retrying every {interval:g} s)", style="bold red"))
+        return Group(*parts)
 
 
 @app.command()
 def status(
-    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C")] = False,
+    watch: Annotated[
+        bool,
+        typer.Option("--watch", "-w", help="Refresh until Ctrl-C, riding out server errors"),
+    ] = False,
     interval: Annotated[
         float, typer.Option("--interval", min=0.2, max=3600, help="Seconds between refreshes")
     ] = 2.0,
+    as_json: JsonOption = False,
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
     """Pools with their target, demand and workers by state."""
+    if as_json:
+        if watch:
+            _fail("--json and --watch do not go together", code=2)
+        with _server(url, token) as client:
+            found = client.pools()
+        _print_json({"pools": [dict(p.raw) for p in found]})
+        return
     console = _console()
-    with _server(url, token) as client:
-        table = _status_table(client)
+    if not watch:
+        with _server(url, token) as client:
+            view = _StatusView(client, console.width)
+            view.pools = client.pools()
+            view.updated = time.strftime("%H:%M:%S")
+            console.print(view.render(interval))
+        return
+    # Watching: no retries inside a refresh; the next refresh is the retry, and the
+    # error is on screen meanwhile.
+    with Client(url, token=token, retries=Retries(enabled=False)) as client:
+        view = _StatusView(client, console.width)
         try:
-            if watch and console.is_terminal:
-                _watch_live(client, console, table, interval)
-                return
-            console.print(table)
-            # Piped: a table per refresh, one after the other (a log of the pools).
-            while watch:
+            view.refresh()
+            if console.is_terminal:
+                _watch_live(view, console, interval)
+            # Piped: a table (or an error line) per refresh, one after the other.
+            while True:
+                if view.error is not None:
+                    print(f"stoker: {view.error} (retrying every {interval:g} s)", flush=True)
+                else:
+                    console.print(view.render(interval))
+                    console.file.flush()
                 time.sleep(interval)
-                console.print(_status_table(client))
+                view.refresh()
         except KeyboardInterrupt:
             return
 
 
-def _watch_live(client: Client, console: Console, table: Table, interval: float) -> None:
-    """Redraw the table in place until Ctrl-C."""
-    with Live(table, console=console, auto_refresh=False, transient=False) as live:
+def _watch_live(view: _StatusView, console: Console, interval: float) -> NoReturn:
+    """Redraw the tables in place until Ctrl-C."""
+    with Live(view.render(interval), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(interval)
-            live.update(_status_table(client), refresh=True)
+            view.refresh()
+            view.width = console.width
+            live.update(view.render(interval), refresh=True)
 
 
 @app.command()
@@ -309,7 +731,7 @@ def scaletest(
         typer.Option("--out", "-o", help="Directory for the report", file_okay=False),
     ],
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed [default: the scenario's]")
+        int | None, typer.Option("--seed", help="Seed", show_default="the scenario's")
     ] = None,
     short: Annotated[
         bool, typer.Option("--short", help="Run the scenario's short form (seconds, for CI)")
@@ -327,7 +749,7 @@ def scaletest(
             "--jobs",
             "-j",
             min=0,
-            help="Policies run at once, each in a process [default: 0 = all of them]",
+            help="Policies run at once, each in a process (0: all of them)",
         ),
     ] = 0,
 ) -> None:
@@ -337,8 +759,6 @@ def scaletest(
     when stoker's own policy breaks an invariant (the trace is printed).
     """
     # Imported here: the client commands need none of the simulator.
-    import os
-
     from stoker.extras import missing_extra
 
     # Before the run, not at its end: the report's plots need matplotlib.
