@@ -88,8 +88,11 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 @contextlib.contextmanager
 def _server(url: str | None, token: str | None) -> Iterator[Client]:
-    """A client of the running server; an SDK error ends the command as its one line."""
-    with Client(url, token=token) as client:
+    """A client of the running server; an SDK error ends the command as its one line.
+
+    Each request is sent once: a command says at once that the server does not answer
+    (the SDK's retries, up to a claim's wait plus 30 s, are for applications)."""
+    with Client(url, token=token, retries=Retries(enabled=False)) as client:
         try:
             yield client
         except StokerError as exc:
@@ -686,8 +689,7 @@ def status(
             view.updated = time.strftime("%H:%M:%S")
             console.print(view.render(interval))
         return
-    # Watching: no retries inside a refresh; the next refresh is the retry, and the
-    # error is on screen meanwhile.
+    # Watching: the next refresh is the retry, and the error is on screen meanwhile.
     with Client(url, token=token, retries=Retries(enabled=False)) as client:
         view = _StatusView(client, console.width)
         try:
