@@ -8,6 +8,7 @@ what stopping it sends (the elector giving its Lease up) is asserted exactly.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from fakes import TEST_ACTIVATION_KEY, MemoryRuntime
+from stoker.adapters._logs import EventLog
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
@@ -40,10 +42,12 @@ from stoker.bootstrap import (
     kubernetes_namespace,
 )
 from stoker.config import KubernetesRuntimeConfig, StokerConfig
+from stoker.control import logs
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec, ProcessTemplate
+from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.elector import SoleLeader
 
@@ -477,9 +481,49 @@ def test_log_lines_carry_the_time_of_their_own_record(formatter: logging.Formatt
     stamps = []
     for offset in (0.125, 0.875, 1.5, 0.25, 61.0):
         line = formatter.format(_record(base + offset, "event=claim_bound claim=c-1"))
-        text = json.loads(line)["ts"] if line.startswith("{") else line.split()[0][3:]
+        as_json = line.startswith("{")
+        text = json.loads(line)["ts"] if as_json else line.split()[0][3:]
         stamps.append(text)
-        expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(base + offset))
-        assert text == f"{expected}.{int((offset % 1) * 1000):03d}"
+        # JSON lines are in UTC, marked `Z`; kv lines in local time, as before.
+        when = (time.gmtime if as_json else time.localtime)(base + offset)
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S", when)
+        assert text == f"{expected}.{int((offset % 1) * 1000):03d}" + ("Z" if as_json else "")
     assert len(set(stamps)) == 5
     assert "c-1" in formatter.format(_record(base, "event=claim_bound claim=c-1"))
+
+
+def test_json_log_lines_keep_the_types_of_the_fields() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    stoker_logger = logging.getLogger("stoker")
+    level = stoker_logger.level
+    stoker_logger.addHandler(handler)
+    stoker_logger.setLevel(logging.INFO)
+    try:
+        logs.event(
+            "claim_bound",
+            claim="c-1",
+            org="123",
+            epoch=3,
+            seconds=0.25,
+            activated=True,
+            state=WorkerState.HOT,
+            reason=None,
+        )
+        EventLog("stoker.test")("worker_ready", worker="w-1", port=8080)
+    finally:
+        stoker_logger.removeHandler(handler)
+        stoker_logger.setLevel(level)
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["ts"].endswith("Z")
+    assert {k: first[k] for k in ("event", "claim", "org", "epoch", "seconds", "activated")} == {
+        "event": "claim_bound",
+        "claim": "c-1",
+        "org": "123",  # text stays text, even when it looks like a number
+        "epoch": 3,
+        "seconds": 0.25,
+        "activated": True,
+    }
+    assert first["state"] == "hot" and "reason" not in first
+    assert (second["event"], second["worker"], second["port"]) == ("worker_ready", "w-1", 8080)

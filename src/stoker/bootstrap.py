@@ -12,9 +12,11 @@ plane stops.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -430,23 +432,40 @@ class KvFormatter(_Timestamps):
 
 
 class JsonFormatter(_Timestamps):
-    """One JSON object per record, with the key=value fields of the message as members."""
+    """One JSON object per record, with the event's fields as members: typed (numbers as
+    numbers, flags as booleans) as stoker logged them, and the time in UTC (`...Z`)."""
+
+    converter = staticmethod(time.gmtime)
 
     def format(self, record: logging.LogRecord) -> str:
         """One line per record."""
         body: dict[str, Any] = {
-            "ts": self.stamp(record),
+            "ts": self.stamp(record) + "Z",
             "level": record.levelname.lower(),
             "logger": record.name,
         }
+        fields = getattr(record, "stoker_fields", None)
         text = record.getMessage()
-        if text.startswith("event="):
+        if isinstance(fields, dict):
+            body["event"] = getattr(record, "stoker_event", "")
+            body.update({k: _json_value(v) for k, v in fields.items() if v is not None})
+        elif text.startswith("event="):
             body.update(parse_kv(text))
         else:
             body["msg"] = text
         if record.exc_info:
             body["exc"] = self.formatException(record.exc_info)
         return json.dumps(body, ensure_ascii=False)
+
+
+def _json_value(value: Any) -> Any:
+    """A log field as JSON holds it: numbers, booleans and text as they are, enums by
+    value, anything else as its text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return _json_value(value.value)
+    return str(value)
 
 
 class _DropStartupNoise(logging.Filter):

@@ -17,7 +17,9 @@ class EventLog:
         if self.logger.isEnabledFor(level):
             parts = [f"event={event}"]
             parts += [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None]
-            self.logger.log(level, " ".join(parts))
+            # The fields travel with the record too, typed, for the JSON format.
+            extra = {"stoker_event": event, "stoker_fields": fields}
+            self.logger.log(level, " ".join(parts), extra=extra)
 
 
 def _fmt(value: Any) -> str:

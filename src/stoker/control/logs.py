@@ -29,7 +29,8 @@ def event(name: str, *, level: int = logging.INFO, **fields: Any) -> None:
         return
     parts = [f"event={name}"]
     parts += [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None]
-    logger.log(level, " ".join(parts))
+    # The fields travel with the record too, typed, for the JSON format.
+    logger.log(level, " ".join(parts), extra={"stoker_event": name, "stoker_fields": fields})
 
 
 def worker_event(name: str, worker: Worker, **fields: Any) -> None:
