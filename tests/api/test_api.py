@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Iterable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -1105,3 +1106,37 @@ async def test_a_failed_start_is_reported_in_one_line(tmp_path: Path) -> None:
     assert sent == [{"type": "lifespan.startup.failed", "message": ""}]
     error = app.api_state.startup_error
     assert error is not None and "cannot open sqlite store" in error and "\n" not in error
+
+
+async def test_the_access_log_names_each_request_and_its_caller_never_its_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stoker")
+    api_config = ApiConfig(
+        admin_tokens=["admin-secret-token-0001"],
+        org_tokens={"acme-secret-token-0001": "acme"},
+        access_log=True,
+    )
+    async with running(tmp_path, api=api_config) as api:
+        acme = {"Authorization": "Bearer acme-secret-token-0001"}
+        created = await api.http.post("/v1/claims", json=OK_BODY, headers=acme)
+        assert created.status_code == 201
+        await api.http.get(
+            "/v1/workers", headers={"Authorization": "Bearer admin-secret-token-0001"}
+        )
+        await api.http.get("/v1/workers", headers={"Authorization": "Bearer wrong-token-000001"})
+    lines = [r.getMessage() for r in caplog.records if "event=http_request" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert "method=POST path=/v1/claims status=201" in lines[0] and "org=acme" in lines[0]
+    assert "path=/v1/workers status=200" in lines[1] and "admin=True" in lines[1]
+    assert "status=401" in lines[2] and "org=" not in lines[2]
+    assert not any("secret-token" in line or "wrong-token" in line for line in lines)
+
+
+async def test_without_the_access_log_no_request_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stoker")
+    async with running(tmp_path) as api:
+        assert (await api.claim()).status_code == 201
+    assert not [r for r in caplog.records if "event=http_request" in r.getMessage()]

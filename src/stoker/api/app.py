@@ -31,6 +31,7 @@ from starlette.responses import Response
 
 from stoker._version import __version__
 from stoker.api import problems
+from stoker.api.access import AccessLog
 from stoker.api.asgi import ApiState, Guard, Receive, Scope, Send, principal_of
 from stoker.api.claims import add_claim_routes
 from stoker.api.connections import RefusalLog
@@ -165,6 +166,9 @@ def create_app(
     app.refusals = RefusalLog(plane.metrics.api_refusals)
     app.tokens = tokens or TokenTable(api)
     app.add_middleware(Guard, api=api, tokens=app.tokens, refusals=app.refusals)
+    if api.access_log:
+        # Outside the guard: it logs refused requests too, and who the guard let in.
+        app.add_middleware(AccessLog)
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
     _dashboard_routes(app, plane)

@@ -155,6 +155,8 @@ class ApiConfig(Section):
     #: that has no request in progress, or gets 503 when every one is serving a request.
     #: Lowered at start to what the open-files limit leaves room for.
     max_connections: int = Field(1024, ge=16, le=1_000_000)
+    #: One log line per HTTP request (method, path, status, duration, org; never a token).
+    access_log: bool = False
 
     @field_validator("admin_tokens", mode="before")
     @classmethod
