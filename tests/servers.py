@@ -30,8 +30,13 @@ DEMO = ["{python}", "-m", "stoker.demo_worker", "--port", "{port}", "--worker-id
 
 
 def environment(**extra: str) -> dict[str, str]:
-    """This process's environment without STOKER_* settings, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STOKER_")}
+    """This process's environment without STOKER_* settings nor a terminal size (a test
+    that wants one passes COLUMNS), plus `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("STOKER_") and k not in ("COLUMNS", "LINES")
+    }
     env.update(extra)
     return env
 

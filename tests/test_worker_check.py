@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from servers import STOKER
+from servers import STOKER, environment
 
 pytestmark = pytest.mark.processes
 
@@ -29,6 +29,7 @@ def worker_check(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         check=False,
+        env=environment(),
     )
 
 

@@ -99,11 +99,12 @@ def _server(url: str | None, token: str | None) -> Iterator[Client]:
             _fail(str(exc))
 
 
-def _console() -> Console:
-    """A console for tables; piped or captured, no terminal width to fit (unless
-    `$COLUMNS` gives one), so never squeeze the columns."""
+def _console(*, fit: bool = False) -> Console:
+    """A console for tables; piped or captured there is no terminal width to fit, so the
+    columns are never squeezed — unless `fit` (`status`, which splits its table to fit)
+    and `$COLUMNS` gives a width."""
     console = Console()
-    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+    if console.is_terminal or (fit and os.environ.get("COLUMNS", "").isdigit()):
         return console
     return Console(width=200)
 
@@ -681,7 +682,7 @@ def status(
             found = client.pools()
         _print_json({"pools": [dict(p.raw) for p in found]})
         return
-    console = _console()
+    console = _console(fit=True)
     if not watch:
         with _server(url, token) as client:
             view = _StatusView(client, console.width)
