@@ -242,8 +242,7 @@ class Janitor:
 
     async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
-        reachable = self._reachable([w.owner for w in world.hot_idle], world)
-        candidates = [w for w, ok in zip(world.hot_idle, reachable, strict=True) if ok]
+        candidates = [w for w in world.hot_idle if self._acts_for(w.owner, world)]
         stale = []
         if self.reach is Reach.FLEET:
             # A parked worker of an old revision can never be reused: retire it.
@@ -260,17 +259,17 @@ class Janitor:
             if w.id not in gone and await self._retirer.retire(w, RetireReason.TTL):
                 report.count(RetireReason.TTL)
 
-    def _reachable(self, owners: list[str], world: World) -> list[bool]:
-        """Which of `owners` this pass may act for: any for the fleet's janitor; this
-        replica and replicas that are gone for a fallback reaper."""
-        if self.reach is Reach.FLEET:
-            return [True] * len(owners)
-        mine = self._book.instance_id
-        return [o == mine or o not in world.live_instances for o in owners]
+    def _acts_for(self, owner: str, world: World) -> bool:
+        """Whether this pass acts for what `owner` holds: the fleet's janitor for anyone; a
+        fallback reaper for this replica and for replicas that are gone."""
+        return (
+            self.reach is Reach.FLEET
+            or owner == self._book.instance_id
+            or owner not in world.live_instances
+        )
 
     async def _expire_leases(self, world: World, report: PassReport) -> None:
-        reachable = self._reachable([c.owner for c in world.expired], world)
-        claims = [c for c, ok in zip(world.expired, reachable, strict=True) if ok]
+        claims = [c for c in world.expired if self._acts_for(c.owner, world)]
         for claim in expired_claims(claims, world.now):
             left = session_left(
                 claim.created_at, self._catalog.max_claim_s(claim.pool, claim.org), world.now
