@@ -472,6 +472,14 @@ def claims_list(
     _console().print(_claims_table(claims, f"{len(claims)} {state.value} claims"))
 
 
+def _print_claim(info: ClaimInfo, as_json: bool) -> None:
+    """One claim: the server's JSON, or its details as a table."""
+    if as_json:
+        _print_json(dict(info.raw))
+    else:
+        _console().print(_claim_details(info))
+
+
 @claims_app.command("show")
 def claims_show(
     claim_id: ClaimIdArgument,
@@ -482,10 +490,7 @@ def claims_show(
     """One claim."""
     with _server(url, token) as client:
         info = client.get_claim(claim_id)
-    if as_json:
-        _print_json(dict(info.raw))
-        return
-    _console().print(_claim_details(info))
+    _print_claim(info, as_json)
 
 
 @claims_app.command("renew")
@@ -504,10 +509,7 @@ def claims_renew(
     """Extend a claim's lease from now."""
     with _server(url, token) as client:
         info = client.renew(claim_id, lease)
-    if as_json:
-        _print_json(dict(info.raw))
-        return
-    _console().print(_claim_details(info))
+    _print_claim(info, as_json)
 
 
 @workers_app.command("list")
