@@ -127,6 +127,8 @@ class RetireReason(StrEnum):
     EVICTED = "evicted"
     STUCK = "stuck"
     ROLLOUT = "rollout"
+    #: The worker's revision rolled back or its rollout was aborted.
+    ROLLOUT_FAILED = "rollout_failed"
     SHUTDOWN = "shutdown"
     NO_REUSE = "no_reuse"
     ORPHANED = "orphaned"
