@@ -178,6 +178,8 @@ def build_runtime(
             activation_key=activation_key,
             memory_budget_mb=runtime.memory_budget_mb,
             log_dir=runtime.log_dir,
+            start_limit=runtime.start_limit,
+            start_nice=runtime.start_nice,
             probe_session=activator.session if isinstance(activator, HttpActivator) else None,
         )
     from stoker.adapters.runtime_kubernetes import KubernetesRuntime

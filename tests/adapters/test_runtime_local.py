@@ -22,7 +22,7 @@ import pytest
 from fakes import TEST_ACTIVATION_KEY
 from runtime_contract import EVENT_TIMEOUT_S, Recorder, RuntimeContract
 from stoker.adapters.runtime_local import LocalProcessRuntime
-from stoker.domain.errors import RuntimeFailure
+from stoker.domain.errors import RuntimeFailure, SpawnWithdrawn
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, Timeouts
 from stoker.domain.states import WorkerState
@@ -481,3 +481,99 @@ class TestLocalRuntimeContract(RuntimeContract):
     @pytest.fixture
     def harness(self, make_runtime: MakeRuntime) -> LocalHarness:
         return LocalHarness(make_runtime)
+
+
+#: Waits until the file `argv[2]` exists, then serves /healthz like a worker: the test
+#: decides when each start-up ends.
+GATED_WORKER = """
+import os, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.02)
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+async def wait_started(fleet: str, worker_ids: set[str]) -> None:
+    """Until exactly the processes of `worker_ids` exist in `fleet` (bounded)."""
+    async with asyncio.timeout(EVENT_TIMEOUT_S):
+        while {p.environ()["STOKER_WORKER_ID"] for p in fleet_processes(fleet)} != worker_ids:
+            await asyncio.sleep(0.02)
+
+
+async def test_start_ups_beyond_the_limit_queue_and_their_timeout_runs_from_their_start(
+    make_runtime: MakeRuntime, tmp_path: Path
+) -> None:
+    """One start-up at a time: the others wait (cold first) and none fails for waiting
+    longer than the spawn timeout, since its start-up had not begun."""
+    rt, recorder = await make_runtime(start_limit=1)
+    pool = make_pool(
+        ("{python}", "-c", GATED_WORKER, "{port}", f"{tmp_path}/{{worker_id}}"), spawn_s=2.5
+    )
+    first, warm, cold = make_worker("first"), make_worker("warm"), make_worker("cold")
+    cold = cold.evolve(org="acme")
+    spawns = {w.id: asyncio.create_task(rt.spawn(w, pool)) for w in (first, warm)}
+    await wait_started(rt.fleet, {first.id})
+    spawns[cold.id] = asyncio.create_task(rt.spawn(cold, pool))
+    await asyncio.sleep(2.0)
+    # Only one process started; the warm spawn waits two seconds already, the cold one too.
+    assert {p.environ()["STOKER_WORKER_ID"] for p in fleet_processes(rt.fleet)} == {first.id}
+    assert (rt.startups.starting, rt.startups.queued) == (1, 2)
+    (tmp_path / first.id).touch()
+    await recorder.ready(first.id)
+    # The cold spawn (a claim waits for it) goes before the warm one that came earlier.
+    await wait_started(rt.fleet, {first.id, cold.id})
+    (tmp_path / cold.id).touch()
+    await recorder.ready(cold.id)
+    await wait_started(rt.fleet, {first.id, cold.id, warm.id})
+    # Queued for more than the spawn timeout already; its own start-up is young.
+    await asyncio.sleep(1.0)
+    (tmp_path / warm.id).touch()
+    await recorder.ready(warm.id)
+    for task in spawns.values():
+        assert "pid" in await task
+    assert not [event for event in recorder.events if event[0] == "lost"]
+    assert rt.startups.peak == 1
+
+
+async def test_a_worker_stopped_while_queued_never_starts(
+    make_runtime: MakeRuntime, tmp_path: Path
+) -> None:
+    rt, recorder = await make_runtime(start_limit=1)
+    pool = make_pool(("{python}", "-c", GATED_WORKER, "{port}", f"{tmp_path}/{{worker_id}}"))
+    first, queued = make_worker("first"), make_worker("queued")
+    started = asyncio.create_task(rt.spawn(first, pool))
+    await wait_started(rt.fleet, {first.id})
+    waiting = asyncio.create_task(rt.spawn(queued, pool))
+    await asyncio.sleep(0.1)
+    await rt.stop(queued, grace_s=1.0)
+    with pytest.raises(SpawnWithdrawn):
+        await waiting
+    (tmp_path / first.id).touch()
+    await started
+    await recorder.ready(first.id)
+    assert [p.environ()["STOKER_WORKER_ID"] for p in fleet_processes(rt.fleet)] == [first.id]
+    assert recorder.of(queued.id) == []
+    assert (rt.startups.starting, rt.startups.queued) == (0, 0)
+
+
+async def test_a_starting_worker_runs_nicer_than_the_control_plane(
+    make_runtime: MakeRuntime, tmp_path: Path
+) -> None:
+    rt, _recorder = await make_runtime(start_nice=7)
+    pool = make_pool(("{python}", "-c", GATED_WORKER, "{port}", f"{tmp_path}/{{worker_id}}"))
+    ref = await rt.spawn(make_worker(), pool)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert psutil.Process(ref["pid"]).nice() == min(19, ours + 7)

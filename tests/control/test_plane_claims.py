@@ -658,6 +658,40 @@ async def test_stuck_spawn_is_retired_after_its_timeout(tmp_path: Path) -> None:
         assert worker is not None and worker.state is S.RETIRED
 
 
+class QueuingRuntime(MemoryRuntime):
+    """A memory runtime whose spawns wait in a queue (as the local runtime's start-up
+    bound makes them) until the test opens it."""
+
+    def __init__(self) -> None:
+        super().__init__(auto_ready=False)
+        self.queue_open = asyncio.Event()
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Any:
+        await self.queue_open.wait()
+        return await super().spawn(worker, pool)
+
+
+async def test_a_spawn_queued_in_the_runtime_is_not_stuck_until_it_started(
+    tmp_path: Path,
+) -> None:
+    runtime = QueuingRuntime()
+    async with running(
+        tmp_path, [pool(warm_target=1, timeouts=Timeouts(spawn_s=30))], runtime=runtime
+    ) as h:
+        [slot] = await h.workers(S.SPAWNING)
+        h.clock.advance(31)
+        assert "stuck" not in (await h.tick()).retired
+        runtime.queue_open.set()
+        await h.settle()
+        assert runtime.procs[slot.id].alive
+        # 28 s after its start (each tick and settle lets 1 s pass): not stuck yet.
+        h.clock.advance(27)
+        assert "stuck" not in (await h.tick()).retired
+        # Its spawn timeout counts from the start, not from the reservation.
+        h.clock.advance(3)
+        assert (await h.tick()).retired.get("stuck") == 1
+
+
 async def test_runtime_objects_without_a_live_row_are_stopped(tmp_path: Path) -> None:
     """A process whose row was retired or never written is stopped; live rows keep theirs."""
     async with running(tmp_path, [pool(warm_target=3)]) as h:

@@ -48,6 +48,13 @@ class LocalRuntimeConfig(Section):
     memory_budget_mb: int | None = Field(None, ge=1)
     #: Directory for one log file per worker; null discards worker output.
     log_dir: str | None = None
+    #: Workers starting at once at most (fork until ready); more wait in a queue, cold
+    #: spawns first, their spawn timeout not yet running. Null: one per core.
+    start_limit: int | None = Field(None, ge=1, le=10_000)
+    #: A starting worker runs this much nicer than the control plane (0: as nice), so
+    #: start-ups cannot starve the API; it gets its priority back once ready where
+    #: RLIMIT_NICE allows, else keeps it.
+    start_nice: int = Field(10, ge=0, le=19)
 
 
 class PlaceholderSize(Section):

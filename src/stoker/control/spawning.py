@@ -15,7 +15,7 @@ from stoker.control import logs
 from stoker.control.journal import EventKind
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
-from stoker.domain.errors import RuntimeFailure
+from stoker.domain.errors import RuntimeFailure, SpawnWithdrawn
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason, WorkerState
@@ -157,8 +157,15 @@ class Spawner:
     async def create(self, worker: Worker, pool: PoolSpec) -> bool:
         """Create the runtime object of a spawning slot; a failure frees the slot at once."""
         await self._bucket.acquire()
+        # While the runtime holds the spawn (queued behind other start-ups, or starting the
+        # process) the stuck sweep leaves the row alone: its spawn timeout has not begun.
+        self._book.mark_in_flight(worker.id)
         try:
             ref = await self._runtime.spawn(worker, pool)
+        except SpawnWithdrawn:
+            # Stopped while it waited for a start-up slot: retired already, nothing failed.
+            self._book.drop_spawn_wait(worker.id)
+            return False
         except RuntimeFailure as exc:
             self._metrics.spawn_failures.labels(pool.name, "create").inc()
             logs.worker_event("spawn_failed", worker, error=str(exc), level=logs.WARNING)
@@ -166,6 +173,8 @@ class Spawner:
             self._book.drop_spawn_wait(worker.id)
             await self._retirer.retire(worker, RetireReason.SPAWN_FAILURE, stop=False)
             return False
+        finally:
+            self._book.clear_in_flight(worker.id)
         # Kept until written: if this write fails (or readiness overtakes it), the write
         # that makes the worker ready carries the ref instead.
         self._book.keep_unsaved_ref(worker.id, ref)

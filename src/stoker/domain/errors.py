@@ -89,3 +89,8 @@ class RuntimeFailure(StokerError, code="runtime-failure"):
 
 class ActivationRejected(RuntimeFailure, code="activation-rejected"):
     """The worker refused the activation (HTTP 409 from the worker: second org, stale epoch)."""
+
+
+class SpawnWithdrawn(RuntimeFailure, code="spawn-withdrawn"):
+    """A spawn queued in the runtime was withdrawn before it started (its worker was
+    stopped, or the runtime closed): nothing was started and nothing failed."""

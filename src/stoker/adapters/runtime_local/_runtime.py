@@ -31,6 +31,7 @@ from stoker.adapters.runtime_local._processes import (
     worker_environment,
 )
 from stoker.adapters.runtime_local._readiness import probe_client, probe_until_ready
+from stoker.adapters.runtime_local._startups import StartGate, default_start_limit
 from stoker.adapters.runtime_local._watches import ProcessWatch, ProcessWatches
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import RuntimeFailure
@@ -57,6 +58,12 @@ class LocalProcessRuntime:
     are on the claim path); its owner closes it. Else the runtime opens and closes its own.
     Each worker gets its activation secret (derived from `activation_key`) in its
     environment, never in its argv: every local user can read a process's argv.
+
+    At most `start_limit` workers start at once (default: one per core); more spawns
+    wait in a queue, cold ones first, and a worker's spawn timeout runs from its own
+    start. A starting worker runs `start_nice` steps nicer than the control plane, so
+    that a storm of start-ups cannot starve the API; once ready it gets its priority
+    back where the system allows (RLIMIT_NICE or CAP_SYS_NICE), else it keeps it.
     """
 
     kind = "local"
@@ -73,6 +80,8 @@ class LocalProcessRuntime:
         ready_poll_s: float = 0.05,
         host: str = "127.0.0.1",
         probe_session: Callable[[], aiohttp.ClientSession] | None = None,
+        start_limit: int | None = None,
+        start_nice: int = 10,
     ) -> None:
         self.clock = clock
         self.fleet = fleet
@@ -90,6 +99,10 @@ class LocalProcessRuntime:
         self._owns_session = probe_session is None
         self._client: aiohttp.ClientSession | None = None
         self._watches = ProcessWatches(clock, self._on_exit)
+        self.startups = StartGate(start_limit or default_start_limit())
+        self.start_nice = start_nice
+        #: Set once a ready worker could not get its priority back (logged once).
+        self._nice_kept = False
 
     # -- lifecycle of the runtime itself ----------------------------------------------------
 
@@ -103,7 +116,9 @@ class LocalProcessRuntime:
             self._client = self._open_session()
 
     async def close(self) -> None:
-        """Stop probing and watching; the worker processes keep running, to be adopted."""
+        """Stop probing and watching; the worker processes keep running, to be adopted.
+        Spawns still queued for a start-up slot are withdrawn (nothing was started)."""
+        self.startups.close()
         await self._watches.close()
         client, self._client = self._client, None
         if client is not None and self._owns_session:
@@ -122,15 +137,29 @@ class LocalProcessRuntime:
     async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
         """Start the worker process; readiness is reported later by `worker_ready`.
 
-        Returns the ref `{pid, start_time, port, endpoint}`. Raises `RuntimeFailure`
-        when the pool has no process template or the process cannot be started.
+        Waits first for a start-up slot (see `StartGate`). Returns the ref `{pid,
+        start_time, port, endpoint}`. Raises `RuntimeFailure` when the pool has no process
+        template or the process cannot be started, `SpawnWithdrawn` when the worker was
+        stopped while it waited for a slot.
         """
         template = pool.template
         if not isinstance(template, ProcessTemplate):
             raise RuntimeFailure(f"pool {pool.name!r} has no process template")
+        if self._client is None:
+            raise RuntimeFailure("the local runtime is not started")
+        # A cold spawn (bound to an org) has a claim waiting for it: it goes first.
+        await self.startups.enter(worker.id, urgent=worker.org is not None)
+        try:
+            return self._start(worker, pool, template)
+        except BaseException:
+            self.startups.leave(worker.id)
+            raise
+
+    def _start(self, worker: Worker, pool: PoolSpec, template: ProcessTemplate) -> dict[str, Any]:
+        """Start the process of a worker holding a start-up slot and watch it."""
         client = self._client
         if client is None:
-            raise RuntimeFailure("the local runtime is not started")
+            raise RuntimeFailure("the local runtime is closed")
         try:
             port = free_port(self.host)
         except OSError as exc:
@@ -158,6 +187,7 @@ class LocalProcessRuntime:
         except (OSError, psutil.Error) as exc:
             kill_quietly(pid)
             raise RuntimeFailure(f"worker {worker.id} vanished at start: {exc}") from exc
+        lower_priority(pid, self.start_nice)
         watch = ProcessWatch(
             worker_id=worker.id,
             pool=pool.name,
@@ -172,6 +202,8 @@ class LocalProcessRuntime:
             name=f"ready:{worker.id}",
         )
         watch.poller.add_done_callback(_log_failure)
+        # The slot is free once the start-up ends, whichever way (ready, failed, stopped).
+        watch.poller.add_done_callback(lambda _: self.startups.leave(worker.id))
         _log("worker_spawned", worker=worker.id, pool=pool.name, pid=pid, endpoint=endpoint)
         return {"pid": pid, "start_time": start_time, "port": port, "endpoint": endpoint}
 
@@ -196,9 +228,23 @@ class LocalProcessRuntime:
             self._fail_spawn(watch, f"not ready within {timeout_s}s")
             return
         watch.ready = True
+        self._restore_priority(watch)
         _log("worker_ready", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
         if self._listener is not None:
             self._listener.worker_ready(watch.worker_id, endpoint)
+
+    def _restore_priority(self, watch: ProcessWatch) -> None:
+        """Give a ready worker the control plane's priority back, where the system allows."""
+        if not self.start_nice:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, watch.pid, os.getpriority(os.PRIO_PROCESS, 0))
+        except PermissionError:
+            if not self._nice_kept:
+                self._nice_kept = True
+                _log("worker_nice_kept", nice=self.start_nice, why="RLIMIT_NICE forbids it")
+        except ProcessLookupError:
+            return
 
     def _fail_spawn(self, watch: ProcessWatch, why: str) -> None:
         """Kill a process that never became ready and report `spawn_failure` once."""
@@ -232,6 +278,9 @@ class LocalProcessRuntime:
         signalled; one that is already gone is not an error. Raises `RuntimeFailure` if
         the process survives SIGKILL.
         """
+        if self.startups.withdraw(worker.id, "was stopped"):
+            _log("worker_stop_skipped", worker=worker.id, reason="not_started")
+            return
         named = identity(worker.runtime_ref)
         if named is None:
             # Stopped before the spawn's ref reached the store: this runtime may know it.
@@ -314,6 +363,16 @@ class LocalProcessRuntime:
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""
         return None
+
+
+def lower_priority(pid: int, steps: int) -> None:
+    """Make a process `steps` nicer than this one (no error when it cannot be done)."""
+    if steps <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + steps)
+    except OSError:
+        return
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -1,0 +1,70 @@
+"""The start-up gate of the local runtime, counted without processes (no time passes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stoker.adapters.runtime_local._startups import StartGate
+from stoker.domain.errors import SpawnWithdrawn
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_storm_never_has_more_than_the_limit_starting() -> None:
+    gate = StartGate(3)
+    granted: list[str] = []
+
+    async def start(worker_id: str) -> None:
+        await gate.enter(worker_id, urgent=worker_id.startswith("cold"))
+        granted.append(worker_id)
+
+    tasks = [asyncio.create_task(start(f"warm-{i}")) for i in range(100)]
+    tasks += [asyncio.create_task(start(f"cold-{i}")) for i in range(2)]
+    await settle()
+    assert granted == ["warm-0", "warm-1", "warm-2"]
+    assert (gate.starting, gate.queued) == (3, 99)
+    gate.leave("warm-1")
+    gate.leave("warm-1")  # leaving twice frees one slot only
+    await settle()
+    # Cold spawns (a claim waits for them) go before the refill that came earlier.
+    assert granted[3:] == ["cold-0"]
+    while gate.queued:
+        gate.leave(granted[-1])
+        await settle()
+        assert gate.starting == 3
+    await asyncio.gather(*tasks)
+    assert granted[4:7] == ["cold-1", "warm-3", "warm-4"]
+    assert len(set(granted)) == 102 and gate.peak == 3
+
+
+async def test_withdrawn_and_cancelled_waiters_give_their_turn_on() -> None:
+    gate = StartGate(1)
+    await gate.enter("a")
+    withdrawn = asyncio.create_task(gate.enter("b"))
+    cancelled = asyncio.create_task(gate.enter("c"))
+    third = asyncio.create_task(gate.enter("d"))
+    await settle()
+    assert gate.withdraw("b", "was stopped")
+    assert not gate.withdraw("a", "was stopped")  # starting, not queued
+    cancelled.cancel()
+    await settle()
+    with pytest.raises(SpawnWithdrawn, match="b was stopped before it started"):
+        await withdrawn
+    gate.leave("a")
+    await third
+    assert (gate.starting, gate.queued) == (1, 0)
+    # Granted and cancelled at once: the slot is handed on, not lost.
+    late = asyncio.create_task(gate.enter("e"))
+    await settle()
+    gate.leave("d")
+    late.cancel()
+    await settle()
+    assert gate.starting == 0
+    gate.close()
+    with pytest.raises(ValueError):
+        StartGate(0)
