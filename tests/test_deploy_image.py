@@ -194,7 +194,7 @@ def test_the_build_context_holds_what_the_copies_need() -> None:
     for source in sources:
         assert (ROOT / source).exists(), source
         assert admitted(source, patterns), source
-        assert admitted(f"{source}/stoker/cli.py" if source == "src" else source, patterns)
+        assert admitted(f"{source}/stoker/cli/__init__.py" if source == "src" else source, patterns)
     for kept_out in (".venv", ".git", "tests", "stoker.db", "src/stoker/__pycache__"):
         assert not admitted(kept_out, patterns), kept_out
 
@@ -231,7 +231,7 @@ def test_the_wheel_builds_from_the_context_alone(tmp_path: Path) -> None:
         names = set(archive.namelist())
         [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = archive.read(entry_points).decode()
-    assert {"stoker/cli.py", "stoker/api/app.py", "stoker/demo_worker.py"} <= names
+    assert {"stoker/cli/__init__.py", "stoker/api/app.py", "stoker/demo_worker.py"} <= names
     command = only(final_stage(), "ENTRYPOINT").exec_form()
     assert command == ["stoker", "serve"]
     assert "[console_scripts]\nstoker = stoker.cli:main" in scripts

@@ -1,0 +1,96 @@
+"""The `stoker` command: its table of commands and groups, its own options, `version`,
+and the entry point that turns every failure into one line and an exit status.
+
+A command lives in the module of its job (`claims`, `pools`, `serve`...) as a plain
+function, a group as a `typer.Typer` of its own; both are registered here, in the order
+`stoker --help` lists them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Annotated, NoReturn
+
+import typer
+
+from stoker._version import __version__
+from stoker.cli.claims import claim, claims_app, release
+from stoker.cli.config import config_app
+from stoker.cli.pools import pools, status
+from stoker.cli.scaletest import scaletest
+from stoker.cli.serve import serve
+from stoker.cli.worker_check import worker_check
+from stoker.cli.workers import workers_app
+
+HELP = "Keep a fleet of workers warm; claim them over HTTP."
+app = typer.Typer(
+    name="stoker",
+    help=HELP,
+    add_completion=True,
+    invoke_without_command=True,
+    pretty_exceptions_enable=False,
+    context_settings={"show_default": True},
+)
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit", is_eager=True)
+    ] = False,
+) -> None:
+    if version:
+        print(f"stoker {__version__}")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        # Bare `stoker`: the help, on stdout, and success.
+        print(ctx.get_help())
+        raise typer.Exit(0)
+
+
+def version() -> None:
+    """Print the version."""
+    print(f"stoker {__version__}")
+
+
+app.command()(serve)
+app.command()(claim)
+app.command()(release)
+app.command()(pools)
+app.command()(status)
+app.command()(scaletest)
+app.command("worker-check", context_settings={"allow_interspersed_args": False})(worker_check)
+app.command()(version)
+app.add_typer(claims_app)
+app.add_typer(workers_app)
+app.add_typer(config_app)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Console entry point: run a command, turning every failure into one line."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(
+            args=list(argv) if argv is not None else None, prog_name="stoker", standalone_mode=False
+        )
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("stoker: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.TyperException as exc:
+        # Bad usage (exit status 2) and other command-line errors.
+        code = int(getattr(exc, "exit_code", 1))
+        format_message = getattr(exc, "format_message", None)
+        message = format_message() if callable(format_message) else str(exc)
+        if "\n" in message:
+            # `stoker` alone: the help text.
+            print(message, file=sys.stderr)
+        else:
+            ctx = getattr(exc, "ctx", None)
+            path = getattr(ctx, "command_path", None)
+            hint = f" (see '{path} --help')" if code == 2 and path else ""
+            print(f"stoker: {message}{hint}", file=sys.stderr)
+        sys.exit(code)
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,235 @@
+"""Claims: `claim` and `release` (the client's own), and `claims list|show|renew`
+(admin token)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from stoker.cli.output import (
+    JsonOption,
+    LimitOption,
+    TokenOption,
+    UrlOption,
+    fail,
+    make_console,
+    print_json,
+    server,
+    when,
+)
+from stoker.sdk import ClaimInfo
+
+claims_app = typer.Typer(
+    name="claims", help="Claims on the server (admin token).", no_args_is_help=True
+)
+
+
+class Mode(StrEnum):
+    """Claim modes of `POST /v1/claims` (README, "HTTP API")."""
+
+    prefer_warm = "prefer_warm"
+    require_warm = "require_warm"
+    cold = "cold"
+
+
+def _parse_config_items(items: Sequence[str]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            fail(f"--config expects KEY=VALUE, got {item!r}", code=2)
+        try:
+            # Numbers, booleans, null and JSON objects keep their type; the rest is text.
+            config[key] = json.loads(raw)
+        except ValueError:
+            config[key] = raw
+    return config
+
+
+def claim(
+    pool: Annotated[str, typer.Option("--pool", "-p", help="Pool to claim from")],
+    org: Annotated[str, typer.Option("--org", "-o", help="Org the session belongs to")],
+    mode: Annotated[
+        Mode | None,
+        typer.Option(
+            "--mode", "-m", help="How the claim may be served", show_default="prefer_warm"
+        ),
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            "-t",
+            min=0,
+            max=3600,
+            help="Seconds to wait for a worker",
+            show_default="the pool's claim_timeout_s",
+        ),
+    ] = None,
+    lease: Annotated[
+        float | None,
+        typer.Option(
+            "--lease",
+            min=1,
+            max=86400,
+            help="Lease length in seconds",
+            show_default="the pool's lease_s",
+        ),
+    ] = None,
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="KEY=VALUE handed to the worker at activation (repeatable)",
+            show_default=False,
+        ),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (the output anyway)")] = False,
+) -> None:
+    """Claim a worker and print the claim as JSON (release it with `stoker release ID`)."""
+    settings = _parse_config_items(config or [])
+    with server(url, token) as client:
+        info = client.create_claim(
+            pool,
+            org,
+            mode=mode.value if mode is not None else None,
+            timeout_s=timeout,
+            lease_s=lease,
+            config=settings,
+        )
+    print_json(dict(info.raw))
+
+
+def release(
+    claim_id: Annotated[str, typer.Argument(metavar="ID", help="Claim id")],
+    url: UrlOption = None,
+    token: TokenOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (the output anyway)")] = False,
+) -> None:
+    """Release a claim and print it as JSON: the worker parks for its org or retires."""
+    with server(url, token) as client:
+        info = client.release(claim_id)
+    print_json(dict(info.raw))
+
+
+class ClaimStateChoice(StrEnum):
+    """Claim states `GET /v1/claims` lists by."""
+
+    bound = "bound"
+    released = "released"
+    expired = "expired"
+    failed = "failed"
+
+
+ClaimIdArgument = Annotated[str, typer.Argument(metavar="ID", help="Claim id")]
+
+
+def _claims_table(claims: Sequence[ClaimInfo], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("id", "pool", "org", "state", "source", "worker", "created", "expires"):
+        table.add_column(column, overflow="fold")
+    for c in claims:
+        table.add_row(
+            c.id,
+            c.pool,
+            c.org,
+            c.state,
+            c.source,
+            c.worker.id,
+            when(c.created_at),
+            when(c.expires_at) if c.bound else "-",
+        )
+    return table
+
+
+def _claim_details(c: ClaimInfo) -> Table:
+    """One claim as rows of field and value (its session token left out)."""
+    table = Table(title=f"claim {c.id}", title_justify="left", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    rows = {
+        "pool": c.pool,
+        "org": c.org,
+        "state": c.state,
+        "source": c.source,
+        "mode": c.mode,
+        "worker": f"{c.worker.id} (epoch {c.worker.epoch})",
+        "endpoint": c.worker.endpoint,
+        "lease_s": f"{c.lease_s:g}",
+        "created": when(c.created_at),
+        "expires": when(c.expires_at),
+        "ended": when(c.ended_at),
+        "reason": c.reason or "-",
+        "ttl_s": "-" if c.ttl_s is None else f"{c.ttl_s:g}",
+    }
+    for name, value in rows.items():
+        table.add_row(name, escape(value))
+    return table
+
+
+@claims_app.command("list")
+def claims_list(
+    state: Annotated[
+        ClaimStateChoice, typer.Option("--state", "-s", help="Claims in this state")
+    ] = ClaimStateChoice.bound,
+    limit: LimitOption = 1000,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Claims in a state (the open ones by default), oldest first."""
+    with server(url, token) as client:
+        claims = client.claims(state=state.value, limit=limit)
+    if as_json:
+        print_json({"claims": [dict(c.raw) for c in claims]})
+        return
+    make_console().print(_claims_table(claims, f"{len(claims)} {state.value} claims"))
+
+
+def _print_claim(info: ClaimInfo, as_json: bool) -> None:
+    """One claim: the server's JSON, or its details as a table."""
+    if as_json:
+        print_json(dict(info.raw))
+    else:
+        make_console().print(_claim_details(info))
+
+
+@claims_app.command("show")
+def claims_show(
+    claim_id: ClaimIdArgument,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """One claim."""
+    with server(url, token) as client:
+        info = client.get_claim(claim_id)
+    _print_claim(info, as_json)
+
+
+@claims_app.command("renew")
+def claims_renew(
+    claim_id: ClaimIdArgument,
+    lease: Annotated[
+        float | None,
+        typer.Option(
+            "--lease", min=1, max=86400, help="Lease in seconds from now", show_default="its own"
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Extend a claim's lease from now."""
+    with server(url, token) as client:
+        info = client.renew(claim_id, lease)
+    _print_claim(info, as_json)

@@ -1,0 +1,77 @@
+"""What every client command shares: the server's options, the client, the console and
+the one-line failure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from stoker.sdk import Client, Retries, StokerError
+
+UrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--url", envvar="STOKER_URL", help="Server URL", show_default="http://127.0.0.1:8080"
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option("--token", envvar="STOKER_TOKEN", help="Bearer token", show_default=False),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the server's JSON instead of a table")
+]
+LimitOption = Annotated[
+    int, typer.Option("--limit", "-n", min=1, max=10000, help="At most this many rows")
+]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """End the command with `message` as one line on stderr and exit status `code`."""
+    print(f"stoker: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def client_of(url: str | None, token: str | None) -> Client:
+    """A client of the running server that sends each request once: a command says at
+    once that the server does not answer (the SDK's retries, up to a claim's wait plus
+    30 s, are for applications)."""
+    return Client(url, token=token, retries=Retries(enabled=False))
+
+
+@contextlib.contextmanager
+def server(url: str | None, token: str | None) -> Iterator[Client]:
+    """A client of the running server; an SDK error ends the command as its one line."""
+    with client_of(url, token) as client:
+        try:
+            yield client
+        except StokerError as exc:
+            fail(str(exc))
+
+
+def make_console(*, fit: bool = False) -> Console:
+    """A console for tables; piped or captured there is no terminal width to fit, so the
+    columns are never squeezed — unless `fit` (`status`, which splits its table to fit)
+    and `$COLUMNS` gives a width."""
+    found = Console()
+    if found.is_terminal or (fit and os.environ.get("COLUMNS", "").isdigit()):
+        return found
+    return Console(width=200)
+
+
+def print_json(body: Any) -> None:
+    """`body` as indented JSON on stdout."""
+    print(json.dumps(body, indent=2, ensure_ascii=False))
+
+
+def when(value: datetime | None) -> str:
+    """A timestamp as UTC, to the second; '-' for none."""
+    return value.strftime("%Y-%m-%d %H:%M:%SZ") if value is not None else "-"
