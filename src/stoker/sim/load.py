@@ -10,8 +10,14 @@ the very same sessions (common random numbers), so their differences are the pol
 A session claims through the control plane's in-process interface (`ControlPlane.claim`,
 `renew`, `release`), on the replica a load balancer would pick (round robin over the
 tenant's sessions and attempts), renews its lease at half of it while it lasts, and
-releases at the end. A failed claim is retried `retries` times, `retry_backoff_s` apart;
-a client that vanishes (`abandon`) neither renews nor releases, so its lease must expire.
+releases at the end. A failed claim is retried `retries` times, as a client would: after
+`retry_backoff_s`, growing `retry_backoff_factor` times per failure up to
+`retry_backoff_max_s`, with equal jitter (half fixed, half drawn from the session's own
+generator, so the arrivals stay common to every policy). A client that vanishes
+(`abandon`) neither renews nor releases, so its lease must expire.
+
+Every attempt and each session's time to a worker go to `LoadDriver.log`
+(`stoker.sim.sessions`): the per-claim log and `sessions.time_to_worker_s`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.states import ClaimState
 from stoker.ports.clock import Clock
 from stoker.sim.scenario import TenantGroup
+from stoker.sim.sessions import Attempt, SessionLog
 
 
 class ClaimTarget(Protocol):
@@ -131,9 +138,12 @@ class LoadDriver:
         self._target_hot = target_hot
         self._t0 = 0.0
         self.stats = LoadStats()
+        self.log = SessionLog()
         #: Sessions holding a worker now, and claims waiting for one.
         self.active = 0
         self.waiting = 0
+        #: When each waiting claim attempt was sent (run seconds), by session.
+        self._waiting_since: dict[int, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
 
@@ -164,6 +174,11 @@ class LoadDriver:
     def now(self) -> float:
         """Seconds since `start`."""
         return self._clock.monotonic() - self._t0
+
+    def waiting_longer_than(self, seconds: float) -> int:
+        """Claim attempts that have waited longer than `seconds` so far."""
+        cutoff = self._clock.monotonic() - seconds
+        return sum(1 for since in self._waiting_since.values() if since < cutoff)
 
     def _spawn(self, coro: Any, name: str) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -205,8 +220,10 @@ class LoadDriver:
                 if self.stats.first_arrival_s is None:
                     self.stats.first_arrival_s = self.now()
                 self.stats.sessions += 1
+                number = self.stats.sessions
+                self.log.arrived(number, self.now())
                 self._spawn(
-                    self._session(group, org, index + seq, duration, abandon),
+                    self._session(group, org, index + seq, duration, abandon, number),
                     f"session:{org}:{seq}",
                 )
                 seq += 1
@@ -226,13 +243,22 @@ class LoadDriver:
     # -- one session -----------------------------------------------------------------------
 
     async def _session(
-        self, group: TenantGroup, org: str, route: int, duration: float, abandon: bool
+        self,
+        group: TenantGroup,
+        org: str,
+        route: int,
+        duration: float,
+        abandon: bool,
+        number: int = 0,
     ) -> None:
         claim: Claim | None = None
+        jitter: random.Random | None = None
         for attempt in range(group.retries + 1):
-            target = self._targets[(route + attempt) % len(self._targets)]
+            replica = (route + attempt) % len(self._targets)
+            target = self._targets[replica]
             started = self._clock.monotonic()
             self.waiting += 1
+            self._waiting_since[number] = started
             try:
                 claim = await target.claim(
                     ClaimRequest(
@@ -245,16 +271,26 @@ class LoadDriver:
                     )
                 )
             except StokerError as exc:
-                self.stats.failures[failure_reason(exc)] += 1
+                reason = failure_reason(exc)
+                self.stats.failures[reason] += 1
+                backoff = 0.0
                 if attempt < group.retries:
-                    await self._clock.sleep(group.retry_backoff_s)
+                    jitter = jitter or random.Random(f"{self._seed}/{org}/{number}")
+                    backoff = retry_backoff_s(group, attempt, jitter)
+                self._attempt(number, org, attempt, replica, started, reason, None, backoff)
+                if backoff > 0:
+                    await self._clock.sleep(backoff)
                 continue
             finally:
                 self.waiting -= 1
+                self._waiting_since.pop(number, None)
+            self._attempt(number, org, attempt, replica, started, "bound", claim.source.value, 0.0)
+            self.log.bound(number, self.now())
             self._bound(claim, self._clock.monotonic() - started)
             break
         if claim is None:
             self.stats.sessions_lost += 1
+            self.log.gave_up(number, self.now())
             return
         if abandon:
             # The client is gone: nothing renews or releases the claim any more.
@@ -278,6 +314,31 @@ class LoadDriver:
                     self._observer.session_ended(claim, how)
         finally:
             self.active -= 1
+
+    def _attempt(
+        self,
+        session: int,
+        org: str,
+        attempt: int,
+        replica: int,
+        started: float,
+        outcome: str,
+        source: str | None,
+        backoff: float,
+    ) -> None:
+        self.log.attempts.append(
+            Attempt(
+                session=session,
+                org=org,
+                attempt=attempt,
+                replica=replica,
+                start_s=started - self._t0,
+                end_s=self.now(),
+                outcome=outcome,
+                source=source,
+                backoff_s=backoff,
+            )
+        )
 
     def _bound(self, claim: Claim, latency: float) -> None:
         self.stats.latencies.setdefault(claim.source.value, []).append(latency)
@@ -314,3 +375,11 @@ class LoadDriver:
                 # The lease still runs for its other half: the next renewal may succeed.
                 self.stats.renew_errors += 1
         return True
+
+
+def retry_backoff_s(group: TenantGroup, failures: int, rng: random.Random) -> float:
+    """The back-off after failed attempt number `failures` (0-based): exponential, capped,
+    with equal jitter (half of it fixed, half uniform)."""
+    base = group.retry_backoff_s * group.retry_backoff_factor**failures
+    capped = min(base, group.retry_backoff_max_s)
+    return capped / 2 + rng.uniform(0, capped / 2)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker.sim.passlog import COLUMNS as PASS_COLUMNS
 from stoker.sim.runner import PolicyResult, ScenarioResult
 
 #: Decimals kept for floats in summary.json and timeseries.csv.
@@ -127,6 +128,25 @@ def write_timeseries(result: ScenarioResult, path: Path) -> None:
             for row in policy.samples:
                 values = {"policy": policy.name, **row}
                 writer.writerow([_cell(values.get(column)) for column in columns])
+
+
+def write_claims(result: ScenarioResult, path: Path) -> None:
+    """claims.jsonl: every claim attempt of every policy, one JSON object a line."""
+    with path.open("w", encoding="utf-8") as handle:
+        for policy in result.policies:
+            for attempt in policy.attempts:
+                row = _rounded({"policy": policy.name, **attempt.as_dict()})
+                handle.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def write_passes(result: ScenarioResult, path: Path) -> None:
+    """passes.csv: the leader's demand and desired warm, and the pool, every janitor pass."""
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(["policy", *PASS_COLUMNS])
+        for policy in result.policies:
+            for row in policy.passes.rows:
+                writer.writerow([policy.name, *(_cell(v) for v in row)])
 
 
 def _cell(value: Any) -> str:
@@ -395,9 +415,18 @@ def write_report(result: ScenarioResult, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_bytes(summary_bytes(result))
     write_timeseries(result, out / "timeseries.csv")
+    write_claims(result, out / "claims.jsonl")
+    write_passes(result, out / "passes.csv")
     plots = write_plots(result, out)
     (out / "report.md").write_text(markdown(result) + "\n", encoding="utf-8")
-    written = [out / "summary.json", out / "timeseries.csv", *plots, out / "report.md"]
+    written = [
+        out / "summary.json",
+        out / "timeseries.csv",
+        out / "claims.jsonl",
+        out / "passes.csv",
+        *plots,
+        out / "report.md",
+    ]
     lines = [f"[{p.name}] {line}" for p in result.policies for line in p.log_lines]
     if lines:
         (out / "warnings.log").write_text("\n".join(lines) + "\n", encoding="utf-8")

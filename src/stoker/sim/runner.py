@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import math
 import multiprocessing
 import queue
 import random
@@ -38,8 +37,10 @@ from stoker.sim.baselines import derived_cap
 from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
+from stoker.sim.passlog import PassLog
 from stoker.sim.replicas import PolicyReplicas, build_replicas, org_specs, pool_spec
 from stoker.sim.scenario import Scenario
+from stoker.sim.sessions import Attempt, quantiles
 
 #: The wall-clock origin of every run (2023-11-14T22:13:20Z): fixed, so timestamps in the
 #: store, and everything derived from them, repeat from run to run.
@@ -74,6 +75,9 @@ class PolicyResult:
     #: Warnings stoker logged during the run: a count per event, and the first lines.
     warnings: dict[str, int] = field(default_factory=dict)
     log_lines: list[str] = field(default_factory=list)
+    #: Every claim attempt (claims.jsonl) and the janitor's passes (passes.csv).
+    attempts: list[Attempt] = field(default_factory=list)
+    passes: PassLog = field(default_factory=PassLog)
 
 
 @dataclass
@@ -263,6 +267,7 @@ class _PolicyRun:
         self.no_leader_s = 0.0
         self.peaks: Counter[str] = Counter()
         self.integrals: Counter[str] = Counter()
+        self.passes = PassLog()
 
     def now(self) -> float:
         """Seconds since the run started (the loop starts at 0)."""
@@ -322,6 +327,16 @@ class _PolicyRun:
         driver.start()
         checker.start()
         sampler = asyncio.ensure_future(self._sample_every(cluster, store, replicas, driver))
+        passes = asyncio.ensure_future(
+            self.passes.run(
+                interval_s=view.control_plane.janitor_interval_s,
+                pool=pool.name,
+                now=self.now,
+                store=store,
+                replicas=replicas,
+                driver=driver,
+            )
+        )
         try:
             await self._drive(cluster, driver)
             await self._sample(cluster, store, replicas, driver)
@@ -329,7 +344,8 @@ class _PolicyRun:
             summary = self._summary(cluster, store, replicas, driver, checker)
         finally:
             sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
+            passes.cancel()
+            await asyncio.gather(sampler, passes, return_exceptions=True)
             await driver.stop()
             await checker.stop()
             for plane in replicas.planes:
@@ -345,6 +361,8 @@ class _PolicyRun:
             violations=list(checker.violations),
             virtual_s=view.duration_s,
             wall_s=0.0,
+            attempts=driver.log.attempts,
+            passes=self.passes,
         )
 
     async def _drive(self, cluster: SimCluster, driver: LoadDriver) -> None:
@@ -448,10 +466,11 @@ class _PolicyRun:
                 "by_source": dict(sorted(by_source.items())),
                 "failures": dict(sorted(stats.failures.items())),
                 "latency_s": {
-                    **{src: _quantiles(xs) for src, xs in sorted(stats.latencies.items())},
-                    "all": _quantiles(every),
+                    **{src: quantiles(xs) for src, xs in sorted(stats.latencies.items())},
+                    "all": quantiles(every),
                 },
                 "warm_hit_ratio": served_warm / bound if bound else None,
+                "cold_share": by_source.get("cold", 0) / bound if bound else None,
             },
             "sessions": {
                 "started": stats.sessions,
@@ -463,6 +482,8 @@ class _PolicyRun:
                 "renew_errors": stats.renew_errors,
                 "release_errors": stats.release_errors,
                 "peak_bound": stats.peak_bound,
+                **driver.log.summary(self.now(), self.view.pool.claim_timeout_s),
+                "waiting_with_warm_passes": self.passes.waiting_with_warm,
             },
             "target_hot": self.view.target_hot,
             "time_to_target_s": stats.time_to_target_s,
@@ -479,7 +500,7 @@ class _PolicyRun:
                 "retired": sum(retirements.values()),
                 "final": {s: last.get(s, 0) for s in _WORKER_STATES},
                 "peak": {k: self.peaks[k] for k in ("hot", "hot_idle", "live", "warm")},
-                "pod_start_s": _quantiles(pod_starts),
+                "pod_start_s": quantiles(pod_starts),
                 "activations": replicas.activator.activations,
                 "activation_rejections": replicas.activator.rejections,
                 "activation_failures": replicas.activator.failures,
@@ -494,6 +515,7 @@ class _PolicyRun:
                 "reclaimed_last_half": last.get("nodes_reclaimed", 0)
                 - self._at_half("nodes_reclaimed"),
                 "cost_usd": snap.node_cost_usd,
+                "cost_usd_per_day": snap.node_cost_usd * 86_400 / self.view.duration_s,
                 "peak_pending_pods": self.peaks["pods_pending"],
                 "preemptions": snap.preemptions_total,
                 "evictions": snap.evictions_total,
@@ -555,26 +577,3 @@ def _label_cpu(snap: ClusterSnapshot, key: str) -> float:
 def _background_cpu(snap: ClusterSnapshot) -> float:
     stoker = _label_cpu(snap, "stoker.dev/pool") + _label_cpu(snap, "stoker.dev/placeholder")
     return max(0.0, snap.requested.cpu - stoker)
-
-
-def quantile(sorted_values: Sequence[float], q: float) -> float:
-    """The `q` quantile (0..1) by linear interpolation between closest ranks."""
-    if not sorted_values:
-        raise ValueError("no values")
-    position = q * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def _quantiles(values: Iterable[float]) -> dict[str, float | int] | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return {
-        "count": len(ordered),
-        "p50": quantile(ordered, 0.50),
-        "p90": quantile(ordered, 0.90),
-        "p99": quantile(ordered, 0.99),
-        "max": ordered[-1],
-    }

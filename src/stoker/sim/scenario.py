@@ -226,10 +226,14 @@ class TenantGroup(_Model):
     #: Share of sessions whose client vanishes right after the claim (never renews, never
     #: releases): the lease must expire. 0: every client behaves.
     abandon: float = Field(0.0, ge=0, le=1)
-    #: A failed claim is tried again this many times, `retry_backoff_s` apart (a client
-    #: reconnecting); 0: the session is lost.
+    #: A failed claim is tried again this many times (a client reconnecting); 0: the
+    #: session is lost. The back-off starts at `retry_backoff_s` and doubles up to 60 s,
+    #: with equal jitter: AWS's "Exponential Backoff And Jitter" (2015), as client-go's
+    #: and gRPC's reconnect back-offs grow (x2 and x1.6, capped).
     retries: int = Field(0, ge=0)
     retry_backoff_s: float = Field(5.0, ge=0)
+    retry_backoff_factor: float = Field(2.0, ge=1)
+    retry_backoff_max_s: float = Field(60.0, ge=0)
 
     def org_names(self) -> list[str]:
         """The orgs of this group."""

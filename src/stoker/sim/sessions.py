@@ -1,0 +1,123 @@
+"""What each session felt: its claim attempts, its back-offs, and its time to a worker.
+
+A claim attempt's latency is what the control plane did for one request; a user feels
+the whole session: every attempt, every back-off between attempts, until a worker is
+bound (or the client gives up). `SessionLog` keeps one record per attempt (the per-claim
+log, `claims.jsonl` in the report) and one time-to-worker per session:
+
+- a session that got a worker counts from its arrival to the bind, back-offs included;
+- a session that never got one (every attempt failed) counts with the time it spent
+  trying, and one still trying when the run ends with the time it has waited so far:
+  both are lower bounds, so the quantiles are never flattered by leaving them out.
+
+`waited_ge_claim_timeout` counts sessions whose time to a worker reached the claim
+timeout (the point at which a client would have seen its first attempt fail).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """The `q` quantile (0..1) by linear interpolation between closest ranks."""
+    if not sorted_values:
+        raise ValueError("no values")
+    position = q * (len(sorted_values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def quantiles(values: Iterable[float]) -> dict[str, float | int] | None:
+    """Count, p50, p90, p99 and max of `values` (None when there are none)."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return {
+        "count": len(ordered),
+        "p50": quantile(ordered, 0.50),
+        "p90": quantile(ordered, 0.90),
+        "p99": quantile(ordered, 0.99),
+        "max": ordered[-1],
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One claim attempt of a session, as the per-claim log holds it."""
+
+    session: int
+    org: str
+    attempt: int
+    replica: int
+    #: Run seconds when the attempt was sent and when it was answered.
+    start_s: float
+    end_s: float
+    #: `bound`, or the failure's reason (`timeout`, `pool_cap`, ...).
+    outcome: str
+    #: Where the worker came from when bound (`warm`, `reuse`, `cold`), else None.
+    source: str | None
+    #: The back-off slept after this attempt failed (0 when none followed).
+    backoff_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """One line of claims.jsonl."""
+        return {
+            "session": self.session,
+            "org": self.org,
+            "attempt": self.attempt,
+            "replica": self.replica,
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+            "wait_s": self.end_s - self.start_s,
+            "outcome": self.outcome,
+            "source": self.source,
+            "backoff_s": self.backoff_s,
+        }
+
+
+@dataclass(slots=True)
+class SessionLog:
+    """Every attempt and every session's time to a worker, in arrival order."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    #: Seconds from arrival to a bound worker, per session that got one.
+    bound_after_s: dict[int, float] = field(default_factory=dict)
+    #: Seconds spent trying, per session whose every attempt failed.
+    gave_up_after_s: dict[int, float] = field(default_factory=dict)
+    #: Arrival time of sessions still without a worker and still trying.
+    trying_since_s: dict[int, float] = field(default_factory=dict)
+
+    def arrived(self, session: int, now: float) -> None:
+        """A session opened and starts claiming."""
+        self.trying_since_s[session] = now
+
+    def bound(self, session: int, now: float) -> None:
+        """The session got a worker."""
+        self.bound_after_s[session] = now - self.trying_since_s.pop(session, now)
+
+    def gave_up(self, session: int, now: float) -> None:
+        """Every attempt of the session failed."""
+        self.gave_up_after_s[session] = now - self.trying_since_s.pop(session, now)
+
+    def times_to_worker(self, now: float) -> list[float]:
+        """Every session's time to a worker (lower bounds for the unserved ones)."""
+        waiting = [now - since for since in self.trying_since_s.values()]
+        return [*self.bound_after_s.values(), *self.gave_up_after_s.values(), *waiting]
+
+    def summary(self, now: float, claim_timeout_s: float) -> dict[str, Any]:
+        """`sessions.time_to_worker_s` and its companions for summary.json."""
+        times = self.times_to_worker(now)
+        retried = {a.session for a in self.attempts if a.attempt > 0}
+        return {
+            "time_to_worker_s": quantiles(times),
+            "claim_timeout_s": claim_timeout_s,
+            "waited_ge_claim_timeout": sum(1 for t in times if t >= claim_timeout_s),
+            "without_worker": len(self.gave_up_after_s) + len(self.trying_since_s),
+            "still_trying": len(self.trying_since_s),
+            "retried": len(retried),
+        }

@@ -1,0 +1,133 @@
+"""What each session felt: time to a worker with its failures and back-offs, the per-claim
+log and the per-pass log.
+
+The unit tests read `SessionLog` and the back-off directly; the scenario tests run the real
+control plane against `SimCluster` (no Kubernetes cluster here; virtual time) on a tiny
+scenario in which a pool capped at one worker makes a second tenant's claims fail.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stoker.sim.load import retry_backoff_s
+from stoker.sim.report import write_report
+from stoker.sim.runner import PolicyResult, ScenarioResult, run_scenario
+from stoker.sim.scenario import TenantGroup, scenario_from_mapping
+from stoker.sim.sessions import Attempt, SessionLog
+
+#: One node, a pool capped at one worker, two tenants arriving at once: one gets the
+#: worker, the other's attempts time out (10 s) or find the cap until the first leaves.
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "duration_s": 300,
+    "sample_interval_s": 5,
+    "check_interval_s": 5,
+    "policies": ["stoker"],
+    "control_plane": {"replicas": 1},
+    "pool": {"max_workers": 1, "hot_idle_ttl_s": 5, "claim_timeout_s": 10},
+    "tenants": [
+        {
+            "name": "t",
+            "count": 2,
+            "arrival": {"initial": 1, "start_s": 10},
+            "duration": 40,
+            "retries": 4,
+            "retry_backoff_s": 4,
+        }
+    ],
+    "cluster": {
+        "node_pools": [
+            {
+                "name": "workers",
+                "instance_types": ["m5.4xlarge"],
+                "initial_nodes": {"m5.4xlarge": 1},
+            }
+        ]
+    },
+}
+
+
+@cache
+def _tiny() -> ScenarioResult:
+    return run_scenario(scenario_from_mapping(TINY))
+
+
+def _run() -> PolicyResult:
+    return _tiny().policies[0]
+
+
+def test_a_session_that_failed_counts_its_failures_and_back_offs_in_its_time_to_worker() -> None:
+    run = _run()
+    by_session: dict[int, list[Attempt]] = defaultdict(list)
+    for attempt in run.attempts:
+        by_session[attempt.session].append(attempt)
+    retried = [a for a in by_session.values() if sum(x.outcome != "bound" for x in a) >= 2]
+    assert retried, "the scenario should make a session fail at least twice"
+    for attempts in retried:
+        assert attempts[-1].outcome == "bound"
+        took = attempts[-1].end_s - attempts[0].start_s
+        backoffs = sum(a.backoff_s for a in attempts)
+        failed = sum(a.end_s - a.start_s for a in attempts if a.outcome != "bound")
+        assert took >= backoffs + failed - 1e-6
+    times = run.summary["sessions"]["time_to_worker_s"]
+    longest = max(a[-1].end_s - a[0].start_s for a in by_session.values())
+    assert times["max"] == pytest.approx(longest)
+    # The attempt latencies leave the failures out: the session view is worse.
+    assert times["max"] > run.summary["claims"]["latency_s"]["all"]["max"]
+
+
+def test_the_session_figures_are_consistent_with_the_claim_figures() -> None:
+    run = _run()
+    sessions, claims = run.summary["sessions"], run.summary["claims"]
+    assert sessions["time_to_worker_s"]["count"] == sessions["started"] == 2
+    assert sessions["without_worker"] == sessions["lost"] + sessions["still_trying"] == 0
+    assert len(run.attempts) == claims["attempts"]
+    assert sum(a.outcome == "bound" for a in run.attempts) == claims["bound"]
+    assert sessions["retried"] == len({a.session for a in run.attempts if a.attempt > 0})
+    # Both sessions waited at least one claim timeout (10 s): the first attempts timed out.
+    assert sessions["waited_ge_claim_timeout"] == 2
+    assert run.summary["invariants"]["violations"] == 0
+
+
+def test_unserved_sessions_count_with_the_time_they_waited_as_a_lower_bound() -> None:
+    log = SessionLog()
+    log.arrived(1, 0.0)
+    log.arrived(2, 0.0)
+    log.arrived(3, 10.0)
+    log.bound(1, 2.0)
+    log.gave_up(2, 50.0)
+    summary = log.summary(100.0, claim_timeout_s=60.0)
+    assert sorted(log.times_to_worker(100.0)) == [2.0, 50.0, 90.0]
+    assert summary["time_to_worker_s"]["max"] == 90.0
+    assert summary["waited_ge_claim_timeout"] == 1
+    assert summary["without_worker"] == 2
+    assert summary["still_trying"] == 1
+
+
+def test_the_retry_back_off_doubles_up_to_its_cap_with_equal_jitter() -> None:
+    group = TenantGroup(name="t", retry_backoff_s=5, retry_backoff_factor=2, retry_backoff_max_s=30)
+    rng = random.Random(1)
+    for failures, base in enumerate((5, 10, 20, 30, 30)):
+        for _ in range(50):
+            assert base / 2 <= retry_backoff_s(group, failures, rng) <= base
+
+
+def test_the_report_writes_the_claim_log_and_the_pass_log(tmp_path: Path) -> None:
+    result = _tiny()
+    write_report(result, tmp_path)
+    lines = (tmp_path / "claims.jsonl").read_text().splitlines()
+    assert len(lines) == len(result.policies[0].attempts)
+    first = json.loads(lines[0])
+    assert {"policy", "session", "attempt", "outcome", "wait_s", "backoff_s"} <= set(first)
+    header, *rows = (tmp_path / "passes.csv").read_text().splitlines()
+    assert header == "policy,t_s,demand,desired,warm,spawning,active,waiting"
+    # One row per janitor interval (5 s) over the 300 s run.
+    assert len(rows) == pytest.approx(300 / 5, abs=1)
