@@ -22,6 +22,7 @@ from typing import Any
 
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
+from stoker.domain.pools import Rollout, StoredPool, StoredRevision
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import ClaimState, WorkerState
@@ -316,6 +317,39 @@ class FaultyStore:
     async def purge(self, *, before: float) -> int:
         self._maybe_fail("purge")
         return await self.inner.purge(before=before)
+
+    # Stored pools pass through unfailed: the faults here are those of the claim path and
+    # the janitor, and a pool write drawing from the same random sequence would move them.
+
+    async def list_pools(self) -> list[StoredPool]:
+        return await self.inner.list_pools()
+
+    async def get_pool(self, name: str) -> StoredPool | None:
+        return await self.inner.get_pool(name)
+
+    async def pool_generations(self) -> dict[str, int]:
+        return await self.inner.pool_generations()
+
+    async def list_revisions(self, pool: str) -> list[StoredRevision]:
+        return await self.inner.list_revisions(pool)
+
+    async def get_rollout(self, rollout_id: str) -> Rollout | None:
+        return await self.inner.get_rollout(rollout_id)
+
+    async def list_rollouts(self, *, pool: str | None = None) -> list[Rollout]:
+        return await self.inner.list_rollouts(pool=pool)
+
+    async def create_pool(self, pool: StoredPool, *, now: float) -> StoredPool | None:
+        return await self.inner.create_pool(pool, now=now)
+
+    async def update_pool(self, pool: StoredPool, *, now: float) -> StoredPool:
+        return await self.inner.update_pool(pool, now=now)
+
+    async def start_rollout(self, rollout: Rollout, template: Any, **kw: Any) -> StoredPool:
+        return await self.inner.start_rollout(rollout, template, **kw)
+
+    async def update_rollout(self, rollout: Rollout, **kw: Any) -> StoredPool:
+        return await self.inner.update_rollout(rollout, **kw)
 
 
 def live_states() -> set[WorkerState]:

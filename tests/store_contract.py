@@ -37,6 +37,7 @@ from stoker.domain.states import (
     check_transition,
 )
 from stoker.ports.store import MUTABLE_WORKER_FIELDS, SpawnRequest, StateCount, Store
+from store_contract_pools import PoolContract
 
 S = WorkerState
 T0 = 1_000.0
@@ -271,7 +272,7 @@ ILLEGAL = sorted(
 )
 
 
-class StoreContract:
+class StoreContract(PoolContract):
     """Tests every adapter runs unchanged; subclasses provide the `make_store` fixture."""
 
     @pytest.fixture

@@ -120,8 +120,43 @@ DEMAND = Table(
     ),
     key=("pool", "instance"),
 )
+#: Stored pools (`domain.pools`): a pool's settings at its stable revision, compared and
+#: bumped by `generation`; the templates it has had; its rollouts, the one home of a ramp.
+POOLS = Table(
+    "pools",
+    (
+        *_text("name"),
+        Column("generation", Kind.INT),
+        *_text("revision"),
+        Column("settings", Kind.JSON, has_default=True),
+        Column("strategy", Kind.JSON, has_default=True),
+        Column("draining", Kind.FLAG, has_default=True),
+        *_real("created_at", "updated_at"),
+    ),
+    key=("name",),
+)
+REVISIONS = Table(
+    "revisions",
+    (*_text("pool", "revision"), Column("template", Kind.JSON), *_real("created_at")),
+    key=("pool", "revision"),
+)
+ROLLOUTS = Table(
+    "rollouts",
+    (
+        *_text("id", "pool", "revision", "base_revision"),
+        Column("strategy", Kind.JSON),
+        *_text("state"),
+        Column("step", Kind.INT32),
+        Column("share", Kind.INT32),
+        *_real("started_at"),
+        *_real("step_started_at", "ended_at", nullable=True),
+        *_text("reason", nullable=True),
+    ),
+)
+#: The tables of stored pools, in the order a database creates them.
+POOL_TABLES = (POOLS, REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
-TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND)
+TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ unchanged on virtual time.
 
 The port has sides: `StoreReader` (gets, lists, counts), `StoreWriter` (every write of a
 worker or a claim, held by the lifecycle alone) and `ReplicaStore` (the reader plus what a
-replica writes about itself: registration, leases, demand, purge). `Store` is all of them,
+replica writes about itself: registration, leases, demand, purge; and the writes of stored
+pools, each a compare-and-set on the pool's generation). `Store` is all of them,
 what an adapter implements.
 
 Adapters: `stoker.adapters.sqlite` and `stoker.adapters.postgres`; both pass the contract
@@ -23,7 +24,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from stoker.domain.pools import Rollout, StoredPool, StoredRevision
 from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
+from stoker.domain.specs import RuntimeTemplate
 from stoker.domain.states import ClaimState, WorkerState
 
 #: Fields of a worker row that a transition may set besides `state`.
@@ -153,6 +156,33 @@ class StoreReader(Protocol):
 
     async def read_demand(self) -> list[DemandRecord]:
         """Every replica's last published demand."""
+        ...
+
+    # -- stored pools (`stoker.domain.pools`) -------------------------------------------------
+
+    async def list_pools(self) -> list[StoredPool]:
+        """Every stored pool, by name, each at its stable revision."""
+        ...
+
+    async def get_pool(self, name: str) -> StoredPool | None:
+        """One stored pool."""
+        ...
+
+    async def pool_generations(self) -> dict[str, int]:
+        """Each stored pool's generation: the cheap read that tells a replica whether to read
+        the pools again."""
+        ...
+
+    async def list_revisions(self, pool: str) -> list[StoredRevision]:
+        """The templates the pool has had, oldest first."""
+        ...
+
+    async def get_rollout(self, rollout_id: str) -> Rollout | None:
+        """One rollout, active or ended."""
+        ...
+
+    async def list_rollouts(self, *, pool: str | None = None) -> list[Rollout]:
+        """The pool's rollouts, oldest first; without `pool`, every pool's *active* ones."""
         ...
 
 
@@ -330,6 +360,35 @@ class ReplicaStore(StoreReader, Protocol):
         The leader's janitor reads every replica's rows, so misses seen by any replica
         raise the warm target (`stoker.policy.scaling`).
         """
+        ...
+
+    # -- stored pools: every write compares and bumps the pool's generation ------------------
+
+    async def create_pool(self, pool: StoredPool, *, now: float) -> StoredPool | None:
+        """Insert a pool at generation 1 with its stable revision's row; None (and nothing
+        written) when the store has the pool already: of two replicas seeding it, one wins."""
+        ...
+
+    async def update_pool(self, pool: StoredPool, *, now: float) -> StoredPool:
+        """Write `pool`'s settings, default strategy and draining flag, by CAS on
+        `pool.generation`; the pool as stored after. The stable revision changes only with a
+        rollout. Raises `StaleGeneration` when the pool moved on, `NotFound` when it is gone.
+        """
+        ...
+
+    async def start_rollout(
+        self, rollout: Rollout, template: RuntimeTemplate, *, generation: int, now: float
+    ) -> StoredPool:
+        """One write, by CAS on the pool's `generation`: record the revision's `template`
+        (kept if known), end the pool's active rollout as `superseded`, insert `rollout`
+        and, when it starts `promoted` (a replace), make its revision the stable one. The
+        pool as stored after; `StaleGeneration` or `NotFound` like `update_pool`."""
+        ...
+
+    async def update_rollout(self, rollout: Rollout, *, generation: int, now: float) -> StoredPool:
+        """One write, by CAS on the pool's `generation`: the rollout's state, step, share,
+        times and reason and, when it is `promoted`, its revision as the pool's stable one.
+        `NotFound` when the pool is gone; `StaleGeneration` when it moved on."""
         ...
 
     async def purge(self, *, before: float) -> int:

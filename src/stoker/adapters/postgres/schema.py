@@ -13,6 +13,7 @@ from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
     DEMAND,
+    POOL_TABLES,
     POSTGRES,
     TABLES,
     WORKERS,
@@ -106,6 +107,8 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
                 f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
             ],
         ),
+        # Stored pools: pools, their revisions and rollouts (`domain.pools`).
+        (7, [POSTGRES.create_table(t, f"{s}.{t.name}") for t in POOL_TABLES]),
     ]
 
 

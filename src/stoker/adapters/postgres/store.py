@@ -8,14 +8,17 @@ with `prepare_threshold=None`. Times are arguments (SQL never calls `now()`).
 The parts: `connections` (the pool; psycopg errors surface as `StoreError`), `schema`
 (tables and migrations), `locks` (advisory locks), `workers` (the worker and claim rows,
 and how their writes keep caps under concurrency) and `replicas` (replicas, leases,
-demand, purge). This module opens and closes the store.
+demand, purge) and `pools` (stored pools, on `stoker.adapters._pools`). This module
+opens and closes the store.
 """
 
 from __future__ import annotations
 
 import re
 
+from stoker.adapters._pools import PoolRows, PoolSql
 from stoker.adapters.postgres.connections import Connection, Connections, PoolOptions
+from stoker.adapters.postgres.pools import PostgresPoolHooks
 from stoker.adapters.postgres.replicas import ReplicaRows
 from stoker.adapters.postgres.schema import Names, migrate
 from stoker.adapters.postgres.workers import WorkerRows, bind_statement, reserve_statements
@@ -23,7 +26,7 @@ from stoker.adapters.postgres.workers import WorkerRows, bind_statement, reserve
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 
-class PostgresStore(WorkerRows, ReplicaRows):
+class PostgresStore(WorkerRows, ReplicaRows, PostgresPoolHooks, PoolRows):
     """The Store port on PostgreSQL (psycopg 3, one async connection pool per instance)."""
 
     def __init__(
@@ -56,6 +59,7 @@ class PostgresStore(WorkerRows, ReplicaRows):
         self._db = Connections(url, schema=schema, options=options)
         self._lock_idle_ms = str(idle_ms)
         self._names = Names(schema)
+        self._pool_sql = PoolSql(schema=self._names.quoted)
         self._reserve_any_sql, self._reserve_sql_by_id = reserve_statements(self._names)
         self._bind_sql = bind_statement(self._names)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -114,7 +114,7 @@ class GroupCommit:
             raise StoreError("store is not open")
         return self.db
 
-    def read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    def read(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         """The rows of one query (a read needs no transaction of its own)."""
         try:
             return self.conn.execute(sql, params).fetchall()

@@ -13,6 +13,7 @@ from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
     DEMAND,
+    POOL_TABLES,
     SQLITE,
     TABLES,
     WORKERS,
@@ -79,6 +80,8 @@ UPGRADES: list[tuple[int, list[str]]] = [
             "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
         ],
     ),
+    # Stored pools: pools, their revisions and rollouts (`domain.pools`).
+    (8, [SQLITE.create_table(table) for table in POOL_TABLES]),
 ]
 
 

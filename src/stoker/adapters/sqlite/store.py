@@ -8,8 +8,9 @@ serialised by `BEGIN IMMEDIATE`; WAL lets readers proceed meanwhile.
 The parts: `schema` (tables and migrations), `batching` (group commit: the writes of one
 loop iteration share one COMMIT), `live_rows` (the live workers in memory, fed by
 triggers), `decoded` (records of unchanged rows), `workers` (the worker and claim rows:
-reads, and writes that are each a compare-and-set) and `replicas` (replicas, leases,
-demand, purge). This module opens and closes the store.
+reads, and writes that are each a compare-and-set), `replicas` (replicas, leases,
+demand, purge) and `pools` (stored pools, on `stoker.adapters._pools`). This module
+opens and closes the store.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import asyncio
 import os
 import sqlite3
 
+from stoker.adapters._pools import PoolRows
 from stoker.adapters.sqlite.batching import PROCESS_BATCHES, GroupCommit, OpenBatches
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.live_rows import LiveRows
 from stoker.adapters.sqlite.ownership import FileIdentity
+from stoker.adapters.sqlite.pools import SqlitePoolHooks
 from stoker.adapters.sqlite.replicas import ReplicaRows
 from stoker.adapters.sqlite.schema import migrate
 from stoker.adapters.sqlite.workers import WorkerRows
@@ -49,7 +52,7 @@ def keep_private(path: str) -> None:
             os.chmod(name, mode & 0o700)
 
 
-class SqliteStore(WorkerRows, ReplicaRows):
+class SqliteStore(WorkerRows, ReplicaRows, SqlitePoolHooks, PoolRows):
     """The Store port on one SQLite file (or `:memory:`)."""
 
     def __init__(
