@@ -10,7 +10,11 @@ and settings here:
 - **run-once-elector** (duckgres #820): an elector whose `run()` returns once its first
   term ends, and no fallback reaper (its interval pushed beyond any run);
 - **percent-headroom** (duckgres #757/#894): a runtime whose `reconcile_headroom` keeps
-  ceil(percent x live workers, idle ones included) worker-sized placeholders.
+  ceil(percent x live workers, idle ones included) worker-sized placeholders;
+- **static-target-uncapped**: static-target's demand source (0) on stoker's own runtime,
+  without the memory cap and the spawn semaphore: beside `static-target`, it tells the
+  demand logic apart from the cap;
+- **knative-kpa**: Knative's Pod Autoscaler as the demand source (`stoker.sim.kpa`).
 """
 
 from __future__ import annotations
@@ -59,8 +63,13 @@ def settings_for(entry: PolicyEntry, settings: PlaneSettings) -> PlaneSettings:
 
 
 def demand_for(entry: PolicyEntry) -> DemandSource | None:
-    """The janitor's demand source under the policy (None: stoker's own)."""
-    return no_demand if entry.policy == "static-target" else None
+    """The janitor's demand source under the policy (None: stoker's own; the KPA's is
+    built with the replicas, as it reads the store)."""
+    return no_demand if entry.policy in STATIC_DEMAND else None
+
+
+#: Policies whose warm pool only refills to the static target.
+STATIC_DEMAND = ("static-target", "static-target-uncapped")
 
 
 async def no_demand(pool: str, now: float) -> int:

@@ -46,11 +46,13 @@ from stoker.ports.elector import Elector
 from stoker.ports.store import Store
 from stoker.sim.baselines import RunOnceElector, demand_for, runtime_for, settings_for
 from stoker.sim.cluster import SimClient, SimCluster
+from stoker.sim.kpa import KnativeKpa
 from stoker.sim.observed import ObservedRuntime, ObservedStore, Observer
 from stoker.sim.scenario import (
     PLACEHOLDER_PRIORITY_CLASS,
     WORKER_PRIORITY_CLASS,
     ActivatorConfig,
+    KnativeKpaParams,
     Scenario,
 )
 
@@ -202,6 +204,8 @@ class PolicyReplicas:
     electors: list[Elector] = field(default_factory=list)
     #: Indexes of the replicas leading now (from the electors' callbacks).
     leaders: set[int] = field(default_factory=set)
+    #: The knative-kpa policy's autoscaler (the runner feeds it concurrency).
+    kpa: KnativeKpa | None = None
 
     def leader(self) -> int | None:
         """The replica leading now (the lowest index if, for a moment, two believe so)."""
@@ -237,6 +241,11 @@ def build_replicas(
     replicas = PolicyReplicas(pool=pool_spec(scenario), activator=activator)
     orgs = org_specs(scenario)
     settings = settings_for(entry, plane_settings(scenario))
+    demand = demand_for(entry)
+    params = entry.typed_params()
+    if isinstance(params, KnativeKpaParams):
+        replicas.kpa = KnativeKpa(params, store=store, warm_target=replicas.pool.warm_target)
+        demand = replicas.kpa
     for index in range(scenario.control_plane.replicas):
         parts = _ReplicaParts(
             scenario, replicas, index, cluster=cluster, clock=clock, observer=observer
@@ -251,7 +260,7 @@ def build_replicas(
             runtime=parts.runtime,
             activator=activator,
             elector=parts.elector,
-            demand=demand_for(entry),
+            demand=demand,
         )
         replicas.planes.append(plane)
     return replicas

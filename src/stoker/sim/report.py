@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.sim.passlog import COLUMNS as PASS_COLUMNS
-from stoker.sim.runner import PolicyResult, ScenarioResult
+from stoker.sim.runner import STOKER_KINDS, PolicyResult, ScenarioResult
 
 #: Decimals kept for floats in summary.json and timeseries.csv.
 DECIMALS = 4
@@ -343,7 +343,7 @@ def markdown(result: ScenarioResult) -> str:
             )
             continue
         by = ", ".join(f"{k} x{v}" for k, v in p.summary["invariants"]["by_invariant"].items())
-        verdict = "fails the scenario" if p.kind == "stoker" else "expected of this baseline"
+        verdict = "fails the scenario" if p.kind in STOKER_KINDS else "expected of this baseline"
         lines.append(f"- **{p.name}**: {len(p.violations)} violations ({by}), {verdict}:")
         for violation in p.violations[:5]:
             lines.append(

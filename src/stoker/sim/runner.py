@@ -52,6 +52,9 @@ LOG_LINES = 2000
 #: The garbage collector's thresholds while a policy runs (Python's are 700, 10, 10).
 GC_THRESHOLDS = (50_000, 20, 100)
 
+#: The policy kinds that are stoker's own: their violations fail the scenario.
+STOKER_KINDS = ("stoker", "stoker-reactive")
+
 #: Progress of one policy: (policy name, virtual seconds done, virtual seconds in all).
 ProgressCallback = Callable[[str, float, float], None]
 
@@ -95,7 +98,7 @@ class ScenarioResult:
         return [
             (result.name, violation)
             for result in self.policies
-            if result.kind == "stoker"
+            if result.kind in STOKER_KINDS
             for violation in result.violations
         ]
 
@@ -268,6 +271,7 @@ class _PolicyRun:
         self.peaks: Counter[str] = Counter()
         self.integrals: Counter[str] = Counter()
         self.passes = PassLog()
+        self.tasks: list[asyncio.Future[None]] = []
 
     def now(self) -> float:
         """Seconds since the run started (the loop starts at 0)."""
@@ -326,6 +330,9 @@ class _PolicyRun:
         )
         driver.start()
         checker.start()
+        if replicas.kpa is not None:
+            replicas.kpa.observe(lambda: driver.active + driver.waiting)
+            self.tasks.append(asyncio.ensure_future(replicas.kpa.run(self.now)))
         sampler = asyncio.ensure_future(self._sample_every(cluster, store, replicas, driver))
         passes = asyncio.ensure_future(
             self.passes.run(
@@ -343,9 +350,9 @@ class _PolicyRun:
             checker.check()
             summary = self._summary(cluster, store, replicas, driver, checker)
         finally:
-            sampler.cancel()
-            passes.cancel()
-            await asyncio.gather(sampler, passes, return_exceptions=True)
+            for task in (sampler, passes, *self.tasks):
+                task.cancel()
+            await asyncio.gather(sampler, passes, *self.tasks, return_exceptions=True)
             await driver.stop()
             await checker.stop()
             for plane in replicas.planes:

@@ -61,9 +61,24 @@ from stoker.sim.cluster.distributions import (
     distribution_from,
 )
 from stoker.sim.cluster.resources import cpu_millis, memory_bytes
+from stoker.sim.policies import (
+    POLICY_KINDS,
+    POLICY_PARAMS,
+    KnativeKpaParams,
+    NoParams,
+    ParamsModel,
+    PercentHeadroomParams,
+    StaticTargetParams,
+)
 
-#: The policy kinds a scenario may name (see `stoker.sim.replicas` and `stoker.sim.baselines`).
-POLICY_KINDS = ("stoker", "static-target", "run-once-elector", "percent-headroom")
+__all__ = [
+    "POLICY_KINDS",
+    "KnativeKpaParams",
+    "NoParams",
+    "PercentHeadroomParams",
+    "StaticTargetParams",
+]
+
 
 #: Priority classes of stoker's pods, laid under every scenario's cluster. The background
 #: uses bigfleet's 100 / 1000 / 1,000,000 (`stoker.sim.cluster.workloads`). Workers serve
@@ -361,36 +376,6 @@ class ActivatorConfig(_Model):
 # -- policies --------------------------------------------------------------------------------
 
 
-class StaticTargetParams(_Model):
-    """duckgres #597: a static warm target with 1:1 replenish (demand never counts), three
-    spawns at a time each held until its pod is ready, and a cap derived from memory."""
-
-    #: duckgres #597: "a semaphore of 3 under a QPS-50 client was the real limit".
-    spawn_concurrency: int = Field(3, ge=1)
-    #: The cap is this budget divided by one worker's memory: 44 GiB / 4 GiB = 11 workers
-    #: with the default pool, the plateau duckgres #597 hit.
-    memory_budget_mib: int = Field(45_056, ge=1)
-
-
-class PercentHeadroomParams(_Model):
-    """duckgres #757/#894: placeholders as a share of live workers, idle ones included."""
-
-    #: duckgres #757: headroom configured for 20 % (it held 57 % of the node pool).
-    percent: float = Field(20.0, gt=0)
-
-
-class NoParams(_Model):
-    """A policy without parameters."""
-
-
-POLICY_PARAMS: Mapping[str, type[_Model]] = {
-    "stoker": NoParams,
-    "static-target": StaticTargetParams,
-    "run-once-elector": NoParams,
-    "percent-headroom": PercentHeadroomParams,
-}
-
-
 class PolicyEntry(_Model):
     """One column of the comparison: a policy kind, its parameters and the scenario's
     sections as this policy sees them (laid over the scenario's own)."""
@@ -418,7 +403,7 @@ class PolicyEntry(_Model):
             raise ValueError(f"params: {_first_problem(exc)}") from None
         return self
 
-    def typed_params(self) -> _Model:
+    def typed_params(self) -> ParamsModel:
         """The parameters as the policy kind's model."""
         return POLICY_PARAMS[self.policy].model_validate(self.params)
 
