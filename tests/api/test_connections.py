@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -400,3 +402,54 @@ def test_a_connection_answered_before_its_body_ended_still_closes_when_idle(
     sock.sendall(body)
     # Then idle, the connection is closed by the keep-alive limit (bounded by SOON).
     assert read_until_closed(sock) == b""
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response (head and its content-length body) from a kept-alive connection;
+    b"" when the server closed or reset the connection instead of answering."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            if not (chunk := sock.recv(65536)):
+                return b""
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        while len(body) < length:
+            if not (chunk := sock.recv(65536)):
+                return b""
+            body += chunk
+    except ConnectionResetError:
+        return b""
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("kept_alive", [True, False], ids=["kept-alive", "new"])
+def test_a_request_sent_as_the_idle_time_ran_out_is_answered_not_reset(
+    server: Server, kept_alive: bool
+) -> None:
+    """A busy server runs its keep-alive (or a new connection's header) timer late, after
+    the client sent its request: that request is answered, never cut off with a reset.
+
+    The server is stopped (SIGSTOP) past its timeout while the request arrives, as a loop
+    busy for that long would be; on SIGCONT its loop finds the timer due and the request
+    waiting, unread, in the socket. Whether the resumed loop reads or runs its timers
+    first varies, so the race is run on several connections at once."""
+    request = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+    socks = [connect(server) for _ in range(4)]
+    for sock in socks:
+        if kept_alive:
+            sock.sendall(request)
+            assert status_of(read_response(sock)) == 200
+    for _ in range(3):
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(float(str(LIMITS["keep_alive_s"])) + 0.5)
+            for sock in socks:
+                sock.sendall(request)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert [status_of(read_response(sock)) for sock in socks] == [200] * len(socks)
+    for sock in socks:
+        # Idle afterwards, it is closed as before.
+        assert read_until_closed(sock) == b""

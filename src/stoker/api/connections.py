@@ -7,6 +7,9 @@ capped. At the cap a new connection closes the longest-idle one that has no whol
 in progress (idle, or still sending its headers or body), so idle or half-sent connections
 can never keep `/healthz` or a claim out, and a request already being served is never cut
 off; only when every open connection is serving a request does the newcomer get 503.
+A timer that ends an idle connection first looks for request bytes that arrived but were
+not read yet (a busy loop runs due timers before it reads): such a connection is not idle,
+and closing it would reset a request the client has sent.
 
 Each refusal is answered with a problem-details body (when there is a request to answer),
 counted in `stoker_api_refusals_total{reason}`, and logged as one `event=client_refused`
@@ -17,7 +20,10 @@ number folded.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -278,8 +284,34 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def timeout_keep_alive_handler(self) -> None:
+        if self._unread():
+            # The loop ran late: the next request arrived before this timer, unread yet.
+            self.timeout_keep_alive_task = None
+            return
+        super().timeout_keep_alive_handler()
+
+    def _unread(self) -> bool:
+        """True when request bytes wait in the socket, not read yet.
+
+        A busy loop runs a due timer before it reads what arrived meanwhile (uvloop runs
+        timers first); closing then would reset the connection (unread data turns the
+        close into a RST) and cut off a request the client has already sent.
+        """
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            pending = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return False
+        return bool(struct.unpack("i", pending)[0])
+
     def _on_header_timeout(self) -> None:
         self._deadline = None
+        if self._request_bytes == 0 and self._unread():
+            # Its first bytes are here (see `_unread`): the header time runs from them.
+            return
         if self._request_bytes == 0:
             # Never sent a byte: nothing to answer, the connection is just closed.
             self._refuse(None, "idle_connection", "no request within the header timeout")
