@@ -29,6 +29,7 @@ from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
 from stoker.control.history import History, PoolSample
+from stoker.control.holdings import org_cap_retry_after
 from stoker.control.ids import Ids
 from stoker.control.janitor import DemandSource, PassReport
 from stoker.control.journal import EventKind, Journal
@@ -36,7 +37,7 @@ from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
 from stoker.control.shared import Shared
-from stoker.domain.errors import StokerError, StoreError, Unavailable
+from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
@@ -352,7 +353,18 @@ class ControlPlane:
         self._check_running()
         if self.store_error is not None:
             raise StoreError(f"the store is failing: {self.store_error}")
-        return await self.idempotent.claim(req)
+        try:
+            return await self.idempotent.claim(req)
+        except OrgCapError as exc:
+            # When to retry follows from what the org holds (`control.holdings`).
+            exc.retry_after = await org_cap_retry_after(
+                self.store,
+                pool=req.pool,
+                org=req.org,
+                now=self.clock.now(),
+                longest=exc.retry_after,
+            )
+            raise
 
     async def release(self, claim_id: str) -> Claim:
         """Release a claim's worker."""
