@@ -9,13 +9,89 @@ the real app and SQLite store, `MemoryRuntime` workers, virtual time (looptime).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from pathlib import Path
 
 import pytest
-from test_api import assert_problem, pool, running
+from test_api import OK_BODY, assert_problem, pool, raw, running
+
+from stoker.api.bodies import duplicate_key, is_json
 
 pytestmark = pytest.mark.looptime
+
+# -- duplicate keys -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "text", "key"),
+    [
+        ("/v1/claims", '{"pool": "demo", "org": "acme", "org": "globex"}', "org"),
+        ("/v1/claims", '{"pool": "demo", "org": "acme", "config": {"a": 1, "a": 2}}', "a"),
+        ("/v1/claims/c-x/renew", '{"lease_s": 1, "lease_s": 600}', "lease_s"),
+    ],
+)
+async def test_a_key_named_twice_is_400_without_effect(
+    tmp_path: Path, path: str, text: str, key: str
+) -> None:
+    async with running(tmp_path) as api:
+        before = await api.snapshot()
+        body = assert_problem(await api.http.post(path, **raw(text)), 400)
+        assert body["code"] == "duplicate-key"
+        assert repr(key) in body["detail"]
+        assert await api.snapshot() == before
+
+
+def test_duplicate_keys_are_found_at_any_depth_and_only_in_json() -> None:
+    assert duplicate_key(b'{"a": [{"b": 1, "c": {"d": 1, "d": 1}}]}') == "d"
+    assert duplicate_key(b'{"a": 1, "b": {"a": 2}}') is None
+    assert duplicate_key(b'{"a": 1, "a"') is None  # not JSON: the route says so
+    assert duplicate_key(b"[" * 100_000) is None
+    assert duplicate_key(b'["a", "a"]') is None
+
+
+# -- media types ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "media", ["text/plain", "application/x-www-form-urlencoded", "application/xml", "json"]
+)
+async def test_a_body_that_is_not_json_is_415(tmp_path: Path, media: str) -> None:
+    async with running(tmp_path) as api:
+        before = await api.snapshot()
+        for path in ("/v1/claims", "/v1/claims/c-x/renew"):
+            response = await api.http.post(
+                path, content=json.dumps(OK_BODY).encode(), headers={"content-type": media}
+            )
+            body = assert_problem(response, 415)
+            assert body["code"] == "unsupported-media-type" and media in body["detail"]
+        assert await api.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    "media", ["application/json", "Application/JSON; charset=utf-8", "application/claim+json"]
+)
+async def test_json_media_types_are_taken(tmp_path: Path, media: str) -> None:
+    async with running(tmp_path) as api:
+        response = await api.http.post(
+            "/v1/claims", content=json.dumps(OK_BODY).encode(), headers={"content-type": media}
+        )
+        assert response.status_code == 201, response.text
+
+
+def test_which_media_types_are_json() -> None:
+    assert is_json(None) and is_json(b"application/json") and is_json(b"application/x+json")
+    assert not is_json(b"text/json") and not is_json(b"application/jsonx")
+
+
+async def test_a_request_without_a_body_needs_no_content_type(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        claim = (await api.claim()).json()
+        renewed = await api.http.post(
+            f"/v1/claims/{claim['id']}/renew", headers={"content-type": "text/plain"}
+        )
+        assert renewed.status_code == 200, renewed.text
+
 
 # -- the 429's Retry-After ------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ FastAPI routes, below; the pages a browser loads (`/ui`, `/docs`, `/redoc`) are 
 
 Every request passes the app's middleware: `Guard` (`stoker.api.asgi`) authenticates `/v1/`
 requests and bounds request bodies, so an unauthenticated or oversized request is turned
-away before its body is read or parsed; then `DirectRoutes` serves the direct routes.
+away before its body is read or parsed; `JsonBodies` (`stoker.api.bodies`) turns away a
+body that is not JSON (415) or names a key twice (400); then `DirectRoutes` serves the
+direct routes.
 Middleware added to the app later runs outside both and sees every request.
 
 The app's lifespan starts the control plane (the store is migrated and the runtime
@@ -33,6 +35,7 @@ from stoker._version import __version__
 from stoker.api import problems
 from stoker.api.access import AccessLog
 from stoker.api.asgi import ApiState, Guard, Receive, Scope, Send, principal_of
+from stoker.api.bodies import JsonBodies
 from stoker.api.claims import add_claim_routes
 from stoker.api.connections import RefusalLog
 from stoker.api.models import (
@@ -163,6 +166,8 @@ def create_app(
     app.add_exception_handler(Exception, problems.handle_unexpected)
     # Added first, the direct routes run inside the guard; middleware added later wraps both.
     app.add_middleware(DirectRoutes, routes=app.router.routes, handlers=app.exception_handlers)
+    # Inside the guard (bounded, authenticated bodies), outside the direct routes.
+    app.add_middleware(JsonBodies)
     app.refusals = RefusalLog(plane.metrics.api_refusals)
     app.tokens = tokens or TokenTable(api)
     app.add_middleware(Guard, api=api, tokens=app.tokens, refusals=app.refusals)

@@ -31,7 +31,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: Scope key under which `Guard` leaves the authenticated caller.
 PRINCIPAL_KEY = "stoker.principal"
 #: Methods whose requests carry a body worth limiting.
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 def principal_of(scope: Scope) -> Principal:
@@ -94,7 +94,7 @@ class Guard:
                 await refusal(send)
                 return
             scope[PRINCIPAL_KEY] = principal
-        if scope["method"] in _BODY_METHODS:
+        if scope["method"] in BODY_METHODS:
             length = _content_length(scope)
             if length is not None and length > self.max_body:
                 self._refused_body(scope)

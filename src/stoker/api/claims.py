@@ -96,6 +96,7 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         404,
         409,
         413,
+        415,
         422,
         429,
         503,
@@ -138,7 +139,9 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         check_visible(principal_of(request.scope), claim)
         return ModelResponse(ClaimOut.of(claim))
 
-    @route("POST", "/{claim_id}/renew", "Renew a claim's lease", 400, 401, 404, 409, 413, 422, 503)
+    @route(
+        "POST", "/{claim_id}/renew", "Renew a claim's lease", 400, 401, 404, 409, 413, 415, 422, 503
+    )
     async def renew_claim(
         request: Request,
         claim_id: ClaimId,
