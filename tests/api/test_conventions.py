@@ -12,13 +12,19 @@ import asyncio
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_api import OK_BODY, assert_problem, pool, raw, running
 
 from stoker.api.bodies import duplicate_key, is_json
+from stoker.api.problems import plain_message
 
 pytestmark = pytest.mark.looptime
+
+#: How the framework's own messages begin: none may reach an answer.
+FRAMEWORK_WORDS = ("Input should", "Value error", "Field required", "Extra inputs", "String should")
+
 
 # -- duplicate keys -------------------------------------------------------------------------
 
@@ -91,6 +97,47 @@ async def test_a_request_without_a_body_needs_no_content_type(tmp_path: Path) ->
             f"/v1/claims/{claim['id']}/renew", headers={"content-type": "text/plain"}
         )
         assert renewed.status_code == 200, renewed.text
+
+
+# -- error details --------------------------------------------------------------------------
+
+PLAIN: list[tuple[Any, str]] = [
+    ({"pool": "demo"}, "org: is required"),
+    ({**OK_BODY, "priority": 1}, "priority: is not a known field"),
+    ({**OK_BODY, "org": 123}, "org: must be a string"),
+    ({**OK_BODY, "mode": "hot"}, "mode: must be one of 'prefer_warm', 'require_warm' or 'cold'"),
+    ({**OK_BODY, "timeout_s": -1}, "timeout_s: must be at least 0"),
+    ({**OK_BODY, "timeout_s": 1e12}, "timeout_s: must be at most 3600"),
+    ({**OK_BODY, "timeout_s": "5"}, "timeout_s: must be a number"),
+    ({**OK_BODY, "lease_s": True}, "lease_s: must be a number"),
+    ({**OK_BODY, "org": ""}, "org: must not be empty"),
+    ({**OK_BODY, "org": "a" * 129}, "org: must have at most 128 characters"),
+    ({**OK_BODY, "org": " acme"}, "org: must be printable, without leading or trailing spaces"),
+    ({**OK_BODY, "config": [1]}, "config: must be an object"),
+    ([OK_BODY], "body: must be an object"),
+]
+
+
+@pytest.mark.parametrize(("sent", "detail"), PLAIN)
+async def test_validation_errors_are_in_plain_words(tmp_path: Path, sent: Any, detail: str) -> None:
+    async with running(tmp_path) as api:
+        body = assert_problem(await api.http.post("/v1/claims", json=sent), 422)
+        assert body["detail"] == detail
+        words = [body["detail"], *(e["msg"] for e in body["errors"])]
+        assert not [w for w in words if w.startswith(FRAMEWORK_WORDS)], words
+
+
+async def test_query_errors_are_in_plain_words_too(tmp_path: Path) -> None:
+    async with running(tmp_path) as api:
+        body = assert_problem(await api.http.get("/v1/workers?limit=0"), 422)
+        assert body["detail"] == "query.limit: must be at least 1"
+
+
+def test_an_unknown_error_type_loses_the_framework_prefix() -> None:
+    assert plain_message({"type": "x", "msg": "Input should be blue"}) == "must be blue"
+    assert plain_message({"type": "x", "msg": "Value error, too red"}) == "too red"
+    assert plain_message({"type": "enum", "msg": "Input should be a", "ctx": {}}) == "must be a"
+    assert plain_message({"type": "x"}) == "is invalid"
 
 
 # -- the 429's Retry-After ------------------------------------------------------------------

@@ -185,7 +185,7 @@ async def handle_validation_error(request: Request, exc: Exception) -> Response:
         errors=[
             {
                 "loc": [p if isinstance(p, int) else str(p) for p in e.get("loc", ())],
-                "msg": str(e.get("msg", "")),
+                "msg": plain_message(e),
                 "type": str(e.get("type", "")),
             }
             for e in raw[:20]
@@ -199,7 +199,73 @@ def _summary(raw: Sequence[Any]) -> str:
     first = raw[0]
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     more = f" (and {len(raw) - 1} more)" if len(raw) > 1 else ""
-    return f"{loc or 'body'}: {first.get('msg', 'invalid')}{more}"
+    return f"{loc or 'body'}: {plain_message(first)}{more}"
+
+
+#: The words of each validation error type, free of the framework's (its `msg` begins
+#: "Input should be", "Value error, ", "Field required"): a client may show them as they
+#: are, and they do not change when the framework rewords its own. `{name}`: the
+#: error's context value of that name.
+PLAIN_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "is not a known field",
+    "string_type": "must be a string",
+    "float_type": "must be a number",
+    "int_type": "must be a whole number",
+    "float_parsing": "must be a number",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "bool_type": "must be true or false",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "list_type": "must be an array",
+    "finite_number": "must be a finite number",
+    "enum": "must be one of {expected}",
+    "literal_error": "must be one of {expected}",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "string_too_short": "must have at least {min_length} characters",
+    "string_too_long": "must have at most {max_length} characters",
+    "json_invalid": "is not valid JSON",
+}
+#: How the framework's messages begin, and what a plain one says instead.
+_PREFIXES = (
+    ("Value error, ", ""),
+    ("Assertion failed, ", ""),
+    ("Input should be ", "must be "),
+    ("Input should ", "must "),
+)
+
+
+def plain_message(error: Mapping[str, Any]) -> str:
+    """The message of one validation error in stoker's words (see `PLAIN_MESSAGES`)."""
+    kind = str(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    if kind == "value_error" and "error" in ctx:
+        return str(ctx["error"])
+    if kind == "string_too_short" and ctx.get("min_length") == 1:
+        return "must not be empty"
+    template = PLAIN_MESSAGES.get(kind)
+    if template is not None:
+        try:
+            return template.format(**{k: _shown(v) for k, v in ctx.items()})
+        except (KeyError, IndexError, ValueError):
+            pass
+    message = str(error.get("msg", "")) or "is invalid"
+    for prefix, plain in _PREFIXES:
+        if message.startswith(prefix):
+            return plain + message.removeprefix(prefix)
+    return message
+
+
+def _shown(value: Any) -> str:
+    """A bound as a client wrote it: 0, not 0.0."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
