@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_api import OK_BODY, assert_problem, pool, raw, running
+from test_api import OK_BODY, _post_then_disconnect, assert_problem, pool, raw, running
 
 from stoker.api.bodies import duplicate_key, is_json
 from stoker.api.problems import plain_message
@@ -175,3 +176,46 @@ async def test_retry_after_is_bounded_by_the_configured_longest(tmp_path: Path) 
         capped = await api.claim(timeout_s=1)
         assert assert_problem(capped, 429)["retry_after"] == 10
         assert capped.headers["retry-after"] == "10"
+
+
+# -- log lines of refused and abandoned claims ----------------------------------------------
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
+    return [
+        dict(r.stoker_fields)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "stoker_event", None) == name
+    ]
+
+
+async def test_refused_claims_are_logged_with_org_pool_and_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stoker")
+    async with running(tmp_path, [pool(max_workers_per_org=1, warm_target=1)]) as api:
+        granted = (await api.claim()).json()
+        assert_problem(await api.claim(timeout_s=1), 429)
+        assert_problem(await api.claim(org="globex", mode="require_warm", timeout_s=1), 503)
+        [capped] = [e for e in events(caplog, "claim_refused") if e["status"] == 429]
+        assert capped["org"] == "acme" and capped["pool"] == "demo"
+        assert capped["reason"] == "org_cap" and capped["retry_after_s"] >= 1
+        [empty] = [e for e in events(caplog, "claim_refused") if e["status"] == 503]
+        assert empty["org"] == "globex" and empty["reason"] == "no_capacity"
+        assert empty["waited_s"] >= 1
+        # A client's own mistake is not a refusal.
+        assert_problem(await api.claim(pool="nope"), 404)
+        assert len(events(caplog, "claim_refused")) == 2
+    assert granted["worker"]["token"] not in caplog.text
+
+
+async def test_an_abandoned_claim_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stoker")
+    async with running(tmp_path, [pool(warm_target=0)]) as api:
+        payload = {**OK_BODY, "mode": "require_warm", "timeout_s": 60}
+        sent = await asyncio.wait_for(_post_then_disconnect(api.app, payload, after=2), 10)
+        assert sent[0]["status"] == 499
+    [gone] = events(caplog, "claim_abandoned")
+    assert gone["org"] == "acme" and gone["pool"] == "demo" and gone["waited_s"] >= 2

@@ -24,11 +24,19 @@ from starlette.responses import Response
 
 from stoker.api.asgi import ApiState, Principal, Receive, principal_of
 from stoker.api.models import ClaimCreate, ClaimOut, ClaimRenew, ModelResponse
-from stoker.api.problems import openapi_responses
+from stoker.api.problems import openapi_responses, reason_of, status_of
 from stoker.api.routing import DirectRoute
+from stoker.control import logs
 from stoker.control.plane import ControlPlane
 from stoker.domain import idempotency
-from stoker.domain.errors import InvalidRequest, NotFound, Unavailable, unknown_claim
+from stoker.domain.errors import (
+    InvalidRequest,
+    NotFound,
+    OrgCapError,
+    StokerError,
+    Unavailable,
+    unknown_claim,
+)
 from stoker.domain.records import Claim, ClaimRequest
 
 PREFIX = "/v1/claims"
@@ -119,10 +127,21 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         `Idempotent-Replayed: true`) instead of a second worker.
         """
         key = request.headers.get(IDEMPOTENCY_KEY)
-        req = claim_request(principal_of(request.scope), state, body, key)
-        outcome = await claim_while_connected(plane, req, request.receive, state)
+        started = plane.clock.monotonic()
+        try:
+            req = claim_request(principal_of(request.scope), state, body, key)
+            outcome = await claim_while_connected(plane, req, request.receive, state)
+        except StokerError as exc:
+            log_refusal(body, exc, plane.clock.monotonic() - started)
+            raise
         if outcome is None:
             # Nobody is listening any more; the status only shows in access logs.
+            logs.event(
+                "claim_abandoned",
+                pool=body.pool,
+                org=body.org,
+                waited_s=round(plane.clock.monotonic() - started, 3),
+            )
             return Response(status_code=499)
         claim, replayed = outcome
         answer = ModelResponse(
@@ -162,6 +181,24 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         """
         await check_owner(plane, principal_of(request.scope), claim_id)
         return ModelResponse(ClaimOut.of(await plane.release(claim_id)))
+
+
+def log_refusal(body: ClaimCreate, exc: StokerError, waited_s: float) -> None:
+    """One `claim_refused` line for a claim answered 429 or 503 (a client's own mistake,
+    4xx, is the access log's business): its pool, org, status and reason, never a token."""
+    status = status_of(exc)
+    if status not in (429, 503):
+        return
+    logs.event(
+        "claim_refused",
+        level=logs.WARNING if status == 503 else logs.INFO,
+        pool=body.pool,
+        org=body.org,
+        status=status,
+        reason=reason_of(exc),
+        waited_s=round(waited_s, 3),
+        retry_after_s=round(exc.retry_after, 3) if isinstance(exc, OrgCapError) else None,
+    )
 
 
 async def check_owner(plane: ControlPlane, principal: Principal, claim_id: str) -> None:

@@ -134,14 +134,8 @@ def from_domain(exc: errors.StokerError) -> Response:
         seconds = max(1, math.ceil(exc.retry_after))
         headers["Retry-After"] = str(seconds)
         extra["retry_after"] = exc.retry_after
-    elif isinstance(exc, errors.CapacityError):
-        extra["reason"] = exc.reason
-    elif isinstance(exc, errors.Unavailable):
-        extra["reason"] = "shutting_down" if "shutting down" in str(exc) else "unavailable"
-    elif isinstance(exc, errors.StoreError):
-        extra["reason"] = "store_unavailable"
-    elif isinstance(exc, errors.RuntimeFailure):
-        extra["reason"] = "runtime_unavailable"
+    elif status == 503:
+        extra["reason"] = reason_of(exc)
     elif isinstance(exc, errors.Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     if status == 503:
@@ -149,6 +143,21 @@ def from_domain(exc: errors.StokerError) -> Response:
         headers["Retry-After"] = "1" if isinstance(exc, errors.CapacityError) else "5"
     detail = str(exc) if status < 500 or status == 503 else "internal error"
     return problem_response(status, exc.code, detail, headers=headers, **extra)
+
+
+def reason_of(exc: errors.StokerError) -> str | None:
+    """Why a claim was refused, as the problem's `reason` says (None for a client error)."""
+    if isinstance(exc, errors.OrgCapError):
+        return "org_cap"
+    if isinstance(exc, errors.CapacityError):
+        return exc.reason
+    if isinstance(exc, errors.Unavailable):
+        return "shutting_down" if "shutting down" in str(exc) else "unavailable"
+    if isinstance(exc, errors.StoreError):
+        return "store_unavailable"
+    if isinstance(exc, errors.RuntimeFailure):
+        return "runtime_unavailable"
+    return None
 
 
 async def handle_domain_error(request: Request, exc: Exception) -> Response:
