@@ -38,6 +38,7 @@ from stoker.ports.cluster import (
     Container,
     Gone,
     Lease,
+    MetadataPatch,
     ObjectNotFound,
     Pod,
     PodList,
@@ -419,10 +420,7 @@ class LightkubeCluster:
             return
 
     async def patch_pod(
-        self,
-        name: str,
-        labels: Mapping[str, str | None] | None = None,
-        annotations: Mapping[str, str | None] | None = None,
+        self, name: str, labels: MetadataPatch = None, annotations: MetadataPatch = None
     ) -> Pod:
         """A JSON merge patch of metadata; a null value removes the key."""
         metadata: dict[str, Any] = {}

@@ -21,6 +21,9 @@ from stoker.domain.errors import RuntimeFailure
 
 #: An equality-only label selector: every key must be present with exactly that value.
 Selector = Mapping[str, str]
+#: A merge patch of labels or annotations: a `None` value removes that key; no patch
+#: (`None`) leaves them as they are.
+MetadataPatch = Mapping[str, str | None] | None
 
 
 class PodPhase(StrEnum):
@@ -232,10 +235,7 @@ class ClusterAPI(Protocol):
         ...
 
     async def patch_pod(
-        self,
-        name: str,
-        labels: Mapping[str, str | None] | None = None,
-        annotations: Mapping[str, str | None] | None = None,
+        self, name: str, labels: MetadataPatch = None, annotations: MetadataPatch = None
     ) -> Pod:
         """Merge-patch labels and annotations; a `None` value removes that key."""
         ...

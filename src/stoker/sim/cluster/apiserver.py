@@ -37,6 +37,7 @@ from stoker.ports.cluster import (
     Conflict,
     Invalid,
     Lease,
+    MetadataPatch,
     ObjectNotFound,
     Pod,
     PodList,
@@ -51,7 +52,7 @@ from stoker.sim.cluster.leases import LeaseTable
 from stoker.sim.cluster.validation import check_labels, check_name
 
 
-def _merge(current: Mapping[str, str], patch: Mapping[str, str | None] | None) -> dict[str, str]:
+def _merge(current: Mapping[str, str], patch: MetadataPatch) -> dict[str, str]:
     merged = dict(current)
     for key, value in (patch or {}).items():
         if value is None:
@@ -116,10 +117,7 @@ class FakeApiServer:
         self._delete(name, grace_s)
 
     async def patch_pod(
-        self,
-        name: str,
-        labels: Mapping[str, str | None] | None = None,
-        annotations: Mapping[str, str | None] | None = None,
+        self, name: str, labels: MetadataPatch = None, annotations: MetadataPatch = None
     ) -> Pod:
         """Merge-patch labels and annotations; `None` removes a key."""
         await self._enter("patch_pod")

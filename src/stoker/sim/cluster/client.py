@@ -41,6 +41,7 @@ from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
     Lease,
+    MetadataPatch,
     Pod,
     PodList,
     Selector,
@@ -218,10 +219,7 @@ class SimClient:
         await self._call("delete_pod", lambda: self._server.delete_pod(name, grace_s))
 
     async def patch_pod(
-        self,
-        name: str,
-        labels: Mapping[str, str | None] | None = None,
-        annotations: Mapping[str, str | None] | None = None,
+        self, name: str, labels: MetadataPatch = None, annotations: MetadataPatch = None
     ) -> Pod:
         """As `ClusterAPI.patch_pod`."""
         return await self._call(
