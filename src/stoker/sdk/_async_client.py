@@ -161,7 +161,7 @@ class AsyncClaim:
 
     async def _open(self) -> AsyncSession:
         claim = await self._client._send(self._call)
-        return AsyncSession(self._client, claim, renew=self._renew, on_lost=self._on_lost)
+        return AsyncSession(self._client, claim, self._renew, self._on_lost)
 
     def __await__(self) -> Generator[Any, None, AsyncSession]:
         return self._open().__await__()
@@ -191,12 +191,7 @@ class AsyncSession(SessionState):
     """A claimed worker renewed by a background task until released."""
 
     def __init__(
-        self,
-        client: AsyncClient,
-        claim: ClaimInfo,
-        *,
-        renew: bool = True,
-        on_lost: OnLost | None = None,
+        self, client: AsyncClient, claim: ClaimInfo, renew: bool, on_lost: OnLost | None
     ) -> None:
         super().__init__(claim, on_lost, asyncio.get_running_loop().time)
         self._client = client

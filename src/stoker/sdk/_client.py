@@ -108,7 +108,7 @@ class Client(BaseClient[httpx.BaseTransport]):
         `SessionLost` (see `SessionState`).
         """
         claim = self.create_claim(pool, org, **options)
-        return Session(self, claim, renew=renew, on_lost=on_lost)
+        return Session(self, claim, renew, on_lost)
 
     def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
         """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`)."""
@@ -150,12 +150,7 @@ class Session(SessionState):
     """A claimed worker for the duration of a `with` block (see `Client.claim`)."""
 
     def __init__(
-        self,
-        client: Client,
-        claim: ClaimInfo,
-        *,
-        renew: bool = True,
-        on_lost: OnLost | None = None,
+        self, client: Client, claim: ClaimInfo, renew: bool, on_lost: OnLost | None
     ) -> None:
         super().__init__(claim, on_lost)
         self._client = client

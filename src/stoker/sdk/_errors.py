@@ -50,19 +50,28 @@ class ClaimConflict(StokerError):
     """409: the claim is not in a state that allows this (e.g. renewing a released claim)."""
 
 
-class OrgCapError(StokerError):
-    """429: the org holds as many workers as its cap allows; retry after `retry_after` s."""
+class _RetryLater(StokerError):
+    """An answer that says when to try again: after `retry_after` seconds (0 when the
+    server did not say). `STATUS` is the status the error has when none is given."""
+
+    STATUS = 0
 
     def __init__(
         self,
         message: str,
         *,
-        status: int = 429,
+        status: int | None = None,
         problem: Mapping[str, Any] | None = None,
         retry_after: float = 0.0,
     ) -> None:
-        super().__init__(message, status=status, problem=problem)
+        super().__init__(message, status=self.STATUS if status is None else status, problem=problem)
         self.retry_after = retry_after
+
+
+class OrgCapError(_RetryLater):
+    """429: the org holds as many workers as its cap allows; retry after `retry_after` s."""
+
+    STATUS = 429
 
 
 class CapacityError(StokerError):
@@ -74,20 +83,11 @@ class CapacityError(StokerError):
         return str(self.problem.get("reason", ""))
 
 
-class Unavailable(StokerError):
+class Unavailable(_RetryLater):
     """503: the server cannot serve right now (starting, shutting down, store down); the
     server's `Retry-After` is `retry_after` (0 when it sent none)."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 503,
-        problem: Mapping[str, Any] | None = None,
-        retry_after: float = 0.0,
-    ) -> None:
-        super().__init__(message, status=status, problem=problem)
-        self.retry_after = retry_after
+    STATUS = 503
 
     @property
     def reason(self) -> str:

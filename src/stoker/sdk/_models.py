@@ -105,6 +105,21 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
+class Answer(Result):
+    """A result that is a whole answer: it keeps the JSON body it was read from in `raw`
+    (a keyword, after the fields of the subclass)."""
+
+    #: The JSON body as received.
+    raw: Mapping[str, Any] = field(
+        repr=False,
+        compare=False,
+        default_factory=dict,
+        kw_only=True,
+        metadata={"whole_body": True},
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRef(Result):
     """The worker serving a claim: where it listens and the session token it demands."""
 
@@ -117,7 +132,7 @@ class WorkerRef(Result):
 
 
 @dataclass(frozen=True, slots=True)
-class ClaimInfo(Result):
+class ClaimInfo(Answer):
     """A claim as the server reported it."""
 
     id: str
@@ -135,10 +150,6 @@ class ClaimInfo(Result):
     ended_at: datetime | None
     reason: str | None
     ttl_s: float | None
-    #: The JSON body as received.
-    raw: Mapping[str, Any] = field(
-        repr=False, compare=False, default_factory=dict, metadata={"whole_body": True}
-    )
 
     @property
     def bound(self) -> bool:
@@ -147,7 +158,7 @@ class ClaimInfo(Result):
 
 
 @dataclass(frozen=True, slots=True)
-class PoolInfo(Result):
+class PoolInfo(Answer):
     """A pool's targets, demand, cap and workers by state."""
 
     name: str
@@ -160,14 +171,10 @@ class PoolInfo(Result):
     max_workers_per_org: int
     reuse: str
     counts: Mapping[str, int]
-    #: The JSON body as received.
-    raw: Mapping[str, Any] = field(
-        repr=False, compare=False, default_factory=dict, metadata={"whole_body": True}
-    )
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerInfo(Result):
+class WorkerInfo(Answer):
     """One worker as the store records it (admin listing)."""
 
     id: str
@@ -185,7 +192,3 @@ class WorkerInfo(Result):
     idle_since: datetime | None
     ttl_s: float | None
     reason: str | None
-    #: The JSON body as received.
-    raw: Mapping[str, Any] = field(
-        repr=False, compare=False, default_factory=dict, metadata={"whole_body": True}
-    )
