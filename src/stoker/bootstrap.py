@@ -30,8 +30,8 @@ from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.config import KubernetesRuntimeConfig, StokerConfig, load_activation_key, to_domain
 from stoker.control.ids import Ids
-from stoker.control.janitor import DemandSource
 from stoker.control.plane import ControlPlane
+from stoker.control.scaler import DemandSource
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec

@@ -267,3 +267,20 @@ def test_strategies_read_and_write_their_json() -> None:
 def test_bad_strategies_are_refused(body: dict[str, object]) -> None:
     with pytest.raises(InvalidRequest):
         strategy_from(body)
+
+
+def test_a_plan_that_does_not_decide_only_reflects_the_stored_rollout() -> None:
+    counts = {"old": RevisionCounts(busy=100), "new": RevisionCounts(warm=60)}
+    bad = RevisionFailures(activations=10, activation_failures=9)
+    for failures in (RevisionFailures(), bad):
+        p = rollout_plan(
+            stable="old",
+            ramp=ramp(),
+            counts=counts,
+            failures=failures,
+            pool=PoolDemand(),
+            now=600,
+            decide=False,
+        )
+        assert p.decision is Decision.HOLD and p.ramping == "new"
+        assert p.part("new").share == pytest.approx(0.1)

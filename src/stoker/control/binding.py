@@ -14,6 +14,7 @@ from stoker.control import logs
 from stoker.control.attempt import Attempt
 from stoker.control.journal import EventKind
 from stoker.control.retiring import Retirer
+from stoker.control.rollouts import Outcome
 from stoker.control.shared import Shared
 from stoker.domain import idempotency
 from stoker.domain.errors import ClaimKeyTaken, RuntimeFailure
@@ -35,6 +36,7 @@ class Binder:
         self._metrics, self._ids = shared.metrics, shared.ids
         self._retirer = retirer
         self._journal = shared.journal
+        self._rollouts = shared.rollouts
         self._activator = activator
         self._runtime = runtime
 
@@ -83,10 +85,14 @@ class Binder:
                 heartbeat = asyncio.get_running_loop().call_later(
                     pool.timeouts.activation_s / 3, self._start_heartbeat, activating.id
                 )
+                rollouts, revision = self._rollouts, activating.revision
+                rollouts.note(pool.name, revision, Outcome.ACTIVATION)
                 try:
                     await self._activator.activate(activating, payload, pool.timeouts.activation_s)
                 except RuntimeFailure as exc:
                     self._metrics.spawn_failures.labels(pool.name, "activation").inc()
+                    self._metrics.revision_failures.labels(pool.name, revision, "activation").inc()
+                    rollouts.note(pool.name, revision, Outcome.ACTIVATION_FAILURE)
                     logs.worker_event("activation_failed", activating, error=str(exc))
                     self._journal.worker(EventKind.ACTIVATION_FAILED, activating, detail=str(exc))
                     await self._retirer.retire(

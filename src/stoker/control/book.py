@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Collection, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -202,11 +202,13 @@ class Book:
             if not queue:
                 del queues[key]
 
-    def pop(self, state: WorkerState, pool: str, org: str, revision: str) -> Worker | None:
-        """The next worker of a queue still known in `state` at `revision` and not being
-        handed out, marked in flight (the caller clears it once its reservation is
-        decided); None when the queue ran dry. A `warm` worker comes from the revision's
-        ready queue, a `hot_idle` one from those `org` parked."""
+    def pop(
+        self, state: WorkerState, pool: str, org: str, revision: str, *, also: Collection[str] = ()
+    ) -> Worker | None:
+        """The next worker of a queue still known in `state` at `revision` (or one of `also`)
+        and not being handed out, marked in flight (the caller clears it once its
+        reservation is decided); None when the queue ran dry. A `warm` worker comes from
+        the revision's ready queue, a `hot_idle` one from those `org` parked."""
         queues = self._ready if state is WorkerState.WARM else self._hot_idle
         key = (pool, revision) if state is WorkerState.WARM else (pool, org)
         queue = queues.get(key)
@@ -216,7 +218,7 @@ class Book:
             if (
                 known is not None
                 and known.state is state
-                and known.revision == revision
+                and (known.revision == revision or known.revision in also)
                 and known.id not in self._in_flight
             ):
                 self._in_flight.add(known.id)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from stoker.domain.errors import NotFound
-from stoker.domain.specs import OrgSpec, PoolSpec
+from stoker.domain.specs import OrgSpec, PoolSpec, RuntimeTemplate
 from stoker.policy.reaping import resolve_ttl
+from stoker.policy.rollout import Ramp
 from stoker.policy.scaling import effective_cap
 
 
@@ -24,6 +26,8 @@ class Catalog:
         self._pools = dict(pools)
         self._orgs = dict(orgs)
         self._derived_cap = derived_cap
+        #: Each pool's newest rollout (active or ended) and the template of its revision.
+        self._ramps: dict[str, tuple[Ramp, RuntimeTemplate]] = {}
 
     @property
     def pools(self) -> Mapping[str, PoolSpec]:
@@ -44,6 +48,31 @@ class Catalog:
     def update_pool(self, spec: PoolSpec) -> None:
         """Serve `spec` from now on (a new revision of a pool is a rollout)."""
         self._pools[spec.name] = spec
+
+    def set_ramp(self, name: str, ramp: Ramp | None, template: RuntimeTemplate | None) -> None:
+        """Serve the pool's newest rollout `ramp`, whose revision has `template` (None: the
+        pool has no rollout to follow)."""
+        if ramp is None or template is None:
+            self._ramps.pop(name, None)
+        else:
+            self._ramps[name] = (ramp, template)
+
+    def ramp(self, name: str) -> Ramp | None:
+        """The pool's newest rollout, active or ended, if it has one."""
+        known = self._ramps.get(name)
+        return known[0] if known else None
+
+    def revision_spec(self, name: str, revision: str) -> PoolSpec | None:
+        """The spec that spawns workers of `revision`: the pool's own at its stable
+        revision, the rollout's at the newest one; None for any other."""
+        pool = self._pools.get(name)
+        if pool is not None and pool.revision == revision:
+            return pool
+        known = self._ramps.get(name)
+        if known is None or known[0].revision != revision or pool is None:
+            return None
+        # The rollout's template with the pool's settings as they are now.
+        return dataclasses.replace(pool, template=known[1], revision=revision)
 
     def pool_cap(self, pool: PoolSpec) -> int:
         """The pool cap in force (0 = unbounded)."""

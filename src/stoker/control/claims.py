@@ -17,6 +17,7 @@ from stoker.control.attempt import Attempt
 from stoker.control.binding import Binder
 from stoker.control.demand import DemandPublisher
 from stoker.control.reservations import Reservations
+from stoker.control.rollouts import Outcome
 from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
@@ -50,6 +51,7 @@ class Claims:
         demand: DemandPublisher,
     ) -> None:
         self._book, self._catalog = shared.book, shared.catalog
+        self._rollouts = shared.rollouts
         self._clock, self._metrics, self._settings = shared.clock, shared.metrics, shared.settings
         self._reservations, self._spawner = reservations, spawner
         self._binder, self._sessions, self._demand = binder, sessions, demand
@@ -71,7 +73,9 @@ class Claims:
         now = self._clock.monotonic()
         attempt = Attempt(
             req=req,
-            pool=pool,
+            # A new claim goes to its org's revision by the rollout plan (reuse finds the
+            # org's parked workers at any revision that serves).
+            pool=self._rollouts.route(pool, req.org),
             org_cap=self._catalog.org_cap(pool, req.org),
             started=now,
             deadline=now + timeout,
@@ -156,6 +160,7 @@ class Claims:
                 claim = await self._binder.activate_and_bind(a, worker, source)
                 if claim is None:
                     continue
+                self._rollouts.note(a.pool.name, worker.revision, Outcome.CLAIM)
                 if a.gone():
                     # The requester is gone: the session never starts, park the worker.
                     await self._sessions.release(claim.id)
@@ -174,6 +179,9 @@ class Claims:
             if not a.result.done():
                 # A requester that gave up was answered (and counted) where it gave up.
                 a.result.set_exception(self._timeout_error(a, count=not a.abandoned))
+                if a.blocked_by is not MissReason.ORG_CAP:
+                    self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM)
+                    self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM_ERROR)
 
     async def _acquire(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
         """Reserve a worker for the claim, or wait and return None (the caller loops)."""

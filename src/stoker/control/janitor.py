@@ -11,13 +11,12 @@ target inside the store, and scale-down picks its victims deterministically.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from stoker.control import logs
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.retiring import Retirer
+from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
@@ -32,32 +31,8 @@ from stoker.policy.reaping import (
     session_left,
     stuck_workers,
 )
-from stoker.policy.scaling import (
-    PoolCounts,
-    desired_warm,
-    retirements_due,
-    spawns_needed,
-)
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import ReplicaStore
-
-DemandSource = Callable[[str, float], Awaitable[int]]
-
-
-@dataclass(slots=True)
-class PassReport:
-    """What one step did, for logs and tests."""
-
-    spawned: dict[str, int] = field(default_factory=dict)
-    #: Pools whose cap held spawning below desired warm in this pass.
-    capped: set[str] = field(default_factory=set)
-    retired: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    adopted: int = 0
-    expired_claims: int = 0
-    stranded_stopped: int = 0
-
-    def count(self, reason: RetireReason) -> None:
-        self.retired[reason.value] += 1
 
 
 class Janitor:
@@ -89,14 +64,23 @@ class Janitor:
         )
         self._retirer, self._spawner, self._sessions = retirer, spawner, sessions
         self._events, self._publisher = events, publisher
-        self._demand = demand or self._store_demand
+        self._rollouts = shared.rollouts
         self._ledger = DemandLedger()
         self._demand_now: dict[str, int] | None = None
-        self._excess_since: dict[str, float] = {}
-        #: What the last pass decided per pool (shown by `GET /v1/pools`).
-        self.desired: dict[str, int] = {}
-        self.demand: dict[str, int] = {}
+        self._scaler = Scaler(
+            shared, retirer=retirer, spawner=spawner, demand=demand or self._store_demand
+        )
         self._last_purge: float | None = None
+
+    @property
+    def desired(self) -> dict[str, int]:
+        """Desired warm per pool, as the last pass decided it (shown by `GET /v1/pools`)."""
+        return self._scaler.desired
+
+    @property
+    def demand(self) -> dict[str, int]:
+        """Demand per pool, as the last pass read it."""
+        return self._scaler.demand
 
     async def _store_demand(self, pool: str, now: float) -> int:
         """Misses every replica saw since the last pass plus the claims they queue."""
@@ -126,7 +110,7 @@ class Janitor:
         await self._settle_pending()
         if self.reach is Reach.FLEET:
             await self._adopt_orphans(world, report)
-            await self._scale(world, report)
+            await self._scaler.scale(world, report)
             await self._sweep_stuck(world, report)
             if world.objects is not None:
                 await self._stop_stranded(world, report)
@@ -169,91 +153,21 @@ class Janitor:
         if done:
             report.count(RetireReason.LOST)
 
-    def _pool_counts(self, world: World) -> dict[str, PoolCounts]:
-        warm: dict[str, int] = defaultdict(int)
-        stale: dict[str, int] = defaultdict(int)
-        neutral: dict[str, int] = defaultdict(int)
-        live: dict[str, int] = defaultdict(int)
-        for c in world.counts:
-            pool = self._catalog.get(c.pool)
-            if pool is None:
-                continue
-            live[c.pool] += c.count
-            current = c.revision == pool.revision
-            if c.state is WorkerState.WARM:
-                (warm if current else stale)[c.pool] += c.count
-            elif c.state is WorkerState.SPAWNING and not c.bound and current:
-                neutral[c.pool] += c.count
-        return {
-            name: PoolCounts(
-                warm=warm[name],
-                spawning_neutral=neutral[name],
-                live=live[name],
-                warm_stale=stale[name],
-            )
-            for name in self._catalog.pools
-        }
-
-    async def _scale(self, world: World, report: PassReport) -> None:
-        """Spawn towards desired warm; retire stale and (after the delay) excess warm."""
-        counts = self._pool_counts(world)
-        warm_by_pool: dict[str, list[Worker]] = defaultdict(list)
-        for w in world.warm:
-            if w.id not in self._book.in_flight():
-                warm_by_pool[w.pool].append(w)
-        for name, pool in self._catalog.pools.items():
-            c = counts[name]
-            cap = self._catalog.pool_cap(pool)
-            demand = await self._demand(name, world.now)
-            desired = desired_warm(pool.warm_target, demand, cap)
-            self.desired[name], self.demand[name] = desired, demand
-            self._metrics.demand.labels(name).set(demand)
-            self._metrics.warm_desired.labels(name).set(desired)
-            self._metrics.pool_cap.labels(name).set(cap)
-            need = spawns_needed(desired, c, cap)
-            if need < spawns_needed(desired, c, 0):
-                report.capped.add(name)
-            if need:
-                report.spawned[name] = await self._spawner.spawn_warm(pool, need, target=desired)
-            if c.warm > desired:
-                self._excess_since.setdefault(name, world.now)
-            else:
-                self._excess_since.pop(name, None)
-            due = retirements_due(
-                desired,
-                c,
-                excess_since=self._excess_since.get(name),
-                now=world.now,
-                scale_down_delay=pool.scale_down_delay,
-            )
-            if due:
-                await self._retire_warm(pool.revision, warm_by_pool[name], due, report)
-
-    async def _retire_warm(
-        self, revision: str, warm: list[Worker], due: int, report: PassReport
-    ) -> None:
-        # Stale revisions first, then oldest: a deterministic choice, so two janitors
-        # acting on the same snapshot pick the same victims and the second CAS misses.
-        victims = sorted(warm, key=lambda w: (w.revision == revision, w.created_at, w.id))[:due]
-        for w in victims:
-            reason = RetireReason.EXCESS if w.revision == revision else RetireReason.ROLLOUT
-            if await self._retirer.retire(w, reason):
-                report.count(reason)
-
     async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
         candidates = [w for w in world.hot_idle if self._acts_for(w.owner, world)]
         stale = []
         if self.reach is Reach.FLEET:
-            # A parked worker of an old revision can never be reused: retire it.
+            # A parked worker of a revision that no longer serves can never be reused.
             stale = [
                 w
                 for w in candidates
-                if (p := self._catalog.get(w.pool)) and w.revision != p.revision
+                if w.pool in self._catalog.pools and not self._rollouts.serving(w.pool, w.revision)
             ]
             for w in stale:
-                if await self._retirer.retire(w, RetireReason.ROLLOUT):
-                    report.count(RetireReason.ROLLOUT)
+                reason = self._rollouts.retire_reason(w.pool, w.revision)
+                if await self._retirer.retire(w, reason):
+                    report.count(reason)
         gone = {w.id for w in stale}
         for w in hot_idle_to_reap(candidates, world.now, self._catalog.min_hot_idle):
             if w.id not in gone and await self._retirer.retire(w, RetireReason.TTL):

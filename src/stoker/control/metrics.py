@@ -30,6 +30,20 @@ CLAIM_BUCKETS = (
 )
 
 
+#: Series of rollouts: name and help.
+_REVISION_FAILURES = (
+    "stoker_revision_failures",
+    "Spawn and activation failures by pool revision (kind: spawn or activation).",
+)
+_REVISION_SHARE = (
+    "stoker_pool_revision_share",
+    "Share (0-1) of the pool's new claims each revision gets by the rollout plan.",
+)
+_ROLLOUT_STATE = (
+    "stoker_rollout_state",
+    "1 for the state the pool's newest rollout is in, 0 for the others.",
+)
+
 _M = TypeVar("_M", bound="_Children")
 
 
@@ -115,6 +129,10 @@ class Metrics:
             "above 0 the pool backs off.",
             "pool",
         )
+        by_revision = ("pool", "revision")
+        self.revision_failures = self._counter(*_REVISION_FAILURES, *by_revision, "kind")
+        self.revision_share = self._gauge(*_REVISION_SHARE, *by_revision)
+        self.rollout_state = self._gauge(*_ROLLOUT_STATE, "pool", "state")
         self.retirements = self._counter(
             "stoker_retirements", "Workers retired, by reason.", "pool", "reason"
         )

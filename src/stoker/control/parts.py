@@ -15,9 +15,10 @@ from stoker.control.claims import Claims
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.idempotency import IdempotentClaims
-from stoker.control.janitor import DemandSource, Janitor
+from stoker.control.janitor import Janitor
 from stoker.control.reservations import Reservations
 from stoker.control.retiring import Retirer
+from stoker.control.scaler import DemandSource
 from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner

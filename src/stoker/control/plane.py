@@ -31,11 +31,12 @@ from stoker.control.catalog import Catalog
 from stoker.control.history import History, PoolSample
 from stoker.control.holdings import org_cap_retry_after
 from stoker.control.ids import Ids
-from stoker.control.janitor import DemandSource, PassReport
 from stoker.control.journal import EventKind, Journal
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
+from stoker.control.rollouts import Rollouts
+from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
 from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
@@ -106,6 +107,8 @@ class ControlPlane:
             {p.name: p for p in pools}, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap
         )
         self.book = Book(reader=store, instance_id=self.instance_id)
+        #: Each pool's rollout plan (routing, reuse and sizing by revision).
+        self.rollouts = Rollouts(self.catalog, self.metrics)
         #: Recent events and the last hour of each pool, for the dashboard.
         self.journal = Journal(self.clock.now)
         self.history = History(self.settings.pool_sample_s)
@@ -113,6 +116,7 @@ class ControlPlane:
             book=self.book,
             lifecycle=Lifecycle(store, self.clock, self.metrics, self.journal),
             catalog=self.catalog,
+            rollouts=self.rollouts,
             clock=self.clock,
             metrics=self.metrics,
             ids=self.ids,

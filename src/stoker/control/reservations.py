@@ -29,6 +29,7 @@ class Reservations:
         self, shared: Shared, *, retirer: Retirer, spawner: Spawner, runtime: Runtime
     ) -> None:
         self._book, self._lifecycle, self._clock = shared.book, shared.lifecycle, shared.clock
+        self._rollouts = shared.rollouts
         self._retirer = retirer
         self._spawner = spawner
         self._runtime = runtime
@@ -36,14 +37,21 @@ class Reservations:
     async def take(
         self, pool: PoolSpec, org: str, expect: WorkerState, org_cap: int = 0
     ) -> ReserveResult:
-        """Reserve a `warm` worker of `pool` for `org` within `org_cap`, or (`expect`
-        hot_idle) one `org` parked; moved on to activating where the store can.
+        """Reserve a `warm` worker of `pool`'s revision for `org` within `org_cap`, or
+        (`expect` hot_idle) one `org` parked at any revision that serves; moved on to
+        activating where the store can.
 
         The result's worker is None when there was none; `at_org_cap` says the org's cap
         held a warm one back.
         """
         book, owner = self._book, self._book.instance_id
-        while (known := book.pop(expect, pool.name, org, pool.revision)) is not None:
+        revisions: tuple[str, ...] = (pool.revision,)
+        if expect is WorkerState.HOT_IDLE:
+            # Reuse stays on the worker's own revision, whichever of the serving ones.
+            revisions = self._rollouts.serving_revisions(pool.name)
+            if not revisions:
+                return _NONE
+        while known := book.pop(expect, pool.name, org, revisions[0], also=revisions[1:]):
             try:
                 result = await self._lifecycle.reserve(
                     known, org=org, org_cap=org_cap, owner=owner, activate=True
@@ -58,15 +66,18 @@ class Reservations:
                 return result
             await book.refresh(known.id)
         # The queue ran dry: any matching worker in the store (the queues are only hints).
-        result = await self._lifecycle.reserve_any(
-            pool.name,
-            pool.revision,
-            expect=expect,
-            org=org,
-            org_cap=org_cap,
-            owner=owner,
-            activate=True,
-        )
+        for revision in revisions:
+            result = await self._lifecycle.reserve_any(
+                pool.name,
+                revision,
+                expect=expect,
+                org=org,
+                org_cap=org_cap,
+                owner=owner,
+                activate=True,
+            )
+            if result.worker is not None or result.at_org_cap:
+                break
         worker = result.worker
         if worker is None:
             return result

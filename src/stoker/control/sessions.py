@@ -20,6 +20,7 @@ class Sessions:
 
     def __init__(self, shared: Shared, *, retirer: Retirer, reader: StoreReader) -> None:
         self._book, self._lifecycle = shared.book, shared.lifecycle
+        self._rollouts = shared.rollouts
         self._catalog, self._clock, self._metrics = shared.catalog, shared.clock, shared.metrics
         self._retirer = retirer
         self._reader = reader
@@ -77,7 +78,7 @@ class Sessions:
             pool is not None
             and pool.reuse is Reuse.SAME_ORG
             and worker is not None
-            and worker.revision == pool.revision
+            and self._rollouts.serving(pool.name, worker.revision)
             and not self._book.closing
         )
         if pool is not None and reuse:
@@ -90,7 +91,7 @@ class Sessions:
             )
         else:
             why = (
-                RetireReason.ROLLOUT
+                self._rollouts.retire_reason(pool.name, worker.revision if worker else "")
                 if pool is not None and pool.reuse is Reuse.SAME_ORG
                 else RetireReason.NO_REUSE
             )

@@ -10,6 +10,7 @@ from stoker.control.ids import Ids
 from stoker.control.journal import Journal
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
+from stoker.control.rollouts import Rollouts
 from stoker.domain.specs import PlaneSettings
 from stoker.ports.clock import Clock
 
@@ -24,6 +25,8 @@ class Shared:
     #: The only writer of workers and claims.
     lifecycle: Lifecycle
     catalog: Catalog
+    #: Each pool's rollout plan: routing, reuse and sizing by revision.
+    rollouts: Rollouts
     clock: Clock
     metrics: Metrics
     ids: Ids

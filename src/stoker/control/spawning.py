@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from stoker.control import logs
 from stoker.control.journal import EventKind
 from stoker.control.retiring import Retirer
+from stoker.control.rollouts import Outcome
 from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure, SpawnWithdrawn
 from stoker.domain.records import Worker
@@ -44,6 +45,7 @@ class Spawner:
         self._retirer = retirer
         self._runtime = runtime
         self._journal = shared.journal
+        self._rollouts = shared.rollouts
         settings = shared.settings
         self._clock = shared.clock
         self._bucket = TokenBucket(
@@ -70,6 +72,8 @@ class Spawner:
         spec = self._catalog.get(pool)
         if spec is None:
             return
+        self._metrics.revision_failures.labels(pool, revision, "spawn").inc()
+        self._rollouts.note(pool, revision, Outcome.SPAWN_FAILURE)
         before = self._trouble.get((pool, revision))
         failures = 1 + (before.failures if before else 0)
         delay = spawn_backoff_s(failures, spec.spawn_backoff)
@@ -131,6 +135,7 @@ class Spawner:
         for worker in result.workers:
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "warm").inc()
+            self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
             self._book.spawn_task(self.create(worker, pool), f"spawn:{worker.id}")
         return len(result.workers)
 
@@ -152,6 +157,7 @@ class Spawner:
         for worker in result.workers:
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "cold").inc()
+            self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
         return result
 
     async def create(self, worker: Worker, pool: PoolSpec) -> bool:

@@ -197,10 +197,15 @@ def rollout_plan(
     failures: RevisionFailures,
     pool: PoolDemand,
     now: float,
+    decide: bool = True,
 ) -> RolloutPlan:
     """The plan of a pool whose stable revision is `stable` and whose newest rollout is
     `ramp` (None, or ended: no ramp), from its live `counts` per revision, the ramping
-    revision's `failures`, the pool's demand and `now`."""
+    revision's `failures`, the pool's demand and `now`.
+
+    With `decide` off the plan only reflects the stored rollout (a replica that does not
+    lead routes by it); on, it also takes the step, promotion or rollback that is due,
+    and shows the pool as it is once the leader wrote that."""
     if ramp is None or ramp.revision == stable or ramp.state is RolloutState.PROMOTED:
         return _steady(stable, None, counts, pool)
     if ramp.state.ended:
@@ -209,7 +214,7 @@ def rollout_plan(
     if isinstance(ramp.strategy, ReplaceStrategy):
         plan = _steady(ramp.revision, None, counts, pool)
         return replace(plan, decision=Decision.PROMOTE, why="replace")
-    return _canary(stable, ramp, ramp.strategy, counts, failures, pool, now)
+    return _canary(stable, ramp, ramp.strategy, counts, failures if decide else None, pool, now)
 
 
 def _steady(
@@ -230,11 +235,12 @@ def _canary(
     ramp: Ramp,
     strategy: CanaryStrategy,
     counts: Mapping[str, RevisionCounts],
-    failures: RevisionFailures,
+    failures: RevisionFailures | None,
     pool: PoolDemand,
     now: float,
 ) -> RolloutPlan:
-    worst = failures.worst()
+    """A canary under way; `failures` None: decide nothing."""
+    worst = failures.worst() if failures is not None else None
     if worst is not None and worst[1] > strategy.max_failure_ratio:
         name, ratio = worst
         why = f"{name} failures {ratio:.0%} over {strategy.max_failure_ratio:.0%}"
@@ -249,8 +255,10 @@ def _canary(
     room = pool.cap - other_live if pool.cap > 0 else other_capacity + pool.demand
     room = max(0, room)
     last = ramp.step >= len(strategy.steps) - 1
-    due = ramp.state is RolloutState.RAMPING and now - ramp.step_started_at >= (
-        strategy.step_interval_s
+    due = (
+        failures is not None
+        and ramp.state is RolloutState.RAMPING
+        and now - ramp.step_started_at >= strategy.step_interval_s
     )
 
     def capacity(share: float) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
-from stoker.control.janitor import DemandSource
+from stoker.control.scaler import DemandSource
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec
 from stoker.ports.clock import Clock

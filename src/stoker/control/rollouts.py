@@ -1,0 +1,166 @@
+"""Rollouts as one replica serves them: which revision a new claim goes to, which
+revisions may park workers for reuse, and each pass's `rollout_plan`.
+
+Every answer comes from `stoker.policy.rollout.rollout_plan` over the catalog's stored
+rollout: a replica that does not lead routes by the plan of the stored step (`decide`
+off); the leader's janitor computes the plan that decides and writes what it decided.
+Failures of the ramping revision are counted here as this replica sees them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import replace
+from enum import StrEnum
+
+from stoker.control.catalog import Catalog
+from stoker.control.metrics import Metrics
+from stoker.domain.rollouts import RolloutState
+from stoker.domain.specs import PoolSpec
+from stoker.domain.states import RetireReason
+from stoker.policy.rollout import (
+    SERVING,
+    Decision,
+    PoolDemand,
+    Ramp,
+    RevisionCounts,
+    RevisionFailures,
+    RolloutPlan,
+    rollout_plan,
+)
+
+#: Rollouts whose revision's workers retire as `rollout_failed`.
+_FAILED = frozenset({RolloutState.ROLLED_BACK, RolloutState.ABORTED})
+
+
+class Outcome(StrEnum):
+    """What a revision's worker was tried for, and whether it failed."""
+
+    SPAWN = "spawn"
+    SPAWN_FAILURE = "spawn_failure"
+    ACTIVATION = "activation"
+    ACTIVATION_FAILURE = "activation_failure"
+    CLAIM = "claim"
+    CLAIM_ERROR = "claim_error"
+
+
+class Rollouts:
+    """Routing, reuse and sizing of each pool's revisions by its rollout plan."""
+
+    def __init__(self, catalog: Catalog, metrics: Metrics) -> None:
+        self._catalog = catalog
+        self._metrics = metrics
+        #: Attempts and failures by (rollout id, outcome).
+        self._tally: Counter[tuple[str, Outcome]] = Counter()
+        #: The last plan each pool's pass computed (the API and metrics show it).
+        self.plans: dict[str, RolloutPlan] = {}
+
+    def stored(self, pool: PoolSpec) -> RolloutPlan:
+        """The plan of the stored rollout, deciding nothing: how new claims route now."""
+        return rollout_plan(
+            stable=pool.revision,
+            ramp=self._catalog.ramp(pool.name),
+            counts={},
+            failures=RevisionFailures(),
+            pool=PoolDemand(),
+            now=0.0,
+            decide=False,
+        )
+
+    def route(self, pool: PoolSpec, org: str) -> PoolSpec:
+        """The spec of the revision a new (non-reuse) claim of `org` goes to."""
+        if self._catalog.ramp(pool.name) is None:
+            return pool
+        revision = self.stored(pool).route(org)
+        return self._catalog.revision_spec(pool.name, revision) or pool
+
+    def serving(self, name: str, revision: str) -> bool:
+        """Whether workers of the pool's `revision` serve claims and park for reuse."""
+        pool = self._catalog.get(name)
+        if pool is None:
+            return False
+        if self._catalog.ramp(name) is None:
+            return revision == pool.revision
+        return self.stored(pool).serving(revision)
+
+    def serving_revisions(self, name: str) -> tuple[str, ...]:
+        """The revisions whose parked workers an org may reuse, the stable one first."""
+        pool = self._catalog.get(name)
+        if pool is None:
+            return ()
+        if self._catalog.ramp(name) is None:
+            return (pool.revision,)
+        plan = self.stored(pool)
+        parts = sorted(plan.revisions.values(), key=lambda p: p.revision != plan.stable)
+        return tuple(p.revision for p in parts if p.role in SERVING)
+
+    def retire_reason(self, name: str, revision: str) -> RetireReason:
+        """Why an idle worker of a revision that no longer serves retires."""
+        ramp = self._catalog.ramp(name)
+        failed = ramp is not None and ramp.revision == revision and ramp.state in _FAILED
+        return RetireReason.ROLLOUT_FAILED if failed else RetireReason.ROLLOUT
+
+    def note(self, pool: str, revision: str, outcome: Outcome) -> None:
+        """Count an attempt (or a failure) of a revision while its rollout is active."""
+        ramp = self._catalog.ramp(pool)
+        if ramp is not None and ramp.revision == revision and not ramp.state.ended:
+            self._tally[(ramp.id, outcome)] += 1
+
+    def failures(self, rollout_id: str) -> RevisionFailures:
+        """What this replica saw of the rollout's revision so far."""
+        t = self._tally
+        return RevisionFailures(
+            spawns=t[(rollout_id, Outcome.SPAWN)],
+            spawn_failures=t[(rollout_id, Outcome.SPAWN_FAILURE)],
+            activations=t[(rollout_id, Outcome.ACTIVATION)],
+            activation_failures=t[(rollout_id, Outcome.ACTIVATION_FAILURE)],
+            claims=t[(rollout_id, Outcome.CLAIM)],
+            claim_errors=t[(rollout_id, Outcome.CLAIM_ERROR)],
+        )
+
+    def adopt(self, pool: PoolSpec, plan: RolloutPlan) -> Ramp | None:
+        """Serve what `plan` decided from now on (once the leader wrote it); the rollout as
+        it stands after."""
+        name = pool.name
+        ramp = self._catalog.ramp(name)
+        spec = self._catalog.revision_spec(name, ramp.revision) if ramp is not None else None
+        if ramp is None or spec is None:
+            return None
+        match plan.decision:
+            case Decision.ADVANCE:
+                after = plan.ramp or ramp
+            case Decision.ROLL_BACK:
+                after = replace(ramp, state=RolloutState.ROLLED_BACK)
+            case Decision.PROMOTE:
+                after = replace(ramp, state=RolloutState.PROMOTED)
+                self._catalog.update_pool(spec)
+            case _:
+                return ramp
+        self._catalog.set_ramp(name, after, spec.template)
+        self.show(name, after)
+        return after
+
+    def show(self, name: str, ramp: Ramp | None) -> None:
+        """Set the pool's `stoker_rollout_state` series."""
+        for state in RolloutState:
+            on = ramp is not None and ramp.state is state
+            self._metrics.rollout_state.labels(name, state.value).set(1 if on else 0)
+
+    def plan(
+        self, pool: PoolSpec, counts: Mapping[str, RevisionCounts], demand: PoolDemand, now: float
+    ) -> RolloutPlan:
+        """The pass's plan for the pool, deciding what is due (the leader writes it)."""
+        ramp = self._catalog.ramp(pool.name)
+        plan = rollout_plan(
+            stable=pool.revision,
+            ramp=ramp,
+            counts=counts,
+            failures=self.failures(ramp.id) if ramp is not None else RevisionFailures(),
+            pool=demand,
+            now=now,
+        )
+        self.plans[pool.name] = plan
+        for part in plan.revisions.values():
+            self._metrics.revision_share.labels(pool.name, part.revision).set(part.share)
+        return plan

@@ -1,0 +1,196 @@
+"""The reconciler's step for each pool: spawn every revision towards its warm target and
+retire what the rollout plan no longer wants.
+
+The targets come from one `rollout_plan` per pool and pass (`stoker.control.rollouts`):
+without a rollout that is the pool's desired warm (static target plus demand, within the
+cap) for its stable revision and nothing for older ones; during a ramp each revision gets
+its part. Scale-down of a revision that serves waits `scale_down_delay`; a revision that
+no longer serves retires its warm workers at once when its rollout failed, else a share
+per pass. The leader writes what the plan decided (a step, a promotion, a rollback)
+before it acts on it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from stoker.control import logs
+from stoker.control.retiring import Retirer
+from stoker.control.shared import Shared
+from stoker.control.spawning import Spawner
+from stoker.control.world import World
+from stoker.domain.records import Worker
+from stoker.domain.rollouts import RolloutState
+from stoker.domain.specs import PoolSpec
+from stoker.domain.states import RetireReason, WorkerState
+from stoker.policy.rollout import (
+    SERVING,
+    Decision,
+    PoolDemand,
+    RevisionCounts,
+    RevisionPlan,
+    Role,
+    RolloutPlan,
+)
+from stoker.policy.scaling import (
+    PoolCounts,
+    retirements_due,
+    scale_down_budget,
+    spawns_needed,
+)
+
+DemandSource = Callable[[str, float], Awaitable[int]]
+
+
+@dataclass(slots=True)
+class PassReport:
+    """What one step did, for logs and tests."""
+
+    spawned: dict[str, int] = field(default_factory=dict)
+    #: Pools whose cap held spawning below desired warm in this pass.
+    capped: set[str] = field(default_factory=set)
+    retired: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    adopted: int = 0
+    expired_claims: int = 0
+    stranded_stopped: int = 0
+
+    def count(self, reason: RetireReason) -> None:
+        self.retired[reason.value] += 1
+
+
+def revision_counts(world: World) -> dict[str, dict[str, RevisionCounts]]:
+    """Live workers by pool and revision, as the rollout plan counts them."""
+    busy: dict[tuple[str, str], int] = defaultdict(int)
+    warm: dict[tuple[str, str], int] = defaultdict(int)
+    spawning: dict[tuple[str, str], int] = defaultdict(int)
+    for c in world.counts:
+        key = (c.pool, c.revision)
+        if c.state is WorkerState.WARM:
+            warm[key] += c.count
+        elif c.state is WorkerState.SPAWNING and not c.bound:
+            spawning[key] += c.count
+        elif c.state is not WorkerState.DRAINING:
+            busy[key] += c.count
+    out: dict[str, dict[str, RevisionCounts]] = defaultdict(dict)
+    for pool, revision in {*busy, *warm, *spawning}:
+        key = (pool, revision)
+        out[pool][revision] = RevisionCounts(busy=busy[key], warm=warm[key], spawning=spawning[key])
+    return out
+
+
+class Scaler:
+    """Spawns and scale-down of every pool, revision by revision, by its rollout plan."""
+
+    def __init__(
+        self, shared: Shared, *, retirer: Retirer, spawner: Spawner, demand: DemandSource
+    ) -> None:
+        self._retirer, self._spawner, self._demand = retirer, spawner, demand
+        self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
+        self._rollouts = shared.rollouts
+        self._excess_since: dict[tuple[str, str], float] = {}
+        #: What the last pass decided per pool (shown by `GET /v1/pools`).
+        self.desired: dict[str, int] = {}
+        self.demand: dict[str, int] = {}
+
+    async def scale(self, world: World, report: PassReport) -> None:
+        """Spawn towards each revision's warm target; retire what the plan does not want."""
+        counts = revision_counts(world)
+        live: dict[str, int] = defaultdict(int)
+        for c in world.counts:
+            live[c.pool] += c.count
+        warm: dict[tuple[str, str], list[Worker]] = defaultdict(list)
+        for w in world.warm:
+            if w.id not in self._book.in_flight():
+                warm[(w.pool, w.revision)].append(w)
+        for name, pool in list(self._catalog.pools.items()):
+            cap = self._catalog.pool_cap(pool)
+            demand = await self._demand(name, world.now)
+            sizing = PoolDemand(warm_target=pool.warm_target, demand=demand, cap=cap)
+            plan = self._rollouts.plan(pool, counts.get(name, {}), sizing, world.now)
+            if plan.decision is not Decision.HOLD:
+                await self._decided(pool, plan)
+            desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
+            self.desired[name], self.demand[name] = desired, demand
+            self._metrics.demand.labels(name).set(demand)
+            self._metrics.warm_desired.labels(name).set(desired)
+            self._metrics.pool_cap.labels(name).set(cap)
+            for part in plan.revisions.values():
+                mine = counts.get(name, {}).get(part.revision, RevisionCounts())
+                held = PoolCounts(warm=mine.warm, spawning_neutral=mine.spawning, live=live[name])
+                workers = warm[(name, part.revision)]
+                if part.role in SERVING:
+                    target = part.warm_target
+                    live[name] += await self._spawn(name, part.revision, target, held, cap, report)
+                    await self._scale_down(name, part, held, workers, world.now, report)
+                elif workers:
+                    await self._retire_stale(name, part.role, workers, live[name], report)
+
+    async def _spawn(
+        self, name: str, revision: str, target: int, held: PoolCounts, cap: int, report: PassReport
+    ) -> int:
+        need = spawns_needed(target, held, cap)
+        if need < spawns_needed(target, held, 0):
+            report.capped.add(name)
+        spec = self._catalog.revision_spec(name, revision)
+        if not need or spec is None:
+            return 0
+        spawned = await self._spawner.spawn_warm(spec, need, target=target)
+        report.spawned[name] = report.spawned.get(name, 0) + spawned
+        return spawned
+
+    async def _scale_down(
+        self,
+        name: str,
+        part: RevisionPlan,
+        held: PoolCounts,
+        workers: list[Worker],
+        now: float,
+        report: PassReport,
+    ) -> None:
+        key, target = (name, part.revision), part.warm_target
+        if held.warm > target:
+            self._excess_since.setdefault(key, now)
+        else:
+            self._excess_since.pop(key, None)
+        pool = self._catalog.pool(name)
+        due = retirements_due(
+            target,
+            held,
+            excess_since=self._excess_since.get(key),
+            now=now,
+            scale_down_delay=pool.scale_down_delay,
+        )
+        # Oldest first: a deterministic choice, so two janitors acting on the same snapshot
+        # pick the same victims and the second CAS misses.
+        for w in sorted(workers, key=lambda w: (w.created_at, w.id))[:due]:
+            if await self._retirer.retire(w, RetireReason.EXCESS):
+                report.count(RetireReason.EXCESS)
+
+    async def _retire_stale(
+        self, name: str, role: Role, workers: list[Worker], live: int, report: PassReport
+    ) -> None:
+        """Warm workers of a revision that no longer serves: all at once when its rollout
+        failed, else a share of the pool per pass."""
+        due = len(workers) if role is Role.FAILED else scale_down_budget(live)
+        reason = self._rollouts.retire_reason(name, workers[0].revision)
+        for w in sorted(workers, key=lambda w: (w.created_at, w.id))[:due]:
+            if await self._retirer.retire(w, reason):
+                report.count(reason)
+
+    async def _decided(self, pool: PoolSpec, plan: RolloutPlan) -> None:
+        """Serve what the plan decided (a step, a promotion, a rollback) from now on."""
+        ramp = self._catalog.ramp(pool.name)
+        if ramp is None:
+            return
+        after = self._rollouts.adopt(pool, plan)
+        logs.event(
+            "rollout_" + plan.decision.value,
+            pool=pool.name,
+            rollout=ramp.id,
+            revision=ramp.revision,
+            state=after.state.value if after else RolloutState.PROMOTED.value,
+            step=after.step if after else None,
+            why=plan.why,
+        )

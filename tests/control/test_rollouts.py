@@ -1,0 +1,202 @@
+"""A canary rollout in one replica: routing by share, org stickiness, reuse on the worker's
+own revision, ramp sizing, steps, and a failure in the middle of a ramp (#14).
+
+Workers are `MemoryRuntime` entries (tests/fakes.py: no process is needed to route a
+claim); the store is the real SQLite adapter; time is virtual (looptime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fakes import MemoryRuntime
+from stoker.adapters.sqlite import SqliteStore
+from stoker.control.plane import ControlPlane
+from stoker.domain.errors import RuntimeFailure
+from stoker.domain.records import Claim, ClaimRequest, Worker
+from stoker.domain.rollouts import CanaryStrategy, RolloutState
+from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, revision_of
+from stoker.domain.states import ClaimSource, Reuse, WorkerState
+from stoker.policy.rollout import Ramp, org_position
+from stoker.ports.activator import ActivationPayload
+from stoker.ports.clock import VirtualClock
+
+pytestmark = pytest.mark.looptime
+
+S = WorkerState
+OLD = ProcessTemplate(argv=("worker", "{port}"))
+NEW = ProcessTemplate(argv=("worker", "--v2", "{port}"))
+OLD_REV, NEW_REV = revision_of(OLD), revision_of(NEW)
+
+
+class BadImageRuntime(MemoryRuntime):
+    """Every other activation of the new revision fails (a bad image)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.bad = False
+        self._tries = 0
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        if self.bad and worker.revision == NEW_REV:
+            self._tries += 1
+            if self._tries % 2:
+                raise RuntimeFailure("bad image: exit 1")
+        await super().activate(worker, payload, timeout)
+
+
+@dataclass
+class Harness:
+    plane: ControlPlane
+    runtime: BadImageRuntime
+    store: SqliteStore
+    clock: VirtualClock
+
+    async def tick(self) -> None:
+        await self.plane.run_janitor_pass()
+        await asyncio.sleep(1.0)
+
+    async def claim(self, org: str) -> Claim:
+        return await self.plane.claim(ClaimRequest(pool="p", org=org, timeout_s=10.0))
+
+    async def revision_of_claim(self, claim: Claim) -> str:
+        worker = await self.store.get_worker(claim.worker_id)
+        assert worker is not None
+        return worker.revision
+
+    async def warm(self, revision: str) -> list[Worker]:
+        return [w for w in await self.store.list_workers(states=[S.WARM]) if w.revision == revision]
+
+    def start(self, step: int = 0, **kw: Any) -> Ramp:
+        strategy = CanaryStrategy(**{"steps": (10, 50, 100), "step_interval_s": 60, **kw})
+        ramp = Ramp("ro-1", NEW_REV, strategy, RolloutState.RAMPING, step, self.clock.now())
+        self.plane.catalog.set_ramp("p", ramp, NEW)
+        return ramp
+
+
+@asynccontextmanager
+async def running(path: Path, **pool_kw: Any) -> AsyncIterator[Harness]:
+    store = SqliteStore(str(path / "stoker.db"))
+    runtime = BadImageRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    spec = PoolSpec(**{"name": "p", "template": OLD, "warm_target": 4, **pool_kw})
+    plane = ControlPlane(
+        store=store,
+        runtime=runtime,
+        activator=runtime,
+        pools=[spec],
+        settings=PlaneSettings(),
+        clock=clock,
+    )
+    await plane.start(loops=False)
+    await asyncio.sleep(1.0)
+    try:
+        yield Harness(plane, runtime, store, clock)
+    finally:
+        await plane.stop()
+
+
+async def test_new_claims_split_by_share_and_each_org_keeps_its_revision(tmp_path: Path) -> None:
+    async with running(tmp_path, reuse=Reuse.NEVER, warm_target=20) as h:
+        h.start(step=1)  # 50 %
+        await h.tick()
+        assert await h.warm(NEW_REV), "the ramp got warm workers of its own"
+        orgs = [f"org-{i}" for i in range(16)]
+        seen: dict[str, set[str]] = {org: set() for org in orgs}
+        for _ in range(2):
+            claims = [await h.claim(org) for org in orgs]
+            for org, claim in zip(orgs, claims, strict=True):
+                seen[org].add(await h.revision_of_claim(claim))
+                await h.plane.release(claim.id)
+            await h.tick()
+        for org in orgs:
+            expected = NEW_REV if org_position("ro-1", org) < 0.5 else OLD_REV
+            assert seen[org] == {expected}, org
+        assert {r for s in seen.values() for r in s} == {OLD_REV, NEW_REV}
+
+
+async def test_reuse_stays_on_the_workers_own_revision(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        first = await h.claim("acme")
+        await h.plane.release(first.id)  # parked as acme's hot_idle, old revision
+        h.start(step=2)  # every new claim goes to the new revision
+        await h.tick()
+        again = await h.claim("acme")
+        assert again.source is ClaimSource.REUSE and again.worker_id == first.worker_id
+        assert await h.revision_of_claim(again) == OLD_REV
+        fresh = await h.claim("newcomer")
+        assert await h.revision_of_claim(fresh) == NEW_REV
+        # Released during the ramp, both park: each revision serves.
+        for claim in (again, fresh):
+            await h.plane.release(claim.id)
+        parked = await h.store.list_workers(states=[S.HOT_IDLE])
+        assert {w.revision for w in parked} == {OLD_REV, NEW_REV}
+
+
+async def test_the_ramp_is_sized_from_the_other_revisions_busy_workers(tmp_path: Path) -> None:
+    async with running(tmp_path, warm_target=2, reuse=Reuse.NEVER) as h:
+        claims = [await h.claim(f"o{i}") for i in range(30)]
+        assert len(claims) == 30
+        h.start(step=0)  # 10 % of 30 busy + 2 warm -> at least 4
+        await h.tick()
+        await h.tick()
+        assert len(await h.warm(NEW_REV)) >= 4
+        plan = h.plane.rollouts.plans["p"]
+        assert plan.ramping == NEW_REV
+
+
+async def test_steps_advance_after_their_interval_and_the_last_promotes(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        h.start(step=0, step_interval_s=30)
+        await h.tick()
+        ramp = h.plane.catalog.ramp("p")
+        assert ramp is not None and ramp.step == 0
+        for _ in range(3):
+            await asyncio.sleep(31)
+            await h.tick()
+            await h.tick()
+        ramp = h.plane.catalog.ramp("p")
+        assert ramp is not None and ramp.state is RolloutState.PROMOTED
+        assert h.plane.catalog.pool("p").revision == NEW_REV
+        for _ in range(4):
+            await h.tick()
+        assert await h.warm(OLD_REV) == []
+        assert len(await h.warm(NEW_REV)) == 4
+
+
+async def test_failure_mid_ramp_rolls_back_and_restores_the_stable_target_at_once(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, warm_target=10, reuse=Reuse.NEVER) as h:
+        h.start(step=2)  # 100 %: every new claim tries the new revision
+        await h.tick()
+        h.runtime.bad = True
+        for i in range(3):
+            claim = await h.claim(f"o{i}")  # each retries past a failed activation
+            await h.plane.release(claim.id)
+        left = await h.warm(NEW_REV)
+        assert left, "the ramp still holds warm workers when it fails"
+        await h.plane.run_janitor_pass()
+        ramp = h.plane.catalog.ramp("p")
+        assert ramp is not None and ramp.state is RolloutState.ROLLED_BACK
+        plan = h.plane.rollouts.plans["p"]
+        whole = 10 + h.plane.janitor.demand["p"]  # the static target plus the misses
+        assert plan.part(OLD_REV).share == 1.0 and plan.part(OLD_REV).warm_target == whole
+        assert plan.part(NEW_REV).warm_target == 0
+        await asyncio.sleep(1.0)
+        # In the same pass: the stable revision spawned back to its whole target, and every
+        # warm worker of the failed one retired.
+        assert len(await h.warm(OLD_REV)) == whole
+        assert await h.warm(NEW_REV) == []
+        for w in left:
+            gone = await h.store.get_worker(w.id)
+            assert gone is not None and gone.reason == "rollout_failed"
+        after = await h.claim("o-late")
+        assert await h.revision_of_claim(after) == OLD_REV
