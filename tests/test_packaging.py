@@ -112,6 +112,13 @@ def test_each_extra_brings_its_libraries(
     assert brings <= requires(meta, extra)
 
 
+def test_tracing_is_an_extra_of_its_own(metadata: tuple[Message, list[str]]) -> None:
+    meta, _ = metadata
+    otel = {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
+    assert not requires(meta, None) & otel
+    assert otel <= requires(meta, "tracing") and otel <= requires(meta, "all")
+
+
 def test_no_dependency_is_pinned_exactly(metadata: tuple[Message, list[str]]) -> None:
     meta, _ = metadata
     reqs = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]

@@ -14,6 +14,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "postgres": ("psycopg", "psycopg_pool"),
     "kubernetes": ("lightkube", "lightkube.models"),
     "sim": ("matplotlib",),
+    "tracing": ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter"),
 }
 
 
