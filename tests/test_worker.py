@@ -89,3 +89,29 @@ def test_the_secret_never_shows_in_the_protocols_repr() -> None:
     reply = protocol.answer("POST", "/activate", {}, b"{}")
     assert reply is not None and reply.status == 401
     assert "s3cr3t" not in repr(protocol)
+
+
+def test_an_accepted_activation_keeps_its_traceparent_and_a_refused_one_does_not() -> None:
+    protocol = WorkerProtocol("w-1", "s" * 64)
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    def activate(epoch: int, *, signed: bool, traceparent: str | None) -> int:
+        body = (
+            f'{{"worker_id":"w-1","org":"acme","epoch":{epoch},"token":"t{epoch}","config":{{}}}}'
+        ).encode()
+        headers = {"Stoker-Signature": signature("s" * 64, "POST", "/activate", body)}
+        if not signed:
+            headers["Stoker-Signature"] = "v1=00"
+        if traceparent is not None:
+            headers["Traceparent"] = traceparent
+        reply = protocol.answer("POST", "/activate", headers, body)
+        assert reply is not None
+        return reply.status
+
+    # The header is outside the signature: a signed activation with it is accepted.
+    assert activate(1, signed=True, traceparent=trace) == 200
+    assert protocol.traceparent == trace
+    assert activate(2, signed=False, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01") == 401
+    assert protocol.traceparent == trace
+    assert activate(3, signed=True, traceparent=None) == 200
+    assert protocol.traceparent is None

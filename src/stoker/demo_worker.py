@@ -53,13 +53,17 @@ _ROUTES: dict[str, tuple[str, ...]] = {"/": ("GET",)}
 
 
 def describe(protocol: WorkerProtocol) -> dict[str, Any]:
-    """The body of `GET /`: what the worker holds (config keys only, never values)."""
-    return {
+    """The body of `GET /`: what the worker holds (config keys only, never values), and
+    the trace context of its activation when the control plane traces."""
+    held: dict[str, Any] = {
         "worker_id": protocol.worker_id,
         "org": protocol.org,
         "epoch": protocol.epoch,
         "config_keys": sorted(protocol.config),
     }
+    if protocol.traceparent is not None:
+        held["traceparent"] = protocol.traceparent
+    return held
 
 
 @dataclass(slots=True)

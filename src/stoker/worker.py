@@ -44,6 +44,9 @@ SIGNATURE_HEADER = "Stoker-Signature"
 #: The signature scheme: HMAC-SHA256 over method, path and body (see `signature`).
 SIGNATURE_SCHEME = "v1"
 
+#: The W3C Trace Context header an activation carries when the control plane traces.
+TRACEPARENT_HEADER = "traceparent"
+
 #: The protocol's own paths (the control plane's channel and the readiness probe).
 HEALTHZ_PATH = "/healthz"
 ACTIVATE_PATH = "/activate"
@@ -135,6 +138,9 @@ class WorkerProtocol:
     epoch: int | None = None
     token: str | None = field(default=None, repr=False)
     config: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: The W3C trace context (`traceparent`) the last accepted activation carried, when
+    #: the control plane traces: a worker that traces continues the claim's trace from it.
+    traceparent: str | None = None
 
     @classmethod
     def from_env(
@@ -176,7 +182,12 @@ class WorkerProtocol:
             if method != "POST":
                 allow = {"Allow": "POST"}
                 return problem(405, "method-not-allowed", f"{method} not allowed", allow)
-            return self.activate(method, path, body, header(headers, SIGNATURE_HEADER))
+            reply = self.activate(method, path, body, header(headers, SIGNATURE_HEADER))
+            if reply.status == 200:
+                # Not covered by the signature: it places the activation in a trace and
+                # grants nothing.
+                self.traceparent = header(headers, TRACEPARENT_HEADER)
+            return reply
         if not self.authorized(header(headers, "Authorization")):
             challenge = {"WWW-Authenticate": "Bearer"}
             return problem(401, "unauthorized", "missing or wrong bearer token", challenge)
@@ -246,6 +257,7 @@ __all__ = [
     "SECRET_ENV",
     "SIGNATURE_HEADER",
     "SIGNATURE_SCHEME",
+    "TRACEPARENT_HEADER",
     "WORKER_ID_ENV",
     "MissingSecret",
     "Reply",
