@@ -15,9 +15,10 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -41,6 +42,7 @@ from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import Store
+from stoker.ports.tracer import NO_TRACER, Tracer
 
 if TYPE_CHECKING:
     from stoker.adapters.cluster_lightkube import LightkubeCluster
@@ -70,6 +72,38 @@ def check_extras(config: StokerConfig) -> None:
     # The Kubernetes Lease elector needs the Kubernetes runtime (the config says so).
     if isinstance(config.runtime, KubernetesRuntimeConfig):
         _require("kubernetes", "the kubernetes runtime")
+    if config.tracing.mode(os.environ) == "on":
+        _require("tracing", "tracing.enabled")
+
+
+def build_tracer(config: StokerConfig, environ: Mapping[str, str] | None = None) -> Tracer:
+    """The tracer `tracing` asks for: OpenTelemetry over OTLP, or `NO_TRACER`.
+
+    Tracing the config turns on needs the `tracing` extra (`ConfigError` naming it); when
+    only the environment implies it (an OTLP endpoint variable) and the extra is missing,
+    one warning says so and the server runs without.
+    """
+    environ = os.environ if environ is None else environ
+    tracing = config.tracing
+    mode = tracing.mode(environ)
+    if mode == "off":
+        return NO_TRACER
+    if mode == "on":
+        _require("tracing", "tracing.enabled")
+    else:
+        problem = missing_extra("tracing", "tracing (implied by an OTEL_EXPORTER_OTLP_* endpoint)")
+        if problem is not None:
+            logging.getLogger("stoker").warning("event=tracing_off reason=%s", json.dumps(problem))
+            return NO_TRACER
+    # Imported here: OpenTelemetry's SDK is the `tracing` extra.
+    from stoker.adapters.tracing_otel import otlp_tracer
+
+    return otlp_tracer(
+        endpoint=tracing.endpoint,
+        service_name=tracing.service_name,
+        sample_ratio=tracing.sample_ratio,
+        environ=environ,
+    )
 
 
 def _require(extra: str, feature: str) -> None:
@@ -207,12 +241,16 @@ def build_runtime(
     )
 
 
-def build_activator(config: StokerConfig, activation_key: ActivationKey) -> Activator:
+def build_activator(
+    config: StokerConfig, activation_key: ActivationKey, tracer: Tracer = NO_TRACER
+) -> Activator:
     """The HTTP activator signing with `activation_key`, retrying a refused connection for
-    pods (see `HttpActivator`)."""
+    pods (see `HttpActivator`), passing `tracer`'s trace context to the workers."""
     if isinstance(config.runtime, KubernetesRuntimeConfig):
-        return HttpActivator(activation_key=activation_key, refused_retry_s=POD_ACTIVATION_RETRY_S)
-    return HttpActivator(activation_key=activation_key)
+        return HttpActivator(
+            activation_key=activation_key, refused_retry_s=POD_ACTIVATION_RETRY_S, tracer=tracer
+        )
+    return HttpActivator(activation_key=activation_key, tracer=tracer)
 
 
 def build_elector(
@@ -275,6 +313,7 @@ def build_plane(
     activator: Activator,
     elector: ElectorFactory,
     demand: DemandSource | None = None,
+    tracer: Tracer = NO_TRACER,
 ) -> ControlPlane:
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
@@ -302,6 +341,7 @@ def build_plane(
         instance_id=instance_id,
         closers=closers,
         demand=demand,
+        tracer=tracer,
     )
 
 
@@ -313,11 +353,13 @@ def build_control_plane(
     store: Store | None = None,
     runtime: Runtime | None = None,
     activator: Activator | None = None,
+    tracer: Tracer | None = None,
 ) -> ControlPlane:
     """A control plane (not started) for `config`.
 
     `store`, `runtime` and `activator` replace the ones the config names (tests use an
-    in-memory runtime, which is its workers' activator too); the elector is always the
+    in-memory runtime, which is its workers' activator too), and `tracer` the one
+    `tracing` asks for (`build_tracer`); the elector is always the
     config's, on `store` when it is a store lease. The fleet activation key is loaded (or
     created) when the config's runtime or activator is built.
     Raises `ConfigError` when the activation key or the Kubernetes credentials cannot be
@@ -329,8 +371,9 @@ def build_control_plane(
     # Loaded only when a part of the config's needs it, and before the store is opened.
     key = build_activation_key(config) if runtime is None or activator is None else None
     shared = store or build_store(config)
+    tracer = build_tracer(config) if tracer is None else tracer
     if activator is None:
-        activator = build_activator(config, _loaded(key))
+        activator = build_activator(config, _loaded(key), tracer)
 
     def config_runtime(instance_id: str, closers: list[Closer]) -> Runtime:
         if runtime is not None:
@@ -359,6 +402,7 @@ def build_control_plane(
         runtime=config_runtime,
         activator=activator,
         elector=config_elector,
+        tracer=tracer,
     )
 
 

@@ -5,6 +5,9 @@ One adapter for every worker that listens on HTTP, local processes and pods alik
 epoch not newer than the one it holds), anything else is a failure. Every activation
 carries `Stoker-Signature`, the HMAC of the exact body bytes under the worker's
 activation secret (derived from the fleet key), so only the control plane can activate.
+When tracing is on, it also carries the W3C trace context of the claim's activation span
+(`traceparent`), which the signature does not cover: it says where the activation came
+from in a trace, and grants nothing.
 
 Activation is on the claim path, so the client is aiohttp with one session shared by every
 activation, keeping each worker's connection alive: a round trip costs about 0.45 ms with
@@ -27,6 +30,7 @@ from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.ports.activator import ActivationPayload
+from stoker.ports.tracer import NO_TRACER, Tracer
 from stoker.worker import ACTIVATE_PATH, SIGNATURE_HEADER, signature
 
 _log = EventLog("stoker.activator.http")
@@ -44,15 +48,21 @@ class HttpActivator:
     the timeout: a pod can report Ready a moment before its server listens, and nothing
     reached the worker, so trying again cannot activate it twice. Left unset (local
     processes, probed on `/healthz` before they count as ready), a refusal fails at once.
-    Activations are signed with the secret `activation_key` derives for each worker.
+    Activations are signed with the secret `activation_key` derives for each worker, and
+    carry the current span's trace context of `tracer`.
     """
 
     def __init__(
-        self, *, activation_key: ActivationKey, refused_retry_s: float | None = None
+        self,
+        *,
+        activation_key: ActivationKey,
+        refused_retry_s: float | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         if refused_retry_s is not None and refused_retry_s <= 0:
             raise ValueError("refused_retry_s must be > 0")
         self._key = activation_key
+        self._tracer = tracer
         self.refused_retry_s = refused_retry_s
         self._client: aiohttp.ClientSession | None = None
         self._closed = False
@@ -79,6 +89,7 @@ class HttpActivator:
                 "Content-Type": "application/json",
                 SIGNATURE_HEADER: signature(secret, "POST", ACTIVATE_PATH, body),
             }
+            self._tracer.inject(headers)
             async with asyncio.timeout(timeout) as deadline:
                 while True:
                     try:

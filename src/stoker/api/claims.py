@@ -130,7 +130,9 @@ def add_claim_routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None
         started = plane.clock.monotonic()
         try:
             req = claim_request(principal_of(request.scope), state, body, key)
-            outcome = await claim_while_connected(plane, req, request.receive, state)
+            # A client's `traceparent` makes the claim's span a child of its own.
+            with plane.tracer.continued(request.headers):
+                outcome = await claim_while_connected(plane, req, request.receive, state)
         except StokerError as exc:
             log_refusal(body, exc, plane.clock.monotonic() - started)
             raise

@@ -43,6 +43,7 @@ from stoker.config.sections import (
     PostgresOptions,
     RuntimeConfig,
 )
+from stoker.config.tracing import TracingConfig
 
 __all__ = [
     "DEMO_COMMAND",
@@ -64,6 +65,7 @@ __all__ = [
     "RuntimeConfig",
     "StokerConfig",
     "TolerationConfig",
+    "TracingConfig",
     "format_errors",
     "is_label_value",
     "load_activation_key",

@@ -25,6 +25,7 @@ from stoker.config.sections import (
     PostgresOptions,
     RuntimeConfig,
 )
+from stoker.config.tracing import TracingConfig
 from stoker.domain.specs import JANITOR_LEASE, OrgSpec, PlaneSettings
 
 
@@ -44,6 +45,8 @@ class StokerConfig(Section):
     api: ApiConfig = Field(default_factory=ApiConfig)
     #: The fleet activation key that signs every activation (see `config.activation`).
     activation: ActivationConfig = Field(default_factory=ActivationConfig)
+    #: OpenTelemetry spans of each claim (the `tracing` extra; see `config.tracing`).
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     #: Intervals and budgets of the control plane: the fields of `PlaneSettings`.
     intervals: PlaneSettings = Field(default_factory=PlaneSettings)
     pools: list[PoolConfig] = Field(default_factory=default_pools, min_length=1)

@@ -39,6 +39,7 @@ class Binder:
         self._rollouts = shared.rollouts
         self._activator = activator
         self._runtime = runtime
+        self._tracer = shared.tracer
 
     async def activate_and_bind(
         self, a: Attempt, worker: Worker, source: ClaimSource
@@ -88,7 +89,10 @@ class Binder:
                 rollouts, revision = self._rollouts, activating.revision
                 rollouts.note(pool.name, revision, Outcome.ACTIVATION)
                 try:
-                    await self._activator.activate(activating, payload, pool.timeouts.activation_s)
+                    with self._tracer.span("stoker.activate", worker=worker.id):
+                        await self._activator.activate(
+                            activating, payload, pool.timeouts.activation_s
+                        )
                 except RuntimeFailure as exc:
                     self._metrics.spawn_failures.labels(pool.name, "activation").inc()
                     self._metrics.revision_failures.labels(pool.name, revision, "activation").inc()
@@ -140,7 +144,8 @@ class Binder:
                     sealed_token=idempotency.seal(claim.token, key, claim.id),
                 )
             try:
-                hot = await self._lifecycle.bind(activating, claim)
+                with self._tracer.span("stoker.bind", worker=worker.id):
+                    hot = await self._lifecycle.bind(activating, claim)
             except ClaimKeyTaken:
                 # Another request with the key bound first (on another replica): this
                 # worker goes back, and the requester answers with that claim.

@@ -55,6 +55,7 @@ class Claims:
         self._clock, self._metrics, self._settings = shared.clock, shared.metrics, shared.settings
         self._reservations, self._spawner = reservations, spawner
         self._binder, self._sessions, self._demand = binder, sessions, demand
+        self._tracer = shared.tracer
         self._in_flight = 0
 
     async def claim(self, req: ClaimRequest) -> Claim:
@@ -153,7 +154,9 @@ class Claims:
         """Try until bound, abandoned or past the deadline; then settle the future."""
         try:
             while not a.gone() and a.left(self._clock.monotonic()):
-                picked = await self._acquire(a)
+                with self._tracer.span("stoker.reserve") as span:
+                    picked = await self._acquire(a)
+                    span.set("stoker.reserve.source", picked[1].value if picked else "none")
                 if picked is None:
                     continue
                 worker, source = picked

@@ -47,6 +47,7 @@ from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector, SoleLeader
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import Store
+from stoker.ports.tracer import NO_TRACER, Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +90,13 @@ class ControlPlane:
         demand: DemandSource | None = None,
         instance_id: str | None = None,
         closers: Sequence[Callable[[], Awaitable[None]]] = (),
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         """`runtime` runs the workers and `activator` hands them their orgs. `closers` run
         at the end of `stop`, in order, after the runtime, the activator and the store are
         closed: they release what the plane's adapters use but do not own (a cluster client
-        shared by a runtime and an elector, say)."""
+        shared by a runtime and an elector, say). `tracer` records a span for each claim
+        and its steps (closed with the plane)."""
         self.settings = settings or PlaneSettings()
         self.clock = clock or LoopClock()
         self.ids = ids or Ids()
@@ -103,6 +106,7 @@ class ControlPlane:
         self.activator = activator
         self.elector = elector or SoleLeader()
         self.metrics = metrics or Metrics()
+        self.tracer = tracer
         self.catalog = Catalog(
             {p.name: p for p in pools}, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap
         )
@@ -122,6 +126,7 @@ class ControlPlane:
             ids=self.ids,
             settings=self.settings,
             journal=self.journal,
+            tracer=tracer,
         )
         parts = assemble(shared, store=store, runtime=runtime, activator=activator, demand=demand)
         self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
@@ -225,6 +230,7 @@ class ControlPlane:
         await self.runtime.close()
         await self.activator.close()
         await self.store.close()
+        self.tracer.close()
         for close in self.closers:
             # One failing closer must not keep the others from releasing their resources.
             try:
@@ -358,7 +364,12 @@ class ControlPlane:
         if self.store_error is not None:
             raise StoreError(f"the store is failing: {self.store_error}")
         try:
-            return await self.idempotent.claim(req)
+            with self.tracer.span("stoker.claim", pool=req.pool, org=req.org) as span:
+                claim, replayed = await self.idempotent.claim(req)
+                span.set("stoker.claim.id", claim.id)
+                span.set("stoker.claim.source", claim.source.value)
+                span.set("stoker.claim.replayed", replayed)
+                return claim, replayed
         except OrgCapError as exc:
             # When to retry follows from what the org holds (`control.holdings`).
             exc.retry_after = await org_cap_retry_after(

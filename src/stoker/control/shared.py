@@ -13,6 +13,7 @@ from stoker.control.metrics import Metrics
 from stoker.control.rollouts import Rollouts
 from stoker.domain.specs import PlaneSettings
 from stoker.ports.clock import Clock
+from stoker.ports.tracer import NO_TRACER, Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +34,5 @@ class Shared:
     settings: PlaneSettings
     #: This replica's recent events (spawns, retirements, failures).
     journal: Journal
+    #: Spans of each claim's steps (`NO_TRACER` unless tracing is on).
+    tracer: Tracer = NO_TRACER
