@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from stoker.adapters.runtime_local import free_port
 from stoker.domain.activation import ActivationKey
 from stoker.worker import (
     ACTIVATE_PATH,
@@ -70,20 +70,12 @@ class CannotStart(Exception):
     """The command could not be started at all."""
 
 
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def started(
     argv: Sequence[str], *, worker_id: str, secret: str, host: str, log: Path
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """The worker process and its endpoint; killed (its whole session) on exit."""
-    port = _free_port(host)
+    port = free_port(host)
     substitutions = {"{port}": str(port), "{worker_id}": worker_id, "{python}": sys.executable}
     command = []
     for arg in argv:

@@ -18,6 +18,7 @@ from stoker.adapters.runtime_local._processes import (
     LABEL_INSTANCE,
     LABEL_POOL,
     LABEL_WORKER_ID,
+    free_port,
 )
 from stoker.adapters.runtime_local._runtime import LocalProcessRuntime
 
@@ -28,4 +29,5 @@ __all__ = [
     "LABEL_POOL",
     "LABEL_WORKER_ID",
     "LocalProcessRuntime",
+    "free_port",
 ]
