@@ -115,44 +115,34 @@ class InstanceType:
         return Allocatable(cpu_m=max(cpu_m, 0), memory_b=max(memory, 0), pods=self.max_pods)
 
 
-def _family(prefix: str, sizes: list[tuple[str, float, float, float]]) -> list[InstanceType]:
-    return [InstanceType(f"{prefix}.{size}", cpu, mem, price) for size, cpu, mem, price in sizes]
+def _vcpus(size: str) -> int:
+    """The vCPUs an AWS size name stands for: `large` 2, `xlarge` 4, `<n>xlarge` 4n."""
+    if size == "large":
+        return 2
+    return 4 * int(size.removesuffix("xlarge") or 1)
 
 
-#: AWS m5 / c5 / r5, us-east-1 on-demand Linux list prices (USD per hour).
-DEFAULT_INSTANCE_TYPES: tuple[InstanceType, ...] = tuple(
-    _family(
-        "m5",
-        [
-            ("large", 2, 8, 0.096),
-            ("xlarge", 4, 16, 0.192),
-            ("2xlarge", 8, 32, 0.384),
-            ("4xlarge", 16, 64, 0.768),
-            ("8xlarge", 32, 128, 1.536),
-            ("12xlarge", 48, 192, 2.304),
-            ("16xlarge", 64, 256, 3.072),
-        ],
-    )
-    + _family(
-        "c5",
-        [
-            ("large", 2, 4, 0.085),
-            ("xlarge", 4, 8, 0.17),
-            ("2xlarge", 8, 16, 0.34),
-            ("4xlarge", 16, 32, 0.68),
-            ("9xlarge", 36, 72, 1.53),
-        ],
-    )
-    + _family(
-        "r5",
-        [
-            ("large", 2, 16, 0.126),
-            ("xlarge", 4, 32, 0.252),
-            ("2xlarge", 8, 64, 0.504),
-            ("4xlarge", 16, 128, 1.008),
-            ("8xlarge", 32, 256, 2.016),
-        ],
-    )
+def _family(
+    prefix: str, gib_per_vcpu: int, usd_per_vcpu_hour: float, sizes: str
+) -> list[InstanceType]:
+    """The sizes of one family: memory and price grow with the vCPUs, in proportion."""
+    return [
+        InstanceType(
+            f"{prefix}.{size}",
+            _vcpus(size),
+            _vcpus(size) * gib_per_vcpu,
+            round(_vcpus(size) * usd_per_vcpu_hour, 4),
+        )
+        for size in sizes.split()
+    ]
+
+
+#: AWS m5 / c5 / r5, us-east-1 on-demand Linux list prices (USD per hour): general
+#: purpose (4 GiB per vCPU), compute (2) and memory optimised (8).
+DEFAULT_INSTANCE_TYPES: tuple[InstanceType, ...] = (
+    *_family("m5", 4, 0.048, "large xlarge 2xlarge 4xlarge 8xlarge 12xlarge 16xlarge"),
+    *_family("c5", 2, 0.0425, "large xlarge 2xlarge 4xlarge 9xlarge"),
+    *_family("r5", 8, 0.063, "large xlarge 2xlarge 4xlarge 8xlarge"),
 )
 
 INSTANCE_TYPES_BY_NAME = {itype.name: itype for itype in DEFAULT_INSTANCE_TYPES}
