@@ -37,7 +37,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from stoker.ports.cluster import Pod, PodPhase
@@ -64,6 +64,18 @@ _ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _FINISHED = frozenset({PodPhase.FAILED, PodPhase.SUCCEEDED})
 _HOUR = 3600.0
 
+
+_MEMORY_CACHE = Archetype(
+    name="memory-cache",
+    machine_share=1.5,
+    shapes=(Shape("2", "16Gi"),),
+    priority_class="sim-background-high",
+    kind=WorkloadKind.STATEFULSET,
+    replicas=BIGFLEET_STATEFUL_REPLICAS,
+    lifetime=Exponential(48 * _HOUR),
+    pdb_max_unavailable=1,
+    grace_s=60,
+)
 
 #: bigfleet's realistic catalogue without the GPU archetypes (see the module docstring).
 #: Shapes and priorities are ADR-0032's; machine shares ADR-0050's; lifetimes are
@@ -100,28 +112,9 @@ BIGFLEET_ARCHETYPES: tuple[Archetype, ...] = (
         lifetime=Exponential(24 * _HOUR),
         pdb_min_available="50%",
     ),
-    Archetype(
-        name="memory-cache",
-        machine_share=1.5,
-        shapes=(Shape("2", "16Gi"),),
-        priority_class="sim-background-high",
-        kind=WorkloadKind.STATEFULSET,
-        replicas=BIGFLEET_STATEFUL_REPLICAS,
-        lifetime=Exponential(48 * _HOUR),
-        pdb_max_unavailable=1,
-        grace_s=60,
-    ),
-    Archetype(
-        name="stateful-db",
-        machine_share=1.5,
-        shapes=(Shape("8", "32Gi"),),
-        priority_class="sim-background-high",
-        kind=WorkloadKind.STATEFULSET,
-        replicas=BIGFLEET_STATEFUL_REPLICAS,
-        lifetime=Exponential(48 * _HOUR),
-        pdb_max_unavailable=1,
-        grace_s=120,
-    ),
+    _MEMORY_CACHE,
+    # A database: the cache's StatefulSet with larger pods and a longer grace.
+    replace(_MEMORY_CACHE, name="stateful-db", shapes=(Shape("8", "32Gi"),), grace_s=120),
 )
 
 
