@@ -9,12 +9,15 @@ ten times the arrival rate a quarter of an hour in.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stoker.adapters.sqlite import SqliteStore
 from stoker.sim.kpa import KnativeKpa
+from stoker.sim.plots import PLOTS, windows
+from stoker.sim.report import write_report
 from stoker.sim.runner import PolicyResult, ScenarioResult, run_scenario
 from stoker.sim.scenario import KnativeKpaParams, scenario_from_mapping
 
@@ -133,3 +136,24 @@ def test_every_policy_binds_its_sessions_without_an_invariant_violation(name: st
     assert run.summary["claims"]["bound"] > 0
     assert run.summary["invariants"]["checks"] > 0
     assert run.violations == []
+
+
+def test_the_plots_shade_the_bursts_and_faults_of_the_scenario() -> None:
+    data = {
+        **SMALL,
+        "cluster": {
+            **SMALL["cluster"],
+            "faults": [{"at": 300, "duration": 60, "kind": "lease_blip", "client": "cp-0"}],
+        },
+    }
+    assert windows(scenario_from_mapping(data)) == [
+        (300.0, 360.0, "fault"),
+        (900.0, 1020.0, "burst"),
+    ]
+
+
+def test_the_report_draws_every_plot_for_every_policy(tmp_path: Path) -> None:
+    written = {p.name for p in write_report(_small(), tmp_path)}
+    assert set(PLOTS) <= written
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

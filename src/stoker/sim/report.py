@@ -7,8 +7,10 @@
   clock, so the same scenario and seed give the same bytes.
 - `timeseries.csv`: one row per policy and sample (workers by state, nodes, pending pods,
   sessions, warm target and demand, vCPU by use, the leader).
-- PNG plots (matplotlib, Agg): workers by state, nodes, pending pods, demand against
-  the warm target, the claim-latency CDF by source, idle against busy vCPU.
+- `claims.jsonl` (every claim attempt) and `passes.csv` (every janitor pass);
+- PNG plots (`stoker.sim.plots`): workers by state, nodes and cost, pending pods with
+  cold and failed claims, demand and desired warm every pass, latency and time-to-worker
+  CDFs, idle against busy vCPU.
 - `report.md`: the comparison table, the invariant verdicts and the plots, with the wall
   time and the virtual-time speed-up of the run.
 """
@@ -24,23 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from stoker.sim.passlog import COLUMNS as PASS_COLUMNS
-from stoker.sim.runner import STOKER_KINDS, PolicyResult, ScenarioResult
+from stoker.sim.plots import PLOTS, duration_text, write_plots
+from stoker.sim.runner import STOKER_KINDS, ScenarioResult
 
 #: Decimals kept for floats in summary.json and timeseries.csv.
 DECIMALS = 4
-
-PLOTS = {
-    "workers_by_state.png": "Workers by state",
-    "nodes.png": "Nodes",
-    "pending_pods.png": "Pending pods",
-    "demand_vs_target.png": "Demand against the warm target",
-    "claim_latency_cdf.png": "Claim latency CDF by source",
-    "vcpu.png": "Idle against busy vCPU",
-}
-
-#: Worker states stacked in the workers plot, bottom up.
-_STACK = ("hot", "reserved", "activating", "hot_idle", "warm", "spawning", "draining")
-_SOURCES = ("warm", "reuse", "cold")
 
 
 @dataclass(frozen=True)
@@ -52,16 +42,16 @@ class Headline:
 
 
 COLUMNS = (
-    "claims bound",
-    "failed claims",
-    "latency p50 / p90 / p99",
-    "warm hit",
+    "bound / failed claims",
+    "cold share",
+    "claim p50 / p90 / p99",
+    "session p50 / p99",
+    "waited >= timeout",
     "time to target",
-    "busy / idle vCPU-h",
-    "placeholder vCPU-h",
-    "spawns",
-    "retired",
+    "busy / idle / placeholder vCPU-h",
+    "spawns / retired",
     "nodes launched / reclaimed",
+    "cost per day",
     "violations",
 )
 
@@ -173,23 +163,28 @@ def _cells(s: dict[str, Any], violations: int) -> dict[str, str]:
     ttt = s["time_to_target_s"]
     target = "-" if s["target_hot"] is None else ("never" if ttt is None else _seconds(ttt))
     spawns = s["workers"]["spawns"]
+    sessions = s["sessions"]
+    waited = sessions["time_to_worker_s"]
+    cold = claims["cold_share"]
     return {
-        "claims bound": str(claims["bound"]),
-        "failed claims": str(failures),
-        "latency p50 / p90 / p99": (
-            "-"
-            if latency is None
-            else " / ".join(_seconds(latency[q]) for q in ("p50", "p90", "p99"))
-        ),
-        "warm hit": "-" if claims["warm_hit_ratio"] is None else f"{claims['warm_hit_ratio']:.0%}",
+        "bound / failed claims": f"{claims['bound']} / {failures}",
+        "cold share": "-" if cold is None else f"{cold:.1%}",
+        "claim p50 / p90 / p99": _three(latency, ("p50", "p90", "p99")),
+        "session p50 / p99": _three(waited, ("p50", "p99")),
+        "waited >= timeout": str(sessions["waited_ge_claim_timeout"]),
         "time to target": target,
-        "busy / idle vCPU-h": f"{vcpu['busy']:.1f} / {vcpu['idle']:.1f}",
-        "placeholder vCPU-h": f"{vcpu['placeholder']:.1f}",
-        "spawns": str(sum(spawns.values())),
-        "retired": str(s["workers"]["retired"]),
+        "busy / idle / placeholder vCPU-h": (
+            f"{vcpu['busy']:.1f} / {vcpu['idle']:.1f} / {vcpu['placeholder']:.1f}"
+        ),
+        "spawns / retired": f"{sum(spawns.values())} / {s['workers']['retired']}",
         "nodes launched / reclaimed": f"{s['nodes']['launched']} / {s['nodes']['reclaimed']}",
+        "cost per day": f"${s['nodes']['cost_usd_per_day']:,.1f}",
         "violations": str(violations),
     }
+
+
+def _three(quantiles: dict[str, float] | None, keys: Sequence[str]) -> str:
+    return "-" if quantiles is None else " / ".join(_seconds(quantiles[k]) for k in keys)
 
 
 def _seconds(value: float) -> str:
@@ -209,102 +204,6 @@ def markdown_table(rows: Sequence[Headline], columns: Sequence[str] = COLUMNS) -
     return "\n".join(lines)
 
 
-# -- plots ---------------------------------------------------------------------------------------
-
-
-def write_plots(result: ScenarioResult, out: Path) -> list[Path]:
-    """The PNGs of `PLOTS`, written into `out`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hours = result.scenario.duration_s > 3 * 3600
-    unit, scale = ("h", 3600.0) if hours else ("min", 60.0)
-    policies = result.policies
-    written = []
-
-    def save(fig: Any, name: str) -> None:
-        fig.suptitle(f"{result.scenario.name}: {PLOTS[name].lower()}")
-        fig.tight_layout()
-        path = out / name
-        fig.savefig(path, dpi=90, metadata={"Software": None})
-        plt.close(fig)
-        written.append(path)
-
-    def times(p: PolicyResult) -> list[float]:
-        return [row["t_s"] / scale for row in p.samples]
-
-    fig, axes = plt.subplots(len(policies), 1, figsize=(9, 2.6 * len(policies)), squeeze=False)
-    for ax, p in zip(axes[:, 0], policies, strict=True):
-        ax.stackplot(times(p), *[[row[s] for row in p.samples] for s in _STACK], labels=_STACK)
-        ax.set_title(p.name, fontsize=10)
-        ax.set_ylabel("workers")
-        ax.set_xlabel(f"time ({unit})")
-    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4)
-    save(fig, "workers_by_state.png")
-
-    for name, key, label in (
-        ("nodes.png", "nodes", "nodes"),
-        ("pending_pods.png", "pods_pending", "pending pods"),
-    ):
-        fig, ax = plt.subplots(figsize=(9, 3.5))
-        for p in policies:
-            ax.plot(times(p), [row[key] for row in p.samples], label=p.name)
-        ax.set_ylabel(label)
-        ax.set_xlabel(f"time ({unit})")
-        ax.legend(fontsize=8)
-        save(fig, name)
-
-    fig, axes = plt.subplots(len(policies), 1, figsize=(9, 2.6 * len(policies)), squeeze=False)
-    for ax, p in zip(axes[:, 0], policies, strict=True):
-        t = times(p)
-        wanting = [row["sessions_active"] + row["claims_waiting"] for row in p.samples]
-        ax.plot(t, wanting, label="sessions wanting a worker")
-        ax.plot(t, [row["warm"] for row in p.samples], label="warm")
-        desired = [
-            math.nan if row["desired_warm"] is None else row["desired_warm"] for row in p.samples
-        ]
-        ax.plot(t, desired, label="desired warm (leader)", linestyle="--")
-        ax.plot(
-            t, [row["warm_target"] for row in p.samples], label="static warm target", linestyle=":"
-        )
-        ax.set_title(p.name, fontsize=10)
-        ax.set_xlabel(f"time ({unit})")
-    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=2)
-    save(fig, "demand_vs_target.png")
-
-    fig, axes = plt.subplots(1, len(_SOURCES), figsize=(12, 3.5), squeeze=False)
-    for ax, source in zip(axes[0], _SOURCES, strict=True):
-        for p in policies:
-            samples = sorted(p.latencies.get(source, []))
-            if samples:
-                ys = [(i + 1) / len(samples) for i in range(len(samples))]
-                ax.step([max(x, 1e-4) for x in samples], ys, where="post", label=p.name)
-        ax.set_xscale("log")
-        ax.set_title(f"source: {source}", fontsize=10)
-        ax.set_xlabel("claim latency (s)")
-        ax.set_ylim(0, 1.02)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    save(fig, "claim_latency_cdf.png")
-
-    fig, axes = plt.subplots(len(policies), 1, figsize=(9, 2.6 * len(policies)), squeeze=False)
-    for ax, p in zip(axes[:, 0], policies, strict=True):
-        keys = ("busy_vcpu", "idle_vcpu", "placeholder_vcpu")
-        ax.stackplot(
-            times(p),
-            *[[row[k] for row in p.samples] for k in keys],
-            labels=("busy workers", "idle workers", "placeholders"),
-        )
-        ax.set_title(p.name, fontsize=10)
-        ax.set_ylabel("vCPU")
-        ax.set_xlabel(f"time ({unit})")
-    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=3)
-    save(fig, "vcpu.png")
-    return written
-
-
 # -- report.md -------------------------------------------------------------------------------------
 
 
@@ -317,7 +216,7 @@ def markdown(result: ScenarioResult) -> str:
         "",
         scenario.description.strip(),
         "",
-        f"Seed {scenario.seed}; {_duration(scenario.duration_s)} of virtual time for each of "
+        f"Seed {scenario.seed}; {duration_text(scenario.duration_s)} of virtual time for each of "
         f"{len(result.policies)} policies; wall time {result.wall_s:.1f} s "
         f"({result.jobs} process{'es' if result.jobs > 1 else ''}), a virtual-time speed-up "
         f"of x{virtual / max(result.wall_s, 1e-9):,.0f} over the whole run.",
@@ -326,11 +225,15 @@ def markdown(result: ScenarioResult) -> str:
         "",
         markdown_table(headlines(result)),
         "",
-        "Latency is from the claim to the bound worker, over every bound claim; *warm hit* is "
+        "Latency is from the claim to the bound worker, over every bound claim; a *session* "
+        "counts from its arrival to its bound worker, failed attempts and back-offs "
+        "included (one that never got a worker counts with the time it waited); *cold "
+        "share* is the share of bound claims served by their own spawn; *warm hit* is "
         "the share of bound claims served by a warm or a parked (reuse) worker; *time to "
         "target* runs from the first arrival until the sessions holding a worker reach the "
         "scenario's target; vCPU-hours integrate the workers' requests (busy: reserved, "
-        "activating, hot; idle: warm, hot_idle) and the placeholders'.",
+        "activating, hot; idle: warm, hot_idle) and the placeholders'; *cost per day* is the "
+        "node cost of the run scaled to 24 h.",
         "",
         "## Invariants (I1-I7, stoker.sim.invariants)",
         "",
@@ -397,14 +300,6 @@ def markdown(result: ScenarioResult) -> str:
 
 def _pairs(mapping: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in mapping.items()) or "none"
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:g} h"
-    if seconds >= 60:
-        return f"{seconds / 60:g} min"
-    return f"{seconds:g} s"
 
 
 # -- everything ----------------------------------------------------------------------------
