@@ -20,11 +20,12 @@ from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import RuntimeFailure
+from stoker.domain.pools import Rollout, StoredRevision
 from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, RolloutState
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, revision_of
 from stoker.domain.states import ClaimSource, Reuse, WorkerState
-from stoker.policy.rollout import Ramp, org_position
+from stoker.policy.rollout import org_position
 from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import VirtualClock
 
@@ -74,11 +75,23 @@ class Harness:
     async def warm(self, revision: str) -> list[Worker]:
         return [w for w in await self.store.list_workers(states=[S.WARM]) if w.revision == revision]
 
-    def start(self, step: int = 0, **kw: Any) -> Ramp:
+    def start(self, step: int = 0, **kw: Any) -> Rollout:
         strategy = CanaryStrategy(**{"steps": (10, 50, 100), "step_interval_s": 60, **kw})
-        ramp = Ramp("ro-1", NEW_REV, strategy, RolloutState.RAMPING, step, self.clock.now())
-        self.plane.catalog.set_ramp("p", ramp, NEW)
-        return ramp
+        now = self.clock.now()
+        rollout = Rollout(
+            id="ro-1",
+            pool="p",
+            revision=NEW_REV,
+            base_revision=OLD_REV,
+            strategy=strategy,
+            state=RolloutState.RAMPING,
+            started_at=now,
+            step=step,
+            share=strategy.steps[step],
+            step_started_at=now,
+        )
+        self.plane.catalog.adopt(rollout, StoredRevision("p", NEW_REV, NEW, now))
+        return rollout
 
 
 @asynccontextmanager
@@ -156,13 +169,13 @@ async def test_steps_advance_after_their_interval_and_the_last_promotes(tmp_path
     async with running(tmp_path) as h:
         h.start(step=0, step_interval_s=30)
         await h.tick()
-        ramp = h.plane.catalog.ramp("p")
+        ramp = h.plane.catalog.rollout("p")
         assert ramp is not None and ramp.step == 0
         for _ in range(3):
             await asyncio.sleep(31)
             await h.tick()
             await h.tick()
-        ramp = h.plane.catalog.ramp("p")
+        ramp = h.plane.catalog.rollout("p")
         assert ramp is not None and ramp.state is RolloutState.PROMOTED
         assert h.plane.catalog.pool("p").revision == NEW_REV
         for _ in range(4):
@@ -184,7 +197,7 @@ async def test_failure_mid_ramp_rolls_back_and_restores_the_stable_target_at_onc
         left = await h.warm(NEW_REV)
         assert left, "the ramp still holds warm workers when it fails"
         await h.plane.run_janitor_pass()
-        ramp = h.plane.catalog.ramp("p")
+        ramp = h.plane.catalog.rollout("p")
         assert ramp is not None and ramp.state is RolloutState.ROLLED_BACK
         plan = h.plane.rollouts.plans["p"]
         whole = 10 + h.plane.janitor.demand["p"]  # the static target plus the misses

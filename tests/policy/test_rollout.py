@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stoker.domain.errors import InvalidRequest
+from stoker.domain.pools import Rollout
 from stoker.domain.rollouts import (
     CanaryStrategy,
     ReplaceStrategy,
@@ -18,7 +19,6 @@ from stoker.policy.rollout import (
     MIN_ATTEMPTS,
     Decision,
     PoolDemand,
-    Ramp,
     RevisionCounts,
     RevisionFailures,
     Role,
@@ -30,14 +30,26 @@ from stoker.policy.rollout import (
 CANARY = CanaryStrategy(steps=(10, 50, 100), step_interval_s=60, max_failure_ratio=0.2)
 
 
-def ramp(step: int = 0, started: float = 0.0, state: RolloutState = RolloutState.RAMPING) -> Ramp:
-    return Ramp("r1", "new", CANARY, state, step=step, step_started_at=started)
+def ramp(
+    step: int = 0, started: float = 0.0, state: RolloutState = RolloutState.RAMPING
+) -> Rollout:
+    return Rollout(
+        id="r1",
+        pool="p",
+        revision="new",
+        base_revision="old",
+        strategy=CANARY,
+        state=state,
+        started_at=started,
+        step=step,
+        share=CANARY.steps[step],
+    )
 
 
 def plan(
     counts: dict[str, RevisionCounts],
     *,
-    r: Ramp | None = None,
+    r: Rollout | None = None,
     pool: PoolDemand | None = None,
     failures: RevisionFailures | None = None,
     now: float = 10.0,
@@ -108,6 +120,7 @@ def test_a_step_waits_for_its_interval() -> None:
     p = plan(counts, now=60)
     assert p.decision is Decision.ADVANCE
     assert p.ramp is not None and p.ramp.step == 1 and p.ramp.step_started_at == 60
+    assert p.written == p.ramp and p.written.share == 50
     assert p.part("new").share == pytest.approx(0.5)
 
 
@@ -130,6 +143,7 @@ def test_the_last_step_promotes() -> None:
     counts = {"old": RevisionCounts(busy=10), "new": RevisionCounts(busy=50, warm=10)}
     p = plan(counts, r=ramp(step=2), now=60)
     assert p.decision is Decision.PROMOTE
+    assert p.written is not None and p.written.state is RolloutState.PROMOTED
     assert p.stable == "new" and p.ramping is None
     assert p.part("old").role is Role.RETIRING and p.part("new").share == 1.0
 
@@ -140,6 +154,8 @@ def test_failures_mid_ramp_roll_back_and_restore_the_stable_target_at_once() -> 
     p = plan(counts, r=ramp(step=1), failures=bad, pool=PoolDemand(warm_target=20))
     assert p.decision is Decision.ROLL_BACK and "activation" in p.why
     assert p.ramping is None
+    assert p.written is not None and p.written.state is RolloutState.ROLLED_BACK
+    assert p.written.share == 0 and p.written.ended_at == 10.0
     assert p.part("new").role is Role.FAILED and p.part("new").share == 0
     assert p.part("new").warm_target == 0
     assert p.part("old").share == 1.0 and p.part("old").warm_target == 20
@@ -170,7 +186,7 @@ def test_an_ended_rollout_leaves_no_ramp() -> None:
 
 
 def test_replace_switches_every_claim_at_once() -> None:
-    r = Ramp("r1", "new", ReplaceStrategy(), RolloutState.RAMPING)
+    r = ramp().evolve(strategy=ReplaceStrategy())
     p = plan({"old": RevisionCounts(warm=5)}, r=r, pool=PoolDemand(warm_target=5))
     assert p.decision is Decision.PROMOTE
     assert p.part("new").warm_target == 5 and p.part("old").role is Role.RETIRING

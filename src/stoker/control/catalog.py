@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from stoker.domain.errors import NotFound
-from stoker.domain.specs import OrgSpec, PoolSpec, RuntimeTemplate
+from stoker.domain.pools import Rollout, StoredRevision
+from stoker.domain.specs import OrgSpec, PoolSpec
 from stoker.policy.reaping import resolve_ttl
-from stoker.policy.rollout import Ramp
 from stoker.policy.scaling import effective_cap
 
 
@@ -26,8 +26,8 @@ class Catalog:
         self._pools = dict(pools)
         self._orgs = dict(orgs)
         self._derived_cap = derived_cap
-        #: Each pool's newest rollout (active or ended) and the template of its revision.
-        self._ramps: dict[str, tuple[Ramp, RuntimeTemplate]] = {}
+        self._rollouts: dict[str, Rollout] = {}
+        self._revisions: dict[tuple[str, str], StoredRevision] = {}
 
     @property
     def pools(self) -> Mapping[str, PoolSpec]:
@@ -49,30 +49,30 @@ class Catalog:
         """Serve `spec` from now on (a new revision of a pool is a rollout)."""
         self._pools[spec.name] = spec
 
-    def set_ramp(self, name: str, ramp: Ramp | None, template: RuntimeTemplate | None) -> None:
-        """Serve the pool's newest rollout `ramp`, whose revision has `template` (None: the
-        pool has no rollout to follow)."""
-        if ramp is None or template is None:
-            self._ramps.pop(name, None)
-        else:
-            self._ramps[name] = (ramp, template)
+    def adopt(self, rollout: Rollout, revision: StoredRevision | None = None) -> None:
+        """Serve `rollout` (the pool's newest: active, or ended since the pool was last
+        loaded) and, when given, the template of its revision."""
+        self._rollouts[rollout.pool] = rollout
+        if revision is not None:
+            self._revisions[(revision.pool, revision.revision)] = revision
 
-    def ramp(self, name: str) -> Ramp | None:
-        """The pool's newest rollout, active or ended, if it has one."""
-        known = self._ramps.get(name)
-        return known[0] if known else None
+    def rollout(self, name: str) -> Rollout | None:
+        """The pool's newest rollout: its active one, or one that ended on this replica
+        since the pool was last loaded."""
+        return self._rollouts.get(name)
 
     def revision_spec(self, name: str, revision: str) -> PoolSpec | None:
-        """The spec that spawns workers of `revision`: the pool's own at its stable
-        revision, the rollout's at the newest one; None for any other."""
+        """The pool's spec at `revision`: its settings with that revision's template (None
+        when the pool or the revision is unknown)."""
         pool = self._pools.get(name)
-        if pool is not None and pool.revision == revision:
-            return pool
-        known = self._ramps.get(name)
-        if known is None or known[0].revision != revision or pool is None:
+        if pool is None:
             return None
-        # The rollout's template with the pool's settings as they are now.
-        return dataclasses.replace(pool, template=known[1], revision=revision)
+        if revision == pool.revision:
+            return pool
+        known = self._revisions.get((name, revision))
+        if known is None:
+            return None
+        return dataclasses.replace(pool, template=known.template, revision=revision)
 
     def pool_cap(self, pool: PoolSpec) -> int:
         """The pool cap in force (0 = unbounded)."""

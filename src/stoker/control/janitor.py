@@ -68,7 +68,11 @@ class Janitor:
         self._ledger = DemandLedger()
         self._demand_now: dict[str, int] | None = None
         self._scaler = Scaler(
-            shared, retirer=retirer, spawner=spawner, demand=demand or self._store_demand
+            shared,
+            store=store,
+            retirer=retirer,
+            spawner=spawner,
+            demand=demand or self._store_demand,
         )
         self._last_purge: float | None = None
 

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import replace
 from enum import StrEnum
 
 from stoker.control.catalog import Catalog
 from stoker.control.metrics import Metrics
+from stoker.domain.pools import Rollout
 from stoker.domain.rollouts import RolloutState
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason
 from stoker.policy.rollout import (
     SERVING,
-    Decision,
     PoolDemand,
-    Ramp,
     RevisionCounts,
     RevisionFailures,
     RolloutPlan,
@@ -60,7 +58,7 @@ class Rollouts:
         """The plan of the stored rollout, deciding nothing: how new claims route now."""
         return rollout_plan(
             stable=pool.revision,
-            ramp=self._catalog.ramp(pool.name),
+            ramp=self._catalog.rollout(pool.name),
             counts={},
             failures=RevisionFailures(),
             pool=PoolDemand(),
@@ -70,7 +68,7 @@ class Rollouts:
 
     def route(self, pool: PoolSpec, org: str) -> PoolSpec:
         """The spec of the revision a new (non-reuse) claim of `org` goes to."""
-        if self._catalog.ramp(pool.name) is None:
+        if self._catalog.rollout(pool.name) is None:
             return pool
         revision = self.stored(pool).route(org)
         return self._catalog.revision_spec(pool.name, revision) or pool
@@ -80,7 +78,7 @@ class Rollouts:
         pool = self._catalog.get(name)
         if pool is None:
             return False
-        if self._catalog.ramp(name) is None:
+        if self._catalog.rollout(name) is None:
             return revision == pool.revision
         return self.stored(pool).serving(revision)
 
@@ -89,7 +87,7 @@ class Rollouts:
         pool = self._catalog.get(name)
         if pool is None:
             return ()
-        if self._catalog.ramp(name) is None:
+        if self._catalog.rollout(name) is None:
             return (pool.revision,)
         plan = self.stored(pool)
         parts = sorted(plan.revisions.values(), key=lambda p: p.revision != plan.stable)
@@ -97,13 +95,13 @@ class Rollouts:
 
     def retire_reason(self, name: str, revision: str) -> RetireReason:
         """Why an idle worker of a revision that no longer serves retires."""
-        ramp = self._catalog.ramp(name)
+        ramp = self._catalog.rollout(name)
         failed = ramp is not None and ramp.revision == revision and ramp.state in _FAILED
         return RetireReason.ROLLOUT_FAILED if failed else RetireReason.ROLLOUT
 
     def note(self, pool: str, revision: str, outcome: Outcome) -> None:
         """Count an attempt (or a failure) of a revision while its rollout is active."""
-        ramp = self._catalog.ramp(pool)
+        ramp = self._catalog.rollout(pool)
         if ramp is not None and ramp.revision == revision and not ramp.state.ended:
             self._tally[(ramp.id, outcome)] += 1
 
@@ -119,39 +117,32 @@ class Rollouts:
             claim_errors=t[(rollout_id, Outcome.CLAIM_ERROR)],
         )
 
-    def adopt(self, pool: PoolSpec, plan: RolloutPlan) -> Ramp | None:
-        """Serve what `plan` decided from now on (once the leader wrote it); the rollout as
-        it stands after."""
-        name = pool.name
-        ramp = self._catalog.ramp(name)
-        spec = self._catalog.revision_spec(name, ramp.revision) if ramp is not None else None
-        if ramp is None or spec is None:
-            return None
-        match plan.decision:
-            case Decision.ADVANCE:
-                after = plan.ramp or ramp
-            case Decision.ROLL_BACK:
-                after = replace(ramp, state=RolloutState.ROLLED_BACK)
-            case Decision.PROMOTE:
-                after = replace(ramp, state=RolloutState.PROMOTED)
-                self._catalog.update_pool(spec)
-            case _:
-                return ramp
-        self._catalog.set_ramp(name, after, spec.template)
-        self.show(name, after)
-        return after
+    def adopt(self, pool: PoolSpec, written: Rollout) -> None:
+        """Serve a rollout row the leader wrote (a step, a promotion, a rollback) at once."""
+        spec = self._catalog.revision_spec(pool.name, written.revision)
+        self._catalog.adopt(written)
+        if written.state is RolloutState.PROMOTED and spec is not None:
+            self._catalog.update_pool(spec)
+        self.show(pool.name, written)
 
-    def show(self, name: str, ramp: Ramp | None) -> None:
+    def show(self, name: str, ramp: Rollout | None) -> None:
         """Set the pool's `stoker_rollout_state` series."""
         for state in RolloutState:
             on = ramp is not None and ramp.state is state
             self._metrics.rollout_state.labels(name, state.value).set(1 if on else 0)
 
     def plan(
-        self, pool: PoolSpec, counts: Mapping[str, RevisionCounts], demand: PoolDemand, now: float
+        self,
+        pool: PoolSpec,
+        counts: Mapping[str, RevisionCounts],
+        demand: PoolDemand,
+        now: float,
+        *,
+        decide: bool = True,
     ) -> RolloutPlan:
-        """The pass's plan for the pool, deciding what is due (the leader writes it)."""
-        ramp = self._catalog.ramp(pool.name)
+        """The pass's plan for the pool, deciding what is due unless `decide` is off (the
+        leader writes what it decided)."""
+        ramp = self._catalog.rollout(pool.name)
         plan = rollout_plan(
             stable=pool.revision,
             ramp=ramp,
@@ -159,6 +150,7 @@ class Rollouts:
             failures=self.failures(ramp.id) if ramp is not None else RevisionFailures(),
             pool=demand,
             now=now,
+            decide=decide,
         )
         self.plans[pool.name] = plan
         for part in plan.revisions.values():

@@ -21,8 +21,8 @@ from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
 from stoker.control.world import World
+from stoker.domain.errors import StokerError
 from stoker.domain.records import Worker
-from stoker.domain.rollouts import RolloutState
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason, WorkerState
 from stoker.policy.rollout import (
@@ -40,6 +40,7 @@ from stoker.policy.scaling import (
     scale_down_budget,
     spawns_needed,
 )
+from stoker.ports.store import ReplicaStore
 
 DemandSource = Callable[[str, float], Awaitable[int]]
 
@@ -84,9 +85,16 @@ class Scaler:
     """Spawns and scale-down of every pool, revision by revision, by its rollout plan."""
 
     def __init__(
-        self, shared: Shared, *, retirer: Retirer, spawner: Spawner, demand: DemandSource
+        self,
+        shared: Shared,
+        *,
+        store: ReplicaStore,
+        retirer: Retirer,
+        spawner: Spawner,
+        demand: DemandSource,
     ) -> None:
         self._retirer, self._spawner, self._demand = retirer, spawner, demand
+        self._store = store
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
         self._rollouts = shared.rollouts
         self._excess_since: dict[tuple[str, str], float] = {}
@@ -109,8 +117,13 @@ class Scaler:
             demand = await self._demand(name, world.now)
             sizing = PoolDemand(warm_target=pool.warm_target, demand=demand, cap=cap)
             plan = self._rollouts.plan(pool, counts.get(name, {}), sizing, world.now)
-            if plan.decision is not Decision.HOLD:
-                await self._decided(pool, plan)
+            if plan.decision is not Decision.HOLD and not await self._decided(
+                pool, plan, world.now
+            ):
+                # Unwritten, the decision does not hold: act on the stored rollout.
+                plan = self._rollouts.plan(
+                    pool, counts.get(name, {}), sizing, world.now, decide=False
+                )
             desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
             self.desired[name], self.demand[name] = desired, demand
             self._metrics.demand.labels(name).set(demand)
@@ -179,18 +192,28 @@ class Scaler:
             if await self._retirer.retire(w, reason):
                 report.count(reason)
 
-    async def _decided(self, pool: PoolSpec, plan: RolloutPlan) -> None:
-        """Serve what the plan decided (a step, a promotion, a rollback) from now on."""
-        ramp = self._catalog.ramp(pool.name)
-        if ramp is None:
-            return
-        after = self._rollouts.adopt(pool, plan)
+    async def _decided(self, pool: PoolSpec, plan: RolloutPlan, now: float) -> bool:
+        """Write what the plan decided (a step, a promotion, a rollback) in one CAS on the
+        pool's generation, then serve it; False when the write failed (the next pass
+        decides again)."""
+        written = plan.written
+        if written is None:
+            return False
+        try:
+            stored = await self._store.get_pool(pool.name)
+            if stored is not None:
+                await self._store.update_rollout(written, generation=stored.generation, now=now)
+        except StokerError as exc:
+            logs.event("rollout_write_failed", pool=pool.name, error=str(exc), level=logs.WARNING)
+            return False
+        self._rollouts.adopt(pool, written)
         logs.event(
             "rollout_" + plan.decision.value,
             pool=pool.name,
-            rollout=ramp.id,
-            revision=ramp.revision,
-            state=after.state.value if after else RolloutState.PROMOTED.value,
-            step=after.step if after else None,
+            rollout=written.id,
+            revision=written.revision,
+            state=written.state.value,
+            share=written.share,
             why=plan.why,
         )
+        return True

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
+from stoker.domain.pools import Rollout
+from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState
 from stoker.policy.scaling import desired_warm
 
 #: A failure ratio is judged only from this many attempts on (one early failure of a
@@ -109,19 +110,6 @@ class RevisionFailures:
 
 
 @dataclass(frozen=True, slots=True)
-class Ramp:
-    """The pool's newest rollout, as the plan needs it."""
-
-    id: str
-    revision: str
-    strategy: Strategy
-    state: RolloutState
-    #: Index into the canary's steps.
-    step: int = 0
-    step_started_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class PoolDemand:
     """The pool's own sizing inputs, as the janitor reads them without a rollout."""
 
@@ -150,8 +138,10 @@ class RolloutPlan:
     revisions: Mapping[str, RevisionPlan]
     decision: Decision = Decision.HOLD
     why: str = ""
-    #: The ramp the plan ends with (after `decision`), if one is under way.
-    ramp: Ramp | None = None
+    #: The rollout under way after `decision` (None: none).
+    ramp: Rollout | None = None
+    #: The rollout row the leader writes for `decision` (None: nothing to write).
+    written: Rollout | None = None
     #: What the ramping revision must hold before the step may advance (0: no ramp).
     needed: int = 0
     totals: Mapping[str, int] = field(default_factory=dict)
@@ -192,7 +182,7 @@ def org_position(rollout_id: str, org: str) -> float:
 def rollout_plan(
     *,
     stable: str,
-    ramp: Ramp | None,
+    ramp: Rollout | None,
     counts: Mapping[str, RevisionCounts],
     failures: RevisionFailures,
     pool: PoolDemand,
@@ -213,8 +203,24 @@ def rollout_plan(
         return _steady(stable, failed, counts, pool)
     if isinstance(ramp.strategy, ReplaceStrategy):
         plan = _steady(ramp.revision, None, counts, pool)
-        return replace(plan, decision=Decision.PROMOTE, why="replace")
+        if not decide:
+            return plan
+        return _ended(plan, ramp, Decision.PROMOTE, "replace", now)
     return _canary(stable, ramp, ramp.strategy, counts, failures if decide else None, pool, now)
+
+
+def _ended(
+    plan: RolloutPlan, ramp: Rollout, decision: Decision, why: str, now: float
+) -> RolloutPlan:
+    """`plan` once the leader ended `ramp` by `decision` (promote or roll back)."""
+    promoted = decision is Decision.PROMOTE
+    written = ramp.evolve(
+        state=RolloutState.PROMOTED if promoted else RolloutState.ROLLED_BACK,
+        share=100 if promoted else 0,
+        ended_at=now,
+        reason=why,
+    )
+    return replace(plan, decision=decision, why=why, written=written)
 
 
 def _steady(
@@ -232,7 +238,7 @@ def _steady(
 
 def _canary(
     stable: str,
-    ramp: Ramp,
+    ramp: Rollout,
     strategy: CanaryStrategy,
     counts: Mapping[str, RevisionCounts],
     failures: RevisionFailures | None,
@@ -244,8 +250,9 @@ def _canary(
     if worst is not None and worst[1] > strategy.max_failure_ratio:
         name, ratio = worst
         why = f"{name} failures {ratio:.0%} over {strategy.max_failure_ratio:.0%}"
-        plan = _steady(stable, ramp.revision, counts, pool)
-        return replace(plan, decision=Decision.ROLL_BACK, why=why, ramp=None, totals={})
+        return _ended(
+            _steady(stable, ramp.revision, counts, pool), ramp, Decision.ROLL_BACK, why, now
+        )
     own = counts.get(ramp.revision, RevisionCounts())
     others = [c for rev, c in counts.items() if rev != ramp.revision]
     other_capacity = sum(c.capacity for c in others)
@@ -258,7 +265,7 @@ def _canary(
     due = (
         failures is not None
         and ramp.state is RolloutState.RAMPING
-        and now - ramp.step_started_at >= strategy.step_interval_s
+        and now - _step_started(ramp) >= strategy.step_interval_s
     )
 
     def capacity(share: float) -> int:
@@ -272,10 +279,12 @@ def _canary(
     if due and own.capacity >= needed and (worst is None or worst[1] < strategy.max_failure_ratio):
         if last:
             plan = _steady(ramp.revision, None, counts, pool)
-            return replace(plan, decision=Decision.PROMOTE, why="last step held")
-        advanced = replace(ramp, step=ramp.step + 1, step_started_at=now)
+            return _ended(plan, ramp, Decision.PROMOTE, "the last step held", now)
+        step = ramp.step + 1
+        advanced = ramp.evolve(step=step, share=strategy.steps[step], step_started_at=now)
         plan = _canary(stable, advanced, strategy, counts, failures, pool, now)
-        return replace(plan, decision=Decision.ADVANCE, why=f"step {ramp.step + 1} held")
+        why = f"step {ramp.step} held: {strategy.steps[step]} % from now"
+        return replace(plan, decision=Decision.ADVANCE, why=why, written=advanced)
     # While a step is due, the ramp grows towards the next step's capacity.
     target = needed if due else capacity(share)
     whole = desired_warm(pool.warm_target, pool.demand, pool.cap)
@@ -294,3 +303,7 @@ def _canary(
         needed=needed,
         totals={"other_capacity": other_capacity, "room": room},
     )
+
+
+def _step_started(ramp: Rollout) -> float:
+    return ramp.step_started_at if ramp.step_started_at is not None else ramp.started_at
