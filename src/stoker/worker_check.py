@@ -114,18 +114,16 @@ def started(
         process.wait(STOP_GRACE_S)
 
 
+@dataclass(slots=True)
 class _Checker:
     """Runs the rules against one started worker and collects their rows."""
 
-    def __init__(
-        self, client: httpx.Client, endpoint: str, worker_id: str, secret: str, key: ActivationKey
-    ) -> None:
-        self.client = client
-        self.endpoint = endpoint
-        self.worker_id = worker_id
-        self.secret = secret
-        self.key = key
-        self.rows: list[Row] = []
+    client: httpx.Client
+    endpoint: str
+    worker_id: str
+    secret: str
+    key: ActivationKey
+    rows: list[Row] = field(default_factory=list)
 
     def row(self, rule: str, expected: str, got: str, passed: bool) -> bool:
         self.rows.append(Row(rule, expected, got, passed))
