@@ -157,51 +157,37 @@ class NodeView:
     price_per_hour: float
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterReport:
     """Reads the report's views off the cluster's parts (nothing is copied meanwhile)."""
 
-    def __init__(
-        self,
-        *,
-        mirror: PodMirror,
-        fleet: NodeFleet,
-        scheduler: Scheduler,
-        kubelet: Kubelet,
-        autoscaler: AutoscalerCounters,
-        controller: WorkloadController,
-        background: BackgroundLoad,
-        background_namespace: str,
-        budgets: DisruptionBudgets,
-        client_stats: Mapping[str, ClientStats],
-        t0: Callable[[], float | None],
-    ) -> None:
-        self._mirror = mirror
-        self._fleet = fleet
-        self._scheduler = scheduler
-        self._kubelet = kubelet
-        self._autoscaler = autoscaler
-        self._controller = controller
-        self._background = background
-        self._background_namespace = background_namespace
-        self._budgets = budgets
-        self._client_stats = client_stats
-        #: When the cluster started (clock time; None before): node times are relative.
-        self._t0 = t0
+    mirror: PodMirror
+    fleet: NodeFleet
+    scheduler: Scheduler
+    kubelet: Kubelet
+    autoscaler: AutoscalerCounters
+    controller: WorkloadController
+    background: BackgroundLoad
+    background_namespace: str
+    budgets: DisruptionBudgets
+    client_stats: Mapping[str, ClientStats]
+    #: When the cluster started (clock time; None before): node times are relative.
+    t0: Callable[[], float | None]
 
     def nodes(self) -> list[NodeView]:
         """Every node not terminated, in launch order."""
-        return [self._view(node) for node in self._fleet]
+        return [self._view(node) for node in self.fleet]
 
     def node(self, name: str) -> NodeView | None:
         """One node, or None."""
-        node = self._fleet.by_name.get(name)
+        node = self.fleet.by_name.get(name)
         return None if node is None else self._view(node)
 
     def pod_usage(self, namespace: str | None = None) -> Iterator[PodUsage]:
         """Every pod (of one namespace, or all) with its requests and node."""
-        spaces = [namespace] if namespace is not None else list(self._mirror.pods)
+        spaces = [namespace] if namespace is not None else list(self.mirror.pods)
         for ns in spaces:
-            for pod in self._mirror.pods.get(ns, {}).values():
+            for pod in self.mirror.pods.get(ns, {}).values():
                 yield PodUsage(
                     namespace=ns,
                     name=pod.name,
@@ -222,40 +208,40 @@ class ClusterReport:
         alloc = [0, 0, 0]
         launching = [0, 0, 0]
         by_pool: dict[str, int] = {}
-        for node in self._fleet:
+        for node in self.fleet:
             row = launching if node.state is NodeState.LAUNCHING else alloc
             row[0] += node.alloc_cpu
             row[1] += node.alloc_mem
             row[2] += node.alloc_pods
             by_pool[node.pool.name] = by_pool.get(node.pool.name, 0) + 1
-        sched = self._scheduler.counters
-        auto = self._autoscaler
-        work = self._controller.counters
-        mirror = self._mirror
+        sched = self.scheduler.counters
+        auto = self.autoscaler
+        work = self.controller.counters
+        mirror = self.mirror
         totals = mirror.totals
         return ClusterSnapshot(
             t=t,
-            nodes_by_state={state.value: n for state, n in self._fleet.by_state.items()},
-            nodes_by_instance_type=dict(self._fleet.by_type),
+            nodes_by_state={state.value: n for state, n in self.fleet.by_state.items()},
+            nodes_by_instance_type=dict(self.fleet.by_type),
             nodes_by_pool=by_pool,
-            nodes_launched_total=self._fleet.launched_total,
-            nodes_terminated_total=self._fleet.terminated_total,
-            node_cost_usd=self._fleet.cost_usd(),
-            node_cost_usd_per_hour=self._fleet.cost_rate_usd_per_h(),
+            nodes_launched_total=self.fleet.launched_total,
+            nodes_terminated_total=self.fleet.terminated_total,
+            node_cost_usd=self.fleet.cost_usd(),
+            node_cost_usd_per_hour=self.fleet.cost_rate_usd_per_h(),
             pods_by_phase={phase: n for phase, n in mirror.phases.items() if n},
-            pods_by_namespace={ns: len(pods) for ns, pods in self._mirror.pods.items()},
+            pods_by_namespace={ns: len(pods) for ns, pods in self.mirror.pods.items()},
             pods_terminating=mirror.terminating,
-            pods_queued=self._scheduler.queued,
-            pods_unschedulable=self._scheduler.unschedulable_count,
-            pods_nominated=self._scheduler.nominated_count,
+            pods_queued=self.scheduler.queued,
+            pods_unschedulable=self.scheduler.unschedulable_count,
+            pods_nominated=self.scheduler.nominated_count,
             pods_starting=mirror.starting,
             binds_total=sched.binds,
-            image_pulls_total=self._kubelet.counters.image_pulls,
+            image_pulls_total=self.kubelet.counters.image_pulls,
             unschedulable_marks_total=sched.unschedulable_marks,
             preemptions_total=sched.preemptions,
             preemptors_total=sched.preemptors,
-            evictions_total=self._budgets.evictions,
-            eviction_refusals_total=self._budgets.refusals,
+            evictions_total=self.budgets.evictions,
+            eviction_refusals_total=self.budgets.refusals,
             consolidated_empty_total=auto.consolidated_empty,
             consolidated_underutilized_total=auto.consolidated_underutilized,
             provisioning_passes_total=auto.provisioning_passes,
@@ -270,11 +256,11 @@ class ClusterReport:
                 for key, values in totals.by_label.items()
             },
             background=BackgroundSnapshot(
-                target_cpu=self._background.target_cpu_m / 1000,
-                desired_cpu=self._background.desired_cpu_m / 1000,
-                workloads_active=self._background.active_workloads,
-                desired_pods=self._background.desired_pods,
-                live_pods=mirror.active[self._background_namespace],
+                target_cpu=self.background.target_cpu_m / 1000,
+                desired_cpu=self.background.desired_cpu_m / 1000,
+                workloads_active=self.background.active_workloads,
+                desired_pods=self.background.desired_pods,
+                live_pods=mirror.active[self.background_namespace],
                 workloads_started=work.workloads_started,
                 workloads_ended=work.workloads_ended,
                 pods_created=work.pods_created,
@@ -289,7 +275,7 @@ class ClusterReport:
                     throttle_wait_s=stats.throttle_wait_s,
                     faults_injected=stats.faults_injected,
                 )
-                for name, stats in self._client_stats.items()
+                for name, stats in self.client_stats.items()
             },
         )
 
@@ -302,7 +288,7 @@ class ClusterReport:
             allocatable=Resources.of(node.alloc_cpu, node.alloc_mem, node.alloc_pods),
             requested=Resources.of(node.used_cpu, node.used_mem, len(node.pods)),
             do_not_disrupt_pods=node.dnd_pods,
-            launched_at=node.launched_at - (self._t0() or 0.0),
-            ready_at=None if node.ready_at is None else node.ready_at - (self._t0() or 0.0),
+            launched_at=node.launched_at - (self.t0() or 0.0),
+            ready_at=None if node.ready_at is None else node.ready_at - (self.t0() or 0.0),
             price_per_hour=node.instance_type.price_per_hour,
         )
