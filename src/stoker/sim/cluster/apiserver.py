@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import (
@@ -122,19 +123,16 @@ class FakeApiServer:
         """Merge-patch labels and annotations; `None` removes a key."""
         await self._enter("patch_pod")
         pod = self._pod(name)
+        changes: dict[str, Any] = {}
+        # An unchanged map keeps its identity, so listeners can tell what changed cheaply.
         new_labels = _merge(pod.labels, labels)
         check_labels(new_labels)
+        if new_labels != pod.labels:
+            changes["labels"] = new_labels
         new_annotations = _merge(pod.annotations, annotations)
-        same_labels = new_labels == pod.labels
-        same_annotations = new_annotations == pod.annotations
-        if same_labels and same_annotations:
-            return pod
-        # An unchanged map keeps its identity, so listeners can tell what changed cheaply.
-        return self._update_pod(
-            pod,
-            labels=None if same_labels else new_labels,
-            annotations=None if same_annotations else new_annotations,
-        )
+        if new_annotations != pod.annotations:
+            changes["annotations"] = new_annotations
+        return self._update_pod(pod, changes) if changes else pod
 
     async def get_pod(self, name: str) -> Pod | None:
         """The pod, or None."""
@@ -271,20 +269,14 @@ class FakeApiServer:
             "node_name": node_name,
             "reason": reason,
         }
-        unchanged = all(
-            value is None or getattr(pod, key) == value for key, value in wanted.items()
-        )
-        if unchanged and not (clear_reason and pod.reason is not None):
-            return pod
-        return self._update_pod(
-            pod,
-            phase=phase,
-            ready=ready,
-            pod_ip=pod_ip,
-            node_name=node_name,
-            reason=reason,
-            clear_reason=clear_reason,
-        )
+        changes: dict[str, Any] = {
+            key: value
+            for key, value in wanted.items()
+            if value is not None and getattr(pod, key) != value
+        }
+        if clear_reason and reason is None and pod.reason is not None:
+            changes["reason"] = None
+        return self._update_pod(pod, changes) if changes else pod
 
     def evict(self, name: str, *, delete: bool = False) -> None:
         """Evict the pod.
@@ -297,7 +289,7 @@ class FakeApiServer:
         if delete:
             self._delete(name, None)
         else:
-            self._update_pod(pod, phase=PodPhase.FAILED, ready=False, reason="Evicted")
+            self._update_pod(pod, {"phase": PodPhase.FAILED, "ready": False, "reason": "Evicted"})
 
     def compact(self) -> None:
         """Forget the whole change history, as an etcd compaction does: older watches get Gone."""
@@ -329,38 +321,9 @@ class FakeApiServer:
             raise ObjectNotFound(f'pods "{name}" not found', status=404)
         return pod
 
-    def _update_pod(
-        self,
-        pod: Pod,
-        *,
-        labels: Mapping[str, str] | None = None,
-        annotations: Mapping[str, str] | None = None,
-        phase: str | None = None,
-        ready: bool | None = None,
-        pod_ip: str | None = None,
-        node_name: str | None = None,
-        reason: str | None = None,
-        deletion_timestamp: float | None = None,
-        clear_reason: bool = False,
-    ) -> Pod:
-        if clear_reason and reason is None:
-            new_reason = None
-        else:
-            new_reason = pod.reason if reason is None else reason
-        updated = replace(
-            pod,
-            labels=pod.labels if labels is None else labels,
-            annotations=pod.annotations if annotations is None else annotations,
-            phase=pod.phase if phase is None else phase,
-            ready=pod.ready if ready is None else ready,
-            pod_ip=pod.pod_ip if pod_ip is None else pod_ip,
-            node_name=pod.node_name if node_name is None else node_name,
-            reason=new_reason,
-            deletion_timestamp=(
-                pod.deletion_timestamp if deletion_timestamp is None else deletion_timestamp
-            ),
-            resource_version=self._next_rv(),
-        )
+    def _update_pod(self, pod: Pod, changes: Mapping[str, Any]) -> Pod:
+        """Write `changes` (fields of the pod and their new values) as a new version."""
+        updated = replace(pod, **changes, resource_version=self._next_rv())
         self._pods[pod.name] = updated
         self._record(WatchEventType.MODIFIED, pod, updated)
         return updated
@@ -382,7 +345,7 @@ class FakeApiServer:
         deadline = self._clock.now() + grace_s
         if pod.deletion_timestamp is not None and pod.deletion_timestamp <= deadline:
             return  # already terminating, at least as soon: a longer grace never extends it
-        stamped = self._update_pod(pod, deletion_timestamp=deadline)
+        stamped = self._update_pod(pod, {"deletion_timestamp": deadline})
         if self._on_terminating is not None:
             self._on_terminating(stamped, grace_s)
             return
