@@ -1,31 +1,37 @@
-"""Claims over HTTP against a real `stoker serve` with real demo workers.
+"""Claims over HTTP against a real `stoker serve` with real demo workers, with and
+without the pool refilling while they are served.
 
-    python benchmarks/claim_burst.py [--workers 300] [--duration 10] [--concurrency 32]
-                                     [--profile DIR] [--baseline SRC [--rounds 3]]
+    python benchmarks/claim_burst.py [--scale 1.0] [--burst 160] [--concurrency 48]
+                                     [--duration 8] [--rounds 1] [--profile DIR]
+    python benchmarks/claim_burst.py --baseline SRC [--variant refill] [--rounds 3]
 
-Prints:
-  1. burst: N simultaneous `POST /v1/claims` (N distinct orgs) against N warm workers,
-     activation included: p50/p90/p99 claim latency and the time until all N are bound;
-  2. sustained: claim + release cycles per second over HTTP with reuse (each of
-     `--concurrency` orgs of the burst claims its parked worker, releases it, claims it
-     again, ...), with the latency of both requests and the CPU each process used.
+The geometry (by default the seed's, `--scale` multiplies every count): a pool of twice
+the burst (`warm_target` 320, `max_workers` 640) is filled; then
 
-The pool holds exactly `--workers` workers, so nothing spawns during the measurements;
-`--refill` lets it grow to twice that, and the burst then competes with the start-up of
-the replacement workers for this machine's cores.
+  1. burst: 160 simultaneous `POST /v1/claims` (160 distinct orgs), activation included:
+     p50/p90/p99 claim latency and the time until all are bound; all are released, and
+     the pool refills the 160 it handed out at once;
+  2. sustained, while that refill runs: 48 of those orgs each claim (their parked worker),
+     call the worker with the session token (`GET /` with `Authorization: Bearer`) and
+     release, over and over for 8 s: cycles per second, latency of each request.
+
+Each run also measures the same without refill (a pool of exactly the burst, so nothing
+spawns) and prints both side by side with the ratios (refill / no refill), the spawn
+failures (from the server's log) and the connection errors the client saw, against the
+targets: cycles ≥ 0.5x and claim p99 ≤ 3x the no-refill figures, no spawn failure, no
+connection error. `--rounds N` alternates the order of the two and prints medians.
 
 The server runs as a user runs it (the `stoker` command, uvloop and httptools, default
 logging); the load comes from one aiohttp client on uvloop in this process, with its
-connections opened before the clock starts, as an SDK client with keep-alive would have
-them. With `--profile DIR`, py-spy samples the server during each phase and the script
-prints where the server's time goes (by function, self and inclusive).
+connections opened before the clock starts and a keep-alive shorter than the server's,
+as an SDK client with keep-alive would have them. With `--profile DIR`, py-spy samples
+the server during each phase and the script prints where the server's time goes.
 
 With `--baseline SRC` (the `src` folder of another version of stoker, e.g. from
 `git worktree add /tmp/before main`), the script measures that version and this one side
-by side: `--rounds` rounds of one run each, in alternating order (baseline first, then
-this tree first, ...), the baseline's server started with `PYTHONPATH=SRC`. It prints the
-median of each figure per side and the median of the paired ratios (this / baseline), so
-that a change can be judged on a shared, noisy machine.
+by side in one variant (`--variant`, default refill): `--rounds` rounds in alternating
+order, the baseline's server started with `PYTHONPATH=SRC`, medians per side and the
+median of the paired ratios (this / baseline).
 """
 
 from __future__ import annotations
@@ -82,14 +88,16 @@ class Server:
         store: str = "sqlite:///./stoker.db",
         env: dict[str, str] | None = None,
     ) -> None:
+        """A pool of `workers` warm workers; with `refill`, twice as many may exist, so the
+        pool refills what a burst of `workers` claims takes (else nothing spawns)."""
         self.workdir = workdir
         self.fleet = "bench-" + uuid.uuid4().hex[:8]
         pool = {
             "name": "bench",
             "command": DEMO,
             "warm_target": workers,
-            # Without --refill the pool is exactly `workers` big: the burst's claims leave no
-            # room to spawn replacements, so no process start-up competes for the two cores.
+            # Without refill the pool is exactly `workers` big: the burst's claims leave no
+            # room to spawn replacements, so no process start-up competes for the cores.
             "max_workers": 2 * workers if refill else workers,
             "memory_mb": 32,
             "lease_s": 600,
@@ -381,6 +389,40 @@ class CpuMeter:
         )
 
 
+class Errors:
+    """What went wrong for the client: connection errors (a reset, a dropped connection)
+    and failed requests, by kind, with the first message of each."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.first: dict[str, str] = {}
+
+    def note(self, kind: str, exc: BaseException) -> None:
+        self.counts[kind] += 1
+        self.first.setdefault(kind, f"{type(exc).__name__}: {exc}")
+
+    @property
+    def connection(self) -> int:
+        return self.counts["connection"]
+
+    def report(self) -> str:
+        if not self.counts:
+            return "no connection errors, no failed requests"
+        return "; ".join(
+            f"{n} {kind} (first: {self.first[kind]})" for kind, n in self.counts.items()
+        )
+
+
+async def call_worker(http: aiohttp.ClientSession, answer: dict[str, Any]) -> None:
+    """`GET /` on the claimed worker with the session token; raises on anything but 200."""
+    worker = answer["worker"]
+    headers = {"Authorization": f"Bearer {worker['token']}"}
+    async with http.get(f"{worker['endpoint']}/", headers=headers) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"worker call failed: {response.status}")
+
+
 async def sustained(
     http: aiohttp.ClientSession,
     url: str,
@@ -388,27 +430,54 @@ async def sustained(
     duration: float,
     profiler: Profiler,
     figures: dict[str, float],
+    *,
+    settle: bool = True,
+    with_worker_call: bool = False,
+    errors: Errors | None = None,
 ) -> None:
+    """Cycles of `concurrency` orgs: claim, (call the worker with the token,) release.
+
+    With `settle`, spawning still going on is waited out first; else the cycles overlap
+    it. With `errors`, a failed request is counted there and its org goes on cycling.
+    """
     claims: list[float] = []
     releases: list[float] = []
     sources: collections.Counter[str] = collections.Counter()
     await open_connections(http, url, concurrency)
-    # The orgs of the burst: each has a parked worker to reuse. Spawning that is still
-    # going on (with --refill) would overlap the measurement: wait for it to end.
-    await wait_settled(http, url)
+    if settle:
+        # The orgs of the burst: each has a parked worker to reuse. Spawning that is still
+        # going on would overlap the measurement: wait for it to end.
+        await wait_settled(http, url)
     profiler.start("sustained")
     cpu = CpuMeter(profiler.pid)
     deadline = time.perf_counter() + duration
 
+    async def cycle(org: str) -> None:
+        took, answer = await timed(lambda: claim(http, url, org))
+        claims.append(took)
+        sources[answer["source"]] += 1
+        try:
+            if with_worker_call:
+                await call_worker(http, answer)
+        finally:
+            took, _ = await timed(lambda: release(http, url, answer["id"]))
+            releases.append(took)
+
     async def loop(org: str) -> int:
         cycles = 0
         while time.perf_counter() < deadline:
-            took, answer = await timed(lambda: claim(http, url, org))
-            claims.append(took)
-            sources[answer["source"]] += 1
-            claim_id = answer["id"]
-            took, _ = await timed(lambda: release(http, url, claim_id))  # noqa: B023
-            releases.append(took)
+            try:
+                await cycle(org)
+            except aiohttp.ClientConnectionError as exc:
+                if errors is None:
+                    raise
+                errors.note("connection", exc)
+                continue
+            except RuntimeError as exc:
+                if errors is None:
+                    raise
+                errors.note("failed request", exc)
+                continue
             cycles += 1
         return cycles
 
@@ -416,7 +485,8 @@ async def sustained(
     counts = await asyncio.gather(*(loop(f"org-{i}") for i in range(concurrency)))
     elapsed = time.perf_counter() - started
     total = sum(counts)
-    print(f"sustained claim+release over HTTP, {concurrency} orgs in parallel, {elapsed:.1f} s:")
+    what = "claim + worker call + release" if with_worker_call else "claim + release"
+    print(f"sustained {what} over HTTP, {concurrency} orgs in parallel, {elapsed:.1f} s:")
     print(f"  {total / elapsed:.0f} cycles/s ({total} cycles); sources: {dict(sources)}")
     print("  " + summary("claim latency", claims))
     print("  " + summary("release latency", releases))
@@ -425,45 +495,114 @@ async def sustained(
     figures["cycle claim p99 (ms)"] = percentile([s * 1000 for s in claims], 0.99)
 
 
-async def run(args: argparse.Namespace, source: Path | None = None) -> dict[str, float]:
-    """One measurement (fill, burst, sustained) of the server from `source` (default: ours)."""
+async def pool_counts(http: aiohttp.ClientSession, url: str) -> dict[str, int]:
+    async with http.get(f"{url}/v1/pools/bench") as response:
+        counts: dict[str, int] = (await response.json())["counts"]
+        return counts
+
+
+#: Server log events that mean a worker was given up as a failed spawn.
+SPAWN_FAILURE = re.compile(r"event=(worker_spawn_failed|spawn_failed)|reason=spawn_failure")
+
+
+async def run(
+    args: argparse.Namespace, source: Path | None = None, *, refill: bool
+) -> dict[str, float]:
+    """One measurement (fill, burst, sustained) of the server from `source` (default: ours):
+    with `refill`, a pool of twice the burst refills during the sustained phase."""
     figures: dict[str, float] = {}
+    workers = 2 * args.burst if refill else args.burst
+    errors = Errors()
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
-        server = Server(Path(tmp), args.workers, args.refill, source)
+        server = Server(Path(tmp), workers, refill, source)
         profiler = Profiler(args.profile, server.proc.pid)
         try:
-            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            # Keep-alive shorter than the server's (5 s), as a well-configured client has.
+            connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=4)
             async with aiohttp.ClientSession(connector=connector) as http:
-                fill = await wait_warm(http, server.url, args.workers, timeout=600)
-                print(f"server at {server.url}: {args.workers} warm workers after {fill:.1f} s")
+                fill = await wait_warm(http, server.url, workers, timeout=900)
+                pool = f"warm_target {workers}, max_workers {2 * workers if refill else workers}"
+                print(f"server at {server.url} ({pool}): {workers} warm after {fill:.1f} s")
                 await asyncio.sleep(2)  # let the janitor settle after the fill
                 profiler.start("burst")
-                ids = await burst(http, server.url, args.workers, server.proc.pid, figures)
+                ids = await burst(http, server.url, args.burst, server.proc.pid, figures)
                 profiler.stop()
-                # The burst's workers park for their orgs (hot_idle): the next phase reuses them.
+                # The burst's workers park for their orgs (hot_idle): the next phase reuses
+                # them, while (with refill) the pool replaces the ones the burst took.
                 await asyncio.gather(*(release(http, server.url, i) for i in ids))
+                counts = await pool_counts(http, server.url)
+                print(f"  after the releases: {counts['spawning']} spawning")
                 await sustained(
-                    http, server.url, args.concurrency, args.duration, profiler, figures
+                    http,
+                    server.url,
+                    args.concurrency,
+                    args.duration,
+                    profiler,
+                    figures,
+                    settle=False,
+                    with_worker_call=True,
+                    errors=errors,
                 )
                 profiler.stop()
+                counts = await pool_counts(http, server.url)
+                print(f"  after the cycles: {counts['spawning']} spawning, {counts['warm']} warm")
         finally:
             server.stop()
+            failures = len(SPAWN_FAILURE.findall(server.log_text()))
+    print(f"  client: {errors.report()}; server: {failures} spawn failures")
+    figures["spawn failures"] = failures
+    figures["connection errors"] = errors.connection
+    figures["failed requests"] = sum(errors.counts.values()) - errors.connection
     return figures
+
+
+async def side_by_side(args: argparse.Namespace) -> None:
+    """No refill and refill in one run (`--rounds` in alternating order): medians, ratios
+    and the targets."""
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for round_ in range(args.rounds):
+        for refill in (False, True) if round_ % 2 == 0 else (True, False):
+            name = "refill" if refill else "no refill"
+            print(f"-- round {round_ + 1}/{args.rounds}: {name}")
+            runs[refill].append(await run(args, refill=refill))
+    median = {k: {n: statistics.median(f[n] for f in v) for n in v[0]} for k, v in runs.items()}
+    base, load = median[False], median[True]
+    print(
+        f"burst {args.burst}, {args.concurrency} orgs cycling for {args.duration:g} s "
+        f"(scale {args.scale:g}); medians of {args.rounds} round(s):"
+    )
+    print(f"  {'':22s} {'no refill':>10s} {'refill':>10s}  ratio")
+    for name in base:
+        ratio = f"{load[name] / base[name]:.2f}" if base[name] else "-"
+        print(f"  {name:22s} {base[name]:10.1f} {load[name]:10.1f}  {ratio}")
+    targets = [
+        ("sustained cycles >= 0.5x", load["cycles/s"] >= 0.5 * base["cycles/s"]),
+        ("claim p99 <= 3x", load["cycle claim p99 (ms)"] <= 3 * base["cycle claim p99 (ms)"]),
+        ("no spawn failures", not any(f["spawn failures"] for f in runs[True] + runs[False])),
+        (
+            "no connection errors",
+            not any(f["connection errors"] for f in runs[True] + runs[False]),
+        ),
+    ]
+    for name, met in targets:
+        print(f"  target {name}: {'met' if met else 'MISSED'}")
 
 
 async def compare(args: argparse.Namespace) -> None:
     """Rounds of the baseline and this tree in alternating order; medians and paired ratios."""
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], "this": []}
+    refill = args.variant == "refill"
     for round_ in range(args.rounds):
         order = ["baseline", "this"] if round_ % 2 == 0 else ["this", "baseline"]
         for side in order:
             print(f"-- round {round_ + 1}/{args.rounds}: {side}")
-            runs[side].append(await run(args, args.baseline if side == "baseline" else None))
+            source = args.baseline if side == "baseline" else None
+            runs[side].append(await run(args, source, refill=refill))
     print(f"side by side, {args.rounds} rounds (medians; ratio: median of this / baseline):")
     for name in runs["this"][0]:
         before = [figures[name] for figures in runs["baseline"]]
         after = [figures[name] for figures in runs["this"]]
-        ratios = [a / b for a, b in zip(after, before, strict=True)]
+        ratios = [a / b if b else float("nan") for a, b in zip(after, before, strict=True)]
         print(
             f"  {name:22s} baseline {statistics.median(before):8.1f}  this "
             f"{statistics.median(after):8.1f}  ratio {statistics.median(ratios):.3f} "
@@ -473,9 +612,12 @@ async def compare(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=300, help="warm workers and burst size")
-    parser.add_argument("--duration", type=float, default=10.0, help="sustained phase, seconds")
-    parser.add_argument("--concurrency", type=int, default=32, help="orgs cycling in parallel")
+    parser.add_argument("--burst", type=int, default=160, help="claims of the burst (orgs)")
+    parser.add_argument("--duration", type=float, default=8.0, help="sustained phase, seconds")
+    parser.add_argument("--concurrency", type=int, default=48, help="orgs cycling in parallel")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiplies --burst and --concurrency"
+    )
     parser.add_argument("--profile", type=Path, default=None, help="py-spy output directory")
     parser.add_argument(
         "--baseline",
@@ -483,14 +625,16 @@ def main() -> None:
         default=None,
         help="src folder of another stoker version, measured side by side with this one",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="rounds with --baseline")
     parser.add_argument(
-        "--refill",
-        action="store_true",
-        help="let the pool grow to twice --workers, so that it refills during the burst",
+        "--variant", choices=["refill", "no-refill"], default="refill", help="with --baseline"
     )
+    parser.add_argument("--rounds", type=int, default=None, help="default 1, or 3 with --baseline")
     args = parser.parse_args()
-    uvloop.run(compare(args) if args.baseline is not None else run(args))
+    args.burst = max(1, round(args.burst * args.scale))
+    args.concurrency = max(1, min(args.burst, round(args.concurrency * args.scale)))
+    if args.rounds is None:
+        args.rounds = 3 if args.baseline is not None else 1
+    uvloop.run(compare(args) if args.baseline is not None else side_by_side(args))
 
 
 if __name__ == "__main__":
