@@ -4,8 +4,10 @@ generously; no test measures a time."""
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -76,6 +78,48 @@ def test_a_deleted_database_file_makes_the_server_unready_and_claims_fail_at_onc
         assert "was deleted while the server ran" in body["detail"]
         # One loud line, not one per failed heartbeat.
         assert srv.log().count("store_unavailable") == 1, srv.log()
+        assert "Traceback" not in srv.log()
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+def test_a_write_lock_held_by_another_process_never_freezes_the_server(tmp_path: Path) -> None:
+    """Another process holds the SQLite write lock past the store's lock wait (5 s):
+    `/healthz` answers meanwhile, the server turns unready naming the lock, and a claim
+    waiting then gets 503 `store_unavailable` naming it too, not "no worker"; once the lock
+    is gone the server is ready and claims bind again."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = start_server(tmp_path, config=config(fleet), args=["--stop-workers"])
+    try:
+        assert wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, SOON)
+        holder = sqlite3.connect(tmp_path / "stoker.db", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                body = {"pool": "demo", "org": "acme", "timeout_s": 10}
+                waiting = pool.submit(httpx.post, srv.url + "/v1/claims", json=body, timeout=SOON)
+                # Well below the lock wait: a loop blocked in SQLite would not answer in time.
+                assert httpx.get(srv.url + "/healthz", timeout=4).status_code == 200
+
+                def unready() -> bool:
+                    answer = httpx.get(srv.url + "/readyz", timeout=4)
+                    return answer.status_code == 503
+
+                assert wait_until(unready, SOON), srv.log()
+                ready = httpx.get(srv.url + "/readyz").json()
+                assert ready["reason"] == "store_unavailable"
+                assert "another process held the write lock" in ready["detail"]
+                answer = waiting.result(SOON)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["reason"] == "store_unavailable"
+            assert "another process held the write lock" in answer.json()["detail"]
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, SOON)
+        claimed = httpx.post(srv.url + "/v1/claims", json={"pool": "demo", "org": "acme"})
+        assert claimed.status_code == 201, claimed.text
         assert "Traceback" not in srv.log()
     finally:
         srv.stop()

@@ -26,6 +26,7 @@ from stoker.domain.errors import (
     InvalidRequest,
     OrgCapError,
     StokerError,
+    StoreError,
     Unavailable,
 )
 from stoker.domain.records import Claim, ClaimRequest, Worker
@@ -50,7 +51,7 @@ class Claims:
         sessions: Sessions,
         demand: DemandPublisher,
     ) -> None:
-        self._book, self._catalog = shared.book, shared.catalog
+        self._book, self._catalog, self._lifecycle = shared.book, shared.catalog, shared.lifecycle
         self._rollouts = shared.rollouts
         self._clock, self._metrics, self._settings = shared.clock, shared.metrics, shared.settings
         self._reservations, self._spawner = reservations, spawner
@@ -129,6 +130,15 @@ class Claims:
                 retry_after=self._settings.org_cap_retry_after_s,
             )
         within = f"within {attempt.deadline - attempt.started:g}s"
+        failed = self._lifecycle.last_store_failure
+        if failed is not None and failed[0] >= attempt.started:
+            # Its writes failed meanwhile (a locked or failing store): say so, not "no worker".
+            if counted is not None:
+                counted.labels(pool, "none", "store_unavailable").inc()
+            return StoreError(
+                f"no worker of pool {pool!r} could be claimed {within}: the store is failing: "
+                f"{failed[1]}"
+            )
         trouble = self._spawner.trouble(attempt.pool)
         error = trouble.last_error if trouble else attempt.spawn_error
         if error is not None and attempt.blocked_by is not MissReason.POOL_CAP:

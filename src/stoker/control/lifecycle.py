@@ -49,8 +49,11 @@ class Lifecycle:
         self.journal = journal or Journal(clock.now)
         #: The last heartbeat of each activating worker (in flight or written), by id.
         self._beats: dict[str, asyncio.Future[Worker | None]] = {}
+        #: (monotonic time, error) of the last write the store failed, if any.
+        self.last_store_failure: tuple[float, str] | None = None
 
     def _persist_failed(self, label: str, exc: StoreError) -> None:
+        self.last_store_failure = (self.clock.monotonic(), str(exc))
         self.metrics.persist_failures.labels(label).inc()
         logs.event("persist_failed", transition=label, error=str(exc), level=logs.WARNING)
         self.journal.record(EventKind.PERSIST_FAILED, reason=label, detail=str(exc))

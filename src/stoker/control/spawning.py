@@ -180,6 +180,8 @@ class Spawner:
             await self._retirer.retire(worker, RetireReason.SPAWN_FAILURE, stop=False)
             return False
         finally:
+            # Cleared before anything else can happen: once ready, the worker is offered to
+            # claims, which skip what is in flight.
             self._book.clear_in_flight(worker.id)
         # Kept until written: if this write fails (or readiness overtakes it), the write
         # that makes the worker ready carries the ref instead.

@@ -10,6 +10,12 @@ COMMIT there costs no I/O, and callers are spared the extra loop step.
 
 Nothing here knows the store's tables; the store is told through `on_undo` whenever SQLite
 undid writes (a failed write, a rollback), since triggers may already have reported them.
+
+The write lock is waited for without holding up the loop: SQLite's own busy handler waits
+at most `LOOP_BUSY_MS` at a time (the connection's `busy_timeout`), and between tries the
+writer sleeps on the loop, until `lock_wait_s` has passed; then the write fails with a
+StoreError naming the lock. Another process holding the file's write lock for seconds
+leaves `/healthz`, reads and everything else on the loop answering.
 """
 
 from __future__ import annotations
@@ -24,6 +30,26 @@ from typing import Any
 from stoker.domain.errors import StoreError
 
 _Key = tuple[asyncio.AbstractEventLoop, str]
+
+#: The longest SQLite's busy handler may hold the loop waiting for a lock, per try.
+LOOP_BUSY_MS = 20
+#: The loop's sleeps between tries for the write lock grow up to this.
+_MAX_LOCK_SLEEP_S = 0.05
+
+
+def is_busy(exc: sqlite3.Error) -> bool:
+    """True when `exc` says another connection holds the lock (SQLITE_BUSY)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code == sqlite3.SQLITE_BUSY or (code is None and "database is locked" in str(exc))
+
+
+async def sleep_between_tries(started: float, lock_wait_s: float, tries: int) -> bool:
+    """Sleep before the next try for a lock; False (no sleep) once `lock_wait_s` passed
+    since `started` (the loop's time, which the sleeps follow)."""
+    if asyncio.get_running_loop().time() - started >= lock_wait_s:
+        return False
+    await asyncio.sleep(min(_MAX_LOCK_SLEEP_S, 0.005 * 2**tries))
+    return True
 
 
 class OpenBatches:
@@ -99,13 +125,17 @@ class GroupCommit:
         *,
         on_undo: Callable[[], None],
         batches: OpenBatches = PROCESS_BATCHES,
+        lock_wait_s: float = 5.0,
     ) -> None:
         self.db: sqlite3.Connection | None = None
         self.file = file
         self._on_undo = on_undo
         self._batches = batches
+        self.lock_wait_s = lock_wait_s
         #: The open transaction of this loop iteration's writes.
         self._batch: Batch | None = None
+        #: Done when the writer trying to open the next batch got it (or gave up).
+        self._opening: asyncio.Future[None] | None = None
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -153,7 +183,7 @@ class GroupCommit:
                 yield db
             return
         db = self.conn
-        batch = self._batch or self._open_batch(db)
+        batch = self._batch or await self._open_batch(db)
         committed = batch.join()
         try:
             db.execute("SAVEPOINT write")
@@ -176,13 +206,25 @@ class GroupCommit:
         undoes a failed statement without the transaction around it), else without BEGIN
         and COMMIT. Returns how many rows it changed, and the rows it returned."""
         self.yield_write_lock()
-        try:
-            cursor = self.conn.execute(sql, params)
-            rows = cursor.fetchall()
-        except sqlite3.Error as exc:
-            self._on_undo()  # a failed statement is undone after its triggers ran
-            self._check_batch(exc)
-            raise StoreError(f"sqlite: {exc}") from exc
+        started, tries = asyncio.get_running_loop().time(), 0
+        while True:
+            try:
+                cursor = self.conn.execute(sql, params)
+                rows = cursor.fetchall()
+                break
+            except sqlite3.Error as exc:
+                if (
+                    self._batch is None
+                    and is_busy(exc)
+                    and await sleep_between_tries(started, self.lock_wait_s, tries)
+                ):
+                    # Another process holds the write lock: nothing ran, try again.
+                    tries += 1
+                    self.yield_write_lock()
+                    continue
+                self._on_undo()  # a failed statement is undone after its triggers ran
+                self._check_batch(exc)
+                raise StoreError(f"sqlite: {_locked(exc, self.lock_wait_s)}") from exc
         if self._batch is not None:
             await self._batch.join()
         return cursor.rowcount, rows
@@ -212,18 +254,40 @@ class GroupCommit:
         else:
             batch.settle(None)
 
-    def _open_batch(self, db: sqlite3.Connection) -> Batch:
-        self.yield_write_lock()
-        try:
-            db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise StoreError(f"sqlite: {exc}") from exc
+    async def _open_batch(self, db: sqlite3.Connection) -> Batch:
+        """The open batch, opened now (BEGIN IMMEDIATE) unless another writer of this
+        store opens it meanwhile; the write lock is waited for on the loop."""
+        while self._opening is not None:
+            # Another writer waits for the write lock: its batch will do for this one too.
+            await asyncio.shield(self._opening)
+            if self._batch is not None:
+                return self._batch
         loop = asyncio.get_running_loop()
+        opening = self._opening = loop.create_future()
+        try:
+            await self._begin(db)
+        finally:
+            self._opening = None
+            opening.set_result(None)
         batch = self._batch = Batch(loop)
         loop.call_soon(self.commit)
         if self.file is not None:
             self._batches.hold((loop, self.file), self)
         return batch
+
+    async def _begin(self, db: sqlite3.Connection) -> None:
+        """BEGIN IMMEDIATE, trying again while another process holds the write lock."""
+        started, tries = asyncio.get_running_loop().time(), 0
+        while True:
+            self.yield_write_lock()
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.Error as exc:
+                if is_busy(exc) and await sleep_between_tries(started, self.lock_wait_s, tries):
+                    tries += 1
+                    continue
+                raise StoreError(f"sqlite: {_locked(exc, self.lock_wait_s)}") from exc
 
     def _check_batch(self, exc: BaseException) -> None:
         """After a failed write: if SQLite undid the whole transaction (a full disk, an I/O
@@ -245,6 +309,13 @@ class GroupCommit:
         # Triggers already reported the undone writes: the store must read them again.
         self._on_undo()
         rollback(db)
+
+
+def _locked(exc: sqlite3.Error, lock_wait_s: float) -> str:
+    """The error's text, saying how long the write lock was waited for when it is that."""
+    if is_busy(exc):
+        return f"{exc} (another process held the write lock for {lock_wait_s:g}s)"
+    return str(exc)
 
 
 def rollback(db: sqlite3.Connection) -> None:

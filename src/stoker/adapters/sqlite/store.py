@@ -20,7 +20,12 @@ import os
 import sqlite3
 
 from stoker.adapters._pools import PoolRows
-from stoker.adapters.sqlite.batching import PROCESS_BATCHES, GroupCommit, OpenBatches
+from stoker.adapters.sqlite.batching import (
+    LOOP_BUSY_MS,
+    PROCESS_BATCHES,
+    GroupCommit,
+    OpenBatches,
+)
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.live_rows import LiveRows
 from stoker.adapters.sqlite.ownership import FileIdentity
@@ -65,7 +70,9 @@ class SqliteStore(WorkerRows, ReplicaRows, SqlitePoolHooks, PoolRows):
         self._live = LiveRows()
         self._decoded = DecodedRows()
         file = None if path in ("", ":memory:") else os.path.realpath(path)
-        self._writes = GroupCommit(file, on_undo=self._live.forget, batches=batches)
+        self._writes = GroupCommit(
+            file, on_undo=self._live.forget, batches=batches, lock_wait_s=busy_timeout_s
+        )
         self._identity: FileIdentity | None = None
 
     @property
@@ -97,6 +104,9 @@ class SqliteStore(WorkerRows, ReplicaRows, SqlitePoolHooks, PoolRows):
             db.execute("PRAGMA synchronous = NORMAL")
             with self._writes.tx_now() as tx:
                 migrate(tx)
+            # From now on the loop serves: SQLite's own wait for a lock holds it up for
+            # LOOP_BUSY_MS at most, the rest of the wait is the loop's (see batching).
+            db.execute(f"PRAGMA busy_timeout = {LOOP_BUSY_MS}")
             self._live.watch(db)
             if self._writes.file is not None:
                 self._identity = FileIdentity.of(self._writes.file)
