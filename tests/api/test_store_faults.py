@@ -77,7 +77,7 @@ def test_a_deleted_database_file_makes_the_server_unready_and_claims_fail_at_onc
         assert body["reason"] == "store_unavailable"
         assert "was deleted while the server ran" in body["detail"]
         # One loud line, not one per failed heartbeat.
-        assert srv.log().count("store_unavailable") == 1, srv.log()
+        assert srv.log().count("event=store_unavailable") == 1, srv.log()
         assert "Traceback" not in srv.log()
     finally:
         srv.stop()
