@@ -600,3 +600,97 @@ def test_a_replica_whose_registration_expired_exits_for_a_fresh_start(tmp_path: 
         assert {p.pid for p in fleet_processes(fleet)} == workers
     finally:
         kill_fleet(fleet)
+
+
+# -- --json on every command ----------------------------------------------------------------
+
+
+def _leaf_commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for name, command in getattr(group, "commands", {}).items():
+        if getattr(command, "commands", None):
+            yield from _leaf_commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def test_every_command_takes_json() -> None:
+    import typer
+
+    from stoker.cli.app import app
+
+    leaves = list(_leaf_commands(typer.main.get_command(app)))
+    assert len(leaves) >= 10
+    lacking = [
+        " ".join(path)
+        for path, command in leaves
+        if not any("--json" in getattr(p, "opts", ()) for p in command.params)
+    ]
+    assert lacking == []
+
+
+def test_version_json() -> None:
+    result = run(["version", "--json"])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"version": "0.1.0"}
+
+
+def test_worker_check_json() -> None:
+    command = ["{python}", "-m", "stoker.demo_worker", "--port", "{port}"]
+    result = run(["worker-check", "--json", "--", *command, "--worker-id", "{worker_id}"])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] is True and report["command"][:3] == command[:3]
+    assert report["rules"] and all(rule["passed"] for rule in report["rules"])
+    assert {"rule", "expected", "got", "passed"} <= set(report["rules"][0])
+
+
+def test_scaletest_json_from_an_empty_directory(tmp_path: Path) -> None:
+    args = ["scaletest", "cold-ramp", "--short", "--policy", "stoker", "--no-progress"]
+    result = subprocess.run(
+        [STOKER, *args, "--json", "--out", "out"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["scenario"] == "cold-ramp" and summary["stoker_violations"] == 0
+    assert set(summary["policies"]) == {"stoker"} == set(summary["headlines"])
+    assert (tmp_path / "out" / "summary.json").exists()
+
+
+def test_serve_json_announces_itself_and_logs_json(tmp_path: Path) -> None:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "stoker.yaml").write_text(config(fleet))
+    proc = subprocess.Popen(
+        [STOKER, "serve", "-c", "stoker.yaml", "--json", "--stop-workers"],
+        cwd=tmp_path,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        started = json.loads(proc.stdout.readline())
+        assert started["event"] == "listening" and started["pools"] == ["demo"]
+        assert started["url"].startswith("http://127.0.0.1:")
+        assert httpx.get(started["url"] + "/healthz", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        kill_fleet(fleet)
+    assert proc.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"event": "stopped"}
+    lines = [json.loads(line) for line in err.strip().splitlines()]
+    assert any(line.get("event") == "control_plane_started" for line in lines)
+
+
+def test_a_bad_choice_is_said_without_the_parser_s_words() -> None:
+    line = one_line_error(run(["workers", "list", "--state", "bogus"]), 2)
+    assert "'bogus' is not one of" in line and "Value error" not in line

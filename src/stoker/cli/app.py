@@ -16,6 +16,7 @@ import typer
 from stoker._version import __version__
 from stoker.cli.claims import claim, claims_app, release
 from stoker.cli.config import config_app
+from stoker.cli.output import JsonFlag, print_json
 from stoker.cli.pools import pools, status
 from stoker.cli.scaletest import scaletest
 from stoker.cli.serve import serve
@@ -49,9 +50,12 @@ def _root(
         raise typer.Exit(0)
 
 
-def version() -> None:
+def version(as_json: JsonFlag = False) -> None:
     """Print the version."""
-    print(f"stoker {__version__}")
+    if as_json:
+        print_json({"version": __version__})
+    else:
+        print(f"stoker {__version__}")
 
 
 app.command()(serve)
@@ -91,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             ctx = getattr(exc, "ctx", None)
             path = getattr(ctx, "command_path", None)
             hint = f" (see '{path} --help')" if code == 2 and path else ""
+            # The option parser's validation words are not the user's concern.
+            message = message.replace("Value error, ", "")
             print(f"stoker: {message}{hint}", file=sys.stderr)
         sys.exit(code)
     sys.exit(result if isinstance(result, int) else 0)

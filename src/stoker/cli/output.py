@@ -29,6 +29,7 @@ TokenOption = Annotated[
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print the server's JSON instead of a table")
 ]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text")]
 LimitOption = Annotated[
     int, typer.Option("--limit", "-n", min=1, max=10000, help="At most this many rows")
 ]
@@ -67,9 +68,9 @@ def make_console(*, fit: bool = False) -> Console:
     return Console(width=200)
 
 
-def print_json(body: Any) -> None:
-    """`body` as indented JSON on stdout."""
-    print(json.dumps(body, indent=2, ensure_ascii=False))
+def print_json(body: Any, *, indent: int | None = 2) -> None:
+    """`body` as JSON on stdout, indented unless `indent` is None (one line)."""
+    print(json.dumps(body, indent=indent, ensure_ascii=False), flush=True)
 
 
 def when(value: datetime | None) -> str:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stoker.cli.output import fail, make_console
+from stoker.cli.output import JsonFlag, fail, make_console, print_json
 
 
 def scaletest(
@@ -49,6 +49,7 @@ def scaletest(
             help="Policies run at once, each in a process (0: all of them)",
         ),
     ] = 0,
+    as_json: JsonFlag = False,
 ) -> None:
     """Run the real control plane against a simulated cluster in virtual time.
 
@@ -91,23 +92,32 @@ def scaletest(
         write_report(result, out)
     except OSError as exc:
         fail(f"cannot write the report to {out}: {exc}")
-    console = make_console()
-    table = Table(title=f"scaletest {loaded.name}" + (" (short)" if short else ""))
     rows = headlines(result)
-    columns = list(rows[0].cells) if rows else []
-    table.add_column("policy")
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(row.policy, *(row.cells[c] for c in columns))
-    console.print(table)
-    virtual = loaded.duration_s * len(result.policies)
-    print(
-        f"wall {result.wall_s:.1f} s for {virtual / 3600:.2f} h of virtual time "
-        f"(x{virtual / max(result.wall_s, 1e-9):,.0f}); report in {out}",
-        flush=True,
-    )
     broken = result.stoker_violations()
+    if as_json:
+        print_json(
+            {
+                "scenario": loaded.name,
+                "short": short,
+                "report": str(out),
+                "wall_s": round(result.wall_s, 3),
+                "stoker_violations": len(broken),
+                # Per policy: the figures of summary.json, and the table's headlines.
+                "policies": {
+                    p.name: {"summary": p.summary, "violations": len(p.violations)}
+                    for p in result.policies
+                },
+                "headlines": {row.policy: row.cells for row in rows},
+            }
+        )
+    else:
+        _print_headlines(loaded.name, short, rows)
+        virtual = loaded.duration_s * len(result.policies)
+        print(
+            f"wall {result.wall_s:.1f} s for {virtual / 3600:.2f} h of virtual time "
+            f"(x{virtual / max(result.wall_s, 1e-9):,.0f}); report in {out}",
+            flush=True,
+        )
     if broken:
         print(
             f"stoker: scenario {loaded.name}: stoker's policy broke invariants "
@@ -123,6 +133,18 @@ def scaletest(
             for line in violation.trace:
                 print(f"      {line}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _print_headlines(name: str, short: bool, rows: list[Any]) -> None:
+    """The headline figures of each policy, as a table."""
+    table = Table(title=f"scaletest {name}" + (" (short)" if short else ""))
+    columns = list(rows[0].cells) if rows else []
+    table.add_column("policy")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row.policy, *(row.cells[c] for c in columns))
+    make_console().print(table)
 
 
 class _ScaletestProgress:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from stoker._version import __version__
-from stoker.cli.output import fail
+from stoker.cli.output import fail, print_json
 
 
 def serve(
@@ -29,6 +29,10 @@ def serve(
             "--stop-workers",
             help="On shutdown, stop this server's workers instead of leaving them to adopt",
         ),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Announce start and stop as JSON objects, and log JSON lines"),
     ] = False,
 ) -> None:
     """Run the control plane and its HTTP API until SIGTERM or Ctrl-C."""
@@ -51,7 +55,7 @@ def serve(
         # Already one `config error: <key>: <problem>` line per problem.
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
-    configure_logging(config.log_level, config.log_format)
+    configure_logging(config.log_level, "json" if as_json else config.log_format)
     try:
         sock = bind(config.api.host, config.api.port)
     except ServerSideError as exc:
@@ -81,6 +85,22 @@ def serve(
     election = f"{config.elector_kind()} {lease}" if lease else config.elector_kind()
 
     def announce() -> None:
+        if as_json:
+            print_json(
+                {
+                    "event": "listening",
+                    "version": __version__,
+                    "url": url,
+                    "config": [loaded.source, *loaded.overrides],
+                    "store": config.store_display(),
+                    "runtime": config.runtime.kind,
+                    "leader_election": election,
+                    "pools": [p.name for p in config.pools],
+                    "auth": auth,
+                },
+                indent=None,
+            )
+            return
         print(
             f"stoker {__version__} listening on {url} (config: {loaded.source}{overrides}; "
             f"store: {config.store_display()}; runtime: {config.runtime.kind}; "
@@ -98,4 +118,7 @@ def serve(
         )
     except ServerSideError as exc:
         fail(str(exc))
-    print("stoker stopped", flush=True)
+    if as_json:
+        print_json({"event": "stopped"}, indent=None)
+    else:
+        print("stoker stopped", flush=True)

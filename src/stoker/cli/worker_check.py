@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from stoker.cli.output import fail, make_console
+from stoker.cli.output import JsonFlag, fail, make_console, print_json
 
 
 def worker_check(
@@ -24,6 +25,7 @@ def worker_check(
     ready_timeout: Annotated[
         float, typer.Option(help="Seconds the worker has to answer /healthz", min=0.1)
     ] = 30.0,
+    as_json: JsonFlag = False,
 ) -> None:
     """Start a worker as stoker would and check it against the worker protocol."""
     from stoker.worker_check import CannotStart, check_worker
@@ -32,6 +34,19 @@ def worker_check(
         report = check_worker(command, host=host, ready_timeout_s=ready_timeout)
     except CannotStart as exc:
         fail(str(exc))
+    failed = sum(not row.passed for row in report.rows)
+    if as_json:
+        print_json(
+            {
+                "command": command,
+                "passed": report.passed,
+                "rules": [dataclasses.asdict(row) for row in report.rows],
+                "output": report.output or None,
+            }
+        )
+        if not report.passed:
+            fail(f"{failed} of {len(report.rows)} rules failed")
+        return
     table = Table(title=escape(f"worker-check: {' '.join(command)}"))
     for column in ("rule", "expected", "got", "result"):
         table.add_column(column)
@@ -40,7 +55,6 @@ def worker_check(
         table.add_row(row.rule, row.expected, row.got, result)
     console = make_console()
     console.print(table)
-    failed = sum(not row.passed for row in report.rows)
     if report.passed:
         console.print(f"all {len(report.rows)} rules passed")
         return
