@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypedDict, Unpack
 
 from stoker.domain.records import Worker
 
@@ -26,6 +27,16 @@ class EventKind(StrEnum):
     ACTIVATION_FAILED = "activation_failed"
     PERSIST_FAILED = "persist_failed"
     PASS_FAILED = "pass_failed"
+
+
+class About(TypedDict, total=False):
+    """What an event is about, each part when known (`Event`'s fields of that name)."""
+
+    pool: str | None
+    worker: str | None
+    org: str | None
+    reason: str | None
+    detail: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,20 +61,9 @@ class Journal:
         self._events: deque[Event] = deque(maxlen=capacity)
         self._seq = itertools.count(1)
 
-    def record(
-        self,
-        kind: EventKind,
-        *,
-        pool: str | None = None,
-        worker: str | None = None,
-        org: str | None = None,
-        reason: str | None = None,
-        detail: str | None = None,
-    ) -> None:
+    def record(self, kind: EventKind, **about: Unpack[About]) -> None:
         """Keep one event (the oldest goes once the ring is full)."""
-        self._events.append(
-            Event(next(self._seq), self._now(), kind, pool, worker, org, reason, detail)
-        )
+        self._events.append(Event(next(self._seq), self._now(), kind, **about))
 
     def worker(self, kind: EventKind, worker: Worker, *, detail: str | None = None) -> None:
         """Keep one event about `worker` (its pool, org and retirement reason)."""
