@@ -172,23 +172,17 @@ class ControlPlane:
         if loops:
             # The chart starts with the pools as they are at start.
             await self._guarded("sample", self.sample_pools)
+            every = (
+                ("janitor", self.settings.janitor_interval_s, self._janitor_pass),
+                ("reaper", self.settings.reaper_interval_s, self._reaper_pass),
+                ("heartbeat", self.settings.instance_heartbeat_s, self._heartbeat),
+                ("sample", self.settings.pool_sample_s, self.sample_pools),
+            )
             self._loops = [
                 asyncio.create_task(self._elect(), name="elector"),
-                asyncio.create_task(
-                    self._every(self.settings.janitor_interval_s, "janitor", self._janitor_pass),
-                    name="janitor",
-                ),
-                asyncio.create_task(
-                    self._every(self.settings.reaper_interval_s, "reaper", self._reaper_pass),
-                    name="reaper",
-                ),
-                asyncio.create_task(
-                    self._every(self.settings.instance_heartbeat_s, "heartbeat", self._heartbeat),
-                    name="heartbeat",
-                ),
-                asyncio.create_task(
-                    self._every(self.settings.pool_sample_s, "sample", self.sample_pools),
-                    name="sample",
+                *(
+                    asyncio.create_task(self._every(interval, name, step), name=name)
+                    for name, interval, step in every
                 ),
             ]
 
