@@ -11,6 +11,9 @@ from stoker.domain.specs import OrgSpec, PoolSpec
 from stoker.policy.reaping import resolve_ttl
 from stoker.policy.scaling import effective_cap
 
+#: The overrides of an org the config does not name: none.
+_NO_OVERRIDES = OrgSpec("-")
+
 
 class Catalog:
     """Pool and org specs by name, and what they resolve to (org -> pool -> built-in)."""
@@ -80,29 +83,26 @@ class Catalog:
 
     def org_cap(self, pool: PoolSpec, org: str) -> int:
         """The org's cap in the pool (0 = unbounded)."""
-        spec = self._orgs.get(org)
-        if spec is not None and spec.max_workers is not None:
-            return spec.max_workers
-        return pool.max_workers_per_org
+        own = self._org(org).max_workers
+        return pool.max_workers_per_org if own is None else own
 
     def max_claim_s(self, pool_name: str, org: str) -> float:
         """The longest a session of `org` in the pool may last (org -> pool; 0 = no limit)."""
-        spec = self._orgs.get(org)
-        if spec is not None and spec.max_claim_s is not None:
-            return spec.max_claim_s
+        own = self._org(org).max_claim_s
         pool = self._pools.get(pool_name)
-        return pool.max_claim_s if pool else 0.0
+        return own if own is not None else pool.max_claim_s if pool else 0.0
 
     def min_hot_idle(self, pool_name: str, org: str) -> int:
         """The org's hot_idle floor in the pool (org -> pool)."""
-        spec = self._orgs.get(org)
-        if spec is not None and spec.min_hot_idle is not None:
-            return spec.min_hot_idle
+        own = self._org(org).min_hot_idle
         pool = self._pools.get(pool_name)
-        return pool.min_hot_idle if pool else 0
+        return own if own is not None else pool.min_hot_idle if pool else 0
+
+    def _org(self, org: str) -> OrgSpec:
+        """The org's overrides (none for an org the config does not name)."""
+        return self._orgs.get(org, _NO_OVERRIDES)
 
     def hot_idle_ttl(self, pool: PoolSpec, org: str, claim_ttl: float | None) -> float:
         """How long a worker of `org` stays parked: claim -> org -> pool, clamped by max_ttl."""
-        org_spec = self._orgs.get(org)
-        org_ttl = org_spec.hot_idle_ttl if org_spec else None
+        org_ttl = self._org(org).hot_idle_ttl
         return resolve_ttl(claim_ttl, org_ttl, pool.hot_idle_ttl, pool.max_ttl)
