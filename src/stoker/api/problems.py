@@ -31,6 +31,7 @@ STATUS_OF: dict[type[errors.StokerError], int] = {
     errors.Forbidden: 403,
     errors.NotFound: 404,
     errors.ClaimConflict: 409,
+    errors.RolloutEnded: 409,
     errors.OrgCapError: 429,
     errors.CapacityError: 503,
     errors.Unavailable: 503,

@@ -55,6 +55,10 @@ class ClaimKeyTaken(ClaimConflict, code="idempotency-key-taken"):
     with the key bound first (the caller answers with that claim)."""
 
 
+class RolloutEnded(StokerError, code="rollout-ended"):
+    """An action on a rollout that has ended (promoted, rolled back, aborted, superseded)."""
+
+
 class OrgCapError(StokerError, code="org-cap"):
     """The org holds as many workers of the pool as its cap allows (HTTP 429)."""
 
