@@ -32,6 +32,7 @@ from stoker.adapters.sqlite import SqliteStore
 from stoker.config import KubernetesRuntimeConfig, StokerConfig, load_activation_key, to_domain
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
+from stoker.control.rollouts import Planner
 from stoker.control.scaler import DemandSource
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ConfigError
@@ -314,6 +315,7 @@ def build_plane(
     elector: ElectorFactory,
     demand: DemandSource | None = None,
     tracer: Tracer = NO_TRACER,
+    planner: Planner | None = None,
 ) -> ControlPlane:
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
@@ -321,7 +323,8 @@ def build_plane(
     plane's `SoleLeader`), and the plane around them and `activator`: its claim path,
     janitor and fallback reaper. `stoker serve` builds its replica here from the config
     (`build_control_plane`); the simulator builds each of its replicas here too, on its
-    own clock, cluster and store. `demand` replaces the janitor's demand source.
+    own clock, cluster and store. `demand` replaces the janitor's demand source and
+    `planner` the rollout plan (the simulator's baselines).
     """
     # One id for the replica's row, its runtime objects' labels and its lease holder.
     instance_id = ids.instance()
@@ -342,6 +345,7 @@ def build_plane(
         closers=closers,
         demand=demand,
         tracer=tracer,
+        planner=planner,
     )
 
 

@@ -35,13 +35,14 @@ from stoker.control.journal import EventKind, Journal
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
-from stoker.control.rollouts import Rollouts
+from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
 from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
+from stoker.policy.rollout import rollout_plan
 from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector, SoleLeader
@@ -88,6 +89,7 @@ class ControlPlane:
         ids: Ids | None = None,
         metrics: Metrics | None = None,
         demand: DemandSource | None = None,
+        planner: Planner | None = None,
         instance_id: str | None = None,
         closers: Sequence[Callable[[], Awaitable[None]]] = (),
         tracer: Tracer = NO_TRACER,
@@ -112,7 +114,7 @@ class ControlPlane:
         )
         self.book = Book(reader=store, instance_id=self.instance_id)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).
-        self.rollouts = Rollouts(self.catalog, self.metrics)
+        self.rollouts = Rollouts(self.catalog, self.metrics, planner or rollout_plan)
         #: Recent events and the last hour of each pool, for the dashboard.
         self.journal = Journal(self.clock.now)
         self.history = History(self.settings.pool_sample_s)

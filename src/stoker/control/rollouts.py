@@ -10,7 +10,7 @@ Failures of the ramping revision are counted here as this replica sees them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 
 from stoker.control.catalog import Catalog
@@ -43,12 +43,18 @@ class Outcome(StrEnum):
     CLAIM_ERROR = "claim_error"
 
 
+#: `rollout_plan`, or what the simulator's baselines put in its place (same arguments).
+Planner = Callable[..., RolloutPlan]
+
+
 class Rollouts:
     """Routing, reuse and sizing of each pool's revisions by its rollout plan."""
 
-    def __init__(self, catalog: Catalog, metrics: Metrics) -> None:
+    def __init__(self, catalog: Catalog, metrics: Metrics, planner: Planner = rollout_plan) -> None:
+        """`planner` replaces `rollout_plan` (the simulator's baselines)."""
         self._catalog = catalog
         self._metrics = metrics
+        self._plan = planner
         #: Attempts and failures by (rollout id, outcome).
         self._tally: Counter[tuple[str, Outcome]] = Counter()
         #: The last plan each pool's pass computed (the API and metrics show it).
@@ -56,7 +62,7 @@ class Rollouts:
 
     def stored(self, pool: PoolSpec) -> RolloutPlan:
         """The plan of the stored rollout, deciding nothing: how new claims route now."""
-        return rollout_plan(
+        return self._plan(
             stable=pool.revision,
             ramp=self._catalog.rollout(pool.name),
             counts={},
@@ -143,7 +149,7 @@ class Rollouts:
         """The pass's plan for the pool, deciding what is due unless `decide` is off (the
         leader writes what it decided)."""
         ramp = self._catalog.rollout(pool.name)
-        plan = rollout_plan(
+        plan = self._plan(
             stable=pool.revision,
             ramp=ramp,
             counts=counts,

@@ -14,7 +14,9 @@ and settings here:
 - **static-target-uncapped**: static-target's demand source (0) on stoker's own runtime,
   without the memory cap and the spawn semaphore: beside `static-target`, it tells the
   demand logic apart from the cap;
-- **knative-kpa**: Knative's Pod Autoscaler as the demand source (`stoker.sim.kpa`).
+- **knative-kpa**: Knative's Pod Autoscaler as the demand source (`stoker.sim.kpa`);
+- **canary-pool-default** (picchu #602): a rollout plan whose ramp is sized from the
+  pool's default target alone (`pool_default_plan`, `stoker.sim.rollout`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from typing import Any
 
 from stoker.adapters.elector_k8s import KubernetesLeaseElector
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
+from stoker.control.rollouts import Planner
 from stoker.control.scaler import DemandSource
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec
+from stoker.policy.rollout import PoolDemand, RolloutPlan, rollout_plan
 from stoker.ports.clock import Clock
 from stoker.sim.cluster.resources import memory_bytes
 from stoker.sim.observed import ObservedRuntime
@@ -178,3 +182,25 @@ class RunOnceElector:
     async def resign(self) -> None:
         """As the wrapped elector's."""
         await self.inner.resign()
+
+
+# -- rollouts ------------------------------------------------------------------------------
+
+
+def planner_for(entry: PolicyEntry) -> Planner | None:
+    """The rollout plan under the policy (None: stoker's own)."""
+    return pool_default_plan if entry.policy == "canary-pool-default" else None
+
+
+def pool_default_plan(**inputs: Any) -> RolloutPlan:
+    """stoker's plan (`rollout_plan`, same arguments), but the ramping revision's warm
+    target is the pool's default target times its share: neither the other revisions'
+    load nor the demand counts."""
+    plan = rollout_plan(**inputs)
+    pool: PoolDemand = inputs["pool"]
+    ramping = plan.ramping
+    if ramping is None:
+        return plan
+    part = plan.part(ramping)
+    default = dataclasses.replace(part, warm_target=math.ceil(pool.warm_target * part.share))
+    return dataclasses.replace(plan, revisions={**plan.revisions, ramping: default})

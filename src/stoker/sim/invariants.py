@@ -1,4 +1,4 @@
-"""The invariant checker: stoker's invariants I1-I7, checked all through a simulated run.
+"""The invariant checker: stoker's invariants I1-I8, checked all through a simulated run.
 
 Two kinds of evidence, so that a violation is caught whether it lasts or not:
 
@@ -29,7 +29,9 @@ act: leaks are bounded by "TTL + 2 reaper intervals", also while leadership is l
   a bound claim whose worker is not serving it (the worker was drained, retired or lost
   and the claim was not failed), or whose pod has been gone for longer than 2 passes;
 - **I7** a janitor's spawn that left more warm and neutral spawning workers than the
-  target it asked for (two janitors overshooting); a worker retired twice.
+  target it asked for (two janitors overshooting); a worker retired twice;
+- **I8** live workers above the pool's cap while a rollout is under way (checked by
+  `stoker.sim.rollout`, every second of the rollout).
 
 Each violation is recorded once per invariant and subject, with the run time, the details
 and a short trace: the latest events about its subject and the latest events overall.
@@ -435,7 +437,8 @@ class InvariantChecker:
     def _check_warm(self) -> None:
         now = self._now()
         for name, spec in self._pools.items():
-            neutral = self.rows.neutral[(name, spec.revision)]
+            # Every revision's: during a rollout the warm target is split between them.
+            neutral = sum(n for (pool, _rev), n in self.rows.neutral.items() if pool == name)
             live = self.rows.per_pool[name]
             cap = self._pool_cap(name)
             short = neutral < spec.warm_target and (cap == 0 or live < cap)

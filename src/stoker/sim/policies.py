@@ -3,7 +3,8 @@
 `stoker` is stoker as `stoker serve` runs it; `stoker-reactive` is stoker with the learned
 forecast off (the warm target and headroom from the reactive estimate alone). The rest are
 the baselines stoker is compared with (`stoker.sim.baselines`, `stoker.sim.kpa`):
-historical failures re-enacted, and the strongest reactive peer.
+historical failures re-enacted, and the strongest reactive peer. `replace` and
+`canary-pool-default` differ from stoker only in how a rollout ramps (`stoker.sim.rollout`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ POLICY_KINDS = (
     "knative-kpa",
     "run-once-elector",
     "percent-headroom",
+    "replace",
+    "canary-pool-default",
 )
 
 
@@ -79,4 +82,9 @@ POLICY_PARAMS: Mapping[str, type[ParamsModel]] = {
     "knative-kpa": KnativeKpaParams,
     "run-once-elector": NoParams,
     "percent-headroom": PercentHeadroomParams,
+    # A rollout switches every new claim at once: stoker before canaries.
+    "replace": NoParams,
+    # A canary whose ramp is sized from the pool's default target, never from the other
+    # revisions' load (picchu #602's first bug).
+    "canary-pool-default": NoParams,
 }

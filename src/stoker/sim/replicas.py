@@ -44,7 +44,13 @@ from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import Clock
 from stoker.ports.elector import Elector
 from stoker.ports.store import Store
-from stoker.sim.baselines import RunOnceElector, demand_for, runtime_for, settings_for
+from stoker.sim.baselines import (
+    RunOnceElector,
+    demand_for,
+    planner_for,
+    runtime_for,
+    settings_for,
+)
 from stoker.sim.cluster import SimClient, SimCluster
 from stoker.sim.kpa import KnativeKpa
 from stoker.sim.observed import ObservedRuntime, ObservedStore, Observer
@@ -155,6 +161,8 @@ class SimActivator:
         self._clock = clock
         self._observer = observer
         self._held: dict[str, tuple[str, int]] = {}
+        #: Share of activations that fail, per revision (a bad image).
+        self.revision_failure_rate: dict[str, float] = {}
         self.activations = 0
         self.rejections = 0
         self.failures = 0
@@ -177,7 +185,8 @@ class SimActivator:
             raise ActivationRejected(
                 f"worker {worker.id} refused org {payload.org} at epoch {payload.epoch}"
             )
-        if self._failure_rate and self._rng.random() < self._failure_rate:
+        rate = self.revision_failure_rate.get(worker.revision, self._failure_rate)
+        if rate and self._rng.random() < rate:
             self.failures += 1
             raise RuntimeFailure(f"worker {worker.id} answered 500 to activation")
         self._held[worker.id] = (payload.org, payload.epoch)
@@ -261,6 +270,7 @@ def build_replicas(
             activator=activator,
             elector=parts.elector,
             demand=demand,
+            planner=planner_for(entry),
         )
         replicas.planes.append(plane)
     return replicas

@@ -373,6 +373,21 @@ class ActivatorConfig(_Model):
     failure_rate: float = Field(0.0, ge=0, le=1)
 
 
+class RolloutConfig(_Model):
+    """A new revision of the pool rolled out during the run (`stoker.sim.rollout`): a new
+    image at `at_s`, ramped by the policy's strategy (`stoker`: this canary)."""
+
+    at_s: float = Field(ge=0)
+    #: The new revision's image (any change of the template is a new revision).
+    image: str = "registry.sim.example/worker:2"
+    #: The canary's steps (percent of new claims), as `POST /v1/pools/{name}/rollouts`.
+    steps: tuple[int, ...] = (10, 50, 100)
+    step_interval_s: float = Field(60.0, gt=0)
+    max_failure_ratio: float = Field(0.2, gt=0, le=1)
+    #: Share of the new revision's activations that fail (a bad image): none by default.
+    activation_failure_rate: float = Field(0.0, ge=0, le=1)
+
+
 # -- policies --------------------------------------------------------------------------------
 
 
@@ -432,6 +447,8 @@ class Scenario(_Model):
     activator: ActivatorConfig = ActivatorConfig()
     tenants: tuple[TenantGroup, ...] = ()
     cluster: dict[str, Any] = Field(default_factory=dict)
+    #: A new revision rolled out during the run (None: none).
+    rollout: RolloutConfig | None = None
     #: Laid over the whole scenario by `--short` (already applied once loaded short).
     short: dict[str, Any] = Field(default_factory=dict)
 
