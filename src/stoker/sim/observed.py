@@ -9,7 +9,7 @@ start. Neither changes what the replica does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
@@ -57,16 +57,32 @@ class Observer(Protocol):
 class ObservedStore:
     """One replica's handle on the shared store (see the module docstring).
 
-    Every write of a worker or a claim is reported once the store acknowledged it; every
-    other call, reads included, is the shared store's own method. `open` opens the shared
+    Every write of a worker or a claim takes `write_latency` (a network round trip and a
+    commit) and is reported once the store acknowledged it; every other call, reads
+    included, is the shared store's own method. `open` opens the shared
     store once for all; `close` leaves it open: the runner closes it once every replica
     has stopped.
     """
 
-    def __init__(self, inner: Store, *, replica: int, observer: Observer) -> None:
+    def __init__(
+        self,
+        inner: Store,
+        *,
+        replica: int,
+        observer: Observer,
+        write_latency: Callable[[], float] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.inner = inner
         self.replica = replica
         self._observer = observer
+        self._latency = write_latency
+        self._clock = clock
+
+    async def _round_trip(self) -> None:
+        """A write's trip to the database and back (`write_latency`), before it lands."""
+        if self._latency is not None and self._clock is not None:
+            await self._clock.sleep(self._latency())
 
     def __getattr__(self, name: str) -> Any:
         # Only for what this class does not define: the store's own bound method, kept
@@ -90,6 +106,7 @@ class ObservedStore:
         self, req: SpawnRequest, ids: Sequence[str], now: float
     ) -> SpawnResult:
         """As `Store.reserve_spawn_slots`; each new row and the reservation reported."""
+        await self._round_trip()
         result = await self.inner.reserve_spawn_slots(req, ids, now)
         for worker in result.workers:
             self._written(None, worker)
@@ -98,18 +115,21 @@ class ObservedStore:
 
     async def transition(self, worker_id: str, **cas: Any) -> Worker | None:
         """As `Store.transition`, reported."""
+        await self._round_trip()
         worker = await self.inner.transition(worker_id, **cas)
         self._written(cas["expect"], worker)
         return worker
 
     async def reserve(self, worker_id: str, **cas: Any) -> ReserveResult:
         """As `Store.reserve`, reported."""
+        await self._round_trip()
         result = await self.inner.reserve(worker_id, **cas)
         self._written(cas["expect"], result.worker)
         return result
 
     async def reserve_any(self, pool: str, revision: str, **cas: Any) -> ReserveResult:
         """As `Store.reserve_any`, reported."""
+        await self._round_trip()
         result = await self.inner.reserve_any(pool, revision, **cas)
         self._written(cas["expect"], result.worker)
         return result
@@ -118,6 +138,7 @@ class ObservedStore:
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
     ) -> Worker | None:
         """As `Store.bind`; the worker's move to hot and the claim reported."""
+        await self._round_trip()
         worker = await self.inner.bind(
             worker_id, epoch=epoch, version=version, claim=claim, now=now
         )
@@ -128,6 +149,7 @@ class ObservedStore:
 
     async def renew_claim(self, claim_id: str, *, expires_at: float, now: float) -> Claim | None:
         """As `Store.renew_claim`, reported."""
+        await self._round_trip()
         claim = await self.inner.renew_claim(claim_id, expires_at=expires_at, now=now)
         if claim is not None:
             self._observer.claim_renewed(self.replica, claim)
@@ -135,6 +157,7 @@ class ObservedStore:
 
     async def end_claim(self, claim_id: str, **end: Any) -> tuple[Claim, Worker] | None:
         """As `Store.end_claim`; the claim's end and the worker's move reported."""
+        await self._round_trip()
         result = await self.inner.end_claim(claim_id, **end)
         if result is not None:
             self._observer.claim_ended(self.replica, result[0])

@@ -20,6 +20,7 @@ it only by the runtime, elector, settings and demand source they pick.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -251,6 +252,9 @@ def build_replicas(
     orgs = org_specs(scenario)
     settings = settings_for(entry, plane_settings(scenario))
     demand = demand_for(entry)
+    write_latency: Callable[[], float] | None = None
+    if (latency := scenario.control_plane.store_write_latency) is not None:
+        write_latency = functools.partial(latency.sample, random.Random(f"{scenario.seed}/store"))
     params = entry.typed_params()
     if isinstance(params, KnativeKpaParams):
         replicas.kpa = KnativeKpa(params, store=store, warm_target=replicas.pool.warm_target)
@@ -265,7 +269,13 @@ def build_replicas(
             settings=settings,
             clock=clock,
             ids=Ids(scenario.seed * 1000 + index),
-            store=ObservedStore(store, replica=index, observer=observer),
+            store=ObservedStore(
+                store,
+                replica=index,
+                observer=observer,
+                write_latency=write_latency,
+                clock=clock,
+            ),
             runtime=parts.runtime,
             activator=activator,
             elector=parts.elector,

@@ -61,6 +61,12 @@ from stoker.sim.cluster.distributions import (
     distribution_from,
 )
 from stoker.sim.cluster.resources import cpu_millis, memory_bytes
+from stoker.sim.defaults import (
+    BASE_CLUSTER,
+    PLACEHOLDER_PRIORITY_CLASS,
+    WORKER_PRIORITY_CLASS,
+    with_node_pool_defaults,
+)
 from stoker.sim.policies import (
     POLICY_KINDS,
     POLICY_PARAMS,
@@ -72,27 +78,16 @@ from stoker.sim.policies import (
 )
 
 __all__ = [
+    "BASE_CLUSTER",
+    "PLACEHOLDER_PRIORITY_CLASS",
     "POLICY_KINDS",
+    "WORKER_PRIORITY_CLASS",
     "KnativeKpaParams",
     "NoParams",
     "PercentHeadroomParams",
     "StaticTargetParams",
 ]
 
-
-#: Priority classes of stoker's pods, laid under every scenario's cluster. The background
-#: uses bigfleet's 100 / 1000 / 1,000,000 (`stoker.sim.cluster.workloads`). Workers serve
-#: interactive sessions: as important as the background's services (1000), above batch
-#: and stateless pods (100), below critical real-time ones. Placeholders are the lowest
-#: of all, so any pod preempts them; -1 is the cluster-overprovisioner chart's value,
-#: above the cluster autoscaler's expendable cutoff of -10.
-WORKER_PRIORITY_CLASS = "stoker-worker"
-PLACEHOLDER_PRIORITY_CLASS = "stoker-placeholder"
-BASE_CLUSTER: Mapping[str, Any] = {
-    "priority_classes": {WORKER_PRIORITY_CLASS: 1000, PLACEHOLDER_PRIORITY_CLASS: -1},
-    # Pod labels the Kubernetes runtime sets: requested CPU of workers and placeholders.
-    "track_labels": ["stoker.dev/pool", "stoker.dev/placeholder"],
-}
 
 #: Where `load_scenario` looks for a scenario given by name: ./scenarios (a user's own),
 #: then the scenarios shipped in the package (`stoker/sim/scenarios/`).
@@ -348,9 +343,14 @@ class ControlPlaneConfig(_Model):
     spawn_burst: int = Field(100, ge=1)
     client_qps: float = Field(50.0, gt=0)
     client_burst: int = Field(100, ge=1)
-    #: API latency of each replica's client; none by default (every distinct latency is
-    #: an instant the virtual clock must visit, so it is opt-in per scenario).
-    client_latency: OptionalDist = None
+    #: API latency of each replica's client: log-normal, median 10 ms (p99 ~32 ms, capped
+    #: at 1 s), an in-cluster API server under load (agent-sandbox measured APF waits up to
+    #: ~359 ms p99 in a burst); Kubernetes' SLO bounds mutating calls' p99 at 1 s.
+    client_latency: OptionalDist = LogNormal(0.01, 0.5, cap=1.0)
+    #: Each worker and claim write: log-normal, median 2 ms (capped at 200 ms), a commit on
+    #: PostgreSQL in the same zone (this README: 1.6 ms of database CPU per claim cycle on
+    #: 2 cores; an in-zone round trip is well under 1 ms). An assumption.
+    store_write_latency: OptionalDist = LogNormal(0.002, 0.5, cap=0.2)
     #: client-go's conventional leader-election timings, stoker's defaults: 15 / 10 / 2 s.
     lease_duration_s: float = Field(15.0, gt=0)
     renew_deadline_s: float = Field(10.0, gt=0)
@@ -463,7 +463,7 @@ class Scenario(_Model):
     @classmethod
     def _cluster(cls, value: dict[str, Any]) -> dict[str, Any]:
         try:
-            SimClusterConfig.from_mapping(deep_merge(BASE_CLUSTER, value))
+            SimClusterConfig.from_mapping(_full_cluster(value))
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         return value
@@ -485,7 +485,7 @@ class Scenario(_Model):
 
     def cluster_config(self) -> SimClusterConfig:
         """The simulated cluster of this scenario (its `cluster` over `BASE_CLUSTER`)."""
-        return SimClusterConfig.from_mapping(deep_merge(BASE_CLUSTER, self.cluster))
+        return SimClusterConfig.from_mapping(_full_cluster(self.cluster))
 
     def policy(self, name: str) -> PolicyEntry:
         """A policy entry by name; ConfigError if the scenario has none of that name."""
@@ -513,6 +513,11 @@ class Scenario(_Model):
     def org_names(self) -> list[str]:
         """Every tenant org, in file order."""
         return [org for group in self.tenants for org in group.org_names()]
+
+
+def _full_cluster(cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """A scenario's cluster over `BASE_CLUSTER`, its node pools filled with the defaults."""
+    return deep_merge(BASE_CLUSTER, with_node_pool_defaults(cluster))
 
 
 def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

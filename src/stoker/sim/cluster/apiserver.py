@@ -75,6 +75,7 @@ class FakeApiServer:
     is the grace period of a pod that sets none (Kubernetes' default is 30 s). Without
     `on_terminating` a graceful deletion completes when its grace period ends; with it,
     the hook (a simulated kubelet) decides when the containers have stopped.
+    `watch_latency_s` delays every watch event by that much after its write.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class FakeApiServer:
         history_size: int = 1000,
         default_grace_s: float = 30.0,
         on_terminating: TerminationHook | None = None,
+        watch_latency_s: float = 0.0,
     ) -> None:
         self._clock = clock
         self._namespace = namespace
@@ -92,7 +94,9 @@ class FakeApiServer:
         self._rv = 0
         self._pods: dict[str, Pod] = {}
         self._leases = LeaseTable(namespace, self._next_rv)
-        self._feed = ChangeFeed(history_size)
+        self._feed = ChangeFeed(
+            history_size, latency_s=watch_latency_s, clock=clock if watch_latency_s else None
+        )
         self._on_terminating = on_terminating
         self._terminations: dict[str, asyncio.Task[None]] = {}
         self._gate = CallGate(clock)

@@ -5,7 +5,9 @@ that a watch can resume from a resourceVersion (`Gone` when it is older than the
 kept), delivers each change to the open watches as the watch cache would (a pod whose
 labels stop matching a selector is DELETED from that watch, one that starts matching is
 ADDED), then to the listeners, in resourceVersion order. Delivery order never depends on
-object addresses: watches are kept in insertion-ordered dicts.
+object addresses: watches are kept in insertion-ordered dicts. With a `latency_s`, a
+watch hands each change to its client that much later than the write (the same delay for
+every change, so the order holds); listeners, the cluster's own controllers, get it at once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from stoker.ports.clock import Clock
 from stoker.ports.cluster import Gone, Invalid, Pod, Selector, WatchEvent, WatchEventType
 
 
@@ -67,17 +70,27 @@ class Watch:
     selector: Selector
     #: Who opened it (a client view's name), so that faults can drop one client's watches.
     owner: str | None = None
-    # None ends the watch: the server dropped it.
-    queue: asyncio.Queue[WatchEvent | None] = field(default_factory=asyncio.Queue)
+    # (deliver at, event); None ends the watch: the server dropped it.
+    queue: asyncio.Queue[tuple[float, WatchEvent] | None] = field(default_factory=asyncio.Queue)
 
 
 class ChangeFeed:
     """The history of pod changes, and the watches and listeners they are delivered to."""
 
-    def __init__(self, history_size: int) -> None:
+    def __init__(
+        self,
+        history_size: int,
+        *,
+        latency_s: float = 0.0,
+        clock: Clock | None = None,
+    ) -> None:
         if history_size < 1:
             raise ValueError("history_size must be >= 1")
+        if latency_s < 0 or (latency_s > 0 and clock is None):
+            raise ValueError("latency_s must be >= 0, and needs a clock")
         self._history_size = history_size
+        self._latency_s = latency_s
+        self._clock = clock
         self._history: deque[PodChange] = deque()
         # A watch from any rv >= this one misses nothing; older ones get Gone.
         self._oldest_rv = 0
@@ -128,7 +141,10 @@ class ChangeFeed:
             for event in backlog:
                 yield event
             while (live := await watch.queue.get()) is not None:
-                yield live
+                due, event = live
+                if self._clock is not None and (wait := due - self._clock.monotonic()) > 0:
+                    await self._clock.sleep(wait)
+                yield event
         finally:
             self.unsubscribe(watch)
 
@@ -165,12 +181,13 @@ class ChangeFeed:
         self._history.append(change)
         while len(self._history) > self._history_size:
             self._oldest_rv = self._history.popleft().rv
+        due = self._clock.monotonic() + self._latency_s if self._clock is not None else 0.0
         for group in self._watches.values():
             # All watches of a group share the selector: match once, deliver to each.
             event = change.seen_through(next(iter(group)).selector)
             if event is not None:
                 for watch in group:
-                    watch.queue.put_nowait(event)
+                    watch.queue.put_nowait((due, event))
         for listener in self._listeners:
             listener(change)
 

@@ -80,7 +80,9 @@ class ApiConfig:
     - `client_qps` 50 / `client_burst` 100: the per-client budget the duckgres
       incident ran under (a QPS-50 client), also kube-scheduler's client defaults;
     - `client_latency` none: every distinct latency is an instant the virtual clock must
-      visit, so latency is opt-in (e.g. log-normal, median 10 ms).
+      visit, so latency is opt-in (e.g. log-normal, median 10 ms);
+    - `watch_latency_s` 0: how much later than its write a watch delivers a change
+      (opt-in likewise; the scale test's scenarios set one, `stoker.sim.scenario`).
     """
 
     history_size: int = 10_000
@@ -88,6 +90,7 @@ class ApiConfig:
     client_qps: float = 50.0
     client_burst: int = 100
     client_latency: Distribution | None = None
+    watch_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)

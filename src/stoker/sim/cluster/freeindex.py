@@ -9,7 +9,8 @@ the same inputs give the same placements.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 from stoker.sim.cluster.resources import Allocatable
@@ -155,24 +156,34 @@ def best_fit(
     *,
     candidates: int,
     node_filter: tuple[tuple[str, str], ...] = (),
+    score: Callable[[SlotT, int, int], float] | None = None,
+    emptiest_first: bool = False,
 ) -> SlotT | None:
-    """The most allocated of the first `candidates` slots that fit cpu, mem and one pod.
+    """The best-scored of the first `candidates` slots that fit cpu, mem and one pod.
 
     Like kube-scheduler on a large cluster, it scores a sample of the feasible nodes
-    (the tightest in CPU, which are also the likeliest winners) instead of all of them.
+    instead of all of them: the tightest in CPU (the likeliest winners of the default
+    `most_allocated` score), or with `emptiest_first` the emptiest (a `least_allocated`
+    score's).
     """
+    rate = score or most_allocated
     best: SlotT | None = None
-    best_score = -1.0
+    best_score = -math.inf
     found = 0
-    for slot in index.candidates(cpu):
+    for slot in index.descending() if emptiest_first else index.candidates(cpu):
         if slot.free_cpu < cpu or slot.free_mem < mem or slot.free_pods < 1:
             continue
         if node_filter and not all(slot.labels.get(k) == v for k, v in node_filter):
             continue
-        score = most_allocated(slot, cpu, mem)
-        if score > best_score:
-            best, best_score = slot, score
+        value = rate(slot, cpu, mem)
+        if value > best_score:
+            best, best_score = slot, value
         found += 1
         if found >= candidates:
             break
     return best
+
+
+def least_allocated(slot: FreeSlot, cpu: int, mem: int) -> float:
+    """kube-scheduler's LeastAllocated score (its default; equal weights), 0 to 2."""
+    return 2.0 - most_allocated(slot, cpu, mem)

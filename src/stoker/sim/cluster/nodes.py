@@ -46,6 +46,11 @@ class NodeFleet:
         self.pools = {pool.name: pool for pool in pools}
         self._timeline = timeline
         self._rng = rng
+        # Launch failures draw from their own generator (seeded from the run's without
+        # drawing from it), so a pool without them replays exactly as before.
+        self._failures = random.Random(hash(rng.getstate()))
+        #: Launches whose instance never joined and was replaced (`launch_failure_rate`).
+        self.launch_failures = 0
         self._on_ready = on_ready
         self._on_cordoned = on_cordoned
         self._on_terminated = on_terminated
@@ -91,6 +96,13 @@ class NodeFleet:
         self._price_sum += instance_type.price_per_hour
         self._price_time_sum += instance_type.price_per_hour * now
         delay = pool.config.provisioning.sample(self._rng) if delay_s is None else delay_s
+        config = pool.config
+        if delay_s is None and config.launch_failure_rate:
+            # An instance that never joins is replaced once its registration times out;
+            # the node (and its cost) runs from the first launch.
+            while self._failures.random() < config.launch_failure_rate:
+                self.launch_failures += 1
+                delay += config.launch_failure_after_s
         if delay <= 0:
             self._ready(node)
         else:

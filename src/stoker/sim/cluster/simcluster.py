@@ -325,6 +325,7 @@ class SimCluster:
             namespace=namespace,
             history_size=self.config.api.history_size,
             default_grace_s=self.config.api.default_grace_s,
+            watch_latency_s=self.config.api.watch_latency_s,
             on_terminating=lambda pod, grace: self.mirror.deletion_began(server, pod, grace),
         )
         return server
