@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import (
@@ -51,6 +51,16 @@ from stoker.sim.cluster.calls import CallGate
 from stoker.sim.cluster.changes import ChangeFeed, PodChange, PodListener, matches
 from stoker.sim.cluster.leases import LeaseTable
 from stoker.sim.cluster.validation import check_labels, check_name
+
+
+class PodStatus(TypedDict, total=False):
+    """The status fields `FakeApiServer.set_pod_status` sets (those given)."""
+
+    phase: str
+    ready: bool
+    pod_ip: str
+    node_name: str
+    reason: str
 
 
 def _merge(current: Mapping[str, str], patch: MetadataPatch) -> dict[str, str]:
@@ -250,35 +260,18 @@ class FakeApiServer:
             self._remove(name)
 
     def set_pod_status(
-        self,
-        name: str,
-        *,
-        phase: str | None = None,
-        ready: bool | None = None,
-        pod_ip: str | None = None,
-        node_name: str | None = None,
-        reason: str | None = None,
-        clear_reason: bool = False,
+        self, name: str, *, clear_reason: bool = False, **status: Unpack[PodStatus]
     ) -> Pod:
-        """Change the pod's status as the scheduler or kubelet would; None leaves a field.
+        """Change the pod's status as the scheduler or kubelet would: the fields given.
 
         `clear_reason` removes `reason` (a pod that was Unschedulable got a node).
         Returns the pod as stored; a change that changes nothing writes nothing.
         """
         pod = self._pod(name)
-        wanted = {
-            "phase": phase,
-            "ready": ready,
-            "pod_ip": pod_ip,
-            "node_name": node_name,
-            "reason": reason,
-        }
         changes: dict[str, Any] = {
-            key: value
-            for key, value in wanted.items()
-            if value is not None and getattr(pod, key) != value
+            key: value for key, value in status.items() if getattr(pod, key) != value
         }
-        if clear_reason and reason is None and pod.reason is not None:
+        if clear_reason and "reason" not in status and pod.reason is not None:
             changes["reason"] = None
         return self._update_pod(pod, changes) if changes else pod
 
