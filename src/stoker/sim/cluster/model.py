@@ -14,6 +14,7 @@ part that acts on them (`nodes`, `scheduler`, `kubelet`, `autoscaler`, `disrupti
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from stoker.ports.cluster import Container, PodPhase, PodSpec, Toleration
@@ -25,6 +26,7 @@ from stoker.sim.cluster.specs import (
     NodePoolConfig,
     PdbSpec,
     Shape,
+    WorkloadKind,
     budget_of,
     scaled,
     tolerates,
@@ -60,91 +62,50 @@ class NodeState(StrEnum):
     TERMINATED = "terminated"  # gone
 
 
+@dataclass(slots=True, eq=False, repr=False, kw_only=True)
 class SimPod:
-    """One pod as the cluster's controllers track it (the API server holds the `Pod`)."""
+    """One pod as the cluster's controllers track it (the API server holds the `Pod`).
 
-    __slots__ = (
-        "annotations",
-        "bound_at",
-        "cpu",
-        "created_t",
-        "dnd",
-        "entry",
-        "gone",
-        "group",
-        "images",
-        "labels",
-        "mem",
-        "name",
-        "namespace",
-        "node",
-        "node_filter",
-        "node_name",
-        "nominated",
-        "pdbs",
-        "phase",
-        "pools",
-        "priority",
-        "priority_class",
-        "ready",
-        "seq",
-        "server",
-        "terminating",
-        "unschedulable",
-        "workload",
-    )
+    Compared and hashed by identity: a pod is a key of its node's and budgets' maps."""
 
-    def __init__(
-        self,
-        *,
-        server: FakeApiServer,
-        name: str,
-        seq: int,
-        cpu: int,
-        mem: int,
-        priority: int,
-        priority_class: str,
-        images: tuple[str, ...],
-        labels: Mapping[str, str],
-        annotations: Mapping[str, str],
-        pools: tuple[NodePool, ...],
-        node_filter: tuple[tuple[str, str], ...],
-        workload: Workload | None,
-        created_t: float,
-    ) -> None:
-        self.server = server
-        self.namespace = server.namespace
-        self.name = name
-        self.seq = seq
-        self.cpu = cpu
-        self.mem = mem
-        self.priority = priority
-        self.priority_class = priority_class
-        self.images = images
-        self.labels = labels
-        self.annotations = annotations
-        self.dnd = blocks_disruption(annotations)
-        #: Node pools whose labels and taints admit the pod, and the node-level labels
-        #: (instance type, hostname) it still requires of a node.
-        self.pools = pools
-        self.node_filter = node_filter
-        self.workload = workload
-        self.created_t = created_t
-        self.phase: str = PodPhase.PENDING
-        self.ready = False
-        self.terminating = False
-        self.gone = False
-        #: The node it is bound to (None before binding, or on a node the model does not know).
-        self.node: SimNode | None = None
-        self.node_name: str | None = None
-        self.bound_at: float | None = None
-        #: Scheduler bookkeeping: its live queue entry, its unschedulable group, the node
-        #: a preemption reserved for it, whether it was ever marked Unschedulable.
-        self.entry: int | None = None
-        self.group: object | None = None
-        self.nominated: SimNode | None = None
-        self.unschedulable = False
-        self.pdbs: list[PodDisruptionBudget] = []
+    server: FakeApiServer
+    name: str
+    seq: int
+    cpu: int
+    mem: int
+    priority: int
+    priority_class: str
+    images: tuple[str, ...]
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    #: Node pools whose labels and taints admit the pod, and the node-level labels
+    #: (instance type, hostname) it still requires of a node.
+    pools: tuple[NodePool, ...]
+    node_filter: tuple[tuple[str, str], ...]
+    workload: Workload | None
+    created_t: float
+    namespace: str = field(init=False)
+    #: Whether the pod pins its node (`blocks_disruption`).
+    dnd: bool = field(init=False)
+    phase: str = PodPhase.PENDING
+    ready: bool = False
+    terminating: bool = False
+    gone: bool = False
+    #: The node it is bound to (None before binding, or on a node the model does not know).
+    node: SimNode | None = None
+    node_name: str | None = None
+    bound_at: float | None = None
+    #: Scheduler bookkeeping: its live queue entry, its unschedulable group, the node
+    #: a preemption reserved for it, whether it was ever marked Unschedulable.
+    entry: int | None = None
+    group: object | None = None
+    nominated: SimNode | None = None
+    unschedulable: bool = False
+    pdbs: list[PodDisruptionBudget] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.namespace = self.server.namespace
+        self.dnd = blocks_disruption(self.annotations)
 
     def __repr__(self) -> str:
         return f"SimPod({self.namespace}/{self.name})"
@@ -410,57 +371,45 @@ def is_healthy(pod: SimPod) -> bool:
     return pod.ready and not pod.terminating
 
 
+@dataclass(slots=True, eq=False, repr=False, kw_only=True)
 class Workload:
-    """One Deployment or StatefulSet (or, with `bare`, a group of uncontrolled pods)."""
+    """One Deployment or StatefulSet (or, with `bare`, a group of uncontrolled pods).
 
-    __slots__ = (
-        "archetype",
-        "bare",
-        "cpu_m",
-        "created",
-        "ended",
-        "ends_at",
-        "expected_gone",
-        "hash",
-        "kind",
-        "labels",
-        "name",
-        "pdb",
-        "pods",
-        "replicas",
-        "requested",
-        "slot",
-        "spec",
-        "started_at",
-    )
+    Compared and hashed by identity; `shape` gives its pods' requests."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        archetype: Archetype,
-        shape: Shape,
-        replicas: int,
-        bare: bool,
-        started_at: float,
-        ends_at: float,
-        hash_: str,
-    ) -> None:
-        self.name = name
-        self.archetype = archetype
+    name: str
+    archetype: Archetype
+    shape: InitVar[Shape]
+    replicas: int
+    bare: bool
+    started_at: float
+    ends_at: float
+    hash: str
+    kind: WorkloadKind = field(init=False)
+    cpu_m: int = field(init=False)
+    labels: dict[str, str] = field(init=False)
+    #: One spec object shared by every pod of the workload (frozen, so safe to share).
+    spec: PodSpec = field(init=False)
+    pods: dict[str, SimPod] = field(default_factory=dict)
+    #: Pod creations queued at the rate limiter: a count (Deployment) or names.
+    requested: dict[str, None] = field(default_factory=dict)
+    #: Pods the owner itself deleted (end of life, churn): not destroyed demand.
+    expected_gone: dict[str, None] = field(default_factory=dict)
+    ended: bool = False
+    #: Pods created so far; beyond `replicas` every creation replaces a lost pod.
+    created: int = 0
+    pdb: PodDisruptionBudget | None = None
+    slot: int = -1
+
+    def __post_init__(self, shape: Shape) -> None:
+        archetype = self.archetype
         self.kind = archetype.kind
-        self.replicas = replicas
-        self.bare = bare
-        self.started_at = started_at
-        self.ends_at = ends_at
-        self.hash = hash_
         self.cpu_m = cpu_millis(shape.cpu)
         self.labels = {
-            "app.kubernetes.io/name": name,
-            WORKLOAD_LABEL: name,
+            "app.kubernetes.io/name": self.name,
+            WORKLOAD_LABEL: self.name,
             ARCHETYPE_LABEL: archetype.name,
         }
-        # One spec object shared by every pod of the workload (frozen, so safe to share).
         self.spec = PodSpec(
             containers=(
                 Container(
@@ -471,16 +420,6 @@ class Workload:
             restart_policy="Always",
             termination_grace_period_s=archetype.grace_s,
         )
-        self.pods: dict[str, SimPod] = {}
-        #: Pod creations queued at the rate limiter: a count (Deployment) or names.
-        self.requested: dict[str, None] = {}
-        #: Pods the owner itself deleted (end of life, churn): not destroyed demand.
-        self.expected_gone: dict[str, None] = {}
-        self.ended = False
-        #: Pods created so far; beyond `replicas` every creation replaces a lost pod.
-        self.created = 0
-        self.pdb: PodDisruptionBudget | None = None
-        self.slot = -1
 
     def active_pods(self) -> int:
         """Pods that count as replicas: not terminating, not finished."""

@@ -246,7 +246,7 @@ class WorkloadController:
             bare=bare,
             started_at=now,
             ends_at=now + lifetime_s,
-            hash_=self._random_name(10),
+            hash=self._random_name(10),
         )
         self.workloads[workload.name] = workload
         self.counters.workloads_started += 1
