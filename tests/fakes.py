@@ -23,12 +23,26 @@ from typing import Any
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
-from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
+from stoker.domain.records import (
+    Claim,
+    DemandRecord,
+    ForecastBucket,
+    Instance,
+    LeaseRecord,
+    Worker,
+)
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.activator import ActivationPayload
 from stoker.ports.runtime import RuntimeListener, RuntimeObject
-from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount, Store
+from stoker.ports.store import (
+    DemandCounts,
+    ReserveResult,
+    SpawnRequest,
+    SpawnResult,
+    StateCount,
+    Store,
+)
 
 #: The fleet activation key of tests that run real runtimes and activators: any key of 32
 #: bytes or more would do, and one shared constant lets a test derive a worker's secret.
@@ -169,6 +183,9 @@ class MemoryRuntime:
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         self.headroom_calls += 1
 
+    def placeholder_slots(self, pool: PoolSpec) -> int:
+        return 1
+
     def alive(self) -> set[str]:
         return {wid for wid, p in self.procs.items() if p.alive}
 
@@ -306,13 +323,21 @@ class FaultyStore:
         return await self.inner.get_lease(name)
 
     async def record_demand(
-        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+        self, instance_id: str, demand: Mapping[str, DemandCounts], *, now: float
     ) -> None:
         self._maybe_fail("record_demand")
         await self.inner.record_demand(instance_id, demand, now=now)
 
     async def read_demand(self) -> list[DemandRecord]:
         return await self.inner.read_demand()
+
+    async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
+        self._maybe_fail("record_forecast")
+        await self.inner.record_forecast(buckets)
+
+    async def read_forecast(self) -> list[ForecastBucket]:
+        self._maybe_fail("read_forecast")
+        return await self.inner.read_forecast()
 
     async def purge(self, *, before: float) -> int:
         self._maybe_fail("purge")

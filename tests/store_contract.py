@@ -26,7 +26,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoker.domain.errors import ClaimKeyTaken, IllegalTransition, StoreError
-from stoker.domain.records import Claim, DemandRecord, LeaseRecord, Worker, token_digest
+from stoker.domain.records import (
+    Claim,
+    DemandRecord,
+    ForecastBucket,
+    LeaseRecord,
+    Worker,
+    token_digest,
+)
 from stoker.domain.states import (
     TERMINAL,
     TRANSITIONS,
@@ -1824,6 +1831,34 @@ class StoreContract(PoolContract):
             DemandRecord("p", "cp-b", 5, 2, T0 + 1),
             DemandRecord("q", "cp-a", 0, 0, T0),
         ]
+
+    async def test_demand_rows_carry_each_replicas_claim_counter(self, store: Store) -> None:
+        await store.record_demand("cp-a", {"p": (3, 1, 40)}, now=T0)
+        await store.record_demand("cp-b", {"p": (0, 0, 2), "q": (1, 0)}, now=T0 + 1)
+        await store.record_demand("cp-a", {"p": (4, 0, 41)}, now=T0 + 2)
+        assert await store.read_demand() == [
+            DemandRecord("p", "cp-a", 4, 0, T0 + 2, 41),
+            DemandRecord("p", "cp-b", 0, 0, T0 + 1, 2),
+            DemandRecord("q", "cp-b", 1, 0, T0 + 1, 0),
+        ]
+
+    async def test_forecast_buckets_round_trip_and_are_replaced_by_key(self, store: Store) -> None:
+        """What one leader learned is what the next one reads (a restart, a failover)."""
+        assert await store.read_forecast() == []
+        first = [
+            ForecastBucket("p", "week", 14, 0.09, 0.0001, 1, T0),
+            ForecastBucket("p", "day", 14, 0.09, 0.0001, 1, T0),
+            ForecastBucket("q", "day", 47, 1e-9, 0.0, 3, T0),
+        ]
+        await store.record_forecast(first)
+        await store.record_forecast([])
+        assert await store.read_forecast() == sorted(
+            first, key=lambda b: (b.pool, b.level, b.bucket)
+        )
+        learned = ForecastBucket("p", "day", 14, 0.081, 0.00013, 2, T0 + 3600)
+        await store.record_forecast([learned])
+        rows = await store.read_forecast()
+        assert len(rows) == 3 and learned in rows and first[1] not in rows
 
     async def test_purge_deletes_only_old_terminal_history(
         self, store: Store, fleet: Fleet

@@ -19,6 +19,7 @@ from stoker.adapters._schema import (
     TABLES,
     WORKERS,
     Table,
+    before_rate,
     pending,
 )
 from stoker.adapters.sqlite import SqliteStore
@@ -86,7 +87,11 @@ async def test_a_database_of_version_4_gains_the_row_version_and_idempotency_key
     claims = Table(
         CLAIMS.name, tuple(c for c in CLAIMS.columns if c.name not in CLAIM_IDEMPOTENCY_COLUMNS)
     )
-    for table in (before, claims, *(t for t in TABLES[2:] if t not in POOL_TABLES)):
+    for table in (
+        before,
+        claims,
+        *(t for t in map(before_rate, TABLES[2:]) if t and t not in POOL_TABLES),
+    ):
         db.execute(SQLITE.create_table(table))
     db.execute("CREATE INDEX workers_live ON workers (state, pool, revision)")
     db.execute("CREATE INDEX claims_state_expires ON claims (state, expires_at)")

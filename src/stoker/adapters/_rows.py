@@ -9,9 +9,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
-from stoker.adapters._schema import CLAIMS, WORKERS
+from stoker.adapters._schema import CLAIMS, FORECAST, WORKERS
 from stoker.domain.errors import IllegalTransition
-from stoker.domain.records import Claim, Instance, LeaseRecord, Worker, token_digest
+from stoker.domain.records import (
+    Claim,
+    DemandRecord,
+    Instance,
+    LeaseRecord,
+    Worker,
+    token_digest,
+)
 from stoker.domain.states import (
     LIVE,
     RESERVABLE,
@@ -24,7 +31,7 @@ from stoker.domain.states import (
     check_org_change,
     check_transition,
 )
-from stoker.ports.store import MUTABLE_WORKER_FIELDS, SpawnRequest
+from stoker.ports.store import MUTABLE_WORKER_FIELDS, DemandCounts, SpawnRequest
 
 #: `state IN LIVE_SQL` selects live rows by the state indexes (`state != 'retired'` cannot
 #: use them, and reads the whole history).
@@ -192,6 +199,23 @@ def instance_from_row(row: Sequence[Any]) -> Instance:
         state=state,
         meta=load_json_object(meta),
     )
+
+
+def demand_row(counts: DemandCounts) -> tuple[int, int, int]:
+    """(misses, waiting, claims) of a replica's published counts (claims 0 when left out)."""
+    return (counts[0], counts[1], counts[2] if len(counts) > 2 else 0)
+
+
+def demand_from_row(row: Sequence[Any]) -> DemandRecord:
+    """A `DemandRecord` from `(pool, instance, misses, waiting, updated_at, claims)`."""
+    pool, instance, misses, waiting, updated_at, claims = row
+    return DemandRecord(pool, instance, int(misses), int(waiting), float(updated_at), int(claims))
+
+
+def forecast_select(table: str) -> str:
+    """Every row of the forecast table `table` (its columns are `ForecastBucket`'s fields,
+    in order: `ForecastBucket(*row)`, `dataclasses.astuple(bucket)`)."""
+    return f"SELECT {', '.join(FORECAST.names)} FROM {table} ORDER BY pool, level, bucket"
 
 
 def lease_from_row(row: Sequence[Any]) -> LeaseRecord:

@@ -117,6 +117,8 @@ DEMAND = Table(
         Column("misses", Kind.INT),
         Column("waiting", Kind.INT32),
         *_real("updated_at"),
+        # Cumulative claims that wanted a neutral worker: the demand rate's counter.
+        Column("claims", Kind.INT, has_default=True),
     ),
     key=("pool", "instance"),
 )
@@ -155,8 +157,32 @@ ROLLOUTS = Table(
 )
 #: The tables of stored pools, in the order a database creates them.
 POOL_TABLES = (POOLS, REVISIONS, ROLLOUTS)
+#: A pool's learned new-session rate (`policy.forecast`): at most 216 rows per pool.
+FORECAST = Table(
+    "forecast",
+    (
+        *_text("pool", "level"),
+        Column("bucket", Kind.INT32),
+        *_real("mean", "var"),
+        Column("seen", Kind.INT),
+        *_real("updated_at"),
+    ),
+    key=("pool", "level", "bucket"),
+)
 #: Every table, in the order a new database creates them.
-TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES)
+TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES, FORECAST)
+
+
+def before_rate(table: Table) -> Table | None:
+    """A table as it was before demand became a rate: the demand table without its claim
+    counter, no forecast table (None); the others unchanged (for the upgrade tests)."""
+    if table is FORECAST:
+        return None
+    if table is DEMAND:
+        return Table(
+            DEMAND.name, tuple(c for c in DEMAND.columns if c.name != "claims"), DEMAND.key
+        )
+    return table
 
 
 @dataclass(frozen=True, slots=True)

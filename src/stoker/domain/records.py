@@ -131,12 +131,31 @@ class Instance:
 
 @dataclass(frozen=True, slots=True)
 class DemandRecord:
-    """One replica's demand signal for one pool: cumulative misses and claims queued now."""
+    """One replica's demand signal for one pool: cumulative misses, claims queued now, and
+    cumulative claims that wanted a neutral worker (served warm or cold: not by reuse)."""
 
     pool: str
     instance: str
     misses: int
     waiting: int
+    updated_at: float
+    claims: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForecastBucket:
+    """One bucket of a pool's learned new-session rate (`policy.forecast`): the rate's
+    exponentially weighted mean and variance (claims per second) in one hour of the week
+    (`level` "week", bucket 0-167 from Monday 00:00 UTC) or one hour of a weekday or
+    weekend day (`level` "day", 0-23 weekdays, 24-47 weekends), and how many hours it
+    learned from."""
+
+    pool: str
+    level: str
+    bucket: int
+    mean: float
+    var: float
+    seen: int
     updated_at: float
 
 

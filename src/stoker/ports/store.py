@@ -25,9 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
-from stoker.domain.records import Claim, DemandRecord, Instance, LeaseRecord, Worker
+from stoker.domain.records import Claim, DemandRecord, ForecastBucket, Instance, LeaseRecord, Worker
 from stoker.domain.specs import RuntimeTemplate
 from stoker.domain.states import ClaimState, WorkerState
+
+#: One replica's demand counters of one pool: (cumulative misses, claims waiting now) and,
+#: optionally, cumulative claims that wanted a neutral worker.
+DemandCounts = tuple[int, int] | tuple[int, int, int]
 
 #: Fields of a worker row that a transition may set besides `state`.
 MUTABLE_WORKER_FIELDS = frozenset(
@@ -183,6 +187,10 @@ class StoreReader(Protocol):
 
     async def list_rollouts(self, *, pool: str | None = None) -> list[Rollout]:
         """The pool's rollouts, oldest first; without `pool`, every pool's *active* ones."""
+        ...
+
+    async def read_forecast(self) -> list[ForecastBucket]:
+        """Every pool's learned forecast buckets."""
         ...
 
 
@@ -353,12 +361,13 @@ class ReplicaStore(StoreReader, Protocol):
     # -- demand and housekeeping -------------------------------------------------------------
 
     async def record_demand(
-        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+        self, instance_id: str, demand: Mapping[str, DemandCounts], *, now: float
     ) -> None:
-        """Publish this replica's demand per pool: (cumulative misses, claims waiting now).
+        """Publish this replica's demand per pool: (cumulative misses, claims waiting now,
+        cumulative claims that wanted a neutral worker; 0 when left out).
 
-        The leader's janitor reads every replica's rows, so misses seen by any replica
-        raise the warm target (`stoker.policy.scaling`).
+        The leader's janitor reads every replica's rows, so the claims of any replica
+        make the pool's demand rate (`stoker.policy.demand`).
         """
         ...
 
@@ -389,6 +398,10 @@ class ReplicaStore(StoreReader, Protocol):
         """One write, by CAS on the pool's `generation`: the rollout's state, step, share,
         times and reason and, when it is `promoted`, its revision as the pool's stable one.
         `NotFound` when the pool is gone; `StaleGeneration` when it moved on."""
+        ...
+
+    async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
+        """Insert or replace forecast buckets (by pool, level and bucket)."""
         ...
 
     async def purge(self, *, before: float) -> int:

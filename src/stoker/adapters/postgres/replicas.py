@@ -3,13 +3,22 @@ of old history."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple
 from typing import Any
 
-from stoker.adapters._rows import dump_json, instance_from_row, lease_from_row
+from stoker.adapters._rows import (
+    demand_from_row,
+    demand_row,
+    dump_json,
+    forecast_select,
+    instance_from_row,
+    lease_from_row,
+)
 from stoker.adapters.postgres.connections import Connections
 from stoker.adapters.postgres.schema import Names
-from stoker.domain.records import DemandRecord, Instance, LeaseRecord
+from stoker.domain.records import DemandRecord, ForecastBucket, Instance, LeaseRecord
+from stoker.ports.store import DemandCounts
 
 
 class ReplicaRows:
@@ -112,35 +121,61 @@ class ReplicaRows:
         return lease_from_row(row) if row else None
 
     async def record_demand(
-        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+        self, instance_id: str, demand: Mapping[str, DemandCounts], *, now: float
     ) -> None:
         """Upsert this replica's demand rows in one statement."""
         if not demand:
             return
         pools = sorted(demand)
+        counts = [demand_row(demand[p]) for p in pools]
         async with self._db.connection() as conn:
             await conn.execute(
-                f"INSERT INTO {self._names.demand} (pool, instance, misses, waiting, updated_at) "
-                "SELECT p, %s, m, w, %s FROM unnest(%s::text[], %s::bigint[], %s::int[]) "
-                "AS t(p, m, w) ON CONFLICT (pool, instance) DO UPDATE SET "
+                f"INSERT INTO {self._names.demand} "
+                "(pool, instance, misses, waiting, claims, updated_at) "
+                "SELECT p, %s, m, w, c, %s "
+                "FROM unnest(%s::text[], %s::bigint[], %s::int[], %s::bigint[]) "
+                "AS t(p, m, w, c) ON CONFLICT (pool, instance) DO UPDATE SET "
                 "misses = EXCLUDED.misses, waiting = EXCLUDED.waiting, "
-                "updated_at = EXCLUDED.updated_at",
+                "claims = EXCLUDED.claims, updated_at = EXCLUDED.updated_at",
                 (
                     instance_id,
                     now,
                     pools,
-                    [demand[p][0] for p in pools],
-                    [demand[p][1] for p in pools],
+                    [c[0] for c in counts],
+                    [c[1] for c in counts],
+                    [c[2] for c in counts],
                 ),
             )
 
     async def read_demand(self) -> list[DemandRecord]:
         """Every replica's demand rows."""
         rows = await self._db.all(
-            f"SELECT pool, instance, misses, waiting, updated_at FROM {self._names.demand} "
-            "ORDER BY pool, instance"
+            "SELECT pool, instance, misses, waiting, updated_at, claims FROM "
+            f"{self._names.demand} ORDER BY pool, instance"
         )
-        return [DemandRecord(p, i, int(m), int(w), float(u)) for p, i, m, w, u in rows]
+        return [demand_from_row(row) for row in rows]
+
+    async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
+        """Insert or replace forecast buckets in one statement."""
+        if not buckets:
+            return
+        rows = [astuple(b) for b in buckets]
+        async with self._db.connection() as conn:
+            await conn.execute(
+                f"INSERT INTO {self._names.forecast} "
+                "(pool, level, bucket, mean, var, seen, updated_at) "
+                "SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], "
+                "%s::double precision[], %s::double precision[], %s::bigint[], "
+                "%s::double precision[]) "
+                "ON CONFLICT (pool, level, bucket) DO UPDATE SET mean = EXCLUDED.mean, "
+                "var = EXCLUDED.var, seen = EXCLUDED.seen, updated_at = EXCLUDED.updated_at",
+                tuple(list(column) for column in zip(*rows, strict=True)),
+            )
+
+    async def read_forecast(self) -> list[ForecastBucket]:
+        """Every pool's forecast buckets."""
+        rows = await self._db.all(forecast_select(self._names.forecast))
+        return [ForecastBucket(*row) for row in rows]
 
     async def purge(self, *, before: float) -> int:
         """Delete terminal history older than `before`, in one transaction."""

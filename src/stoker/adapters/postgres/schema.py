@@ -13,6 +13,7 @@ from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
     DEMAND,
+    FORECAST,
     POOL_TABLES,
     POSTGRES,
     TABLES,
@@ -38,6 +39,7 @@ class Names:
         self.instances = f"{s}.instances"
         self.leases = f"{s}.leases"
         self.demand = f"{s}.demand"
+        self.forecast = f"{s}.forecast"
         self.versions = f"{s}.schema_migrations"
         #: One row by id, the statements every read of one repeats.
         self.worker_by_id = f"SELECT {WORKER_SELECT} FROM {self.workers} WHERE id = %s"
@@ -109,6 +111,14 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
         ),
         # Stored pools: pools, their revisions and rollouts (`domain.pools`).
         (7, [POSTGRES.create_table(t, f"{s}.{t.name}") for t in POOL_TABLES]),
+        # Demand as a rate: each replica's claim counter, and the learned forecast.
+        (
+            8,
+            [
+                POSTGRES.add_column(DEMAND, "claims", f"{s}.demand"),
+                POSTGRES.create_table(FORECAST, f"{s}.forecast"),
+            ],
+        ),
     ]
 
 

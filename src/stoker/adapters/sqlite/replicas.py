@@ -3,14 +3,22 @@ old history."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple
 from typing import Any
 
-from stoker.adapters._rows import dump_json, lease_from_row
+from stoker.adapters._rows import (
+    demand_from_row,
+    demand_row,
+    dump_json,
+    forecast_select,
+    lease_from_row,
+)
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.ownership import FileIdentity
-from stoker.domain.records import DemandRecord, Instance, LeaseRecord
+from stoker.domain.records import DemandRecord, ForecastBucket, Instance, LeaseRecord
+from stoker.ports.store import DemandCounts
 
 _LEASE = "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?"
 
@@ -122,16 +130,16 @@ class ReplicaRows:
         return lease_from_row(rows[0]) if rows else None
 
     async def record_demand(
-        self, instance_id: str, demand: Mapping[str, tuple[int, int]], *, now: float
+        self, instance_id: str, demand: Mapping[str, DemandCounts], *, now: float
     ) -> None:
         """Upsert this replica's demand rows."""
         sql = (
-            "INSERT INTO demand (pool, instance, misses, waiting, updated_at) "
-            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (pool, instance) DO UPDATE SET "
+            "INSERT INTO demand (pool, instance, misses, waiting, claims, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (pool, instance) DO UPDATE SET "
             "misses = excluded.misses, waiting = excluded.waiting, "
-            "updated_at = excluded.updated_at"
+            "claims = excluded.claims, updated_at = excluded.updated_at"
         )
-        rows = [(pool, instance_id, m, w, now) for pool, (m, w) in sorted(demand.items())]
+        rows = [(pool, instance_id, *demand_row(c), now) for pool, c in sorted(demand.items())]
         if len(rows) == 1:
             await self._writes.write_one(sql, rows[0])
             return
@@ -141,9 +149,28 @@ class ReplicaRows:
     async def read_demand(self) -> list[DemandRecord]:
         """Every replica's demand rows."""
         rows = self._writes.read(
-            "SELECT pool, instance, misses, waiting, updated_at FROM demand ORDER BY pool, instance"
+            "SELECT pool, instance, misses, waiting, updated_at, claims FROM demand "
+            "ORDER BY pool, instance"
         )
-        return [DemandRecord(p, i, int(m), int(w), float(u)) for p, i, m, w, u in rows]
+        return [demand_from_row(row) for row in rows]
+
+    async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
+        """Insert or replace forecast buckets."""
+        if not buckets:
+            return
+        async with self._writes.tx() as db:
+            db.executemany(
+                "INSERT INTO forecast (pool, level, bucket, mean, var, seen, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (pool, level, bucket) DO UPDATE SET "
+                "mean = excluded.mean, var = excluded.var, seen = excluded.seen, "
+                "updated_at = excluded.updated_at",
+                [astuple(b) for b in buckets],
+            )
+
+    async def read_forecast(self) -> list[ForecastBucket]:
+        """Every pool's forecast buckets."""
+        rows = self._writes.read(forecast_select("forecast"))
+        return [ForecastBucket(*row) for row in rows]
 
     async def purge(self, *, before: float) -> int:
         """Delete terminal history older than `before`."""

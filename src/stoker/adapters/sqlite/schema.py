@@ -13,6 +13,7 @@ from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
     DEMAND,
+    FORECAST,
     POOL_TABLES,
     SQLITE,
     TABLES,
@@ -82,6 +83,8 @@ UPGRADES: list[tuple[int, list[str]]] = [
     ),
     # Stored pools: pools, their revisions and rollouts (`domain.pools`).
     (8, [SQLITE.create_table(table) for table in POOL_TABLES]),
+    # Demand as a rate: each replica's claim counter, and the learned forecast.
+    (9, [SQLITE.add_column(DEMAND, "claims"), SQLITE.create_table(FORECAST)]),
 ]
 
 
