@@ -38,6 +38,7 @@ from stoker.domain.specs import (
     Timeouts,
 )
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, Reuse, WorkerState
+from stoker.policy.demand import warm_for_rate
 from stoker.ports.clock import VirtualClock
 
 pytestmark = pytest.mark.looptime
@@ -216,7 +217,11 @@ async def test_require_warm_waits_for_the_reconciler(tmp_path: Path) -> None:
         assert not task.done()
         assert h.runtime.spawn_calls == 0
         report = await h.plane.run_janitor_pass()
-        assert report.spawned == {"p": 1}
+        # One spawn for the queued claim, plus what its rate wants warm for the next ones.
+        sizing = h.plane.janitor.sizing("p")
+        assert sizing is not None and sizing.waiting == 1
+        assert sizing.reactive == warm_for_rate(1 / 30, sizing.replace_s, 0.99)
+        assert report.spawned == {"p": 1 + sizing.reactive}
         claim = await task
         assert claim.source is ClaimSource.WARM
 
@@ -608,8 +613,13 @@ async def test_thirty_misses_reserve_target_plus_thirty_slots_in_one_tick(tmp_pa
         ]
         await asyncio.sleep(0.1)
         report = await h.plane.run_janitor_pass()
-        assert report.spawned == {"p": 30}
-        assert len(await h.workers(S.SPAWNING)) == 2 + 30
+        # The thirty queued claims, one spawn each, plus the warm workers that their rate
+        # (thirty within the panic window) wants for the claims to come.
+        sizing = h.plane.janitor.sizing("p")
+        assert sizing is not None and sizing.waiting == 30
+        assert sizing.reactive == warm_for_rate(30 / 30, sizing.replace_s, 0.99) > 2
+        assert report.spawned == {"p": 30 + sizing.reactive - 2}
+        assert len(await h.workers(S.SPAWNING)) == 30 + sizing.reactive
         await h.settle()
         for w in await h.workers(S.SPAWNING):
             h.runtime.make_ready(w.id)
@@ -630,16 +640,24 @@ async def test_demand_raises_the_warm_pool_then_scale_down_is_slow(tmp_path: Pat
         await h.settle()
         claims = await asyncio.gather(*(h.claim(f"o{i}", lease_s=3600) for i in range(20)))
         report = await h.tick()
-        # Target 1 plus 19 misses (the first claim took the one warm worker).
-        assert report.spawned["p"] == 20
-        assert len(await h.workers(S.WARM)) == 20
-        # No demand now: excess is held for scale_down_delay, then retired 10 % per pass at most.
+        # Twenty claims in the panic window: the warm pool grows to what that rate wants.
+        # The 19 misses spawned their own workers: they are not spawned for again.
+        sizing = h.plane.janitor.sizing("p")
+        assert sizing is not None
+        wanted = warm_for_rate(20 / 30, sizing.replace_s, 0.99)
+        assert sizing.reactive == wanted > 1
+        assert report.spawned["p"] == wanted
+        assert len(await h.workers(S.WARM)) == wanted
+        # Demand falls off once the claims leave the windows: excess is held for
+        # scale_down_delay, then retired 10 % per pass at most.
         assert (await h.tick()).retired == {}
-        h.clock.advance(61)
         live = len(await h.workers(*(set(S) - {S.RETIRED})))
-        assert live == 40
+        assert live == 20 + wanted
+        h.clock.advance(301)
+        await h.tick()
+        h.clock.advance(61)
         report = await h.tick()
-        assert report.retired == {"excess": 4}
+        assert report.retired == {"excess": live // 10}
         for c in claims:
             await h.plane.release(c.id)
 

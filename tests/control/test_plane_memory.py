@@ -26,7 +26,7 @@ from stoker.control.attempt import Attempt
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, OrgCapError
 from stoker.domain.records import Claim, ClaimRequest
-from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate
+from stoker.domain.specs import DemandSpec, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import LIVE, ClaimMode
 from stoker.ports.clock import VirtualClock
 
@@ -42,6 +42,8 @@ POOL = PoolSpec(
     max_workers_per_org=1,
     hot_idle_ttl=2.0,
     scale_down_delay=1.0,
+    # Short demand windows: the claim rate, like the TTLs, falls to 0 within a quiesce.
+    demand=DemandSpec(stable_window_s=1.0, panic_window_s=1.0, forecast=False),
 )
 
 

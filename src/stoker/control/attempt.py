@@ -28,6 +28,8 @@ class Attempt:
     #: Why the last try found nothing, reported if the deadline passes.
     blocked_by: MissReason | None = None
     missed: bool = False
+    #: Counted once as a claim that wanted a neutral worker (the demand rate).
+    counted: bool = False
     #: The last spawn error of the pool, when its failing spawns held this claim back.
     spawn_error: str | None = None
     wakeup: asyncio.Future[None] | None = field(default=None, repr=False)

@@ -204,6 +204,10 @@ class Claims:
                 parked = await self._reservations.take(pool, org, WorkerState.HOT_IDLE)
                 if parked.worker is not None:
                     return parked.worker, ClaimSource.REUSE
+            if not a.counted:
+                # Not served by reuse: this claim wants a neutral worker (demand rate).
+                a.counted = True
+                self._demand.record_claim(pool.name)
             warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
             if warm.worker is not None:
                 return warm.worker, ClaimSource.WARM

@@ -1,7 +1,9 @@
-"""Demand this replica publishes: cumulative misses and claims queued, per pool.
+"""Demand this replica publishes: cumulative misses, claims queued, and cumulative claims
+that wanted a neutral worker, per pool.
 
 The leader's janitor reads every replica's rows (README, "Metrics": `stoker_demand`), so
-misses seen by any replica raise the warm target. Publishing is coalesced per burst of claims.
+the claims of every replica make the pool's demand rate. Publishing is coalesced per burst
+of misses; the claim counter rides along, and every pass publishes it too.
 """
 
 from __future__ import annotations
@@ -23,14 +25,25 @@ class DemandPublisher:
         self._store = store
         #: Cumulative misses per pool (the demand signal this replica publishes).
         self._misses: dict[str, int] = dict.fromkeys(shared.catalog.pools, 0)
+        #: Cumulative claims per pool that wanted a neutral worker (the demand rate).
+        self._claims: dict[str, int] = dict.fromkeys(shared.catalog.pools, 0)
         self._flush: asyncio.Task[None] | None = None
         #: The demand rows last written, and when (see `publish`).
-        self._published: tuple[dict[str, tuple[int, int]], float] | None = None
+        self._published: tuple[dict[str, tuple[int, int, int]], float] | None = None
 
     def record_miss(self, pool: str) -> None:
         """Count one claim that found no worker (not held by its org cap) and publish soon."""
         self._misses[pool] += 1
         self.publish_soon()
+
+    def record_claim(self, pool: str) -> None:
+        """Count one claim that wants a neutral worker (warm or cold); published with the
+        next miss or pass, not at once: the claim path writes nothing more for it."""
+        self._claims[pool] = self._claims.get(pool, 0) + 1
+
+    def claims(self, pool: str) -> int:
+        """Claims of `pool` that wanted a neutral worker since this replica started."""
+        return self._claims.get(pool, 0)
 
     def misses(self, pool: str) -> int:
         """Misses of `pool` counted since this replica started."""
@@ -40,9 +53,12 @@ class DemandPublisher:
         """Claims of `pool` queued for a warm worker (part of demand)."""
         return self._book.waiting_for_warm(pool)
 
-    def snapshot(self) -> dict[str, tuple[int, int]]:
-        """(cumulative misses, claims waiting now) per pool."""
-        return {name: (self._misses[name], self.waiting(name)) for name in self._catalog.pools}
+    def snapshot(self) -> dict[str, tuple[int, int, int]]:
+        """(cumulative misses, claims waiting now, cumulative claims) per pool."""
+        return {
+            name: (self._misses[name], self.waiting(name), self.claims(name))
+            for name in self._catalog.pools
+        }
 
     def publish_soon(self) -> None:
         """Publish demand once the current burst of claims has been seen (coalesced)."""

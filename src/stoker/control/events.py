@@ -21,6 +21,7 @@ class RuntimeEvents:
         self, shared: Shared, *, retirer: Retirer, spawner: Spawner, reader: StoreReader
     ) -> None:
         self._book, self._lifecycle, self._metrics = shared.book, shared.lifecycle, shared.metrics
+        self._clock = shared.clock
         self._retirer = retirer
         self._spawner = spawner
         self._reader = reader
@@ -30,6 +31,8 @@ class RuntimeEvents:
         known = self._book.known(worker_id)
         if known is not None:
             self._spawner.spawn_ready(known.pool, known.revision)
+            if known.state is WorkerState.SPAWNING:
+                self._spawner.observe_ready(known.pool, self._clock.now() - known.created_at)
         if self._book.resolve_ready(worker_id, endpoint):
             return  # a cold claim waits for it and takes it from here
         self._book.ready.note(worker_id, endpoint)

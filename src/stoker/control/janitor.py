@@ -10,6 +10,7 @@ target inside the store, and scale-down picks its victims deterministically.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from stoker.control import logs
@@ -19,12 +20,12 @@ from stoker.control.retiring import Retirer
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
+from stoker.control.sizing import PoolSizer, Sizing
 from stoker.control.spawning import Spawner
 from stoker.control.world import Reach, World, WorldReader
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Worker
 from stoker.domain.states import LIVE, RetireReason, WorkerState
-from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import (
     expired_claims,
     hot_idle_to_reap,
@@ -53,7 +54,8 @@ class Janitor:
         publisher: DemandPublisher,
         demand: DemandSource | None = None,
     ) -> None:
-        """`demand` replaces the demand read from the store (the simulator's policies)."""
+        """`demand` replaces the demand rate and forecast read from the store with a count
+        added to the static target (the simulator's baselines)."""
         self.reach = world.reach
         self._world, self._store, self._runtime = world, store, runtime
         self._book, self._lifecycle = shared.book, shared.lifecycle
@@ -65,14 +67,17 @@ class Janitor:
         self._retirer, self._spawner, self._sessions = retirer, spawner, sessions
         self._events, self._publisher = events, publisher
         self._rollouts = shared.rollouts
-        self._ledger = DemandLedger()
-        self._demand_now: dict[str, int] | None = None
+        self._baseline = demand is not None
+        self.sizer = PoolSizer(
+            shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
+        )
         self._scaler = Scaler(
             shared,
             store=store,
             retirer=retirer,
             spawner=spawner,
-            demand=demand or self._store_demand,
+            sizer=None if self._baseline else self.sizer,
+            demand=demand,
         )
         self._last_purge: float | None = None
 
@@ -86,21 +91,15 @@ class Janitor:
         """Demand per pool, as the last pass read it."""
         return self._scaler.demand
 
-    async def _store_demand(self, pool: str, now: float) -> int:
-        """Misses every replica saw since the last pass plus the claims they queue."""
-        if self._demand_now is None:
-            await self._publisher.publish()
-            rows = await self._store.read_demand()
-            fresh_after = now - self._settings.instance_expiry_s
-            self._demand_now = self._ledger.demand(rows, now=now, fresh_after=fresh_after)
-        return self._demand_now.get(pool, 0)
+    def sizing(self, pool: str) -> Sizing | None:
+        """The last pass's sizing of `pool` (None before one, or under a baseline)."""
+        return None if self._baseline else self.sizer.last.get(pool)
 
     # -- the pass ---------------------------------------------------------------------------
 
     async def run_pass(self) -> PassReport:
         """Sync then step. Raises StoreError when the world could not be read."""
         world = await self.sync()
-        self._demand_now = None
         report = PassReport()
         await self.step(world, report)
         return report
@@ -121,6 +120,9 @@ class Janitor:
             await self._headroom()
             await self._purge(world.now)
             self._gauges(world)
+        else:
+            # Every replica's claim counter reaches the leader's demand rate.
+            await self._publisher.publish()
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
 
@@ -261,8 +263,15 @@ class Janitor:
             logs.event("history_purged", rows=deleted)
 
     async def _headroom(self) -> None:
+        """Each pool's placeholders: the forecast's where it has one, else the constant."""
+        pools = []
+        for name, pool in self._catalog.pools.items():
+            sizing = self.sizing(name)
+            if sizing is not None and sizing.headroom is not None:
+                pool = dataclasses.replace(pool, headroom_nodes=sizing.headroom)
+            pools.append(pool)
         try:
-            await self._runtime.reconcile_headroom(list(self._catalog.pools.values()))
+            await self._runtime.reconcile_headroom(pools)
         except RuntimeFailure as exc:
             logs.event("headroom_failed", error=str(exc), level=logs.WARNING)
 

@@ -80,6 +80,24 @@ class Histogram(_Children, prometheus_client.Histogram):
     """A histogram whose labelled children are looked up once."""
 
 
+#: The gauges of a pool's sizing: name and help.
+_SIZING_GAUGES = (
+    (
+        "stoker_pool_demand_rate",
+        "Claims per second that wanted a neutral worker (stable or panic window).",
+    ),
+    (
+        "stoker_pool_forecast_sessions",
+        "New sessions the forecast expects over the next replacement time (upper quantile; "
+        "0 without a forecast).",
+    ),
+    (
+        "stoker_pool_forecast_error",
+        "Claims seen against the forecast over the error window, relative (0: none).",
+    ),
+)
+
+
 class Metrics:
     """Every metric stoker exports; the README's metrics table documents each one."""
 
@@ -93,8 +111,13 @@ class Metrics:
         )
         self.demand = self._gauge(
             "stoker_demand",
-            "Demand seen by the last reconcile pass (misses + queued claims).",
+            "Warm workers the last reconcile pass wanted beyond warm_target (the demand "
+            "rate's or the forecast's, plus queued claims).",
             "pool",
+        )
+        # How the leader sized each pool (docs/scaling.md).
+        self.demand_rate, self.forecast_sessions, self.forecast_error = (
+            self._gauge(name, about, "pool") for name, about in _SIZING_GAUGES
         )
         self.claims = self._counter(
             "stoker_claims", "Claims by pool, source and outcome.", "pool", "source", "outcome"

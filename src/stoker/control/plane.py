@@ -38,6 +38,7 @@ from stoker.control.parts import assemble
 from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
+from stoker.control.sizing import SizingStatus
 from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
@@ -70,6 +71,8 @@ class PoolStatus:
     spawn_failures: int = 0
     #: The last of those failures, as the runtime reported it.
     last_spawn_error: str | None = None
+    #: How the last janitor pass sized the pool; null on a replica that does not lead.
+    sizing: SizingStatus | None = None
 
 
 class ControlPlane:
@@ -415,6 +418,7 @@ class ControlPlane:
                     spawn_failing=trouble is not None,
                     spawn_failures=trouble.failures if trouble else 0,
                     last_spawn_error=trouble.last_error if trouble else None,
+                    sizing=SizingStatus.of(sized) if (sized := self.janitor.sizing(name)) else None,
                 )
             )
         return out

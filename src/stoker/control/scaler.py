@@ -2,8 +2,9 @@
 retire what the rollout plan no longer wants.
 
 The targets come from one `rollout_plan` per pool and pass (`stoker.control.rollouts`):
-without a rollout that is the pool's desired warm (static target plus demand, within the
-cap) for its stable revision and nothing for older ones; during a ramp each revision gets
+without a rollout that is the pool's desired warm (the larger of its static target, its
+claim rate's and its forecast's, plus the claims queued, within the cap: `control.sizing`)
+for its stable revision and nothing for older ones; during a ramp each revision gets
 its part. Scale-down of a revision that serves waits `scale_down_delay`; a revision that
 no longer serves retires its warm workers at once when its rollout failed, else a share
 per pass. The leader writes what the plan decided (a step, a promotion, a rollback)
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from stoker.control import logs
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
+from stoker.control.sizing import PoolSizer
 from stoker.control.spawning import Spawner
 from stoker.control.world import World
 from stoker.domain.errors import StokerError
@@ -91,9 +93,12 @@ class Scaler:
         store: ReplicaStore,
         retirer: Retirer,
         spawner: Spawner,
-        demand: DemandSource,
+        sizer: PoolSizer | None,
+        demand: DemandSource | None = None,
     ) -> None:
-        self._retirer, self._spawner, self._demand = retirer, spawner, demand
+        """Sized by `sizer`, or by a baseline's `demand` added to the static target."""
+        self._retirer, self._spawner = retirer, spawner
+        self._sizer, self._demand = sizer, demand
         self._store = store
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
         self._rollouts = shared.rollouts
@@ -112,10 +117,13 @@ class Scaler:
         for w in world.warm:
             if w.id not in self._book.in_flight():
                 warm[(w.pool, w.revision)].append(w)
+        if self._sizer is not None:
+            await self._sizer.read(world.now)
         for name, pool in list(self._catalog.pools.items()):
             cap = self._catalog.pool_cap(pool)
-            demand = await self._demand(name, world.now)
-            sizing = PoolDemand(warm_target=pool.warm_target, demand=demand, cap=cap)
+            sizing, demand = await self._wanted(
+                pool, counts.get(name, {}), live[name], cap, world.now
+            )
             plan = self._rollouts.plan(pool, counts.get(name, {}), sizing, world.now)
             if plan.decision is not Decision.HOLD and not await self._decided(
                 pool, plan, world.now
@@ -139,6 +147,27 @@ class Scaler:
                     await self._scale_down(name, part, held, workers, world.now, report)
                 elif workers:
                     await self._retire_stale(name, part.role, workers, live[name], report)
+
+    async def _wanted(
+        self,
+        pool: PoolSpec,
+        revisions: dict[str, RevisionCounts],
+        live: int,
+        cap: int,
+        now: float,
+    ) -> tuple[PoolDemand, int]:
+        """The pool's sizing inputs for the rollout plan, and its demand (beyond the static
+        target) as the pool listing shows it."""
+        if self._sizer is None:
+            demand = await self._demand(pool.name, now) if self._demand else 0
+            return PoolDemand(warm_target=pool.warm_target, demand=demand, cap=cap), demand
+        held = PoolCounts(
+            warm=sum(r.warm for r in revisions.values()),
+            spawning_neutral=sum(r.spawning for r in revisions.values()),
+            live=live,
+        )
+        sized = self._sizer.size(pool, held, cap=cap, now=now)
+        return PoolDemand(warm_target=sized.base, demand=sized.waiting, cap=cap), sized.demand
 
     async def _spawn(
         self, name: str, revision: str, target: int, held: PoolCounts, cap: int, report: PassReport

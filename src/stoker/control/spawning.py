@@ -20,6 +20,7 @@ from stoker.domain.errors import RuntimeFailure, SpawnWithdrawn
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason, WorkerState
+from stoker.policy.demand import ReadyTime
 from stoker.policy.scaling import spawn_backoff_s
 from stoker.ports.clock import TokenBucket
 from stoker.ports.runtime import Runtime
@@ -53,6 +54,26 @@ class Spawner:
         )
         #: Pool revisions whose spawns fail, by (pool, revision).
         self._trouble: dict[tuple[str, str], SpawnTrouble] = {}
+        #: Spawn-to-ready time of this replica's spawns, per pool.
+        self._ready: dict[str, ReadyTime] = {}
+
+    # -- spawn-to-ready time ------------------------------------------------------------------
+
+    def observe_ready(self, pool: str, seconds: float) -> None:
+        """A spawn of `pool` got ready `seconds` after its row was written."""
+        spec = self._catalog.get(pool)
+        if spec is not None:
+            self._ready_time(spec).observe(seconds)
+
+    def ready_s(self, pool: PoolSpec) -> float:
+        """The pool's spawn-to-ready estimate (its seed until a spawn got ready)."""
+        return self._ready_time(pool).seconds
+
+    def _ready_time(self, pool: PoolSpec) -> ReadyTime:
+        estimate = self._ready.get(pool.name)
+        if estimate is None:
+            estimate = self._ready[pool.name] = ReadyTime(pool.demand.ready_seed_s)
+        return estimate
 
     # -- crash-loop back-off ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from stoker.domain.errors import InvalidRequest, StokerError
 from stoker.domain.rollouts import CanaryStrategy, RolloutState, Strategy
 from stoker.domain.specs import (
     Activation,
+    DemandSpec,
     PodTemplate,
     PoolSpec,
     ProcessTemplate,
@@ -174,6 +175,8 @@ def spec_from_json(
         data["timeouts"] = Timeouts(**data["timeouts"])
     if "spawn_backoff" in data:
         data["spawn_backoff"] = SpawnBackoff(**data["spawn_backoff"])
+    if "demand" in data:
+        data["demand"] = DemandSpec(**data["demand"])
     if "reuse" in data:
         data["reuse"] = Reuse(data["reuse"])
     if "activation" in data:

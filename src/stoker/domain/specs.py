@@ -100,6 +100,45 @@ class SpawnBackoff:
 
 
 @dataclass(frozen=True, slots=True)
+class DemandSpec:
+    """How a pool reads its demand as a rate and sizes its warm pool and node headroom from
+    it (docs/scaling.md justifies the defaults)."""
+
+    #: Claims counted over this window make the stable rate; None: the deprecated
+    #: `intervals.demand_window_s` when the config sets it, else 300 s.
+    stable_window_s: PositiveSeconds | None = None
+    #: The short window whose rate wins while it is at least `panic_ratio` x the stable one.
+    panic_window_s: PositiveSeconds = 30.0
+    panic_ratio: Annotated[float, Ge(1), Le(100)] = 2.0
+    #: Share of replacement times whose claims the warm pool covers (Poisson quantile).
+    quantile: Annotated[float, Ge(0.5), Le(0.9999)] = 0.99
+    #: Spawn-to-ready time assumed until the runtime has reported one.
+    ready_seed_s: PositiveSeconds = 10.0
+    #: Learn the new-session rate by hour of the week and size ahead of it.
+    forecast: bool = True
+    #: The forecast is set aside while the claims of the last `error_window_s` are off
+    #: from it by more than this share (and by more than Poisson noise).
+    forecast_error_bound: Annotated[float, Gt(0), Le(100)] = 0.5
+    error_window_s: PositiveSeconds = 900.0
+    #: Kubernetes: how far ahead node headroom looks (a new node's launch and join time).
+    node_lead_s: Seconds = 300.0
+    #: Kubernetes: forecast headroom falls only once it has been lower this long, so a
+    #: spare node is not launched and consolidated away again within minutes.
+    headroom_hold_s: Seconds = 1800.0
+
+    def stable_s(self, fallback: float | None) -> float:
+        """The stable window in force: this pool's, else the deprecated setting, else 300 s."""
+        if self.stable_window_s is not None:
+            return self.stable_window_s
+        return fallback if fallback is not None else DEFAULT_STABLE_WINDOW_S
+
+
+#: The stable window of a pool that sets none (Knative's stable window is 60 s; a claim
+#: rate is lower than a request rate, so a longer window keeps its noise down).
+DEFAULT_STABLE_WINDOW_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     """A named kind of worker with its targets, caps, TTLs and reuse policy."""
 
@@ -134,6 +173,8 @@ class PoolSpec:
     max_claim_s: Seconds = 0.0
     timeouts: Timeouts = field(default_factory=Timeouts)
     spawn_backoff: SpawnBackoff = field(default_factory=SpawnBackoff)
+    #: Demand as a rate, the forecast and node headroom (docs/scaling.md).
+    demand: DemandSpec = field(default_factory=DemandSpec)
 
     def __post_init__(self) -> None:
         if not self.revision:
@@ -191,8 +232,9 @@ class PlaneSettings:
     #: Spawns per second and burst: the runtime's API budget (client-go: QPS 50, burst 100).
     spawn_rate: Annotated[float, Gt(0), Le(100_000)] = 50.0
     spawn_burst: Annotated[int, Ge(1), Le(100_000)] = 100
-    #: Misses older than this no longer count as demand.
-    demand_window_s: PositiveSeconds = 60.0
+    #: Deprecated: a pool's `demand.stable_window_s`. When set, the stable window of the
+    #: pools that set none.
+    demand_window_s: PositiveSeconds | None = None
     #: How long a shutdown waits for in-flight claims.
     shutdown_grace_s: Seconds = 30.0
     #: Retry-After hint on an org-cap rejection (duckgres: 45 s).

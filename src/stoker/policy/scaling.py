@@ -7,6 +7,7 @@ A pool whose spawns keep failing backs off (`spawn_backoff_s`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from stoker.domain.specs import SpawnBackoff
@@ -76,3 +77,16 @@ def retirements_due(
     if excess <= 0 or excess_since is None or now - excess_since < scale_down_delay:
         return stale
     return min(budget, stale + excess)
+
+
+def forecast_headroom(
+    *, busy: int, live: int, growth: float | None, warm_later: int, slots: int, most: int
+) -> int:
+    """Headroom placeholders (each room for `slots` workers; at most `most`) for the workers
+    the forecast adds within the node lead time: the busy workers grown by `growth` (the
+    forecast rate then over now; None: from nothing, so `most`) and the warm pool then,
+    beyond the workers live now."""
+    if growth is None:
+        return most
+    want = busy * growth + warm_later - live
+    return min(most, max(0, math.ceil(want / max(1, slots))))

@@ -90,3 +90,7 @@ class Runtime(Protocol):
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Keep each pool's `headroom_nodes` placeholders (cluster runtimes; leader only)."""
         ...
+
+    def placeholder_slots(self, pool: PoolSpec) -> int:
+        """How many of the pool's workers one headroom placeholder makes room for (>= 1)."""
+        ...

@@ -35,6 +35,7 @@ from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import (
     Activation,
+    DemandSpec,
     OrgSpec,
     PlaneSettings,
     PodTemplate,
@@ -67,8 +68,10 @@ from stoker.sim.scenario import (
 
 
 def pool_spec(scenario: Scenario) -> PoolSpec:
-    """The scenario's pool as stoker's `PoolSpec` (a pod template on the simulated cluster)."""
+    """The scenario's pool as stoker's `PoolSpec` (a pod template on the simulated cluster);
+    `stoker-reactive` runs it with the learned forecast off."""
     pool = scenario.pool
+    reactive = any(entry.policy == "stoker-reactive" for entry in scenario.policies)
     return PoolSpec(
         name=pool.name,
         template=PodTemplate(
@@ -98,6 +101,7 @@ def pool_spec(scenario: Scenario) -> PoolSpec:
             stop_grace_s=pool.stop_grace_s,
         ),
         headroom_nodes=pool.headroom_nodes,
+        demand=DemandSpec(forecast=not reactive),
     )
 
 

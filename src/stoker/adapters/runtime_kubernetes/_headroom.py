@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightkube.utils.quantity import parse_quantity
+
 from stoker.adapters._logs import EventLog
 from stoker.adapters.runtime_kubernetes._informer import PodInformer
 from stoker.adapters.runtime_kubernetes._pods import placeholder_pods, valid_label_value
@@ -94,6 +96,19 @@ class Headroom:
             )
         if problems:
             raise RuntimeFailure("headroom: " + "; ".join(problems))
+
+    def slots(self, pool: PoolSpec) -> int:
+        """Workers of `pool` one placeholder makes room for: 1 when placeholders are sized
+        as a worker, else how many workers fit in one by CPU and by memory."""
+        size, template = self.placeholders.size, pool.template
+        if size is None or not isinstance(template, PodTemplate):
+            return 1
+        fits = []
+        for held, needed in zip(size, (template.cpu, template.memory), strict=True):
+            have, need = parse_quantity(held), parse_quantity(needed)
+            if have is not None and need:
+                fits.append(int(have / need))
+        return max(1, min(fits, default=1))
 
     def _placeholders(self, pool: PoolSpec, template: PodTemplate) -> list[Pod]:
         made_from = (template, pool.headroom_nodes)

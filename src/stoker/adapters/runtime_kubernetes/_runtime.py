@@ -110,6 +110,10 @@ class KubernetesRuntime:
         """0: the cluster and its node autoscaler bound the fleet, not this machine."""
         return 0
 
+    def placeholder_slots(self, pool: PoolSpec) -> int:
+        """Workers of `pool` that fit in one placeholder (by CPU and memory; at least 1)."""
+        return self.headroom.slots(pool)
+
     # -- spawn, stop, adopt, busy -----------------------------------------------------------
 
     async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:

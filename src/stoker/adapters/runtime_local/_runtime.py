@@ -364,6 +364,10 @@ class LocalProcessRuntime:
         """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""
         return None
 
+    def placeholder_slots(self, pool: PoolSpec) -> int:
+        """1: there are no placeholders on one machine."""
+        return 1
+
 
 def lower_priority(pid: int, steps: int) -> None:
     """Make a process `steps` nicer than this one (no error when it cannot be done)."""

@@ -1,0 +1,273 @@
+"""The leader's sizing of each pool: demand as a rate, the learned forecast, the warm pool
+and the node headroom that follow from them (docs/scaling.md).
+
+Each pass reads every replica's demand rows once (`DemandLedger`): the claims that wanted
+a neutral worker since the last pass feed the pool's rate windows and its forecaster, and
+the claims queued now add to the warm target one for one. The warm target is the larger of
+the pool's `warm_target`, the reactive estimate (the rate over the stable or panic window,
+sized to a Poisson quantile over the replacement time) and, while the forecast holds, the
+forecast over the next replacement time. A miss raises the target only through the rate: a
+cold claim's own spawn is its supply, so one miss never spawns twice.
+
+The forecast buckets are loaded from the store when this replica starts leading and written
+when an hour closes, so a new leader keeps what the last one learned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from stoker.control import logs
+from stoker.control.demand import DemandPublisher
+from stoker.control.shared import Shared
+from stoker.control.spawning import Spawner
+from stoker.domain.errors import StoreError
+from stoker.domain.specs import PoolSpec
+from stoker.policy.demand import DemandLedger, Rate, RateWindow, SeenDemand, warm_for_rate
+from stoker.policy.forecast import Forecaster, ForecastError
+from stoker.policy.scaling import PoolCounts, desired_warm, forecast_headroom
+from stoker.ports.runtime import Runtime
+from stoker.ports.store import ReplicaStore
+
+#: Which estimate set the warm target.
+STATIC, REACTIVE, FORECAST = "static", "reactive", "forecast"
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """One pass's sizing of one pool (`GET /v1/pools/{name}`)."""
+
+    #: Warm workers wanted, within the cap.
+    desired: int
+    #: Claims queued for a warm worker now (added one for one).
+    waiting: int
+    rate: Rate
+    #: Spawn-to-ready estimate and the replacement time it makes (plus one pass).
+    ready_s: float
+    replace_s: float
+    #: Warm workers the reactive rate wants.
+    reactive: int
+    #: The forecast rate's upper quantile over the next replacement time (claims per
+    #: second) and the warm workers it wants; None without history or with forecast off.
+    forecast_rate: float | None
+    forecast_warm: int | None
+    #: Claims seen against the forecast over the error window, relative (None: no forecast).
+    forecast_error: float | None
+    #: Whether the forecast is set aside for an error beyond the bound.
+    forecast_off: bool
+    #: Which estimate won: static (warm_target), reactive or forecast.
+    policy: str
+    #: The warm target in force: the largest of warm_target, reactive and forecast.
+    base: int
+    #: Warm workers wanted beyond the static target, before the cap: what the rate or the
+    #: forecast adds, plus the claims queued.
+    demand: int
+    #: Headroom placeholders the forecast wants (None: the pool's constant).
+    headroom: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SizingStatus:
+    """How the leading replica's last pass sized the pool (docs/scaling.md)."""
+
+    #: Claims per second that wanted a neutral worker: the rate in force, the stable and
+    #: panic windows' rates, and whether the panic one won.
+    demand_rate: float
+    stable_rate: float
+    panic_rate: float
+    panicking: bool
+    #: The spawn-to-ready estimate, and the replacement time it makes (plus one pass).
+    ready_s: float
+    replace_s: float
+    #: Warm workers the reactive rate wants.
+    reactive_warm: int
+    #: The forecast's new-session rate (upper quantile, per second) over the next
+    #: replacement time, and the warm workers it wants; null without a forecast.
+    forecast_rate: float | None
+    forecast_warm: int | None
+    #: Claims seen against the forecast over the error window, relative; null without one.
+    forecast_error: float | None
+    #: True while the forecast is set aside for an error beyond its bound.
+    forecast_off: bool
+    #: Which estimate set the warm target: static (warm_target), reactive or forecast.
+    policy: str
+    #: Headroom placeholders the forecast asks for; null: the pool's constant.
+    headroom: int | None
+
+    @classmethod
+    def of(cls, s: Sizing) -> SizingStatus:
+        """The status of one sizing."""
+        return cls(
+            demand_rate=s.rate.value,
+            stable_rate=s.rate.stable,
+            panic_rate=s.rate.panic,
+            panicking=s.rate.panicking,
+            ready_s=s.ready_s,
+            replace_s=s.replace_s,
+            reactive_warm=s.reactive,
+            forecast_rate=s.forecast_rate,
+            forecast_warm=s.forecast_warm,
+            forecast_error=s.forecast_error,
+            forecast_off=s.forecast_off,
+            policy=s.policy,
+            headroom=s.headroom,
+        )
+
+
+class PoolSizer:
+    """The leader's demand state per pool: rate windows, forecasters and errors."""
+
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        store: ReplicaStore,
+        runtime: Runtime,
+        spawner: Spawner,
+        publisher: DemandPublisher,
+    ) -> None:
+        self._catalog, self._settings = shared.catalog, shared.settings
+        self._metrics = shared.metrics
+        self._store, self._runtime = store, runtime
+        self._spawner, self._publisher = spawner, publisher
+        self._ledger = DemandLedger()
+        self._rates: dict[str, RateWindow] = {}
+        self._forecasters: dict[str, Forecaster] | None = None
+        self._errors: dict[str, ForecastError] = {}
+        self._seen: dict[str, SeenDemand] = {}
+        #: Seconds the last read covered (since the read before it).
+        self._covered = 0.0
+        self._last_read: float | None = None
+        #: The forecast headroom each pass wanted, over the hold: the headroom in force is
+        #: their largest.
+        self._headroom_held: dict[str, deque[tuple[float, int]]] = {}
+        #: The last sizing of each pool.
+        self.last: dict[str, Sizing] = {}
+
+    async def read(self, now: float) -> None:
+        """Once per pass: publish this replica's rows, read every replica's, count what is
+        new into each pool's rate window and forecaster."""
+        await self._publisher.publish()
+        rows = await self._store.read_demand()
+        fresh_after = now - self._settings.instance_expiry_s
+        self._seen = self._ledger.observe(rows, now=now, fresh_after=fresh_after)
+        self._covered = 0.0 if self._last_read is None else now - self._last_read
+        self._last_read = now
+        forecasters = await self._load_forecasters()
+        learned = []
+        for name in self._catalog.pools:
+            claims = self._seen.get(name, SeenDemand()).claims
+            self._rates.setdefault(name, RateWindow()).add(now, claims)
+            if forecasters is not None:
+                forecaster = forecasters.setdefault(name, Forecaster(name))
+                learned += forecaster.observe(now, claims)
+        if learned:
+            try:
+                await self._store.record_forecast(learned)
+            except StoreError as exc:
+                # The buckets stay in memory; the next hour's write carries them again.
+                logs.event("forecast_write_failed", error=str(exc), level=logs.WARNING)
+
+    async def _load_forecasters(self) -> dict[str, Forecaster] | None:
+        """The forecasters, loaded from the store the first time (None while it fails)."""
+        if self._forecasters is None:
+            try:
+                buckets = await self._store.read_forecast()
+            except StoreError as exc:
+                logs.event("forecast_read_failed", error=str(exc), level=logs.WARNING)
+                return None
+            self._forecasters = {name: Forecaster(name, buckets) for name in self._catalog.pools}
+        return self._forecasters
+
+    def size(self, pool: PoolSpec, counts: PoolCounts, *, cap: int, now: float) -> Sizing:
+        """The warm target of `pool` now, and the headroom the forecast wants."""
+        spec = pool.demand
+        seen = self._seen.get(pool.name, SeenDemand())
+        window = self._rates.setdefault(pool.name, RateWindow())
+        rate = window.rate(
+            now,
+            stable_s=spec.stable_s(self._settings.demand_window_s),
+            panic_s=spec.panic_window_s,
+            panic_ratio=spec.panic_ratio,
+        )
+        ready_s = self._spawner.ready_s(pool)
+        # A replacement starts at the next pass after the claim, and takes a spawn.
+        replace_s = ready_s + self._settings.janitor_interval_s
+        reactive = warm_for_rate(rate.value, replace_s, spec.quantile)
+        forecaster = (self._forecasters or {}).get(pool.name) if spec.forecast else None
+        outlook = None
+        error: float | None = None
+        off = False
+        if forecaster is not None and forecaster.has_history():
+            errors = self._errors.setdefault(pool.name, ForecastError())
+            now_rate = forecaster.at(now, spec.quantile)
+            if now_rate is not None:
+                errors.add(now, seen.claims, now_rate.mean * self._covered)
+            error = errors.relative(now, spec.error_window_s)[0]
+            off = errors.beyond(now, spec.error_window_s, spec.forecast_error_bound)
+            if not off:
+                outlook = forecaster.peak(now, now + replace_s, spec.quantile)
+        forecast_warm = None
+        if outlook is not None:
+            forecast_warm = warm_for_rate(outlook.upper, replace_s, spec.quantile)
+        base = max(pool.warm_target, reactive, forecast_warm or 0)
+        if base == pool.warm_target:
+            policy = STATIC
+        elif forecast_warm is not None and forecast_warm > reactive:
+            policy = FORECAST
+        else:
+            policy = REACTIVE
+        sizing = Sizing(
+            desired=desired_warm(base, seen.waiting, cap),
+            waiting=seen.waiting,
+            rate=rate,
+            ready_s=ready_s,
+            replace_s=replace_s,
+            reactive=reactive,
+            forecast_rate=outlook.upper if outlook else None,
+            forecast_warm=forecast_warm,
+            forecast_error=error,
+            forecast_off=off,
+            policy=policy,
+            base=base,
+            demand=seen.waiting + base - pool.warm_target,
+            headroom=self._headroom(pool, counts, forecaster if not off else None, now),
+        )
+        self.last[pool.name] = sizing
+        self._gauges(pool.name, sizing)
+        return sizing
+
+    def _headroom(
+        self, pool: PoolSpec, counts: PoolCounts, forecaster: Forecaster | None, now: float
+    ) -> int | None:
+        """Placeholders for the workers the forecast adds within the node lead time (None:
+        the pool's constant, as without a forecast)."""
+        if forecaster is None or pool.headroom_nodes <= 0:
+            return None
+        spec = pool.demand
+        current = forecaster.at(now, spec.quantile)
+        later = forecaster.peak(now, now + spec.node_lead_s, spec.quantile)
+        if current is None or later is None:
+            return None
+        replace_s = self._spawner.ready_s(pool) + self._settings.janitor_interval_s
+        wanted = forecast_headroom(
+            busy=counts.live - counts.warm - counts.spawning_neutral - counts.warm_stale,
+            live=counts.live,
+            growth=later.mean / current.mean if current.mean > 0 else None,
+            warm_later=warm_for_rate(later.upper, replace_s, spec.quantile),
+            slots=self._runtime.placeholder_slots(pool),
+            most=pool.headroom_nodes,
+        )
+        held = self._headroom_held.setdefault(pool.name, deque())
+        held.append((now, wanted))
+        while held[0][0] < now - spec.headroom_hold_s:
+            held.popleft()
+        return max(v for _, v in held)
+
+    def _gauges(self, pool: str, sizing: Sizing) -> None:
+        self._metrics.demand_rate.labels(pool).set(sizing.rate.value)
+        self._metrics.forecast_sessions.labels(pool).set(
+            sizing.forecast_rate * sizing.replace_s if sizing.forecast_rate is not None else 0
+        )
+        self._metrics.forecast_error.labels(pool).set(sizing.forecast_error or 0.0)

@@ -1,0 +1,142 @@
+"""The leader's sizing (`stoker.control.sizing`) on a real SQLite store and virtual time:
+demand as a rate, the spawn-to-ready estimate, no double spawn for one miss, and a forecast
+that outlives its leader. The runtime is `MemoryRuntime` (the processes do not matter here)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fakes import FaultyStore, MemoryRuntime
+from stoker.adapters.sqlite import SqliteStore
+from stoker.control.plane import ControlPlane
+from stoker.domain.records import ClaimRequest
+from stoker.domain.specs import DemandSpec, PlaneSettings, PoolSpec, ProcessTemplate
+from stoker.domain.states import ClaimSource, WorkerState
+from stoker.policy.demand import warm_for_rate
+from stoker.ports.clock import VirtualClock
+
+TEMPLATE = ProcessTemplate(argv=("worker", "{port}"))
+
+
+def pool(**demand: object) -> PoolSpec:
+    return PoolSpec(name="p", template=TEMPLATE, warm_target=0, demand=DemandSpec(**demand))  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def plane(
+    path: Path, spec: PoolSpec, *, ready_delay: float = 0.2, clock: VirtualClock | None = None
+) -> AsyncIterator[ControlPlane]:
+    runtime = MemoryRuntime(ready_delay=ready_delay)
+    cp = ControlPlane(
+        store=FaultyStore(SqliteStore(str(path / "stoker.db"))),
+        runtime=runtime,
+        activator=runtime,
+        pools=[spec],
+        settings=PlaneSettings(),
+        clock=clock or VirtualClock(),
+    )
+    await cp.start(loops=False)
+    try:
+        yield cp
+    finally:
+        await cp.stop()
+
+
+async def claim_and_release(cp: ControlPlane, org: str) -> ClaimSource:
+    claim = await cp.claim(ClaimRequest(pool="p", org=org, timeout_s=30))
+    await cp.release(claim.id)
+    return claim.source
+
+
+async def test_a_miss_is_not_spawned_for_twice(tmp_path: Path) -> None:
+    # Three warm, four claims at once: three take a warm worker, one misses and spawns its
+    # own. A miss used to raise the target by one for a pass as well: a second spawn.
+    spec = replace(pool(quantile=0.5, forecast=False), warm_target=3)
+    async with plane(tmp_path, spec) as cp:
+        await cp.run_janitor_pass()
+        await asyncio.sleep(1.0)
+        runtime = cp.runtime
+        assert isinstance(runtime, MemoryRuntime) and runtime.spawn_calls == 3
+        claims = await asyncio.gather(
+            *(cp.claim(ClaimRequest(pool="p", org=f"o{i}", timeout_s=30)) for i in range(4))
+        )
+        assert sorted(c.source.value for c in claims) == ["cold", "warm", "warm", "warm"]
+        assert runtime.spawn_calls == 4
+        report = await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        # Four claims' rate wants fewer than the static target: the target alone is refilled.
+        assert sizing is not None and sizing.reactive < 3 and sizing.policy == "static"
+        assert report.spawned == {"p": 3}
+        await asyncio.sleep(1.0)
+        assert runtime.spawn_calls == 7
+        for c in claims:
+            await cp.release(c.id)
+
+
+async def test_the_rate_raises_the_warm_pool_and_the_ready_time_is_observed(
+    tmp_path: Path,
+) -> None:
+    async with plane(tmp_path, pool(forecast=False), ready_delay=3.0) as cp:
+        await cp.run_janitor_pass()
+        for i in range(6):
+            await claim_and_release(cp, f"org{i}")
+            await asyncio.sleep(2.0)
+        report = await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None
+        # Six claims within the windows' first 30 s: 0.2 a second.
+        assert sizing.rate.value == pytest.approx(6 / 30, rel=0.05)
+        # The cold spawns took 3 s to get ready: the seed (10 s) gave way to what was seen.
+        assert sizing.ready_s == pytest.approx(3.0, abs=0.3)
+        assert sizing.replace_s == pytest.approx(sizing.ready_s + 2.0)
+        assert sizing.reactive >= 2 and sizing.policy == "reactive"
+        assert report.spawned == {"p": sizing.desired}
+        status = {s.name: s for s in await cp.pool_status()}["p"]
+        assert status.sizing is not None and status.sizing.reactive_warm == sizing.reactive
+        assert cp.metrics.registry.get_sample_value(
+            "stoker_pool_demand_rate", {"pool": "p"}
+        ) == pytest.approx(sizing.rate.value)
+
+
+async def test_a_restarted_leader_forecasts_from_what_the_last_one_learned(
+    tmp_path: Path,
+) -> None:
+    clock = VirtualClock()
+    spec = pool()
+    async with plane(tmp_path, spec, clock=clock) as cp:
+        # Start just after an hour begins, count claims through it, and close it.
+        now = clock.now()
+        clock.advance(math.ceil(now / 3600) * 3600 + 1 - now)
+        await cp.run_janitor_pass()
+        for i in range(12):
+            await claim_and_release(cp, f"org{i}")
+        await cp.run_janitor_pass()
+        assert cp.janitor.sizing("p") is not None
+        assert cp.janitor.sizing("p").forecast_rate is None  # type: ignore[union-attr]
+        clock.advance(3600)
+        await cp.run_janitor_pass()
+        learned = await cp.store.read_forecast()
+        # The hour the plane started in (quiet, most of it seen) and the hour of the claims.
+        assert sorted((b.level, b.seen) for b in learned) == [("day", 1)] * 2 + [("week", 1)] * 2
+        last = [b for b in learned if b.updated_at == max(b.updated_at for b in learned)]
+        assert len(last) == 2 and all(b.mean == pytest.approx(12 / 3600) for b in last)
+    # A new leader on the same store: its first pass forecasts.
+    async with plane(tmp_path, spec, clock=clock) as again:
+        await again.run_janitor_pass()
+        sizing = again.janitor.sizing("p")
+        assert sizing is not None and sizing.forecast_rate is not None
+        assert sizing.forecast_rate >= 12 / 3600 * 0.5
+        assert not sizing.forecast_off and sizing.forecast_error is not None
+        # Nobody claimed since the restart: the warm pool is the forecast's alone.
+        assert sizing.rate.value == 0 and sizing.policy == "forecast"
+        wanted = warm_for_rate(sizing.forecast_rate, sizing.replace_s, 0.99)
+        assert sizing.desired == sizing.forecast_warm == wanted > 0
+        workers = await again.store.list_workers(states=[WorkerState.SPAWNING, WorkerState.WARM])
+        assert len(workers) == wanted
