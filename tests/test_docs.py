@@ -27,6 +27,28 @@ def test_every_relative_link_names_a_file(page: Path) -> None:
             assert (page.parent / path).exists(), f"{page.name} links to missing {target}"
 
 
+#: Markdown files stoker writes (a scale test's report, `make docs`' API reference): named
+#: in the code as outputs, not as documents to read.
+WRITTEN = {"report.md", "api.md", "DIR/api.md"}
+
+
+def test_every_document_the_code_cites_is_in_the_repository() -> None:
+    cited = {
+        (source.relative_to(ROOT), name)
+        for source in (ROOT / "src").rglob("*.py")
+        for name in re.findall(r"[\w./-]+\.md\b", source.read_text(encoding="utf-8"))
+    }
+    assert cited
+    missing = [
+        f"{source} cites {name}"
+        for source, name in sorted(cited)
+        if name not in WRITTEN
+        and not (ROOT / name).exists()
+        and not (ROOT / "docs" / name).exists()
+    ]
+    assert missing == []
+
+
 def test_the_docs_hold_architecture_operations_and_the_protocol() -> None:
     names = {p.name for p in PAGES}
     assert {"architecture.md", "operations.md", "worker-protocol.md", "api.md"} <= names

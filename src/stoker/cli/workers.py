@@ -26,7 +26,8 @@ workers_app = typer.Typer(
 
 
 class WorkerStateChoice(StrEnum):
-    """Worker states `GET /v1/workers` lists by (DESIGN.md §2)."""
+    """Worker states `GET /v1/workers` lists by (docs/architecture.md, "The lifecycle of a
+    worker")."""
 
     spawning = "spawning"
     warm = "warm"

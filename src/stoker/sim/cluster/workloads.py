@@ -1,8 +1,7 @@
 """Background workloads: controller-managed pods that share the cluster with the workers.
 
 A cluster never runs stoker's workers alone; the background takes nodes, competes for
-the scheduler and gets consolidated too. It is modelled on bigfleet's scale test
-(research file `bigfleet_picchu.md`, part A):
+the scheduler and gets consolidated too. It is modelled on bigfleet's scale test:
 
 - **Controller-managed** (bigfleet ADR-0038): each workload is a Deployment (its
   ReplicaSet replaces a pod as soon as it is terminating, failed or gone) or a
