@@ -8,15 +8,17 @@ processes, each wait bounded.
 
 from __future__ import annotations
 
+import http.server
 import logging
 import secrets
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -261,3 +263,53 @@ def test_a_server_without_the_extra_serves_claims(tmp_path: Path) -> None:
         assert srv.stop() == 0
         kill_fleet(fleet)
     assert "event=tracing_off" in srv.log() and "stoker[tracing]" in srv.log()
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP collector that keeps what it is sent."""
+
+    received: ClassVar[list[tuple[str, str, bytes]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.received.append((self.path, self.headers.get("content-type", ""), body))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet."""
+
+
+@pytest.mark.processes
+def test_serve_exports_its_claims_to_the_configured_collector(tmp_path: Path) -> None:
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = start_server(
+        tmp_path,
+        config=(
+            f"fleet: {fleet}\napi: {{port: 0}}\npools: [{{name: demo, command: {DEMO!r}}}]\n"
+            f"tracing: {{enabled: true, endpoint: '{endpoint}', service_name: stoker-test}}\n"
+        ),
+        args=["--stop-workers"],
+    )
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http_client:
+            claim = http_client.post("/v1/claims", json={"pool": "demo", "org": "acme"})
+            assert claim.status_code == 201, claim.text
+    finally:
+        # Stopping flushes the spans still buffered.
+        assert srv.stop() == 0
+        kill_fleet(fleet)
+        collector.shutdown()
+        collector.server_close()
+    sent = [body for path, kind, body in _Collector.received if path == "/v1/traces"]
+    assert sent, _Collector.received
+    assert all(kind == "application/x-protobuf" for _, kind, _ in _Collector.received)
+    exported = b"".join(sent)
+    for name in (b"stoker.claim", b"stoker.reserve", b"stoker.activate", b"stoker.bind"):
+        assert name in exported
+    assert b"stoker-test" in exported
