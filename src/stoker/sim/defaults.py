@@ -8,7 +8,7 @@ its tests; a scale test measures what users feel, so its scenarios have them by 
 - **watch latency** 50 ms: a change reaches a watching client that long after its write
   (etcd's commit, the watch cache, the stream). An assumption within the Kubernetes
   SIG Scalability watch-latency SLO (work in progress: p99 <= 5 s) and the "tens of ms"
-  that agent-sandbox's informer-lag issues imply (research notes, agent_sandbox.md);
+  that agent-sandbox's informer-lag issues imply (kubernetes-sigs/agent-sandbox);
 - **readiness-probe period** 10 s: Kubernetes' default `periodSeconds`. The kubelet's
   prober ticks on its own schedule, so a pod turns Ready at the first tick after its
   process is up: a uniform 0-10 s after the container start (whose 3-5 s, duckgres #761,
