@@ -292,26 +292,13 @@ class EventList(BaseModel):
     events: list[EventOut]
 
 
-class PoolSampleOut(BaseModel):
-    """One pool at one instant; `at` in seconds since the Unix epoch."""
-
-    at: float
-    warm_target: int
-    desired_warm: int
-    demand: int
-    warm: int
-    hot: int
-    hot_idle: int
-    spawning: int
-
-
 class PoolHistory(BaseModel):
     """`GET /v1/history`: each pool's samples over the last hour, oldest first."""
 
     replica: str
     interval_s: float
     now: float
-    pools: dict[str, list[PoolSampleOut]]
+    pools: dict[str, list[PoolSample]]
 
     @classmethod
     def of(
@@ -322,10 +309,7 @@ class PoolHistory(BaseModel):
             replica=replica,
             interval_s=interval_s,
             now=now,
-            pools={
-                name: [PoolSampleOut.model_construct(**dataclasses.asdict(s)) for s in samples]
-                for name, samples in pools.items()
-            },
+            pools={name: list(samples) for name, samples in pools.items()},
         )
 
 

@@ -19,7 +19,7 @@ SPAN_S = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class PoolSample:
-    """One pool at one instant (`at`: wall-clock seconds)."""
+    """One pool at one instant; `at` in seconds since the Unix epoch."""
 
     at: float
     warm_target: int
