@@ -314,6 +314,21 @@ async def test_pools_show_targets_demand_and_counts(tmp_path: Path) -> None:
         assert one.status_code == 200 and one.json() == pools["other"]
 
 
+async def test_a_pool_shows_how_the_leader_sized_it(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool()]) as api:
+        await api.claim()
+        await api.plane.run_janitor_pass()
+        sizing = (await api.http.get("/v1/pools/demo")).json()["sizing"]
+        assert sizing["demand_rate"] > 0 and sizing["stable_rate"] > 0
+        assert sizing["reactive_warm"] >= 1 and sizing["replace_s"] > sizing["ready_s"] > 0
+        # No history yet: no forecast, and so no forecast error or headroom of its own.
+        assert sizing["forecast_rate"] is sizing["forecast_warm"] is sizing["headroom"] is None
+        assert sizing["policy"] in ("static", "reactive") and sizing["forecast_off"] is False
+        metrics = (await api.http.get("/metrics")).text
+        assert 'stoker_pool_demand_rate{pool="demo"}' in metrics
+        assert 'stoker_pool_forecast_sessions{pool="demo"} 0.0' in metrics
+
+
 async def test_workers_are_listed_with_filters(tmp_path: Path) -> None:
     async with running(tmp_path, [pool(), pool("other", warm_target=1)]) as api:
         claim = (await api.claim()).json()

@@ -16,7 +16,7 @@ import pytest
 from fakes import FaultyStore, MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
-from stoker.domain.records import ClaimRequest
+from stoker.domain.records import ClaimRequest, ForecastBucket
 from stoker.domain.specs import DemandSpec, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimSource, WorkerState
 from stoker.policy.demand import warm_for_rate
@@ -140,3 +140,38 @@ async def test_a_restarted_leader_forecasts_from_what_the_last_one_learned(
         assert sizing.desired == sizing.forecast_warm == wanted > 0
         workers = await again.store.list_workers(states=[WorkerState.SPAWNING, WorkerState.WARM])
         assert len(workers) == wanted
+
+
+async def test_a_forecast_that_misses_is_set_aside_for_the_reactive_policy(
+    tmp_path: Path,
+) -> None:
+    # The store holds a busy forecast (0.2 claims a second, every hour of the week), as a
+    # leader that learned ordinary weeks left it; today nobody comes (a holiday).
+    clock = VirtualClock()
+    busy = [
+        ForecastBucket("p", level, bucket, 0.2, 1e-5, 4, clock.now())
+        for level, count in (("week", 168), ("day", 48))
+        for bucket in range(count)
+    ]
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    await store.open()
+    await store.record_forecast(busy)
+    await store.close()
+    async with plane(tmp_path, pool(), clock=clock) as cp:
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and sizing.policy == "forecast" and not sizing.forecast_off
+        assert sizing.desired == warm_for_rate(sizing.forecast_rate or 0, sizing.replace_s, 0.99)
+        assert sizing.desired > 2
+        # Passes without a claim: once the error window holds more than Poisson noise of
+        # misses, the forecast is set aside and the pool is sized as without one.
+        for _ in range(12):
+            clock.advance(5.0)
+            await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and sizing.forecast_off
+        assert sizing.forecast_error == pytest.approx(-1.0)
+        assert sizing.forecast_warm is None and sizing.policy == "static"
+        assert sizing.desired == 0 == sizing.reactive
+        status = {s.name: s for s in await cp.pool_status()}["p"]
+        assert status.sizing is not None and status.sizing.forecast_off
