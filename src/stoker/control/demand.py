@@ -33,7 +33,7 @@ class DemandPublisher:
 
     def record_miss(self, pool: str) -> None:
         """Count one claim that found no worker (not held by its org cap) and publish soon."""
-        self._misses[pool] += 1
+        self._misses[pool] = self._misses.get(pool, 0) + 1
         self.publish_soon()
 
     def record_claim(self, pool: str) -> None:
@@ -47,7 +47,7 @@ class DemandPublisher:
 
     def misses(self, pool: str) -> int:
         """Misses of `pool` counted since this replica started."""
-        return self._misses[pool]
+        return self._misses.get(pool, 0)
 
     def waiting(self, pool: str) -> int:
         """Claims of `pool` queued for a warm worker (part of demand)."""
@@ -56,7 +56,7 @@ class DemandPublisher:
     def snapshot(self) -> dict[str, tuple[int, int, int]]:
         """(cumulative misses, claims waiting now, cumulative claims) per pool."""
         return {
-            name: (self._misses[name], self.waiting(name), self.claims(name))
+            name: (self.misses(name), self.waiting(name), self.claims(name))
             for name in self._catalog.pools
         }
 
