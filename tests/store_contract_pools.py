@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from stoker.domain.errors import NotFound
-from stoker.domain.pools import Rollout, StaleGeneration, StoredPool
+from stoker.domain.pools import Rollout, StaleGeneration, StoredPool, seed_settings
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, Timeouts, revision_of
 from stoker.domain.states import Reuse
@@ -35,7 +35,8 @@ def stored_pool(name: str = "p", template: ProcessTemplate | PodTemplate = V1) -
         reuse=Reuse.NEVER,
         timeouts=Timeouts(spawn_s=7.0),
     )
-    return StoredPool(spec=spec, generation=0, strategy=CanaryStrategy(steps=(5, 100)))
+    strategy = CanaryStrategy(steps=(5, 100))
+    return StoredPool(spec, 0, strategy, seed=seed_settings(spec, strategy))
 
 
 def rollout(
@@ -67,6 +68,7 @@ class PoolContract:
         assert created is not None
         assert created.generation == 1 and created.spec == seed.spec
         assert created.strategy == seed.strategy and not created.draining
+        assert created.seed == seed.seed and created.seed["rollout"]["steps"] == [5, 100]
         assert (created.created_at, created.updated_at) == (T0, T0)
         assert await store.get_pool("p") == created
         assert await store.list_pools() == [created]

@@ -36,6 +36,7 @@ from stoker.control.rollouts import Planner
 from stoker.control.scaler import DemandSource
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ConfigError
+from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.extras import missing_extra
 from stoker.ports.activator import Activator
@@ -316,6 +317,7 @@ def build_plane(
     demand: DemandSource | None = None,
     tracer: Tracer = NO_TRACER,
     planner: Planner | None = None,
+    strategies: Mapping[str, Strategy] | None = None,
 ) -> ControlPlane:
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
@@ -323,8 +325,9 @@ def build_plane(
     plane's `SoleLeader`), and the plane around them and `activator`: its claim path,
     janitor and fallback reaper. `stoker serve` builds its replica here from the config
     (`build_control_plane`); the simulator builds each of its replicas here too, on its
-    own clock, cluster and store. `demand` replaces the janitor's demand source and
-    `planner` the rollout plan (the simulator's baselines).
+    own clock, cluster and store. `demand` replaces the janitor's demand source,
+    `planner` the rollout plan (the simulator's baselines), and `strategies` are the
+    pools' default rollout strategies.
     """
     # One id for the replica's row, its runtime objects' labels and its lease holder.
     instance_id = ids.instance()
@@ -346,6 +349,7 @@ def build_plane(
         demand=demand,
         tracer=tracer,
         planner=planner,
+        strategies=strategies,
     )
 
 
@@ -407,6 +411,7 @@ def build_control_plane(
         activator=activator,
         elector=config_elector,
         tracer=tracer,
+        strategies=domain.strategies,
     )
 
 

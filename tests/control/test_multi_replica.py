@@ -425,3 +425,42 @@ async def test_failed_writes_during_a_workload_break_no_invariant(cluster: Clust
 
 async def _is_leader(replica: Replica) -> bool:
     return replica.elector.is_leader
+
+
+@bounded(120)
+async def test_replicas_started_with_different_files_serve_one_stored_revision(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(pool(warm_target=2))
+    # B's file has another template and target: it proposes a rollout and keeps the store's
+    # settings (the store's pool was seeded by A's file, B's file changes it as a file may).
+    b = await cluster.add(pool(warm_target=2, template=demo(start_delay=0.05)))
+    stable = pool().revision
+    for replica in (a, b):
+        assert replica.plane.catalog.pool("demo").revision == stable
+    (proposed,) = await a.store.list_rollouts()
+    assert proposed.revision == pool(template=demo(start_delay=0.05)).revision
+    assert proposed.base_revision == stable and proposed.active
+
+    async def two_warm() -> bool:
+        return len(await rows(a, S.WARM)) >= 2
+
+    await until(two_warm)
+    # An admin's change is in force on every replica within a pass, no restart.
+    changed = await b.plane.pools.update("demo", {"warm_target": 3})
+    assert changed.generation == 3
+
+    async def served_everywhere() -> bool:
+        return all(r.plane.catalog.pool("demo").warm_target == 3 for r in (a, b))
+
+    await until(served_everywhere)
+    # Both serve the one stored truth: the same stable revision and rollout, and neither
+    # retires the other's workers as a stale revision.
+    for replica in (a, b):
+        await replica.plane.run_reaper_pass()
+        assert replica.plane.catalog.pool("demo").revision == stable
+        ramp = replica.plane.catalog.rollout("demo")
+        assert ramp is not None and ramp.id == proposed.id
+    retired = await rows(a, S.RETIRED)
+    assert [w for w in retired if w.reason == "rollout"] == []
+    assert {w.revision for w in await rows(a, S.WARM)} <= {stable, proposed.revision}

@@ -20,7 +20,7 @@ from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import RuntimeFailure
-from stoker.domain.pools import Rollout, StoredRevision
+from stoker.domain.pools import Rollout
 from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, RolloutState
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, revision_of
@@ -75,7 +75,7 @@ class Harness:
     async def warm(self, revision: str) -> list[Worker]:
         return [w for w in await self.store.list_workers(states=[S.WARM]) if w.revision == revision]
 
-    def start(self, step: int = 0, **kw: Any) -> Rollout:
+    async def start(self, step: int = 0, **kw: Any) -> Rollout:
         strategy = CanaryStrategy(**{"steps": (10, 50, 100), "step_interval_s": 60, **kw})
         now = self.clock.now()
         rollout = Rollout(
@@ -90,7 +90,11 @@ class Harness:
             share=strategy.steps[step],
             step_started_at=now,
         )
-        self.plane.catalog.adopt(rollout, StoredRevision("p", NEW_REV, NEW, now))
+        # Stored as a rollout start writes it; the replica serves it from its next load.
+        pool = await self.store.get_pool("p")
+        assert pool is not None
+        await self.store.start_rollout(rollout, NEW, generation=pool.generation, now=now)
+        await self.plane.pools.refresh()
         return rollout
 
 
@@ -118,7 +122,7 @@ async def running(path: Path, **pool_kw: Any) -> AsyncIterator[Harness]:
 
 async def test_new_claims_split_by_share_and_each_org_keeps_its_revision(tmp_path: Path) -> None:
     async with running(tmp_path, reuse=Reuse.NEVER, warm_target=20) as h:
-        h.start(step=1)  # 50 %
+        await h.start(step=1)  # 50 %
         await h.tick()
         assert await h.warm(NEW_REV), "the ramp got warm workers of its own"
         orgs = [f"org-{i}" for i in range(16)]
@@ -139,7 +143,7 @@ async def test_reuse_stays_on_the_workers_own_revision(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
         first = await h.claim("acme")
         await h.plane.release(first.id)  # parked as acme's hot_idle, old revision
-        h.start(step=2)  # every new claim goes to the new revision
+        await h.start(step=2)  # every new claim goes to the new revision
         await h.tick()
         again = await h.claim("acme")
         assert again.source is ClaimSource.REUSE and again.worker_id == first.worker_id
@@ -157,7 +161,7 @@ async def test_the_ramp_is_sized_from_the_other_revisions_busy_workers(tmp_path:
     async with running(tmp_path, warm_target=2, reuse=Reuse.NEVER) as h:
         claims = [await h.claim(f"o{i}") for i in range(30)]
         assert len(claims) == 30
-        h.start(step=0)  # 10 % of 30 busy + 2 warm -> at least 4
+        await h.start(step=0)  # 10 % of 30 busy + 2 warm -> at least 4
         await h.tick()
         await h.tick()
         assert len(await h.warm(NEW_REV)) >= 4
@@ -167,7 +171,7 @@ async def test_the_ramp_is_sized_from_the_other_revisions_busy_workers(tmp_path:
 
 async def test_steps_advance_after_their_interval_and_the_last_promotes(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
-        h.start(step=0, step_interval_s=30)
+        await h.start(step=0, step_interval_s=30)
         await h.tick()
         ramp = h.plane.catalog.rollout("p")
         assert ramp is not None and ramp.step == 0
@@ -175,7 +179,8 @@ async def test_steps_advance_after_their_interval_and_the_last_promotes(tmp_path
             await asyncio.sleep(31)
             await h.tick()
             await h.tick()
-        ramp = h.plane.catalog.rollout("p")
+        # Ended: the store has it promoted, and the replica serves its revision as stable.
+        ramp = await h.store.get_rollout("ro-1")
         assert ramp is not None and ramp.state is RolloutState.PROMOTED
         assert h.plane.catalog.pool("p").revision == NEW_REV
         for _ in range(4):
@@ -188,7 +193,7 @@ async def test_failure_mid_ramp_rolls_back_and_restores_the_stable_target_at_onc
     tmp_path: Path,
 ) -> None:
     async with running(tmp_path, warm_target=10, reuse=Reuse.NEVER) as h:
-        h.start(step=2)  # 100 %: every new claim tries the new revision
+        await h.start(step=2)  # 100 %: every new claim tries the new revision
         await h.tick()
         h.runtime.bad = True
         for i in range(3):

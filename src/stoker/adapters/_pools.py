@@ -75,7 +75,7 @@ class PoolSql:
             pools, revisions, rollouts = (f"{schema}.{t.name}" for t in POOL_TABLES)
         pool_select = (
             "SELECT p.name, p.generation, p.revision, p.settings, p.strategy, p.draining, "
-            f"p.created_at, p.updated_at, r.template FROM {pools} p JOIN {revisions} r "
+            f"p.created_at, p.updated_at, p.seed, r.template FROM {pools} p JOIN {revisions} r "
             "ON r.pool = p.name AND r.revision = p.revision"
         )
         rollout_select = f"SELECT {_ROLLOUT_COLUMNS} FROM {rollouts}"
@@ -99,8 +99,9 @@ class PoolSql:
         )
         self._insert_pool = (
             f"INSERT INTO {pools} (name, generation, revision, settings, strategy, draining, "
-            f"created_at, updated_at) VALUES ({p('name')}, 1, {p('revision')}, "
-            f"{j('settings')}, {j('strategy')}, {p('draining')}, {p('now')}, {p('now')}) "
+            f"created_at, updated_at, seed) VALUES ({p('name')}, 1, {p('revision')}, "
+            f"{j('settings')}, {j('strategy')}, {p('draining')}, {p('now')}, {p('now')}, "
+            f"{j('seed')}) "
             "ON CONFLICT (name) DO NOTHING"
         )
         self._insert_revision = (
@@ -111,8 +112,8 @@ class PoolSql:
         cas = f"WHERE name = {p('name')} AND generation = {p('generation')}"
         self._update_pool = (
             f"UPDATE {pools} SET generation = generation + 1, settings = {j('settings')}, "
-            f"strategy = {j('strategy')}, draining = {p('draining')}, updated_at = {p('now')} "
-            + cas
+            f"strategy = {j('strategy')}, draining = {p('draining')}, updated_at = {p('now')}, "
+            f"seed = {j('seed')} " + cas
         )
         self._bump = (
             f"UPDATE {pools} SET generation = generation + 1, updated_at = {p('now')} " + cas
@@ -283,7 +284,7 @@ class PoolRows:
 
 def pool_from_row(row: Sequence[Any]) -> StoredPool:
     """A `PoolSql.pool_select` row."""
-    name, generation, revision, settings, strategy, draining, created, updated, template = row
+    name, generation, revision, settings, strategy, draining, created, updated, seed, template = row
     spec = spec_from_json(
         name,
         load_json_object(settings),
@@ -297,6 +298,7 @@ def pool_from_row(row: Sequence[Any]) -> StoredPool:
         draining=bool(draining),
         created_at=float(created),
         updated_at=float(updated),
+        seed=load_json_object(seed),
     )
 
 
@@ -337,6 +339,7 @@ def pool_params(pool: StoredPool, now: float) -> dict[str, Any]:
         "strategy": dump_json(strategy_json(pool.strategy)),
         "draining": pool.draining,
         "now": now,
+        "seed": dump_json(pool.seed),
     }
 
 

@@ -48,6 +48,10 @@ class Table:
         """The column names, in row order."""
         return tuple(c.name for c in self.columns)
 
+    def without(self, *names: str) -> Table:
+        """The table as an older version made it: without the columns `names`."""
+        return Table(self.name, tuple(c for c in self.columns if c.name not in names), self.key)
+
     def column(self, name: str) -> Column:
         """The column called `name` (KeyError if there is none)."""
         for column in self.columns:
@@ -134,6 +138,8 @@ POOLS = Table(
         Column("strategy", Kind.JSON, has_default=True),
         Column("draining", Kind.FLAG, has_default=True),
         *_real("created_at", "updated_at"),
+        # What the last seed from a config file wrote (`StoredPool.seed`).
+        Column("seed", Kind.JSON, has_default=True),
     ),
     key=("name",),
 )
@@ -169,6 +175,8 @@ FORECAST = Table(
     ),
     key=("pool", "level", "bucket"),
 )
+#: The stored pools' tables as the version that added them made them.
+FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
 TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES, FORECAST)
 

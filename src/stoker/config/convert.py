@@ -10,6 +10,7 @@ from stoker.config.pools import PoolConfig
 from stoker.config.schema import spec_values
 from stoker.config.sections import KubernetesRuntimeConfig
 from stoker.domain.errors import ConfigError
+from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import (
     OrgSpec,
     PlaneSettings,
@@ -27,6 +28,8 @@ class DomainConfig:
     pools: list[PoolSpec]
     orgs: list[OrgSpec]
     settings: PlaneSettings
+    #: Each pool's default rollout strategy.
+    strategies: dict[str, Strategy] = dataclasses.field(default_factory=dict)
 
 
 def to_domain(config: StokerConfig) -> DomainConfig:
@@ -42,7 +45,12 @@ def to_domain(config: StokerConfig) -> DomainConfig:
             pools.append(PoolSpec(name=pool.name, template=template, **settings))
         except ConfigError as exc:
             raise ConfigError(f"config error: pools[{i}]: {exc}") from None
-    return DomainConfig(pools=pools, orgs=list(config.orgs), settings=plane_settings(config))
+    return DomainConfig(
+        pools=pools,
+        orgs=list(config.orgs),
+        settings=plane_settings(config),
+        strategies={pool.name: pool.rollout.strategy() for pool in config.pools},
+    )
 
 
 def _template(i: int, pool: PoolConfig) -> RuntimeTemplate:

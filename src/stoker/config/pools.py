@@ -15,6 +15,14 @@ from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from stoker.config.names import DnsSubdomain, EnvName, LabelValue, PoolName, QualifiedName, Quantity
 from stoker.config.problems import Loc, raise_problems
 from stoker.config.schema import DerivedSection, Section, derived_section, spec_fields
+from stoker.domain.errors import InvalidRequest
+from stoker.domain.rollouts import (
+    DEFAULT_MAX_FAILURE_RATIO,
+    DEFAULT_STEP_INTERVAL_S,
+    DEFAULT_STEPS,
+    Strategy,
+    strategy_from,
+)
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate
 
 #: The demo worker shipped with stoker; `{python}` is the interpreter running the server.
@@ -119,6 +127,29 @@ else:
     )
 
 
+class RolloutConfig(Section):
+    """How a new template of the pool takes over (README, "Pools in the store"): a canary
+    hands `steps` percent of new claims to it, one step per `step_interval_s`, and rolls
+    back when its failures reach `max_failure_ratio`; `replace` switches at once."""
+
+    kind: Literal["canary", "replace"] = "canary"
+    steps: list[int] = Field(default_factory=lambda: list(DEFAULT_STEPS))
+    step_interval_s: float = DEFAULT_STEP_INTERVAL_S
+    max_failure_ratio: float = DEFAULT_MAX_FAILURE_RATIO
+
+    @model_validator(mode="after")
+    def _valid(self) -> RolloutConfig:
+        try:
+            self.strategy()
+        except InvalidRequest as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def strategy(self) -> Strategy:
+        """The domain's strategy."""
+        return strategy_from(self.model_dump())
+
+
 class _PoolBase(DerivedSection):
     #: The pool's name, in URLs, metric labels and process labels.
     name: PoolName
@@ -127,6 +158,8 @@ class _PoolBase(DerivedSection):
     command: Argv | None = None
     #: The worker pod of the kubernetes runtime.
     pod: PodConfig | None = None
+    #: The default strategy of a rollout when the pool's template changes.
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="after")
     def _target_within_cap(self) -> _PoolBase:

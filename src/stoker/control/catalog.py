@@ -1,12 +1,17 @@
-"""The catalog: the pools and orgs this replica serves, and the caps and TTLs they resolve to."""
+"""The catalog: the pools and orgs this replica serves, and the caps and TTLs they resolve to.
+
+The pools come from the store (`stoker.control.stored_pools` loads them whenever their
+generations change): each at its stable revision, with its active rollout and the templates
+of its revisions. Until the first load it serves the pools the replica was built with.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from stoker.domain.errors import NotFound
-from stoker.domain.pools import Rollout, StoredRevision
+from stoker.domain.pools import Rollout, StoredPool, StoredRevision
 from stoker.domain.specs import OrgSpec, PoolSpec
 from stoker.policy.reaping import resolve_ttl
 from stoker.policy.scaling import effective_cap
@@ -29,8 +34,35 @@ class Catalog:
         self._pools = dict(pools)
         self._orgs = dict(orgs)
         self._derived_cap = derived_cap
+        self._stored: dict[str, StoredPool] = {}
         self._rollouts: dict[str, Rollout] = {}
         self._revisions: dict[tuple[str, str], StoredRevision] = {}
+
+    def load(
+        self,
+        pools: Iterable[StoredPool],
+        rollouts: Iterable[Rollout],
+        revisions: Iterable[StoredRevision],
+    ) -> None:
+        """Serve the stored pools from now on: each at its stable revision (a draining pool
+        keeps no warm target), with its active rollout and the templates of its revisions."""
+        stored = {p.name: p for p in pools}
+        self._stored = stored
+        self._pools = {
+            name: dataclasses.replace(p.spec, warm_target=0) if p.draining else p.spec
+            for name, p in stored.items()
+        }
+        self._rollouts = {r.pool: r for r in rollouts if r.active}
+        self._revisions = {(r.pool, r.revision): r for r in revisions}
+
+    def stored(self, name: str) -> StoredPool | None:
+        """The pool as the store held it at the last load (None: not loaded from the store)."""
+        return self._stored.get(name)
+
+    def draining(self, name: str) -> bool:
+        """True while the stored pool hands out no new claims."""
+        pool = self._stored.get(name)
+        return pool is not None and pool.draining
 
     @property
     def pools(self) -> Mapping[str, PoolSpec]:

@@ -29,6 +29,10 @@ class Ids:
         """A new claim id."""
         return "c-" + self._hex(8)
 
+    def rollout(self) -> str:
+        """A new rollout id."""
+        return "ro-" + self._hex(6)
+
     def instance(self) -> str:
         """A new control-plane instance id (one per start)."""
         return "cp-" + self._hex(6)

@@ -22,6 +22,7 @@ from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
 from stoker.control.sizing import PoolSizer, Sizing
 from stoker.control.spawning import Spawner
+from stoker.control.stored_pools import StoredPools
 from stoker.control.world import Reach, World, WorldReader
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Worker
@@ -53,9 +54,11 @@ class Janitor:
         events: RuntimeEvents,
         publisher: DemandPublisher,
         demand: DemandSource | None = None,
+        pools: StoredPools | None = None,
     ) -> None:
         """`demand` replaces the demand rate and forecast read from the store with a count
-        added to the static target (the simulator's baselines)."""
+        added to the static target (the simulator's baselines);
+        `pools` reloads the catalog when the stored pools changed, before each pass."""
         self.reach = world.reach
         self._world, self._store, self._runtime = world, store, runtime
         self._book, self._lifecycle = shared.book, shared.lifecycle
@@ -71,6 +74,7 @@ class Janitor:
         self.sizer = PoolSizer(
             shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
         )
+        self._pools = pools
         self._scaler = Scaler(
             shared,
             store=store,
@@ -99,6 +103,8 @@ class Janitor:
 
     async def run_pass(self) -> PassReport:
         """Sync then step. Raises StoreError when the world could not be read."""
+        if self._pools is not None:
+            await self._pools.refresh()
         world = await self.sync()
         report = PassReport()
         await self.step(world, report)

@@ -22,6 +22,7 @@ from stoker.control.scaler import DemandSource
 from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
+from stoker.control.stored_pools import StoredPools
 from stoker.control.world import Reach, WorldReader
 from stoker.ports.activator import Activator
 from stoker.ports.runtime import Runtime
@@ -46,13 +47,15 @@ class Parts:
 
 def assemble(
     shared: Shared,
-    *,
+    pools: StoredPools,
     store: Store,
     runtime: Runtime,
     activator: Activator,
+    *,
     demand: DemandSource | None,
 ) -> Parts:
-    """Build one replica's parts; `demand` replaces the leader's demand read (simulator)."""
+    """Build one replica's parts; `pools` reloads the catalog before each janitor and
+    reaper pass, `demand` replaces the leader's demand read (simulator)."""
     retirer = Retirer(shared, reader=store, runtime=runtime)
     spawner = Spawner(shared, retirer=retirer, runtime=runtime)
     sessions = Sessions(shared, retirer=retirer, reader=store)
@@ -79,6 +82,7 @@ def assemble(
             events=events,
             publisher=publisher,
             demand=demand,
+            pools=pools,
         )
 
     return Parts(

@@ -39,8 +39,10 @@ from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
 from stoker.control.sizing import SizingStatus
+from stoker.control.stored_pools import StoredPools
 from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
+from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
 from stoker.policy.rollout import rollout_plan
@@ -96,6 +98,7 @@ class ControlPlane:
         instance_id: str | None = None,
         closers: Sequence[Callable[[], Awaitable[None]]] = (),
         tracer: Tracer = NO_TRACER,
+        strategies: Mapping[str, Strategy] | None = None,
     ) -> None:
         """`runtime` runs the workers and `activator` hands them their orgs. `closers` run
         at the end of `stop`, in order, after the runtime, the activator and the store are
@@ -112,9 +115,10 @@ class ControlPlane:
         self.elector = elector or SoleLeader()
         self.metrics = metrics or Metrics()
         self.tracer = tracer
-        self.catalog = Catalog(
-            {p.name: p for p in pools}, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap
-        )
+        seeds = {p.name: p for p in pools}
+        self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
+        #: The stored pools: `pools` seed them at start (`strategies`: their rollouts').
+        self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
         self.book = Book(reader=store, instance_id=self.instance_id)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).
         self.rollouts = Rollouts(self.catalog, self.metrics, planner or rollout_plan)
@@ -133,7 +137,7 @@ class ControlPlane:
             journal=self.journal,
             tracer=tracer,
         )
-        parts = assemble(shared, store=store, runtime=runtime, activator=activator, demand=demand)
+        parts = assemble(shared, self.pools, store, runtime, activator, demand=demand)
         self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
         self.idempotent = parts.idempotent
         self.spawner, self.events, self.demand = parts.spawner, parts.events, parts.demand
@@ -160,6 +164,7 @@ class ControlPlane:
         With `loops=False` nothing runs in the background: tests drive passes themselves.
         """
         await self.store.open()
+        await self.pools.seed()
         await self.store.register_instance(
             self.instance_id, now=self.clock.now(), meta={"runtime": self.runtime.kind}
         )

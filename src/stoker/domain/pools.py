@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from stoker.domain.errors import InvalidRequest, StokerError
-from stoker.domain.rollouts import CanaryStrategy, RolloutState, Strategy
+from stoker.domain.rollouts import CanaryStrategy, RolloutState, Strategy, strategy_json
 from stoker.domain.specs import (
     Activation,
     DemandSpec,
@@ -74,6 +74,9 @@ class StoredPool:
     draining: bool = False
     created_at: float = 0.0
     updated_at: float = 0.0
+    #: The settings a config file last seeded (`seed_settings`): a file changes the stored
+    #: settings only while they are still what a file wrote, never after an API change.
+    seed: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -165,6 +168,11 @@ def spec_settings(spec: PoolSpec) -> dict[str, Any]:
     }
 
 
+def seed_settings(spec: PoolSpec, strategy: Strategy) -> dict[str, Any]:
+    """A pool's settings and default strategy as JSON: what a seed compares and records."""
+    return {**spec_settings(spec), "rollout": strategy_json(strategy)}
+
+
 def spec_from_json(
     name: str, settings: Mapping[str, Any], template: RuntimeTemplate, revision: str
 ) -> PoolSpec:
@@ -192,7 +200,7 @@ def with_settings(spec: PoolSpec, changes: Mapping[str, Any]) -> PoolSpec:
         raise InvalidRequest(f"not a tunable pool setting: {', '.join(unknown)}")
     try:
         return dataclasses.replace(spec, **changes)
-    except StokerError as exc:
+    except (StokerError, TypeError) as exc:
         raise InvalidRequest(str(exc)) from None
 
 

@@ -13,8 +13,9 @@ from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
     DEMAND,
+    FIRST_POOL_TABLES,
     FORECAST,
-    POOL_TABLES,
+    POOLS,
     POSTGRES,
     TABLES,
     WORKERS,
@@ -110,7 +111,7 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
             ],
         ),
         # Stored pools: pools, their revisions and rollouts (`domain.pools`).
-        (7, [POSTGRES.create_table(t, f"{s}.{t.name}") for t in POOL_TABLES]),
+        (7, [POSTGRES.create_table(t, f"{s}.{t.name}") for t in FIRST_POOL_TABLES]),
         # Demand as a rate: each replica's claim counter, and the learned forecast.
         (
             8,
@@ -119,6 +120,8 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
                 POSTGRES.create_table(FORECAST, f"{s}.forecast"),
             ],
         ),
+        # What a config file last seeded: a file never overrides a change made since.
+        (9, [POSTGRES.add_column(POOLS, "seed", f"{s}.pools")]),
     ]
 
 

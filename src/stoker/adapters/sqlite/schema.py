@@ -13,8 +13,9 @@ from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
     DEMAND,
+    FIRST_POOL_TABLES,
     FORECAST,
-    POOL_TABLES,
+    POOLS,
     SQLITE,
     TABLES,
     WORKERS,
@@ -82,9 +83,11 @@ UPGRADES: list[tuple[int, list[str]]] = [
         ],
     ),
     # Stored pools: pools, their revisions and rollouts (`domain.pools`).
-    (8, [SQLITE.create_table(table) for table in POOL_TABLES]),
+    (8, [SQLITE.create_table(table) for table in FIRST_POOL_TABLES]),
     # Demand as a rate: each replica's claim counter, and the learned forecast.
     (9, [SQLITE.add_column(DEMAND, "claims"), SQLITE.create_table(FORECAST)]),
+    # What a config file last seeded: a file never overrides a change made since.
+    (10, [SQLITE.add_column(POOLS, "seed")]),
 ]
 
 

@@ -1,0 +1,232 @@
+"""Stored pools: the seed from the config file, the catalog's refresh, and the admin's changes.
+
+The store holds the truth about pools (`stoker.domain.pools`); every replica serves what it
+holds. At start a replica *seeds* the store from its config file, one log line per pool:
+
+- a pool the store lacks is created from the file;
+- the file's settings replace the stored ones only while those are still what a file wrote
+  (`StoredPool.seed`): a change made through the API since is never silently undone;
+- a template the pool has never had *proposes* a rollout with the pool's default strategy;
+  a template the pool had before (an older file) changes nothing.
+
+Each janitor and fallback-reaper pass reads the pools' generations (one small query) and
+reloads the catalog when they changed, so an admin change is in force on every replica
+within a pass, without a restart. Every write compares the pool's generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from stoker.control import logs
+from stoker.control.catalog import Catalog
+from stoker.control.ids import Ids
+from stoker.domain.errors import NotFound
+from stoker.domain.pools import (
+    Rollout,
+    StaleGeneration,
+    StoredPool,
+    StoredRevision,
+    seed_settings,
+    with_settings,
+)
+from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
+from stoker.domain.specs import PoolSpec, RuntimeTemplate, revision_of
+from stoker.ports.clock import Clock
+from stoker.ports.store import ReplicaStore
+
+
+def new_rollout(
+    rollout_id: str, pool: StoredPool, template: RuntimeTemplate, strategy: Strategy, now: float
+) -> Rollout:
+    """A rollout of `template` as it starts: a canary ramps from its first step, a replace
+    is promoted at once."""
+    rollout = Rollout(
+        id=rollout_id,
+        pool=pool.name,
+        revision=revision_of(template),
+        base_revision=pool.revision,
+        strategy=strategy,
+        state=RolloutState.RAMPING,
+        started_at=now,
+        step_started_at=now,
+    )
+    if isinstance(strategy, ReplaceStrategy):
+        return rollout.evolve(state=RolloutState.PROMOTED, share=100, ended_at=now)
+    return rollout.evolve(share=strategy.steps[0])
+
+
+def revision_shares(stable: str, rollout: Rollout | None) -> dict[str, tuple[str, int]]:
+    """Each serving revision's state and percent of new claims: the stable one's and the
+    active rollout's. (Until the ramp's plan decides them, this is the one derivation.)"""
+    if rollout is None or not rollout.active:
+        return {stable: ("stable", 100)}
+    return {
+        stable: ("stable", 100 - rollout.share),
+        rollout.revision: (rollout.state.value, rollout.share),
+    }
+
+
+class StoredPools:
+    """This replica's view of the stored pools, and the writes an admin makes to them."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: ReplicaStore,
+        clock: Clock,
+        ids: Ids,
+        seeds: Mapping[str, PoolSpec],
+        strategies: Mapping[str, Strategy] | None = None,
+    ) -> None:
+        """`seeds`: the pools of the config file; `strategies`: their default rollout
+        strategies (a canary of 10, 50 and 100 % when a pool names none)."""
+        self.catalog, self.store, self._clock, self._ids = catalog, store, clock, ids
+        self._seeds = dict(seeds)
+        self._strategies = dict(strategies or {})
+        #: The generations the catalog was loaded at (None: never loaded).
+        self._loaded: dict[str, int] | None = None
+
+    # -- seed and refresh -----------------------------------------------------------------
+
+    async def seed(self) -> None:
+        """Seed the store from the config file's pools, then load the catalog."""
+        for spec in self._seeds.values():
+            strategy = self._strategies.get(spec.name) or CanaryStrategy()
+            await self._seed_one(spec, strategy)
+        await self.refresh(force=True)
+
+    async def _seed_one(self, spec: PoolSpec, strategy: Strategy) -> None:
+        now = self._clock.now()
+        seed = seed_settings(spec, strategy)
+        fresh = StoredPool(spec, 0, strategy, created_at=now, updated_at=now, seed=seed)
+        created = await self.store.create_pool(fresh, now=now)
+        if created is not None:
+            logs.event("pool_seeded", pool=spec.name, generation=1, settings="created")
+            return
+        for _ in range(3):  # another replica may write the pool meanwhile: read it again
+            stored = await self.store.get_pool(spec.name)
+            if stored is None:
+                return
+            try:
+                await self._reconcile_seed(stored, spec, strategy, seed)
+                return
+            except StaleGeneration:
+                continue
+
+    async def _reconcile_seed(
+        self, stored: StoredPool, spec: PoolSpec, strategy: Strategy, seed: dict[str, Any]
+    ) -> None:
+        now = self._clock.now()
+        if seed == stored.seed:
+            settings = "unchanged"
+        elif seed_settings(stored.spec, stored.strategy) == stored.seed:
+            changed = with_file_settings(stored, spec, strategy, seed)
+            stored = await self.store.update_pool(changed, now=now)
+            settings = "updated"
+        else:
+            # Changed through the API since a file last wrote them: the store's are newer.
+            differ = sorted(k for k, v in seed.items() if stored.seed.get(k) != v)
+            settings = f"kept stored (changed since the last seed; file differs in {differ})"
+        template = await self._seed_template(stored, spec, now)
+        logs.event(
+            "pool_seeded",
+            pool=spec.name,
+            generation=stored.generation,
+            settings=settings,
+            template=template,
+        )
+
+    async def _seed_template(self, stored: StoredPool, spec: PoolSpec, now: float) -> str:
+        """What the file's template does: nothing, or propose a rollout."""
+        if spec.revision == stored.revision:
+            return "same"
+        active = [r for r in await self.store.list_rollouts(pool=spec.name) if r.active]
+        if any(r.revision == spec.revision for r in active):
+            return f"rolling out ({spec.revision})"
+        known = {r.revision for r in await self.store.list_revisions(spec.name)}
+        if spec.revision in known:
+            return f"older ({spec.revision}); the store has moved on to {stored.revision}"
+        rollout = await self.propose(stored, spec.template, now=now)
+        return f"rollout {rollout.id} proposed ({rollout.revision})"
+
+    async def refresh(self, *, force: bool = False) -> bool:
+        """Reload the catalog when the stored generations changed (or with `force`); True
+        when it reloaded."""
+        generations = await self.store.pool_generations()
+        if not force and generations == self._loaded:
+            return False
+        pools = await self.store.list_pools()
+        rollouts = await self.store.list_rollouts()
+        revisions: list[StoredRevision] = []
+        for pool in pools:
+            revisions += await self.store.list_revisions(pool.name)
+        if pools:
+            self.catalog.load(pools, rollouts, revisions)
+        self._loaded = {p.name: p.generation for p in pools}
+        return True
+
+    # -- an admin's writes ------------------------------------------------------------------
+
+    async def get(self, name: str) -> StoredPool:
+        """The stored pool, read now; NotFound when the store has none of that name."""
+        pool = await self.store.get_pool(name)
+        if pool is None:
+            raise NotFound(f"unknown pool {name!r}")
+        return pool
+
+    async def update(
+        self, name: str, changes: Mapping[str, Any], *, generation: int | None = None
+    ) -> StoredPool:
+        """Change tunable settings (`TUNABLE_SETTINGS`), by CAS on `generation` (None: the
+        generation read now); the catalog serves the result at once."""
+        pool = await self.get(name)
+        expected = pool.generation if generation is None else generation
+        changed = pool.evolve(spec=with_settings(pool.spec, changes), generation=expected)
+        return await self._written(await self.store.update_pool(changed, now=self._clock.now()))
+
+    async def set_draining(
+        self, name: str, draining: bool, *, generation: int | None = None
+    ) -> StoredPool:
+        """Stop (or resume) handing out new claims of the pool."""
+        pool = await self.get(name)
+        expected = pool.generation if generation is None else generation
+        changed = pool.evolve(draining=draining, generation=expected)
+        return await self._written(await self.store.update_pool(changed, now=self._clock.now()))
+
+    async def propose(
+        self,
+        pool: StoredPool,
+        template: RuntimeTemplate,
+        *,
+        now: float,
+        strategy: Strategy | None = None,
+    ) -> Rollout:
+        """Start a rollout of `template` (superseding the pool's active one) at the
+        generation `pool` was read at."""
+        rollout = new_rollout(self._ids.rollout(), pool, template, strategy or pool.strategy, now)
+        await self.store.start_rollout(rollout, template, generation=pool.generation, now=now)
+        r = rollout
+        logs.event(
+            "rollout_started", pool=r.pool, rollout=r.id, revision=r.revision, base=pool.revision
+        )
+        await self.refresh()
+        return rollout
+
+    async def _written(self, pool: StoredPool) -> StoredPool:
+        logs.event(
+            "pool_changed", pool=pool.name, generation=pool.generation, draining=pool.draining
+        )
+        await self.refresh()
+        return pool
+
+
+def with_file_settings(
+    stored: StoredPool, spec: PoolSpec, strategy: Strategy, seed: dict[str, Any]
+) -> StoredPool:
+    """`stored` with the file's settings and strategy (its revision stays: a template change
+    is a rollout)."""
+    settings = dataclasses.replace(spec, template=stored.spec.template, revision=stored.revision)
+    return stored.evolve(spec=settings, strategy=strategy, seed=seed)
