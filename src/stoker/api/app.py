@@ -23,11 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -46,26 +45,21 @@ from stoker.api.models import (
     Health,
     ModelResponse,
     PoolHistory,
-    PoolList,
-    PoolOut,
     Problem,
     WorkerList,
     WorkerOut,
 )
 from stoker.api.pages import add_pages
+from stoker.api.pools import add_pool_routes
 from stoker.api.problems import openapi_responses
 from stoker.api.routing import DirectRoutes
 from stoker.api.tokens import TokenTable
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import NotFound, StokerError, Unavailable
+from stoker.domain.errors import StokerError, Unavailable
 from stoker.domain.states import LIVE, ClaimState, WorkerState
 
 logger = logging.getLogger("stoker.api")
-
-#: Renders one pool (a pydantic dataclass, not a model: `ModelResponse` does not take it).
-_POOL_JSON = TypeAdapter(PoolOut)
-_JSON = "application/json"
 
 # -- the app --------------------------------------------------------------------------------
 
@@ -176,6 +170,7 @@ def create_app(
         app.add_middleware(AccessLog)
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
+    add_pool_routes(app, plane)
     _dashboard_routes(app, plane)
     add_pages(app, openapi_url="/openapi.json")
     _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))
@@ -184,34 +179,6 @@ def create_app(
 
 def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
     """Register the routes other than the claim routes: pools, workers, health, metrics."""
-
-    @app.get(
-        "/v1/pools",
-        operation_id="list_pools",
-        response_model=PoolList,
-        responses=openapi_responses(401, 403, 503),
-        tags=["pools"],
-        summary="List pools",
-    )
-    async def list_pools(request: Request) -> Response:
-        """Every pool with its targets, demand, cap and workers by state."""
-        statuses = await plane.pool_status()
-        return ModelResponse(PoolList.model_construct(pools=[PoolOut.of(s) for s in statuses]))
-
-    @app.get(
-        "/v1/pools/{name}",
-        operation_id="get_pool",
-        response_model=PoolOut,
-        responses=openapi_responses(401, 403, 404, 422, 503),
-        tags=["pools"],
-        summary="Get a pool",
-    )
-    async def get_pool(request: Request, name: Annotated[str, Path(max_length=128)]) -> Response:
-        """One pool with its targets, demand, cap and workers by state."""
-        for status in await plane.pool_status():
-            if status.name == name:
-                return Response(_POOL_JSON.dump_json(PoolOut.of(status)), media_type=_JSON)
-        raise NotFound(f"unknown pool {name!r}")
 
     @app.get(
         "/v1/workers",

@@ -8,7 +8,6 @@ valid, which keeps validation off the hot path.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -208,17 +207,6 @@ def _fields(model: type[BaseModel], record: object, **converted: Any) -> dict[st
 @pydantic_dataclass(frozen=True)
 class PoolOut(PoolStatus):
     """A pool's targets, demand and workers by state."""
-
-    @classmethod
-    def of(cls, status: PoolStatus) -> PoolOut:
-        """The response body of one pool."""
-        return cls(*(getattr(status, f.name) for f in dataclasses.fields(PoolStatus)))
-
-
-class PoolList(BaseModel):
-    """`GET /v1/pools`."""
-
-    pools: list[PoolOut]
 
 
 class WorkerOut(BaseModel):

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from stoker.domain import errors
+from stoker.domain.pools import StaleGeneration
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -32,6 +33,8 @@ STATUS_OF: dict[type[errors.StokerError], int] = {
     errors.NotFound: 404,
     errors.ClaimConflict: 409,
     errors.RolloutEnded: 409,
+    # A write of a pool from a generation it has moved past (`If-Match` is stale).
+    StaleGeneration: 412,
     errors.OrgCapError: 429,
     errors.CapacityError: 503,
     errors.Unavailable: 503,
@@ -51,6 +54,7 @@ CODE_OF_STATUS = {
     403: "forbidden",
     404: "not-found",
     405: "method-not-allowed",
+    412: "stale-generation",
     413: "body-too-large",
     415: "unsupported-media-type",
     422: "invalid-request",

@@ -68,6 +68,8 @@ class Claims:
         pool = self._catalog.pool(req.pool)
         if self._book.closing:
             raise Unavailable("control plane is shutting down")
+        if self._catalog.draining(req.pool):
+            raise Unavailable(f"pool {req.pool!r} is draining: it hands out no new claims")
         if not req.org:
             raise InvalidRequest("org must not be empty")
         timeout = pool.claim_timeout_s if req.timeout_s is None else req.timeout_s

@@ -1,0 +1,236 @@
+"""The routes of one stored pool: its detail with revisions, and an admin's changes.
+
+`GET /v1/pools/{name}` shows the pool with its generation, its active rollout and each
+revision's share, state and workers by state. `PATCH /v1/pools/{name}` changes its tunable
+settings, `POST /v1/pools/{name}/drain` and `/undrain` stop and resume handing out its new
+claims (admin token only). Every write compares the pool's generation: the one the caller
+read (`If-Match` or `generation`), else the one read now; a lost race is a 412.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Path, Request
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from starlette.responses import Response
+
+from stoker.api.asgi import principal_of
+from stoker.api.models import PoolOut
+from stoker.api.problems import openapi_responses
+from stoker.control.plane import ControlPlane
+from stoker.control.stored_pools import revision_shares
+from stoker.domain.errors import InvalidRequest, NotFound
+from stoker.domain.pools import TUNABLE_SETTINGS, Rollout
+from stoker.domain.rollouts import strategy_json
+from stoker.domain.states import LIVE
+
+PoolName = Annotated[str, Path(max_length=128)]
+
+
+class RevisionOut(BaseModel):
+    """One revision of a pool: its share of new claims, its state and its live workers."""
+
+    revision: str
+    #: `stable`, the rollout's state for its revision, or `retiring`.
+    state: str
+    #: Percent of the pool's new claims it gets.
+    share: int
+    counts: dict[str, int]
+
+
+class RolloutOut(BaseModel):
+    """A pool's rollout as stored."""
+
+    id: str
+    revision: str
+    base_revision: str
+    state: str
+    step: int
+    share: int
+    strategy: dict[str, Any]
+    started_at: float
+    ended_at: float | None
+    reason: str | None
+
+    @classmethod
+    def of(cls, rollout: Rollout) -> RolloutOut:
+        """The response body of a rollout."""
+        same = {name: getattr(rollout, name) for name in cls.model_fields}
+        return cls(
+            **{**same, "state": rollout.state.value, "strategy": strategy_json(rollout.strategy)}
+        )
+
+
+@pydantic_dataclass(frozen=True)
+class PoolDetail(PoolOut):
+    """A pool with its stored generation, draining flag, active rollout and revisions."""
+
+    generation: int = 0
+    draining: bool = False
+    #: The stored tunable settings (what `PATCH` changes).
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rollout: RolloutOut | None = None
+    revisions: list[RevisionOut] = dataclasses.field(default_factory=list)
+
+
+class PoolPatch(BaseModel):
+    """The tunable settings to change (README, "Pools in the store"); those left out (or
+    null) keep their value. Bounds are the config's."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    warm_target: int | None = Field(None, ge=0, le=100_000)
+    max_workers: int | None = Field(None, ge=0, le=1_000_000)
+    max_workers_per_org: int | None = Field(None, ge=0, le=1_000_000)
+    hot_idle_ttl: float | None = Field(None, ge=0, le=365 * 86400)
+    max_ttl: float | None = Field(None, ge=0, le=365 * 86400)
+    min_hot_idle: int | None = Field(None, ge=0, le=100_000)
+    lease_s: float | None = Field(None, gt=0, le=86400)
+    claim_timeout_s: float | None = Field(None, ge=0, le=3600)
+    scale_down_delay: float | None = Field(None, ge=0, le=365 * 86400)
+    max_claim_s: float | None = Field(None, ge=0, le=365 * 86400)
+    #: The generation the change was made from (or send `If-Match`); a stale one is a 412.
+    generation: int | None = Field(None, ge=1)
+
+
+def expected_generation(if_match: str | None, body: int | None = None) -> int | None:
+    """The generation a write compares: `If-Match` (`"3"`, `W/"3"` or `3`), else `body`."""
+    if if_match is None:
+        return body
+    text = if_match.strip().removeprefix("W/").strip('"')
+    if not text.isdigit():
+        raise InvalidRequest(f"If-Match must name a pool generation, got {if_match!r}")
+    return int(text)
+
+
+async def pool_details(plane: ControlPlane) -> list[PoolDetail]:
+    """Every pool's status, stored generation and settings, rollout and revisions."""
+    statuses = await plane.pool_status()
+    counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: {s.value: 0 for s in LIVE})
+    for c in await plane.store.count_workers():
+        counts[c.pool, c.revision][c.state.value] += c.count
+    details = []
+    for status in statuses:
+        name = status.name
+        stored, rollout = plane.catalog.stored(name), plane.catalog.rollout(name)
+        shares = revision_shares(status.revision, rollout)
+        others = sorted(rev for pool, rev in counts if pool == name and rev not in shares)
+        revisions = [
+            RevisionOut(revision=rev, state=state, share=share, counts=counts[name, rev])
+            for rev, (state, share) in [*shares.items(), *((r, ("retiring", 0)) for r in others)]
+        ]
+        fields = {f.name: getattr(status, f.name) for f in dataclasses.fields(status)}
+        details.append(
+            PoolDetail(
+                **fields,
+                generation=stored.generation if stored else 0,
+                draining=stored.draining if stored else False,
+                settings={k: getattr(stored.spec, k) for k in TUNABLE_SETTINGS} if stored else {},
+                rollout=RolloutOut.of(rollout) if rollout else None,
+                revisions=revisions,
+            )
+        )
+    return details
+
+
+async def pool_detail(plane: ControlPlane, name: str) -> PoolDetail:
+    """One pool's detail; NotFound for a pool the replica does not serve."""
+    for detail in await pool_details(plane):
+        if detail.name == name:
+            return detail
+    raise NotFound(f"unknown pool {name!r}")
+
+
+class PoolList(BaseModel):
+    """`GET /v1/pools`."""
+
+    pools: list[PoolDetail]
+
+
+_DETAIL_JSON: TypeAdapter[PoolDetail] = TypeAdapter(PoolDetail)
+
+
+def _answer(detail: PoolDetail) -> Response:
+    """The detail, with the generation as its `ETag` (what `If-Match` sends back)."""
+    return Response(
+        _DETAIL_JSON.dump_json(detail),
+        media_type="application/json",
+        headers={"ETag": f'"{detail.generation}"'},
+    )
+
+
+#: The problems a read of one pool may answer, and a write's model and problems.
+_READ = (401, 403, 404, 422, 503)
+_WRITE = (PoolDetail, 400, 401, 403, 404, 412, 422, 503)
+
+
+def _doc(operation: str, summary: str, model: Any, *statuses: int) -> dict[str, Any]:
+    """The OpenAPI description of one route of the `pools` tag."""
+    return {
+        "operation_id": operation,
+        "summary": summary,
+        "response_model": model,
+        "responses": openapi_responses(*statuses),
+        "tags": ["pools"],
+    }
+
+
+def add_pool_routes(app: FastAPI, plane: ControlPlane) -> None:
+    """Register `GET`/`PATCH /v1/pools/{name}` and the drain routes."""
+
+    @app.get("/v1/pools", **_doc("list_pools", "List pools", PoolList, 401, 403, 503))
+    async def list_pools(request: Request) -> Response:
+        """Every pool as `GET /v1/pools/{name}` shows it."""
+        return Response(
+            PoolList(pools=await pool_details(plane)).model_dump_json(),
+            media_type="application/json",
+        )
+
+    @app.get("/v1/pools/{name}", **_doc("get_pool", "Get a pool", PoolDetail, *_READ))
+    async def get_pool(request: Request, name: PoolName) -> Response:
+        """One pool with its targets, demand, cap, workers by state, stored generation
+        (also its `ETag`), active rollout and revisions."""
+        return _answer(await pool_detail(plane, name))
+
+    @app.patch("/v1/pools/{name}", **_doc("update_pool", "Change a pool (admin)", *_WRITE))
+    async def update_pool(
+        request: Request,
+        name: PoolName,
+        body: PoolPatch,
+        if_match: Annotated[str | None, Header()] = None,
+    ) -> Response:
+        """Change tunable settings; in force on every replica within one janitor pass."""
+        principal_of(request.scope).check_admin()
+        changes = body.model_dump(exclude_none=True, exclude={"generation"})
+        generation = expected_generation(if_match, body.generation)
+        await plane.pools.update(name, changes, generation=generation)
+        return _answer(await pool_detail(plane, name))
+
+    for path, draining, summary in (
+        ("drain", True, "Stop handing out a pool's new claims (admin)"),
+        ("undrain", False, "Hand out a drained pool's claims again (admin)"),
+    ):
+        _drain_route(app, plane, path, draining, summary)
+
+
+def _drain_route(
+    app: FastAPI,
+    plane: ControlPlane,
+    path: str,
+    draining: bool,
+    summary: str,
+) -> None:
+    @app.post(f"/v1/pools/{{name}}/{path}", **_doc(f"{path}_pool", summary, *_WRITE))
+    async def drain(
+        request: Request, name: PoolName, if_match: Annotated[str | None, Header()] = None
+    ) -> Response:
+        """Drain: new claims of the pool get 503, sessions end as usual, warm workers
+        retire. Undrain: the pool serves claims again."""
+        principal_of(request.scope).check_admin()
+        generation = expected_generation(if_match)
+        await plane.pools.set_draining(name, draining, generation=generation)
+        return _answer(await pool_detail(plane, name))

@@ -1,0 +1,95 @@
+"""The stored pool's routes: detail with revisions, PATCH, drain and undrain, over HTTP
+(the app in process, a real SQLite store; workers are `MemoryRuntime`'s, no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_api import ACME, ADMIN, TOKENS, assert_problem, pool, running
+
+from stoker.domain.specs import ProcessTemplate, revision_of
+
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
+AS_ACME = {"Authorization": f"Bearer {ACME}"}
+
+
+async def test_a_pool_shows_its_generation_and_revisions(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        await api.plane.run_janitor_pass()
+        response = await api.http.get("/v1/pools/demo", headers=AS_ACME)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["generation"] == 1 and response.headers["etag"] == '"1"'
+        assert body["draining"] is False and body["rollout"] is None
+        stable = revision_of(ProcessTemplate(argv=("worker", "{port}")))
+        (revision,) = body["revisions"]
+        assert revision["revision"] == stable == body["revision"]
+        assert (revision["state"], revision["share"]) == ("stable", 100)
+        assert revision["counts"]["spawning"] + revision["counts"]["warm"] == 2
+
+
+async def test_patch_changes_the_settings_the_plane_serves(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        response = await api.http.patch(
+            "/v1/pools/demo", json={"warm_target": 4, "lease_s": 30}, headers=AS_ADMIN
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert (body["warm_target"], body["generation"]) == (4, 2)
+        assert body["settings"]["lease_s"] == 30
+        assert response.headers["etag"] == '"2"'
+        served = api.plane.catalog.pool("demo")
+        assert (served.warm_target, served.lease_s) == (4, 30)
+        await api.plane.run_janitor_pass()
+        # A write from the generation read before is stale: 412, nothing changes.
+        stale = await api.http.patch(
+            "/v1/pools/demo", json={"warm_target": 1}, headers={**AS_ADMIN, "If-Match": '"1"'}
+        )
+        assert_problem(stale, 412)
+        assert api.plane.catalog.pool("demo").warm_target == 4
+        fresh = await api.http.patch(
+            "/v1/pools/demo", json={"warm_target": 1}, headers={**AS_ADMIN, "If-Match": '"2"'}
+        )
+        assert fresh.status_code == 200 and fresh.json()["generation"] == 3
+
+
+async def test_patch_refuses_bad_values_and_callers(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_workers=5)], api=TOKENS) as api:
+        before = await api.plane.store.get_pool("demo")
+        assert_problem(
+            await api.http.patch("/v1/pools/demo", json={"warm_target": 2}, headers=AS_ACME), 403
+        )
+        assert_problem(
+            await api.http.patch("/v1/pools/nope", json={"warm_target": 2}, headers=AS_ADMIN), 404
+        )
+        for bad in (
+            {"warm_target": -1},
+            {"warm_target": "many"},
+            {"lease_s": 0},
+            {"image": "x"},
+            {"warm_target": 6},  # above max_workers
+        ):
+            response = await api.http.patch("/v1/pools/demo", json=bad, headers=AS_ADMIN)
+            assert response.status_code in (400, 422), (bad, response.text)
+            assert_problem(response, response.status_code)
+        bad_match = await api.http.patch(
+            "/v1/pools/demo", json={"warm_target": 1}, headers={**AS_ADMIN, "If-Match": "x"}
+        )
+        assert bad_match.status_code in (400, 422)
+        assert await api.plane.store.get_pool("demo") == before
+
+
+async def test_a_drained_pool_refuses_new_claims_until_undrained(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        assert_problem(await api.http.post("/v1/pools/demo/drain", headers=AS_ACME), 403)
+        response = await api.http.post("/v1/pools/demo/drain", headers=AS_ADMIN)
+        assert response.status_code == 200 and response.json()["draining"] is True
+        refused = assert_problem(await api.claim(token=ACME), 503)
+        assert "draining" in refused["detail"]
+        # Its warm workers retire: the pool keeps no warm target while it drains.
+        assert api.plane.catalog.pool("demo").warm_target == 0
+        response = await api.http.post("/v1/pools/demo/undrain", headers=AS_ADMIN)
+        assert response.status_code == 200 and response.json()["draining"] is False
+        assert api.plane.catalog.pool("demo").warm_target == 2
+        claimed = await api.claim(token=ACME)
+        assert claimed.status_code == 201, claimed.text
