@@ -276,6 +276,33 @@ def test_pools_lists_and_shows_pools(server: Server) -> None:
     assert "unknown pool 'nope'" in one_line_error(run(["pools", "nope"], url=server.url), 1)
 
 
+def test_pools_set_and_drain_change_the_stored_pool(server: Server) -> None:
+    before = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
+    generation = before["generation"]
+    try:
+        changed = run(["pools", "set", "demo", "--lease-s", "45", "--json"], url=server.url)
+        assert changed.returncode == 0, changed.stderr
+        body = json.loads(changed.stdout)
+        assert body["settings"]["lease_s"] == 45 and body["generation"] == generation + 1
+        stale = run(
+            ["pools", "set", "demo", "--lease-s", "30", "--generation", str(generation)],
+            url=server.url,
+        )
+        assert "generation" in one_line_error(stale, 1)
+        assert "nothing to change" in one_line_error(
+            run(["pools", "set", "demo"], url=server.url), 2
+        )
+        drained = run(["pools", "drain", "demo"], url=server.url)
+        assert drained.returncode == 0 and "demo (draining)" in drained.stdout
+        shown = run(["pools", "show", "demo"], url=server.url).stdout
+        assert "revisions (generation" in shown and "stable" in shown and "100 %" in shown
+    finally:
+        run(["pools", "drain", "demo", "--undo"], url=server.url)
+        run(["pools", "set", "demo", "--lease-s", "60"], url=server.url)
+    after = json.loads(run(["pools", "demo", "--json"], url=server.url).stdout)
+    assert after["draining"] is False and after["settings"]["lease_s"] == 60
+
+
 def test_config_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -> None:
     secrets = ["hunter2-pass", "adm1n-token-0123456789abcdef", "org-token-0123456789abcdef"]
     key = "k" * 40

@@ -25,8 +25,10 @@ from stoker.sdk import (
     NotFound,
     OrgCapError,
     ServerUnreachable,
+    StaleGeneration,
     StokerError,
     Unauthorized,
+    Unavailable,
 )
 
 pytestmark = pytest.mark.processes
@@ -231,6 +233,37 @@ async def test_async_claim_can_be_awaited(server: Server) -> None:
         assert session.claim.bound
         assert (await session.release()).state == "released"
         assert (await session.release()).state == "released"
+
+
+def test_an_admin_changes_and_drains_a_pool(admin: Client, acme: Client) -> None:
+    before = admin.pool("tiny")
+    assert before.generation is not None and before.draining is False
+    assert [r["state"] for r in before.revisions] == ["stable"]
+    with pytest.raises(Forbidden):
+        acme.update_pool("tiny", lease_s=45)
+    try:
+        changed = admin.update_pool("tiny", lease_s=45, generation=before.generation)
+        assert (
+            changed.generation == before.generation + 1 and changed.raw["settings"]["lease_s"] == 45
+        )
+        with pytest.raises(StaleGeneration):
+            admin.update_pool("tiny", lease_s=30, generation=before.generation)
+        assert admin.drain_pool("tiny").draining is True
+        with pytest.raises(Unavailable, match="draining"):
+            acme.create_claim("tiny", "acme", timeout_s=1)
+    finally:
+        admin.drain_pool("tiny", draining=False)
+        admin.update_pool("tiny", lease_s=60)
+    assert admin.pool("tiny").draining is False
+
+
+async def test_the_async_client_changes_a_pool(server: Server) -> None:
+    async with AsyncClient(server.url, token=ADMIN) as client:
+        generation = (await client.pool("capped")).generation
+        assert generation is not None
+        changed = await client.update_pool("capped", warm_target=1, generation=generation)
+        assert changed.generation == generation + 1
+        assert (await client.drain_pool("capped", draining=False)).draining is False
 
 
 async def _sleep(seconds: float) -> None:

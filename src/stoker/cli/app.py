@@ -17,7 +17,7 @@ from stoker._version import __version__
 from stoker.cli.claims import claim, claims_app, release
 from stoker.cli.config import config_app
 from stoker.cli.output import JsonFlag, print_json
-from stoker.cli.pools import pools, status
+from stoker.cli.pools import pools_app, status
 from stoker.cli.scaletest import scaletest
 from stoker.cli.serve import serve
 from stoker.cli.worker_check import worker_check
@@ -61,12 +61,12 @@ def version(as_json: JsonFlag = False) -> None:
 app.command()(serve)
 app.command()(claim)
 app.command()(release)
-app.command()(pools)
 app.command()(status)
 app.command()(scaletest)
 app.command("worker-check", context_settings={"allow_interspersed_args": False})(worker_check)
 app.command()(version)
 app.add_typer(claims_app)
+app.add_typer(pools_app)
 app.add_typer(workers_app)
 app.add_typer(config_app)
 

@@ -1,5 +1,8 @@
 """`pools` and `status`: the pools as tables, `status` fitted to the terminal and
-optionally refreshed in place."""
+optionally refreshed in place; `pools show|set|drain` change a stored pool (admin token).
+
+`stoker pools [NAME]` lists the pools (or shows one): a first argument that names no
+subcommand is a pool's name (`_PoolsGroup`)."""
 
 from __future__ import annotations
 
@@ -24,30 +27,144 @@ from stoker.cli.output import (
     print_json,
     server,
 )
-from stoker.sdk import Client, PoolInfo, StokerError
+from stoker.sdk import Client, PoolChanges, PoolInfo, StokerError
 
 #: Column order of the state counts in `stoker status`.
 STATES = ("spawning", "warm", "reserved", "activating", "hot", "hot_idle", "draining")
 
 
+class _PoolsGroup(typer.core.TyperGroup):
+    """`pools NAME` shows the pool NAME: a first argument that is no subcommand is a name."""
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["show", *args]
+        return super().resolve_command(ctx, args)
+
+
+pools_app = typer.Typer(
+    name="pools",
+    cls=_PoolsGroup,
+    invoke_without_command=True,
+    help='Pools: list (`stoker pools`), show, set and drain (README, "Pools in the store").',
+)
+
+NameArgument = Annotated[str, typer.Argument(help="The pool's name", show_default=False)]
+
+
+@pools_app.callback()
 def pools(
-    name: Annotated[
-        str | None, typer.Argument(metavar="[NAME]", help="Only this pool", show_default=False)
-    ] = None,
+    ctx: typer.Context,
     as_json: JsonOption = False,
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
     """Pools with their settings, target, demand and workers by state."""
+    if ctx.invoked_subcommand is None:
+        with server(url, token) as client:
+            _print_pools(client.url, client.pools(), as_json=as_json, one=False)
+
+
+@pools_app.command("show")
+def pools_show(
+    name: NameArgument,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """One pool, with its stored generation, settings and revisions."""
     with server(url, token) as client:
-        found = [client.pool(name)] if name is not None else client.pools()
+        _print_pools(client.url, [client.pool(name)], as_json=as_json, one=True)
+
+
+def _setting(flag: str, help_text: str) -> Any:
+    """An optional setting's option: left out, the setting keeps its value."""
+    return typer.Option(flag, help=help_text, show_default=False, min=0)
+
+
+@pools_app.command("set")
+def pools_set(
+    name: NameArgument,
+    warm_target: Annotated[int | None, _setting("--warm-target", "Warm workers kept ready")] = None,
+    max_workers: Annotated[
+        int | None, _setting("--max-workers", "Live workers allowed (0: unbounded)")
+    ] = None,
+    max_workers_per_org: Annotated[
+        int | None, _setting("--max-workers-per-org", "Per org (0: no cap)")
+    ] = None,
+    hot_idle_ttl: Annotated[
+        float | None, _setting("--hot-idle-ttl", "Seconds a parked worker stays")
+    ] = None,
+    max_ttl: Annotated[
+        float | None, _setting("--max-ttl", "Clamp of any TTL asked for (0: none)")
+    ] = None,
+    min_hot_idle: Annotated[
+        int | None, _setting("--min-hot-idle", "Parked workers an org keeps")
+    ] = None,
+    lease_s: Annotated[float | None, _setting("--lease-s", "A claim's default lease")] = None,
+    claim_timeout_s: Annotated[
+        float | None, _setting("--claim-timeout-s", "A claim's default wait")
+    ] = None,
+    scale_down_delay: Annotated[
+        float | None, _setting("--scale-down-delay", "Seconds above target")
+    ] = None,
+    max_claim_s: Annotated[
+        float | None, _setting("--max-claim-s", "Longest session (0: none)")
+    ] = None,
+    generation: Annotated[
+        int | None,
+        typer.Option(help="Change only if the pool is still at this generation", min=1),
+    ] = None,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Change a pool's settings: in force on every replica within one janitor pass."""
+    given = {
+        "warm_target": warm_target,
+        "max_workers": max_workers,
+        "max_workers_per_org": max_workers_per_org,
+        "hot_idle_ttl": hot_idle_ttl,
+        "max_ttl": max_ttl,
+        "min_hot_idle": min_hot_idle,
+        "lease_s": lease_s,
+        "claim_timeout_s": claim_timeout_s,
+        "scale_down_delay": scale_down_delay,
+        "max_claim_s": max_claim_s,
+        "generation": generation,
+    }
+    changes: PoolChanges = {k: v for k, v in given.items() if v is not None}  # type: ignore[assignment]
+    if set(changes) <= {"generation"}:
+        fail("nothing to change: give at least one setting (see --help)", code=2)
+    with server(url, token) as client:
+        changed = client.update_pool(name, **changes)
+    _print_pools(client.url, [changed], as_json=as_json, one=True)
+
+
+@pools_app.command("drain")
+def pools_drain(
+    name: NameArgument,
+    undo: Annotated[
+        bool, typer.Option("--undo", help="Hand out the pool's claims again (undrain)")
+    ] = False,
+    as_json: JsonOption = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Stop handing out a pool's new claims: sessions end as usual, warm workers retire."""
+    with server(url, token) as client:
+        changed = client.drain_pool(name, draining=not undo)
+    _print_pools(client.url, [changed], as_json=as_json, one=True)
+
+
+def _print_pools(url: str, found: Sequence[PoolInfo], *, as_json: bool, one: bool) -> None:
     if as_json:
-        if name is not None:
+        if one:
             print_json(dict(found[0].raw))
         else:
             print_json({"pools": [dict(p.raw) for p in found]})
         return
-    table = Table(title=f"pools at {client.url}", title_justify="left")
+    table = Table(title=f"pools at {url}", title_justify="left")
     table.add_column("pool", overflow="fold")
     table.add_column("revision", overflow="fold")
     table.add_column("reuse")
@@ -55,7 +172,7 @@ def pools(
         table.add_column(column, justify="right")
     for p in found:
         table.add_row(
-            p.name,
+            p.name + (" (draining)" if p.draining else ""),
             p.revision,
             p.reuse,
             str(p.warm_target),
@@ -65,7 +182,23 @@ def pools(
             str(p.max_workers_per_org) if p.max_workers_per_org else "-",
             str(sum(p.counts.values())),
         )
-    make_console().print(table)
+    console = make_console()
+    console.print(table)
+    if one and found[0].revisions:
+        console.print(_revisions_table(found[0]))
+
+
+def _revisions_table(pool: PoolInfo) -> Table:
+    table = Table(title=f"revisions (generation {pool.generation})", title_justify="left")
+    table.add_column("revision", overflow="fold")
+    table.add_column("state")
+    table.add_column("share", justify="right")
+    table.add_column("workers", justify="right")
+    for r in pool.revisions:
+        table.add_row(
+            str(r["revision"]), str(r["state"]), f"{r['share']} %", str(sum(r["counts"].values()))
+        )
+    return table
 
 
 def _status_tables(pools: Sequence[PoolInfo], width: int) -> list[Table]:

@@ -4,7 +4,7 @@ one exception per kind of error. It depends on httpx only, never on the server's
 from __future__ import annotations
 
 from stoker.sdk._async_client import AsyncClaim, AsyncClient, AsyncSession
-from stoker.sdk._calls import ClaimFilters, ClaimOptions, WorkerFilters
+from stoker.sdk._calls import ClaimFilters, ClaimOptions, PoolChanges, WorkerFilters
 from stoker.sdk._client import Client, Session
 from stoker.sdk._errors import (
     CapacityError,
@@ -16,6 +16,7 @@ from stoker.sdk._errors import (
     ServerError,
     ServerUnreachable,
     SessionLost,
+    StaleGeneration,
     StokerError,
     Unauthorized,
     Unavailable,
@@ -38,12 +39,14 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "OrgCapError",
+    "PoolChanges",
     "PoolInfo",
     "Retries",
     "ServerError",
     "ServerUnreachable",
     "Session",
     "SessionLost",
+    "StaleGeneration",
     "StokerError",
     "Unauthorized",
     "Unavailable",

@@ -73,7 +73,26 @@ class ClaimFilters(TypedDict, total=False):
     limit: int | None
 
 
+class PoolChanges(TypedDict, total=False):
+    """What `update_pool` changes (admin token); each left out keeps its value."""
+
+    warm_target: int
+    max_workers: int
+    max_workers_per_org: int
+    hot_idle_ttl: float
+    max_ttl: float
+    min_hot_idle: int
+    lease_s: float
+    claim_timeout_s: float
+    scale_down_delay: float
+    max_claim_s: float
+    #: The generation the change is made from (`PoolInfo.generation`): a pool changed since
+    #: answers 412 (`StaleGeneration`) and keeps the other change.
+    generation: int
+
+
 _CLAIM_OPTIONS = tuple(ClaimOptions.__annotations__)
+_POOL_CHANGES = tuple(PoolChanges.__annotations__)
 _WORKER_FILTERS = tuple(WorkerFilters.__annotations__)
 _CLAIM_FILTERS = tuple(ClaimFilters.__annotations__)
 
@@ -202,8 +221,18 @@ class Calls:
 
     def pool(self, name: str) -> Call[PoolInfo]:
         """`GET /v1/pools/{name}`."""
-        path = f"/v1/pools/{quote(name, safe='')}"
-        return Call("GET", path, self._default_timeout, PoolInfo.from_json)
+        return Call("GET", _pool_path(name), self._default_timeout, PoolInfo.from_json)
+
+    def update_pool(self, name: str, changes: PoolChanges) -> Call[PoolInfo]:
+        """`PATCH /v1/pools/{name}` with the changes that are set."""
+        body = _given(changes, _POOL_CHANGES, "pool setting")
+        path = _pool_path(name)
+        return Call("PATCH", path, self._default_timeout, PoolInfo.from_json, json=body)
+
+    def drain_pool(self, name: str, *, draining: bool = True) -> Call[PoolInfo]:
+        """`POST /v1/pools/{name}/drain` (or `/undrain`)."""
+        path = _pool_path(name) + ("/drain" if draining else "/undrain")
+        return Call("POST", path, self._default_timeout, PoolInfo.from_json)
 
     def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
         """`GET /v1/workers` with the filters that are set."""
@@ -275,6 +304,10 @@ def _claim_path(claim_id: str) -> str:
     if claim_id.strip(".") == "":
         raise InvalidRequest(f"invalid claim id {claim_id!r}: expected an id such as c-...")
     return f"/v1/claims/{quote(claim_id, safe='')}"
+
+
+def _pool_path(name: str) -> str:
+    return f"/v1/pools/{quote(name, safe='')}"
 
 
 def _pools(body: Any) -> list[PoolInfo]:

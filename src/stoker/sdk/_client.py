@@ -27,6 +27,7 @@ from stoker.sdk._calls import (
     Call,
     ClaimFilters,
     ClaimOptions,
+    PoolChanges,
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
@@ -133,6 +134,16 @@ class Client(BaseClient[httpx.BaseTransport]):
     def pool(self, name: str) -> PoolInfo:
         """One pool by name."""
         return self._send(self._calls.pool(name))
+
+    def update_pool(self, name: str, **changes: Unpack[PoolChanges]) -> PoolInfo:
+        """Change a pool's settings (admin token); in force on every replica within a
+        janitor pass. The pool as changed."""
+        return self._send(self._calls.update_pool(name, changes))
+
+    def drain_pool(self, name: str, *, draining: bool = True) -> PoolInfo:
+        """Stop handing out the pool's new claims (admin token; `draining=False` resumes
+        them): its sessions end as usual, its warm workers retire."""
+        return self._send(self._calls.drain_pool(name, draining=draining))
 
     def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
         """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`)."""

@@ -50,6 +50,10 @@ class ClaimConflict(StokerError):
     """409: the claim is not in a state that allows this (e.g. renewing a released claim)."""
 
 
+class StaleGeneration(StokerError):
+    """412: the pool changed since the generation a change was made from; read it again."""
+
+
 class _RetryLater(StokerError):
     """An answer that says when to try again: after `retry_after` seconds (0 when the
     server did not say). `STATUS` is the status the error has when none is given."""
@@ -125,6 +129,7 @@ _BY_STATUS: dict[int, type[StokerError]] = {
     404: NotFound,
     405: InvalidRequest,
     409: ClaimConflict,
+    412: StaleGeneration,
     413: InvalidRequest,
     415: InvalidRequest,
     422: InvalidRequest,

@@ -52,6 +52,9 @@ _READERS: dict[object, Reader] = {
     float | None: _optional_float,
     datetime | None: lambda body, key: _time(body.get(key)),
     Mapping[str, int]: _counts,
+    int | None: lambda body, key: body.get(key),
+    bool | None: lambda body, key: body.get(key),
+    tuple[Mapping[str, Any], ...]: lambda body, key: tuple(dict(r) for r in body.get(key) or ()),
 }
 
 
@@ -171,6 +174,13 @@ class PoolInfo(Answer):
     max_workers_per_org: int
     reuse: str
     counts: Mapping[str, int]
+    #: The stored pool's generation, what `update_pool(..., generation=)` compares (None
+    #: from a server without stored pools).
+    generation: int | None = None
+    #: True while the pool hands out no new claims.
+    draining: bool | None = None
+    #: Each revision's `revision`, `state`, `share` (percent of new claims) and `counts`.
+    revisions: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
