@@ -11,7 +11,8 @@ autoscaler act on nodes only through it, and it keeps the totals the report need
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from stoker.sim.cluster.model import (
     LABEL_HOSTNAME,
@@ -26,12 +27,25 @@ from stoker.sim.cluster.resources import (
 from stoker.sim.cluster.timeline import Timeline
 
 
-class NodeFleet:
-    """Every simulated node: launched, Ready, cordoned for a drain, terminated.
+class NodeListener(Protocol):
+    """What hears of the nodes' lives (the cluster, which tells its controllers)."""
 
-    `on_ready(node)` runs when a node becomes schedulable, `on_cordoned(node)` when it
-    stops being schedulable, `on_terminated(node)` when it is gone.
-    """
+    def node_ready(self, node: SimNode) -> None:
+        """`node` became schedulable."""
+        ...
+
+    def node_cordoned(self, node: SimNode) -> None:
+        """`node` stopped being schedulable."""
+        ...
+
+    def node_terminated(self, node: SimNode) -> None:
+        """`node` is gone."""
+        ...
+
+
+class NodeFleet:
+    """Every simulated node: launched, Ready, cordoned for a drain, terminated; `listener`
+    hears of each change."""
 
     def __init__(
         self,
@@ -39,9 +53,7 @@ class NodeFleet:
         pools: tuple[NodePool, ...],
         timeline: Timeline,
         rng: random.Random,
-        on_ready: Callable[[SimNode], None],
-        on_cordoned: Callable[[SimNode], None],
-        on_terminated: Callable[[SimNode], None],
+        listener: NodeListener,
     ) -> None:
         self.pools = {pool.name: pool for pool in pools}
         self._timeline = timeline
@@ -51,9 +63,7 @@ class NodeFleet:
         self._failures = random.Random(hash(rng.getstate()))
         #: Launches whose instance never joined and was replaced (`launch_failure_rate`).
         self.launch_failures = 0
-        self._on_ready = on_ready
-        self._on_cordoned = on_cordoned
-        self._on_terminated = on_terminated
+        self._listener = listener
         self.by_name: dict[str, SimNode] = {}
         self._seq = 0
         self.launched_total = 0
@@ -119,7 +129,7 @@ class NodeFleet:
         node.pool.empty.pop(node, None)
         node.pool.index.discard(node)
         node.index = None
-        self._on_cordoned(node)
+        self._listener.node_cordoned(node)
 
     def terminate(self, node: SimNode) -> None:
         """Remove the node for good (its pods must be gone already)."""
@@ -146,7 +156,7 @@ class NodeFleet:
         else:
             del self.by_type[node.instance_type.name]
         self.terminated_total += 1
-        self._on_terminated(node)
+        self._listener.node_terminated(node)
 
     def cost_usd(self) -> float:
         """Node-hours times price, of every node ever launched, up to now."""
@@ -169,7 +179,7 @@ class NodeFleet:
         node.pool.index.add(node)
         if not node.pods:
             node.pool.empty[node] = None
-        self._on_ready(node)
+        self._listener.node_ready(node)
 
     def _move(self, node: SimNode, state: NodeState) -> None:
         self.by_state[node.state] -= 1

@@ -90,9 +90,7 @@ class SimCluster:
             pools=self.pools,
             timeline=self.timeline,
             rng=rng,
-            on_ready=self._node_ready,
-            on_cordoned=self._node_cordoned,
-            on_terminated=self._node_terminated,
+            listener=self,
         )
         self.budgets = DisruptionBudgets()
         self.scheduler = Scheduler(
@@ -335,14 +333,17 @@ class SimCluster:
     def _unschedulable(self, pod: SimPod) -> None:
         self.provisioner.pod_unschedulable(pod)
 
-    def _node_ready(self, node: SimNode) -> None:
+    def node_ready(self, node: SimNode) -> None:
+        """As `NodeListener`: place pending pods there; a provisioned node arrived."""
         self.scheduler.capacity_freed(node)
         self.provisioner.node_ready(node)
 
-    def _node_cordoned(self, node: SimNode) -> None:
+    def node_cordoned(self, node: SimNode) -> None:
+        """As `NodeListener`: the scheduler stops placing pods there."""
         self.scheduler.node_cordoned(node)
 
-    def _node_terminated(self, node: SimNode) -> None:
+    def node_terminated(self, node: SimNode) -> None:
+        """As `NodeListener`: the pods bound there are collected."""
         # The pod garbage collector deletes pods bound to a node that no longer exists.
         for pod in list(node.pods):
             self.timeline.at(self.timeline.now(), self._collector(pod))
