@@ -33,10 +33,14 @@ from stoker.worker import (
     HEALTHZ_PATH,
     SECRET_ENV,
     SIGNATURE_HEADER,
+    TRACEPARENT_HEADER,
     WORKER_ID_ENV,
     signature,
 )
 
+#: A W3C trace context as a tracing control plane sends it with an activation (outside
+#: the signature): a worker must accept the activation with it.
+TRACEPARENT_SAMPLE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 #: How long each HTTP request may take.
 REQUEST_TIMEOUT_S = 5.0
 #: How long a worker has to exit after SIGTERM (the pools' default stop grace).
@@ -139,10 +143,15 @@ class _Checker:
         }
         return json.dumps(payload, separators=(",", ":")).encode()
 
-    def activate(self, body: bytes, signed: str | None = "own") -> httpx.Response | str:
+    def activate(
+        self, body: bytes, signed: str | None = "own", traced: bool = False
+    ) -> httpx.Response | str:
         """POST /activate: signed with the worker's secret (`own`), `signed` as given, or
-        not at all (None). A transport error comes back as its text."""
+        not at all (None); `traced`: with the trace context a tracing control plane sends
+        (outside the signature). A transport error comes back as its text."""
         headers = {"Content-Type": "application/json"}
+        if traced:
+            headers[TRACEPARENT_HEADER] = TRACEPARENT_SAMPLE
         if signed == "own":
             headers[SIGNATURE_HEADER] = signature(self.secret, "POST", ACTIVATE_PATH, body)
         elif signed is not None:
@@ -234,7 +243,12 @@ class _Checker:
             "not 401",
         )
         again = self.body("acme", 3, "tok-2")
-        self.expect("re-activation by the same org (epoch 3)", self.activate(again), 200, "200")
+        self.expect(
+            "re-activation by the same org (epoch 3, with a traceparent)",
+            self.activate(again, traced=True),
+            200,
+            "200",
+        )
         self.expect("previous session token revoked", self.get("/", "tok-1"), 401, "401")
         self.expect("new session token accepted", self.get("/", "tok-2"), not_401, "not 401")
         signed = signature(self.secret, "POST", ACTIVATE_PATH, again)
