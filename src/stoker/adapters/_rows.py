@@ -31,7 +31,7 @@ from stoker.domain.states import (
     check_org_change,
     check_transition,
 )
-from stoker.ports.store import MUTABLE_WORKER_FIELDS, DemandCounts, SpawnRequest
+from stoker.ports.store import MUTABLE_WORKER_FIELDS, DemandCounts, Fence, SpawnRequest
 
 #: `state IN LIVE_SQL` selects live rows by the state indexes (`state != 'retired'` cannot
 #: use them, and reads the whole history).
@@ -314,6 +314,11 @@ def checked_ending_changes(worker_to: WorkerState, changes: Mapping[str, Any]) -
     if not changes.get("activated", True):
         raise IllegalTransition("a hot worker was activated; that is never undone")
     return {**changes, "claim_id": None}
+
+
+def fenced(current: Worker, fence: Fence) -> bool:
+    """True when the row read is the one a write's compare-and-set expects."""
+    return matches(current, fence["expect"], fence["epoch"], fence["version"])
 
 
 def matches(current: Worker, state: WorkerState, epoch: int, version: int) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from stoker.control import logs
 from stoker.control.journal import EventKind, Journal
@@ -23,7 +23,14 @@ from stoker.domain.errors import StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.clock import Clock
-from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StoreWriter
+from stoker.ports.store import (
+    Reservation,
+    ReserveResult,
+    SpawnRequest,
+    SpawnResult,
+    StoreWriter,
+    fence,
+)
 
 #: The label of a bind in `stoker_persist_failures` and `stoker_fence_misses`.
 _BIND_LABEL = "activating->hot"
@@ -87,9 +94,7 @@ class Lifecycle:
         try:
             new = await self._writer.transition(
                 worker.id,
-                expect=worker.state,
-                epoch=worker.epoch,
-                version=worker.version,
+                **fence(worker),
                 to=to,
                 now=self.clock.now(),
                 bump_epoch=bump_epoch,
@@ -126,9 +131,7 @@ class Lifecycle:
         try:
             result = await self._writer.reserve(
                 worker.id,
-                expect=worker.state,
-                epoch=worker.epoch,
-                version=worker.version,
+                **fence(worker),
                 org=org,
                 org_cap=org_cap,
                 owner=owner,
@@ -145,33 +148,16 @@ class Lifecycle:
         return result
 
     async def reserve_any(
-        self,
-        pool: str,
-        revision: str,
-        *,
-        expect: WorkerState,
-        org: str,
-        org_cap: int,
-        owner: str,
-        activate: bool = False,
+        self, pool: str, revision: str, **by: Unpack[Reservation]
     ) -> ReserveResult:
         """Reserve any matching worker found in the store (the queues are only hints)."""
         try:
-            result = await self._writer.reserve_any(
-                pool,
-                revision,
-                expect=expect,
-                org=org,
-                org_cap=org_cap,
-                owner=owner,
-                now=self.clock.now(),
-                activate=activate,
-            )
+            result = await self._writer.reserve_any(pool, revision, now=self.clock.now(), **by)
         except StoreError as exc:
-            self._persist_failed(_label(expect, WorkerState.RESERVED), exc)
+            self._persist_failed(_label(by["expect"], WorkerState.RESERVED), exc)
             return ReserveResult(None)
         if result.worker is not None:
-            self._reserved(expect, result.worker, "store_pick")
+            self._reserved(by["expect"], result.worker, "store_pick")
         return result
 
     def _reserved(self, before: WorkerState, new: Worker, reason: str | None) -> None:

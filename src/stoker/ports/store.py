@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict, Unpack
 
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
 from stoker.domain.records import Claim, DemandRecord, ForecastBucket, Instance, LeaseRecord, Worker
@@ -48,6 +48,49 @@ MUTABLE_WORKER_FIELDS = frozenset(
         "reason",
     }
 )
+
+
+class Fence(TypedDict):
+    """A worker as its writer last read it: the compare-and-set of a write (its state,
+    epoch and row version)."""
+
+    expect: WorkerState
+    epoch: int
+    version: int
+
+
+class Move(Fence):
+    """A transition from the `Fence` to `to` at `now`, setting `changes` (fields of
+    `MUTABLE_WORKER_FIELDS`); `bump_epoch` bumps the epoch too."""
+
+    to: WorkerState
+    now: float
+    bump_epoch: NotRequired[bool]
+    changes: NotRequired[Mapping[str, Any] | None]
+
+
+class Reservation(TypedDict):
+    """Whom a worker in state `expect` is reserved for: `org`, within `org_cap` live
+    workers of its pool (0: no cap), owned by replica `owner`; `activate` lets the store
+    move it on to `activating` in the same write."""
+
+    expect: WorkerState
+    org: str
+    org_cap: int
+    owner: str
+    activate: NotRequired[bool]
+
+
+class FencedReservation(Reservation):
+    """A `Reservation` of one worker as last read (its `epoch` and row `version`)."""
+
+    epoch: int
+    version: int
+
+
+def fence(worker: Worker) -> Fence:
+    """The compare-and-set of a write to `worker` as read."""
+    return {"expect": worker.state, "epoch": worker.epoch, "version": worker.version}
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,18 +255,7 @@ class StoreWriter(Protocol):
         """
         ...
 
-    async def transition(
-        self,
-        worker_id: str,
-        *,
-        expect: WorkerState,
-        epoch: int,
-        version: int,
-        to: WorkerState,
-        now: float,
-        bump_epoch: bool = False,
-        changes: Mapping[str, Any] | None = None,
-    ) -> Worker | None:
+    async def transition(self, worker_id: str, **move: Unpack[Move]) -> Worker | None:
         """CAS `(id, expect, epoch, version)` -> `to` with `changes`; None on a miss.
 
         Raises `IllegalTransition` for a move the table forbids. `to == expect` updates
@@ -233,17 +265,7 @@ class StoreWriter(Protocol):
         ...
 
     async def reserve(
-        self,
-        worker_id: str,
-        *,
-        expect: WorkerState,
-        epoch: int,
-        version: int,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool = False,
+        self, worker_id: str, *, now: float, **by: Unpack[FencedReservation]
     ) -> ReserveResult:
         """CAS a `warm` or `hot_idle` worker (`expect`, `epoch`, `version` as read) to
         `reserved` for `org`, bumping its epoch.
@@ -259,16 +281,7 @@ class StoreWriter(Protocol):
         ...
 
     async def reserve_any(
-        self,
-        pool: str,
-        revision: str,
-        *,
-        expect: WorkerState,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool = False,
+        self, pool: str, revision: str, *, now: float, **by: Unpack[Reservation]
     ) -> ReserveResult:
         """Like `reserve`, for any matching worker of the pool revision (one round trip);
         the CAS is on the version the store reads as it picks."""

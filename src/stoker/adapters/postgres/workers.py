@@ -18,7 +18,7 @@ In READ COMMITTED:
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import psycopg
 
@@ -37,7 +37,7 @@ from stoker.adapters._rows import (
     claim_from_row,
     claim_to_row,
     column_value,
-    matches,
+    fenced,
     spawn_room,
     spawning_workers,
     worker_from_row,
@@ -50,7 +50,15 @@ from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, Names
 from stoker.domain.errors import ClaimKeyTaken, StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
-from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
+from stoker.ports.store import (
+    FencedReservation,
+    Move,
+    Reservation,
+    ReserveResult,
+    SpawnRequest,
+    SpawnResult,
+    StateCount,
+)
 
 _JSON_COLUMNS = frozenset({"runtime_ref"})
 _WORKER_VALUES = ", ".join("%s::jsonb" if c in _JSON_COLUMNS else "%s" for c in WORKER_COLUMNS)
@@ -112,34 +120,24 @@ class WorkerRows:
                     )
             return SpawnResult(rows, limited_by)
 
-    async def transition(
-        self,
-        worker_id: str,
-        *,
-        expect: WorkerState,
-        epoch: int,
-        version: int,
-        to: WorkerState,
-        now: float,
-        bump_epoch: bool = False,
-        changes: Mapping[str, Any] | None = None,
-    ) -> Worker | None:
+    async def transition(self, worker_id: str, **move: Unpack[Move]) -> Worker | None:
         """CAS `(id, expect, epoch, version)` -> `to`; None on a miss (two statements, no
         transaction)."""
+        to, changes = move["to"], move.get("changes") or {}
         # Illegal moves and unknown fields raise even when the row would not match.
-        check_move(expect, to, changes or {})
+        check_move(move["expect"], to, changes)
         async with self._db.connection() as conn:
             current = await _read_worker(conn, self._names, worker_id)
-            if current is None or not matches(current, expect, epoch, version):
+            if current is None or not fenced(current, move):
                 return None
             return await _cas(
                 conn,
                 self._names,
                 current,
                 to=to,
-                now=now,
-                bump_epoch=bump_epoch,
-                changes=changes or {},
+                now=move["now"],
+                bump_epoch=move.get("bump_epoch", False),
+                changes=changes,
             )
 
     async def _reserve(
@@ -165,73 +163,34 @@ class WorkerRows:
         return ReserveResult(worker_from_row(row[1:]))
 
     async def reserve(
-        self,
-        worker_id: str,
-        *,
-        expect: WorkerState,
-        epoch: int,
-        version: int,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool = False,
+        self, worker_id: str, *, now: float, **by: Unpack[FencedReservation]
     ) -> ReserveResult:
         """CAS one warm or hot_idle worker to reserved for `org` (warm: within the org cap),
         and with `activate` on to activating, in one statement."""
-        check_reservable(expect)
-        capped = expect is WorkerState.WARM and org_cap > 0
-        params = {
-            "id": worker_id,
-            "expect": expect.value,
-            "epoch": epoch,
-            "version": version,
-            "org": org,
-            "owner": owner,
-            "now": now,
-            "cap": org_cap if capped else 0,
-            "activate": activate,
-        }
+        params = _reserve_params(by, now)
+        params |= {"id": worker_id, "epoch": by["epoch"], "version": by["version"]}
         async with self._db.connection() as conn:
             lock = None
-            if capped:
+            if params["cap"]:
                 # The lock is per (pool, org): read the pool first (a worker's pool never
                 # changes), and skip the transaction when the CAS would miss anyway.
                 current = await _read_worker(conn, self._names, worker_id)
-                if current is None or not matches(current, expect, epoch, version):
+                if current is None or not fenced(current, by):
                     return ReserveResult(None)
-                lock = lock_key(self._names.schema, "org", current.pool, org)
-            return await self._reserve(conn, self._reserve_sql_by_id[expect], params, lock=lock)
+                lock = lock_key(self._names.schema, "org", current.pool, by["org"])
+            sql = self._reserve_sql_by_id[by["expect"]]
+            return await self._reserve(conn, sql, params, lock=lock)
 
     async def reserve_any(
-        self,
-        pool: str,
-        revision: str,
-        *,
-        expect: WorkerState,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool = False,
+        self, pool: str, revision: str, *, now: float, **by: Unpack[Reservation]
     ) -> ReserveResult:
         """Reserve the oldest matching worker nobody else is locking, in one statement
         (moved on to activating with `activate`, as in `reserve`)."""
-        check_reservable(expect)
-        capped = expect is WorkerState.WARM and org_cap > 0
-        params = {
-            "pool": pool,
-            "revision": revision,
-            "expect": expect.value,
-            "org": org,
-            "owner": owner,
-            "now": now,
-            "cap": org_cap if capped else 0,
-            "activate": activate,
-        }
-        lock = lock_key(self._names.schema, "org", pool, org) if capped else None
+        params = _reserve_params(by, now) | {"pool": pool, "revision": revision}
+        lock = lock_key(self._names.schema, "org", pool, by["org"]) if params["cap"] else None
         async with self._db.connection() as conn:
-            return await self._reserve(conn, self._reserve_any_sql[expect], params, lock=lock)
+            sql = self._reserve_any_sql[by["expect"]]
+            return await self._reserve(conn, sql, params, lock=lock)
 
     async def bind(
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
@@ -372,6 +331,22 @@ class WorkerRows:
             sql += " LIMIT %s"
             params.append(int(limit))
         return [claim_from_row(r) for r in await self._db.all(sql, params)]
+
+
+def _reserve_params(by: Reservation, now: float) -> dict[str, Any]:
+    """The parameters both reserve statements take; `cap` is 0 unless a warm worker's org
+    cap must be checked (under the org's lock)."""
+    expect = by["expect"]
+    check_reservable(expect)
+    capped = expect is WorkerState.WARM and by["org_cap"] > 0
+    return {
+        "expect": expect.value,
+        "org": by["org"],
+        "owner": by["owner"],
+        "now": now,
+        "cap": by["org_cap"] if capped else 0,
+        "activate": by.get("activate", False),
+    }
 
 
 def reserve_statements(names: Names) -> tuple[dict[WorkerState, str], dict[WorkerState, str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from stoker.adapters._rows import (
     CLAIM_SELECT,
@@ -25,8 +25,8 @@ from stoker.adapters._rows import (
     claim_from_row,
     claim_to_row,
     column_value,
+    fenced,
     holds,
-    matches,
     may_bind,
     spawn_room,
     spawning_workers,
@@ -38,7 +38,15 @@ from stoker.adapters.sqlite.live_rows import LiveRows
 from stoker.domain.errors import ClaimKeyTaken
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import LIVE, ClaimState, WorkerState
-from stoker.ports.store import ReserveResult, SpawnRequest, SpawnResult, StateCount
+from stoker.ports.store import (
+    FencedReservation,
+    Move,
+    Reservation,
+    ReserveResult,
+    SpawnRequest,
+    SpawnResult,
+    StateCount,
+)
 
 _WORKER_VALUES = ", ".join("?" for _ in WORKER_COLUMNS)
 _WORKER_BY_ID = f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?"
@@ -120,39 +128,22 @@ class WorkerRows:
             )
             return SpawnResult(rows, limited_by)
 
-    async def transition(
-        self,
-        worker_id: str,
-        *,
-        expect: WorkerState,
-        epoch: int,
-        version: int,
-        to: WorkerState,
-        now: float,
-        bump_epoch: bool = False,
-        changes: Mapping[str, Any] | None = None,
-    ) -> Worker | None:
+    async def transition(self, worker_id: str, **move: Unpack[Move]) -> Worker | None:
         """CAS `(id, expect, epoch, version)` -> `to`; None on a miss."""
+        to, changes = move["to"], move.get("changes") or {}
         # Illegal moves and unknown fields raise even when the row would not match.
-        check_move(expect, to, changes or {})
+        check_move(move["expect"], to, changes)
         async with self._writes.tx() as db:
             current = self._get(db, worker_id)
-            if current is None or not matches(current, expect, epoch, version):
+            if current is None or not fenced(current, move):
                 return None
-            return self._cas(
-                db, current, to=to, now=now, bump_epoch=bump_epoch, changes=changes or {}
-            )
+            bump = move.get("bump_epoch", False)
+            return self._cas(db, current, to=to, now=move["now"], bump_epoch=bump, changes=changes)
 
     def _reserve_row(
-        self,
-        db: sqlite3.Connection,
-        current: Worker,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool,
+        self, db: sqlite3.Connection, current: Worker, now: float, by: Reservation
     ) -> ReserveResult:
+        org, org_cap = by["org"], by["org_cap"]
         if current.state is WorkerState.HOT_IDLE and current.org != org:
             return ReserveResult(None)
         if (
@@ -167,48 +158,30 @@ class WorkerRows:
             to=WorkerState.RESERVED,
             now=now,
             bump_epoch=True,
-            changes={"org": org, "owner": owner, "heartbeat_at": now},
+            changes={"org": org, "owner": by["owner"], "heartbeat_at": now},
         )
-        if worker is not None and activate:
+        if worker is not None and by.get("activate", False):
             # On to activating in the same transaction: one write less per claim.
             worker = self._cas(db, worker, to=WorkerState.ACTIVATING, now=now, changes=_ACTIVATED)
         return ReserveResult(worker)
 
     async def reserve(
-        self,
-        worker_id: str,
-        *,
-        expect: WorkerState,
-        epoch: int,
-        version: int,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool = False,
+        self, worker_id: str, *, now: float, **by: Unpack[FencedReservation]
     ) -> ReserveResult:
         """CAS one warm or hot_idle worker to reserved for `org` (with `activate`, on to
         activating in the same transaction)."""
-        check_reservable(expect)
+        check_reservable(by["expect"])
         async with self._writes.tx() as db:
             current = self._get(db, worker_id)
-            if current is None or not matches(current, expect, epoch, version):
+            if current is None or not fenced(current, by):
                 return ReserveResult(None)
-            return self._reserve_row(db, current, org, org_cap, owner, now, activate)
+            return self._reserve_row(db, current, now, by)
 
     async def reserve_any(
-        self,
-        pool: str,
-        revision: str,
-        *,
-        expect: WorkerState,
-        org: str,
-        org_cap: int,
-        owner: str,
-        now: float,
-        activate: bool = False,
+        self, pool: str, revision: str, *, now: float, **by: Unpack[Reservation]
     ) -> ReserveResult:
         """Reserve the oldest matching worker of the pool revision."""
+        expect, org = by["expect"], by["org"]
         check_reservable(expect)
         # Most calls find nothing (the queues in memory already had nothing): look in the
         # live rows' counts first, without taking the write lock, then pick inside the
@@ -225,7 +198,7 @@ class WorkerRows:
             if row is None:
                 return ReserveResult(None)
             worker = self._decoded.worker(row)
-            return self._reserve_row(db, worker, org, org_cap, owner, now, activate)
+            return self._reserve_row(db, worker, now, by)
 
     async def bind(
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
