@@ -132,6 +132,19 @@ def test_a_step_waits_for_the_capacity_of_the_next_and_grows_towards_it() -> Non
     assert p.part("new").warm_target == 50
 
 
+def test_a_canary_prepares_its_first_step_before_it_takes_any_claim() -> None:
+    preparing = ramp().evolve(share=0)
+    counts = {"old": RevisionCounts(busy=100)}
+    p = plan(counts, r=preparing, now=1)
+    assert p.decision is Decision.HOLD
+    assert p.part("new").share == 0 and p.route("any-org") == "old"
+    assert p.part("new").warm_target == 10 and p.needed == 10
+    held = plan({**counts, "new": RevisionCounts(warm=10)}, r=preparing, now=1)
+    assert held.decision is Decision.ADVANCE  # no interval to wait: the first step
+    assert held.written is not None and held.written.share == 10 and held.written.step == 0
+    assert held.part("new").share == pytest.approx(0.1)
+
+
 def test_a_paused_rollout_holds_its_share() -> None:
     counts = {"old": RevisionCounts(busy=100), "new": RevisionCounts(warm=60)}
     p = plan(counts, r=ramp(state=RolloutState.PAUSED), now=600)

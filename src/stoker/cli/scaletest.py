@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -65,7 +66,7 @@ def scaletest(
         fail(problem)
 
     from stoker.domain.errors import ConfigError
-    from stoker.sim.report import headlines, write_report
+    from stoker.sim.report import ROLLOUT_COLUMNS, headlines, rollout_rows, write_report
     from stoker.sim.runner import run_scenario
     from stoker.sim.scenario import load_scenario
 
@@ -112,6 +113,9 @@ def scaletest(
         )
     else:
         _print_headlines(loaded.name, short, rows)
+        rollouts = rollout_rows(result)
+        if rollouts:
+            _print_headlines(f"{loaded.name}: the rollout", short, rollouts, ROLLOUT_COLUMNS)
         virtual = loaded.duration_s * len(result.policies)
         print(
             f"wall {result.wall_s:.1f} s for {virtual / 3600:.2f} h of virtual time "
@@ -135,10 +139,12 @@ def scaletest(
         raise typer.Exit(1)
 
 
-def _print_headlines(name: str, short: bool, rows: list[Any]) -> None:
+def _print_headlines(
+    name: str, short: bool, rows: list[Any], columns: Sequence[str] | None = None
+) -> None:
     """The headline figures of each policy, as a table."""
     table = Table(title=f"scaletest {name}" + (" (short)" if short else ""))
-    columns = list(rows[0].cells) if rows else []
+    columns = list(columns or (rows[0].cells if rows else []))
     table.add_column("policy")
     for column in columns:
         table.add_column(column, justify="right")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Collection, Coroutine, Iterable, Mapping
+from collections.abc import Container, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -203,7 +203,7 @@ class Book:
                 del queues[key]
 
     def pop(
-        self, state: WorkerState, pool: str, org: str, revision: str, *, also: Collection[str] = ()
+        self, state: WorkerState, pool: str, org: str, revision: str, *, also: Container[str] = ()
     ) -> Worker | None:
         """The next worker of a queue still known in `state` at `revision` (or one of `also`)
         and not being handed out, marked in flight (the caller clears it once its

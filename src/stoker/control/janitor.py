@@ -170,11 +170,12 @@ class Janitor:
         candidates = [w for w in world.hot_idle if self._acts_for(w.owner, world)]
         stale = []
         if self.reach is Reach.FLEET:
-            # A parked worker of a revision that no longer serves can never be reused.
+            # A parked worker of a failed revision is never reused (older ones expire).
             stale = [
                 w
                 for w in candidates
-                if w.pool in self._catalog.pools and not self._rollouts.serving(w.pool, w.revision)
+                if w.pool in self._catalog.pools
+                and w.revision not in self._rollouts.reusable(w.pool)
             ]
             for w in stale:
                 reason = self._rollouts.retire_reason(w.pool, w.revision)

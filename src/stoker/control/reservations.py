@@ -8,6 +8,8 @@ Every pick is a fenced reservation, so a stale queue entry costs one missed CAS.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from stoker.control.attempt import Attempt
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
@@ -46,12 +48,14 @@ class Reservations:
         """
         book, owner = self._book, self._book.instance_id
         revisions: tuple[str, ...] = (pool.revision,)
+        also: Container[str] = ()
         if expect is WorkerState.HOT_IDLE:
-            # Reuse stays on the worker's own revision, whichever of the serving ones.
+            # Reuse stays on the worker's own revision, whichever may still serve.
             revisions = self._rollouts.serving_revisions(pool.name)
+            also = self._rollouts.reusable(pool.name)
             if not revisions:
                 return _NONE
-        while known := book.pop(expect, pool.name, org, revisions[0], also=revisions[1:]):
+        while known := book.pop(expect, pool.name, org, revisions[0], also=also):
             try:
                 result = await self._lifecycle.reserve(
                     known, org=org, org_cap=org_cap, owner=owner, activate=True

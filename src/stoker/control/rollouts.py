@@ -10,12 +10,12 @@ Failures of the ramping revision are counted here as this replica sees them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from enum import StrEnum
 
 from stoker.control.catalog import Catalog
 from stoker.control.metrics import Metrics
-from stoker.domain.pools import Rollout
+from stoker.domain.pools import Rollout, StoredRevision
 from stoker.domain.rollouts import RolloutState
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason
@@ -45,6 +45,16 @@ class Outcome(StrEnum):
 
 #: `rollout_plan`, or what the simulator's baselines put in its place (same arguments).
 Planner = Callable[..., RolloutPlan]
+
+
+class _Reusable(Container[str]):
+    """`revision in reusable`: the plan's answer."""
+
+    def __init__(self, plan: RolloutPlan) -> None:
+        self._plan = plan
+
+    def __contains__(self, revision: object) -> bool:
+        return isinstance(revision, str) and self._plan.reusable(revision)
 
 
 class Rollouts:
@@ -88,6 +98,13 @@ class Rollouts:
             return revision == pool.revision
         return self.stored(pool).serving(revision)
 
+    def reusable(self, name: str) -> Container[str]:
+        """The revisions whose parked workers their org may reuse (`in` asks the plan)."""
+        pool = self._catalog.get(name)
+        if pool is None:
+            return ()
+        return _Reusable(self.stored(pool))
+
     def serving_revisions(self, name: str) -> tuple[str, ...]:
         """The revisions whose parked workers an org may reuse, the stable one first."""
         pool = self._catalog.get(name)
@@ -123,10 +140,13 @@ class Rollouts:
             claim_errors=t[(rollout_id, Outcome.CLAIM_ERROR)],
         )
 
-    def adopt(self, pool: PoolSpec, written: Rollout) -> None:
-        """Serve a rollout row the leader wrote (a step, a promotion, a rollback) at once."""
+    def adopt(
+        self, pool: PoolSpec, written: Rollout, revision: StoredRevision | None = None
+    ) -> None:
+        """Serve a rollout row just written (a start with its `revision`, a step, a
+        promotion, a rollback) at once."""
+        self._catalog.adopt(written, revision)
         spec = self._catalog.revision_spec(pool.name, written.revision)
-        self._catalog.adopt(written)
         if written.state is RolloutState.PROMOTED and spec is not None:
             self._catalog.update_pool(spec)
         self.show(pool.name, written)

@@ -77,7 +77,7 @@ def revision_counts(world: World) -> dict[str, dict[str, RevisionCounts]]:
         elif c.state is not WorkerState.DRAINING:
             busy[key] += c.count
     out: dict[str, dict[str, RevisionCounts]] = defaultdict(dict)
-    for pool, revision in {*busy, *warm, *spawning}:
+    for pool, revision in sorted({*busy, *warm, *spawning}):
         key = (pool, revision)
         out[pool][revision] = RevisionCounts(busy=busy[key], warm=warm[key], spawning=spawning[key])
     return out

@@ -52,6 +52,10 @@ class Role(StrEnum):
 
 #: Roles whose workers serve claims and park for reuse.
 SERVING = frozenset({Role.STABLE, Role.RAMPING, Role.PAUSED})
+#: Roles whose parked workers their org may still reuse (until their TTL): an older
+#: revision's too, so that a promotion does not cost every parked org a cold start; not
+#: a failed one's.
+REUSABLE = SERVING | {Role.RETIRING}
 
 
 class Decision(StrEnum):
@@ -159,6 +163,10 @@ class RolloutPlan:
     def serving(self, revision: str) -> bool:
         """Whether workers of `revision` may serve and park for reuse."""
         return self.part(revision).role in SERVING
+
+    def reusable(self, revision: str) -> bool:
+        """Whether a worker of `revision` that its org parked may serve that org again."""
+        return self.part(revision).role in REUSABLE
 
     def route(self, org: str) -> str:
         """The revision a new (non-reuse) claim of `org` goes to.
@@ -274,19 +282,28 @@ def _canary(
             return min(room, desired_warm(pool.warm_target, pool.demand, pool.cap))
         return min(room, math.ceil(other_capacity * share))
 
-    share = strategy.share(ramp.step)
-    needed = capacity(share if last else strategy.share(ramp.step + 1))
-    if due and own.capacity >= needed and (worst is None or worst[1] < strategy.max_failure_ratio):
-        if last:
+    # A canary starts *preparing* (share 0): its first step is a step like the others,
+    # taken once the new revision holds what it needs, so its first claims find workers.
+    preparing = ramp.share <= 0
+    share = 0.0 if preparing else strategy.share(ramp.step)
+    if preparing:
+        needed = capacity(strategy.share(ramp.step))
+    else:
+        needed = capacity(share if last else strategy.share(ramp.step + 1))
+    healthy = worst is None or worst[1] < strategy.max_failure_ratio
+    ready = failures is not None and ramp.state is RolloutState.RAMPING and healthy
+    if ready and (due or preparing) and own.capacity >= needed:
+        if last and not preparing:
             plan = _steady(ramp.revision, None, counts, pool)
             return _ended(plan, ramp, Decision.PROMOTE, "the last step held", now)
-        step = ramp.step + 1
+        step = ramp.step if preparing else ramp.step + 1
         advanced = ramp.evolve(step=step, share=strategy.steps[step], step_started_at=now)
         plan = _canary(stable, advanced, strategy, counts, failures, pool, now)
-        why = f"step {ramp.step} held: {strategy.steps[step]} % from now"
+        why = f"the new revision holds {own.capacity} of {needed}: {strategy.steps[step]} %"
         return replace(plan, decision=Decision.ADVANCE, why=why, written=advanced)
-    # While a step is due, the ramp grows towards the next step's capacity.
-    target = needed if due else capacity(share)
+    # While a step is due (or the first one prepared), the ramp grows towards what the
+    # next step needs.
+    target = needed if due or preparing else capacity(share)
     whole = desired_warm(pool.warm_target, pool.demand, pool.cap)
     ramp_share_of_warm = math.ceil(whole * share)
     ramp_capacity = min(room, max(target, own.busy + ramp_share_of_warm))

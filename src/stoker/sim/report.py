@@ -183,6 +183,47 @@ def _cells(s: dict[str, Any], violations: int) -> dict[str, str]:
     }
 
 
+#: The rollout table (`stoker.sim.rollout`): the claims sent while it was under way.
+ROLLOUT_COLUMNS = (
+    "outcome",
+    "claims during",
+    "cold during",
+    "failed during",
+    "cold / failed after start",
+    "peak live / cap",
+    "completed after",
+)
+
+
+def rollout_rows(result: ScenarioResult) -> list[Headline]:
+    """The rollout table's rows, one per policy whose run rolled a revision out."""
+    rows = []
+    for p in result.policies:
+        r = p.summary.get("rollout")
+        if r is None:
+            continue
+        claims = r["claims_during"]
+
+        def share(count: int, of: int) -> str:
+            return f"{count} ({count / of:.1%})" if of else str(count)
+
+        completed = r["completed_s"]
+        cells = {
+            "outcome": r["outcome"] or f"{r['state']} at the end",
+            "claims during": str(claims),
+            "cold during": share(r["cold_claims_during"], claims),
+            "failed during": share(r["failed_claims_during"], claims),
+            "cold / failed after start": (
+                f"{r['cold_claims_after_start']} / {r['failed_claims_after_start']} "
+                f"of {r['claims_after_start']}"
+            ),
+            "peak live / cap": f"{r['peak_live']} / {r['cap'] or '-'}",
+            "completed after": "never" if completed is None else _seconds(completed),
+        }
+        rows.append(Headline(p.name, cells))
+    return rows
+
+
 def _three(quantiles: dict[str, float] | None, keys: Sequence[str]) -> str:
     return "-" if quantiles is None else " / ".join(_seconds(quantiles[k]) for k in keys)
 
@@ -235,7 +276,23 @@ def markdown(result: ScenarioResult) -> str:
         "activating, hot; idle: warm, hot_idle) and the placeholders'; *cost per day* is the "
         "node cost of the run scaled to 24 h.",
         "",
-        "## Invariants (I1-I7, stoker.sim.invariants)",
+    ]
+    rollouts = rollout_rows(result)
+    if rollouts:
+        lines += [
+            "## Rollout",
+            "",
+            markdown_table(rollouts, ROLLOUT_COLUMNS),
+            "",
+            "A new revision rolled out during the run (stoker.sim.rollout): the claims sent "
+            "from its start until it *completed* (its rollout ended and no idle worker of "
+            "another revision was left), those of them that went cold or failed, and the "
+            "same from its start to the end of the run; *peak live* counts every "
+            "revision's workers while it was under way (I8: within the cap).",
+            "",
+        ]
+    lines += [
+        "## Invariants (I1-I8, stoker.sim.invariants)",
         "",
     ]
     for p in result.policies:

@@ -39,6 +39,7 @@ from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
 from stoker.sim.passlog import PassLog
 from stoker.sim.replicas import PolicyReplicas, build_replicas, org_specs, pool_spec
+from stoker.sim.rollout import RolloutRun
 from stoker.sim.scenario import Scenario
 from stoker.sim.sessions import Attempt, quantiles
 
@@ -330,6 +331,11 @@ class _PolicyRun:
         )
         driver.start()
         checker.start()
+        rollout = None
+        if view.rollout is not None:
+            cap = pool_cap(pool.name)
+            rollout = RolloutRun(view.rollout, self.entry, replicas, store, checker, cap=cap)
+            self.tasks.append(asyncio.ensure_future(rollout.run()))
         if replicas.kpa is not None:
             replicas.kpa.observe(lambda: driver.active + driver.waiting)
             self.tasks.append(asyncio.ensure_future(replicas.kpa.run(self.now)))
@@ -349,6 +355,8 @@ class _PolicyRun:
             await self._sample(cluster, store, replicas, driver)
             checker.check()
             summary = self._summary(cluster, store, replicas, driver, checker)
+            if rollout is not None:
+                summary["rollout"] = rollout.summary(driver.log.attempts)
         finally:
             for task in (sampler, passes, *self.tasks):
                 task.cancel()

@@ -1,0 +1,69 @@
+"""The rollout scenarios in their short form: a good revision and a bad image, each rolled
+out by stoker's canary, by replace and by a ramp sized from the pool's default (#14).
+
+They run the real control plane against `SimCluster` in virtual time (no Kubernetes
+cluster here); the full forms are what `stoker scaletest rollout` reports.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from stoker.sim.report import markdown, rollout_rows
+from stoker.sim.runner import ScenarioResult, run_scenario
+from stoker.sim.scenario import load_scenario
+
+
+@cache
+def _short(name: str) -> ScenarioResult:
+    return run_scenario(load_scenario(name, short=True), short=True)
+
+
+def _rollout(name: str, policy: str) -> dict[str, Any]:
+    for result in _short(name).policies:
+        if result.name == policy:
+            rollout: dict[str, Any] = result.summary["rollout"]
+            return rollout
+    raise AssertionError(f"{name} has no policy {policy}")
+
+
+def test_the_canary_promotes_a_good_revision_with_few_cold_claims() -> None:
+    stoker = _rollout("rollout", "stoker")
+    replace = _rollout("rollout", "replace")
+    assert stoker["outcome"] == "promoted" and stoker["completed_s"] is not None
+    assert stoker["claims_during"] > 50
+    assert stoker["cold_claims_during"] <= 0.05 * stoker["claims_during"]
+    assert stoker["failed_claims_during"] == 0
+    # replace's cold cliff: every claim goes to a revision that has no worker yet.
+    assert replace["outcome"] == "replaced"
+    assert replace["cold_claims_after_start"] > stoker["cold_claims_after_start"]
+
+
+def test_a_ramp_sized_from_the_pool_default_never_completes() -> None:
+    stuck = _rollout("rollout", "canary-pool-default")
+    assert stuck["outcome"] is None and stuck["completed_s"] is None
+
+
+def test_a_bad_image_rolls_back_within_the_first_steps_share_of_failed_claims() -> None:
+    stoker = _rollout("rollout-bad-image", "stoker")
+    assert stoker["outcome"] == "rolled_back"
+    assert "activation" in stoker["reason"]
+    assert stoker["failed_claims_during"] <= 0.10 * stoker["claims_during"]
+    assert _rollout("rollout-bad-image", "replace")["outcome"] == "replaced"
+
+
+def test_stoker_keeps_every_invariant_and_i8_through_the_rollouts() -> None:
+    for name in ("rollout", "rollout-bad-image"):
+        result = _short(name)
+        assert result.stoker_violations() == [], [str(v) for _, v in result.stoker_violations()]
+        stoker = _rollout(name, "stoker")
+        assert stoker["peak_live"] <= stoker["cap"]
+
+
+def test_the_report_shows_the_rollouts_side_by_side() -> None:
+    result = _short("rollout")
+    rows = {row.policy: row.cells for row in rollout_rows(result)}
+    assert set(rows) == {"stoker", "replace", "canary-pool-default"}
+    assert rows["stoker"]["outcome"] == "promoted"
+    assert "## Rollout" in markdown(result)
