@@ -117,7 +117,6 @@ class ControlPlane:
         self.tracer = tracer
         seeds = {p.name: p for p in pools}
         self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
-        #: The stored pools: `pools` seed them at start (`strategies`: their rollouts').
         self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
         self.book = Book(reader=store, instance_id=self.instance_id)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).
@@ -287,9 +286,10 @@ class ControlPlane:
 
     async def _janitor_pass(self) -> PassReport | None:
         self.refresh_gauges()
-        if not self.elector.is_leader:
-            return None
-        return await self.run_janitor_pass()
+        if self.elector.is_leader:
+            return await self.run_janitor_pass()
+        await self.pools.refresh()  # the leader's pass reloads them too: all serve the store
+        return None
 
     async def _reaper_pass(self) -> PassReport:
         report = await self.reaper.run_pass()
