@@ -9,6 +9,7 @@ processes, each wait bounded.
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import secrets
 import subprocess
@@ -313,3 +314,34 @@ def test_serve_exports_its_claims_to_the_configured_collector(tmp_path: Path) ->
     for name in (b"stoker.claim", b"stoker.reserve", b"stoker.activate", b"stoker.bind"):
         assert name in exported
     assert b"stoker-test" in exported
+
+
+@pytest.mark.processes
+def test_config_check_names_the_missing_extra_and_masks_the_collector_s_password(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "stoker.yaml").write_text(
+        "tracing: {enabled: true, endpoint: 'https://otel:s3cret-pass@collector:4318'}\n"
+    )
+
+    def check(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [STOKER, "config", "check", "-c", "stoker.yaml", "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+
+    missing = check(without_sdk(tmp_path))
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [
+        "config error: tracing.enabled needs the 'tracing' extra: pip install 'stoker[tracing]'"
+    ]
+    shown = check(environment())
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["tracing"]["endpoint"] == "https://otel:***@collector:4318"
+    assert "s3cret-pass" not in shown.stdout

@@ -38,6 +38,7 @@ def config_check(
 
     from stoker.api.server import check_exposure
     from stoker.api.tokens import TokenTable
+    from stoker.bootstrap import check_extras
     from stoker.config import load_config
     from stoker.domain.errors import ConfigError
 
@@ -45,6 +46,8 @@ def config_check(
         loaded = load_config(config_file)
         check_exposure(loaded.config.api)
         TokenTable(loaded.config.api)
+        # A part the config names whose extra is missing stops `serve` as it would.
+        check_extras(loaded.config)
     except ConfigError as exc:
         # One `config error: <key>: <problem>` line per problem, as `serve` prints them.
         print(str(exc), file=sys.stderr)
@@ -59,11 +62,11 @@ def config_check(
 
 
 def _masked(config: dict[str, Any]) -> dict[str, Any]:
-    """The config's JSON form with the store password, API tokens and activation key masked."""
-    scheme, sep, rest = str(config["store"]).partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if at and ":" in userinfo:
-        config["store"] = f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{MASK}@{host}"
+    """The config's JSON form with the passwords of the store's and the tracing collector's
+    URLs, the API tokens and the activation key masked."""
+    config["store"] = _without_password(config["store"])
+    if config["tracing"]["endpoint"] is not None:
+        config["tracing"]["endpoint"] = _without_password(config["tracing"]["endpoint"])
     api = config["api"]
     api["admin_tokens"] = [MASK for _ in api["admin_tokens"]]
     # Tokens are the keys of org_tokens: each becomes a numbered mask, to stay distinct.
@@ -73,3 +76,12 @@ def _masked(config: dict[str, Any]) -> dict[str, Any]:
     if config["activation"]["key"] is not None:
         config["activation"]["key"] = MASK
     return config
+
+
+def _without_password(url: str) -> str:
+    """`url` with the password of its user info, if any, masked."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if at and ":" in userinfo:
+        return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{MASK}@{host}"
+    return url
