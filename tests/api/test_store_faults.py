@@ -13,7 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers import DEMO, STOKER, environment, kill_fleet, start_server, wait_until
+from servers import (
+    DEMO,
+    STOKER,
+    environment,
+    fleet_processes,
+    kill_fleet,
+    start_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.processes
 
@@ -123,4 +131,82 @@ def test_a_write_lock_held_by_another_process_never_freezes_the_server(tmp_path:
         assert "Traceback" not in srv.log()
     finally:
         srv.stop()
+        kill_fleet(fleet)
+
+
+def test_stop_workers_stops_every_worker_while_the_store_is_locked(tmp_path: Path) -> None:
+    """SIGTERM with `--stop-workers` while another process holds the SQLite write lock: the
+    retirements cannot be written, and still no worker process outlives the server."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = start_server(
+        tmp_path,
+        config=config(fleet).replace("warm_target: 1", "warm_target: 3"),
+        args=["--stop-workers"],
+    )
+    try:
+        assert wait_until(lambda: len(fleet_processes(fleet)) == 3, SOON)
+        claimed = httpx.post(srv.url + "/v1/claims", json={"pool": "demo", "org": "acme"})
+        assert claimed.status_code == 201, claimed.text
+        assert wait_until(lambda: len(fleet_processes(fleet)) == 4, SOON)
+        holder = sqlite3.connect(tmp_path / "stoker.db", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            assert srv.stop(timeout=120) == 0, srv.tail
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert fleet_processes(fleet) == []
+        assert srv.log().count("event=leftover_stopped") == 4, srv.log()
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+def test_a_start_on_a_new_database_keeps_the_workers_it_cannot_see(tmp_path: Path) -> None:
+    """The database is lost while workers run, a hot session among them: the next start
+    reports each of them (pid and all) and keeps them; only `--stop-stranded` stops them."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    fast = config(fleet).replace(
+        "janitor_interval_s: 0.5}",
+        "janitor_interval_s: 0.5, stranded_grace_s: 0, stranded_scan_s: 0.2}",
+    )
+    first = start_server(tmp_path, config=fast.replace("warm_target: 1", "warm_target: 2"))
+    try:
+        assert wait_until(lambda: len(fleet_processes(fleet)) == 2, SOON)
+        claimed = httpx.post(first.url + "/v1/claims", json={"pool": "demo", "org": "acme"})
+        assert claimed.status_code == 201, claimed.text
+        assert wait_until(lambda: len(fleet_processes(fleet)) == 3, SOON)
+    finally:
+        assert first.stop() == 0
+    # The hot one, and the warm ones (refilled after the claim, perhaps more).
+    old = {p.pid for p in fleet_processes(fleet)}
+    assert len(old) >= 3
+    for name in ("stoker.db", "stoker.db-wal", "stoker.db-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+    second = start_server(tmp_path, config=fast.replace("warm_target: 1", "warm_target: 0"))
+    try:
+
+        def all_reported() -> bool:
+            return second.log().count("event=stranded_unseen") == len(old)
+
+        assert wait_until(all_reported, SOON), second.log()
+        for pid in old:
+            assert f"pid={pid} " in second.log()
+        assert 'action="keep (stoker serve --stop-stranded)"' in second.log()
+        # The pass that reported them would have stopped them: they run on.
+        assert {p.pid for p in fleet_processes(fleet)} == old
+        assert "event=stranded_stopped" not in second.log()
+    finally:
+        assert second.stop() == 0
+    assert {p.pid for p in fleet_processes(fleet)} == old
+    third = start_server(
+        tmp_path,
+        config=fast.replace("warm_target: 1", "warm_target: 0"),
+        args=["--stop-stranded"],
+    )
+    try:
+        assert wait_until(lambda: not fleet_processes(fleet), SOON), third.log()
+        assert third.log().count("event=stranded_stopped") == len(old)
+    finally:
+        third.stop()
         kill_fleet(fleet)

@@ -34,6 +34,14 @@ def serve(
         bool,
         typer.Option("--json", help="Announce start and stop as JSON objects, and log JSON lines"),
     ] = False,
+    stop_stranded: Annotated[
+        bool,
+        typer.Option(
+            "--stop-stranded",
+            help="Also stop stranded workers of replicas the store has no record of (after "
+            "a lost or replaced database); without it they are reported and kept",
+        ),
+    ] = False,
 ) -> None:
     """Run the control plane and its HTTP API until SIGTERM or Ctrl-C."""
     # Imported here: the client commands need none of the server's code.
@@ -68,6 +76,7 @@ def serve(
         sock.close()
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
+    plane.janitor.stop_unseen = stop_stranded
     if not config.is_postgres and config.sqlite_path() not in ("", ":memory:"):
         from stoker.adapters.sqlite.ownership import hold
 

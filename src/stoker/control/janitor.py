@@ -16,7 +16,7 @@ from collections import defaultdict
 from stoker.control import logs
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
-from stoker.control.retiring import Retirer
+from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
 from stoker.control.shared import Shared
@@ -33,7 +33,7 @@ from stoker.policy.reaping import (
     session_left,
     stuck_workers,
 )
-from stoker.ports.runtime import Runtime
+from stoker.ports.runtime import Runtime, RuntimeObject
 from stoker.ports.store import ReplicaStore
 
 
@@ -84,6 +84,11 @@ class Janitor:
             demand=demand,
         )
         self._last_purge: float | None = None
+        #: Stop stranded objects of replicas the store has no record of (the operator's
+        #: confirmation, `stoker serve --stop-stranded`); else they are reported and kept.
+        self.stop_unseen = False
+        #: Unseen objects reported already (reported once each while they run).
+        self._unseen: set[str] = set()
 
     @property
     def desired(self) -> dict[str, int]:
@@ -225,6 +230,7 @@ class Janitor:
         grace = self._settings.stranded_grace_s
         old = [obj for obj in world.objects or [] if world.now - obj.created_at >= grace]
         if not old:
+            self._unseen.clear()
             return
         # One read of the live rows, not one per object: an object past the grace was
         # created after its row was inserted (persist before mutate), so a row missing
@@ -233,27 +239,41 @@ class Janitor:
             live = {w.id for w in await self._store.list_workers(states=LIVE)}
         except StoreError:
             return
+        unseen = [
+            o
+            for o in old
+            if o.worker_id not in live and o.instance and o.instance not in world.known_instances
+        ]
+        self._report_unseen(unseen)
+        kept = set() if self.stop_unseen else {o.worker_id for o in unseen}
         for obj in old:
-            if obj.worker_id in live:
+            if obj.worker_id in live or obj.worker_id in kept:
                 continue
-            ghost = Worker(
-                id=obj.worker_id,
-                pool=obj.pool,
-                revision="",
-                state=WorkerState.RETIRED,
-                epoch=0,
-                owner="",
-                created_at=obj.created_at,
-                updated_at=obj.created_at,
-                runtime_ref=obj.ref,
-            )
             try:
-                await self._runtime.stop(ghost, 0.0)
+                await self._runtime.stop(ghost(obj), 0.0)
             except RuntimeFailure as exc:
                 logs.event("stranded_stop_failed", worker=obj.worker_id, error=str(exc))
                 continue
             report.stranded_stopped += 1
             logs.event("stranded_stopped", worker=obj.worker_id, pool=obj.pool)
+
+    def _report_unseen(self, unseen: list[RuntimeObject]) -> None:
+        """Say, once per object, that stranded objects of a replica the store never heard
+        of run (the database was replaced or lost?): they may be sessions in use, so they
+        are kept unless the operator confirmed with `--stop-stranded`."""
+        new = [o for o in unseen if o.worker_id not in self._unseen]
+        self._unseen = {o.worker_id for o in unseen}
+        for obj in new:
+            logs.event(
+                "stranded_unseen",
+                worker=obj.worker_id,
+                pool=obj.pool,
+                instance=obj.instance,
+                pid=obj.ref.get("pid"),
+                endpoint=obj.endpoint,
+                action="stop" if self.stop_unseen else "keep (stoker serve --stop-stranded)",
+                level=logs.WARNING,
+            )
 
     async def _purge(self, now: float) -> None:
         """Delete old history now and then, so the store stays small over months."""

@@ -124,9 +124,10 @@ class ControlPlane:
         #: Recent events and the last hour of each pool, for the dashboard.
         self.journal = Journal(self.clock.now)
         self.history = History(self.settings.pool_sample_s)
+        self.lifecycle = Lifecycle(store, self.clock, self.metrics, self.journal)
         shared = Shared(
             book=self.book,
-            lifecycle=Lifecycle(store, self.clock, self.metrics, self.journal),
+            lifecycle=self.lifecycle,
             catalog=self.catalog,
             rollouts=self.rollouts,
             clock=self.clock,
@@ -244,12 +245,25 @@ class ControlPlane:
         logs.event("control_plane_stopped", instance=self.instance_id, stop_workers=stop_workers)
 
     async def _stop_own_workers(self) -> None:
-        workers = await self.store.list_workers(states=LIVE, owner=self.instance_id)
+        """Retire this replica's workers; then stop whatever of them still runs through
+        the runtime alone, so that a store that is down, locked or full leaves none."""
+        try:
+            workers = await self.store.list_workers(states=LIVE, owner=self.instance_id)
+        except StoreError as exc:
+            logs.event("shutdown_store_failed", error=str(exc), level=logs.WARNING)
+            workers = []
         for worker in workers:
+            failed_before = self.lifecycle.last_store_failure
             if worker.state is WorkerState.HOT and worker.claim_id:
                 await self.retirer.fail_session(worker, RetireReason.SHUTDOWN)
             else:
                 await self.retirer.retire(worker, RetireReason.SHUTDOWN)
+            if self.lifecycle.last_store_failure is not failed_before:
+                # A write failed: the store is failing, the rest go without it.
+                logs.event("shutdown_store_failed", worker=worker.id, level=logs.WARNING)
+                break
+        await self.book.wait_background(self.settings.shutdown_grace_s)
+        await self.retirer.stop_leftovers(self.instance_id)
 
     # -- loops ------------------------------------------------------------------------------
 

@@ -8,13 +8,15 @@ runs in the background, once at a time per worker; a failed stop leaves the row
 
 from __future__ import annotations
 
+import asyncio
+
 from stoker.control import logs
 from stoker.control.book import PendingRetire
 from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, RetireReason, WorkerState
-from stoker.ports.runtime import Runtime
+from stoker.ports.runtime import Runtime, RuntimeObject
 from stoker.ports.store import StoreReader
 
 
@@ -158,8 +160,54 @@ class Retirer:
         else:
             self._retired(retired)
 
+    async def stop_leftovers(self, instance: str) -> int:
+        """Stop, through the runtime alone, every object still running that this replica
+        started or owns (known in its book), whatever the store does; returns how many.
+
+        The last step of a shutdown with `--stop-workers`: the rows' retirements need the
+        store, and a store that is down, locked or full must not leave workers behind.
+        """
+        try:
+            objects = await self._runtime.list_objects()
+        except RuntimeFailure as exc:
+            logs.event("leftover_scan_failed", error=str(exc), level=logs.WARNING)
+            return 0
+        ours = [o for o in objects if o.instance == instance or self._owns(o.worker_id, instance)]
+        stopped = await asyncio.gather(*(self._stop_leftover(o) for o in ours))
+        return sum(stopped)
+
+    def _owns(self, worker_id: str, instance: str) -> bool:
+        known = self._book.known(worker_id)
+        return known is not None and known.owner == instance
+
+    async def _stop_leftover(self, obj: RuntimeObject) -> bool:
+        pool = self._catalog.get(obj.pool)
+        grace = pool.timeouts.stop_grace_s if pool else 10.0
+        try:
+            await self._runtime.stop(ghost(obj), grace)
+        except RuntimeFailure as exc:
+            logs.event("stop_failed", worker=obj.worker_id, error=str(exc), level=logs.WARNING)
+            return False
+        logs.event("leftover_stopped", worker=obj.worker_id, pool=obj.pool, level=logs.WARNING)
+        return True
+
     def _retired(self, worker: Worker) -> None:
         self._book.remember(worker)
         self._lifecycle.retired(worker)
         self._book.ready_settled(worker.id)
         self._book.slot_freed(worker.pool, worker.org)
+
+
+def ghost(obj: RuntimeObject) -> Worker:
+    """A retired record of a runtime object, to stop it by (no row of its own is used)."""
+    return Worker(
+        id=obj.worker_id,
+        pool=obj.pool,
+        revision="",
+        state=WorkerState.RETIRED,
+        epoch=0,
+        owner="",
+        created_at=obj.created_at,
+        updated_at=obj.created_at,
+        runtime_ref=obj.ref,
+    )

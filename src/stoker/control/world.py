@@ -41,6 +41,8 @@ class World:
     in_flight: list[Worker] = field(default_factory=list)
     expired: list[Claim] = field(default_factory=list)
     live_instances: set[str] = field(default_factory=set)
+    #: Every replica the store has a record of, gone ones included.
+    known_instances: set[str] = field(default_factory=set)
     orphans: list[Worker] = field(default_factory=list)
     objects: list[RuntimeObject] | None = None
 
@@ -74,6 +76,7 @@ class WorldReader:
             i.id for i in instances if i.state == "active" and i.heartbeat_at >= fresh_after
         }
         world.live_instances.add(mine)
+        world.known_instances = {i.id for i in instances} | {mine}
         # Every claim past its lease, whoever served it: the fallback reaper ends its own
         # and those of replicas that are gone (the janitor's step sorts them out), so a
         # dead replica's sessions end while nobody leads too.
