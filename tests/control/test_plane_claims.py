@@ -891,3 +891,24 @@ async def test_while_the_store_fails_claims_fail_at_once_and_recover_with_it(
         assert store_error() is None
         claim = await h.claim()
         assert claim.state is ClaimState.BOUND
+
+
+async def test_a_spawn_retired_while_it_waited_for_its_turn_never_starts(
+    tmp_path: Path,
+) -> None:
+    """Spawns paced by the token bucket wait for their turn; a shutdown with stop_workers
+    retires them meanwhile: none may start a process afterwards, which nobody would stop
+    (the retirement found nothing to stop)."""
+    runtime = MemoryRuntime(auto_ready=False)
+    async with running(
+        tmp_path,
+        [pool(warm_target=3)],
+        runtime=runtime,
+        settings=PlaneSettings(spawn_rate=0.5, spawn_burst=1),
+    ) as h:
+        assert len(await h.workers(S.SPAWNING)) == 3
+        assert runtime.spawn_calls == 1  # the other two wait for the bucket
+        await h.plane.stop(stop_workers=True)
+        await asyncio.sleep(10)  # the bucket would have let both go by now
+        assert runtime.spawn_calls == 1
+        assert runtime.alive() == set()

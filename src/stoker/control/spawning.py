@@ -184,6 +184,12 @@ class Spawner:
     async def create(self, worker: Worker, pool: PoolSpec) -> bool:
         """Create the runtime object of a spawning slot; a failure frees the slot at once."""
         await self._bucket.acquire()
+        known = self._book.known(worker.id)
+        if known is None or (known.state, known.epoch) != (WorkerState.SPAWNING, worker.epoch):
+            # Retired (and forgotten) while it waited for its turn (a shutdown, a stuck
+            # sweep): its stop found no process, so none may start now.
+            self._book.drop_spawn_wait(worker.id)
+            return False
         # While the runtime holds the spawn (queued behind other start-ups, or starting the
         # process) the stuck sweep leaves the row alone: its spawn timeout has not begun.
         self._book.mark_in_flight(worker.id)
