@@ -88,6 +88,39 @@ class FencedReservation(Reservation):
     version: int
 
 
+class WorkerQuery(TypedDict, total=False):
+    """The filters of `list_workers`: each one given (and not None) narrows the list."""
+
+    pool: str | None
+    states: Collection[WorkerState] | None
+    org: str | None
+    owner: str | None
+    #: Rows owned by none of these replicas (or by none).
+    not_owners: Collection[str] | None
+    limit: int | None
+
+
+class ClaimQuery(TypedDict, total=False):
+    """The filters of `list_claims`: each one given (and not None) narrows the list."""
+
+    states: Collection[ClaimState] | None
+    #: Inclusive.
+    expires_before: float | None
+    owner: str | None
+    limit: int | None
+
+
+class Ending(TypedDict):
+    """How `end_claim` ends a bound claim: in `state` at `now` for `reason`, its hot
+    worker moved to `worker_to` with `worker_changes`."""
+
+    state: ClaimState
+    worker_to: WorkerState
+    now: float
+    reason: NotRequired[str | None]
+    worker_changes: NotRequired[Mapping[str, Any] | None]
+
+
 def fence(worker: Worker) -> Fence:
     """The compare-and-set of a write to `worker` as read."""
     return {"expect": worker.state, "epoch": worker.epoch, "version": worker.version}
@@ -152,16 +185,7 @@ class StoreReader(Protocol):
         """One worker row, terminal or not."""
         ...
 
-    async def list_workers(
-        self,
-        *,
-        pool: str | None = None,
-        states: Collection[WorkerState] | None = None,
-        org: str | None = None,
-        owner: str | None = None,
-        not_owners: Collection[str] | None = None,
-        limit: int | None = None,
-    ) -> list[Worker]:
+    async def list_workers(self, **query: Unpack[WorkerQuery]) -> list[Worker]:
         """Rows matching every filter given, oldest first.
 
         `not_owners` keeps rows whose owner is none of these (or no owner at all): the
@@ -182,14 +206,7 @@ class StoreReader(Protocol):
         `Idempotency-Key`), whatever its state; None when there is none."""
         ...
 
-    async def list_claims(
-        self,
-        *,
-        states: Collection[ClaimState] | None = None,
-        expires_before: float | None = None,
-        owner: str | None = None,
-        limit: int | None = None,
-    ) -> list[Claim]:
+    async def list_claims(self, **query: Unpack[ClaimQuery]) -> list[Claim]:
         """Claims matching every filter given, oldest first."""
         ...
 
@@ -297,16 +314,7 @@ class StoreWriter(Protocol):
         has a claim with the claim's `idempotency_key` already."""
         ...
 
-    async def end_claim(
-        self,
-        claim_id: str,
-        *,
-        state: ClaimState,
-        worker_to: WorkerState,
-        now: float,
-        reason: str | None = None,
-        worker_changes: Mapping[str, Any] | None = None,
-    ) -> tuple[Claim, Worker] | None:
+    async def end_claim(self, claim_id: str, **end: Unpack[Ending]) -> tuple[Claim, Worker] | None:
         """Atomically end a bound claim and move its `hot` worker to `worker_to`.
 
         None when the claim is not bound any more or its worker is not the claim's hot

@@ -17,7 +17,7 @@ In READ COMMITTED:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 import psycopg
@@ -51,6 +51,8 @@ from stoker.domain.errors import ClaimKeyTaken, StoreError
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import (
+    ClaimQuery,
+    Ending,
     FencedReservation,
     Move,
     Reservation,
@@ -58,6 +60,7 @@ from stoker.ports.store import (
     SpawnRequest,
     SpawnResult,
     StateCount,
+    WorkerQuery,
 )
 
 _JSON_COLUMNS = frozenset({"runtime_ref"})
@@ -218,18 +221,11 @@ class WorkerRows:
             raise
         return worker_from_row(row) if row else None
 
-    async def end_claim(
-        self,
-        claim_id: str,
-        *,
-        state: ClaimState,
-        worker_to: WorkerState,
-        now: float,
-        reason: str | None = None,
-        worker_changes: Mapping[str, Any] | None = None,
-    ) -> tuple[Claim, Worker] | None:
+    async def end_claim(self, claim_id: str, **end: Unpack[Ending]) -> tuple[Claim, Worker] | None:
         """End a bound claim and move its hot worker, in one statement that locks both rows
         first (claim row first, as everywhere)."""
+        state, worker_to, now = end["state"], end["worker_to"], end["now"]
+        reason, worker_changes = end.get("reason"), end.get("worker_changes")
         check_ending(state, worker_to, worker_changes or {})
         fields = checked_ending_changes(worker_to, worker_changes or {})
         sets, values = _sets(fields)
@@ -272,22 +268,11 @@ class WorkerRows:
         row = await self._db.one(self._names.worker_by_id, (worker_id,))
         return worker_from_row(row) if row else None
 
-    async def list_workers(
-        self,
-        *,
-        pool: str | None = None,
-        states: Collection[WorkerState] | None = None,
-        org: str | None = None,
-        owner: str | None = None,
-        not_owners: Collection[str] | None = None,
-        limit: int | None = None,
-    ) -> list[Worker]:
+    async def list_workers(self, **query: Unpack[WorkerQuery]) -> list[Worker]:
         """Rows matching every filter, oldest first."""
-        where, params = _filters(
-            pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
-        )
+        where, params = _filters(query)
         sql = f"SELECT {WORKER_SELECT} FROM {self._names.workers}{where} ORDER BY created_at, id"
-        if limit is not None:
+        if (limit := query.get("limit")) is not None:
             sql += " LIMIT %s"
             params.append(int(limit))
         return [worker_from_row(r) for r in await self._db.all(sql, params)]
@@ -313,21 +298,14 @@ class WorkerRows:
         row = await self._db.one(self._names.claim_by_key, (org, idempotency_key))
         return claim_from_row(row) if row else None
 
-    async def list_claims(
-        self,
-        *,
-        states: Collection[ClaimState] | None = None,
-        expires_before: float | None = None,
-        owner: str | None = None,
-        limit: int | None = None,
-    ) -> list[Claim]:
+    async def list_claims(self, **query: Unpack[ClaimQuery]) -> list[Claim]:
         """Claims matching every filter, oldest first (`expires_before` is inclusive)."""
-        where, params = _filters(owner=owner, states=states)
-        if expires_before is not None:
+        where, params = _filters(query)
+        if (expires_before := query.get("expires_before")) is not None:
             where += (" AND" if where else " WHERE") + " expires_at <= %s"
             params.append(expires_before)
         sql = f"SELECT {CLAIM_SELECT} FROM {self._names.claims}{where} ORDER BY created_at, id"
-        if limit is not None:
+        if (limit := query.get("limit")) is not None:
             sql += " LIMIT %s"
             params.append(int(limit))
         return [claim_from_row(r) for r in await self._db.all(sql, params)]
@@ -467,24 +445,20 @@ def bind_statement(names: Names) -> str:
     )
 
 
-def _filters(
-    *,
-    pool: str | None = None,
-    org: str | None = None,
-    owner: str | None = None,
-    states: Collection[Any] | None = None,
-    not_owners: Collection[str] | None = None,
-) -> tuple[str, list[Any]]:
+def _filters(query: Mapping[str, Any]) -> tuple[str, list[Any]]:
     """A WHERE clause for the filters given; one SQL text per combination (prepared once)."""
     clauses: list[str] = []
     params: list[Any] = []
-    for column, value in (("pool", pool), ("org", org), ("owner", owner)):
+    for column in ("pool", "org", "owner"):
+        value = query.get(column)
         if value is not None:
             clauses.append(f"{column} = %s")
             params.append(value)
+    not_owners = query.get("not_owners")
     if not_owners:
         clauses.append("(owner IS NULL OR owner <> ALL(%s))")
         params.append(list(not_owners))
+    states = query.get("states")
     if states is not None:
         clauses.append("state = ANY(%s)")
         params.append([s.value for s in states])

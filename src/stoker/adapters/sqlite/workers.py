@@ -10,7 +10,7 @@ interleave, and other processes wait for the write lock. The checks shared with 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 from stoker.adapters._rows import (
@@ -39,6 +39,8 @@ from stoker.domain.errors import ClaimKeyTaken
 from stoker.domain.records import Claim, Worker
 from stoker.domain.states import LIVE, ClaimState, WorkerState
 from stoker.ports.store import (
+    ClaimQuery,
+    Ending,
     FencedReservation,
     Move,
     Reservation,
@@ -46,6 +48,7 @@ from stoker.ports.store import (
     SpawnRequest,
     SpawnResult,
     StateCount,
+    WorkerQuery,
 )
 
 _WORKER_VALUES = ", ".join("?" for _ in WORKER_COLUMNS)
@@ -229,17 +232,10 @@ class WorkerRows:
             db.execute(f"INSERT INTO claims ({CLAIM_SELECT}) VALUES ({values})", row)
             return worker
 
-    async def end_claim(
-        self,
-        claim_id: str,
-        *,
-        state: ClaimState,
-        worker_to: WorkerState,
-        now: float,
-        reason: str | None = None,
-        worker_changes: Mapping[str, Any] | None = None,
-    ) -> tuple[Claim, Worker] | None:
+    async def end_claim(self, claim_id: str, **end: Unpack[Ending]) -> tuple[Claim, Worker] | None:
         """End a bound claim and move its hot worker, atomically."""
+        state, worker_to, now = end["state"], end["worker_to"], end["now"]
+        reason, worker_changes = end.get("reason"), end.get("worker_changes")
         check_ending(state, worker_to, worker_changes or {})
         async with self._writes.tx() as db:
             row = db.execute(_CLAIM_BY_ID, (claim_id,)).fetchone()
@@ -275,25 +271,20 @@ class WorkerRows:
         rows = self._writes.read(_WORKER_BY_ID, (worker_id,))
         return self._decoded.worker(rows[0]) if rows else None
 
-    async def list_workers(
-        self,
-        *,
-        pool: str | None = None,
-        states: Collection[WorkerState] | None = None,
-        org: str | None = None,
-        owner: str | None = None,
-        not_owners: Collection[str] | None = None,
-        limit: int | None = None,
-    ) -> list[Worker]:
+    async def list_workers(self, **query: Unpack[WorkerQuery]) -> list[Worker]:
         """Rows matching every filter, oldest first (live states: from the live rows)."""
+        states, limit = query.get("states"), query.get("limit")
         if states is not None and LIVE.issuperset(states):
             rows = self._live.select(
-                states, pool=pool, org=org, owner=owner, not_owners=not_owners, limit=limit
+                states,
+                pool=query.get("pool"),
+                org=query.get("org"),
+                owner=query.get("owner"),
+                not_owners=query.get("not_owners"),
+                limit=limit,
             )
         else:
-            where, params = _filters(
-                pool=pool, org=org, owner=owner, states=states, not_owners=not_owners
-            )
+            where, params = _filters(query)
             sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
             if limit is not None:
                 sql += f" LIMIT {int(limit)}"
@@ -314,44 +305,33 @@ class WorkerRows:
         rows = self._writes.read(_CLAIM_BY_KEY, (org, idempotency_key))
         return claim_from_row(rows[0]) if rows else None
 
-    async def list_claims(
-        self,
-        *,
-        states: Collection[ClaimState] | None = None,
-        expires_before: float | None = None,
-        owner: str | None = None,
-        limit: int | None = None,
-    ) -> list[Claim]:
+    async def list_claims(self, **query: Unpack[ClaimQuery]) -> list[Claim]:
         """Claims matching every filter, oldest first."""
-        where, params = _filters(owner=owner, states=states)
-        if expires_before is not None:
+        where, params = _filters(query)
+        if (expires_before := query.get("expires_before")) is not None:
             where += (" AND" if where else " WHERE") + " expires_at <= ?"
             params.append(expires_before)
         sql = f"SELECT {CLAIM_SELECT} FROM claims{where} ORDER BY created_at, id"
-        if limit is not None:
+        if (limit := query.get("limit")) is not None:
             sql += f" LIMIT {int(limit)}"
         return [claim_from_row(r) for r in self._writes.read(sql, params)]
 
 
-def _filters(
-    *,
-    pool: str | None = None,
-    org: str | None = None,
-    owner: str | None = None,
-    states: Collection[Any] | None = None,
-    not_owners: Collection[str] | None = None,
-) -> tuple[str, list[Any]]:
+def _filters(query: Mapping[str, Any]) -> tuple[str, list[Any]]:
     """A WHERE clause for the filters given, and its parameters."""
     clauses: list[str] = []
     params: list[Any] = []
-    for column, value in (("pool", pool), ("org", org), ("owner", owner)):
+    for column in ("pool", "org", "owner"):
+        value = query.get(column)
         if value is not None:
             clauses.append(f"{column} = ?")
             params.append(value)
+    not_owners = query.get("not_owners")
     if not_owners:
         marks = ", ".join("?" for _ in not_owners)
         clauses.append(f"(owner IS NULL OR owner NOT IN ({marks}))")
         params += list(not_owners)
+    states = query.get("states")
     if states is not None:
         values = [s.value for s in states]
         if not values:
