@@ -20,8 +20,8 @@ import pytest
 from stoker.sim.load import retry_backoff_s
 from stoker.sim.report import write_report
 from stoker.sim.runner import PolicyResult, ScenarioResult, run_scenario
-from stoker.sim.scenario import TenantGroup, scenario_from_mapping
-from stoker.sim.sessions import Attempt, SessionLog
+from stoker.sim.scenario import TenantGroup, load_scenario, scenario_from_mapping
+from stoker.sim.sessions import DAY_S, Attempt, SessionLog, per_day
 
 #: One node, a pool capped at one worker, two tenants arriving at once: one gets the
 #: worker, the other's attempts time out (10 s) or find the cap until the first leaves.
@@ -131,3 +131,38 @@ def test_the_report_writes_the_claim_log_and_the_pass_log(tmp_path: Path) -> Non
     assert header == "policy,t_s,demand,desired,warm,spawning,active,waiting"
     # One row per janitor interval (5 s) over the 300 s run.
     assert len(rows) == pytest.approx(300 / 5, abs=1)
+
+
+def test_the_weekly_scenario_has_quiet_weekends_and_a_holiday_on_a_weekday() -> None:
+    scenario = load_scenario("weekly")
+    assert scenario.duration_s == 7 * DAY_S
+    # Monday 00:00 UTC: run days are UTC days.
+    assert scenario.epoch_s % DAY_S == 0
+    assert (int(scenario.epoch_s // DAY_S) + 3) % 7 == 0  # day 0, 1970-01-01: a Thursday
+    office = scenario.tenants[0].arrival
+    afternoon = [office.rate_at(day * DAY_S + 14 * 3600) for day in range(7)]
+    weekdays = [afternoon[d] for d in (0, 1, 2, 4)]
+    assert min(weekdays) > 2.5 * max(afternoon[5], afternoon[6])
+    assert afternoon[3] < 0.3 * min(weekdays)
+
+
+def test_per_day_figures_split_claims_sessions_and_cost_by_run_day() -> None:
+    attempts = [
+        Attempt(1, "a", 0, 0, 10.0, 10.1, "bound", "warm", 0.0),
+        Attempt(2, "a", 0, 0, DAY_S - 5, DAY_S - 4, "timeout", None, 6.0),
+        Attempt(2, "a", 1, 0, DAY_S + 2, DAY_S + 7, "bound", "cold", 0.0),
+    ]
+    samples = [
+        {"t_s": DAY_S / 2, "cost_usd": 5.0},
+        {"t_s": DAY_S, "cost_usd": 10.0},
+        {"t_s": 1.5 * DAY_S, "cost_usd": 12.0},
+        {"t_s": 2 * DAY_S, "cost_usd": 16.0},
+    ]
+    first, second = per_day(attempts, samples, duration_s=2 * DAY_S, claim_timeout_s=5.0)
+    assert (first["claims_bound"], first["cold"], first["failed_attempts"]) == (1, 0, 1)
+    assert (second["claims_bound"], second["cold"], second["cold_share"]) == (1, 1, 1.0)
+    # Session 2 arrived on day 0 and waited 12 s across midnight: day 0's figure.
+    assert first["time_to_worker_s"]["max"] == pytest.approx(12.0)
+    assert first["waited_ge_claim_timeout"] == 1
+    assert second["time_to_worker_s"] is None
+    assert (first["cost_usd"], second["cost_usd"]) == (10.0, 6.0)

@@ -27,7 +27,8 @@ from typing import Any
 
 from stoker.sim.passlog import COLUMNS as PASS_COLUMNS
 from stoker.sim.plots import PLOTS, duration_text, write_plots
-from stoker.sim.runner import STOKER_KINDS, ScenarioResult
+from stoker.sim.runner import STOKER_KINDS, PolicyResult, ScenarioResult
+from stoker.sim.sessions import DAY_S, per_day
 
 #: Decimals kept for floats in summary.json and timeseries.csv.
 DECIMALS = 4
@@ -73,6 +74,7 @@ def summary(result: ScenarioResult) -> dict[str, Any]:
             "policies": {
                 p.name: {
                     **p.summary,
+                    **_days(result, p),
                     "violations": [v.as_dict() for v in p.violations],
                     "warnings": p.warnings,
                 }
@@ -81,6 +83,16 @@ def summary(result: ScenarioResult) -> dict[str, Any]:
         }
     )
     return rounded
+
+
+def _days(result: ScenarioResult, p: PolicyResult) -> dict[str, Any]:
+    """`days`, the figures day by day, in a run longer than a day."""
+    duration = result.scenario.duration_s
+    if duration <= DAY_S:
+        return {}
+    timeout = p.summary["sessions"]["claim_timeout_s"]
+    days = per_day(p.attempts, p.samples, duration_s=duration, claim_timeout_s=timeout)
+    return {"days": days}
 
 
 def summary_bytes(result: ScenarioResult) -> bytes:
@@ -314,6 +326,7 @@ def markdown(result: ScenarioResult) -> str:
         lines += ["", "  Trace of the first one:", "", "  ```"]
         lines += [f"  {line}" for line in first.trace]
         lines += ["  ```"]
+    lines += _day_tables(result)
     lines += ["", "## Plots", ""]
     for name, title in PLOTS.items():
         lines += [f"### {title}", "", f"![{title}]({name})", ""]
@@ -353,6 +366,29 @@ def markdown(result: ScenarioResult) -> str:
         lines.append(f"- wall time {p.wall_s:.1f} s (x{p.virtual_s / max(p.wall_s, 1e-9):,.0f})")
         lines.append("")
     return "\n".join(lines)
+
+
+def _day_tables(result: ScenarioResult) -> list[str]:
+    """Day by day, one row per policy and day, in a run longer than a day."""
+    rows = [(p.name, day) for p in result.policies for day in _days(result, p).get("days", [])]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Day by day",
+        "",
+        "| policy | day | claims bound | cold share | session p50 / p99 | waited >= timeout | "
+        "node cost |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, day in rows:
+        cold = "-" if day["cold_share"] is None else f"{day['cold_share']:.1%}"
+        lines.append(
+            f"| {name} | {day['day']} | {day['claims_bound']} | {cold} | "
+            f"{_three(day['time_to_worker_s'], ('p50', 'p99'))} | "
+            f"{day['waited_ge_claim_timeout']} | ${day['cost_usd']:,.1f} |"
+        )
+    return lines
 
 
 def _pairs(mapping: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
 One policy run is one `VirtualTimeLoop` (`stoker.sim.vloop`): the simulated cluster,
 every control-plane replica, the load driver, the invariant checker and the sampler share
 it, and whenever every task waits the clock jumps to the next timer. Every time read goes through
-the run's `LoopClock(epoch=EPOCH)`; the store is an in-memory SQLite database used from
+the run's `LoopClock(epoch=view.epoch_s)`; the store is an in-memory SQLite database used from
 the loop without threads. The same scenario and seed therefore replay the same run, and
 give the same `summary.json` byte for byte.
 
@@ -43,9 +43,6 @@ from stoker.sim.rollout import RolloutRun
 from stoker.sim.scenario import Scenario
 from stoker.sim.sessions import Attempt, quantiles
 
-#: The wall-clock origin of every run (2023-11-14T22:13:20Z): fixed, so timestamps in the
-#: store, and everything derived from them, repeat from run to run.
-EPOCH = 1_700_000_000.0
 #: How many progress reports a policy run makes (the bar moves in these steps).
 PROGRESS_STEPS = 200
 #: Log lines a policy run keeps (the counts per event cover all of them).
@@ -265,7 +262,9 @@ class _PolicyRun:
         self.progress = progress
         # Bound to the run's loop: every part of the run reads it, hundreds of thousands
         # of times a simulated day.
-        self.clock = LoopClock(epoch=EPOCH, loop=loop)
+        # The wall-clock origin is fixed (the scenario's), so timestamps in the store, and
+        # everything derived from them, repeat from run to run.
+        self.clock = LoopClock(epoch=view.epoch_s, loop=loop)
         self.pool: PoolSpec = pool_spec(view)
         self.samples: list[dict[str, Any]] = []
         self.no_leader_s = 0.0

@@ -434,6 +434,8 @@ class Scenario(_Model):
     duration_s: float = Field(gt=0)
     #: Same seed, same summary.json, byte for byte.
     seed: int = 1
+    #: The wall-clock time (UTC seconds) the run starts at: 2023-11-14T22:13:20Z by default.
+    epoch_s: float = Field(1_700_000_000.0, ge=0)
     #: Timeseries resolution (and the step of the vCPU-hour integrals).
     sample_interval_s: float = Field(10.0, gt=0)
     #: How often the invariant checker reads the store and the cluster. Its bounds are in

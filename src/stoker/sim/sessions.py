@@ -121,3 +121,56 @@ class SessionLog:
             "still_trying": len(self.trying_since_s),
             "retried": len(retried),
         }
+
+
+DAY_S = 86_400.0
+
+
+def per_day(
+    attempts: Sequence[Attempt],
+    samples: Sequence[dict[str, Any]],
+    *,
+    duration_s: float,
+    claim_timeout_s: float,
+) -> list[dict[str, Any]]:
+    """The run's figures day by day (run days of 24 h from the start; a last partial
+    day counts too): claims bound and cold, failed attempts, the time to a worker of the
+    sessions that arrived that day, and the node cost accrued that day."""
+    days = max(1, math.ceil(duration_s / DAY_S - 1e-9))
+    bound = [0] * days
+    cold = [0] * days
+    failed = [0] * days
+    first: dict[int, float] = {}
+    served: dict[int, float] = {}
+    for a in attempts:
+        day = min(days - 1, int(a.end_s // DAY_S))
+        if a.outcome == "bound":
+            bound[day] += 1
+            cold[day] += a.source == "cold"
+            served[a.session] = a.end_s
+        else:
+            failed[day] += 1
+        first.setdefault(a.session, a.start_s)
+    waits: list[list[float]] = [[] for _ in range(days)]
+    for session, start in first.items():
+        end = served.get(session, duration_s)
+        waits[min(days - 1, int(start // DAY_S))].append(end - start)
+    cost = [0.0] * (days + 1)
+    for row in samples:
+        day = min(days, math.ceil(row["t_s"] / DAY_S - 1e-9))
+        cost[day] = max(cost[day], row["cost_usd"])
+    for day in range(1, days + 1):
+        cost[day] = max(cost[day], cost[day - 1])
+    return [
+        {
+            "day": day,
+            "claims_bound": bound[day],
+            "cold": cold[day],
+            "cold_share": cold[day] / bound[day] if bound[day] else None,
+            "failed_attempts": failed[day],
+            "time_to_worker_s": quantiles(waits[day]),
+            "waited_ge_claim_timeout": sum(1 for w in waits[day] if w >= claim_timeout_s),
+            "cost_usd": cost[day + 1] - cost[day],
+        }
+        for day in range(days)
+    ]
