@@ -121,6 +121,9 @@ class _Plotter:
             ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
+            # Room above the data for the legend.
+            low, high = ax.get_ylim()
+            ax.set_ylim(low, high + (high - low) * 0.15 * (1 + (len(ax.lines) > 3)))
             ax.legend(ncol=ncol, **_LEGEND)
 
     # -- the plots ---------------------------------------------------------------------------
@@ -176,17 +179,20 @@ class _Plotter:
         fig, axes = self.per_policy()
         for ax, p in zip(axes, self.policies, strict=True):
             rows = p.passes.rows
-            t = [row[0] / self.scale for row in rows]
-
-            def column(i: int, rows: Sequence[Any] = rows) -> list[float]:
-                return [math.nan if row[i] is None else row[i] for row in rows]
-
-            ax.plot(t, column(3), label="warm workers", linewidth=0.8)
-            ax.plot(t, column(2), label="desired warm (leader)", linewidth=0.8, linestyle="--")
-            ax.plot(t, column(1), label="demand (leader)", linewidth=0.8, alpha=0.8)
+            bins = _pass_bins(len(rows))
+            note = "" if bins == 1 else f", mean of {bins} passes"
+            t = [rows[i][0] / self.scale for i in range(0, len(rows), bins)]
+            low, warm, high = _binned_column(rows, 3, bins)
+            if bins > 1:
+                ax.fill_between(t, low, high, alpha=0.25, step="post", label="warm: min-max")
+            ax.step(t, warm, where="post", label=f"warm workers{note}", linewidth=0.9)
+            desired = _binned_column(rows, 2, bins)[1]
+            ax.step(t, desired, where="post", label="desired warm (leader)", linestyle="--")
+            demand = _binned_column(rows, 1, bins)[1]
+            ax.step(t, demand, where="post", label="demand (leader)", linewidth=0.9)
             warm_target = self.result.scenario.for_policy(p.name).pool.warm_target
             ax.axhline(warm_target, color="grey", linestyle=":", label="static warm target")
-            self.finish(ax, "workers", title=p.name, ncol=4)
+            self.finish(ax, "workers", title=p.name, ncol=5)
         self.save(fig, "demand_vs_target.png")
 
     def cdfs(self) -> None:
@@ -244,6 +250,35 @@ def _cdf_axes(ax: Any, title: str, xlabel: str) -> None:
         ax.legend(fontsize=7, loc="lower right")
     else:
         ax.text(0.5, 0.5, "none", transform=ax.transAxes, ha="center")
+
+
+#: Passes drawn one by one up to this many; beyond, in bins (mean, and a min-max band).
+_MAX_POINTS = 1500
+
+
+def _pass_bins(passes: int) -> int:
+    """How many passes one plotted point stands for."""
+    return max(1, math.ceil(passes / _MAX_POINTS))
+
+
+def _binned_column(
+    rows: Sequence[Sequence[Any]], column: int, bins: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Min, mean and max of a passes.csv column over each run of `bins` rows."""
+    low: list[float] = []
+    mean: list[float] = []
+    high: list[float] = []
+    for start in range(0, len(rows), bins):
+        values = [row[column] for row in rows[start : start + bins] if row[column] is not None]
+        if not values:
+            low.append(math.nan)
+            mean.append(math.nan)
+            high.append(math.nan)
+            continue
+        low.append(min(values))
+        mean.append(sum(values) / len(values))
+        high.append(max(values))
+    return low, mean, high
 
 
 def _rate_per_hour(
