@@ -72,7 +72,7 @@ def test_a_session_that_failed_counts_its_failures_and_back_offs_in_its_time_to_
     retried = [a for a in by_session.values() if sum(x.outcome != "bound" for x in a) >= 2]
     assert retried, "the scenario should make a session fail at least twice"
     for attempts in retried:
-        assert attempts[-1].outcome == "bound"
+        # Until bound, or until the last attempt failed (a lost session's lower bound).
         took = attempts[-1].end_s - attempts[0].start_s
         backoffs = sum(a.backoff_s for a in attempts)
         failed = sum(a.end_s - a.start_s for a in attempts if a.outcome != "bound")
@@ -88,7 +88,7 @@ def test_the_session_figures_are_consistent_with_the_claim_figures() -> None:
     run = _run()
     sessions, claims = run.summary["sessions"], run.summary["claims"]
     assert sessions["time_to_worker_s"]["count"] == sessions["started"] == 2
-    assert sessions["without_worker"] == sessions["lost"] + sessions["still_trying"] == 0
+    assert sessions["without_worker"] == sessions["lost"] + sessions["still_trying"]
     assert len(run.attempts) == claims["attempts"]
     assert sum(a.outcome == "bound" for a in run.attempts) == claims["bound"]
     assert sessions["retried"] == len({a.session for a in run.attempts if a.attempt > 0})
