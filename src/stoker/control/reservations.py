@@ -39,23 +39,41 @@ class Reservations:
     async def take(
         self, pool: PoolSpec, org: str, expect: WorkerState, org_cap: int = 0
     ) -> ReserveResult:
-        """Reserve a `warm` worker of `pool`'s revision for `org` within `org_cap`, or
-        (`expect` hot_idle) one `org` parked at any revision that serves; moved on to
-        activating where the store can.
+        """Reserve a `warm` worker of `pool`'s revision for `org` within `org_cap` (of
+        another serving revision when it has none), or (`expect` hot_idle) one `org`
+        parked at any revision that serves; moved on to activating where the store can.
 
         The result's worker is None when there was none; `at_org_cap` says the org's cap
         held a warm one back.
         """
-        book, owner = self._book, self._book.instance_id
-        revisions: tuple[str, ...] = (pool.revision,)
-        also: Container[str] = ()
         if expect is WorkerState.HOT_IDLE:
             # Reuse stays on the worker's own revision, whichever may still serve.
             revisions = self._rollouts.serving_revisions(pool.name)
-            also = self._rollouts.reusable(pool.name)
             if not revisions:
                 return _NONE
-        while known := book.pop(expect, pool.name, org, revisions[0], also=also):
+            also = self._rollouts.reusable(pool.name)
+            return await self._take(pool.name, org, expect, org_cap, revisions, also)
+        result = _NONE
+        # During a rollout a claim whose revision has no warm worker takes one of the
+        # other serving revision rather than a cold start (its share is a target, a cold
+        # start is a cost).
+        for revision in self._rollouts.warm_order(pool.name, pool.revision):
+            result = await self._take(pool.name, org, expect, org_cap, (revision,), ())
+            if result.worker is not None or result.at_org_cap:
+                break
+        return result
+
+    async def _take(
+        self,
+        pool: str,
+        org: str,
+        expect: WorkerState,
+        org_cap: int,
+        revisions: tuple[str, ...],
+        also: Container[str],
+    ) -> ReserveResult:
+        book, owner = self._book, self._book.instance_id
+        while known := book.pop(expect, pool, org, revisions[0], also=also):
             try:
                 result = await self._lifecycle.reserve(
                     known, org=org, org_cap=org_cap, owner=owner, activate=True
@@ -72,7 +90,7 @@ class Reservations:
         # The queue ran dry: any matching worker in the store (the queues are only hints).
         for revision in revisions:
             result = await self._lifecycle.reserve_any(
-                pool.name,
+                pool,
                 revision,
                 expect=expect,
                 org=org,

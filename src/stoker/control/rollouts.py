@@ -26,6 +26,7 @@ from stoker.policy.rollout import (
     RevisionFailures,
     RolloutPlan,
     rollout_plan,
+    routing_plan,
 )
 
 #: Rollouts whose revision's workers retire as `rollout_failed`.
@@ -72,15 +73,7 @@ class Rollouts:
 
     def stored(self, pool: PoolSpec) -> RolloutPlan:
         """The plan of the stored rollout, deciding nothing: how new claims route now."""
-        return self._plan(
-            stable=pool.revision,
-            ramp=self._catalog.rollout(pool.name),
-            counts={},
-            failures=RevisionFailures(),
-            pool=PoolDemand(),
-            now=0.0,
-            decide=False,
-        )
+        return routing_plan(pool.revision, self._catalog.rollout(pool.name))
 
     def route(self, pool: PoolSpec, org: str) -> PoolSpec:
         """The spec of the revision a new (non-reuse) claim of `org` goes to."""
@@ -104,6 +97,12 @@ class Rollouts:
         if pool is None:
             return ()
         return _Reusable(self.stored(pool))
+
+    def warm_order(self, name: str, revision: str) -> tuple[str, ...]:
+        """Where a new claim routed to `revision` looks for a warm worker: its revision,
+        then the other serving ones."""
+        others = [r for r in self.serving_revisions(name) if r != revision]
+        return (revision, *others)
 
     def serving_revisions(self, name: str) -> tuple[str, ...]:
         """The revisions whose parked workers an org may reuse, the stable one first."""

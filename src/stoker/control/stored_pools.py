@@ -34,6 +34,7 @@ from stoker.domain.pools import (
 )
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
 from stoker.domain.specs import PoolSpec, RuntimeTemplate, revision_of
+from stoker.policy.rollout import routing_plan
 from stoker.ports.clock import Clock
 from stoker.ports.store import ReplicaStore
 
@@ -60,12 +61,12 @@ def new_rollout(
 
 def revision_shares(stable: str, rollout: Rollout | None) -> dict[str, tuple[str, int]]:
     """Each serving revision's state and percent of new claims: the stable one's and the
-    active rollout's. (Until the ramp's plan decides them, this is the one derivation.)"""
-    if rollout is None or not rollout.active:
-        return {stable: ("stable", 100)}
+    active rollout's, as the rollout plan (`stoker.policy.rollout`) routes them."""
+    plan = routing_plan(stable, rollout)
     return {
-        stable: ("stable", 100 - rollout.share),
-        rollout.revision: (rollout.state.value, rollout.share),
+        part.revision: (part.role.value, round(part.share * 100))
+        for part in plan.revisions.values()
+        if plan.serving(part.revision)
     }
 
 

@@ -217,6 +217,20 @@ def rollout_plan(
     return _canary(stable, ramp, ramp.strategy, counts, failures if decide else None, pool, now)
 
 
+def routing_plan(stable: str, ramp: Rollout | None) -> RolloutPlan:
+    """The plan of the stored rollout alone, deciding nothing: each revision's role and
+    share of new claims (what a replica routes by, and what the API shows)."""
+    return rollout_plan(
+        stable=stable,
+        ramp=ramp,
+        counts={},
+        failures=RevisionFailures(),
+        pool=PoolDemand(),
+        now=0.0,
+        decide=False,
+    )
+
+
 def _ended(
     plan: RolloutPlan, ramp: Rollout, decision: Decision, why: str, now: float
 ) -> RolloutPlan:

@@ -24,9 +24,9 @@ import dataclasses
 import math
 from typing import Any
 
-from stoker.domain.pools import Rollout, StoredPool, StoredRevision
-from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
-from stoker.domain.specs import PodTemplate, revision_of
+from stoker.domain.pools import Rollout
+from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, Strategy
+from stoker.domain.specs import PodTemplate
 from stoker.domain.states import WorkerState
 from stoker.ports.store import Store
 from stoker.sim.invariants import InvariantChecker
@@ -93,35 +93,11 @@ class RolloutRun:
         template = self._pool.template
         assert isinstance(template, PodTemplate), "the simulator's pools run pods"
         new = dataclasses.replace(template, image=self._config.image)
-        planes = self._replicas.planes
-        now = planes[0].clock.now()
-        spec = planes[0].catalog.pool(self._pool.name)
-        stored = await self._store.get_pool(spec.name)
-        if stored is None:
-            stored = await self._store.create_pool(StoredPool(spec=spec, generation=0), now=now)
-        assert stored is not None
+        index = self._replicas.leader()
+        plane = self._replicas.planes[index if index is not None else 0]
+        stored = await plane.pools.get(self._pool.name)
         strategy = strategy_for(self._entry, self._config)
-        rollout = Rollout(
-            id=f"ro-{self._entry.name}",
-            pool=spec.name,
-            revision=revision_of(new),
-            base_revision=spec.revision,
-            strategy=strategy,
-            state=RolloutState.RAMPING,
-            started_at=now,
-            step_started_at=now,
-        )
-        if isinstance(strategy, ReplaceStrategy):
-            rollout = rollout.evolve(state=RolloutState.PROMOTED, share=100, ended_at=now)
-        elif self._entry.policy == "canary-pool-default":
-            # picchu's ramps took their first step at once; stoker's canary starts
-            # preparing (share 0) until the first step's workers are there.
-            rollout = rollout.evolve(share=strategy.steps[0])
-        await self._store.start_rollout(rollout, new, generation=stored.generation, now=now)
-        for plane in planes:
-            plane.rollouts.adopt(
-                spec, rollout, StoredRevision(spec.name, rollout.revision, new, now)
-            )
+        rollout = await plane.pools.propose(stored, new, now=plane.clock.now(), strategy=strategy)
         if self._config.activation_failure_rate:
             rates = self._replicas.activator.revision_failure_rate
             rates[rollout.revision] = self._config.activation_failure_rate
