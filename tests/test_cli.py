@@ -140,16 +140,27 @@ def test_status_shows_pools_by_state(server: Server) -> None:
 
 
 def test_status_watch_refreshes_until_interrupted(server: Server) -> None:
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [STOKER, "status", "--watch", "--interval", "0.2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=environment(STOKER_URL=server.url),
-    )
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
+    ) as proc:
+        # Interrupt only once two refreshes are out: a Ctrl-C while Python still starts
+        # up (slow on a loaded machine) is an interrupted start, not an interrupted watch.
+        seen: list[str] = []
+        reader = threading.Thread(target=lambda: seen.extend(proc.stdout or ()), daemon=True)
+        reader.start()
+        for _ in range(1200):  # at most a minute
+            if "".join(seen).count("demo") >= 2:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        reader.join(timeout=10)
+        err = proc.stderr.read() if proc.stderr else ""
+    out = "".join(seen)
     assert proc.returncode == 0, err
     assert out.count("demo") >= 2, out
     assert "Traceback" not in err
