@@ -112,6 +112,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
         except (CapacityError, OrgCapError):
             return None
+        except StoreError:
+            # Its writes failed while it waited (injected store faults): 503 store_unavailable.
+            return None
 
     def _record(self, claims: list[Claim | None]) -> None:
         for claim in claims:
@@ -227,7 +230,15 @@ class LifecycleMachine(RuleBasedStateMachine):
                 and (w.state is S.WARM or (w.state is S.SPAWNING and w.org is None))
             )
             capped = spec.name in reports[-1].capped
-            assert capped or ready >= spec.warm_target, (spec.name, ready, reports, workers)
+            # A pool whose spawns failed backs off, then probes one spawn at a time until
+            # a worker gets ready (crash-loop back-off): it refills after that.
+            failing = self.plane.spawner.trouble(spec) is not None
+            assert capped or failing or ready >= spec.warm_target, (
+                spec.name,
+                ready,
+                reports,
+                workers,
+            )
         # Lost hot workers failed their claims instead of being silently swapped (I6).
         for claim in self.run(self.store.list_claims(states=[ClaimState.FAILED])):
             assert claim.reason and claim.reason.startswith("worker_"), claim
