@@ -1,13 +1,19 @@
 """The stored pool's routes: detail with revisions, PATCH, drain and undrain, over HTTP
-(the app in process, a real SQLite store; workers are `MemoryRuntime`'s, no processes)."""
+(the app in process, a real SQLite store; workers are `MemoryRuntime`'s, no processes;
+virtual time)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import pytest
 from test_api import ACME, ADMIN, TOKENS, assert_problem, pool, running
 
 from stoker.domain.specs import ProcessTemplate, revision_of
+from stoker.domain.states import WorkerState
+
+pytestmark = pytest.mark.looptime
 
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 AS_ACME = {"Authorization": f"Bearer {ACME}"}
@@ -88,6 +94,11 @@ async def test_a_drained_pool_refuses_new_claims_until_undrained(tmp_path: Path)
         assert "draining" in refused["detail"]
         # Its warm workers retire: the pool keeps no warm target while it drains.
         assert api.plane.catalog.pool("demo").warm_target == 0
+        for _ in range(3):
+            await api.plane.run_janitor_pass()
+            await asyncio.sleep(61)  # past scale_down_delay (virtual time)
+        warm = await api.plane.store.list_workers(states=[WorkerState.WARM])
+        assert warm == []
         response = await api.http.post("/v1/pools/demo/undrain", headers=AS_ADMIN)
         assert response.status_code == 200 and response.json()["draining"] is False
         assert api.plane.catalog.pool("demo").warm_target == 2
