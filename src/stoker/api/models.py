@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from stoker.control.history import PoolSample
 from stoker.control.journal import Event, EventKind
-from stoker.control.plane import PoolStatus
+from stoker.control.status import PoolStatus
 from stoker.domain.records import Claim, Worker, is_minted
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
 

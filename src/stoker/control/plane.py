@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
-from stoker.control.history import History, PoolSample
+from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
 from stoker.control.ids import Ids
 from stoker.control.journal import EventKind, Journal
@@ -38,7 +36,7 @@ from stoker.control.parts import assemble
 from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
-from stoker.control.sizing import SizingStatus
+from stoker.control.status import PoolStatus, add_samples, pool_statuses
 from stoker.control.stored_pools import StoredPools
 from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
@@ -52,29 +50,6 @@ from stoker.ports.elector import Elector, SoleLeader
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import Store
 from stoker.ports.tracer import NO_TRACER, Tracer
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStatus:
-    """What `GET /v1/pools/{name}` and `stoker status` show of one pool."""
-
-    name: str
-    revision: str
-    warm_target: int
-    desired_warm: int
-    demand: int
-    cap: int
-    max_workers_per_org: int
-    reuse: str
-    counts: Mapping[str, int]
-    #: True while spawns of the current revision fail in a row and the pool backs off.
-    spawn_failing: bool = False
-    #: Spawns of the current revision that failed in a row.
-    spawn_failures: int = 0
-    #: The last of those failures, as the runtime reported it.
-    last_spawn_error: str | None = None
-    #: How the last janitor pass sized the pool; null on a replica that does not lead.
-    sizing: SizingStatus | None = None
 
 
 class ControlPlane:
@@ -338,22 +313,7 @@ class ControlPlane:
 
     async def sample_pools(self) -> None:
         """Add one sample of every pool to `history` (the dashboard's chart)."""
-        now = self.clock.now()
-        for status in await self.pool_status():
-            counts = status.counts
-            self.history.add(
-                status.name,
-                PoolSample(
-                    at=now,
-                    warm_target=status.warm_target,
-                    desired_warm=status.desired_warm,
-                    demand=status.demand,
-                    warm=counts.get("warm", 0),
-                    hot=counts.get("hot", 0),
-                    hot_idle=counts.get("hot_idle", 0),
-                    spawning=counts.get("spawning", 0),
-                ),
-            )
+        add_samples(self.history, await self.pool_status(), self.clock.now())
 
     async def run_reaper_pass(self) -> PassReport:
         """One fallback-reaper pass now (tests and tools)."""
@@ -417,27 +377,4 @@ class ControlPlane:
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""
         self._check_running()
-        counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for c in await self.store.count_workers():
-            counts[c.pool][c.state.value] += c.count
-        out = []
-        for name, pool in self.catalog.pools.items():
-            trouble = self.spawner.trouble(pool)
-            out.append(
-                PoolStatus(
-                    name=name,
-                    revision=pool.revision,
-                    warm_target=pool.warm_target,
-                    desired_warm=self.janitor.desired.get(name, pool.warm_target),
-                    demand=self.janitor.demand.get(name, 0),
-                    cap=self.catalog.pool_cap(pool),
-                    max_workers_per_org=pool.max_workers_per_org,
-                    reuse=pool.reuse.value,
-                    counts={s.value: counts[name].get(s.value, 0) for s in LIVE},
-                    spawn_failing=trouble is not None,
-                    spawn_failures=trouble.failures if trouble else 0,
-                    last_spawn_error=trouble.last_error if trouble else None,
-                    sizing=SizingStatus.of(sized) if (sized := self.janitor.sizing(name)) else None,
-                )
-            )
-        return out
+        return await pool_statuses(self.store, self.catalog, self.spawner, self.janitor)
