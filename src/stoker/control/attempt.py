@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.specs import PoolSpec
-from stoker.domain.states import MissReason
+from stoker.domain.states import ClaimMode, MissReason
 
 #: Deadlines count as reached this close to them: on a virtual clock a float-rounding
 #: residue of 1e-12 s would otherwise be a timer that never advances time.
@@ -33,6 +33,19 @@ class Attempt:
     #: The last spawn error of the pool, when its failing spawns held this claim back.
     spawn_error: str | None = None
     wakeup: asyncio.Future[None] | None = field(default=None, repr=False)
+    #: A cold spawn handed to this claim, ready (or lost): its id and endpoint future.
+    spawn_ready: tuple[str, asyncio.Future[str]] | None = field(default=None, repr=False)
+
+    @property
+    def org(self) -> str:
+        """The org the claim is for."""
+        return self.req.org
+
+    @property
+    def in_order(self) -> bool:
+        """Whether it takes any ready worker in arrival order (a `cold` claim waits for
+        its own spawn)."""
+        return self.req.mode is not ClaimMode.COLD
 
     def gone(self) -> bool:
         """True once the requester gave up (a method, so checks are never narrowed away)."""
@@ -47,6 +60,11 @@ class Attempt:
         """End the current wait, if any: a worker or a slot may be free."""
         if self.wakeup is not None and not self.wakeup.done():
             self.wakeup.set_result(None)
+
+    def spawn_done(self, worker_id: str, ready: asyncio.Future[str]) -> None:
+        """The cold spawn handed to this claim got ready or was lost: take it next."""
+        self.spawn_ready = (worker_id, ready)
+        self.wake()
 
     def abandon(self) -> None:
         """The requester gave up: whatever the attempt holds goes back."""

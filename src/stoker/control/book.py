@@ -3,8 +3,9 @@
 It holds the last persisted record of every worker this replica owns, the ready queue of
 each pool revision and the hot_idle queue of each pool and org (fed by runtime events and
 releases, so a claim picks in O(1)), the in-flight set (workers being handed out right
-now, which the sweeps leave alone), the cold spawns a claim waits on, the runtime facts
-not persisted yet, the claims waiting for a worker or a slot, and the background tasks.
+now, which the sweeps leave alone), the runtime facts not persisted yet and the
+background tasks; the claims waiting for a worker or a slot, and the cold spawns they
+wait on, are its part `waiting`.
 
 The store is the authority and the book only a hint: a stale queue entry costs one missed
 CAS, never a double assignment. Nothing here writes the store; the parts that do (through
@@ -22,25 +23,16 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Container, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from stoker.control import logs
+from stoker.control.waiting import WaitingClaims
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Worker
 from stoker.domain.states import WorkerState
 from stoker.ports.store import StoreReader
 
 _Fact = TypeVar("_Fact")
-
-
-class Waiter(Protocol):
-    """A claim waiting for a warm worker or a free slot (`claims.Attempt`)."""
-
-    abandoned: bool
-
-    def wake(self) -> None:
-        """Let the waiting claim try again."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +81,11 @@ class Pending(Generic[_Fact]):
         return dict(self._facts)
 
 
-class Book:
+class Book(WaitingClaims):
     """This replica's memory of its workers, queues, waiters and background tasks."""
 
     def __init__(self, *, reader: StoreReader, instance_id: str) -> None:
+        super().__init__()
         self._reader = reader
         self.instance_id = instance_id
         self._known: dict[str, Worker] = {}
@@ -101,8 +94,6 @@ class Book:
         self._ready: dict[tuple[str, str], OrderedDict[str, None]] = {}
         self._hot_idle: dict[tuple[str, str], OrderedDict[str, None]] = {}
         self._in_flight: set[str] = set()
-        #: Cold spawns whose claim waits for readiness: worker id -> endpoint future.
-        self._spawn_waits: dict[str, asyncio.Future[str]] = {}
         #: Facts not persisted yet (a failed write is retried by the next pass): readiness
         #: (the endpoint), loss (the reason) and retirements whose write failed.
         self.ready: Pending[str] = Pending()
@@ -112,10 +103,6 @@ class Book:
         #: `spawning` carries its ref, so that no worker becomes claimable without the ref
         #: another replica needs to adopt and to stop its process.
         self._unsaved_refs: dict[str, dict[str, Any]] = {}
-        #: Claims waiting for a warm worker, by pool, in arrival order.
-        self._warm_waiters: dict[str, dict[Waiter, None]] = {}
-        #: Claims held by a cap, by pool and org; org "" for the pool cap.
-        self._cap_waiters: dict[str, dict[str, dict[Waiter, None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: True once the replica stopped taking claims (`start_closing`); read on every
         #: claim and release, so a plain attribute rather than a property.
@@ -241,94 +228,6 @@ class Book:
     def in_flight(self) -> frozenset[str]:
         """Workers this replica is handing out right now (the sweeps leave them alone)."""
         return frozenset(self._in_flight)
-
-    # -- waiting claims ---------------------------------------------------------------------
-
-    def wait_for_warm(self, pool: str, waiter: Waiter) -> None:
-        """Wake `waiter` when a warm worker of `pool` is offered or a slot frees (until
-        `stop_waiting`)."""
-        self._warm_waiters.setdefault(pool, {})[waiter] = None
-
-    def wait_for_slot(self, pool: str, org: str, waiter: Waiter) -> None:
-        """Wake `waiter` when `org` (or, with org "", anyone) frees a slot of `pool`, or
-        parks a worker `org` may reuse (until `stop_waiting`)."""
-        self._cap_waiters.setdefault(pool, {}).setdefault(org, {})[waiter] = None
-
-    def stop_waiting(self, pool: str, org: str, waiter: Waiter) -> None:
-        """The wait of `waiter` ended (woken, timed out or abandoned): forget it."""
-        warm = self._warm_waiters.get(pool)
-        if warm is not None and warm.pop(waiter, 0) is None and not warm:
-            del self._warm_waiters[pool]
-        by_org = self._cap_waiters.get(pool)
-        if by_org is None:
-            return
-        for key in (org, ""):
-            held = by_org.get(key)
-            if held is not None and held.pop(waiter, 0) is None and not held:
-                del by_org[key]
-        if not by_org:
-            del self._cap_waiters[pool]
-
-    def waiting_for_warm(self, pool: str) -> int:
-        """Claims of `pool` queued for a warm worker (part of demand)."""
-        return sum(1 for w in self._warm_waiters.get(pool, ()) if not w.abandoned)
-
-    def hot_idle_parked(self, pool: str, org: str | None) -> None:
-        """A worker of `org` was parked (here or on another replica): its claims held by
-        the org cap may reuse it."""
-        if org is None:
-            return
-        by_org = self._cap_waiters.get(pool)
-        held = by_org.pop(org, None) if by_org is not None else None
-        if by_org is not None and not by_org:
-            del self._cap_waiters[pool]
-        for waiter in held or ():
-            waiter.wake()
-
-    def slot_freed(self, pool: str, org: str | None) -> None:
-        """A live worker of `pool` (bound to `org`, if any) retired: wake the claims held by
-        the pool cap or by an org cap of the pool, and one claim waiting for a warm worker."""
-        for held in self._cap_waiters.pop(pool, {}).values():
-            for waiter in held:
-                waiter.wake()
-        self._wake_warm_waiter(pool)
-
-    def _wake_warm_waiter(self, pool: str) -> None:
-        waiters = self._warm_waiters.get(pool)
-        while waiters:
-            waiter = next(iter(waiters))
-            del waiters[waiter]
-            if not waiter.abandoned:
-                waiter.wake()
-                break
-        if waiters is not None and not waiters:
-            del self._warm_waiters[pool]
-
-    # -- cold spawns ------------------------------------------------------------------------
-
-    def expect_ready(self, worker_id: str) -> asyncio.Future[str]:
-        """A future for the endpoint of a cold spawn, set by its readiness event."""
-        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._spawn_waits[worker_id] = ready
-        return ready
-
-    def resolve_ready(self, worker_id: str, endpoint: str) -> bool:
-        """Hand a readiness event to the claim waiting on this spawn; False if none waits."""
-        waiter = self._spawn_waits.pop(worker_id, None)
-        if waiter is None or waiter.done():
-            return False
-        waiter.set_result(endpoint)
-        return True
-
-    def resolve_lost(self, worker_id: str, error: BaseException) -> None:
-        """Fail the claim waiting on this spawn, if any."""
-        waiter = self._spawn_waits.pop(worker_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
-
-    def drop_spawn_wait(self, worker_id: str) -> None:
-        """Nobody waits on this spawn any more."""
-        self._spawn_waits.pop(worker_id, None)
 
     # -- facts not persisted yet, and unsaved runtime refs ----------------------------------
 

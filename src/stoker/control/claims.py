@@ -197,10 +197,19 @@ class Claims:
                 if a.blocked_by is not MissReason.ORG_CAP:
                     self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM)
                     self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM_ERROR)
+            # A spawn the claim waited for goes on to the next claim (or warm).
+            await self._reservations.let_go(a)
 
     async def _acquire(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
-        """Reserve a worker for the claim, or wait and return None (the caller loops)."""
+        """Reserve a worker for the claim, or wait and return None (the caller loops).
+
+        A claim waiting for its cold spawn takes whatever gets ready for it first: that
+        spawn, or a warm or parked worker offered meanwhile.
+        """
         pool, org, book = a.pool, a.req.org, self._book
+        if a.spawn_ready is not None:
+            return await self._reservations.take_spawn(a)
+        spawning = book.spawn_of(a) is not None
         if a.req.mode is not ClaimMode.COLD:
             if pool.reuse is Reuse.SAME_ORG:
                 parked = await self._reservations.take(pool, org, WorkerState.HOT_IDLE)
@@ -210,10 +219,12 @@ class Claims:
                 # Not served by reuse: this claim wants a neutral worker (demand rate).
                 a.counted = True
                 self._demand.record_claim(pool.name)
+            if spawning:
+                await self._reservations.free_own_spawn(a)
             warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
             if warm.worker is not None:
                 return warm.worker, ClaimSource.WARM
-            if warm.at_org_cap:
+            if warm.at_org_cap and not spawning:
                 self._miss(a, MissReason.ORG_CAP)
                 await self._wait(a, lambda: book.wait_for_slot(pool.name, org, a))
                 return None
@@ -221,7 +232,17 @@ class Claims:
             if a.req.mode is ClaimMode.REQUIRE_WARM:
                 await self._wait(a, lambda: book.wait_for_warm(pool.name, a))
                 return None
+        if spawning:
+            await self._wait_for_spawn(a)
+            return None
         return await self._spawn_for(a)
+
+    async def _wait_for_spawn(self, a: Attempt) -> None:
+        """Wait for the claim's spawn or, in arrival order, for any worker offered first."""
+        if a.in_order:
+            await self._wait(a, lambda: self._book.wait_for_warm(a.pool.name, a))
+        else:
+            await self._wait(a, lambda: None)
 
     async def _spawn_for(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
         """Cold path: a spawn slot bound to the claim's org, then wait for readiness."""
@@ -241,9 +262,17 @@ class Claims:
             else:
                 if result.limited_by == "pool_cap":
                     self._miss(a, MissReason.POOL_CAP)
-                await self._wait(a, lambda: book.wait_for_slot(pool.name, "", a))
+                await self._wait(a, lambda: self._wait_for_slot_or_worker(a))
             return None
-        return await self._reservations.take_cold(a, result.workers[0])
+        if await self._reservations.start_cold(a, result.workers[0]):
+            await self._wait_for_spawn(a)
+        return None
+
+    def _wait_for_slot_or_worker(self, a: Attempt) -> None:
+        """A claim held by the pool cap takes a freed slot or a worker offered first."""
+        self._book.wait_for_slot(a.pool.name, "", a)
+        if a.in_order:
+            self._book.wait_for_warm(a.pool.name, a)
 
     def _miss(self, a: Attempt, reason: MissReason) -> None:
         """Record one miss per claim; a miss caused by the org's own cap is not demand."""

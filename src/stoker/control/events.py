@@ -29,12 +29,14 @@ class RuntimeEvents:
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         """Runtime event: the worker answers its readiness probe."""
         known = self._book.known(worker_id)
+        pool, org = "", None
         if known is not None:
             self._spawner.spawn_ready(known.pool, known.revision)
+            pool, org = known.pool, known.org
             if known.state is WorkerState.SPAWNING:
                 self._spawner.observe_ready(known.pool, self._clock.now() - known.created_at)
-        if self._book.resolve_ready(worker_id, endpoint):
-            return  # a cold claim waits for it and takes it from here
+        if self._book.resolve_ready(worker_id, endpoint, pool=pool, org=org):
+            return  # the cold claim waiting for it first takes it from here
         self._book.ready.note(worker_id, endpoint)
         self._book.spawn_task(self.settle_ready(worker_id), f"ready:{worker_id}")
 

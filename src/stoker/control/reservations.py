@@ -14,7 +14,6 @@ from stoker.control.attempt import Attempt
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
-from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import ClaimSource, RetireReason, WorkerState
@@ -110,34 +109,28 @@ class Reservations:
         book.remember(worker)
         return result
 
-    async def take_cold(self, a: Attempt, slot: Worker) -> tuple[Worker, ClaimSource] | None:
-        """Create a cold spawn slot reserved for the claim's org, wait for its readiness
-        and reserve it; a slot whose requester left meanwhile goes to `warm`."""
+    async def start_cold(self, a: Attempt, slot: Worker) -> bool:
+        """Create a cold spawn slot reserved for the claim's org, linked to the claim (which
+        then waits for it, or for any worker that gets ready first); False if not created."""
+        self._book.expect_ready(slot.id, a)
+        return await self._spawner.create(slot, a.pool)
+
+    async def take_spawn(self, a: Attempt) -> tuple[Worker, ClaimSource] | None:
+        """Reserve the cold spawn handed to the claim once it got ready (one write)."""
+        if a.spawn_ready is None:
+            return None
+        worker_id, ready = a.spawn_ready
+        a.spawn_ready = None
+        if ready.exception() is not None:
+            return None  # lost before ready: the claim tries again
+        endpoint = ready.result()
         book = self._book
-        ready = book.expect_ready(slot.id)
-        if not await self._spawner.create(slot, a.pool):
+        slot = book.known(worker_id)
+        if slot is None or slot.state is not WorkerState.SPAWNING:
             return None
-        try:
-            # Readiness is bounded by the runtime's spawn timeout, not by the requester.
-            endpoint = await ready
-        except RuntimeFailure:
-            return None
-        finally:
-            book.drop_spawn_wait(slot.id)
-        slot = book.known(slot.id) or slot
-        if slot.state is not WorkerState.SPAWNING:
-            return None
-        if a.abandoned:
-            warm = await self._lifecycle.move(
-                slot,
-                WorkerState.WARM,
-                **book.with_unsaved_ref(slot.id, endpoint=endpoint, org=None),
-            )
-            if warm is None:
-                book.ready.note(slot.id, endpoint)
-            else:
-                book.ref_saved(slot.id)
-                book.offer_warm(book.remember(warm))
+        if a.gone() or slot.org != a.org:
+            # Its org's cap no longer holds this slot (see `free_own_spawn`): it goes warm.
+            await self._to_warm(slot, endpoint)
             return None
         reserved = await self._lifecycle.move(
             slot,
@@ -150,3 +143,41 @@ class Reservations:
             return None
         book.ref_saved(slot.id)
         return book.remember(reserved), ClaimSource.COLD
+
+    async def _to_warm(self, slot: Worker, endpoint: str) -> None:
+        """A ready spawn nobody takes joins the warm pool (the next pass retries a miss)."""
+        book = self._book
+        warm = await self._lifecycle.move(
+            slot, WorkerState.WARM, **book.with_unsaved_ref(slot.id, endpoint=endpoint, org=None)
+        )
+        if warm is None:
+            book.ready.note(slot.id, endpoint)
+        else:
+            book.ref_saved(slot.id)
+            book.offer_warm(book.remember(warm))
+
+    async def free_own_spawn(self, a: Attempt) -> None:
+        """Before the claim takes another worker, its spawn stops counting against its org's
+        cap: the slot becomes neutral (it still comes to the claim if it gets ready first)."""
+        book = self._book
+        worker_id = book.spawn_of(a)
+        slot = book.known(worker_id) if worker_id is not None else None
+        if a.org_cap <= 0 or slot is None or slot.org is None:
+            return
+        if slot.state is WorkerState.SPAWNING:
+            neutral = await self._lifecycle.move(slot, WorkerState.SPAWNING, org=None)
+            if neutral is not None:
+                book.remember(neutral)
+
+    async def let_go(self, a: Attempt) -> None:
+        """The claim is served or gone: a spawn it waits for goes on to the next claim
+        without one (or to the warm pool), one handed to it and not taken goes warm."""
+        book = self._book
+        book.hand_on_spawn(a, a.pool.name)
+        if a.spawn_ready is None:
+            return
+        worker_id, ready = a.spawn_ready
+        a.spawn_ready = None
+        slot = book.known(worker_id)
+        if ready.exception() is None and slot is not None and slot.state is WorkerState.SPAWNING:
+            await self._to_warm(slot, ready.result())

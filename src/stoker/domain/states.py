@@ -70,13 +70,14 @@ def check_org_change(
 ) -> None:
     """Org is written once: empty -> X at reservation, never X -> Y (rule 4).
 
-    The one way back to empty is a never-activated worker returning to `warm`.
+    The ways back to empty are a never-activated worker returning to `warm`, and a spawn
+    slot whose claim took another worker (its org only held a place in the org's cap).
     """
     if new == current:
         return
     if current is None:
         return
-    if new is None and to is S.WARM and not activated:
+    if new is None and to in (S.WARM, S.SPAWNING) and not activated:
         return
     raise IllegalTransition(f"org of a worker cannot change from {current!r} to {new!r}")
 

@@ -1,0 +1,101 @@
+"""Waiting claims take the first worker that gets ready, in order (#17), on virtual time
+(looptime).
+
+Workers are `MemoryRuntime` entries (see tests/fakes.py for why); the store is the real
+SQLite adapter, as in tests/control/test_plane_claims.py whose harness this file uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from test_plane_claims import Harness, pool, running
+
+from fakes import MemoryRuntime
+from stoker.domain.specs import OrgSpec
+from stoker.domain.states import ClaimMode, ClaimSource, WorkerState
+
+pytestmark = pytest.mark.looptime
+
+S = WorkerState
+
+
+def slow_first_spawn(delays: list[float]) -> MemoryRuntime:
+    """A runtime whose n-th spawn gets ready after `delays[n]` seconds (then 0.2 s)."""
+    runtime = MemoryRuntime(auto_ready=False)
+    plain_spawn = runtime.spawn
+
+    async def spawn(worker, spec):  # type: ignore[no-untyped-def]
+        ref = await plain_spawn(worker, spec)
+        delay = delays.pop(0) if delays else 0.2
+        asyncio.get_running_loop().call_later(delay, runtime.make_ready, worker.id)
+        return ref
+
+    runtime.spawn = spawn  # type: ignore[method-assign]
+    return runtime
+
+
+async def _waiting(h: Harness, org: str, **kw: float) -> asyncio.Task:  # type: ignore[type-arg]
+    task = asyncio.create_task(h.claim(org, **kw))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    return task
+
+
+# -- the first worker that gets ready goes to the claim that waits longest -------------
+
+
+async def test_the_first_waiter_gets_the_spawn_that_gets_ready_first(tmp_path: Path) -> None:
+    runtime = slow_first_spawn([20.0, 2.0])
+    async with running(tmp_path, [pool(warm_target=0)], runtime=runtime) as h:
+        first = await _waiting(h, "a", timeout_s=60)
+        second = await _waiting(h, "b", timeout_s=60)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # b's spawn is ready after 2 s: a waited longer, so a gets it.
+        claim_a = await first
+        assert loop.time() - started < 5
+        assert claim_a.org == "a"
+        assert not second.done()
+        # a's own (slow) spawn is ready at 20 s and serves b, the next in line.
+        claim_b = await second
+        assert claim_b.org == "b" and claim_b.worker_id != claim_a.worker_id
+        assert loop.time() - started >= 15
+        assert runtime.spawn_calls == 2
+        assert not runtime.fencing_violations
+
+
+async def test_a_warm_worker_serves_a_claim_waiting_for_a_slow_spawn(tmp_path: Path) -> None:
+    runtime = slow_first_spawn([30.0])
+    async with running(tmp_path, [pool(warm_target=0)], runtime=runtime) as h:
+        loop = asyncio.get_running_loop()
+        waiting = await _waiting(h, "a", timeout_s=60)
+        started = loop.time()
+        # The janitor spawns a warm worker (ready in 0.2 s) while a's spawn takes 30 s.
+        h.plane.catalog.update_pool(pool(warm_target=1))
+        await h.plane.run_janitor_pass()
+        claim = await waiting
+        assert loop.time() - started < 5
+        assert claim.source is ClaimSource.WARM
+        # The slow spawn, its claim served, joins the pool as a normal warm worker.
+        await asyncio.sleep(35)
+        spare = [w for w in await h.workers(S.WARM) if w.id != claim.worker_id]
+        assert len(spare) >= 1 and all(w.org is None for w in spare)
+        again = await h.claim("b", mode=ClaimMode.REQUIRE_WARM, timeout_s=1)
+        assert again.source is ClaimSource.WARM
+
+
+async def test_an_org_capped_waiter_takes_a_warm_worker_its_spawn_held(tmp_path: Path) -> None:
+    """With an org cap of 1, the claim's own spawn must not keep it from the warm one."""
+    runtime = slow_first_spawn([30.0])
+    orgs = [OrgSpec(name="a", max_workers=1)]
+    async with running(tmp_path, [pool(warm_target=0)], runtime=runtime, orgs=orgs) as h:
+        waiting = await _waiting(h, "a", timeout_s=60)
+        h.plane.catalog.update_pool(pool(warm_target=1))
+        await h.plane.run_janitor_pass()
+        claim = await asyncio.wait_for(waiting, 5)
+        assert claim.org == "a"
+        live = [w for w in await h.workers() if w.org == "a" and w.state is not S.RETIRED]
+        assert len(live) == 1
