@@ -1,5 +1,5 @@
-"""Waiting claims take the first worker that gets ready, in order (#17), on virtual time
-(looptime).
+"""Waiting claims take the first worker that gets ready, in order; a pool at its cap gives
+another org's idle capacity to the claim that waits (#17), on virtual time (looptime).
 
 Workers are `MemoryRuntime` entries (see tests/fakes.py for why); the store is the real
 SQLite adapter, as in tests/control/test_plane_claims.py whose harness this file uses.
@@ -14,6 +14,7 @@ import pytest
 from test_plane_claims import Harness, pool, running
 
 from fakes import MemoryRuntime
+from stoker.domain.errors import CapacityError
 from stoker.domain.specs import OrgSpec
 from stoker.domain.states import ClaimMode, ClaimSource, WorkerState
 
@@ -99,3 +100,96 @@ async def test_an_org_capped_waiter_takes_a_warm_worker_its_spawn_held(tmp_path:
         assert claim.org == "a"
         live = [w for w in await h.workers() if w.org == "a" and w.state is not S.RETIRED]
         assert len(live) == 1
+
+
+# -- capacity goes to demand -------------------------------------------------------------
+
+
+async def _park(h: Harness, orgs: list[str]) -> None:
+    for org in orgs:
+        claim = await h.claim(org)
+        await h.plane.release(claim.id)
+
+
+async def test_a_pool_at_its_cap_reclaims_another_orgs_idle_worker(tmp_path: Path) -> None:
+    spec = pool(warm_target=0, max_workers=4, hot_idle_ttl=300)
+    async with running(tmp_path, [spec]) as h:
+        await _park(h, ["o1", "o2", "o3", "o4"])
+        assert len(await h.workers(S.HOT_IDLE)) == 4
+        claim = await h.claim("o5", timeout_s=10)
+        assert claim.org == "o5"
+        gone = [w for w in await h.workers(S.RETIRED) if w.reason == "reclaimed"]
+        # The least recently used parked worker made room, and only one.
+        assert [w.org for w in gone] == ["o1"]
+        assert len(await h.workers(S.HOT_IDLE)) == 3
+
+
+async def test_a_reclaim_keeps_each_orgs_floor(tmp_path: Path) -> None:
+    spec = pool(warm_target=0, max_workers=2, hot_idle_ttl=300, min_hot_idle=1)
+    async with running(tmp_path, [spec]) as h:
+        await _park(h, ["o1", "o2"])
+        with pytest.raises(CapacityError) as err:
+            await h.claim("o3", timeout_s=5)
+        assert err.value.reason == "pool_cap"
+        assert len(await h.workers(S.HOT_IDLE)) == 2
+
+
+async def test_a_hundred_orgs_share_a_pool_of_four(tmp_path: Path) -> None:
+    spec = pool(warm_target=0, max_workers=4, hot_idle_ttl=300)
+    async with running(tmp_path, [spec]) as h:
+        refused = 0
+        for n in range(100):
+            try:
+                claim = await h.claim(f"org{n}", timeout_s=10)
+            except CapacityError:
+                refused += 1
+                continue
+            await h.plane.release(claim.id)
+        assert refused == 0
+        live = [w for w in await h.workers() if w.state is not S.RETIRED]
+        assert len(live) <= 4
+
+
+async def test_a_reclaim_leaves_a_worker_its_org_reuses(tmp_path: Path) -> None:
+    """The org that parked a worker and the org waiting at the cap both claim at once:
+    the parked worker is reused or reclaimed, never both."""
+    spec = pool(warm_target=0, max_workers=1, hot_idle_ttl=300)
+    async with running(tmp_path, [spec]) as h:
+        await _park(h, ["o1"])
+        outcomes = await asyncio.gather(
+            h.claim("o1", timeout_s=10), h.claim("o2", timeout_s=10), return_exceptions=True
+        )
+        served = [c for c in outcomes if not isinstance(c, BaseException)]
+        assert served
+        assert not h.runtime.fencing_violations
+        live = [w for w in await h.workers() if w.state is not S.RETIRED]
+        assert len(live) <= 1
+
+
+async def test_a_reclaim_misses_a_worker_reserved_since_it_was_read(tmp_path: Path) -> None:
+    """Another replica reserves the parked worker between the reclaim's read and its write:
+    the write is a CAS on the row as read, so the worker keeps its new claim."""
+    spec = pool(warm_target=0, max_workers=1, hot_idle_ttl=300)
+    async with running(tmp_path, [spec]) as h:
+        await _park(h, ["o1"])
+        (parked,) = await h.workers(S.HOT_IDLE)
+        read = h.store.inner.list_workers
+
+        async def read_then_reserved_elsewhere(**kw):  # type: ignore[no-untyped-def]
+            rows = await read(**kw)
+            await h.store.inner.reserve(
+                parked.id,
+                expect=S.HOT_IDLE,
+                epoch=parked.epoch,
+                version=parked.version,
+                org="o1",
+                org_cap=0,
+                owner="cp-other",
+                now=h.clock.now(),
+            )
+            return rows
+
+        h.store.list_workers = read_then_reserved_elsewhere  # type: ignore[method-assign]
+        assert await h.plane.retirer.reclaim(spec, "o2") is None
+        again = await h.store.get_worker(parked.id)
+        assert again is not None and again.state is S.RESERVED and again.org == "o1"

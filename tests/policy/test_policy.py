@@ -9,6 +9,7 @@ from stoker.policy.demand import DemandLedger
 from stoker.policy.reaping import (
     expired_claims,
     hot_idle_to_reap,
+    hot_idle_to_reclaim,
     resolve_ttl,
     stuck_workers,
 )
@@ -187,6 +188,21 @@ def test_floor_counts_unexpired_workers_too() -> None:
     ]
     victims = hot_idle_to_reap(ws, now=100, floor=lambda pool, org: 1)
     assert [w.id for w in victims] == ["old"]
+
+
+def test_reclaim_takes_other_orgs_least_recently_used_above_their_floor() -> None:
+    ws = [
+        worker("mine", S.HOT_IDLE, org="me", idle_since=0),
+        worker("o-old", S.HOT_IDLE, org="o", idle_since=1),
+        worker("o-new", S.HOT_IDLE, org="o", idle_since=9),
+        worker("x-only", S.HOT_IDLE, org="x", idle_since=2),
+        worker("y", S.HOT_IDLE, org="y", idle_since=5),
+        worker("hot", S.HOT, org="z"),
+    ]
+    floors = {"o": 1, "x": 1, "y": 0, "me": 0}
+    victims = hot_idle_to_reclaim(ws, "me", floor=lambda pool, org: floors[org])
+    # The claimant's own org never loses one; x keeps its only one; o keeps one.
+    assert [w.id for w in victims] == ["o-old", "y"]
 
 
 def test_stuck_rows_by_state_and_timeout() -> None:

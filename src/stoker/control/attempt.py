@@ -35,6 +35,8 @@ class Attempt:
     wakeup: asyncio.Future[None] | None = field(default=None, repr=False)
     #: A cold spawn handed to this claim, ready (or lost): its id and endpoint future.
     spawn_ready: tuple[str, asyncio.Future[str]] | None = field(default=None, repr=False)
+    #: The parked worker of another org this claim retires to make room at the pool cap.
+    reclaiming: str | None = None
 
     @property
     def org(self) -> str:

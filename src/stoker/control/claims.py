@@ -152,14 +152,19 @@ class Claims:
                 f"failing{failures}; last error: {error}",
                 reason="spawn_failing",
             )
-        reason = "pool_cap" if attempt.blocked_by is MissReason.POOL_CAP else "no_capacity"
+        # A claim that had room made for it at the cap (`reclaiming`) was held by the cap.
+        capped = attempt.blocked_by is MissReason.POOL_CAP or attempt.reclaiming is not None
+        reason = "pool_cap" if capped else "no_capacity"
         if counted is not None:
             counted.labels(pool, "none", reason).inc()
-        detail = (
-            f"pool {pool!r} is at its cap of {self._catalog.pool_cap(attempt.pool)} workers"
-            if reason == "pool_cap"
-            else f"no worker of pool {pool!r} became available"
-        )
+        detail = f"no worker of pool {pool!r} became available"
+        if capped:
+            detail = (
+                f"pool {pool!r} is at its cap of {self._catalog.pool_cap(attempt.pool)} workers"
+            )
+            if attempt.reclaiming is not None:
+                detail += " (a parked worker of another org was retiring to make room)"
+
         return CapacityError(f"{detail} {within}", reason=reason)
 
     async def _serve(self, a: Attempt) -> None:
@@ -262,6 +267,7 @@ class Claims:
             else:
                 if result.limited_by == "pool_cap":
                     self._miss(a, MissReason.POOL_CAP)
+                    await self._reservations.make_room(a)
                 await self._wait(a, lambda: self._wait_for_slot_or_worker(a))
             return None
         if await self._reservations.start_cold(a, result.workers[0]):

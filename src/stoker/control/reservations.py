@@ -109,6 +109,14 @@ class Reservations:
         book.remember(worker)
         return result
 
+    async def make_room(self, a: Attempt) -> None:
+        """The pool is at its cap: retire another org's parked worker for the claim, unless
+        the one it retired already is still stopping (its slot is on its way)."""
+        if a.reclaiming is not None and self._retirer.is_stopping(a.reclaiming):
+            return
+        victim = await self._retirer.reclaim(a.pool, a.org)
+        a.reclaiming = victim.id if victim is not None else None
+
     async def start_cold(self, a: Attempt, slot: Worker) -> bool:
         """Create a cold spawn slot reserved for the claim's org, linked to the claim (which
         then waits for it, or for any worker that gets ready first); False if not created."""

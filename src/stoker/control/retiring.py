@@ -15,7 +15,9 @@ from stoker.control.book import PendingRetire
 from stoker.control.shared import Shared
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Claim, Worker
+from stoker.domain.specs import PoolSpec
 from stoker.domain.states import ClaimState, RetireReason, WorkerState
+from stoker.policy.reaping import hot_idle_to_reclaim
 from stoker.ports.runtime import Runtime, RuntimeObject
 from stoker.ports.store import StoreReader
 
@@ -71,6 +73,35 @@ class Retirer:
         self._book.remember(draining)
         self.stop_soon(draining, stop=stop)
         return True
+
+    async def reclaim(self, pool: PoolSpec, org: str) -> Worker | None:
+        """Make room in a pool at its cap for a claim of `org`: drain the least recently
+        used hot_idle worker of another org above its floor (`min_hot_idle`), at once.
+
+        The drain is a CAS on the row as read from the store (every replica's parked
+        workers are there), so a worker another replica reserved for reuse meanwhile is
+        left alone and the next one is tried. None when no worker may go.
+        """
+        try:
+            parked = await self._reader.list_workers(pool=pool.name, states=(WorkerState.HOT_IDLE,))
+        except StoreError:
+            return None
+        busy = self._book.in_flight()
+        for w in hot_idle_to_reclaim(parked, org, self._catalog.min_hot_idle):
+            if w.id in busy or w.id in self._stopping:
+                continue
+            draining = await self._lifecycle.move(
+                w, WorkerState.DRAINING, reason=RetireReason.RECLAIMED.value
+            )
+            if draining is not None:
+                self._book.remember(draining)
+                self.stop_soon(draining, stop=True)
+                return draining
+        return None
+
+    def is_stopping(self, worker_id: str) -> bool:
+        """Whether the worker's stop runs now (its slot frees when it ends)."""
+        return worker_id in self._stopping
 
     async def fail_session(self, worker: Worker, why: RetireReason) -> bool:
         """Fail a hot worker's claim and drain the worker in one write (never one alone).

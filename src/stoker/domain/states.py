@@ -134,6 +134,8 @@ class RetireReason(StrEnum):
     NO_REUSE = "no_reuse"
     ORPHANED = "orphaned"
     POOL_REMOVED = "pool_removed"
+    #: A pool at its cap gave a parked worker's place to a claim of another org.
+    RECLAIMED = "reclaimed"
 
 
 class MissReason(StrEnum):

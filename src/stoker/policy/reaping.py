@@ -1,4 +1,5 @@
-"""What to reap: TTL resolution, expired hot_idle workers under the org floor, stuck rows."""
+"""What to reap: TTL resolution, expired hot_idle workers under the org floor, parked
+workers that make room at a full pool, stuck rows."""
 
 from __future__ import annotations
 
@@ -30,9 +31,8 @@ def resolve_ttl(
 
 def idle_expires_at(worker: Worker) -> float:
     """When a hot_idle worker's TTL runs out."""
-    since = worker.idle_since if worker.idle_since is not None else worker.updated_at
     ttl = worker.ttl_s if worker.ttl_s is not None else DEFAULT_HOT_IDLE_TTL_S
-    return since + ttl
+    return _idle_since(worker) + ttl
 
 
 def hot_idle_to_reap(
@@ -60,6 +60,29 @@ def hot_idle_to_reap(
             room[_group(w)] -= 1
             victims.append(w)
     return victims
+
+
+def hot_idle_to_reclaim(
+    hot_idle: Iterable[Worker], org: str, floor: Callable[[str, str], int]
+) -> list[Worker]:
+    """Parked workers of orgs other than `org` that may make room in a pool at its cap,
+    least recently used first, keeping each org's `min_hot_idle`.
+
+    `hot_idle` must hold every hot_idle worker of the pool (the floor counts them all).
+    """
+    parked = [w for w in hot_idle if w.state is WorkerState.HOT_IDLE and w.org is not None]
+    size = Counter(_group(w) for w in parked)
+    room = {group: max(0, count - floor(*group)) for group, count in size.items()}
+    victims: list[Worker] = []
+    for w in sorted(parked, key=lambda w: (_idle_since(w), w.id)):
+        if w.org != org and room[_group(w)] > 0:
+            room[_group(w)] -= 1
+            victims.append(w)
+    return victims
+
+
+def _idle_since(worker: Worker) -> float:
+    return worker.idle_since if worker.idle_since is not None else worker.updated_at
 
 
 def _group(worker: Worker) -> tuple[str, str]:
