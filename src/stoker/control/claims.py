@@ -219,6 +219,7 @@ class Claims:
             if pool.reuse is Reuse.SAME_ORG:
                 parked = await self._reservations.take(pool, org, WorkerState.HOT_IDLE)
                 if parked.worker is not None:
+                    book.hand_on_spawn(a, pool.name)
                     return parked.worker, ClaimSource.REUSE
             if not a.counted:
                 # Not served by reuse: this claim wants a neutral worker (demand rate).
@@ -228,6 +229,7 @@ class Claims:
                 await self._reservations.free_own_spawn(a)
             warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
             if warm.worker is not None:
+                book.hand_on_spawn(a, pool.name)
                 return warm.worker, ClaimSource.WARM
             if warm.at_org_cap and not spawning:
                 self._miss(a, MissReason.ORG_CAP)

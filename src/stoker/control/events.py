@@ -29,21 +29,24 @@ class RuntimeEvents:
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         """Runtime event: the worker answers its readiness probe."""
         known = self._book.known(worker_id)
-        pool, org = "", None
+        pool = ""
         if known is not None:
             self._spawner.spawn_ready(known.pool, known.revision)
-            pool, org = known.pool, known.org
+            pool = known.pool
             if known.state is WorkerState.SPAWNING:
                 self._spawner.observe_ready(known.pool, self._clock.now() - known.created_at)
-        if self._book.resolve_ready(worker_id, endpoint, pool=pool, org=org):
+        if self._book.resolve_ready(worker_id, endpoint, pool=pool):
             return  # the cold claim waiting for it first takes it from here
         self._book.ready.note(worker_id, endpoint)
         self._book.spawn_task(self.settle_ready(worker_id), f"ready:{worker_id}")
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         """Runtime event: the worker's process or pod is gone."""
+        known = self._book.known(worker_id)
         self._book.resolve_lost(
-            worker_id, RuntimeFailure(f"worker {worker_id} {reason} before ready")
+            worker_id,
+            RuntimeFailure(f"worker {worker_id} {reason} before ready"),
+            pool=known.pool if known is not None else "",
         )
         self._book.lost.note(worker_id, reason)
         self._book.spawn_task(self.settle_lost(worker_id), f"lost:{worker_id}")

@@ -136,10 +136,11 @@ class Reservations:
         slot = book.known(worker_id)
         if slot is None or slot.state is not WorkerState.SPAWNING:
             return None
-        if a.gone() or slot.org != a.org:
-            # Its org's cap no longer holds this slot (see `free_own_spawn`): it goes warm.
+        if a.gone():
             await self._to_warm(slot, endpoint)
             return None
+        if slot.org != a.org:
+            return await self._take_others_spawn(a, slot, endpoint)
         reserved = await self._lifecycle.move(
             slot,
             WorkerState.RESERVED,
@@ -151,6 +152,34 @@ class Reservations:
             return None
         book.ref_saved(slot.id)
         return book.remember(reserved), ClaimSource.COLD
+
+    async def _take_others_spawn(
+        self, a: Attempt, slot: Worker, endpoint: str
+    ) -> tuple[Worker, ClaimSource] | None:
+        """A spawn slot reserved for another org (or none) that the claim took: it becomes
+        warm, then is reserved within the claim's org cap; offered to the others if not."""
+        book = self._book
+        warm = await self._lifecycle.move(
+            slot, WorkerState.WARM, **book.with_unsaved_ref(slot.id, endpoint=endpoint, org=None)
+        )
+        if warm is None:
+            book.ready.note(slot.id, endpoint)
+            return None
+        book.ref_saved(slot.id)
+        book.remember(warm)
+        if slot.org is not None:
+            book.hot_idle_parked(slot.pool, slot.org)  # that org's cap has room again
+        book.mark_in_flight(warm.id)
+        try:
+            result = await self._lifecycle.reserve(
+                warm, org=a.org, org_cap=a.org_cap, owner=book.instance_id, activate=True
+            )
+        finally:
+            book.clear_in_flight(warm.id)
+        if result.worker is None:
+            book.offer_warm(book.known(warm.id) or warm)
+            return None
+        return book.remember(result.worker), ClaimSource.COLD
 
     async def _to_warm(self, slot: Worker, endpoint: str) -> None:
         """A ready spawn nobody takes joins the warm pool (the next pass retries a miss)."""

@@ -13,7 +13,6 @@ Every structure here is keyed by the claims themselves and emptied when their wa
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Protocol, runtime_checkable
 
 
@@ -37,13 +36,21 @@ class SpawnOwner(Waiter, Protocol):
         ...
 
     @property
+    def org_cap(self) -> int:
+        """The org's cap in the claim's pool (0: none)."""
+        ...
+
+    @property
     def in_order(self) -> bool:
         """Whether it takes any ready worker in arrival order (a `cold` claim takes only
         its own spawn)."""
         ...
 
+    #: A spawn handed to it (ready or lost) that it has not looked at yet.
+    spawn_ready: tuple[str, asyncio.Future[str]] | None
+
     def spawn_done(self, worker_id: str, ready: asyncio.Future[str]) -> None:
-        """Its spawn got ready (or was lost): the result is in `ready`."""
+        """A spawn got ready (or was lost) for it: the result is in `ready`."""
         ...
 
 
@@ -117,16 +124,17 @@ class WaitingClaims:
         while waiters:
             waiter = next(iter(waiters))
             del waiters[waiter]
-            if not waiter.abandoned:
+            if not waiter.abandoned and not _handed(waiter):
                 waiter.wake()
                 break
         if waiters is not None and not waiters:
             del self._warm_waiters[pool]
 
     def _first_waiter(self, pool: str) -> Waiter | None:
-        """The claim that waits longest for a worker of `pool` (abandoned ones skipped)."""
+        """The claim that waits longest for a worker of `pool` (abandoned ones and those
+        already handed a spawn skipped)."""
         for waiter in self._warm_waiters.get(pool, ()):
-            if not waiter.abandoned:
+            if not waiter.abandoned and not _handed(waiter):
                 return waiter
         return None
 
@@ -138,13 +146,12 @@ class WaitingClaims:
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._spawn_waits[worker_id] = ready
         if owner is not None:
-            self._link(worker_id, owner, ready)
+            self._link(worker_id, owner)
         return ready
 
-    def _link(self, worker_id: str, owner: SpawnOwner, ready: asyncio.Future[str]) -> None:
+    def _link(self, worker_id: str, owner: SpawnOwner) -> None:
         self._spawn_owner[worker_id] = owner
         self._owned[owner] = worker_id
-        ready.add_done_callback(functools.partial(owner.spawn_done, worker_id))
 
     def _unlink(self, worker_id: str) -> None:
         owner = self._spawn_owner.pop(worker_id, None)
@@ -155,34 +162,72 @@ class WaitingClaims:
         """The spawn `owner` waits for, if any (not ready yet)."""
         return self._owned.get(owner)
 
-    def resolve_ready(
-        self, worker_id: str, endpoint: str, *, pool: str = "", org: str | None = None
-    ) -> bool:
-        """Hand a readiness event to the claim waiting on this spawn; False if none waits
-        for it first (it then becomes a warm worker, which goes to the first waiting claim).
+    def resolve_ready(self, worker_id: str, endpoint: str, *, pool: str = "") -> bool:
+        """Hand a readiness event to a claim: the one that waits longest for a worker of
+        `pool` if the spawn's own claim waits too, else the spawn's own claim. False when
+        no claim takes it (it then becomes a warm worker).
 
-        `pool` and `org` are the spawn slot's: a claim takes its spawn directly only if the
-        slot is reserved for its org and no claim waits longer.
+        A claim that takes another claim's spawn gives that claim its own spawn, if it has
+        one; else that claim is woken to find or spawn another worker.
         """
         ready = self._spawn_waits.pop(worker_id, None)
         owner = self._spawn_owner.get(worker_id)
         self._unlink(worker_id)
         if ready is None or ready.done():
             return False
-        if owner is not None:
-            first = self._first_waiter(pool)
-            earlier = owner.in_order and first is not None and first is not owner
-            if owner.abandoned or org != owner.org or earlier:
-                return False
         ready.set_result(endpoint)
+        if owner is None:
+            return True
+        first = self._first_waiter(pool) if owner.in_order else None
+        if not self._may_take(first, owner):
+            if owner.abandoned:
+                return False
+            self._deliver(pool, owner, worker_id, ready)
+            return True
+        assert isinstance(first, SpawnOwner)
+        theirs = self._owned.get(first)
+        if theirs is not None:
+            self._unlink(theirs)
+            if owner.abandoned:
+                self.hand_on(theirs, pool)
+            else:
+                self.expect_ready(theirs, owner)
+        elif not owner.abandoned:
+            owner.wake()
+        self._deliver(pool, first, worker_id, ready)
         return True
 
-    def resolve_lost(self, worker_id: str, error: BaseException) -> None:
+    def _deliver(
+        self, pool: str, owner: SpawnOwner, worker_id: str, ready: asyncio.Future[str]
+    ) -> None:
+        """Hand a spawn's outcome to a claim now (not in a later callback), so the next
+        event in the same loop iteration already sees it served."""
+        self._leave_queue(pool, owner)
+        owner.spawn_done(worker_id, ready)
+
+    def _may_take(self, first: Waiter | None, owner: SpawnOwner) -> bool:
+        """Whether `first`, waiting longer than the spawn's `owner`, takes the spawn: a
+        claim whose own spawn still counts against its org's cap waits for that one."""
+        if first is None or first is owner or not isinstance(first, SpawnOwner):
+            return False
+        return first.in_order and not (first.org_cap > 0 and first in self._owned)
+
+    def _leave_queue(self, pool: str, waiter: Waiter) -> None:
+        waiters = self._warm_waiters.get(pool)
+        if waiters is not None:
+            waiters.pop(waiter, None)
+            if not waiters:
+                del self._warm_waiters[pool]
+
+    def resolve_lost(self, worker_id: str, error: BaseException, *, pool: str = "") -> None:
         """Fail the claim waiting on this spawn, if any."""
         ready = self._spawn_waits.pop(worker_id, None)
+        owner = self._spawn_owner.get(worker_id)
         self._unlink(worker_id)
         if ready is not None and not ready.done():
             ready.set_exception(error)
+            if owner is not None:
+                self._deliver(pool, owner, worker_id, ready)
 
     def drop_spawn_wait(self, worker_id: str) -> None:
         """Nobody waits on this spawn any more."""
@@ -191,18 +236,24 @@ class WaitingClaims:
 
     def hand_on_spawn(self, owner: SpawnOwner, pool: str) -> None:
         """`owner` is served (or gone): its spawn goes to the first claim of `pool` that
-        waits without a spawn of its own, or, when none does, to the warm pool.
-
-        The scan runs only when a claim was served by another worker than its own spawn;
-        it stops at the first claim with no spawn.
-        """
+        waits without a spawn of its own, or, when none does, to the warm pool."""
         worker_id = self._owned.get(owner)
-        if worker_id is None:
-            return
-        self.drop_spawn_wait(worker_id)
+        if worker_id is not None:
+            self._unlink(worker_id)
+            self.hand_on(worker_id, pool)
+
+    def hand_on(self, worker_id: str, pool: str) -> None:
+        """Link an unlinked spawn to the first claim of `pool` that waits without one (the
+        scan stops there), or let it become a warm worker."""
+        self._spawn_waits.pop(worker_id, None)
         for waiter in self._warm_waiters.get(pool, ()):
-            if waiter is owner or waiter.abandoned or waiter in self._owned:
+            if waiter.abandoned or waiter in self._owned or _handed(waiter):
                 continue
             if isinstance(waiter, SpawnOwner) and waiter.in_order:
                 self.expect_ready(worker_id, waiter)
                 return
+
+
+def _handed(waiter: Waiter) -> bool:
+    """Whether a spawn was handed to the waiter that it has not looked at yet."""
+    return isinstance(waiter, SpawnOwner) and waiter.spawn_ready is not None
