@@ -212,6 +212,8 @@ class PoolSizer:
         if outlook is not None:
             forecast_warm = warm_for_rate(outlook.upper, replace_s, spec.quantile)
         base = max(pool.warm_target, reactive, forecast_warm or 0)
+        if self._catalog.draining(pool.name):
+            base = 0  # a draining pool hands out no claims: its warm workers retire
         if base == pool.warm_target:
             policy = STATIC
         elif forecast_warm is not None and forecast_warm > reactive:
