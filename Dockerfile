@@ -5,9 +5,10 @@
 #
 # The builder stage builds the wheel from pyproject.toml, README.md and src/ (all the
 # wheel needs; .dockerignore admits nothing else but the lock file) and installs it with
-# the postgres and kubernetes extras, at the lock file's versions, into a virtual
-# environment without pip. The final stage copies that environment onto a
-# fresh slim image: no compiler, no pip, no setuptools, no source tree.
+# the postgres, kubernetes and tracing extras (tracing stays off until configured), at
+# the lock file's versions, into a virtual environment without pip. The final stage
+# copies that environment onto a fresh slim image: no compiler, no pip, no setuptools,
+# no source tree.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -27,7 +28,7 @@ RUN sed -e '/^[[:space:]#]/d' -e 's/ *\\$//' requirements/all.lock > /tmp/constr
  && python -m venv --without-pip /opt/stoker \
  && set -- /wheels/stoker-*.whl \
  && python -m pip --python /opt/stoker/bin/python install \
-      --constraint /tmp/constraints.txt "$1[postgres,kubernetes]"
+      --constraint /tmp/constraints.txt "$1[postgres,kubernetes,tracing]"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/stoker/bin:$PATH \

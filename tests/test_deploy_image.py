@@ -245,14 +245,14 @@ def install_step() -> str:
 
 
 def test_the_image_installs_the_extras_a_kubernetes_deployment_needs() -> None:
-    """The wheel is installed with the postgres and kubernetes extras, which the package
-    declares (and not the simulator's)."""
+    """The wheel is installed with the postgres, kubernetes and tracing extras (tracing is
+    off until configured), which the package declares (and not the simulator's)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = set(project["optional-dependencies"])
     match = re.search(r'"\$1\[([a-z,]+)\]"', install_step())
     assert match, install_step()
-    assert match.group(1).split(",") == ["postgres", "kubernetes"]
-    assert {"postgres", "kubernetes"} <= declared
+    assert match.group(1).split(",") == ["postgres", "kubernetes", "tracing"]
+    assert {"postgres", "kubernetes", "tracing"} <= declared
 
 
 def test_the_lock_file_becomes_pinned_constraints(tmp_path: Path) -> None:
