@@ -34,7 +34,7 @@ deletion), drift and expiry are not modelled.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stoker.sim.cluster.freeindex import Capacity, FreeIndex, best_fit
 from stoker.sim.cluster.model import (
@@ -125,7 +125,7 @@ class AutoscalerParts:
     fleet: NodeFleet
     scheduler: Scheduler
     timeline: Timeline
-    counters: AutoscalerCounters
+    counters: AutoscalerCounters = field(default_factory=AutoscalerCounters)
 
 
 class _NodeAutoscaler:

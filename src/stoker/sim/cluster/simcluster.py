@@ -29,7 +29,6 @@ from stoker.ports.clock import Clock
 from stoker.ports.cluster import ObjectNotFound, Pod, PodPhase
 from stoker.sim.cluster.apiserver import FakeApiServer
 from stoker.sim.cluster.autoscaler import (
-    AutoscalerCounters,
     AutoscalerParts,
     Consolidator,
     Provisioner,
@@ -97,14 +96,8 @@ class SimCluster:
             config=config.scheduler, timeline=self.timeline, on_unschedulable=self._unschedulable
         )
         self.kubelet = Kubelet(config=config.kubelet, timeline=self.timeline, rng=rng)
-        self._autoscaler_counters = AutoscalerCounters()
-        autoscaling = AutoscalerParts(
-            config=config.autoscaler,
-            fleet=self.fleet,
-            scheduler=self.scheduler,
-            timeline=self.timeline,
-            counters=self._autoscaler_counters,
-        )
+        autoscaling = AutoscalerParts(config.autoscaler, self.fleet, self.scheduler, self.timeline)
+        self._autoscaler_counters = autoscaling.counters
         self.provisioner = Provisioner(autoscaling)
         self.consolidator = Consolidator(autoscaling, evict=self._evict)
         self.controller = WorkloadController(
