@@ -52,6 +52,7 @@ from stoker.api.models import (
 from stoker.api.pages import add_pages
 from stoker.api.pools import add_pool_routes
 from stoker.api.problems import openapi_responses
+from stoker.api.rollouts import add_rollout_routes
 from stoker.api.routing import DirectRoutes
 from stoker.api.tokens import TokenTable
 from stoker.config import ApiConfig
@@ -171,6 +172,7 @@ def create_app(
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
     add_pool_routes(app, plane)
+    add_rollout_routes(app, plane)
     _dashboard_routes(app, plane)
     add_pages(app, openapi_url="/openapi.json")
     _document(app, secured=api.has_tokens, pools=list(plane.catalog.pools))

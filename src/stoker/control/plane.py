@@ -33,6 +33,7 @@ from stoker.control.journal import EventKind, Journal
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
+from stoker.control.rollout_actions import RolloutActions
 from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
@@ -96,6 +97,10 @@ class ControlPlane:
         self.book = Book(reader=store, instance_id=self.instance_id)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).
         self.rollouts = Rollouts(self.catalog, self.metrics, planner or rollout_plan)
+        #: An admin's pause, resume, abort and promote of a rollout.
+        self.rollout_actions = RolloutActions(
+            store=store, catalog=self.catalog, rollouts=self.rollouts, clock=self.clock
+        )
         #: Recent events and the last hour of each pool, for the dashboard.
         self.journal = Journal(self.clock.now)
         self.history = History(self.settings.pool_sample_s)
