@@ -569,6 +569,12 @@ async def test_a_worker_stopped_while_queued_never_starts(
     assert (rt.startups.starting, rt.startups.queued) == (0, 0)
 
 
+def autogroup_nice(pid: str) -> int | None:
+    """The nice value of a process's autogroup (None without autogroups)."""
+    path = Path(f"/proc/{pid}/autogroup")
+    return int(path.read_text().split()[-1]) if path.exists() else None
+
+
 async def test_a_starting_worker_runs_nicer_than_the_control_plane(
     make_runtime: MakeRuntime, tmp_path: Path
 ) -> None:
@@ -577,3 +583,8 @@ async def test_a_starting_worker_runs_nicer_than_the_control_plane(
     ref = await rt.spawn(make_worker(), pool)
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     assert psutil.Process(ref["pid"]).nice() == min(19, ours + 7)
+    # Its session is its own autogroup: the group is made nicer too, else the process's
+    # nice would count only against itself.
+    own = autogroup_nice("self")
+    if own is not None:
+        assert autogroup_nice(str(ref["pid"])) == min(19, own + 7)

@@ -166,3 +166,52 @@ def scan_fleet(fleet: str, own_pid: int) -> list[tuple[int, float, dict[str, str
             # Gone meanwhile, or another user's process: not one of ours either way.
             continue
     return found
+
+
+def lower_priority(pid: int, steps: int) -> None:
+    """Make a process `steps` nicer than this one (no error when it cannot be done).
+
+    A worker leads a session of its own, and with the kernel's autogroups (on by default
+    on desktop and many server kernels) each session is scheduled as one group, against
+    which a nice value inside the group counts for nothing: the group's nice is set too.
+    """
+    if steps <= 0:
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + steps)
+    own = _autogroup_nice("self")
+    if own is not None:
+        _set_autogroup_nice(pid, min(19, own + steps))
+
+
+def restore_priority(pid: int) -> bool:
+    """Give a process this one's priority (and autogroup nice) back; False when the system
+    forbids it (raising a priority needs RLIMIT_NICE or CAP_SYS_NICE)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0))
+    except PermissionError:
+        return False
+    except OSError:
+        return True  # gone: nothing to restore
+    own = _autogroup_nice("self")
+    return own is None or _set_autogroup_nice(pid, own)
+
+
+def _autogroup_nice(pid: str) -> int | None:
+    """The nice value of a process's autogroup; None without autogroups."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as file:
+            return int(file.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as file:
+            file.write(str(nice))
+    except PermissionError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -24,6 +24,8 @@ from stoker.adapters.runtime_local._processes import (
     free_port,
     identity,
     kill_quietly,
+    lower_priority,
+    restore_priority,
     same_start,
     scan_fleet,
     start_process,
@@ -237,14 +239,9 @@ class LocalProcessRuntime:
         """Give a ready worker the control plane's priority back, where the system allows."""
         if not self.start_nice:
             return
-        try:
-            os.setpriority(os.PRIO_PROCESS, watch.pid, os.getpriority(os.PRIO_PROCESS, 0))
-        except PermissionError:
-            if not self._nice_kept:
-                self._nice_kept = True
-                _log("worker_nice_kept", nice=self.start_nice, why="RLIMIT_NICE forbids it")
-        except ProcessLookupError:
-            return
+        if not restore_priority(watch.pid) and not self._nice_kept:
+            self._nice_kept = True
+            _log("worker_nice_kept", nice=self.start_nice, why="RLIMIT_NICE forbids it")
 
     def _fail_spawn(self, watch: ProcessWatch, why: str) -> None:
         """Kill a process that never became ready and report `spawn_failure` once."""
@@ -367,16 +364,6 @@ class LocalProcessRuntime:
     def placeholder_slots(self, pool: PoolSpec) -> int:
         """1: there are no placeholders on one machine."""
         return 1
-
-
-def lower_priority(pid: int, steps: int) -> None:
-    """Make a process `steps` nicer than this one (no error when it cannot be done)."""
-    if steps <= 0:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + steps)
-    except OSError:
-        return
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
