@@ -14,7 +14,9 @@ releases at the end. A failed claim is retried `retries` times, as a client woul
 `retry_backoff_s`, growing `retry_backoff_factor` times per failure up to
 `retry_backoff_max_s`, with equal jitter (half fixed, half drawn from the session's own
 generator, so the arrivals stay common to every policy). A client that vanishes
-(`abandon`) neither renews nor releases, so its lease must expire.
+(`abandon`) neither renews nor releases, so its lease must expire. A session whose claim
+ends under it (its worker lost) opens a new claim after the same back-off, for the time it
+still needed, up to `retries` times: its demand is not lost.
 
 Every attempt and each session's time to a worker go to `LoadDriver.log`
 (`stoker.sim.sessions`): the per-claim log and `sessions.time_to_worker_s`.
@@ -87,6 +89,8 @@ class LoadStats:
     sessions_lost: int = 0
     #: Sessions whose claim ended under them (their worker was lost, their lease expired).
     sessions_failed: int = 0
+    #: Claims opened again by such sessions, after a back-off, for the time left.
+    sessions_reopened: int = 0
     abandoned: int = 0
     released: int = 0
     renewals: int = 0
@@ -251,10 +255,53 @@ class LoadDriver:
         abandon: bool,
         number: int = 0,
     ) -> None:
-        claim: Claim | None = None
-        jitter: random.Random | None = None
-        for attempt in range(group.retries + 1):
-            replica = (route + attempt) % len(self._targets)
+        jitter = random.Random(f"{self._seed}/{org}/{number}")
+        got = await self._claim_for(group, org, route, number, jitter)
+        if got is None:
+            self.stats.sessions_lost += 1
+            self.log.gave_up(number, self.now())
+            return
+        self.log.bound(number, self.now())
+        if abandon:
+            # The client is gone: nothing renews or releases the claim any more.
+            self.stats.abandoned += 1
+            self.active -= 1
+            return
+        left, reopened = duration, 0
+        while True:
+            target, claim, tries = got
+            try:
+                left = await self._hold(target, claim, left, group.lease_s)
+                if left <= 0:
+                    await self._release(target, claim)
+                    return
+            finally:
+                self.active -= 1
+            # The claim ended under the session (its worker was lost): the client opens it
+            # again after a back-off, for the time it still needs, as a client would.
+            if reopened >= group.retries:
+                return
+            await self._clock.sleep(retry_backoff_s(group, reopened, jitter))
+            reopened += 1
+            self.stats.sessions_reopened += 1
+            got = await self._claim_for(group, org, route + tries, number, jitter, tries)
+            if got is None:
+                return
+
+    async def _claim_for(
+        self,
+        group: TenantGroup,
+        org: str,
+        route: int,
+        number: int,
+        jitter: random.Random,
+        first: int = 0,
+    ) -> tuple[ClaimTarget, Claim, int] | None:
+        """Claim, retrying `group.retries` times after back-offs: (the replica, the claim,
+        the attempts so far); None when every attempt failed. Attempts are numbered from
+        `first` (a session opened again goes on counting)."""
+        for attempt in range(first, first + group.retries + 1):
+            replica = (route + attempt - first) % len(self._targets)
             target = self._targets[replica]
             started = self._clock.monotonic()
             self.waiting += 1
@@ -274,9 +321,8 @@ class LoadDriver:
                 reason = failure_reason(exc)
                 self.stats.failures[reason] += 1
                 backoff = 0.0
-                if attempt < group.retries:
-                    jitter = jitter or random.Random(f"{self._seed}/{org}/{number}")
-                    backoff = retry_backoff_s(group, attempt, jitter)
+                if attempt < first + group.retries:
+                    backoff = retry_backoff_s(group, attempt - first, jitter)
                 self._attempt(number, org, attempt, replica, started, reason, None, backoff)
                 if backoff > 0:
                     await self._clock.sleep(backoff)
@@ -285,35 +331,24 @@ class LoadDriver:
                 self.waiting -= 1
                 self._waiting_since.pop(number, None)
             self._attempt(number, org, attempt, replica, started, "bound", claim.source.value, 0.0)
-            self.log.bound(number, self.now())
             self._bound(claim, self._clock.monotonic() - started)
-            break
-        if claim is None:
-            self.stats.sessions_lost += 1
-            self.log.gave_up(number, self.now())
-            return
-        if abandon:
-            # The client is gone: nothing renews or releases the claim any more.
-            self.stats.abandoned += 1
-            self.active -= 1
-            return
+            return target, claim, attempt + 1
+        return None
+
+    async def _release(self, target: ClaimTarget, claim: Claim) -> None:
         try:
-            if await self._hold(target, claim, duration, group.lease_s):
-                try:
-                    ended = await target.release(claim.id)
-                except StokerError:
-                    self.stats.release_errors += 1
-                    return
-                # Releasing a claim that already ended (its worker was lost) returns it.
-                how = "released" if ended.state is ClaimState.RELEASED else "failed"
-                if how == "released":
-                    self.stats.released += 1
-                else:
-                    self.stats.sessions_failed += 1
-                if self._observer is not None:
-                    self._observer.session_ended(claim, how)
-        finally:
-            self.active -= 1
+            ended = await target.release(claim.id)
+        except StokerError:
+            self.stats.release_errors += 1
+            return
+        # Releasing a claim that already ended (its worker was lost) returns it.
+        how = "released" if ended.state is ClaimState.RELEASED else "failed"
+        if how == "released":
+            self.stats.released += 1
+        else:
+            self.stats.sessions_failed += 1
+        if self._observer is not None:
+            self._observer.session_ended(claim, how)
 
     def _attempt(
         self,
@@ -353,9 +388,12 @@ class LoadDriver:
         if self._observer is not None:
             self._observer.session_bound(claim, latency)
 
-    async def _hold(self, target: ClaimTarget, claim: Claim, duration: float, lease: float) -> bool:
-        """Hold the worker for `duration`, renewing at half the lease; False if the claim
-        ended under the session (its worker was lost or its lease expired)."""
+    async def _hold(
+        self, target: ClaimTarget, claim: Claim, duration: float, lease: float
+    ) -> float:
+        """Hold the worker for `duration`, renewing at half the lease; the seconds the
+        session still needed when the claim ended under it (its worker was lost or its
+        lease expired), 0 when it lasted."""
         left = duration
         while left > 0:
             step = min(left, lease / 2)
@@ -370,11 +408,11 @@ class LoadDriver:
                 self.stats.sessions_failed += 1
                 if self._observer is not None:
                     self._observer.session_ended(claim, "failed")
-                return False
+                return left
             except StokerError:
                 # The lease still runs for its other half: the next renewal may succeed.
                 self.stats.renew_errors += 1
-        return True
+        return 0.0
 
 
 def retry_backoff_s(group: TenantGroup, failures: int, rng: random.Random) -> float:

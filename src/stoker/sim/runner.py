@@ -490,6 +490,7 @@ class _PolicyRun:
                 "started": stats.sessions,
                 "lost": stats.sessions_lost,
                 "failed": stats.sessions_failed,
+                "reopened": stats.sessions_reopened,
                 "abandoned": stats.abandoned,
                 "released": stats.released,
                 "renewals": stats.renewals,
