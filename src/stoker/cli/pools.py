@@ -77,40 +77,24 @@ def pools_show(
         _print_pools(client.url, [client.pool(name)], as_json=as_json, one=True)
 
 
-def _setting(flag: str, help_text: str) -> Any:
-    """An optional setting's option: left out, the setting keeps its value."""
-    return typer.Option(flag, help=help_text, show_default=False, min=0)
+#: A count or a duration in seconds to set; left out, the setting keeps its value.
+Count = Annotated[int | None, typer.Option(min=0, show_default=False)]
+Seconds = Annotated[float | None, typer.Option(min=0, show_default=False)]
 
 
 @pools_app.command("set")
 def pools_set(
     name: NameArgument,
-    warm_target: Annotated[int | None, _setting("--warm-target", "Warm workers kept ready")] = None,
-    max_workers: Annotated[
-        int | None, _setting("--max-workers", "Live workers allowed (0: unbounded)")
-    ] = None,
-    max_workers_per_org: Annotated[
-        int | None, _setting("--max-workers-per-org", "Per org (0: no cap)")
-    ] = None,
-    hot_idle_ttl: Annotated[
-        float | None, _setting("--hot-idle-ttl", "Seconds a parked worker stays")
-    ] = None,
-    max_ttl: Annotated[
-        float | None, _setting("--max-ttl", "Clamp of any TTL asked for (0: none)")
-    ] = None,
-    min_hot_idle: Annotated[
-        int | None, _setting("--min-hot-idle", "Parked workers an org keeps")
-    ] = None,
-    lease_s: Annotated[float | None, _setting("--lease-s", "A claim's default lease")] = None,
-    claim_timeout_s: Annotated[
-        float | None, _setting("--claim-timeout-s", "A claim's default wait")
-    ] = None,
-    scale_down_delay: Annotated[
-        float | None, _setting("--scale-down-delay", "Seconds above target")
-    ] = None,
-    max_claim_s: Annotated[
-        float | None, _setting("--max-claim-s", "Longest session (0: none)")
-    ] = None,
+    warm_target: Count = None,
+    max_workers: Count = None,
+    max_workers_per_org: Count = None,
+    hot_idle_ttl: Seconds = None,
+    max_ttl: Seconds = None,
+    min_hot_idle: Count = None,
+    lease_s: Seconds = None,
+    claim_timeout_s: Seconds = None,
+    scale_down_delay: Seconds = None,
+    max_claim_s: Seconds = None,
     generation: Annotated[
         int | None,
         typer.Option(help="Change only if the pool is still at this generation", min=1),
@@ -119,7 +103,10 @@ def pools_set(
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
-    """Change a pool's settings: in force on every replica within one janitor pass."""
+    """Change a pool's settings: in force on every replica within one janitor pass.
+
+    Each option sets the pool's setting of its name (seconds; caps of 0: unbounded).
+    """
     given = {
         "warm_target": warm_target,
         "max_workers": max_workers,
