@@ -108,11 +108,7 @@ class SimCluster:
             budgets=self.budgets,
         )
         self.background = BackgroundLoad(
-            config=config.background,
-            controller=self.controller,
-            timeline=self.timeline,
-            rng=rng,
-            place_now=self._place_now,
+            config=config.background, controller=self.controller, place_now=self._place_now
         )
         self._faults = FaultSchedule(config.faults)
         self._client_stats: dict[str, ClientStats] = {}

@@ -217,8 +217,8 @@ class WorkloadController:
         self.server = server
         self.counters = WorkloadCounters()
         self.workloads: dict[str, Workload] = {}
-        self._timeline = timeline
-        self._rng = rng
+        self.timeline = timeline
+        self.rng = rng
         self._config = config
         self._budgets = budgets
         self._seq = 0
@@ -236,7 +236,7 @@ class WorkloadController:
     ) -> Workload:
         """Create a workload; its pods are requested from the rate-limited creator."""
         self._seq += 1
-        now = self._timeline.now()
+        now = self.timeline.now()
         workload = Workload(
             name=f"{archetype.name}-{self._seq:05d}",
             archetype=archetype,
@@ -297,7 +297,7 @@ class WorkloadController:
         live = [name for name, pod in workload.pods.items() if not pod.terminating]
         if not live:
             return
-        name = self._rng.choice(live)
+        name = self.rng.choice(live)
         workload.expected_gone[name] = None
         self.counters.churned += 1
         self.server.delete_pod_nowait(name)
@@ -354,7 +354,7 @@ class WorkloadController:
     def _mark_dirty(self, workload: Workload) -> None:
         self._dirty[workload] = None
         if self._reconcile_at is None:
-            self._reconcile_at = self._timeline.at(self._timeline.now(), self._reconcile_dirty)
+            self._reconcile_at = self.timeline.at(self.timeline.now(), self._reconcile_dirty)
 
     def _reconcile_dirty(self) -> None:
         self._reconcile_at = None
@@ -397,7 +397,7 @@ class WorkloadController:
 
     def _random_name(self, length: int) -> str:
         """`length` characters of Kubernetes' suffix alphabet, from one draw."""
-        number = self._rng.randrange(len(_ALPHABET) ** length)
+        number = self.rng.randrange(len(_ALPHABET) ** length)
         chars = []
         for _ in range(length):
             number, digit = divmod(number, len(_ALPHABET))
@@ -411,7 +411,7 @@ class WorkloadController:
 
     def _pump(self) -> None:
         """Create queued pods as fast as the controller-manager's API budget allows."""
-        now = self._timeline.now()
+        now = self.timeline.now()
         if self._stamp is not None:
             accrued = (now - self._stamp) * self._config.qps
             self._tokens = min(float(self._config.burst), self._tokens + accrued)
@@ -427,7 +427,7 @@ class WorkloadController:
             self._create(workload, name)
         if self._creations and self._pump_at is None:
             wait = (1.0 - self._tokens) / self._config.qps
-            self._pump_at = self._timeline.after(wait, self._pump_later)
+            self._pump_at = self.timeline.after(wait, self._pump_later)
 
     def _pump_later(self) -> None:
         self._pump_at = None
@@ -453,14 +453,13 @@ class BackgroundLoad:
         *,
         config: BackgroundConfig,
         controller: WorkloadController,
-        timeline: Timeline,
-        rng: random.Random,
         place_now: Callable[[list[Pod]], None],
     ) -> None:
         self.config = config
         self._controller = controller
-        self._timeline = timeline
-        self._rng = rng
+        # The controller's clock and random draws: the background and its pods share them.
+        self._timeline = controller.timeline
+        self._rng = controller.rng
         self._place_now = place_now
         self._t0 = 0.0
         self._active: list[Workload] = []
