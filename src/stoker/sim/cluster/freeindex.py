@@ -30,12 +30,10 @@ class Capacity:
     )
 
     def __init__(self, allocatable: Allocatable) -> None:
-        self.alloc_cpu = allocatable.cpu_m
-        self.alloc_mem = allocatable.memory_b
-        self.alloc_pods = allocatable.pods
-        self.free_cpu = allocatable.cpu_m
-        self.free_mem = allocatable.memory_b
-        self.free_pods = allocatable.pods
+        # Nothing is placed yet: all of it is free.
+        self.alloc_cpu = self.free_cpu = allocatable.cpu_m
+        self.alloc_mem = self.free_mem = allocatable.memory_b
+        self.alloc_pods = self.free_pods = allocatable.pods
         #: Its bucket in the `FreeIndex` holding it (-1: none).
         self.bucket = -1
 
