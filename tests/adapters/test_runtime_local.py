@@ -483,14 +483,14 @@ class TestLocalRuntimeContract(RuntimeContract):
         return LocalHarness(make_runtime)
 
 
-#: Waits until the file `argv[2]` exists, then serves /healthz like a worker: the test
-#: decides when each start-up ends.
+#: Computes (as a worker importing its code does) until the file `argv[2]` exists, then
+#: serves /healthz like a worker: the test decides when each start-up ends.
 GATED_WORKER = """
 import os, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 while not os.path.exists(sys.argv[2]):
-    time.sleep(0.02)
+    sum(range(20000))
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
@@ -588,3 +588,16 @@ async def test_a_starting_worker_runs_nicer_than_the_control_plane(
     own = autogroup_nice("self")
     if own is not None:
         assert autogroup_nice(str(ref["pid"])) == min(19, own + 7)
+
+
+async def test_a_start_up_that_waits_rather_than_computes_gives_its_slot_on(
+    make_runtime: MakeRuntime, tmp_path: Path
+) -> None:
+    rt, recorder = await make_runtime(start_limit=1)
+    sleeper = ("{python}", "-c", "import time; time.sleep(60)")
+    slow, next_one = make_worker("slow"), make_worker("next")
+    await rt.spawn(slow, make_pool(sleeper, spawn_s=60))
+    # Idle for a second, the sleeper lets the next start-up begin before it is ready.
+    await asyncio.wait_for(rt.spawn(next_one, make_pool()), EVENT_TIMEOUT_S)
+    await recorder.ready(next_one.id)
+    assert recorder.of(slow.id) == []

@@ -215,3 +215,13 @@ def _set_autogroup_nice(pid: int, nice: int) -> bool:
     except OSError:
         return True
     return True
+
+
+def is_sleeping(pid: int) -> bool | None:
+    """True while a process sleeps (waits for a timer, a socket, a child), False while it
+    runs or waits for the CPU or the disk; None once it is gone."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+    return status in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE)

@@ -23,6 +23,7 @@ from stoker.adapters.runtime_local._processes import (
     authority,
     free_port,
     identity,
+    is_sleeping,
     kill_quietly,
     lower_priority,
     restore_priority,
@@ -47,6 +48,10 @@ _log = EventLog("stoker.runtime.local")
 
 #: How long to wait for a process to disappear after SIGKILL before calling the stop failed.
 KILL_WAIT_S = 5.0
+#: A starting process found asleep IDLE_SAMPLES times in a row, IDLE_SAMPLE_S apart, is
+#: idle (it waits for something): it gives its start-up slot on.
+IDLE_SAMPLE_S = 0.25
+IDLE_SAMPLES = 4
 
 
 class LocalProcessRuntime:
@@ -216,14 +221,18 @@ class LocalProcessRuntime:
 
         An exit before readiness is reported by the exit watch, which also cancels this.
         """
-        ready = await probe_until_ready(
-            client,
-            self.clock,
-            endpoint,
-            timeout_s=timeout_s,
-            poll_s=self.ready_poll_s,
-            gone=watch.exited.is_set,
-        )
+        idle = asyncio.create_task(self._leave_when_idle(watch), name=f"idle:{watch.worker_id}")
+        try:
+            ready = await probe_until_ready(
+                client,
+                self.clock,
+                endpoint,
+                timeout_s=timeout_s,
+                poll_s=self.ready_poll_s,
+                gone=watch.exited.is_set,
+            )
+        finally:
+            idle.cancel()
         if ready is None or watch.exited.is_set() or watch.stopping:
             return
         if not ready:
@@ -234,6 +243,20 @@ class LocalProcessRuntime:
         _log("worker_ready", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
         if self._listener is not None:
             self._listener.worker_ready(watch.worker_id, endpoint)
+
+    async def _leave_when_idle(self, watch: ProcessWatch) -> None:
+        """Give the start-up slot on once the starting process sleeps rather than computes
+        (a worker that waits for a timer or a dependency before it listens): the bound is
+        on the CPU start-ups take, and an idle one must not hold the others back. A
+        process starved of CPU is runnable, not asleep: it keeps its slot."""
+        asleep = 0
+        while asleep < IDLE_SAMPLES:
+            await self.clock.sleep(IDLE_SAMPLE_S)
+            sleeping = is_sleeping(watch.pid)
+            if sleeping is None:
+                return
+            asleep = asleep + 1 if sleeping else 0
+        self.startups.leave(watch.worker_id)
 
     def _restore_priority(self, watch: ProcessWatch) -> None:
         """Give a ready worker the control plane's priority back, where the system allows."""

@@ -1,9 +1,10 @@
 """The bound on worker start-ups: at most `limit` processes of this runtime start at once.
 
 A process "starts" from its fork until its `/healthz` first answers (or it fails, or it is
-stopped). Python workers spend most of that on CPU (imports), so a storm of start-ups on a
-machine with few cores starves everything else, the control plane included, and pushes
-every start-up past its spawn timeout. Beyond the bound, spawns wait in a queue, the ones
+stopped, or it goes idle: a start-up that waits rather than computes gives its slot on).
+Python workers spend most of that on CPU (imports), so a storm of start-ups on a machine
+with few cores starves everything else, the control plane included, and pushes every
+start-up past its spawn timeout. Beyond the bound, spawns wait in a queue, the ones
 a claim waits for (cold spawns, bound to an org) ahead of neutral refills, first come
 first served within each; a queued spawn has not started, so its spawn timeout has not
 begun either.
