@@ -26,6 +26,7 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
+from stoker.control.following import Follower
 from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
 from stoker.control.ids import Ids
@@ -49,7 +50,7 @@ from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector, SoleLeader
 from stoker.ports.runtime import Runtime
-from stoker.ports.store import Store
+from stoker.ports.store import Store, WorkerFeed
 from stoker.ports.tracer import NO_TRACER, Tracer
 
 
@@ -170,11 +171,19 @@ class ControlPlane:
             )
             self._loops = [
                 asyncio.create_task(self._elect(), name="elector"),
+                *self._feed(),
                 *(
                     asyncio.create_task(self._every(interval, name, step), name=name)
                     for name, interval, step in every
                 ),
             ]
+
+    def _feed(self) -> list[asyncio.Task[None]]:
+        """Following the store's worker feed, on a store that has one."""
+        if not isinstance(self.store, WorkerFeed):
+            return []
+        follower = Follower(self.book, self.store)
+        return [asyncio.create_task(follower.run(self.store), name="feed")]
 
     def _log_cap(self, pool: PoolSpec) -> None:
         if pool.max_workers > 0:

@@ -86,6 +86,19 @@ class Reservations:
                 book.put_back_warm(known)
                 return result
             await book.refresh(known.id)
+        # Then the claimable workers of other replicas the store's feed told of.
+        key = revisions[0] if expect is WorkerState.WARM else org
+        while (heard := book.heard.pop(expect, pool, key)) is not None:
+            if heard.revision not in revisions and heard.revision not in also:
+                continue
+            result = await self._lifecycle.reserve(
+                heard, org=org, org_cap=org_cap, owner=owner, activate=True
+            )
+            if result.at_org_cap:
+                book.heard.heard(heard)
+                return result
+            if result.worker is not None:
+                return await self._adopted(result)
         # The queue ran dry: any matching worker in the store (the queues are only hints).
         for revision in revisions:
             result = await self._lifecycle.reserve_any(
@@ -99,14 +112,19 @@ class Reservations:
             )
             if result.worker is not None or result.at_org_cap:
                 break
-        worker = result.worker
-        if worker is None:
+        if result.worker is None:
             return result
-        if book.known(worker.id) is None and not await self._runtime.adopt(worker):
+        return await self._adopted(result)
+
+    async def _adopted(self, result: ReserveResult) -> ReserveResult:
+        """A worker reserved from the store: adopted if another replica spawned it."""
+        worker = result.worker
+        assert worker is not None
+        if self._book.known(worker.id) is None and not await self._runtime.adopt(worker):
             # Another replica spawned it and it is gone: retire it rather than hand it out.
             await self._retirer.retire(worker, RetireReason.LOST)
             return _NONE
-        book.remember(worker)
+        self._book.remember(worker)
         return result
 
     async def make_room(self, a: Attempt) -> None:

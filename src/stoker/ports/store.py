@@ -20,9 +20,9 @@ suite in `tests/store_contract.py`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NotRequired, Protocol, TypedDict, Unpack
+from typing import Any, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
 from stoker.domain.records import Claim, DemandRecord, ForecastBucket, Instance, LeaseRecord, Worker
@@ -434,3 +434,20 @@ class ReplicaStore(StoreReader, Protocol):
 class Store(ReplicaStore, StoreWriter, Protocol):
     """Durable state, both sides: what an adapter implements. See the module docstring
     for the rules every adapter keeps."""
+
+
+@runtime_checkable
+class WorkerFeed(Protocol):
+    """A store that announces its worker changes as they commit (PostgreSQL: LISTEN/NOTIFY):
+    every row that enters or leaves `warm` or `hot_idle`, whoever wrote it."""
+
+    async def follow_workers(
+        self,
+        on_worker: Callable[[Worker], None],
+        on_listening: Callable[[], Awaitable[None]],
+        on_lost: Callable[[], None],
+    ) -> None:
+        """Hand every announced row to `on_worker` until cancelled, reconnecting after a
+        failure; await `on_listening` each time it listens (again), before any row it
+        announces, and call `on_lost` when the connection failed."""
+        ...

@@ -8,7 +8,7 @@ it lacks, once, in order, in one transaction.
 
 from __future__ import annotations
 
-from stoker.adapters._rows import CLAIM_SELECT, WORKER_SELECT
+from stoker.adapters._rows import CLAIM_SELECT, WORKER_COLUMNS, WORKER_SELECT
 from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
     CLAIMS,
@@ -42,6 +42,8 @@ class Names:
         self.demand = f"{s}.demand"
         self.forecast = f"{s}.forecast"
         self.versions = f"{s}.schema_migrations"
+        #: The channel of the workers' change feed (`feed`), one per schema.
+        self.channel = f"stoker_workers_{schema}"[:63]
         #: One row by id, the statements every read of one repeats.
         self.worker_by_id = f"SELECT {WORKER_SELECT} FROM {self.workers} WHERE id = %s"
         self.claim_by_id = f"SELECT {CLAIM_SELECT} FROM {self.claims} WHERE id = %s"
@@ -67,7 +69,25 @@ def indexes(s: str) -> list[str]:
     ]
 
 
-def upgrades(s: str) -> list[tuple[int, list[str]]]:
+def feed_statements(s: str, channel: str) -> list[str]:
+    """The trigger that announces, on `channel`, every worker row entering or leaving
+    `warm` or `hot_idle` (the row as a JSON array in `WORKER_COLUMNS` order), sent when
+    the writing transaction commits."""
+    row = ", ".join(f"NEW.{c}" for c in WORKER_COLUMNS)
+    claimable = "('warm', 'hot_idle')"
+    return [
+        f"CREATE OR REPLACE FUNCTION {s}.announce_worker() RETURNS trigger "
+        "LANGUAGE plpgsql AS $$ BEGIN "
+        f"IF NEW.state IN {claimable} OR (TG_OP = 'UPDATE' AND OLD.state IN {claimable} "
+        "AND NEW.state <> OLD.state) THEN "
+        f"PERFORM pg_notify('{channel}', json_build_array({row})::text); "
+        "END IF; RETURN NULL; END $$",
+        f"CREATE TRIGGER workers_announce AFTER INSERT OR UPDATE ON {s}.workers "
+        f"FOR EACH ROW EXECUTE FUNCTION {s}.announce_worker()",
+    ]
+
+
+def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
     """What each version changed in schema `s` (quoted), for a schema an older version made
     (version 1 made the first tables; a new schema starts from the current ones)."""
     return [
@@ -122,6 +142,8 @@ def upgrades(s: str) -> list[tuple[int, list[str]]]:
         ),
         # What a config file last seeded: a file never overrides a change made since.
         (9, [POSTGRES.add_column(POOLS, "seed", f"{s}.pools")]),
+        # The workers' change feed: replicas hear of claimable workers (`feed`).
+        (10, feed_statements(s, channel)),
     ]
 
 
@@ -144,7 +166,8 @@ async def migrate(conn: Connection, names: Names, lock_idle_ms: str) -> None:
         cur = await conn.execute(f"SELECT version FROM {names.versions}")
         applied = {r[0] for r in await cur.fetchall()}
         current = [POSTGRES.create_table(t, f"{s}.{t.name}") for t in TABLES] + indexes(s)
-        for version, statements in pending(applied, current, upgrades(s)):
+        current += feed_statements(s, names.channel)
+        for version, statements in pending(applied, current, upgrades(s, names.channel)):
             for sql in statements:
                 await conn.execute(sql)
             await conn.execute(f"INSERT INTO {names.versions} (version) VALUES (%s)", (version,))

@@ -8,20 +8,24 @@ with `prepare_threshold=None`. Times are arguments (SQL never calls `now()`).
 The parts: `connections` (the pool; psycopg errors surface as `StoreError`), `schema`
 (tables and migrations), `locks` (advisory locks), `workers` (the worker and claim rows,
 and how their writes keep caps under concurrency) and `replicas` (replicas, leases,
-demand, purge) and `pools` (stored pools, on `stoker.adapters._pools`). This module
+demand, purge) `pools` (stored pools, on `stoker.adapters._pools`) and `feed` (the workers' change
+feed, LISTEN/NOTIFY). This module
 opens and closes the store.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 from stoker.adapters._pools import PoolRows, PoolSql
+from stoker.adapters.postgres import feed
 from stoker.adapters.postgres.connections import Connection, Connections, PoolOptions
 from stoker.adapters.postgres.pools import PostgresPoolHooks
 from stoker.adapters.postgres.replicas import ReplicaRows
 from stoker.adapters.postgres.schema import Names, migrate
 from stoker.adapters.postgres.workers import WorkerRows, bind_statement, reserve_statements
+from stoker.domain.records import Worker
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
@@ -73,6 +77,15 @@ class PostgresStore(WorkerRows, ReplicaRows, PostgresPoolHooks, PoolRows):
     async def close(self) -> None:
         """Close the pool and its connections."""
         await self._db.close()
+
+    async def follow_workers(
+        self,
+        on_worker: Callable[[Worker], None],
+        on_listening: Callable[[], Awaitable[None]],
+        on_lost: Callable[[], None],
+    ) -> None:
+        """Follow the workers' change feed (`WorkerFeed`) on a connection of its own."""
+        await feed.follow(self.url, self._names.channel, on_worker, on_listening, on_lost)
 
     async def schema_version(self) -> int:
         """The highest applied migration."""
