@@ -1,16 +1,17 @@
 """Workers other replicas made claimable, as the store's change feed tells this replica.
 
 On a store that announces its worker changes (PostgreSQL: LISTEN/NOTIFY), every replica
-hears of each worker that becomes `warm` or `hot_idle` anywhere, and of each that stops
-being so. A replica whose own queues ran dry takes the next worker it heard of by a
-compare-and-set on that row (one round trip, the same as its own queue's), instead of a
-scan of the store. Each replica takes the heard workers in an order of its own (stripes
-picked by a hash of the worker and the replica), so that replicas draining the same
-workers at once rarely try the same row.
+hears of each worker that becomes `warm` or `hot_idle` anywhere. A replica whose own
+queues ran dry takes the next worker it heard of by a compare-and-set on that row (one
+round trip, the same as its own queue's), instead of a scan of the store. Each replica
+takes the heard workers in an order of its own (stripes picked by a hash of the worker
+and the replica), so that replicas draining the same workers at once rarely try the same
+row.
 
-Like the book's queues these are hints: a stale entry costs one missed CAS. Nothing here
-outlives what it describes: an entry leaves when its worker is taken, changes or is heard
-to have left the state.
+Like the book's queues these are hints: a stale entry (a worker another replica took
+since) costs one missed CAS. An entry leaves when a claim takes it or the worker is heard
+of again; the whole is bounded (`LIMIT`: beyond it, what was heard is dropped, and claims
+fall back to the scan until the feed tells of new workers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from stoker.domain.states import WorkerState
 
 #: Stripes per queue: each replica fills and drains them in an order of its own.
 _STRIPES = 8
+#: The most heard workers kept.
+LIMIT = 50_000
 
 
 class _Queue:
@@ -67,6 +70,8 @@ class HeardWorkers:
         found = self._key(worker)
         if found is None:
             return False
+        if len(self._where) >= LIMIT:
+            self.clear()
         stripe = zlib.crc32(worker.id.encode() + self._instance) % _STRIPES
         into = self._queues.get(found)
         if into is None:

@@ -70,16 +70,18 @@ def indexes(s: str) -> list[str]:
 
 
 def feed_statements(s: str, channel: str) -> list[str]:
-    """The trigger that announces, on `channel`, every worker row entering or leaving
-    `warm` or `hot_idle` (the row as a JSON array in `WORKER_COLUMNS` order), sent when
-    the writing transaction commits."""
+    """The trigger that announces, on `channel`, every worker row entering `warm` or
+    `hot_idle` (the row as a JSON array in `WORKER_COLUMNS` order), sent when the writing
+    transaction commits. Rows leaving those states are not announced: a notifying commit
+    holds PostgreSQL's notification lock until it is flushed, so announcing every
+    reservation would serialize the claim path's commits; a stale heard entry costs one
+    missed compare-and-set instead."""
     row = ", ".join(f"NEW.{c}" for c in WORKER_COLUMNS)
     claimable = "('warm', 'hot_idle')"
     return [
         f"CREATE OR REPLACE FUNCTION {s}.announce_worker() RETURNS trigger "
         "LANGUAGE plpgsql AS $$ BEGIN "
-        f"IF NEW.state IN {claimable} OR (TG_OP = 'UPDATE' AND OLD.state IN {claimable} "
-        "AND NEW.state <> OLD.state) THEN "
+        f"IF NEW.state IN {claimable} AND (TG_OP = 'INSERT' OR OLD.state <> NEW.state) THEN "
         f"PERFORM pg_notify('{channel}', json_build_array({row})::text); "
         "END IF; RETURN NULL; END $$",
         f"CREATE TRIGGER workers_announce AFTER INSERT OR UPDATE ON {s}.workers "
