@@ -52,6 +52,11 @@ def _parse_config_items(items: Sequence[str]) -> dict[str, Any]:
     return config
 
 
+def _lease_option(help_text: str, shown: str) -> Any:
+    """`--lease`: seconds, within what the server takes (a second to a day)."""
+    return typer.Option("--lease", min=1, max=86400, help=help_text, show_default=shown)
+
+
 def claim(
     pool: Annotated[str, typer.Option("--pool", "-p", help="Pool to claim from")],
     org: Annotated[str, typer.Option("--org", "-o", help="Org the session belongs to")],
@@ -73,14 +78,7 @@ def claim(
         ),
     ] = None,
     lease: Annotated[
-        float | None,
-        typer.Option(
-            "--lease",
-            min=1,
-            max=86400,
-            help="Lease length in seconds",
-            show_default="the pool's lease_s",
-        ),
+        float | None, _lease_option("Lease length in seconds", "the pool's lease_s")
     ] = None,
     config: Annotated[
         list[str] | None,
@@ -219,12 +217,7 @@ def claims_show(
 @claims_app.command("renew")
 def claims_renew(
     claim_id: ClaimIdArgument,
-    lease: Annotated[
-        float | None,
-        typer.Option(
-            "--lease", min=1, max=86400, help="Lease in seconds from now", show_default="its own"
-        ),
-    ] = None,
+    lease: Annotated[float | None, _lease_option("Lease in seconds from now", "its own")] = None,
     as_json: JsonOption = False,
     url: UrlOption = None,
     token: TokenOption = None,
