@@ -18,6 +18,7 @@ from stoker.cli.claims import claim, claims_app, release
 from stoker.cli.config import config_app
 from stoker.cli.output import JsonFlag, print_json
 from stoker.cli.pools import pools_app, status
+from stoker.cli.rollouts import rollout_app
 from stoker.cli.scaletest import scaletest
 from stoker.cli.serve import serve
 from stoker.cli.worker_check import worker_check
@@ -67,6 +68,7 @@ app.command("worker-check", context_settings={"allow_interspersed_args": False})
 app.command()(version)
 app.add_typer(claims_app)
 app.add_typer(pools_app)
+app.add_typer(rollout_app)
 app.add_typer(workers_app)
 app.add_typer(config_app)
 

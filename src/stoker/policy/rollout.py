@@ -279,9 +279,10 @@ def _canary(
     others = [c for rev, c in counts.items() if rev != ramp.revision]
     other_capacity = sum(c.capacity for c in others)
     other_live = sum(c.live for c in others)
+    whole = desired_warm(pool.warm_target, pool.demand, pool.cap)
     # The ramp may hold at most this much: the cap, else the 100 % equivalent of the
-    # others plus the pool's demand.
-    room = pool.cap - other_live if pool.cap > 0 else other_capacity + pool.demand
+    # others (their busy workers and the pool's warm target) plus the pool's demand.
+    room = pool.cap - other_live if pool.cap > 0 else other_capacity + whole
     room = max(0, room)
     last = ramp.step >= len(strategy.steps) - 1
     due = (
@@ -304,9 +305,12 @@ def _canary(
         needed = capacity(strategy.share(ramp.step))
     else:
         needed = capacity(share if last else strategy.share(ramp.step + 1))
-    healthy = worst is None or worst[1] < strategy.max_failure_ratio
+    healthy = worst is None or worst[1] <= strategy.max_failure_ratio
     ready = failures is not None and ramp.state is RolloutState.RAMPING and healthy
-    if ready and (due or preparing) and own.capacity >= needed:
+    # What the others hold is the yardstick: with nothing else live there is nothing to
+    # catch up with (the demand-sized target is where the ramp grows, not a gate).
+    held = own.capacity >= (needed if other_capacity else 0)
+    if ready and (due or preparing) and held:
         if last and not preparing:
             plan = _steady(ramp.revision, None, counts, pool)
             return _ended(plan, ramp, Decision.PROMOTE, "the last step held", now)
@@ -318,7 +322,6 @@ def _canary(
     # While a step is due (or the first one prepared), the ramp grows towards what the
     # next step needs.
     target = needed if due or preparing else capacity(share)
-    whole = desired_warm(pool.warm_target, pool.demand, pool.cap)
     ramp_share_of_warm = math.ceil(whole * share)
     ramp_capacity = min(room, max(target, own.busy + ramp_share_of_warm))
     parts = {rev: RevisionPlan(rev, Role.RETIRING, 0.0, 0) for rev in counts}

@@ -22,7 +22,7 @@ from stoker.sdk._errors import (
     Unavailable,
     error_from_response,
 )
-from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo, WorkerRef
+from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo, WorkerRef
 from stoker.sdk._retry import Retries
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "PoolChanges",
     "PoolInfo",
     "Retries",
+    "RolloutInfo",
     "ServerError",
     "ServerUnreachable",
     "Session",

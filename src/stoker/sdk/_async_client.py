@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
@@ -29,7 +29,7 @@ from stoker.sdk._calls import (
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
-from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
+from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo
 from stoker.sdk._session import OnLost, SessionState
 
 T = TypeVar("T")
@@ -145,6 +145,19 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         """Stop handing out the pool's new claims (admin token; `draining=False` resumes
         them): its sessions end as usual, its warm workers retire."""
         return await self._send(self._calls.drain_pool(name, draining=draining))
+
+    async def start_rollout(
+        self, pool: str, template: Mapping[str, Any], *, strategy: Mapping[str, Any] | None = None
+    ) -> RolloutInfo:
+        """Roll a new revision of the pool out (admin token): `template` fields laid over
+        its stable template, `strategy` a canary's or `{"kind": "replace"}` (None: the
+        pool's default)."""
+        return await self._send(self._calls.start_rollout(pool, template, strategy))
+
+    async def rollout(self, pool: str, rollout_id: str, action: str | None = None) -> RolloutInfo:
+        """A rollout of the pool (admin token); with `action` (pause, resume, abort or
+        promote) act on it first (`ClaimConflict`-like 409 once it has ended)."""
+        return await self._send(self._calls.rollout(pool, rollout_id, action))
 
     async def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
         """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`)."""

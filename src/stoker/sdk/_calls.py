@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from stoker.sdk._errors import InvalidRequest, ServerUnreachable, StokerError, error_from_response
-from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
+from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo
 from stoker.sdk._retry import Retries
 
 T = TypeVar("T")
@@ -234,6 +234,26 @@ class Calls:
         path = _pool_path(name) + ("/drain" if draining else "/undrain")
         return Call("POST", path, self._default_timeout, PoolInfo.from_json)
 
+    def start_rollout(
+        self, name: str, template: Mapping[str, Any], strategy: Mapping[str, Any] | None
+    ) -> Call[RolloutInfo]:
+        """`POST /v1/pools/{name}/rollouts`."""
+        body: dict[str, Any] = {"template": dict(template)}
+        if strategy is not None:
+            body["strategy"] = dict(strategy)
+        path = _pool_path(name) + "/rollouts"
+        return Call("POST", path, self._default_timeout, RolloutInfo.from_json, json=body)
+
+    def rollout(self, name: str, rollout_id: str, action: str | None = None) -> Call[RolloutInfo]:
+        """`GET /v1/pools/{name}/rollouts/{id}`, or `POST` its `action` (pause, resume,
+        abort or promote)."""
+        path = f"{_pool_path(name)}/rollouts/{quote(rollout_id, safe='')}"
+        if action is None:
+            return Call("GET", path, self._default_timeout, RolloutInfo.from_json)
+        if action not in ROLLOUT_ACTIONS:
+            raise ValueError(f"unknown rollout action {action!r}: one of {ROLLOUT_ACTIONS}")
+        return Call("POST", f"{path}/{action}", self._default_timeout, RolloutInfo.from_json)
+
     def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
         """`GET /v1/workers` with the filters that are set."""
         params = _given(filters, _WORKER_FILTERS, "worker filter")
@@ -304,6 +324,10 @@ def _claim_path(claim_id: str) -> str:
     if claim_id.strip(".") == "":
         raise InvalidRequest(f"invalid claim id {claim_id!r}: expected an id such as c-...")
     return f"/v1/claims/{quote(claim_id, safe='')}"
+
+
+#: What `rollout(..., action)` may ask of a rollout under way.
+ROLLOUT_ACTIONS = ("pause", "resume", "abort", "promote")
 
 
 def _pool_path(name: str) -> str:

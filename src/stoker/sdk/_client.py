@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from types import TracebackType
-from typing import TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
@@ -31,7 +32,7 @@ from stoker.sdk._calls import (
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
-from stoker.sdk._models import ClaimInfo, PoolInfo, WorkerInfo
+from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo
 from stoker.sdk._retry import now
 from stoker.sdk._session import OnLost, SessionState
 
@@ -144,6 +145,19 @@ class Client(BaseClient[httpx.BaseTransport]):
         """Stop handing out the pool's new claims (admin token; `draining=False` resumes
         them): its sessions end as usual, its warm workers retire."""
         return self._send(self._calls.drain_pool(name, draining=draining))
+
+    def start_rollout(
+        self, pool: str, template: Mapping[str, Any], *, strategy: Mapping[str, Any] | None = None
+    ) -> RolloutInfo:
+        """Roll a new revision of the pool out (admin token): `template` fields laid over
+        its stable template, `strategy` a canary's or `{"kind": "replace"}` (None: the
+        pool's default)."""
+        return self._send(self._calls.start_rollout(pool, template, strategy))
+
+    def rollout(self, pool: str, rollout_id: str, action: str | None = None) -> RolloutInfo:
+        """A rollout of the pool (admin token); with `action` (pause, resume, abort or
+        promote) act on it first (`ClaimConflict`-like 409 once it has ended)."""
+        return self._send(self._calls.rollout(pool, rollout_id, action))
 
     def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
         """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`)."""

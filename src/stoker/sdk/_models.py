@@ -52,6 +52,7 @@ _READERS: dict[object, Reader] = {
     float | None: _optional_float,
     datetime | None: lambda body, key: _time(body.get(key)),
     Mapping[str, int]: _counts,
+    Mapping[str, Any]: lambda body, key: dict(body[key]),
     int | None: lambda body, key: body.get(key),
     bool | None: lambda body, key: body.get(key),
     tuple[Mapping[str, Any], ...]: lambda body, key: tuple(dict(r) for r in body.get(key) or ()),
@@ -181,6 +182,30 @@ class PoolInfo(Answer):
     draining: bool | None = None
     #: Each revision's `revision`, `state`, `share` (percent of new claims) and `counts`.
     revisions: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutInfo(Answer):
+    """A pool's rollout of a new revision (README, "Rolling out a new worker")."""
+
+    id: str
+    #: ramping, paused, promoted, rolled_back, aborted or superseded.
+    state: str
+    #: Percent of the pool's new claims the revision gets now, at the canary's `step`.
+    share: int
+    step: int
+    revision: str
+    #: The stable revision when it started (what a rollback returns to).
+    base_revision: str
+    strategy: Mapping[str, Any]
+    started_at: float
+    ended_at: float | None
+    reason: str | None
+
+    @property
+    def ended(self) -> bool:
+        """True once nothing can change it any more."""
+        return self.state not in ("ramping", "paused")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,111 @@
+"""Rolling a new demo-worker command out under steady claims, end to end: a real
+`stoker serve`, real worker processes, the `stoker rollout` command and the SDK (#14).
+
+Claims keep coming from two threads while the canary ramps 50 % then 100 %; not one may
+fail, and once promoted every new worker runs the new command.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from servers import Server, kill_fleet, start_server
+from stoker.sdk import Client, StokerError
+from test_cli import config, run
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    srv = start_server(
+        tmp_path, config=config(fleet, warm_target=2, reuse="never"), args=["--stop-workers"]
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+def _steady_claims(
+    url: str, org: str, stop: threading.Event, seen: list[str], failed: list[str]
+) -> None:
+    """Claim, hold briefly, release, again, until `stop`; record each claim's worker."""
+    with Client(url) as client:
+        while not stop.is_set():
+            try:
+                claim = client.create_claim("demo", org, timeout_s=30)
+            except StokerError as exc:
+                failed.append(f"{org}: {exc}")
+                continue
+            seen.append(claim.worker.id)
+            time.sleep(0.2)
+            client.release(claim.id)
+
+
+def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
+    server: Server,
+) -> None:
+    stop = threading.Event()
+    seen: list[str] = []
+    failed: list[str] = []
+    threads = [
+        threading.Thread(target=_steady_claims, args=(server.url, org, stop, seen, failed))
+        for org in ("acme", "globex")
+    ]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        started = run(
+            [
+                "rollout",
+                "start",
+                "demo",
+                "--env",
+                "DEMO_REVISION=2",
+                "--steps",
+                "50,100",
+                "--step-interval",
+                "2",
+                "--json",
+            ],
+            url=server.url,
+        )
+        assert started.returncode == 0, started.stderr
+        rollout = json.loads(started.stdout)
+        assert rollout["state"] == "ramping" and rollout["share"] == 50
+        watched = run(
+            ["rollout", "status", "demo", rollout["id"], "--watch", "--interval", "0.5"],
+            url=server.url,
+            timeout=120,
+        )
+        assert watched.returncode == 0, watched.stderr
+        assert "promoted" in watched.stdout.splitlines()[-1], watched.stdout
+        before = len(seen)
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert failed == []
+    assert len(seen) > before > 0
+    with Client(server.url) as client:
+        done = client.rollout("demo", rollout["id"])
+        assert done.state == "promoted" and done.ended
+        pool = client.pool("demo")
+        assert pool.revision == rollout["revision"]
+        late = {w.id: w.revision for w in client.workers()}
+    # Every worker claimed after the promotion runs the new revision.
+    assert all(late.get(w, rollout["revision"]) == rollout["revision"] for w in seen[before:])
+    ended = run(["rollout", "pause", "demo", rollout["id"]], url=server.url)
+    assert ended.returncode == 1 and "has ended" in ended.stderr
