@@ -15,7 +15,8 @@ from stoker.domain.errors import StoreError
 from stoker.domain.states import WorkerState
 from stoker.ports.store import StoreReader, WorkerFeed
 
-_CLAIMABLE = (WorkerState.WARM, WorkerState.HOT_IDLE)
+#: What the feed announces (PostgreSQL's: workers that become warm).
+_CLAIMABLE = (WorkerState.WARM,)
 
 
 class Follower:

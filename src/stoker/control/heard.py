@@ -1,7 +1,8 @@
 """Workers other replicas made claimable, as the store's change feed tells this replica.
 
 On a store that announces its worker changes (PostgreSQL: LISTEN/NOTIFY), every replica
-hears of each worker that becomes `warm` or `hot_idle` anywhere. A replica whose own
+hears of each worker that becomes `warm` anywhere (`hot_idle` too, on a feed that
+announces it). A replica whose own
 queues ran dry takes the next worker it heard of by a compare-and-set on that row (one
 round trip, the same as its own queue's), instead of a scan of the store. Each replica
 takes the heard workers in an order of its own (stripes picked by a hash of the worker

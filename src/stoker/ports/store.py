@@ -439,7 +439,7 @@ class Store(ReplicaStore, StoreWriter, Protocol):
 @runtime_checkable
 class WorkerFeed(Protocol):
     """A store that announces its worker changes as they commit (PostgreSQL: LISTEN/NOTIFY):
-    every row that enters `warm` or `hot_idle`, whoever wrote it."""
+    every row that becomes claimable (PostgreSQL: `warm`), whoever wrote it."""
 
     async def follow_workers(
         self,

@@ -1,7 +1,7 @@
 """The change feed of the workers table: LISTEN/NOTIFY.
 
 A trigger (schema version 10, `schema.feed_statements`) announces, on one channel per
-schema, every worker row that enters `warm` or `hot_idle`, as the row itself (a
+schema, every worker row that enters `warm`, as the row itself (a
 JSON array in `WORKER_COLUMNS` order); the notification is sent when the writing
 transaction commits, so it costs the writer no round trip. A replica follows the channel
 on a connection of its own, outside the pool: it reconnects after any failure (with a

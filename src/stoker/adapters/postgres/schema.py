@@ -70,18 +70,18 @@ def indexes(s: str) -> list[str]:
 
 
 def feed_statements(s: str, channel: str) -> list[str]:
-    """The trigger that announces, on `channel`, every worker row entering `warm` or
-    `hot_idle` (the row as a JSON array in `WORKER_COLUMNS` order), sent when the writing
-    transaction commits. Rows leaving those states are not announced: a notifying commit
-    holds PostgreSQL's notification lock until it is flushed, so announcing every
-    reservation would serialize the claim path's commits; a stale heard entry costs one
-    missed compare-and-set instead."""
+    """The trigger that announces, on `channel`, every worker row entering `warm` (the
+    row as a JSON array in `WORKER_COLUMNS` order), sent when the writing transaction
+    commits. A notifying commit holds PostgreSQL's notification lock until it is flushed,
+    so only spawns, off the claim path, announce: announcing reservations or releases
+    (hot_idle) would serialize the claim path's commits, and a parked worker is found by
+    an indexed look-up of its org's rows in one round trip anyway. A heard entry another
+    replica took since costs one missed compare-and-set."""
     row = ", ".join(f"NEW.{c}" for c in WORKER_COLUMNS)
-    claimable = "('warm', 'hot_idle')"
     return [
         f"CREATE OR REPLACE FUNCTION {s}.announce_worker() RETURNS trigger "
         "LANGUAGE plpgsql AS $$ BEGIN "
-        f"IF NEW.state IN {claimable} AND (TG_OP = 'INSERT' OR OLD.state <> NEW.state) THEN "
+        "IF NEW.state = 'warm' AND (TG_OP = 'INSERT' OR OLD.state <> NEW.state) THEN "
         f"PERFORM pg_notify('{channel}', json_build_array({row})::text); "
         "END IF; RETURN NULL; END $$",
         f"CREATE TRIGGER workers_announce AFTER INSERT OR UPDATE ON {s}.workers "
