@@ -1,5 +1,5 @@
 """The workers' change feed of the PostgreSQL store (LISTEN/NOTIFY), and replicas that
-claim through it: what one replica makes claimable, another takes by one compare-and-set.
+follow it: a worker one replica spawns wakes a claim waiting on another at once.
 
 Each test runs in a fresh schema of the database in STOKER_TEST_POSTGRES_URL, dropped
 afterwards (see tests/adapters/test_store_postgres.py). Workers are `MemoryRuntime`
@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -22,14 +23,14 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate
-from stoker.domain.states import ClaimSource, WorkerState
+from stoker.domain.states import ClaimMode, ClaimSource, WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.store import SpawnRequest, WorkerFeed
 
 pytestmark = pytest.mark.postgres
 
 S = WorkerState
-POOL = PoolSpec(name="p", template=ProcessTemplate(argv=("worker", "{port}")), warm_target=4)
+POOL = PoolSpec(name="p", template=ProcessTemplate(argv=("worker", "{port}")), warm_target=1)
 
 
 @pytest.fixture
@@ -165,59 +166,49 @@ async def test_the_feed_reconnects_and_resyncs_after_its_connection_dies(
         await store.close()
 
 
-def plane(store: PostgresStore, runtime: MemoryRuntime, **kw: Any) -> ControlPlane:
+def plane(store: PostgresStore, runtime: MemoryRuntime, pool: PoolSpec) -> ControlPlane:
     return ControlPlane(
         store=store,
         runtime=runtime,
         activator=runtime,
-        pools=[POOL],
+        pools=[pool],
         settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
         clock=LoopClock(),
-        **kw,
     )
 
 
-async def test_a_replica_claims_the_warm_workers_another_spawned_without_a_scan(
+async def test_a_warm_worker_spawned_by_one_replica_wakes_a_claim_waiting_on_another(
     postgres_url: str, schema: str
 ) -> None:
-    """Replica B never spawned a worker: it hears of A's warm workers from the feed and
-    reserves each by id; the store scan (`reserve_any`) is never asked."""
+    """Replica B has no worker and a require_warm claim waits on it; replica A spawns one.
+    Without the feed nothing would wake B's claim before its deadline (30 s)."""
     procs = MemoryRuntime().procs
     a_runtime, b_runtime = MemoryRuntime(ready_delay=0.05), MemoryRuntime(ready_delay=0.05)
     b_runtime.procs = a_runtime.procs = procs
     a_store = PostgresStore(postgres_url, schema=schema)
     b_store = PostgresStore(postgres_url, schema=schema)
-    a = plane(a_store, a_runtime)
-    b = plane(b_store, b_runtime)
-    scans = 0
-    scan = b_store.reserve_any
+    a = plane(a_store, a_runtime, POOL)
+    b = plane(b_store, b_runtime, POOL)
+    # A starts first and fills the pool (its first janitor pass); B then finds it full.
+    await a.start(loops=False)
 
-    async def counted(*args: Any, **kw: Any) -> Any:
-        nonlocal scans
-        if kw.get("expect") is S.WARM:
-            scans += 1
-        return await scan(*args, **kw)
+    async def warm() -> bool:
+        return len(await a_store.list_workers(states=[S.WARM])) == 1
 
-    b_store.reserve_any = counted  # type: ignore[method-assign]
-    # A starts first and fills the pool (its first janitor pass); B finds it full.
-    await a.start()
-    await until(lambda: len(a.book.known_workers()) == 4)
-
-    async def all_warm() -> bool:
-        return len(await a_store.list_workers(states=[S.WARM])) == 4
-
-    await until(all_warm)
+    await until(warm)
     await b.start()
     try:
-        await until(lambda: b.book.heard.size() == 4)
-        assert not b.book.known_workers()
-        claims = await asyncio.gather(
-            *(b.claim(ClaimRequest(pool="p", org=f"o{i}", timeout_s=10)) for i in range(4))
-        )
-        assert {c.source for c in claims} == {ClaimSource.WARM}
-        assert len({c.worker_id for c in claims}) == 4
-        assert scans == 0
-        assert b.book.heard.size() == 0
+        first = ClaimRequest(pool="p", org="acme", mode=ClaimMode.REQUIRE_WARM, timeout_s=30)
+        await b.claim(first)  # A's warm worker, from the store
+        request = replace(first, org="globex")
+        waiting = asyncio.create_task(b.claim(request))
+        await until(lambda: b.book.waiting_for_warm("p") == 1)
+        await a.run_janitor_pass()  # A spawns the replacement
+        claim = await waiting
+        assert claim.source is ClaimSource.WARM
+        worker = await b_store.get_worker(claim.worker_id)
+        assert worker is not None and worker.owner == b.instance_id
+        assert worker.id in procs and procs[worker.id].org == "globex"
     finally:
         await b.stop()
         await a.stop()

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from stoker.control import logs
-from stoker.control.heard import HeardWorkers
 from stoker.control.waiting import WaitingClaims
 from stoker.domain.errors import StoreError
 from stoker.domain.records import Worker
@@ -87,10 +86,6 @@ class Book(WaitingClaims):
 
     def __init__(self, *, reader: StoreReader, instance_id: str) -> None:
         super().__init__()
-        #: Claimable workers of other replicas, from the store's feed (`following`), and
-        #: whether that feed is listening now.
-        self.heard = HeardWorkers(instance_id)
-        self.feed_live = False
         self._reader = reader
         self.instance_id = instance_id
         self._known: dict[str, Worker] = {}
@@ -221,20 +216,18 @@ class Book(WaitingClaims):
         return found
 
     def heard_worker(self, worker: Worker) -> None:
-        """The store's feed announced a worker row: another replica's claimable worker is
-        queued as heard (and wakes a claim that waits for one); one of this replica's
-        that another replica took over is forgotten."""
+        """The store's feed announced a worker row: another replica's worker that became
+        claimable wakes a claim of this replica waiting for one (which then reserves it
+        from the store); one of this replica's that another replica took over is
+        forgotten."""
         if worker.owner == self.instance_id:
-            self.heard.discard(worker.id)
             return
         known = self._known.get(worker.id)
         if known is not None and worker.version > known.version:
             self._forget(worker.id)
-        if not self.heard.heard(worker):
-            return
         if worker.state is WorkerState.WARM:
             self._wake_warm_waiter(worker.pool)
-        else:
+        elif worker.state is WorkerState.HOT_IDLE:
             self.hot_idle_parked(worker.pool, worker.org)
 
     # -- in flight --------------------------------------------------------------------------

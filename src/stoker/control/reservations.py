@@ -86,19 +86,6 @@ class Reservations:
                 book.put_back_warm(known)
                 return result
             await book.refresh(known.id)
-        # Then the claimable workers of other replicas the store's feed told of.
-        key = revisions[0] if expect is WorkerState.WARM else org
-        while (heard := book.heard.pop(expect, pool, key)) is not None:
-            if heard.revision not in revisions and heard.revision not in also:
-                continue
-            result = await self._lifecycle.reserve(
-                heard, org=org, org_cap=org_cap, owner=owner, activate=True
-            )
-            if result.at_org_cap:
-                book.heard.heard(heard)
-                return result
-            if result.worker is not None:
-                return await self._adopted(result)
         # The queue ran dry: any matching worker in the store (the queues are only hints).
         for revision in revisions:
             result = await self._lifecycle.reserve_any(
