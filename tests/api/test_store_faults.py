@@ -166,6 +166,14 @@ def test_a_start_on_a_new_database_keeps_the_workers_it_cannot_see(tmp_path: Pat
     """The database is lost while workers run, a hot session among them: the next start
     reports each of them (pid and all) and keeps them; only `--stop-stranded` stops them."""
     fleet = f"test-{uuid.uuid4().hex[:8]}"
+    try:
+        lose_the_database_under_running_workers(tmp_path, fleet)
+    finally:
+        # Whatever failed, no worker of the test outlives it.
+        kill_fleet(fleet)
+
+
+def lose_the_database_under_running_workers(tmp_path: Path, fleet: str) -> None:
     fast = config(fleet).replace(
         "janitor_interval_s: 0.5}",
         "janitor_interval_s: 0.5, stranded_grace_s: 0, stranded_scan_s: 0.2}",
@@ -209,4 +217,3 @@ def test_a_start_on_a_new_database_keeps_the_workers_it_cannot_see(tmp_path: Pat
         assert third.log().count("event=stranded_stopped") == len(old)
     finally:
         third.stop()
-        kill_fleet(fleet)
