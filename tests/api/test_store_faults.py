@@ -144,7 +144,7 @@ def test_stop_workers_stops_every_worker_while_the_store_is_locked(tmp_path: Pat
         args=["--stop-workers"],
     )
     try:
-        assert wait_until(lambda: len(fleet_processes(fleet)) == 3, SOON)
+        assert wait_until(lambda: len(fleet_processes(fleet)) >= 3, SOON)
         claimed = httpx.post(srv.url + "/v1/claims", json={"pool": "demo", "org": "acme"})
         assert claimed.status_code == 201, claimed.text
         assert wait_until(lambda: len(fleet_processes(fleet)) == 4, SOON)
@@ -183,7 +183,7 @@ def lose_the_database_under_running_workers(tmp_path: Path, fleet: str) -> None:
         assert wait_until(lambda: len(fleet_processes(fleet)) == 2, SOON)
         claimed = httpx.post(first.url + "/v1/claims", json={"pool": "demo", "org": "acme"})
         assert claimed.status_code == 201, claimed.text
-        assert wait_until(lambda: len(fleet_processes(fleet)) == 3, SOON)
+        assert wait_until(lambda: len(fleet_processes(fleet)) >= 3, SOON)
     finally:
         assert first.stop() == 0
     # The hot one, and the warm ones (refilled after the claim, perhaps more).
