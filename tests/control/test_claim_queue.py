@@ -68,6 +68,27 @@ async def test_the_first_waiter_gets_the_spawn_that_gets_ready_first(tmp_path: P
         assert not runtime.fencing_violations
 
 
+async def test_a_spawn_ready_before_its_claim_waits_serves_the_claim(tmp_path: Path) -> None:
+    """A worker that answers its readiness probe while it is still being created (before
+    its claim begins to wait) serves the claim at once, not at its deadline."""
+    runtime = MemoryRuntime(auto_ready=False)
+    plain_spawn = runtime.spawn
+
+    async def spawn(worker, spec):  # type: ignore[no-untyped-def]
+        ref = await plain_spawn(worker, spec)
+        runtime.make_ready(worker.id)  # the readiness event arrives inside the spawn
+        return ref
+
+    runtime.spawn = spawn  # type: ignore[method-assign]
+    async with running(tmp_path, [pool(warm_target=0)], runtime=runtime) as h:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        claim = await h.claim("a", timeout_s=30)
+        assert claim.org == "a"
+        assert loop.time() - started < 1
+        assert runtime.spawn_calls == 1
+
+
 async def test_a_warm_worker_serves_a_claim_waiting_for_a_slow_spawn(tmp_path: Path) -> None:
     runtime = slow_first_spawn([30.0])
     async with running(tmp_path, [pool(warm_target=0)], runtime=runtime) as h:

@@ -306,8 +306,9 @@ class Claims:
             remaining = a.left(self._clock.monotonic())
             if at_most is not None:
                 remaining = min(remaining, at_most)
-            # A requester that left while the attempt was on its way here woke nobody.
-            if remaining and not a.gone():
+            # A requester that left while the attempt was on its way here woke nobody; a
+            # spawn handed over before the wait began (ready at once) is taken right away.
+            if remaining and not a.gone() and a.spawn_ready is None:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
                         await asyncio.shield(a.wakeup)
