@@ -74,10 +74,21 @@ def wait_ready(client: Client, *, attempts: int = 120) -> None:
     raise SystemExit("stoker demo: the server did not get ready within a minute")
 
 
+def wait_warm(client: Client, *, attempts: int = 120) -> None:
+    """Until the demo pool has a warm worker (its first start-ups), at most a minute: the
+    tour shows a warm claim, not a cold start on a busy machine."""
+    for _ in range(attempts):
+        if client.pool(POOL).counts.get("warm", 0):
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"stoker demo: no worker of pool {POOL!r} got warm within a minute")
+
+
 def tour(url: str) -> None:
     """Claim, use, release and claim again, printing each step."""
     with Client(url) as client:
         wait_ready(client)
+        wait_warm(client)
         show_pool(client)
         with client.claim(POOL, ORG) as session:
             first = session.worker_id
