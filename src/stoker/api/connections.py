@@ -171,7 +171,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _make_room(self) -> bool:
         """Close the longest-idle connection with no whole request in progress (idle, or
-        still sending headers or a body); False if there is none."""
+        still sending headers or a body) and none waiting unread; False if there is none."""
         victim: BoundedHttpProtocol | None = None
         for connection in self.connections:
             if (
@@ -179,6 +179,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 or not isinstance(connection, BoundedHttpProtocol)
                 or (connection._serving and connection._arrived)
                 or connection._refused
+                # A request is here, unread yet (see `_unread`): closing would reset it.
+                or connection._unread()
             ):
                 continue
             if victim is None or connection.idle_since < victim.idle_since:
