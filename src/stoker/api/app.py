@@ -179,16 +179,36 @@ def create_app(
     return app
 
 
+#: The problems an admin route may answer: no token, not an admin's, a bad query.
+_ADMIN = (401, 403, 422)
+#: And a listing, which reads the store: 503 while the plane is not running.
+_LISTING = (*_ADMIN, 503)
+
+
+def _doc(operation: str, summary: str, tag: str, model: Any, *statuses: int) -> dict[str, Any]:
+    """The OpenAPI description of one route of this module."""
+    return {
+        "operation_id": operation,
+        "summary": summary,
+        "response_model": model,
+        "responses": openapi_responses(*statuses),
+        "tags": [tag],
+    }
+
+
+def _check_listing(request: Request, plane: ControlPlane) -> None:
+    """Let an admin list the store's workers or claims once the plane is running."""
+    principal_of(request.scope).check_admin()
+    if not plane.started:
+        raise Unavailable("control plane is not running")
+
+
 def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
     """Register the routes other than the claim routes: pools, workers, health, metrics."""
 
     @app.get(
         "/v1/workers",
-        operation_id="list_workers",
-        response_model=WorkerList,
-        responses=openapi_responses(401, 403, 422, 503),
-        tags=["workers"],
-        summary="List workers (admin)",
+        **_doc("list_workers", "List workers (admin)", "workers", WorkerList, *_LISTING),
     )
     async def list_workers(
         request: Request,
@@ -198,21 +218,14 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     ) -> Response:
         """Workers, oldest first; live ones unless `state` asks for another (e.g. retired)."""
-        principal_of(request.scope).check_admin()
-        if not plane.started:
-            raise Unavailable("control plane is not running")
+        _check_listing(request, plane)
         workers = await plane.store.list_workers(
             pool=pool, states=[state_] if state_ else LIVE, org=org, limit=limit
         )
         return ModelResponse(WorkerList.model_construct(workers=[WorkerOut.of(w) for w in workers]))
 
     @app.get(
-        "/v1/claims",
-        operation_id="list_claims",
-        response_model=ClaimList,
-        responses=openapi_responses(401, 403, 422, 503),
-        tags=["claims"],
-        summary="List claims (admin)",
+        "/v1/claims", **_doc("list_claims", "List claims (admin)", "claims", ClaimList, *_LISTING)
     )
     async def list_claims(
         request: Request,
@@ -221,31 +234,16 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
     ) -> Response:
         """Claims in `state` (default: the open ones, `bound`), oldest first, without
         their session tokens (the server keeps only digests)."""
-        principal_of(request.scope).check_admin()
-        if not plane.started:
-            raise Unavailable("control plane is not running")
+        _check_listing(request, plane)
         claims = await plane.store.list_claims(states=[state_], limit=limit)
         return ModelResponse(ClaimList.model_construct(claims=[ClaimOut.of(c) for c in claims]))
 
-    @app.get(
-        "/healthz",
-        operation_id="healthz",
-        response_model=Health,
-        tags=["health"],
-        summary="Liveness",
-    )
+    @app.get("/healthz", **_doc("healthz", "Liveness", "health", Health))
     async def healthz() -> Response:
         """200 while the process runs."""
         return ModelResponse(Health(status="ok"))
 
-    @app.get(
-        "/readyz",
-        operation_id="readyz",
-        response_model=Health,
-        responses=openapi_responses(503),
-        tags=["health"],
-        summary="Readiness",
-    )
+    @app.get("/readyz", **_doc("readyz", "Readiness", "health", Health, 503))
     async def readyz() -> Response:
         """200 once the store is migrated and the runtime reconciled; 503 while shutting
         down and while the store fails (the last heartbeat's write failed)."""
@@ -286,11 +284,9 @@ def _dashboard_routes(app: FastAPI, plane: ControlPlane) -> None:
 
     @app.get(
         "/v1/events",
-        operation_id="list_events",
-        response_model=EventList,
-        responses=openapi_responses(401, 403, 422),
-        tags=["dashboard"],
-        summary="Recent events of this replica (admin)",
+        **_doc(
+            "list_events", "Recent events of this replica (admin)", "dashboard", EventList, *_ADMIN
+        ),
     )
     async def list_events(
         request: Request,
@@ -309,11 +305,9 @@ def _dashboard_routes(app: FastAPI, plane: ControlPlane) -> None:
 
     @app.get(
         "/v1/history",
-        operation_id="pool_history",
-        response_model=PoolHistory,
-        responses=openapi_responses(401, 403, 422),
-        tags=["dashboard"],
-        summary="The last hour of each pool (admin)",
+        **_doc(
+            "pool_history", "The last hour of each pool (admin)", "dashboard", PoolHistory, *_ADMIN
+        ),
     )
     async def pool_history(
         request: Request, since: Annotated[float, Query(ge=0)] = 0.0
