@@ -9,6 +9,8 @@ each `/v1/` call it makes, where the API's usual rules apply (README, "Dashboard
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -37,6 +39,22 @@ DOCS_POLICY = (
     "frame-ancestors 'none'; base-uri 'none'"
 )
 
+#: The docs pages, on the vendored bundles; each is given the document's URL and a title.
+_SWAGGER_UI = functools.partial(
+    get_swagger_ui_html,
+    swagger_js_url=f"{_SWAGGER}/swagger-ui-bundle.js",
+    swagger_css_url=f"{_SWAGGER}/swagger-ui.css",
+    swagger_favicon_url=f"{_SWAGGER}/favicon-32x32.png",
+    # No badge from the public validator: the page calls this server only.
+    swagger_ui_parameters={"validatorUrl": None},
+)
+_REDOC_PAGE = functools.partial(
+    get_redoc_html,
+    redoc_js_url=f"{_REDOC}/redoc.standalone.js",
+    redoc_favicon_url=f"{_SWAGGER}/favicon-32x32.png",
+    with_google_fonts=False,
+)
+
 
 def add_pages(app: FastAPI, *, openapi_url: str) -> None:
     """Serve the static files, the dashboard at `/ui` and the docs at `/docs`, `/redoc`."""
@@ -57,28 +75,18 @@ def add_pages(app: FastAPI, *, openapi_url: str) -> None:
     async def dashboard_slash() -> Response:
         return RedirectResponse("/ui")
 
-    @app.get("/docs", include_in_schema=False)
-    async def swagger_ui() -> HTMLResponse:
-        page = get_swagger_ui_html(
-            openapi_url=openapi_url,
-            title=f"{app.title} - API",
-            swagger_js_url=f"{_SWAGGER}/swagger-ui-bundle.js",
-            swagger_css_url=f"{_SWAGGER}/swagger-ui.css",
-            swagger_favicon_url=f"{_SWAGGER}/favicon-32x32.png",
-            # No badge from the public validator: the page calls this server only.
-            swagger_ui_parameters={"validatorUrl": None},
-        )
-        page.headers["content-security-policy"] = DOCS_POLICY
-        return page
+    for path, render in (("/docs", _SWAGGER_UI), ("/redoc", _REDOC_PAGE)):
+        _docs_page(app, path, render, openapi_url=openapi_url)
 
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc() -> HTMLResponse:
-        page = get_redoc_html(
-            openapi_url=openapi_url,
-            title=f"{app.title} - API",
-            redoc_js_url=f"{_REDOC}/redoc.standalone.js",
-            redoc_favicon_url=f"{_SWAGGER}/favicon-32x32.png",
-            with_google_fonts=False,
-        )
+
+def _docs_page(
+    app: FastAPI, path: str, render: Callable[..., HTMLResponse], *, openapi_url: str
+) -> None:
+    """Serve the page `render` writes for the document at `openapi_url`, at `path`, under
+    `DOCS_POLICY`."""
+
+    @app.get(path, include_in_schema=False)
+    async def docs_page() -> HTMLResponse:
+        page = render(openapi_url=openapi_url, title=f"{app.title} - API")
         page.headers["content-security-policy"] = DOCS_POLICY
         return page
