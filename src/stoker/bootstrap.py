@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypedDict
 
 import yaml
 
@@ -190,6 +190,15 @@ def build_activation_key(config: StokerConfig) -> ActivationKey:
     return load_activation_key(config.activation, sqlite_path=sqlite_path)
 
 
+class _RuntimeIdentity(TypedDict):
+    """What every runtime is told about whose workers it runs."""
+
+    clock: Clock
+    fleet: str
+    instance_id: str
+    activation_key: ActivationKey
+
+
 def build_runtime(
     config: StokerConfig,
     *,
@@ -206,12 +215,15 @@ def build_runtime(
     the activation secret `activation_key` derives for it.
     """
     runtime = config.runtime
+    identity = _RuntimeIdentity(
+        clock=clock,
+        fleet=config.fleet_name(),
+        instance_id=instance_id,
+        activation_key=activation_key,
+    )
     if not isinstance(runtime, KubernetesRuntimeConfig):
         return LocalProcessRuntime(
-            clock=clock,
-            fleet=config.fleet_name(),
-            instance_id=instance_id,
-            activation_key=activation_key,
+            **identity,
             memory_budget_mb=runtime.memory_budget_mb,
             log_dir=runtime.log_dir,
             start_limit=runtime.start_limit,
@@ -232,10 +244,7 @@ def build_runtime(
     size = runtime.placeholder_size
     return KubernetesRuntime(
         cluster=cluster,
-        clock=clock,
-        fleet=config.fleet_name(),
-        instance_id=instance_id,
-        activation_key=activation_key,
+        **identity,
         resync_s=runtime.resync_s,
         placeholder_priority_class=runtime.placeholder_priority_class,
         placeholder_image=runtime.placeholder_image,
