@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoker.adapters._rows import dump_json, load_json_object
-from stoker.adapters._schema import POOL_TABLES
+from stoker.adapters._rows import RecordRows, dump_json, load_json_object
+from stoker.adapters._schema import POOL_TABLES, ROLLOUTS
 from stoker.domain.errors import NotFound
 from stoker.domain.pools import (
     ACTIVE_ROLLOUT_STATES,
@@ -37,10 +37,23 @@ Params = Mapping[str, Any]
 Statement = tuple[str, Params]
 
 _ACTIVE_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(ACTIVE_ROLLOUT_STATES)) + ")"
-_ROLLOUT_COLUMNS = (
-    "id, pool, revision, base_revision, strategy, state, step, share, started_at, "
-    "step_started_at, ended_at, reason"
+_ROLLOUT_COLUMNS = ", ".join(ROLLOUTS.names)
+_ROLLOUT_ROWS = RecordRows(
+    Rollout,
+    ROLLOUTS,
+    decode={
+        "strategy": lambda value: strategy_from(load_json_object(value)),
+        "state": RolloutState,
+    },
+    encode={"strategy": lambda strategy: dump_json(strategy_json(strategy))},
 )
+#: A `PoolSql.rollout_select` row.
+rollout_from_row = _ROLLOUT_ROWS.from_row
+
+
+def rollout_params(rollout: Rollout) -> dict[str, Any]:
+    """The parameters of a rollout's insert or update."""
+    return dict(zip(ROLLOUTS.names, _ROLLOUT_ROWS.to_row(rollout), strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,25 +323,6 @@ def revision_from_row(row: Sequence[Any]) -> StoredRevision:
     )
 
 
-def rollout_from_row(row: Sequence[Any]) -> Rollout:
-    """A `PoolSql.rollout_select` row."""
-    (id_, pool, revision, base, strategy, state, step, share, started, step_at, ended, reason) = row
-    return Rollout(
-        id=id_,
-        pool=pool,
-        revision=revision,
-        base_revision=base,
-        strategy=strategy_from(load_json_object(strategy)),
-        state=RolloutState(state),
-        started_at=float(started),
-        step=int(step),
-        share=int(share),
-        step_started_at=None if step_at is None else float(step_at),
-        ended_at=None if ended is None else float(ended),
-        reason=reason,
-    )
-
-
 def pool_params(pool: StoredPool, now: float) -> dict[str, Any]:
     """The parameters of a pool's insert or update (at `pool.generation`)."""
     return {
@@ -340,22 +334,4 @@ def pool_params(pool: StoredPool, now: float) -> dict[str, Any]:
         "draining": pool.draining,
         "now": now,
         "seed": dump_json(pool.seed),
-    }
-
-
-def rollout_params(rollout: Rollout) -> dict[str, Any]:
-    """The parameters of a rollout's insert or update."""
-    return {
-        "id": rollout.id,
-        "pool": rollout.pool,
-        "revision": rollout.revision,
-        "base_revision": rollout.base_revision,
-        "strategy": dump_json(strategy_json(rollout.strategy)),
-        "state": rollout.state.value,
-        "step": rollout.step,
-        "share": rollout.share,
-        "started_at": rollout.started_at,
-        "step_started_at": rollout.step_started_at,
-        "ended_at": rollout.ended_at,
-        "reason": rollout.reason,
     }

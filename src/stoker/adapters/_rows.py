@@ -6,10 +6,23 @@ both adapters refuse the same writes.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
+from enum import EnumMeta
+from operator import attrgetter
+from typing import Any, Generic, TypeGuard, TypeVar
 
-from stoker.adapters._schema import CLAIMS, FORECAST, WORKERS
+from stoker.adapters._schema import (
+    CLAIMS,
+    DEMAND,
+    FORECAST,
+    INSTANCES,
+    LEASES,
+    WORKERS,
+    Column,
+    Kind,
+    Table,
+)
 from stoker.domain.errors import IllegalTransition
 from stoker.domain.records import (
     Claim,
@@ -43,162 +56,7 @@ CLAIM_COLUMNS = CLAIMS.names
 WORKER_SELECT = ", ".join(WORKER_COLUMNS)
 CLAIM_SELECT = ", ".join(CLAIM_COLUMNS)
 
-
-def worker_from_row(row: Sequence[Any]) -> Worker:
-    """A `Worker` from a row in `WORKER_COLUMNS` order."""
-    (
-        id_,
-        pool,
-        revision,
-        state,
-        epoch,
-        owner,
-        created_at,
-        updated_at,
-        version,
-        org,
-        claim_id,
-        endpoint,
-        runtime_ref,
-        activated,
-        heartbeat_at,
-        idle_since,
-        ttl_s,
-        reason,
-    ) = row
-    return Worker(
-        id=id_,
-        pool=pool,
-        revision=revision,
-        state=WorkerState(state),
-        epoch=int(epoch),
-        owner=owner,
-        created_at=float(created_at),
-        updated_at=float(updated_at),
-        version=int(version),
-        org=org,
-        claim_id=claim_id,
-        endpoint=endpoint,
-        runtime_ref=load_json_object(runtime_ref),
-        activated=bool(activated),
-        heartbeat_at=float(heartbeat_at),
-        idle_since=None if idle_since is None else float(idle_since),
-        ttl_s=None if ttl_s is None else float(ttl_s),
-        reason=reason,
-    )
-
-
-def worker_to_row(w: Worker) -> tuple[Any, ...]:
-    """A row in `WORKER_COLUMNS` order."""
-    return (
-        w.id,
-        w.pool,
-        w.revision,
-        w.state.value,
-        w.epoch,
-        w.owner,
-        w.created_at,
-        w.updated_at,
-        w.version,
-        w.org,
-        w.claim_id,
-        w.endpoint,
-        dump_json(w.runtime_ref),
-        w.activated,
-        w.heartbeat_at,
-        w.idle_since,
-        w.ttl_s,
-        w.reason,
-    )
-
-
-def claim_from_row(row: Sequence[Any]) -> Claim:
-    """A `Claim` from a row in `CLAIM_COLUMNS` order."""
-    (
-        id_,
-        pool,
-        org,
-        worker_id,
-        worker_epoch,
-        source,
-        mode,
-        state,
-        token,
-        endpoint,
-        lease_s,
-        expires_at,
-        created_at,
-        updated_at,
-        owner,
-        ttl_s,
-        ended_at,
-        reason,
-        idempotency_key,
-        request_digest,
-        sealed_token,
-    ) = row
-    return Claim(
-        id=id_,
-        pool=pool,
-        org=org,
-        worker_id=worker_id,
-        worker_epoch=int(worker_epoch),
-        source=ClaimSource(source),
-        mode=ClaimMode(mode),
-        state=ClaimState(state),
-        token=token,
-        endpoint=endpoint,
-        lease_s=float(lease_s),
-        expires_at=float(expires_at),
-        created_at=float(created_at),
-        updated_at=float(updated_at),
-        owner=owner,
-        ttl_s=None if ttl_s is None else float(ttl_s),
-        ended_at=None if ended_at is None else float(ended_at),
-        reason=reason,
-        idempotency_key=idempotency_key,
-        request_digest=request_digest,
-        sealed_token=sealed_token,
-    )
-
-
-def claim_to_row(c: Claim) -> tuple[Any, ...]:
-    """A row in `CLAIM_COLUMNS` order."""
-    return (
-        c.id,
-        c.pool,
-        c.org,
-        c.worker_id,
-        c.worker_epoch,
-        c.source.value,
-        c.mode.value,
-        c.state.value,
-        token_digest(c.token),
-        c.endpoint,
-        c.lease_s,
-        c.expires_at,
-        c.created_at,
-        c.updated_at,
-        c.owner,
-        c.ttl_s,
-        c.ended_at,
-        c.reason,
-        c.idempotency_key,
-        c.request_digest,
-        c.sealed_token,
-    )
-
-
-def instance_from_row(row: Sequence[Any]) -> Instance:
-    """An `Instance` from `(id, started_at, heartbeat_at, state, meta)`."""
-    id_, started_at, heartbeat_at, state, meta = row
-    return Instance(
-        id=id_,
-        started_at=float(started_at),
-        heartbeat_at=float(heartbeat_at),
-        state=state,
-        meta=load_json_object(meta),
-    )
+R = TypeVar("R")
 
 
 def demand_row(counts: DemandCounts) -> tuple[int, int, int]:
@@ -206,28 +64,10 @@ def demand_row(counts: DemandCounts) -> tuple[int, int, int]:
     return (counts[0], counts[1], counts[2] if len(counts) > 2 else 0)
 
 
-def demand_from_row(row: Sequence[Any]) -> DemandRecord:
-    """A `DemandRecord` from `(pool, instance, misses, waiting, updated_at, claims)`."""
-    pool, instance, misses, waiting, updated_at, claims = row
-    return DemandRecord(pool, instance, int(misses), int(waiting), float(updated_at), int(claims))
-
-
 def forecast_select(table: str) -> str:
     """Every row of the forecast table `table` (its columns are `ForecastBucket`'s fields,
     in order: `ForecastBucket(*row)`, `dataclasses.astuple(bucket)`)."""
     return f"SELECT {', '.join(FORECAST.names)} FROM {table} ORDER BY pool, level, bucket"
-
-
-def lease_from_row(row: Sequence[Any]) -> LeaseRecord:
-    """A `LeaseRecord` from `(name, holder, epoch, renewed_at, duration_s)`."""
-    name, holder, epoch, renewed_at, duration_s = row
-    return LeaseRecord(
-        name=name,
-        holder=holder,
-        epoch=int(epoch),
-        renewed_at=float(renewed_at),
-        duration_s=float(duration_s),
-    )
 
 
 def load_json_object(value: Any) -> dict[str, Any]:
@@ -251,6 +91,96 @@ def column_value(name: str, value: Any) -> Any:
     if name == "activated":
         return bool(value)
     return value
+
+
+class RecordRows(Generic[R]):
+    """The rows of one record type whose fields are a table's columns (by name): each value
+    read is converted by its column's kind (or by its own decoder: an enum's, say), and
+    written as stored (an enum's value, a JSON object's text, or by its own encoder)."""
+
+    def __init__(
+        self,
+        record: type[R],
+        table: Table,
+        *,
+        decode: Mapping[str, Callable[[Any], Any]] | None = None,
+        encode: Mapping[str, Callable[[Any], Any]] | None = None,
+    ) -> None:
+        decode, encode = decode or {}, encode or {}
+        self._record = record
+        self._width = len(table.columns)
+        # Each field in the record's order: its column's place in the row, and its decoder.
+        self._reads = tuple(
+            (table.names.index(f.name), _decoder(table.column(f.name), decode.get(f.name)))
+            for f in fields(record)  # type: ignore[arg-type]
+        )
+        self._fields = attrgetter(*table.names)
+        encoders = (encode.get(c.name) or _encoder(c, decode.get(c.name)) for c in table.columns)
+        self._encoders = tuple((i, e) for i, e in enumerate(encoders) if e is not None)
+
+    def from_row(self, row: Sequence[Any]) -> R:
+        """The record of a row in the table's column order."""
+        if len(row) != self._width:
+            raise ValueError(
+                f"a {self._record.__name__} row has {self._width} columns, not {len(row)}"
+            )
+        return self._record(*[decode(row[i]) for i, decode in self._reads])
+
+    def to_row(self, record: R) -> tuple[Any, ...]:
+        """A row in the table's column order."""
+        row = list(self._fields(record))
+        for i, encode in self._encoders:
+            row[i] = encode(row[i])
+        return tuple(row)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+#: How a value of each kind is read from a row.
+_READ: dict[Kind, Callable[[Any], Any]] = {
+    Kind.TEXT: _same,
+    Kind.INT: int,
+    Kind.INT32: int,
+    Kind.REAL: float,
+    Kind.FLAG: bool,
+    Kind.JSON: load_json_object,
+}
+
+
+def _decoder(column: Column, own: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    read = own or _READ[column.kind]
+    if column.nullable and read is not _same:
+        return lambda value: None if value is None else read(value)
+    return read
+
+
+def _encoder(column: Column, decoder: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """How a field is written when it is not stored as it is: an enum as its value."""
+    if isinstance(decoder, EnumMeta):
+        return attrgetter("value")
+    return dump_json if column.kind is Kind.JSON else None
+
+
+WORKER_ROWS = RecordRows(Worker, WORKERS, decode={"state": WorkerState})
+#: A claim's token is stored as its digest only.
+CLAIM_ROWS = RecordRows(
+    Claim,
+    CLAIMS,
+    decode={"source": ClaimSource, "mode": ClaimMode, "state": ClaimState},
+    encode={"token": token_digest},
+)
+#: A `Worker` from a row in `WORKER_COLUMNS` order, and back.
+worker_from_row, worker_to_row = WORKER_ROWS.from_row, WORKER_ROWS.to_row
+#: A `Claim` from a row in `CLAIM_COLUMNS` order, and back.
+claim_from_row, claim_to_row = CLAIM_ROWS.from_row, CLAIM_ROWS.to_row
+#: An `Instance` from `(id, started_at, heartbeat_at, state, meta)`.
+instance_from_row = RecordRows(Instance, INSTANCES).from_row
+#: A `DemandRecord` from `(pool, instance, misses, waiting, updated_at, claims)`.
+demand_from_row = RecordRows(DemandRecord, DEMAND).from_row
+#: A `LeaseRecord` from `(name, holder, epoch, renewed_at, duration_s)`.
+lease_from_row = RecordRows(LeaseRecord, LEASES).from_row
 
 
 # -- write checks ----------------------------------------------------------------------------
