@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from stoker.domain.pools import Rollout
-from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, Strategy
+from stoker.domain.rollouts import ReplaceStrategy, Strategy, strategy_from
 from stoker.domain.specs import PodTemplate
 from stoker.domain.states import WorkerState
 from stoker.ports.store import Store
@@ -36,17 +36,15 @@ from stoker.sim.sessions import Attempt
 
 #: How often the run looks at the rollout (seconds of run time).
 WATCH_S = 1.0
+#: The settings of the scenario's rollout that are its canary, in the strategy's JSON form.
+_CANARY = {"steps", "step_interval_s", "max_failure_ratio"}
 
 
 def strategy_for(entry: PolicyEntry, config: RolloutConfig) -> Strategy:
     """The rollout's strategy under the policy."""
     if entry.policy == "replace":
         return ReplaceStrategy()
-    return CanaryStrategy(
-        steps=config.steps,
-        step_interval_s=config.step_interval_s,
-        max_failure_ratio=config.max_failure_ratio,
-    )
+    return strategy_from(config.model_dump(include=_CANARY))
 
 
 class RolloutRun:
