@@ -33,15 +33,7 @@ from stoker.control.plane import ControlPlane
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import Worker
-from stoker.domain.specs import (
-    Activation,
-    DemandSpec,
-    OrgSpec,
-    PlaneSettings,
-    PodTemplate,
-    PoolSpec,
-    Timeouts,
-)
+from stoker.domain.specs import PoolSpec
 from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import Clock
 from stoker.ports.elector import Elector
@@ -56,90 +48,13 @@ from stoker.sim.baselines import (
 from stoker.sim.cluster import SimClient, SimCluster
 from stoker.sim.kpa import KnativeKpa
 from stoker.sim.observed import ObservedRuntime, ObservedStore, Observer
+from stoker.sim.plane_specs import org_specs, plane_settings, pool_spec
 from stoker.sim.scenario import (
     PLACEHOLDER_PRIORITY_CLASS,
-    WORKER_PRIORITY_CLASS,
     ActivatorConfig,
     KnativeKpaParams,
     Scenario,
 )
-
-# -- the specs every policy shares ---------------------------------------------------------
-
-
-def pool_spec(scenario: Scenario) -> PoolSpec:
-    """The scenario's pool as stoker's `PoolSpec` (a pod template on the simulated cluster);
-    `stoker-reactive` runs it with the learned forecast off."""
-    pool = scenario.pool
-    reactive = any(entry.policy == "stoker-reactive" for entry in scenario.policies)
-    return PoolSpec(
-        name=pool.name,
-        template=PodTemplate(
-            image=pool.image,
-            cpu=pool.cpu,
-            memory=pool.memory,
-            node_selector=dict(pool.node_selector),
-            tolerations=tuple(dict(t) for t in pool.tolerations),
-            priority_class=WORKER_PRIORITY_CLASS,
-        ),
-        warm_target=pool.warm_target,
-        max_workers=pool.max_workers,
-        max_workers_per_org=pool.max_workers_per_org,
-        hot_idle_ttl=pool.hot_idle_ttl_s,
-        max_ttl=pool.max_ttl_s,
-        min_hot_idle=pool.min_hot_idle,
-        reuse=pool.reuse,
-        activation=Activation.HTTP,
-        scale_down_delay=pool.scale_down_delay_s,
-        lease_s=pool.lease_s,
-        claim_timeout_s=pool.claim_timeout_s,
-        timeouts=Timeouts(
-            spawn_s=pool.spawn_timeout_s,
-            reserve_s=pool.reserve_timeout_s,
-            activation_s=pool.activation_timeout_s,
-            drain_s=pool.drain_timeout_s,
-            stop_grace_s=pool.stop_grace_s,
-        ),
-        headroom_nodes=pool.headroom_nodes,
-        demand=DemandSpec(forecast=not reactive),
-    )
-
-
-def org_specs(scenario: Scenario) -> list[OrgSpec]:
-    """Per-org overrides of the tenants that set any."""
-    specs = []
-    for group in scenario.tenants:
-        if (
-            group.max_workers is None
-            and group.hot_idle_ttl_s is None
-            and group.min_hot_idle is None
-        ):
-            continue
-        for org in group.org_names():
-            specs.append(
-                OrgSpec(
-                    name=org,
-                    hot_idle_ttl=group.hot_idle_ttl_s,
-                    min_hot_idle=group.min_hot_idle,
-                    max_workers=group.max_workers,
-                )
-            )
-    return specs
-
-
-def plane_settings(scenario: Scenario) -> PlaneSettings:
-    """The replicas' intervals and budgets, from the scenario (realistic, not test, values)."""
-    cp = scenario.control_plane
-    return PlaneSettings(
-        janitor_interval_s=cp.janitor_interval_s,
-        reaper_interval_s=cp.reaper_interval_s,
-        instance_heartbeat_s=cp.instance_heartbeat_s,
-        instance_expiry_s=cp.instance_expiry_s,
-        stranded_grace_s=cp.stranded_grace_s,
-        spawn_rate=cp.spawn_rate,
-        spawn_burst=cp.spawn_burst,
-    )
-
 
 # -- the worker side of activation -----------------------------------------------------------
 

@@ -33,12 +33,12 @@ from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.store import Store
 from stoker.sim import vloop
-from stoker.sim.baselines import derived_cap
 from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
 from stoker.sim.passlog import PassLog
-from stoker.sim.replicas import PolicyReplicas, build_replicas, org_specs, pool_spec
+from stoker.sim.plane_specs import Limits, pool_spec
+from stoker.sim.replicas import PolicyReplicas, build_replicas
 from stoker.sim.rollout import RolloutRun
 from stoker.sim.scenario import Scenario
 from stoker.sim.sessions import Attempt, quantiles
@@ -283,32 +283,15 @@ class _PolicyRun:
         cluster = SimCluster(view.cluster_config(), clock=self.clock, rng=random.Random(view.seed))
         store = SqliteStore(":memory:")
         await store.open()
-        orgs = {spec.name: spec for spec in org_specs(view)}
-        cap = derived_cap(self.entry, view)
         pool = self.pool
-
-        def pool_cap(_name: str) -> int:
-            return pool.max_workers if pool.max_workers > 0 else cap
-
-        def org_cap(_pool: str, org: str) -> int:
-            spec = orgs.get(org)
-            if spec is not None and spec.max_workers is not None:
-                return spec.max_workers
-            return pool.max_workers_per_org
-
-        def floor(_pool: str, org: str) -> int:
-            spec = orgs.get(org)
-            if spec is not None and spec.min_hot_idle is not None:
-                return spec.min_hot_idle
-            return pool.min_hot_idle
-
+        limits = Limits.of(view, pool)
         checker = InvariantChecker(
             now=self.now,
             wall=self.clock.now,
             pools={pool.name: pool},
-            pool_cap=pool_cap,
-            org_cap=org_cap,
-            floor=floor,
+            pool_cap=limits.pool_cap,
+            org_cap=limits.org_cap,
+            floor=limits.floor,
             pass_s=view.control_plane.reaper_interval_s,
             check_interval_s=view.check_interval_s,
         )
@@ -332,7 +315,7 @@ class _PolicyRun:
         checker.start()
         rollout = None
         if view.rollout is not None:
-            cap = pool_cap(pool.name)
+            cap = limits.pool_cap(pool.name)
             rollout = RolloutRun(view.rollout, self.entry, replicas, store, checker, cap=cap)
             self.tasks.append(asyncio.ensure_future(rollout.run()))
         if replicas.kpa is not None:
