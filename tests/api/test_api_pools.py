@@ -59,6 +59,26 @@ async def test_patch_changes_the_settings_the_plane_serves(tmp_path: Path) -> No
         assert fresh.status_code == 200 and fresh.json()["generation"] == 3
 
 
+async def test_patch_sets_hot_idle_ttl_back_to_the_default_with_null(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        set_ttl = await api.http.patch(
+            "/v1/pools/demo", json={"hot_idle_ttl": 300}, headers=AS_ADMIN
+        )
+        assert set_ttl.json()["settings"]["hot_idle_ttl"] == 300
+        # Another setting sent alone (or null for the others) leaves the TTL as it is.
+        kept = await api.http.patch(
+            "/v1/pools/demo", json={"warm_target": 3, "lease_s": None}, headers=AS_ADMIN
+        )
+        assert kept.json()["settings"]["hot_idle_ttl"] == 300
+        assert kept.json()["settings"]["lease_s"] == 60
+        unset = await api.http.patch(
+            "/v1/pools/demo", json={"hot_idle_ttl": None}, headers=AS_ADMIN
+        )
+        assert unset.status_code == 200, unset.text
+        assert unset.json()["settings"]["hot_idle_ttl"] is None
+        assert api.plane.catalog.pool("demo").hot_idle_ttl is None
+
+
 async def test_patch_refuses_bad_values_and_callers(tmp_path: Path) -> None:
     async with running(tmp_path, [pool(max_workers=5)], api=TOKENS) as api:
         before = await api.plane.store.get_pool("demo")

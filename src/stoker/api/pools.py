@@ -78,8 +78,9 @@ class PoolDetail(PoolOut):
 
 
 class PoolPatch(BaseModel):
-    """The tunable settings to change (README, "Pools in the store"); those left out (or
-    null) keep their value. Bounds are the config's."""
+    """The tunable settings to change (README, "Pools in the store"); those left out keep
+    their value, and so do those sent as null but for `hot_idle_ttl`, which null sets back
+    to the default (60 s). Bounds are the config's."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -206,6 +207,8 @@ def add_pool_routes(app: FastAPI, plane: ControlPlane) -> None:
         """Change tunable settings; in force on every replica within one janitor pass."""
         principal_of(request.scope).check_admin()
         changes = body.model_dump(exclude_none=True, exclude={"generation"})
+        if "hot_idle_ttl" in body.model_fields_set and body.hot_idle_ttl is None:
+            changes["hot_idle_ttl"] = None  # back to the default
         generation = expected_generation(if_match, body.generation)
         await plane.pools.update(name, changes, generation=generation)
         return _answer(await pool_detail(plane, name))
