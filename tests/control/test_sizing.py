@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fakes import FaultyStore, MemoryRuntime
+from stoker.adapters.runtime_local._startups import StartGate
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
-from stoker.domain.records import ClaimRequest, ForecastBucket
+from stoker.domain.records import ClaimRequest, ForecastBucket, Worker
 from stoker.domain.specs import DemandSpec, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimSource, WorkerState
 from stoker.policy.demand import warm_for_rate
@@ -175,3 +177,75 @@ async def test_a_forecast_that_misses_is_set_aside_for_the_reactive_policy(
         assert sizing.desired == 0 == sizing.reactive
         status = {s.name: s for s in await cp.pool_status()}["p"]
         assert status.sizing is not None and status.sizing.forecast_off
+
+
+class GatedRuntime(MemoryRuntime):
+    """`MemoryRuntime` behind the local runtime's start-up bound: at most `limit` workers
+    start at once, each holding its slot until ready; the rest queue (`StartGate`)."""
+
+    def __init__(self, *, limit: int, ready_delay: float) -> None:
+        super().__init__(ready_delay=ready_delay)
+        self.gate = StartGate(limit)
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        await self.gate.enter(worker.id, urgent=worker.org is not None)
+        return await super().spawn(worker, pool)
+
+    def make_ready(self, worker_id: str) -> None:
+        self.gate.leave(worker_id)
+        super().make_ready(worker_id)
+
+
+@pytest.mark.looptime
+async def test_a_refill_after_a_burst_stays_at_what_the_rate_wants(tmp_path: Path) -> None:
+    # The claim-burst geometry at an eighth: a pool of 40 (cap 80) fills through a start-up
+    # bound of one at a time, 2 s each, so its last spawns waited ~80 s in the queue; then
+    # 20 orgs claim at once and release. The replacement time is what a claim would wait
+    # for a new worker: ~2 s plus a pass. Measured from the spawn's row, it held the queue
+    # (~80 s), the burst's rate over it wanted more than the static 40, and the spawns that
+    # ordered queued longer still: the pool ran to its cap.
+    spec = replace(pool(forecast=False), warm_target=40, max_workers=80)
+    runtime = GatedRuntime(limit=1, ready_delay=2.0)
+    cp = ControlPlane(
+        store=SqliteStore(str(tmp_path / "stoker.db")),
+        runtime=runtime,
+        activator=runtime,
+        pools=[spec],
+        settings=PlaneSettings(),
+        clock=VirtualClock(),
+    )
+    await cp.start(loops=False)
+    try:
+        interval = cp.settings.janitor_interval_s
+
+        async def passes(seconds: float) -> int:
+            """Janitor passes over `seconds`; the most live workers seen."""
+            peak = 0
+            for _ in range(int(seconds / interval)):
+                await cp.run_janitor_pass()
+                await asyncio.sleep(interval)
+                counts = {s.name: s for s in await cp.pool_status()}["p"].counts
+                peak = max(peak, sum(n for state, n in counts.items() if state != "retired"))
+            return peak
+
+        await passes(120)
+        status = {s.name: s for s in await cp.pool_status()}["p"]
+        assert status.counts["warm"] == 40
+        claims = await asyncio.gather(
+            *(cp.claim(ClaimRequest(pool="p", org=f"o{i}", timeout_s=30)) for i in range(20))
+        )
+        assert {c.source for c in claims} == {ClaimSource.WARM}
+        for c in claims:
+            await cp.release(c.id)
+        peak = await passes(240)
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None
+        # 20 claims in the 30 s panic window over ~4 s of replacement want far fewer than
+        # 40: the static target is refilled, beside the burst's 20 parked workers.
+        assert peak <= 40 + 20, (peak, sizing)
+        # Each start-up took 2 s: the estimate is that, not the queue behind the fill.
+        assert sizing.ready_s == pytest.approx(2.0, abs=0.5)
+        status = {s.name: s for s in await cp.pool_status()}["p"]
+        assert status.counts.get("spawning", 0) == 0
+    finally:
+        await cp.stop()

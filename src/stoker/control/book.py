@@ -103,6 +103,10 @@ class Book(WaitingClaims):
         #: `spawning` carries its ref, so that no worker becomes claimable without the ref
         #: another replica needs to adopt and to stop its process.
         self._unsaved_refs: dict[str, dict[str, Any]] = {}
+        #: When the runtime took each spawn that is still starting (its process forked,
+        #: its pod created): its spawn-to-ready time counts from there, not from the time
+        #: it queued behind other spawns (docs/scaling.md).
+        self._started: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: True once the replica stopped taking claims (`start_closing`); read on every
         #: claim and release, so a plain attribute rather than a property.
@@ -128,9 +132,12 @@ class Book(WaitingClaims):
             if before is not None and before.state is not worker.state:
                 self._unqueue(before)
             self._known[worker.id] = worker
+            if worker.state is not WorkerState.SPAWNING:
+                self._started.pop(worker.id, None)
         return worker
 
     def _forget(self, worker_id: str) -> None:
+        self._started.pop(worker_id, None)
         before = self._known.pop(worker_id, None)
         if before is not None:
             self._unqueue(before)
@@ -268,6 +275,18 @@ class Book(WaitingClaims):
         """A write carried the worker's runtime ref."""
         self._unsaved_refs.pop(worker_id, None)
 
+    # -- start-up times ---------------------------------------------------------------------
+
+    def note_started(self, worker_id: str, at: float) -> None:
+        """The runtime took the spawn of a worker this replica knows as spawning at `at`."""
+        known = self._known.get(worker_id)
+        if known is not None and known.state is WorkerState.SPAWNING:
+            self._started[worker_id] = at
+
+    def started_at(self, worker_id: str) -> float | None:
+        """When the runtime took the worker's spawn (None: not noted, or no longer starting)."""
+        return self._started.get(worker_id)
+
     # -- sizes ------------------------------------------------------------------------------
 
     def sizes(self) -> dict[str, int]:
@@ -289,6 +308,7 @@ class Book(WaitingClaims):
             "pending_lost": len(self.lost.copy()),
             "pending_retire": len(self.retirements.copy()),
             "unsaved_refs": len(self._unsaved_refs),
+            "spawn_starts": len(self._started),
             "warm_waiters": sum(map(len, self._warm_waiters.values())),
             "warm_waiter_pools": len(self._warm_waiters),
             "cap_waiters": sum(

@@ -34,7 +34,9 @@ class RuntimeEvents:
             self._spawner.spawn_ready(known.pool, known.revision)
             pool = known.pool
             if known.state is WorkerState.SPAWNING:
-                self._spawner.observe_ready(known.pool, self._clock.now() - known.created_at)
+                started = self._book.started_at(worker_id)
+                since = known.created_at if started is None else started
+                self._spawner.observe_ready(known.pool, self._clock.now() - since)
         if self._book.resolve_ready(worker_id, endpoint, pool=pool):
             return  # the cold claim waiting for it first takes it from here
         self._book.ready.note(worker_id, endpoint)

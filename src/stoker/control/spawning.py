@@ -60,7 +60,8 @@ class Spawner:
     # -- spawn-to-ready time ------------------------------------------------------------------
 
     def observe_ready(self, pool: str, seconds: float) -> None:
-        """A spawn of `pool` got ready `seconds` after its row was written."""
+        """A spawn of `pool` got ready `seconds` after the runtime took it (see
+        `Book.note_started`; after its row was written when that was not noted)."""
         spec = self._catalog.get(pool)
         if spec is not None:
             self._ready_time(spec).observe(seconds)
@@ -210,6 +211,9 @@ class Spawner:
             # Cleared before anything else can happen: once ready, the worker is offered to
             # claims, which skip what is in flight.
             self._book.clear_in_flight(worker.id)
+        # The start-up begins now: the wait for the bucket and the runtime's start-up slot
+        # is the queue of other spawns, not what a new worker takes to get ready.
+        self._book.note_started(worker.id, self._clock.now())
         # Kept until written: if this write fails (or readiness overtakes it), the write
         # that makes the worker ready carries the ref instead.
         self._book.keep_unsaved_ref(worker.id, ref)
