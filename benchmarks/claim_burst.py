@@ -13,7 +13,10 @@ the burst (`warm_target` 320, `max_workers` 640) is filled; then
      the pool refills the 160 it handed out at once;
   2. sustained, while that refill runs: 48 of those orgs each claim (their parked worker),
      call the worker with the session token (`GET /` with `Authorization: Bearer`) and
-     release, over and over for 8 s: cycles per second, latency of each request.
+     release, over and over for 8 s: cycles per second, latency of each request;
+  3. the refill runs to its end: the most live workers seen from the burst on (spawning
+     included) and the largest desired warm (a refill sized by the claim rate stays near
+     `warm_target` plus the burst's parked workers, far below the cap).
 
 Each run also measures the same without refill (a pool of exactly the burst, so nothing
 spawns) and prints both side by side with the ratios (refill / no refill), the spawn
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import re
@@ -495,6 +499,39 @@ async def sustained(
     figures["cycle claim p99 (ms)"] = percentile([s * 1000 for s in claims], 0.99)
 
 
+class PoolWatch:
+    """Samples the pool every half second while it runs: the most live workers (every
+    state but retired, spawning included), the largest desired warm and spawn-to-ready
+    estimate the leader's sizing showed."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
+        self.http, self.url = http, url
+        self.live = self.desired = 0
+        self.ready_s = 0.0
+        self.task = asyncio.create_task(self.run())
+
+    async def run(self) -> None:
+        while True:
+            async with self.http.get(f"{self.url}/v1/pools/bench") as response:
+                body = await response.json()
+            self.live = max(self.live, sum(body["counts"].values()))
+            self.desired = max(self.desired, body["desired_warm"])
+            sizing = body.get("sizing") or {}
+            self.ready_s = max(self.ready_s, sizing.get("ready_s") or 0.0)
+            await asyncio.sleep(0.5)
+
+    async def stop(self, figures: dict[str, float]) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        print(
+            f"  peak live workers {self.live}, peak desired warm {self.desired}, "
+            f"largest spawn-to-ready estimate {self.ready_s:.1f} s"
+        )
+        figures["peak live"] = self.live
+        figures["peak desired warm"] = self.desired
+
+
 async def pool_counts(http: aiohttp.ClientSession, url: str) -> dict[str, int]:
     async with http.get(f"{url}/v1/pools/bench") as response:
         counts: dict[str, int] = (await response.json())["counts"]
@@ -524,6 +561,7 @@ async def run(
                 pool = f"warm_target {workers}, max_workers {2 * workers if refill else workers}"
                 print(f"server at {server.url} ({pool}): {workers} warm after {fill:.1f} s")
                 await asyncio.sleep(2)  # let the janitor settle after the fill
+                watch = PoolWatch(http, server.url)
                 profiler.start("burst")
                 ids = await burst(http, server.url, args.burst, server.proc.pid, figures)
                 profiler.stop()
@@ -546,6 +584,14 @@ async def run(
                 profiler.stop()
                 counts = await pool_counts(http, server.url)
                 print(f"  after the cycles: {counts['spawning']} spawning, {counts['warm']} warm")
+                # The refill runs to its end: how far it went is the pool's sizing.
+                settled = await timed(lambda: wait_settled(http, server.url))
+                counts = await pool_counts(http, server.url)
+                print(
+                    f"  refill settled {settled[0]:.1f} s later: {counts['warm']} warm, "
+                    f"{sum(counts.values())} live"
+                )
+                await watch.stop(figures)
         finally:
             server.stop()
             failures = len(SPAWN_FAILURE.findall(server.log_text()))
