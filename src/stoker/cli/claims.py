@@ -13,7 +13,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from stoker.cli.output import (
-    JsonOption,
     LimitOption,
     TokenOption,
     UrlOption,
@@ -21,9 +20,10 @@ from stoker.cli.output import (
     make_console,
     print_json,
     server,
+    server_command,
     when,
 )
-from stoker.sdk import ClaimInfo
+from stoker.sdk import ClaimInfo, Client
 
 claims_app = typer.Typer(
     name="claims", help="Claims on the server (admin token).", no_args_is_help=True
@@ -174,19 +174,18 @@ def _claim_details(c: ClaimInfo) -> Table:
     return table
 
 
-@claims_app.command("list")
+@server_command(claims_app, "list")
 def claims_list(
     state: Annotated[
         ClaimStateChoice, typer.Option("--state", "-s", help="Claims in this state")
     ] = ClaimStateChoice.bound,
     limit: LimitOption = 1000,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
+    *,
+    client: Client,
+    as_json: bool,
 ) -> None:
     """Claims in a state (the open ones by default), oldest first."""
-    with server(url, token) as client:
-        claims = client.claims(state=state.value, limit=limit)
+    claims = client.claims(state=state.value, limit=limit)
     if as_json:
         print_json({"claims": [dict(c.raw) for c in claims]})
         return
@@ -201,28 +200,19 @@ def _print_claim(info: ClaimInfo, as_json: bool) -> None:
         make_console().print(_claim_details(info))
 
 
-@claims_app.command("show")
-def claims_show(
-    claim_id: ClaimIdArgument,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
-) -> None:
+@server_command(claims_app, "show")
+def claims_show(claim_id: ClaimIdArgument, *, client: Client, as_json: bool) -> None:
     """One claim."""
-    with server(url, token) as client:
-        info = client.get_claim(claim_id)
-    _print_claim(info, as_json)
+    _print_claim(client.get_claim(claim_id), as_json)
 
 
-@claims_app.command("renew")
+@server_command(claims_app, "renew")
 def claims_renew(
     claim_id: ClaimIdArgument,
     lease: Annotated[float | None, _lease_option("Lease in seconds from now", "its own")] = None,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
+    *,
+    client: Client,
+    as_json: bool,
 ) -> None:
     """Extend a claim's lease from now."""
-    with server(url, token) as client:
-        info = client.renew(claim_id, lease)
-    _print_claim(info, as_json)
+    _print_claim(client.renew(claim_id, lease), as_json)

@@ -4,10 +4,12 @@ the one-line failure."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Annotated, Any, NoReturn
 
@@ -56,6 +58,44 @@ def server(url: str | None, token: str | None) -> Iterator[Client]:
             yield client
         except StokerError as exc:
             fail(str(exc))
+
+
+#: The options every command that talks to the server takes after its own, in this order.
+_SERVER_OPTIONS = tuple(
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=option)
+    for name, default, option in (
+        ("as_json", False, JsonOption),
+        ("url", None, UrlOption),
+        ("token", None, TokenOption),
+    )
+)
+
+
+def server_command(
+    app: typer.Typer, name: str
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register the decorated function as the command `name` of `app`, on the server: the
+    command takes its own options and then `--json`, `--url` and `--token`, and the function
+    is called with its own and `client` (inside `server`) and `as_json`."""
+
+    def register(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        params = [p for p in own.parameters.values() if p.name not in ("client", "as_json")]
+
+        @functools.wraps(command)
+        def run(
+            *args: Any, as_json: bool, url: str | None, token: str | None, **kwargs: Any
+        ) -> None:
+            with server(url, token) as client:
+                command(*args, client=client, as_json=as_json, **kwargs)
+
+        # typer reads a command's options off its signature.
+        signature = own.replace(parameters=[*params, *_SERVER_OPTIONS])
+        run.__signature__ = signature  # type: ignore[attr-defined]
+        app.command(name)(run)
+        return command
+
+    return register
 
 
 def make_console(*, fit: bool = False) -> Console:

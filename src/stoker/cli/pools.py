@@ -26,6 +26,7 @@ from stoker.cli.output import (
     make_console,
     print_json,
     server,
+    server_command,
 )
 from stoker.sdk import Client, PoolChanges, PoolInfo, StokerError
 
@@ -65,16 +66,10 @@ def pools(
             _print_pools(client.url, client.pools(), as_json=as_json, one=False)
 
 
-@pools_app.command("show")
-def pools_show(
-    name: NameArgument,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
-) -> None:
+@server_command(pools_app, "show")
+def pools_show(name: NameArgument, *, client: Client, as_json: bool) -> None:
     """One pool, with its stored generation, settings and revisions."""
-    with server(url, token) as client:
-        _print_pools(client.url, [client.pool(name)], as_json=as_json, one=True)
+    _print_pools(client.url, [client.pool(name)], as_json=as_json, one=True)
 
 
 #: A count or a duration in seconds to set; left out, the setting keeps its value.
@@ -82,7 +77,7 @@ Count = Annotated[int | None, typer.Option(min=0, show_default=False)]
 Seconds = Annotated[float | None, typer.Option(min=0, show_default=False)]
 
 
-@pools_app.command("set")
+@server_command(pools_app, "set")
 def pools_set(
     name: NameArgument,
     warm_target: Count = None,
@@ -99,9 +94,9 @@ def pools_set(
         int | None,
         typer.Option(help="Change only if the pool is still at this generation", min=1),
     ] = None,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
+    *,
+    client: Client,
+    as_json: bool,
 ) -> None:
     """Change a pool's settings: in force on every replica within one janitor pass.
 
@@ -123,24 +118,22 @@ def pools_set(
     changes: PoolChanges = {k: v for k, v in given.items() if v is not None}  # type: ignore[assignment]
     if set(changes) <= {"generation"}:
         fail("nothing to change: give at least one setting (see --help)", code=2)
-    with server(url, token) as client:
-        changed = client.update_pool(name, **changes)
+    changed = client.update_pool(name, **changes)
     _print_pools(client.url, [changed], as_json=as_json, one=True)
 
 
-@pools_app.command("drain")
+@server_command(pools_app, "drain")
 def pools_drain(
     name: NameArgument,
     undo: Annotated[
         bool, typer.Option("--undo", help="Hand out the pool's claims again (undrain)")
     ] = False,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
+    *,
+    client: Client,
+    as_json: bool,
 ) -> None:
     """Stop handing out a pool's new claims: sessions end as usual, warm workers retire."""
-    with server(url, token) as client:
-        changed = client.drain_pool(name, draining=not undo)
+    changed = client.drain_pool(name, draining=not undo)
     _print_pools(client.url, [changed], as_json=as_json, one=True)
 
 

@@ -9,16 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from stoker.cli.output import (
-    JsonOption,
-    LimitOption,
-    TokenOption,
-    UrlOption,
-    make_console,
-    print_json,
-    server,
-    when,
-)
+from stoker.cli.output import LimitOption, make_console, print_json, server_command, when
+from stoker.sdk import Client
 
 workers_app = typer.Typer(
     name="workers", help="Workers on the server (admin token).", no_args_is_help=True
@@ -39,7 +31,7 @@ class WorkerStateChoice(StrEnum):
     retired = "retired"
 
 
-@workers_app.command("list")
+@server_command(workers_app, "list")
 def workers_list(
     pool: Annotated[str | None, typer.Option("--pool", "-p", help="Only this pool")] = None,
     state: Annotated[
@@ -48,15 +40,12 @@ def workers_list(
     ] = None,
     org: Annotated[str | None, typer.Option("--org", "-o", help="Only this org")] = None,
     limit: LimitOption = 1000,
-    as_json: JsonOption = False,
-    url: UrlOption = None,
-    token: TokenOption = None,
+    *,
+    client: Client,
+    as_json: bool,
 ) -> None:
     """Workers, oldest first: the live ones, or those in `--state`."""
-    with server(url, token) as client:
-        workers = client.workers(
-            pool=pool, state=state.value if state else None, org=org, limit=limit
-        )
+    workers = client.workers(pool=pool, state=state.value if state else None, org=org, limit=limit)
     if as_json:
         print_json({"workers": [dict(w.raw) for w in workers]})
         return
