@@ -19,6 +19,7 @@ from stoker.cli.output import (
     fail,
     make_console,
     print_json,
+    print_listing,
     server,
     server_command,
     when,
@@ -131,22 +132,12 @@ class ClaimStateChoice(StrEnum):
 ClaimIdArgument = Annotated[str, typer.Argument(metavar="ID", help="Claim id")]
 
 
-def _claims_table(claims: Sequence[ClaimInfo], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for column in ("id", "pool", "org", "state", "source", "worker", "created", "expires"):
-        table.add_column(column, overflow="fold")
-    for c in claims:
-        table.add_row(
-            c.id,
-            c.pool,
-            c.org,
-            c.state,
-            c.source,
-            c.worker.id,
-            when(c.created_at),
-            when(c.expires_at) if c.bound else "-",
-        )
-    return table
+_CLAIM_COLUMNS = ("id", "pool", "org", "state", "source", "worker", "created", "expires")
+
+
+def _claim_row(c: ClaimInfo) -> tuple[str, ...]:
+    expires = when(c.expires_at) if c.bound else "-"
+    return (c.id, c.pool, c.org, c.state, c.source, c.worker.id, when(c.created_at), expires)
 
 
 def _claim_details(c: ClaimInfo) -> Table:
@@ -186,10 +177,8 @@ def claims_list(
 ) -> None:
     """Claims in a state (the open ones by default), oldest first."""
     claims = client.claims(state=state.value, limit=limit)
-    if as_json:
-        print_json({"claims": [dict(c.raw) for c in claims]})
-        return
-    make_console().print(_claims_table(claims, f"{len(claims)} {state.value} claims"))
+    what = f"{state.value} claims"
+    print_listing("claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=as_json, what=what)
 
 
 def _print_claim(info: ClaimInfo, as_json: bool) -> None:

@@ -9,12 +9,13 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, Protocol, TypeVar
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from stoker.sdk import Client, Retries, StokerError
 
@@ -111,6 +112,37 @@ def make_console(*, fit: bool = False) -> Console:
 def print_json(body: Any, *, indent: int | None = 2) -> None:
     """`body` as JSON on stdout, indented unless `indent` is None (one line)."""
     print(json.dumps(body, indent=indent, ensure_ascii=False), flush=True)
+
+
+class _Answer(Protocol):
+    @property
+    def raw(self) -> Mapping[str, Any]: ...
+
+
+A = TypeVar("A", bound=_Answer)
+
+
+def print_listing(
+    name: str,
+    answers: Sequence[A],
+    columns: Sequence[str],
+    row: Callable[[A], Sequence[str]],
+    *,
+    as_json: bool,
+    what: str | None = None,
+) -> None:
+    """A listing of `answers`: the server's JSON (`{name: [...]}`), or a table titled with
+    their number and `what` they are (`name` by default) of `columns`, with the `row` of
+    each answer, its long cells folded."""
+    if as_json:
+        print_json({name: [dict(a.raw) for a in answers]})
+        return
+    table = Table(title=f"{len(answers)} {what or name}", title_justify="left")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for answer in answers:
+        table.add_row(*row(answer))
+    make_console().print(table)
 
 
 def when(value: datetime | None) -> str:

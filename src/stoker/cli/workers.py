@@ -7,10 +7,9 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from stoker.cli.output import LimitOption, make_console, print_json, server_command, when
-from stoker.sdk import Client
+from stoker.cli.output import LimitOption, print_listing, server_command, when
+from stoker.sdk import Client, WorkerInfo
 
 workers_app = typer.Typer(
     name="workers", help="Workers on the server (admin token).", no_args_is_help=True
@@ -46,21 +45,21 @@ def workers_list(
 ) -> None:
     """Workers, oldest first: the live ones, or those in `--state`."""
     workers = client.workers(pool=pool, state=state.value if state else None, org=org, limit=limit)
-    if as_json:
-        print_json({"workers": [dict(w.raw) for w in workers]})
-        return
-    table = Table(title=f"{len(workers)} workers", title_justify="left")
-    for column in ("id", "pool", "state", "org", "claim", "revision", "created", "reason"):
-        table.add_column(column, overflow="fold")
-    for w in workers:
-        table.add_row(
-            w.id,
-            w.pool,
-            w.state,
-            w.org or "-",
-            w.claim_id or "-",
-            w.revision,
-            when(w.created_at),
-            escape(w.reason or "-"),
-        )
-    make_console().print(table)
+    print_listing("workers", workers, _WORKER_COLUMNS, _worker_row, as_json=as_json)
+
+
+_WORKER_COLUMNS = ("id", "pool", "state", "org", "claim", "revision", "created", "reason")
+
+
+def _worker_row(w: WorkerInfo) -> tuple[str, ...]:
+    reason = escape(w.reason or "-")
+    return (
+        w.id,
+        w.pool,
+        w.state,
+        w.org or "-",
+        w.claim_id or "-",
+        w.revision,
+        when(w.created_at),
+        reason,
+    )
