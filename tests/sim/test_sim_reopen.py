@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from stoker.domain.errors import ClaimConflict
+from stoker.domain.errors import CapacityError, ClaimConflict
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState
 from stoker.ports.clock import LoopClock
@@ -96,3 +96,52 @@ def test_a_session_that_lost_its_worker_claims_again_for_the_time_it_still_neede
     assert (stats.sessions, stats.sessions_failed, stats.sessions_reopened) == (1, 1, 1)
     assert (stats.released, stats.sessions_lost, driver.active) == (1, 0, 0)
     assert driver.log.bound_after_s == {1: 0.0}
+
+
+class FailsItsFirstClaim(LosesItsFirstWorker):
+    """The first claim fails after 10 s (no capacity); the next ones bind at once."""
+
+    async def claim(self, req: ClaimRequest) -> Claim:
+        if not self.claimed:
+            self.claimed.append(self.loop.time())
+            await asyncio.sleep(10)
+            raise CapacityError("no worker within 10s", reason="no_capacity")
+        return await super().claim(req)
+
+
+def test_a_client_in_its_retry_back_off_is_no_waiting_claim() -> None:
+    """The pass log's `waiting` and `waiting_with_warm` count claims the control plane
+    holds: a client sleeping between two attempts has none there."""
+    loop = new_event_loop()
+    target = FailsItsFirstClaim(loop)
+    group = TenantGroup.model_validate(
+        {
+            "name": "t",
+            "arrival": {"initial": 1, "start_s": 0},
+            "duration": 100,
+            "retries": 2,
+            "retry_backoff_s": 4,
+        }
+    )
+    driver = LoadDriver(tenants=[group], pool="p", targets=[target], clock=LoopClock(), seed=1)
+    seen: list[tuple[float, int, int]] = []
+
+    async def run() -> None:
+        driver.start()
+        for _ in range(30):
+            await asyncio.sleep(0.5)
+            seen.append((loop.time(), driver.waiting, driver.waiting_longer_than(1.0)))
+        await driver.stop()
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    driver.raise_if_failed()
+    first, second = target.claimed
+    assert 10 + 2 <= second - first <= 10 + 4
+    during_attempt = [s for s in seen if first + 1.5 < s[0] < first + 10]
+    during_backoff = [s for s in seen if first + 10 < s[0] < second]
+    assert during_attempt and all(s[1:] == (1, 1) for s in during_attempt)
+    assert during_backoff and all(s[1:] == (0, 0) for s in during_backoff)
+    assert driver.log.bound_after_s[1] == second - first

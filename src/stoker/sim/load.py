@@ -306,6 +306,8 @@ class LoadDriver:
             started = self._clock.monotonic()
             self.waiting += 1
             self._waiting_since[number] = started
+            # Set when the attempt failed: the client's back-off before the next one.
+            backoff: float | None = None
             try:
                 claim = await target.claim(
                     ClaimRequest(
@@ -324,12 +326,15 @@ class LoadDriver:
                 if attempt < first + group.retries:
                     backoff = retry_backoff_s(group, attempt - first, jitter)
                 self._attempt(number, org, attempt, replica, started, reason, None, backoff)
-                if backoff > 0:
-                    await self._clock.sleep(backoff)
-                continue
             finally:
                 self.waiting -= 1
                 self._waiting_since.pop(number, None)
+            if backoff is not None:
+                # The back-off is the client's own sleep, after the attempt: no claim waits
+                # in the control plane meanwhile (`waiting`, `waiting_longer_than`).
+                if backoff > 0:
+                    await self._clock.sleep(backoff)
+                continue
             self._attempt(number, org, attempt, replica, started, "bound", claim.source.value, 0.0)
             self._bound(claim, self._clock.monotonic() - started)
             return target, claim, attempt + 1

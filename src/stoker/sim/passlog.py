@@ -10,7 +10,8 @@ writes it as `passes.csv` and plots it.
 `waiting_with_warm` counts rows at which a claim had waited over `WAIT_S` while a warm
 worker sat ready: the waste the claim path must not allow (a waiting claim takes the
 first ready worker). A claim served from the warm pool takes milliseconds, so one caught
-in flight by a row never counts.
+in flight by a row never counts; a client sleeping in its retry back-off has no claim
+waiting.
 """
 
 from __future__ import annotations
