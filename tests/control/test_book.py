@@ -322,3 +322,19 @@ def test_a_drained_queue_is_dropped() -> None:
     b.clear_in_flight("w1")
     sizes = b.sizes()
     assert (sizes["ready"], sizes["ready_queues"]) == (0, 0)
+
+
+def test_an_offer_of_stored_warm_workers_wakes_as_many_waiters_oldest_first() -> None:
+    b = book()
+    gone = Waiting("gone", abandoned=True)
+    first, second, third = Waiting("first"), Waiting("second"), Waiting("third")
+    for w in (gone, first, second, third):
+        b.wait_for_warm("p", w)
+    assert b.warm_waiting_pools() == ["p"]
+
+    b.offer_stored("p", 2)
+    assert (gone.woken, first.woken, second.woken, third.woken) == (0, 1, 1, 0)
+    b.offer_stored("q", 3)  # another pool's workers wake nobody here
+    b.offer_stored("p", 5)  # more workers than waiters
+    assert (first.woken, second.woken, third.woken) == (1, 1, 1)
+    assert b.warm_waiting_pools() == []

@@ -8,15 +8,22 @@ SQLite adapter, as in tests/control/test_plane_claims.py whose harness this file
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 from test_plane_claims import Harness, pool, running
 
 from fakes import MemoryRuntime
+from stoker.adapters.sqlite import SqliteStore
+from stoker.control.following import OFFER_INTERVAL_S
+from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError
-from stoker.domain.specs import OrgSpec
+from stoker.domain.records import ClaimRequest
+from stoker.domain.specs import OrgSpec, PlaneSettings
 from stoker.domain.states import ClaimMode, ClaimSource, WorkerState
+from stoker.ports.clock import VirtualClock
 
 pytestmark = pytest.mark.looptime
 
@@ -214,3 +221,63 @@ async def test_a_reclaim_misses_a_worker_reserved_since_it_was_read(tmp_path: Pa
         assert await h.plane.retirer.reclaim(spec, "o2") is None
         again = await h.store.get_worker(parked.id)
         assert again is not None and again.state is S.RESERVED and again.org == "o1"
+
+
+# -- a claim waiting on one replica takes the worker another replica made ready ------------
+
+
+@asynccontextmanager
+async def two_replicas(path: Path) -> AsyncIterator[tuple[ControlPlane, ControlPlane]]:
+    """Replicas A and B on one SQLite file, both with their loops running (janitor and
+    reaper too rare to act): A's spawns get ready in 0.2 s, B's never do, and B may adopt
+    A's workers (one set of processes)."""
+    quiet = PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600)
+    runtime_a = MemoryRuntime(ready_delay=0.2)
+    runtime_b = MemoryRuntime(auto_ready=False)
+    runtime_b.procs = runtime_a.procs
+    planes = [
+        ControlPlane(
+            store=SqliteStore(str(path / "stoker.db")),
+            runtime=runtime,
+            activator=runtime,
+            pools=[pool(warm_target=0)],
+            settings=quiet,
+            clock=VirtualClock(),
+        )
+        for runtime in (runtime_a, runtime_b)
+    ]
+    for plane in planes:
+        await plane.start()
+    try:
+        yield planes[0], planes[1]
+    finally:
+        for plane in planes:
+            await plane.stop()
+
+
+async def test_a_claim_waiting_on_one_replica_takes_another_replicas_warm_worker(
+    tmp_path: Path,
+) -> None:
+    """The store has no feed: an offer pass hands B's waiting claims the worker A made
+    ready, to the one that waits longest, within a pass rather than at its deadline."""
+    async with two_replicas(tmp_path) as (a, b):
+        loop = asyncio.get_running_loop()
+        first = asyncio.create_task(b.claim(ClaimRequest(pool="p", org="x", timeout_s=60)))
+        await asyncio.sleep(0.5)
+        second = asyncio.create_task(b.claim(ClaimRequest(pool="p", org="y", timeout_s=60)))
+        await asyncio.sleep(2)
+        assert not first.done() and not second.done()
+        # A cold claim on A whose requester leaves: its spawn, ready 0.2 s later, is warm.
+        spawned = loop.time()
+        with pytest.raises(CapacityError):
+            await a.claim(ClaimRequest(pool="p", org="z", mode=ClaimMode.COLD, timeout_s=0.1))
+        claim = await asyncio.wait_for(first, timeout=5)
+        # Ready 0.2 s after the spawn, then at most one offer pass and the reservation.
+        assert loop.time() - spawned < 0.2 + OFFER_INTERVAL_S + 0.3
+        assert claim.source is ClaimSource.WARM and claim.org == "x"
+        taken = await b.store.get_worker(claim.worker_id)
+        assert taken is not None and taken.owner == b.instance_id  # adopted from A
+        assert claim.worker_id in a.runtime.procs  # type: ignore[attr-defined]
+        # Nothing else got ready: the second claim waits for its own spawn, in vain.
+        with pytest.raises(CapacityError):
+            await second

@@ -179,11 +179,13 @@ class ControlPlane:
             ]
 
     def _feed(self) -> list[asyncio.Task[None]]:
-        """Following the store's worker feed, on a store that has one."""
+        """Following the store's worker feed, on a store that has one, and the offer
+        passes (`following`)."""
+        follower = Follower(self.book, self.store, self.rollouts)
+        offers = asyncio.create_task(follower.offer_every(self.clock), name="offer")
         if not isinstance(self.store, WorkerFeed):
-            return []
-        follower = Follower(self.book, self.store)
-        return [asyncio.create_task(follower.run(self.store), name="feed")]
+            return [offers]
+        return [asyncio.create_task(follower.run(self.store), name="feed"), offers]
 
     def _log_cap(self, pool: PoolSpec) -> None:
         if pool.max_workers > 0:

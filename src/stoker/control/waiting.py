@@ -67,6 +67,8 @@ class WaitingClaims:
         #: The claim each awaited spawn is linked to, and back.
         self._spawn_owner: dict[str, SpawnOwner] = {}
         self._owned: dict[SpawnOwner, str] = {}
+        #: Set by the next claim that queues for a warm worker (`until_warm_waiter`).
+        self._first_warm_waiter: asyncio.Future[None] | None = None
 
     # -- waiting claims ---------------------------------------------------------------------
 
@@ -74,6 +76,8 @@ class WaitingClaims:
         """Wake `waiter` when a warm worker of `pool` is offered or a slot frees (until
         `stop_waiting`)."""
         self._warm_waiters.setdefault(pool, {})[waiter] = None
+        if self._first_warm_waiter is not None and not self._first_warm_waiter.done():
+            self._first_warm_waiter.set_result(None)
 
     def wait_for_slot(self, pool: str, org: str, waiter: Waiter) -> None:
         """Wake `waiter` when `org` (or, with org "", anyone) frees a slot of `pool`, or
@@ -119,16 +123,40 @@ class WaitingClaims:
                 waiter.wake()
         self._wake_warm_waiter(pool)
 
-    def _wake_warm_waiter(self, pool: str) -> None:
+    async def until_warm_waiter(self) -> None:
+        """Return once some claim is queued for a warm worker (at once if one is)."""
+        if self._warm_waiters:
+            return
+        if self._first_warm_waiter is None or self._first_warm_waiter.done():
+            self._first_warm_waiter = asyncio.get_running_loop().create_future()
+        await self._first_warm_waiter
+
+    def warm_waiting_pools(self) -> list[str]:
+        """The pools some claim of this replica is queued in for a warm worker."""
+        return list(self._warm_waiters)
+
+    def offer_stored(self, pool: str, warm: int) -> None:
+        """`warm` workers of `pool` sit ready in the store, whichever replica owns them:
+        wake as many of the claims waiting for one, longest waiting first (each then
+        reserves one from the store)."""
+        for _ in range(warm):
+            if not self._wake_warm_waiter(pool):
+                return
+
+    def _wake_warm_waiter(self, pool: str) -> bool:
+        """Wake the claim that waits longest for a worker of `pool`; False if none does."""
         waiters = self._warm_waiters.get(pool)
+        woken = False
         while waiters:
             waiter = next(iter(waiters))
             del waiters[waiter]
             if not waiter.abandoned and not _handed(waiter):
                 waiter.wake()
+                woken = True
                 break
         if waiters is not None and not waiters:
             del self._warm_waiters[pool]
+        return woken
 
     def _first_waiter(self, pool: str) -> Waiter | None:
         """The claim that waits longest for a worker of `pool` (abandoned ones and those
