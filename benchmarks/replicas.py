@@ -2,20 +2,27 @@
 long the fleet goes without a leader when the leader is SIGKILLed.
 
     python benchmarks/replicas.py [--postgres URL] [--workers 96] [--duration 10]
-                                  [--concurrency 24] [--failovers 3] [--timings default|short]
-                                  [--only throughput|failover]
+                                  [--concurrency 24] [--rounds 3] [--failovers 3]
+                                  [--timings default|short] [--only throughput|failover]
 
-Prints, for 1 replica and for 3 (each on a fresh schema, the clients' requests spread
-round robin over the replicas' ports, as a load balancer would):
+Runs `--rounds` rounds of 1 replica and of 3 (alternating which goes first; each on a
+fresh schema, the clients' requests spread round robin over the replicas' ports, as a load
+balancer would) and prints each run, then the median of each figure and the median of
+the paired ratios 3 replicas / 1 (each ratio of one round, so that the machine's load at
+the time cancels out):
 
   warm path    a burst of `--workers` simultaneous claims by as many orgs against as many
                warm workers, activation included: claims/s (burst size / time until all
-               are bound) and p50/p99 latency. With 3 replicas most claims land on a
-               replica that did not spawn the worker: it reserves it from the store and
-               adopts the process.
+               are bound) and p50/p99 latency. The leader spawns the warm workers (the
+               replica that spawned each is printed): with 3 replicas two claims in three
+               land on a replica that did not, which reserves one from the store and
+               adopts the process. The compare-and-sets that found their row taken are
+               counted (`stoker_fence_misses`).
   reuse path   `--concurrency` orgs claim and release their parked worker for `--duration`
-               seconds, each request to the next replica: claims/s, p50/p99 of claims and
-               releases.
+               seconds, each request to the next replica: claims/s, p99 of claims.
+
+and for each phase the CPU per claim of the replica processes (summed, and the busiest),
+of PostgreSQL's processes (all of this machine's) and how many cores the machine was busy.
 
 Then, with 3 replicas, `--failovers` times: SIGKILL the replica that leads the janitor and
 measure from the kill until a survivor reports `stoker_janitor_is_leader` 1, until a
@@ -45,6 +52,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+import psycopg
 import uvloop
 
 from chaos_soak import (
@@ -55,7 +63,7 @@ from chaos_soak import (
     postgres_reachable,
     read_workers,
 )
-from claim_burst import claim, percentile, release, timed
+from claim_burst import Profiler, claim, percentile, release, timed
 
 #: The shipped defaults of `intervals` and `leader_election` (stoker.domain.specs).
 DEFAULT_TIMINGS = Timings(
@@ -104,7 +112,78 @@ async def wait_warm(fleet: ReplicaSet, count: int, timeout: float = 600) -> floa
     raise SystemExit(f"the pool did not reach {count} warm workers in {timeout:g}s")
 
 
-async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> None:
+def cpu_seconds(pids: list[int]) -> list[float]:
+    """CPU seconds (user + system) used so far by each of `pids` (0 for one that is gone)."""
+    used = []
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            used.append(0.0)
+            continue
+        used.append(t.user + t.system)
+    return used
+
+
+async def backends(fleet: ReplicaSet) -> list[int]:
+    """The pids of the PostgreSQL backends serving the fleet's replicas (their connections
+    carry `application_name=<fleet>-r<index>`)."""
+    async with await psycopg.AsyncConnection.connect(fleet.postgres_url, autocommit=True) as c:
+        cur = await c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
+            (f"{fleet.fleet}-r%",),
+        )
+        return [pid for (pid,) in await cur.fetchall()]
+
+
+class CpuMeter:
+    """CPU used during one phase by each replica process, by the fleet's PostgreSQL
+    backends, and by the whole machine."""
+
+    def __init__(self, fleet: ReplicaSet, pids: list[int]) -> None:
+        self.fleet = fleet
+        self.pids = pids
+
+    async def __aenter__(self) -> CpuMeter:
+        self.backends = dict(zip(db := await backends(self.fleet), cpu_seconds(db), strict=True))
+        self.replicas = cpu_seconds(self.pids)
+        self.machine = _busy()
+        self.started = time.perf_counter()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.elapsed = time.perf_counter() - self.started
+        self.machine = _busy() - self.machine
+        after = cpu_seconds(self.pids)
+        self.replicas = [b - a for a, b in zip(self.replicas, after, strict=True)]
+        # A backend that started during the phase counts from 0; one that ended is lost.
+        db = await backends(self.fleet)
+        self.database = sum(
+            b - self.backends.get(pid, 0.0) for pid, b in zip(db, cpu_seconds(db), strict=True)
+        )
+
+    def per(self, figures: dict[str, float], phase: str, count: int) -> None:
+        """Record milliseconds of CPU per `count` (claims or cycles) of the phase."""
+        count = max(count, 1)
+        figures[f"{phase} replica CPU/claim (ms)"] = 1000 * sum(self.replicas) / count
+        figures[f"{phase} replica CPU/claim, busiest (ms)"] = 1000 * max(self.replicas) / count
+        figures[f"{phase} database CPU/claim (ms)"] = 1000 * self.database / count
+        figures[f"{phase} machine busy (cores)"] = self.machine / self.elapsed
+
+
+async def fence_misses(fleet: ReplicaSet) -> float:
+    """Compare-and-set writes of the fleet that found their row changed, so far."""
+    scrapes = await fleet.scrape_all(timeout=10.0)
+    return sum(s.total("stoker_fence_misses") for s in scrapes.values() if s is not None)
+
+
+def _busy() -> float:
+    """CPU seconds the machine spent busy so far (all cores)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+
+
+async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> dict[str, float]:
     """The warm-path burst and the reuse-path cycles against `replicas` replicas."""
     pool = demo_pool(
         warm_target=args.workers,
@@ -115,46 +194,101 @@ async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> 
         lease_s=600,
         claim_timeout_s=60,
     )
+    figures: dict[str, float] = {}
     async with ReplicaSet(
         postgres_url=args.postgres,
         count=replicas,
         pools=[pool],
         timings=DEFAULT_TIMINGS,
-        workdir=workdir / f"throughput-{replicas}",
+        workdir=workdir,
     ) as fleet:
         await fleet.start()
         fill = await wait_warm(fleet, args.workers)
         urls = fleet.urls
-        print(f"{replicas} replica(s): {args.workers} warm workers after {fill:.1f} s")
         await asyncio.sleep(2)  # let the janitor see the pool full
+        warm = await read_workers(fleet.postgres_url, fleet.schema)
+        owners = Counter(w.owner for w in warm if w.state == "warm")
+        owner_of = {w.id: w.owner for w in warm}
+        instances = [r.read_instance() for r in fleet.replicas]
+        print(
+            f"{replicas} replica(s): {args.workers} warm workers after {fill:.1f} s, spawned by "
+            + ", ".join(
+                f"replica {instances.index(o) if o in instances else '?'} ({n})"
+                for o, n in owners.items()
+            )
+        )
+        pids = [r.proc.pid for r in fleet.replicas if r.proc is not None]
         connector = aiohttp.TCPConnector(limit=0)
         headers = fleet.headers
         async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
             await open_connections(http, urls, max(1, args.workers // replicas))
-            started = time.perf_counter()
-            results = await asyncio.gather(
-                *(
-                    timed(lambda i=i: claim(http, urls[i % replicas], f"org-{i}", pool="demo"))
-                    for i in range(args.workers)
+            misses = await fence_misses(fleet)
+            profilers = [
+                Profiler(args.profile / f"{replicas}-replicas-r{r.index}", pid)
+                if args.profile is not None
+                else Profiler(None, pid)
+                for r, pid in zip(fleet.replicas, pids, strict=True)
+            ]
+            for profiler in profilers:
+                profiler.start("burst")
+            async with CpuMeter(fleet, pids) as meter:
+                started = time.perf_counter()
+                results = await asyncio.gather(
+                    *(
+                        timed(lambda i=i: claim(http, urls[i % replicas], f"org-{i}", pool="demo"))
+                        for i in range(args.workers)
+                    )
                 )
-            )
-            elapsed = time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+            for profiler in profilers:
+                profiler.stop()
+            meter.per(figures, "burst", args.workers)
+            figures["burst fence misses"] = await fence_misses(fleet) - misses
             sources = Counter(answer["source"] for _, answer in results)
-            print(
-                f"  warm path: {args.workers / elapsed:.0f} claims/s "
-                f"({args.workers} bound in {elapsed * 1000:.0f} ms; sources {dict(sources)})"
+            # Round robin: claim i went to replica i % replicas; did it own the worker?
+            foreign = sum(
+                1
+                for i, (_, answer) in enumerate(results)
+                if owner_of.get(answer["worker"]["id"]) != instances[i % replicas]
             )
-            print("    " + latency("claim", [s for s, _ in results]))
+            seconds = [s for s, _ in results]
+            figures["burst p99 (ms)"] = 1000 * percentile(seconds, 0.99)
+            figures["burst p50 (ms)"] = 1000 * percentile(seconds, 0.5)
+            figures["burst claims/s"] = args.workers / elapsed
+            print(
+                f"  warm path: {args.workers / elapsed:.0f} claims/s ({args.workers} bound in "
+                f"{elapsed * 1000:.0f} ms; sources {dict(sources)}; {foreign} on a replica "
+                f"that did not spawn the worker; {figures['burst fence misses']:.0f} missed "
+                "compare-and-sets)"
+            )
+            print("    " + latency("claim", seconds))
             # Each burst org's worker parks for it: the reuse phase claims it again.
             await asyncio.gather(
                 *(release(http, urls[i % replicas], a["id"]) for i, (_, a) in enumerate(results))
             )
-            await reuse(http, urls, args.concurrency, args.duration)
+            misses = await fence_misses(fleet)
+            async with CpuMeter(fleet, pids) as meter:
+                cycles = await reuse(http, urls, args.concurrency, args.duration, figures)
+            meter.per(figures, "reuse", cycles)
+            figures["reuse fence misses"] = await fence_misses(fleet) - misses
+    for phase in ("burst", "reuse"):
+        replica = figures[f"{phase} replica CPU/claim (ms)"]
+        busiest = figures[f"{phase} replica CPU/claim, busiest (ms)"]
+        print(
+            f"  {phase} CPU per claim: replicas {replica:.2f} ms (busiest {busiest:.2f}), "
+            f"PostgreSQL {figures[f'{phase} database CPU/claim (ms)']:.2f} ms; machine busy "
+            f"{figures[f'{phase} machine busy (cores)']:.2f} cores"
+        )
+    return figures
 
 
 async def reuse(
-    http: aiohttp.ClientSession, urls: list[str], concurrency: int, duration: float
-) -> None:
+    http: aiohttp.ClientSession,
+    urls: list[str],
+    concurrency: int,
+    duration: float,
+    figures: dict[str, float],
+) -> int:
     """Claim+release cycles of parked workers, each request to the next replica."""
     claims: list[float] = []
     releases: list[float] = []
@@ -178,12 +312,39 @@ async def reuse(
     started = time.perf_counter()
     cycles = sum(await asyncio.gather(*(cycle(i) for i in range(concurrency))))
     elapsed = time.perf_counter() - started
+    figures["reuse claims/s"] = cycles / elapsed
+    figures["reuse claim p99 (ms)"] = 1000 * percentile(claims, 0.99)
     print(
         f"  reuse path: {cycles / elapsed:.0f} claims/s ({cycles} claim+release cycles by "
         f"{concurrency} orgs in {elapsed:.1f} s; sources {dict(sources)})"
     )
     print("    " + latency("claim", claims))
     print("    " + latency("release", releases))
+    return cycles
+
+
+async def rounds(args: argparse.Namespace, workdir: Path) -> None:
+    """`--rounds` rounds of 1 and 3 replicas, alternating which goes first; then the medians
+    and the median of the paired ratios (3 replicas / 1 of the same round)."""
+    runs: dict[int, list[dict[str, float]]] = {1: [], 3: []}
+    for round_ in range(args.rounds):
+        for count in (1, 3) if round_ % 2 == 0 else (3, 1):
+            print(f"-- round {round_ + 1}/{args.rounds}: {count} replica(s)")
+            runs[count].append(
+                await throughput(args, count, workdir / f"throughput-{round_}-{count}")
+            )
+    print(
+        f"{args.rounds} round(s) (medians; ratio: median of the paired ratios, 3 replicas / 1, "
+        "each ratio of one round):"
+    )
+    for name in runs[1][0]:
+        one = [figures[name] for figures in runs[1]]
+        three = [figures[name] for figures in runs[3]]
+        ratios = [t / o if o else float("nan") for t, o in zip(three, one, strict=True)]
+        print(
+            f"  {name:38s} 1: {statistics.median(one):8.2f} | 3: {statistics.median(three):8.2f}"
+            f" | ratio {statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
+        )
 
 
 async def failover(args: argparse.Namespace, workdir: Path) -> None:
@@ -273,8 +434,7 @@ async def run(args: argparse.Namespace) -> None:
             f"{args.workers} workers, {args.concurrency} orgs for {args.duration:g} s"
         )
         if args.only in (None, "throughput"):
-            for count in (1, 3):
-                await throughput(args, count, workdir)
+            await rounds(args, workdir)
         if args.only in (None, "failover") and args.failovers:
             await failover(args, workdir)
 
@@ -287,9 +447,15 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=96, help="warm workers and burst size")
     parser.add_argument("--duration", type=float, default=10.0, help="reuse phase, seconds")
     parser.add_argument("--concurrency", type=int, default=24, help="orgs cycling in parallel")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of 1 and 3 replicas, alternating order"
+    )
     parser.add_argument("--failovers", type=int, default=3, help="leader kills to time")
     parser.add_argument("--timings", choices=("default", "short"), default="default")
     parser.add_argument("--only", choices=("throughput", "failover"), default=None)
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="py-spy each replica's burst into this directory"
+    )
     args = parser.parse_args()
     problem = asyncio.run(postgres_reachable(args.postgres))
     if problem is not None:
