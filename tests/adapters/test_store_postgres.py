@@ -409,6 +409,28 @@ async def test_a_failed_claim_write_rolls_the_worker_back(
     assert await store.get_claim("c-new") is None
 
 
+async def test_a_store_pick_takes_the_newest_warm_worker_and_the_oldest_parked_one(
+    make_pg: Callable[..., PostgresStore],
+) -> None:
+    # The replica that spawned the warm workers hands them out oldest first from its
+    # queue: the others' store picks start at the other end, where it does not reserve.
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    warm = [await fleet.warm() for _ in range(3)]
+    parked = [await fleet.hot_idle("org-a") for _ in range(2)]
+    for expected in reversed(warm):
+        got = await store.reserve_any(
+            "p", "r1", expect=S.WARM, org="org-b", org_cap=0, owner="cp-b", now=T0 + 100
+        )
+        assert must(got.worker).id == expected.id
+    for expected in parked:
+        got = await store.reserve_any(
+            "p", "r1", expect=S.HOT_IDLE, org="org-a", org_cap=0, owner="cp-b", now=T0 + 100
+        )
+        assert must(got.worker).id == expected.id
+
+
 async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(
     make_pg: Callable[..., PostgresStore],
 ) -> None:

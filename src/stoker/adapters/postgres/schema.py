@@ -56,7 +56,7 @@ def indexes(s: str) -> list[str]:
     """The indexes of the current version in schema `s` (quoted). Each is rewritten by every
     write that touches its columns: only those a query needs."""
     return [
-        # reserve_any: the oldest worker of a pool revision in a state
+        # reserve_any: a pool revision's workers in a state, by age (either way)
         f"CREATE INDEX workers_pick ON {s}.workers (pool, revision, state, updated_at, id)",
         f"CREATE INDEX workers_pool_org ON {s}.workers (pool, org, state)",
         # live rows, and the purge of retired ones
