@@ -9,18 +9,8 @@ it lacks, once, in order, in one transaction.
 from __future__ import annotations
 
 from stoker.adapters._rows import CLAIM_SELECT, WORKER_COLUMNS, WORKER_SELECT
-from stoker.adapters._schema import (
-    CLAIM_IDEMPOTENCY_COLUMNS,
-    CLAIMS,
-    DEMAND,
-    FIRST_POOL_TABLES,
-    FORECAST,
-    POOLS,
-    POSTGRES,
-    TABLES,
-    WORKERS,
-    pending,
-)
+from stoker.adapters._schema import DEMAND, POSTGRES, pending
+from stoker.adapters._upgrades import TableChanges
 from stoker.adapters.postgres.connections import Connection
 from stoker.adapters.postgres.locks import LOCK, lock_key
 
@@ -92,11 +82,12 @@ def feed_statements(s: str, channel: str) -> list[str]:
 def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
     """What each version changed in schema `s` (quoted), for a schema an older version made
     (version 1 made the first tables; a new schema starts from the current ones)."""
+    tables = TableChanges(POSTGRES, s)
     return [
         (
             2,
             [
-                POSTGRES.create_table(DEMAND, f"{s}.demand"),
+                *tables.create(DEMAND),
                 f"CREATE INDEX workers_purge ON {s}.workers (state, updated_at)",
                 f"CREATE INDEX claims_purge ON {s}.claims (state, updated_at)",
             ],
@@ -110,8 +101,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
                 f"DROP INDEX {s}.claims_worker",
             ],
         ),
-        # Every worker write compares and bumps the row version (a CAS on the row).
-        (4, [POSTGRES.add_column(WORKERS, "version", f"{s}.workers")]),
+        (4, tables.row_version),
         # Session tokens are kept as digests (`records.token_digest`), never in plain text.
         (
             5,
@@ -121,29 +111,16 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
                 "WHERE token <> '' AND left(token, 7) <> 'sha256:'"
             ],
         ),
-        # Idempotent claims: the key's digest, the request's and the sealed token.
         (
             6,
             [
-                *(
-                    POSTGRES.add_column(CLAIMS, name, f"{s}.claims")
-                    for name in CLAIM_IDEMPOTENCY_COLUMNS
-                ),
+                *tables.idempotency,
                 f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
             ],
         ),
-        # Stored pools: pools, their revisions and rollouts (`domain.pools`).
-        (7, [POSTGRES.create_table(t, f"{s}.{t.name}") for t in FIRST_POOL_TABLES]),
-        # Demand as a rate: each replica's claim counter, and the learned forecast.
-        (
-            8,
-            [
-                POSTGRES.add_column(DEMAND, "claims", f"{s}.demand"),
-                POSTGRES.create_table(FORECAST, f"{s}.forecast"),
-            ],
-        ),
-        # What a config file last seeded: a file never overrides a change made since.
-        (9, [POSTGRES.add_column(POOLS, "seed", f"{s}.pools")]),
+        (7, tables.stored_pools),
+        (8, tables.demand_rate),
+        (9, tables.pool_seed),
         # The workers' change feed: replicas hear of claimable workers (`feed`).
         (10, feed_statements(s, channel)),
     ]
@@ -167,7 +144,7 @@ async def migrate(conn: Connection, names: Names, lock_idle_ms: str) -> None:
             await conn.execute(f"CREATE TABLE {names.versions} (version integer PRIMARY KEY)")
         cur = await conn.execute(f"SELECT version FROM {names.versions}")
         applied = {r[0] for r in await cur.fetchall()}
-        current = [POSTGRES.create_table(t, f"{s}.{t.name}") for t in TABLES] + indexes(s)
+        current = TableChanges(POSTGRES, s).current + indexes(s)
         current += feed_statements(s, names.channel)
         for version, statements in pending(applied, current, upgrades(s, names.channel)):
             for sql in statements:

@@ -9,18 +9,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from stoker.adapters._schema import (
-    CLAIM_IDEMPOTENCY_COLUMNS,
-    CLAIMS,
-    DEMAND,
-    FIRST_POOL_TABLES,
-    FORECAST,
-    POOLS,
-    SQLITE,
-    TABLES,
-    WORKERS,
-    pending,
-)
+from stoker.adapters._schema import DEMAND, SQLITE, pending
+from stoker.adapters._upgrades import TableChanges
 from stoker.domain.records import token_digest
 
 #: The indexes of the current version. Each index is one page more written by every write
@@ -34,6 +24,8 @@ INDEXES = (
     # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
     "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
 )
+
+_TABLES = TableChanges(SQLITE)
 
 #: What each version changed, for a database an older version made (version 1 made the
 #: first tables; a new database starts from the current ones).
@@ -64,8 +56,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
             "CREATE INDEX workers_live ON workers (state, pool, revision)",
         ],
     ),
-    # Every worker write compares and bumps the row version (a CAS on the row).
-    (5, [SQLITE.add_column(WORKERS, "version")]),
+    (5, _TABLES.row_version),
     # Session tokens are kept as digests (`records.token_digest`), never in plain text.
     (
         6,
@@ -74,20 +65,16 @@ UPGRADES: list[tuple[int, list[str]]] = [
             "WHERE token != '' AND substr(token, 1, 7) != 'sha256:'"
         ],
     ),
-    # Idempotent claims: the key's digest, the request's and the sealed token.
     (
         7,
         [
-            *(SQLITE.add_column(CLAIMS, name) for name in CLAIM_IDEMPOTENCY_COLUMNS),
+            *_TABLES.idempotency,
             "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
         ],
     ),
-    # Stored pools: pools, their revisions and rollouts (`domain.pools`).
-    (8, [SQLITE.create_table(table) for table in FIRST_POOL_TABLES]),
-    # Demand as a rate: each replica's claim counter, and the learned forecast.
-    (9, [SQLITE.add_column(DEMAND, "claims"), SQLITE.create_table(FORECAST)]),
-    # What a config file last seeded: a file never overrides a change made since.
-    (10, [SQLITE.add_column(POOLS, "seed")]),
+    (8, _TABLES.stored_pools),
+    (9, _TABLES.demand_rate),
+    (10, _TABLES.pool_seed),
 ]
 
 
@@ -96,7 +83,7 @@ def migrate(tx: sqlite3.Connection) -> None:
     tx.create_function("stoker_token_digest", 1, token_digest, deterministic=True)
     tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
     applied = {r[0] for r in tx.execute("SELECT version FROM schema_migrations")}
-    current = [*(SQLITE.create_table(table) for table in TABLES), *INDEXES]
+    current = [*_TABLES.current, *INDEXES]
     for version, statements in pending(applied, current, UPGRADES):
         for sql in statements:
             tx.execute(sql)
