@@ -238,6 +238,7 @@ def test_facts_are_kept_until_settled() -> None:
 
 EMPTY = {
     "known": 0,
+    "bound": 0,
     "ready": 0,
     "ready_queues": 0,
     "hot_idle": 0,

@@ -200,6 +200,29 @@ async def test_release_is_idempotent_and_renew_needs_a_bound_claim(tmp_path: Pat
             await h.plane.renew(claim.id)
 
 
+async def test_a_claim_ended_behind_the_replica_is_reported_as_ended(tmp_path: Path) -> None:
+    # The replica that bound a claim does not read it before a release or a renewal; one
+    # another replica ended meanwhile (its lease expired there) is answered as it is now.
+    async with running(tmp_path) as h:
+        claim = await h.claim()
+        ended = await h.store.end_claim(
+            claim.id,
+            state=ClaimState.EXPIRED,
+            worker_to=S.DRAINING,
+            now=h.clock.now(),
+            reason="lease_expired",
+            worker_changes={"reason": "lease_expired"},
+        )
+        assert ended is not None
+        with pytest.raises(ClaimConflict, match="is expired, not bound"):
+            await h.plane.renew(claim.id)
+        assert h.plane.book.sizes()["bound"] == 0
+        released = await h.plane.release(claim.id)
+        assert released.state is ClaimState.EXPIRED
+        assert h.metric("stoker_claims_total", pool="p", source="warm", outcome="released") == 0
+        assert h.metric("stoker_claims_total", pool="p", source="warm", outcome="bound") == 1
+
+
 async def test_unknown_pool_and_claim(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
         with pytest.raises(NotFound):

@@ -155,6 +155,7 @@ class Binder:
                 await self.give_back(activating)
                 return None
             book.remember(hot)
+            book.remember_bound(claim)
         finally:
             book.clear_in_flight(worker.id)
         self._metrics.claims.labels(pool.name, source.value, "bound").inc()

@@ -1,6 +1,7 @@
 """The book: what this replica remembers between store writes.
 
-It holds the last persisted record of every worker this replica owns, the ready queue of
+It holds the last persisted record of every worker this replica owns (and the claim each
+hot one serves, as bound here), the ready queue of
 each pool revision and the hot_idle queue of each pool and org (fed by runtime events and
 releases, so a claim picks in O(1)), the in-flight set (workers being handed out right
 now, which the sweeps leave alone), the runtime facts not persisted yet and the
@@ -28,7 +29,7 @@ from typing import Any, Generic, TypeVar
 from stoker.control import logs
 from stoker.control.waiting import WaitingClaims
 from stoker.domain.errors import StoreError
-from stoker.domain.records import Worker
+from stoker.domain.records import Claim, Worker, token_digest
 from stoker.domain.states import WorkerState
 from stoker.ports.store import StoreReader
 
@@ -89,6 +90,9 @@ class Book(WaitingClaims):
         self._reader = reader
         self.instance_id = instance_id
         self._known: dict[str, Worker] = {}
+        #: The claims this replica bound, by id, while their worker is known hot with them:
+        #: a release or renewal here needs no read of what never changes in a claim.
+        self._bound: dict[str, Claim] = {}
         #: Queues as ordered sets of worker ids (O(1) pop, put back and removal): warm by
         #: (pool, revision), hot_idle by (pool, org).
         self._ready: dict[tuple[str, str], OrderedDict[str, None]] = {}
@@ -131,6 +135,12 @@ class Book(WaitingClaims):
         else:
             if before is not None and before.state is not worker.state:
                 self._unqueue(before)
+            if (
+                before is not None
+                and before.claim_id is not None
+                and (worker.state is not WorkerState.HOT or worker.claim_id != before.claim_id)
+            ):
+                self._bound.pop(before.claim_id, None)
             self._known[worker.id] = worker
             if worker.state is not WorkerState.SPAWNING:
                 self._started.pop(worker.id, None)
@@ -141,6 +151,31 @@ class Book(WaitingClaims):
         before = self._known.pop(worker_id, None)
         if before is not None:
             self._unqueue(before)
+            self._bound.pop(before.claim_id or "", None)
+
+    def remember_bound(self, claim: Claim) -> None:
+        """Keep a claim this replica just bound (its worker remembered hot with it), with
+        its token as the store keeps it."""
+        known = self._known.get(claim.worker_id)
+        if known is not None and known.claim_id == claim.id:
+            self._bound[claim.id] = claim.evolve(token=token_digest(claim.token))
+
+    def drop_bound(self, claim_id: str) -> None:
+        """Forget a claim bound here that a write found ended."""
+        self._bound.pop(claim_id, None)
+
+    def bound_claim(self, claim_id: str) -> Claim | None:
+        """A claim bound here whose worker is still known hot with it, as it was bound:
+        its state and lease may have moved since (another replica may have ended it), what
+        else it says never changes."""
+        claim = self._bound.get(claim_id)
+        if claim is None:
+            return None
+        known = self._known.get(claim.worker_id)
+        if known is None or known.state is not WorkerState.HOT or known.claim_id != claim_id:
+            del self._bound[claim_id]
+            return None
+        return claim
 
     async def refresh(self, worker_id: str) -> Worker | None:
         """Re-read a worker after a missed CAS: another replica may have taken it over."""
@@ -298,6 +333,7 @@ class Book(WaitingClaims):
         """
         return {
             "known": len(self._known),
+            "bound": len(self._bound),
             "ready": sum(map(len, self._ready.values())),
             "ready_queues": len(self._ready),
             "hot_idle": sum(map(len, self._hot_idle.values())),

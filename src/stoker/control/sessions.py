@@ -35,9 +35,8 @@ class Sessions:
     async def renew(self, claim_id: str, lease_s: float | None = None) -> Claim:
         """Extend a bound claim's lease by `lease_s` (default: the claim's own) from now,
         never past the session's `max_claim_s`; a claim past it ends (`ClaimConflict`)."""
-        claim = await self.get_claim(claim_id)
-        if claim.state is not ClaimState.BOUND:
-            raise ClaimConflict(f"claim {claim_id!r} is {claim.state.value}, not bound")
+        claim = self._book.bound_claim(claim_id) or await self.get_claim(claim_id)
+        _check_bound(claim)
         lease = lease_s if lease_s is not None else claim.lease_s
         max_claim_s = self._catalog.max_claim_s(claim.pool, claim.org)
         left = session_left(claim.created_at, max_claim_s, self._clock.now())
@@ -50,15 +49,19 @@ class Sessions:
             lease = min(lease, left)
         renewed = await self._lifecycle.renew(claim_id, lease_s=lease)
         if renewed is None:
+            # Ended meanwhile, or before: a claim remembered here is not read first.
+            self._book.drop_bound(claim_id)
+            _check_bound(await self.get_claim(claim_id))
             raise ClaimConflict(f"claim {claim_id!r} ended while renewing")
         return renewed
 
     async def release(self, claim_id: str) -> Claim:
         """End a session: the worker parks as hot_idle (reuse: same_org) or retires.
 
-        Releasing a claim that already ended returns it unchanged.
+        Releasing a claim that already ended returns it unchanged. A claim bound here is
+        not read first: the write ends it only if it is still bound, and a miss reads it.
         """
-        claim = await self.get_claim(claim_id)
+        claim = self._book.bound_claim(claim_id) or await self.get_claim(claim_id)
         if claim.state is not ClaimState.BOUND:
             return claim
         return await self._end(claim, ClaimState.RELEASED)
@@ -100,6 +103,7 @@ class Sessions:
             )
         if ended is None:
             # Someone else ended it meanwhile (lease expiry, a lost worker): report that.
+            self._book.drop_bound(claim.id)
             return await self.get_claim(claim.id)
         done, moved = ended
         self._metrics.claims.labels(claim.pool, claim.source.value, state.value).inc()
@@ -112,3 +116,9 @@ class Sessions:
             self._book.remember(moved)
             self._retirer.stop_soon(moved, stop=True)
         return done
+
+
+def _check_bound(claim: Claim) -> None:
+    """Raise `ClaimConflict` unless `claim` is bound."""
+    if claim.state is not ClaimState.BOUND:
+        raise ClaimConflict(f"claim {claim.id!r} is {claim.state.value}, not bound")
