@@ -2,7 +2,7 @@
 
     python benchmarks/stores.py [--workers 96] [--concurrency 24] [--duration 8] [--rounds 2]
                                 [--postgres postgresql://postgres@127.0.0.1:5432/test]
-                                [--profile DIR]
+                                [--profile DIR] [--baseline SRC]
 
 Each round starts `stoker serve` (real demo workers, uvloop, default logging) once on a
 SQLite file and on fresh PostgreSQL schemas (as configured by default, and with
@@ -17,6 +17,12 @@ It prints each run, then the median of each figure per store and the median of t
 paired ratios to SQLite, with the CPU the server and, for PostgreSQL, the
 database's own processes used per claim+release cycle. The round trips per claim and
 release are counted (and asserted) in tests/adapters/test_store_round_trips.py.
+
+With `--baseline SRC` (the `src` folder of another version of stoker), each round runs
+SQLite and PostgreSQL (as configured by default) on that version too (its servers started
+with `PYTHONPATH=SRC`, named `...@base`), in the alternating order: each version's
+PostgreSQL is compared with its own SQLite, and this version's figures with the
+baseline's.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import claim_burst as cb
 #: `store_options.synchronous_commit: false` (commits not waiting for the disk, about the
 #: durability of SQLite's default).
 STORES = ("sqlite", "postgres", "postgres-async")
+#: The stores measured with `--baseline`: each on this version and on the baseline.
+AB_STORES = ("sqlite", "postgres", "sqlite@base", "postgres@base")
 
 
 def postgres_cpu() -> float:
@@ -65,11 +73,12 @@ async def one_run(args: argparse.Namespace, kind: str) -> dict[str, float]:
         store = args.postgres
         env = {
             "STOKER_STORE_OPTIONS__SCHEMA": schema,
-            "STOKER_STORE_OPTIONS__SYNCHRONOUS_COMMIT": str(kind == "postgres").lower(),
+            "STOKER_STORE_OPTIONS__SYNCHRONOUS_COMMIT": str(kind != "postgres-async").lower(),
             "STOKER_ACTIVATION__KEY": "bench-" + uuid.uuid4().hex + uuid.uuid4().hex,
         }
+    source = args.baseline if kind.endswith("@base") else None
     with tempfile.TemporaryDirectory(prefix="stoker-stores-") as tmp:
-        server = cb.Server(Path(tmp), args.workers, False, store=store, env=env)
+        server = cb.Server(Path(tmp), args.workers, False, source, store=store, env=env)
         profile = args.profile / kind if args.profile is not None else None
         profiler = cb.Profiler(profile, server.proc.pid)
         try:
@@ -105,9 +114,10 @@ async def one_run(args: argparse.Namespace, kind: str) -> dict[str, float]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in STORES}
+    stores = AB_STORES if args.baseline is not None else STORES
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in stores}
     for round_ in range(args.rounds):
-        order = STORES if round_ % 2 == 0 else STORES[::-1]
+        order = stores if round_ % 2 == 0 else stores[::-1]
         for kind in order:
             print(f"-- round {round_ + 1}/{args.rounds}: {kind}")
             runs[kind].append(await one_run(args, kind))
@@ -117,19 +127,33 @@ async def main(args: argparse.Namespace) -> None:
         "sqlite):"
     )
     for name in runs["sqlite"][0]:
-        lite = [figures[name] for figures in runs["sqlite"]]
-        line = f"  {name:22s} sqlite {statistics.median(lite):7.1f}"
-        for kind in STORES[1:]:
-            pg = [figures[name] for figures in runs[kind]]
-            ratios = [p / s for p, s in zip(pg, lite, strict=True)]
-            line += (
-                f" | {kind} {statistics.median(pg):7.1f} ratio {statistics.median(ratios):.2f}"
-                f" ({', '.join(f'{r:.2f}' for r in ratios)})"
-            )
+        line = f"  {name:22s}"
+        for kind in stores:
+            mine = [figures[name] for figures in runs[kind]]
+            line += f" | {kind} {statistics.median(mine):7.1f}"
+            if kind.startswith("postgres"):
+                # Against the SQLite of the same version.
+                _, at, version = kind.partition("@")
+                lite = [figures[name] for figures in runs["sqlite" + at + version]]
+                ratios = [p / s for p, s in zip(mine, lite, strict=True)]
+                line += (
+                    f" ratio {statistics.median(ratios):.2f}"
+                    f" ({', '.join(f'{r:.2f}' for r in ratios)})"
+                )
         print(line)
-    for kind in STORES[1:]:
-        db = [figures["database CPU/cycle (ms)"] for figures in runs[kind]]
-        print(f"  database CPU/cycle (ms) {kind}: {statistics.median(db):.2f}")
+    for kind in stores:
+        if kind.startswith("postgres"):
+            db = [figures["database CPU/cycle (ms)"] for figures in runs[kind]]
+            print(f"  database CPU/cycle (ms) {kind}: {statistics.median(db):.2f}")
+    if args.baseline is not None:
+        for name in runs["sqlite"][0]:
+            line = f"  {name:22s} this / baseline:"
+            for kind in ("sqlite", "postgres"):
+                ratios = [
+                    a[name] / b[name] for a, b in zip(runs[kind], runs[kind + "@base"], strict=True)
+                ]
+                line += f" {kind} {statistics.median(ratios):.2f}"
+            print(line)
 
 
 def parse() -> argparse.Namespace:
@@ -139,6 +163,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=8.0, help="sustained phase, seconds")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both stores")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy output directory")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="the src folder of a version to compare"
+    )
     parser.add_argument(
         "--postgres",
         default="postgresql://postgres@127.0.0.1:5432/test",
