@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import AsyncCursor
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
@@ -27,6 +28,20 @@ from stoker.domain.errors import StoreError
 
 Connection = psycopg.AsyncConnection[TupleRow]
 Params = Sequence[Any] | Mapping[str, Any]
+
+
+class PooledConnection(psycopg.AsyncConnection[TupleRow]):
+    """A connection of the pool, with the cursor its single statements reuse (a new
+    cursor per statement costs about a tenth of a round trip)."""
+
+    _reused: AsyncCursor[TupleRow] | None = None
+
+    def reused_cursor(self) -> AsyncCursor[TupleRow]:
+        """This connection's cursor for one statement at a time, made once."""
+        cur = self._reused
+        if cur is None:
+            cur = self._reused = self.cursor()
+        return cur
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +77,7 @@ class Connections:
         self.url = url
         self._schema = schema
         self._options = options
-        self._pool: AsyncConnectionPool[Connection] | None = None
+        self._pool: AsyncConnectionPool[PooledConnection] | None = None
         self._opening = asyncio.Lock()
 
     async def open(self, prepare: Callable[[Connection], Awaitable[None]]) -> None:
@@ -72,8 +87,9 @@ class Connections:
             if self._pool is not None:
                 return
             o = self._options
-            pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
+            pool: AsyncConnectionPool[PooledConnection] = AsyncConnectionPool(
                 self.url,
+                connection_class=PooledConnection,
                 kwargs={"autocommit": True, "prepare_threshold": o.prepare_threshold},
                 min_size=o.min_size,
                 max_size=o.max_size,
@@ -113,7 +129,7 @@ class Connections:
             await pool.close()
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[Connection]:
+    async def connection(self) -> AsyncIterator[PooledConnection]:
         """A pooled connection (autocommit); any psycopg error becomes a StoreError.
 
         A cancellation that arrives while the pool hands this task a connection is
@@ -127,16 +143,21 @@ class Connections:
         task = asyncio.current_task()
         cancels = task.cancelling() if task is not None else 0
         try:
-            async with pool.connection() as conn:
+            # Not `pool.connection()`: its exit commits, a call for nothing in autocommit
+            # (`tx` commits or rolls back its own transaction).
+            conn = await pool.getconn()
+            try:
                 if task is not None and task.cancelling() > cancels:
                     raise asyncio.CancelledError
                 yield conn
+            finally:
+                await pool.putconn(conn)
         except psycopg.Error as exc:
             # PoolTimeout and PoolClosed are OperationalErrors too.
             raise StoreError(f"postgres: {type(exc).__name__}: {exc}") from exc
 
     @asynccontextmanager
-    async def tx(self) -> AsyncIterator[Connection]:
+    async def tx(self) -> AsyncIterator[PooledConnection]:
         """One transaction on a pooled connection, rolled back on any error."""
         async with self.connection() as conn, conn.transaction():
             yield conn
@@ -144,11 +165,13 @@ class Connections:
     async def all(self, sql: str, params: Params = ()) -> list[TupleRow]:
         """The rows of one statement."""
         async with self.connection() as conn:
-            cur = await conn.execute(sql, params)
+            cur = conn.reused_cursor()
+            await cur.execute(sql, params)
             return await cur.fetchall()
 
     async def one(self, sql: str, params: Params = ()) -> TupleRow | None:
         """The first row of one statement, if any."""
         async with self.connection() as conn:
-            cur = await conn.execute(sql, params)
+            cur = conn.reused_cursor()
+            await cur.execute(sql, params)
             return await cur.fetchone()

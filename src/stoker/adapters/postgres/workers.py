@@ -45,7 +45,7 @@ from stoker.adapters._rows import (
     worker_to_row,
 )
 from stoker.adapters._schema import CLAIMS, POSTGRES
-from stoker.adapters.postgres.connections import Connection, Connections
+from stoker.adapters.postgres.connections import Connection, Connections, PooledConnection
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, Names
 from stoker.domain.errors import ClaimKeyTaken, StoreError
@@ -146,7 +146,7 @@ class WorkerRows:
 
     async def _reserve(
         self,
-        conn: Connection,
+        conn: PooledConnection,
         sql: str,
         params: dict[str, Any],
         *,
@@ -154,7 +154,8 @@ class WorkerRows:
     ) -> ReserveResult:
         """Run a reserve statement, after the org's lock when its cap must be checked."""
         if lock is None:
-            cur = await conn.execute(sql, params)
+            cur = conn.reused_cursor()
+            await cur.execute(sql, params)
         else:
             # Lock and statement are sent together; the statement still starts (and takes
             # its snapshot) only once the lock is granted.
