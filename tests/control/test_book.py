@@ -27,6 +27,7 @@ class Waiting:
     name: str
     abandoned: bool = False
     woken: int = 0
+    started: float = 0.0
 
     def wake(self) -> None:
         self.woken += 1
@@ -112,6 +113,7 @@ async def test_slot_freed_lets_a_sleeping_claim_go_on() -> None:
     @dataclass(eq=False)
     class Sleeper:
         abandoned: bool = False
+        started: float = 0.0
 
         def wake(self) -> None:
             if not wakeup.done():
@@ -339,3 +341,22 @@ def test_an_offer_of_stored_warm_workers_wakes_as_many_waiters_oldest_first() ->
     b.offer_stored("p", 5)  # more workers than waiters
     assert (first.woken, second.woken, third.woken) == (1, 1, 1)
     assert b.warm_waiting_pools() == []
+
+
+def test_a_woken_claim_that_lost_the_worker_waits_again_at_the_head() -> None:
+    b = book()
+    first, second, third = (
+        Waiting("first", started=1),
+        Waiting("second", started=2),
+        Waiting("third", started=3),
+    )
+    for w in (first, second, third):
+        b.wait_for_warm("p", w)
+    b.offer_stored("p", 1)
+    assert (first.woken, second.woken) == (1, 0)
+    # Another replica's claim reserved the worker first: the oldest claim queues again,
+    # ahead of those that came after it; a newer claim goes to the back.
+    b.wait_for_warm("p", first)
+    b.wait_for_warm("p", Waiting("fourth", started=4))
+    b.offer_stored("p", 2)
+    assert (first.woken, second.woken, third.woken) == (2, 1, 0)

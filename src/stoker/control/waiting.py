@@ -13,6 +13,7 @@ Every structure here is keyed by the claims themselves and emptied when their wa
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from typing import Protocol, runtime_checkable
 
 
@@ -20,6 +21,8 @@ class Waiter(Protocol):
     """A claim waiting for a warm worker or a free slot (`claims.Attempt`)."""
 
     abandoned: bool
+    #: When the claim arrived: its place among the claims waiting for a warm worker.
+    started: float
 
     def wake(self) -> None:
         """Let the waiting claim try again."""
@@ -59,7 +62,7 @@ class WaitingClaims:
 
     def __init__(self) -> None:
         #: Claims waiting for a warm worker, by pool, in arrival order.
-        self._warm_waiters: dict[str, dict[Waiter, None]] = {}
+        self._warm_waiters: dict[str, OrderedDict[Waiter, None]] = {}
         #: Claims held by a cap, by pool and org; org "" for the pool cap.
         self._cap_waiters: dict[str, dict[str, dict[Waiter, None]]] = {}
         #: Cold spawns a claim waits for: worker id -> endpoint future.
@@ -74,8 +77,13 @@ class WaitingClaims:
 
     def wait_for_warm(self, pool: str, waiter: Waiter) -> None:
         """Wake `waiter` when a warm worker of `pool` is offered or a slot frees (until
-        `stop_waiting`)."""
-        self._warm_waiters.setdefault(pool, {})[waiter] = None
+        `stop_waiting`). A claim that arrived before every claim queued now (woken, it
+        lost the worker to another claim) waits again at the head, not behind them."""
+        waiters = self._warm_waiters.setdefault(pool, OrderedDict())
+        head = next(iter(waiters), None)
+        waiters[waiter] = None
+        if head is not None and waiter.started < head.started:
+            waiters.move_to_end(waiter, last=False)
         if self._first_warm_waiter is not None and not self._first_warm_waiter.done():
             self._first_warm_waiter.set_result(None)
 
