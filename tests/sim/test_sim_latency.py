@@ -9,7 +9,11 @@ the real control plane against it on the scenario runner's virtual-time loop.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -205,3 +209,49 @@ def test_scenarios_run_with_latency_by_default() -> None:
     assert cluster.node_pools[0].launch_failure_rate > 0
     assert isinstance(scenario.control_plane.client_latency, LogNormal)
     assert isinstance(scenario.control_plane.store_write_latency, LogNormal)
+
+
+#: Launches 32 nodes on a pool where half the launches fail; prints the failures of each.
+_FAILED_LAUNCHES = """
+import random
+from stoker.ports.clock import LoopClock
+from stoker.sim import vloop
+from stoker.sim.cluster import SimCluster
+from stoker.sim.cluster.config import SimClusterConfig
+from stoker.sim.cluster.distributions import Constant
+from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME
+from stoker.sim.cluster.specs import NodePoolConfig
+
+xlarge = INSTANCE_TYPES_BY_NAME["m5.xlarge"]
+pool = NodePoolConfig(
+    instance_types=(xlarge,), provisioning=Constant(40.0), launch_failure_rate=0.5
+)
+clock = LoopClock(epoch=0.0, loop=vloop.new_event_loop())
+cluster = SimCluster(SimClusterConfig(node_pools=(pool,)), clock=clock, rng=random.Random(7))
+failed = []
+for _ in range(32):
+    before = cluster.fleet.launch_failures
+    cluster.fleet.launch(cluster.pools[0], xlarge)
+    failed.append(cluster.fleet.launch_failures - before)
+print(failed)
+"""
+
+
+def test_launch_failures_replay_in_every_process() -> None:
+    # Fresh interpreters: object addresses and string hashes differ from one to the next,
+    # so a seed derived from either would fail different launches each time.
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _FAILED_LAUNCHES],
+            env={**os.environ, "PYTHONHASHSEED": str(hash_seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for hash_seed in (1, 2, 3)
+    ]
+    failed = json.loads(runs[0])
+    assert len(failed) == 32
+    assert 0 < sum(1 for f in failed if f) < 32
+    assert runs[1] == runs[0]
+    assert runs[2] == runs[0]

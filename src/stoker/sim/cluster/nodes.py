@@ -59,8 +59,10 @@ class NodeFleet:
         self._timeline = timeline
         self._rng = rng
         # Launch failures draw from their own generator (seeded from the run's without
-        # drawing from it), so a pool without them replays exactly as before.
-        self._failures = random.Random(hash(rng.getstate()))
+        # drawing from it), so a pool without them replays exactly as before. The seed is
+        # the state's text, not its hash(): before Python 3.12 that hashes the state's
+        # None by its address, which differs from process to process.
+        self._failures = random.Random(repr(rng.getstate()))
         #: Launches whose instance never joined and was replaced (`launch_failure_rate`).
         self.launch_failures = 0
         self._listener = listener
