@@ -29,6 +29,7 @@ from stoker.domain.records import (
     ForecastBucket,
     Instance,
     LeaseRecord,
+    OrgForecastBucket,
     Worker,
 )
 from stoker.domain.specs import PoolSpec
@@ -338,6 +339,20 @@ class FaultyStore:
     async def read_forecast(self) -> list[ForecastBucket]:
         self._maybe_fail("read_forecast")
         return await self.inner.read_forecast()
+
+    async def record_org_forecast(
+        self, buckets: Sequence[OrgForecastBucket], *, drop: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        self._maybe_fail("record_org_forecast")
+        await self.inner.record_org_forecast(buckets, drop=drop)
+
+    async def read_org_forecast(self) -> list[OrgForecastBucket]:
+        self._maybe_fail("read_org_forecast")
+        return await self.inner.read_org_forecast()
+
+    async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
+        self._maybe_fail("claims_by_org")
+        return await self.inner.claims_by_org(since=since, before=before)
 
     async def purge(self, *, before: float) -> int:
         self._maybe_fail("purge")

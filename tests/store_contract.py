@@ -31,6 +31,7 @@ from stoker.domain.records import (
     DemandRecord,
     ForecastBucket,
     LeaseRecord,
+    OrgForecastBucket,
     Worker,
     token_digest,
 )
@@ -1859,6 +1860,47 @@ class StoreContract(PoolContract):
         await store.record_forecast([learned])
         rows = await store.read_forecast()
         assert len(rows) == 3 and learned in rows and first[1] not in rows
+
+    async def test_org_forecast_buckets_are_replaced_by_key_and_dropped_by_org(
+        self, store: Store
+    ) -> None:
+        """A new leader reads what the last one learned of each org; an evicted org's
+        buckets go in the same write as the buckets learned with it."""
+        assert await store.read_org_forecast() == []
+        first = [
+            OrgForecastBucket("p", "acme", 9, 0.002, 1e-6, 1, T0),
+            OrgForecastBucket("p", "acme", 10, 0.003, 1e-6, 1, T0),
+            OrgForecastBucket("p", "globex", 9, 0.001, 0.0, 4, T0),
+            OrgForecastBucket("q", "acme", 47, 0.0, 0.0, 2, T0),
+        ]
+        await store.record_org_forecast(first)
+        await store.record_org_forecast([])
+        assert await store.read_org_forecast() == first
+        learned = OrgForecastBucket("p", "initech", 11, 0.004, 2e-6, 1, T0 + 3600)
+        again = OrgForecastBucket("p", "globex", 9, 0.0012, 1e-7, 5, T0 + 3600)
+        await store.record_org_forecast([learned, again], drop=[("p", "acme")])
+        assert await store.read_org_forecast() == [again, learned, first[3]]
+        await store.record_org_forecast([], drop=[("q", "acme"), ("p", "nobody")])
+        assert await store.read_org_forecast() == [again, learned]
+
+    async def test_claims_are_counted_by_pool_and_org_in_a_time_range(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        """Every claim created in the range counts once, bound or ended."""
+        _, first = await fleet.hot("acme")
+        await fleet.hot_idle("acme")
+        await fleet.hot("globex")
+        await fleet.hot("acme", pool="q")
+        _, last = await fleet.hot("globex")
+        counted = await store.claims_by_org(since=first.created_at, before=fleet.tick())
+        assert counted == [("p", "acme", 2), ("p", "globex", 2), ("q", "acme", 1)]
+        # [since, before): the last claim's own time is outside a range that ends there.
+        assert await store.claims_by_org(since=T0, before=last.created_at) == [
+            ("p", "acme", 2),
+            ("p", "globex", 1),
+            ("q", "acme", 1),
+        ]
+        assert await store.claims_by_org(since=fleet.tick(), before=fleet.tick()) == []
 
     async def test_purge_deletes_only_old_terminal_history(
         self, store: Store, fleet: Fleet

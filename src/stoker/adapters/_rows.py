@@ -18,6 +18,7 @@ from stoker.adapters._schema import (
     FORECAST,
     INSTANCES,
     LEASES,
+    ORG_FORECAST,
     WORKERS,
     Column,
     Kind,
@@ -68,6 +69,21 @@ def forecast_select(table: str) -> str:
     """Every row of the forecast table `table` (its columns are `ForecastBucket`'s fields,
     in order: `ForecastBucket(*row)`, `dataclasses.astuple(bucket)`)."""
     return f"SELECT {', '.join(FORECAST.names)} FROM {table} ORDER BY pool, level, bucket"
+
+
+def org_forecast_select(table: str) -> str:
+    """Every row of the per-org forecast table `table` (its columns are
+    `OrgForecastBucket`'s fields, in order)."""
+    return f"SELECT {', '.join(ORG_FORECAST.names)} FROM {table} ORDER BY pool, org, bucket"
+
+
+def claims_by_org_select(table: str, mark: str) -> str:
+    """Claims per pool and org created in [since, before) (`mark`: the store's parameter
+    marker, twice)."""
+    return (
+        f"SELECT pool, org, count(*) FROM {table} WHERE created_at >= {mark} "
+        f"AND created_at < {mark} GROUP BY pool, org ORDER BY pool, org"
+    )
 
 
 def load_json_object(value: Any) -> dict[str, Any]:

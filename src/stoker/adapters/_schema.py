@@ -175,16 +175,29 @@ FORECAST = Table(
     ),
     key=("pool", "level", "bucket"),
 )
+#: An org's learned new-session rate in a pool (`policy.org_forecast`): 48 rows per org, for
+#: at most `demand.org_forecast_orgs` orgs per pool.
+ORG_FORECAST = Table(
+    "org_forecast",
+    (
+        *_text("pool", "org"),
+        Column("bucket", Kind.INT32),
+        *_real("mean", "var"),
+        Column("seen", Kind.INT),
+        *_real("updated_at"),
+    ),
+    key=("pool", "org", "bucket"),
+)
 #: The stored pools' tables as the version that added them made them.
 FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
-TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES, FORECAST)
+TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES, FORECAST, ORG_FORECAST)
 
 
 def before_rate(table: Table) -> Table | None:
     """A table as it was before demand became a rate: the demand table without its claim
-    counter, no forecast table (None); the others unchanged (for the upgrade tests)."""
-    if table is FORECAST:
+    counter, no forecast tables (None); the others unchanged (for the upgrade tests)."""
+    if table in (FORECAST, ORG_FORECAST):
         return None
     if table is DEMAND:
         return Table(

@@ -14,6 +14,7 @@ from stoker.adapters._schema import (
     DEMAND,
     FIRST_POOL_TABLES,
     FORECAST,
+    ORG_FORECAST,
     POOLS,
     TABLES,
     WORKERS,
@@ -69,3 +70,8 @@ class TableChanges:
     def pool_seed(self) -> list[str]:
         """What a config file last seeded: a file never overrides a change made since."""
         return self.add(POOLS, "seed")
+
+    @property
+    def org_forecast(self) -> list[str]:
+        """Per-org forecasts: each pool's busiest orgs' learned new-session rates."""
+        return self.create(ORG_FORECAST)

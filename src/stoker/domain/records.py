@@ -160,6 +160,22 @@ class ForecastBucket:
 
 
 @dataclass(frozen=True, slots=True)
+class OrgForecastBucket:
+    """One bucket of an org's learned new-session rate in a pool (`policy.org_forecast`):
+    the rate's exponentially weighted mean and variance (claims per second) in one hour of
+    a weekday (`bucket` 0-23) or of a weekend day (24-47), and how many hours it learned
+    from."""
+
+    pool: str
+    org: str
+    bucket: int
+    mean: float
+    var: float
+    seen: int
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseRecord:
     """A leadership lease: who holds it, since when, and its fencing epoch."""
 

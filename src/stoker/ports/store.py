@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from typing import Any, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
-from stoker.domain.records import Claim, DemandRecord, ForecastBucket, Instance, LeaseRecord, Worker
+from stoker.domain.records import (
+    Claim,
+    DemandRecord,
+    ForecastBucket,
+    Instance,
+    LeaseRecord,
+    OrgForecastBucket,
+    Worker,
+)
 from stoker.domain.specs import RuntimeTemplate
 from stoker.domain.states import ClaimState, WorkerState
 
@@ -253,6 +261,15 @@ class StoreReader(Protocol):
         """Every pool's learned forecast buckets."""
         ...
 
+    async def read_org_forecast(self) -> list[OrgForecastBucket]:
+        """Every pool's learned per-org forecast buckets, by pool, org and bucket."""
+        ...
+
+    async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
+        """(pool, org, claims) for the claims created in [`since`, `before`), whatever
+        became of them, by pool and org (the per-org forecast learns from them)."""
+        ...
+
 
 class StoreWriter(Protocol):
     """The writing side: every write of a worker or a claim. Only
@@ -423,6 +440,13 @@ class ReplicaStore(StoreReader, Protocol):
 
     async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
         """Insert or replace forecast buckets (by pool, level and bucket)."""
+        ...
+
+    async def record_org_forecast(
+        self, buckets: Sequence[OrgForecastBucket], *, drop: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """In one write: delete every bucket of the (pool, org) pairs in `drop` (orgs no
+        longer forecast), then insert or replace `buckets` (by pool, org and bucket)."""
         ...
 
     async def purge(self, *, before: float) -> int:

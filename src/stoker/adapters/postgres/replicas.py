@@ -8,16 +8,24 @@ from dataclasses import astuple
 from typing import Any
 
 from stoker.adapters._rows import (
+    claims_by_org_select,
     demand_from_row,
     demand_row,
     dump_json,
     forecast_select,
     instance_from_row,
     lease_from_row,
+    org_forecast_select,
 )
 from stoker.adapters.postgres.connections import Connections
 from stoker.adapters.postgres.schema import Names
-from stoker.domain.records import DemandRecord, ForecastBucket, Instance, LeaseRecord
+from stoker.domain.records import (
+    DemandRecord,
+    ForecastBucket,
+    Instance,
+    LeaseRecord,
+    OrgForecastBucket,
+)
 from stoker.ports.store import DemandCounts
 
 
@@ -176,6 +184,43 @@ class ReplicaRows:
         """Every pool's forecast buckets."""
         rows = await self._db.all(forecast_select(self._names.forecast))
         return [ForecastBucket(*row) for row in rows]
+
+    async def record_org_forecast(
+        self, buckets: Sequence[OrgForecastBucket], *, drop: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Delete the buckets of the orgs in `drop`, insert or replace `buckets`, in one
+        transaction of two statements."""
+        if not buckets and not drop:
+            return
+        table = self._names.org_forecast
+        async with self._db.tx() as conn:
+            if drop:
+                pools, orgs = (list(c) for c in zip(*drop, strict=True))
+                await conn.execute(
+                    f"DELETE FROM {table} WHERE (pool, org) IN "
+                    "(SELECT * FROM unnest(%s::text[], %s::text[]))",
+                    (pools, orgs),
+                )
+            if buckets:
+                await conn.execute(
+                    f"INSERT INTO {table} (pool, org, bucket, mean, var, seen, updated_at) "
+                    "SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], "
+                    "%s::double precision[], %s::double precision[], %s::bigint[], "
+                    "%s::double precision[]) "
+                    "ON CONFLICT (pool, org, bucket) DO UPDATE SET mean = EXCLUDED.mean, "
+                    "var = EXCLUDED.var, seen = EXCLUDED.seen, updated_at = EXCLUDED.updated_at",
+                    tuple(list(c) for c in zip(*(astuple(b) for b in buckets), strict=True)),
+                )
+
+    async def read_org_forecast(self) -> list[OrgForecastBucket]:
+        """Every pool's per-org forecast buckets."""
+        rows = await self._db.all(org_forecast_select(self._names.org_forecast))
+        return [OrgForecastBucket(*row) for row in rows]
+
+    async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
+        """Claims created in [since, before), by pool and org (the `claims_created` index)."""
+        rows = await self._db.all(claims_by_org_select(self._names.claims, "%s"), (since, before))
+        return [(pool, org, int(n)) for pool, org, n in rows]
 
     async def purge(self, *, before: float) -> int:
         """Delete terminal history older than `before`, in one transaction."""

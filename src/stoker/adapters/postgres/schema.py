@@ -31,6 +31,7 @@ class Names:
         self.leases = f"{s}.leases"
         self.demand = f"{s}.demand"
         self.forecast = f"{s}.forecast"
+        self.org_forecast = f"{s}.org_forecast"
         self.versions = f"{s}.schema_migrations"
         #: The channel of the workers' change feed (`feed`), one per schema.
         self.channel = f"stoker_workers_{schema}"[:63]
@@ -123,6 +124,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (9, tables.pool_seed),
         # The workers' change feed: replicas hear of claimable workers (`feed`).
         (10, feed_statements(s, channel)),
+        (11, tables.org_forecast),
     ]
 
 

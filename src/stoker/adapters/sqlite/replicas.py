@@ -8,16 +8,24 @@ from dataclasses import astuple
 from typing import Any
 
 from stoker.adapters._rows import (
+    claims_by_org_select,
     demand_from_row,
     demand_row,
     dump_json,
     forecast_select,
     lease_from_row,
+    org_forecast_select,
 )
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.ownership import FileIdentity
-from stoker.domain.records import DemandRecord, ForecastBucket, Instance, LeaseRecord
+from stoker.domain.records import (
+    DemandRecord,
+    ForecastBucket,
+    Instance,
+    LeaseRecord,
+    OrgForecastBucket,
+)
 from stoker.ports.store import DemandCounts
 
 _LEASE = "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?"
@@ -171,6 +179,32 @@ class ReplicaRows:
         """Every pool's forecast buckets."""
         rows = self._writes.read(forecast_select("forecast"))
         return [ForecastBucket(*row) for row in rows]
+
+    async def record_org_forecast(
+        self, buckets: Sequence[OrgForecastBucket], *, drop: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Delete the buckets of the orgs in `drop`, insert or replace `buckets`: one write."""
+        if not buckets and not drop:
+            return
+        async with self._writes.tx() as db:
+            db.executemany("DELETE FROM org_forecast WHERE pool = ? AND org = ?", list(drop))
+            db.executemany(
+                "INSERT INTO org_forecast (pool, org, bucket, mean, var, seen, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (pool, org, bucket) DO UPDATE SET "
+                "mean = excluded.mean, var = excluded.var, seen = excluded.seen, "
+                "updated_at = excluded.updated_at",
+                [astuple(b) for b in buckets],
+            )
+
+    async def read_org_forecast(self) -> list[OrgForecastBucket]:
+        """Every pool's per-org forecast buckets."""
+        rows = self._writes.read(org_forecast_select("org_forecast"))
+        return [OrgForecastBucket(*row) for row in rows]
+
+    async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
+        """Claims created in [since, before), by pool and org."""
+        rows = self._writes.read(claims_by_org_select("claims", "?"), (since, before))
+        return [(pool, org, int(n)) for pool, org, n in rows]
 
     async def purge(self, *, before: float) -> int:
         """Delete terminal history older than `before`."""

@@ -75,6 +75,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (8, _TABLES.stored_pools),
     (9, _TABLES.demand_rate),
     (10, _TABLES.pool_seed),
+    (11, _TABLES.org_forecast),
 ]
 
 
