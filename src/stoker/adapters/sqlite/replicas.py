@@ -16,17 +16,24 @@ from stoker.adapters._rows import (
     lease_from_row,
     org_forecast_select,
 )
+from stoker.adapters._schema import FORECAST, ORG_FORECAST, Table
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.ownership import FileIdentity
-from stoker.domain.records import (
-    DemandRecord,
-    ForecastBucket,
-    Instance,
-    LeaseRecord,
-    OrgForecastBucket,
-)
+from stoker.domain import records
+from stoker.domain.records import DemandRecord, ForecastBucket, Instance, LeaseRecord
 from stoker.ports.store import DemandCounts
+
+
+def _upsert(table: Table) -> str:
+    """Insert a row of `table` (its columns in order) or replace the one with its key."""
+    names = table.names
+    updates = ", ".join(f"{c} = excluded.{c}" for c in names if c not in table.key)
+    return (
+        f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))}) "
+        f"ON CONFLICT ({', '.join(table.key)}) DO UPDATE SET {updates}"
+    )
+
 
 _LEASE = "SELECT name, holder, epoch, renewed_at, duration_s FROM leases WHERE name = ?"
 
@@ -167,13 +174,7 @@ class ReplicaRows:
         if not buckets:
             return
         async with self._writes.tx() as db:
-            db.executemany(
-                "INSERT INTO forecast (pool, level, bucket, mean, var, seen, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (pool, level, bucket) DO UPDATE SET "
-                "mean = excluded.mean, var = excluded.var, seen = excluded.seen, "
-                "updated_at = excluded.updated_at",
-                [astuple(b) for b in buckets],
-            )
+            db.executemany(_upsert(FORECAST), [astuple(b) for b in buckets])
 
     async def read_forecast(self) -> list[ForecastBucket]:
         """Every pool's forecast buckets."""
@@ -181,25 +182,19 @@ class ReplicaRows:
         return [ForecastBucket(*row) for row in rows]
 
     async def record_org_forecast(
-        self, buckets: Sequence[OrgForecastBucket], *, drop: Sequence[tuple[str, str]] = ()
+        self, buckets: Sequence[records.OrgForecastBucket], *, drop: Sequence[tuple[str, str]] = ()
     ) -> None:
         """Delete the buckets of the orgs in `drop`, insert or replace `buckets`: one write."""
         if not buckets and not drop:
             return
         async with self._writes.tx() as db:
             db.executemany("DELETE FROM org_forecast WHERE pool = ? AND org = ?", list(drop))
-            db.executemany(
-                "INSERT INTO org_forecast (pool, org, bucket, mean, var, seen, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (pool, org, bucket) DO UPDATE SET "
-                "mean = excluded.mean, var = excluded.var, seen = excluded.seen, "
-                "updated_at = excluded.updated_at",
-                [astuple(b) for b in buckets],
-            )
+            db.executemany(_upsert(ORG_FORECAST), [astuple(b) for b in buckets])
 
-    async def read_org_forecast(self) -> list[OrgForecastBucket]:
+    async def read_org_forecast(self) -> list[records.OrgForecastBucket]:
         """Every pool's per-org forecast buckets."""
         rows = self._writes.read(org_forecast_select("org_forecast"))
-        return [OrgForecastBucket(*row) for row in rows]
+        return [records.OrgForecastBucket(*row) for row in rows]
 
     async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
         """Claims created in [since, before), by pool and org."""
