@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from statistics import NormalDist
+from typing import Protocol
 
 from stoker.domain.records import ForecastBucket
 
@@ -54,6 +55,45 @@ class Outlook:
 
     mean: float
     upper: float
+
+
+class Learned(Protocol):
+    """A learned bucket: the mean and variance of a rate (claims per second)."""
+
+    @property
+    def mean(self) -> float: ...
+    @property
+    def var(self) -> float: ...
+
+
+def interpolate(
+    t: float, bucket_at: Callable[[float], Learned | None], quantile: float
+) -> Outlook | None:
+    """The rate at `t` from the buckets of the hours around it (`bucket_at(time)`),
+    interpolated linearly between hour centres; None when neither hour has one."""
+    left = math.floor((t - HOUR_S / 2) / HOUR_S)
+    points = []
+    for index in (left, left + 1):
+        bucket = bucket_at(index * HOUR_S)
+        weight = 1 - abs(t - (index * HOUR_S + HOUR_S / 2)) / HOUR_S
+        if bucket is not None and weight > 0:
+            points.append((weight, bucket))
+    if not points:
+        return None
+    total = sum(w for w, _ in points)
+    mean = sum(w * b.mean for w, b in points) / total
+    var = sum(w * b.var for w, b in points) / total
+    z = NormalDist().inv_cdf(quantile)
+    return Outlook(mean=mean, upper=mean + z * math.sqrt(max(0.0, var)))
+
+
+def folded(mean: float, var: float, rate: float) -> tuple[float, float]:
+    """A bucket's mean and variance after one more hour at `rate` (exponentially weighted)."""
+    delta = rate - mean
+    return (
+        mean + LEARNING_WEIGHT * delta,
+        (1 - LEARNING_WEIGHT) * (var + LEARNING_WEIGHT * delta * delta),
+    )
 
 
 class Forecaster:
@@ -104,14 +144,8 @@ class Forecaster:
                 # The first hour: the variance of a Poisson rate measured over `covered`.
                 new = ForecastBucket(self.pool, level, bucket, rate, rate / covered, 1, now)
             else:
-                delta = rate - old.mean
-                new = replace(
-                    old,
-                    mean=old.mean + LEARNING_WEIGHT * delta,
-                    var=(1 - LEARNING_WEIGHT) * (old.var + LEARNING_WEIGHT * delta * delta),
-                    seen=old.seen + 1,
-                    updated_at=now,
-                )
+                mean, var = folded(old.mean, old.var, rate)
+                new = replace(old, mean=mean, var=var, seen=old.seen + 1, updated_at=now)
             self._buckets[(level, bucket)] = new
             changed.append(new)
         return changed
@@ -122,20 +156,7 @@ class Forecaster:
 
     def at(self, t: float, quantile: float) -> Outlook | None:
         """The forecast rate at `t`, interpolated between hour centres; None without history."""
-        left = math.floor((t - HOUR_S / 2) / HOUR_S)
-        points = []
-        for index in (left, left + 1):
-            bucket = self._bucket(index * HOUR_S)
-            weight = 1 - abs(t - (index * HOUR_S + HOUR_S / 2)) / HOUR_S
-            if bucket is not None and weight > 0:
-                points.append((weight, bucket))
-        if not points:
-            return None
-        total = sum(w for w, _ in points)
-        mean = sum(w * b.mean for w, b in points) / total
-        var = sum(w * b.var for w, b in points) / total
-        z = NormalDist().inv_cdf(quantile)
-        return Outlook(mean=mean, upper=mean + z * math.sqrt(max(0.0, var)))
+        return interpolate(t, self._bucket, quantile)
 
     def peak(self, start: float, end: float, quantile: float) -> Outlook | None:
         """The highest forecast over [start, end], read at both ends and each hour centre

@@ -81,6 +81,42 @@ def hot_idle_to_reclaim(
     return victims
 
 
+#: A parked worker makes room for the warm pool before its TTL only when its org's forecast
+#: gives less than this chance that the org claims again before the TTL runs out.
+RETURN_CHANCE = 0.5
+
+
+def hot_idle_to_free(
+    hot_idle: Iterable[Worker],
+    wanted: int,
+    chance: Callable[[Worker], float | None],
+    floor: Callable[[str, str], int],
+) -> list[Worker]:
+    """Up to `wanted` parked workers to retire before their TTL so that a pool at its cap
+    can refill its warm pool: those whose org is unlikely to claim again before the TTL
+    runs out (`chance` below `RETURN_CHANCE`), least likely first, keeping each org's
+    `min_hot_idle`. `chance` is None for an org without a forecast: its workers stay.
+
+    `hot_idle` must hold every hot_idle worker of the pool (the floor counts them all).
+    """
+    if wanted <= 0:
+        return []
+    parked = [w for w in hot_idle if w.state is WorkerState.HOT_IDLE and w.org is not None]
+    scored = []
+    for w in parked:
+        p = chance(w)
+        if p is not None and p < RETURN_CHANCE:
+            scored.append((p, _idle_since(w), w.id, w))
+    size = Counter(_group(w) for w in parked)
+    room = {group: max(0, count - floor(*group)) for group, count in size.items()}
+    victims: list[Worker] = []
+    for *_, w in sorted(scored, key=lambda s: s[:3]):
+        if len(victims) < wanted and room[_group(w)] > 0:
+            room[_group(w)] -= 1
+            victims.append(w)
+    return victims
+
+
 def _idle_since(worker: Worker) -> float:
     return worker.idle_since if worker.idle_since is not None else worker.updated_at
 
