@@ -95,6 +95,10 @@ _SIZING_GAUGES = (
         "stoker_pool_forecast_error",
         "Claims seen against the forecast over the error window, relative (0: none).",
     ),
+    (
+        "stoker_pool_org_forecasts",
+        "Orgs of the pool whose learned new-session rate is in use (enough history).",
+    ),
 )
 
 
@@ -116,7 +120,7 @@ class Metrics:
             "pool",
         )
         # How the leader sized each pool (docs/scaling.md).
-        self.demand_rate, self.forecast_sessions, self.forecast_error = (
+        self.demand_rate, self.forecast_sessions, self.forecast_error, self.org_forecasts = (
             self._gauge(name, about, "pool") for name, about in _SIZING_GAUGES
         )
         self.claims = self._counter(

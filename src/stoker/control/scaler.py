@@ -27,6 +27,7 @@ from stoker.domain.errors import StokerError
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason, WorkerState
+from stoker.policy.reaping import hot_idle_to_free
 from stoker.policy.rollout import (
     SERVING,
     Decision,
@@ -144,6 +145,8 @@ class Scaler:
                 if part.role in SERVING:
                     target = part.warm_target
                     live[name] += await self._spawn(name, part.revision, target, held, cap, report)
+                    short = spawns_needed(target, held, 0) - spawns_needed(target, held, cap)
+                    await self._free_parked(pool, short, world, report)
                     await self._scale_down(name, part, held, workers, world.now, report)
                 elif workers:
                     await self._retire_stale(name, part.role, workers, live[name], report)
@@ -181,6 +184,32 @@ class Scaler:
         spawned = await self._spawner.spawn_warm(spec, need, target=target)
         report.spawned[name] = report.spawned.get(name, 0) + spawned
         return spawned
+
+    async def _free_parked(
+        self, pool: PoolSpec, short: int, world: World, report: PassReport
+    ) -> None:
+        """At a full pool whose warm pool is `short` of its target: retire parked workers
+        whose org is unlikely to claim again before their TTL runs out (its learned
+        forecast; docs/scaling.md), so the warm pool refills before the next claim.
+        Workers draining already count as room on its way."""
+        sizer = self._sizer
+        short -= sum(
+            1 for w in world.in_flight if w.pool == pool.name and w.state is WorkerState.DRAINING
+        )
+        if sizer is None or short <= 0:
+            return
+        busy = self._book.in_flight()
+        parked = [w for w in world.hot_idle if w.pool == pool.name and w.id not in busy]
+        victims = hot_idle_to_free(
+            parked,
+            short,
+            lambda w: sizer.orgs.chance(pool, w, world.now),
+            self._catalog.min_hot_idle,
+        )
+        for w in victims:
+            if await self._retirer.retire(w, RetireReason.RECLAIMED):
+                report.count(RetireReason.RECLAIMED)
+                logs.worker_event("hot_idle_freed", w, why="org_forecast")
 
     async def _scale_down(
         self,

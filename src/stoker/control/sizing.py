@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from stoker.control import logs
 from stoker.control.demand import DemandPublisher
+from stoker.control.org_forecasts import OrgOutlook
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
 from stoker.domain.errors import StoreError
@@ -65,6 +66,9 @@ class Sizing:
     demand: int
     #: Headroom placeholders the forecast wants (None: the pool's constant).
     headroom: int | None = None
+    #: Orgs whose learned rate is in use (enough history), and orgs tracked.
+    org_forecasts: int = 0
+    orgs_tracked: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,10 @@ class SizingStatus:
     policy: str
     #: Headroom placeholders the forecast asks for; null: the pool's constant.
     headroom: int | None
+    #: Orgs of the pool whose learned new-session rate is in use (a day of history), and
+    #: orgs whose rate is being learned (at most `demand.org_forecast_orgs`).
+    org_forecasts: int = 0
+    orgs_tracked: int = 0
 
     @classmethod
     def of(cls, s: Sizing) -> SizingStatus:
@@ -112,6 +120,8 @@ class SizingStatus:
             forecast_off=s.forecast_off,
             policy=s.policy,
             headroom=s.headroom,
+            org_forecasts=s.org_forecasts,
+            orgs_tracked=s.orgs_tracked,
         )
 
 
@@ -132,6 +142,8 @@ class PoolSizer:
         self._store, self._runtime = store, runtime
         self._spawner, self._publisher = spawner, publisher
         self._ledger = DemandLedger()
+        #: Each pool's busiest orgs' forecasts.
+        self.orgs = OrgOutlook(store)
         self._rates: dict[str, RateWindow] = {}
         self._forecasters: dict[str, Forecaster] | None = None
         self._errors: dict[str, ForecastError] = {}
@@ -162,6 +174,7 @@ class PoolSizer:
             if forecasters is not None:
                 forecaster = forecasters.setdefault(name, Forecaster(name))
                 learned += forecaster.observe(now, claims)
+        await self.orgs.read(list(self._catalog.pools.values()), now)
         if learned:
             try:
                 await self._store.record_forecast(learned)
@@ -220,6 +233,7 @@ class PoolSizer:
             policy = FORECAST
         else:
             policy = REACTIVE
+        org_forecasts, orgs_tracked = self._org_counts(pool.name)
         sizing = Sizing(
             desired=desired_warm(base, seen.waiting, cap),
             waiting=seen.waiting,
@@ -235,6 +249,8 @@ class PoolSizer:
             base=base,
             demand=seen.waiting + base - pool.warm_target,
             headroom=self._headroom(pool, counts, forecaster if not off else None, now),
+            org_forecasts=org_forecasts,
+            orgs_tracked=orgs_tracked,
         )
         self.last[pool.name] = sizing
         self._gauges(pool.name, sizing)
@@ -267,9 +283,15 @@ class PoolSizer:
             held.popleft()
         return max(v for _, v in held)
 
+    def _org_counts(self, pool: str) -> tuple[int, int]:
+        """(orgs whose forecast is in use, orgs tracked) of `pool`."""
+        orgs = self.orgs.of(pool)
+        return (len(orgs.forecast_orgs()), orgs.tracked) if orgs is not None else (0, 0)
+
     def _gauges(self, pool: str, sizing: Sizing) -> None:
         self._metrics.demand_rate.labels(pool).set(sizing.rate.value)
         self._metrics.forecast_sessions.labels(pool).set(
             sizing.forecast_rate * sizing.replace_s if sizing.forecast_rate is not None else 0
         )
         self._metrics.forecast_error.labels(pool).set(sizing.forecast_error or 0.0)
+        self._metrics.org_forecasts.labels(pool).set(sizing.org_forecasts)

@@ -120,6 +120,12 @@ class DemandSpec:
     #: from it by more than this share (and by more than Poisson noise).
     forecast_error_bound: Annotated[float, Gt(0), Le(100)] = 0.5
     error_window_s: PositiveSeconds = 900.0
+    #: Learn the new-session rate of each of the pool's busiest orgs (docs/scaling.md): at
+    #: a full pool, a parked worker whose org is unlikely to claim again before its TTL
+    #: runs out makes room for the warm pool.
+    org_forecast: bool = True
+    #: Orgs whose rate is learned, at most (48 stored rows each); the busiest are kept.
+    org_forecast_orgs: Annotated[int, Ge(1), Le(10_000)] = 64
     #: Kubernetes: how far ahead node headroom looks (a new node's launch and join time).
     node_lead_s: Seconds = 300.0
     #: Kubernetes: forecast headroom falls only once it has been lower this long, so a
