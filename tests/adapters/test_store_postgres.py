@@ -35,7 +35,7 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
 from stoker.domain.errors import StoreError
-from stoker.domain.records import token_digest
+from stoker.domain.records import OrgForecastBucket, token_digest
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest
 from store_contract import (
@@ -515,6 +515,24 @@ async def test_a_schema_of_version_3_gains_the_row_version_and_idempotency_keys(
     finally:
         await fresh.close()
         await sql(postgres_url, f'DROP SCHEMA IF EXISTS "{fresh_schema}" CASCADE')
+
+
+async def test_a_schema_of_version_10_gains_the_org_forecast(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    store = make_pg()
+    await store.open()
+    await store.close()
+    s = f'"{schema}"'
+    # What version 10 left behind: no org_forecast table, version 11 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 11")
+    await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 11
+    bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
+    await upgraded.record_org_forecast([bucket])
+    assert await upgraded.read_org_forecast() == [bucket]
 
 
 async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(

@@ -24,7 +24,7 @@ from stoker.adapters._schema import (
 )
 from stoker.adapters.sqlite import SqliteStore
 from stoker.adapters.sqlite.schema import UPGRADES
-from stoker.domain.records import Claim, Worker, token_digest
+from stoker.domain.records import Claim, ForecastBucket, OrgForecastBucket, Worker, token_digest
 from stoker.domain.states import WorkerState
 from store_contract import T0, spawn_req
 
@@ -154,3 +154,28 @@ async def test_a_database_of_version_5_keeps_its_session_tokens_as_digests(
         await upgraded.close()
     files = b"".join(p.read_bytes() for p in tmp_path.iterdir())  # noqa: ASYNC240
     assert b"secret-token" not in files
+
+
+async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_forecast(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.record_forecast([ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)])
+    await store.close()
+    # What version 10 left behind: no org_forecast table, version 11 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 11")
+    db.execute("DROP TABLE org_forecast")
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 11
+        assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
+        bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
+        await upgraded.record_org_forecast([bucket])
+        assert await upgraded.read_org_forecast() == [bucket]
+    finally:
+        await upgraded.close()
