@@ -22,7 +22,15 @@ from stoker.sim.report import summary_bytes, write_report
 from stoker.sim.runner import ScenarioResult, run_scenario
 from stoker.sim.scenario import load_scenario
 
-SCENARIOS = ("cold-ramp", "leader-blip", "claim-burst", "consolidation", "diurnal", "large")
+SCENARIOS = (
+    "cold-ramp",
+    "leader-blip",
+    "claim-burst",
+    "consolidation",
+    "diurnal",
+    "large",
+    "orgs",
+)
 
 
 @cache

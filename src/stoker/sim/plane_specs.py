@@ -55,7 +55,7 @@ def pool_spec(scenario: Scenario) -> PoolSpec:
             stop_grace_s=pool.stop_grace_s,
         ),
         headroom_nodes=pool.headroom_nodes,
-        demand=DemandSpec(forecast=not reactive),
+        demand=DemandSpec(forecast=not reactive, org_forecast=pool.org_forecast),
     )
 
 

@@ -274,6 +274,8 @@ class PoolConfig(_Model):
     max_ttl_s: float = Field(0.0, ge=0)
     min_hot_idle: int = Field(0, ge=0)
     reuse: Reuse = Reuse.SAME_ORG
+    #: stoker's per-org forecast (`demand.org_forecast`); false: the pool without it.
+    org_forecast: bool = True
     #: stoker's defaults (`PoolSpec`).
     lease_s: float = Field(60.0, gt=0)
     scale_down_delay_s: float = Field(60.0, ge=0)
