@@ -30,6 +30,7 @@ from stoker.domain.records import (
     DemandRecord,
     Instance,
     LeaseRecord,
+    OrgForecastBucket,
     Worker,
     token_digest,
 )
@@ -197,6 +198,8 @@ instance_from_row = RecordRows(Instance, INSTANCES).from_row
 demand_from_row = RecordRows(DemandRecord, DEMAND).from_row
 #: A `LeaseRecord` from `(name, holder, epoch, renewed_at, duration_s)`.
 lease_from_row = RecordRows(LeaseRecord, LEASES).from_row
+#: An `OrgForecastBucket` from a row of `org_forecast_select`, and back.
+ORG_FORECAST_ROWS = RecordRows(OrgForecastBucket, ORG_FORECAST)
 
 
 # -- write checks ----------------------------------------------------------------------------

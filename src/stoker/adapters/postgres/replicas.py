@@ -8,6 +8,7 @@ from dataclasses import astuple
 from typing import Any
 
 from stoker.adapters._rows import (
+    ORG_FORECAST_ROWS,
     claims_by_org_select,
     demand_from_row,
     demand_row,
@@ -215,7 +216,7 @@ class ReplicaRows:
     async def read_org_forecast(self) -> list[OrgForecastBucket]:
         """Every pool's per-org forecast buckets."""
         rows = await self._db.all(org_forecast_select(self._names.org_forecast))
-        return [OrgForecastBucket(*row) for row in rows]
+        return [ORG_FORECAST_ROWS.from_row(row) for row in rows]
 
     async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
         """Claims created in [since, before), by pool and org (the `claims_created` index)."""

@@ -8,6 +8,7 @@ from dataclasses import astuple
 from typing import Any
 
 from stoker.adapters._rows import (
+    ORG_FORECAST_ROWS,
     claims_by_org_select,
     demand_from_row,
     demand_row,
@@ -194,7 +195,7 @@ class ReplicaRows:
     async def read_org_forecast(self) -> list[records.OrgForecastBucket]:
         """Every pool's per-org forecast buckets."""
         rows = self._writes.read(org_forecast_select("org_forecast"))
-        return [records.OrgForecastBucket(*row) for row in rows]
+        return [ORG_FORECAST_ROWS.from_row(row) for row in rows]
 
     async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
         """Claims created in [since, before), by pool and org."""
