@@ -107,7 +107,8 @@ def main() -> None:
             ratio = f"{row['cost'] / reference[day]['cost']:.3f}" if reference else "-"
             print(
                 f"{name:16s} {day + 1:3d} {row['sessions']:9d} {row['cold']:5d} ({share:4.2f} %)"
-                f" {row['reuse']:7d} {1000 * row['p99_s']:9.1f} {row['max_s']:7.1f} {row['cost']:8.1f}  {ratio}"
+                f" {row['reuse']:7d} {1000 * row['p99_s']:9.1f} {row['max_s']:7.1f}"
+                f" {row['cost']:8.1f}  {ratio}"
             )
     violations = sum(len(r.violations) for r in result.policies)
     print(f"violations: {violations}; wall {result.wall_s:.1f} s")
