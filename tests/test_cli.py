@@ -139,12 +139,20 @@ def test_status_shows_pools_by_state(server: Server) -> None:
     assert row.split("│")[2].strip() == "1"
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default. A shell runs a background job
+    with SIGINT ignored, and Python then never raises KeyboardInterrupt: a test suite
+    started that way (`make test &`) would wait for a Ctrl-C that cannot arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_watch_refreshes_until_interrupted(server: Server) -> None:
     with subprocess.Popen(
         [STOKER, "status", "--watch", "--interval", "0.2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,
         env=environment(STOKER_URL=server.url),
     ) as proc:
         # Interrupt only once two refreshes are out: a Ctrl-C while Python still starts
@@ -396,6 +404,7 @@ def test_status_watch_rides_out_a_server_that_is_down(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,
         env=environment(STOKER_URL=url),
     )
     lines: queue.Queue[str] = queue.Queue()
