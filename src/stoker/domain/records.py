@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
@@ -106,16 +107,35 @@ class Claim:
 _R = TypeVar("_R")
 
 
-def _evolved(record: _R, names: tuple[str, ...], changes: dict[str, Any]) -> _R:
+class _Fields:
+    """A record type's fields in order: all read at once, each placed by its name."""
+
+    __slots__ = ("place", "read")
+
+    def __init__(self, record_type: type) -> None:
+        names = tuple(f.name for f in fields(record_type))
+        self.read = attrgetter(*names)
+        self.place = {name: i for i, name in enumerate(names)}
+
+
+def _evolved(record: _R, of: _Fields, changes: dict[str, Any]) -> _R:
     """`dataclasses.replace` without looking the fields up on every call (a hot path: every
-    write of a worker or claim makes one). An unknown field is a TypeError, as there."""
-    values = {name: getattr(record, name) for name in names}
-    values.update(changes)
-    return type(record)(**values)
+    write of a worker or claim makes one). An unknown field is a TypeError, as there.
+
+    The values go to the constructor by position: half the cost of a dict of all the
+    fields passed by keyword."""
+    values = list(of.read(record))
+    place = of.place
+    for name, value in changes.items():
+        i = place.get(name)
+        if i is None:
+            raise TypeError(f"{type(record).__name__} has no field {name!r}")
+        values[i] = value
+    return type(record)(*values)
 
 
-_WORKER_FIELDS = tuple(f.name for f in fields(Worker))
-_CLAIM_FIELDS = tuple(f.name for f in fields(Claim))
+_WORKER_FIELDS = _Fields(Worker)
+_CLAIM_FIELDS = _Fields(Claim)
 
 
 @dataclass(frozen=True, slots=True)
