@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from enum import EnumMeta
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Generic, TypeGuard, TypeVar
 
 from stoker.adapters._schema import (
@@ -87,18 +87,43 @@ def claims_by_org_select(table: str, mark: str) -> str:
     )
 
 
+#: Flat JSON objects decoded from text, by the text (see `load_json_object`), and the most
+#: kept (then the memo starts afresh).
+_FLAT_OBJECTS: dict[str, dict[str, Any]] = {}
+_FLAT_OBJECTS_MAX = 4096
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def load_json_object(value: Any) -> dict[str, Any]:
-    """A JSON object column: text (SQLite) or jsonb already decoded by the driver (PostgreSQL)."""
+    """A JSON object column: text (SQLite) or jsonb already decoded by the driver (PostgreSQL).
+
+    A worker's `runtime_ref` is read with every write of its row and rarely changes: the
+    object of a text seen before is copied from the last decoding when its values are all
+    scalars (a copy then shares nothing), and decoded again otherwise."""
     if value is None or value == "":
         return {}
-    if isinstance(value, str | bytes | bytearray):
+    if isinstance(value, str):
+        known = _FLAT_OBJECTS.get(value)
+        if known is not None:
+            return dict(known)
+        decoded = dict(json.loads(value))
+        if all(isinstance(v, _SCALARS) for v in decoded.values()):
+            if len(_FLAT_OBJECTS) >= _FLAT_OBJECTS_MAX:
+                _FLAT_OBJECTS.clear()
+            _FLAT_OBJECTS[value] = dict(decoded)
+        return decoded
+    if isinstance(value, bytes | bytearray):
         return dict(json.loads(value))
     return dict(value)
 
 
+#: `json.dumps` with arguments builds an encoder per call; this one is built once.
+_COMPACT_SORTED = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def dump_json(value: Mapping[str, Any]) -> str:
     """Compact, key-sorted JSON (stable bytes for the same value)."""
-    return json.dumps(dict(value), sort_keys=True, separators=(",", ":"))
+    return _COMPACT_SORTED.encode(dict(value))
 
 
 def column_value(name: str, value: Any) -> Any:
@@ -127,9 +152,16 @@ class RecordRows(Generic[R]):
         self._record = record
         self._width = len(table.columns)
         # Each field in the record's order: its column's place in the row, and its decoder.
-        self._reads = tuple(
+        reads = [
             (table.names.index(f.name), _decoder(table.column(f.name), decode.get(f.name)))
             for f in fields(record)  # type: ignore[arg-type]
+        ]
+        # The row's values in the record's order (the same order: the row as it is), then
+        # only the values that are not read as they are stored are converted, in place.
+        order = [i for i, _ in reads]
+        self._order = None if order == list(range(len(order))) else _items(order)
+        self._converts = tuple(
+            (at, read) for at, (_, read) in enumerate(reads) if read is not _same
         )
         self._fields = attrgetter(*table.names)
         encoders = (encode.get(c.name) or _encoder(c, decode.get(c.name)) for c in table.columns)
@@ -141,7 +173,10 @@ class RecordRows(Generic[R]):
             raise ValueError(
                 f"a {self._record.__name__} row has {self._width} columns, not {len(row)}"
             )
-        return self._record(*[decode(row[i]) for i, decode in self._reads])
+        values = list(row) if self._order is None else list(self._order(row))
+        for at, read in self._converts:
+            values[at] = read(values[at])
+        return self._record(*values)
 
     def to_row(self, record: R) -> tuple[Any, ...]:
         """A row in the table's column order."""
@@ -153,6 +188,14 @@ class RecordRows(Generic[R]):
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _items(places: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """The items of a row at `places`, in that order, as a tuple."""
+    pick = itemgetter(*places)
+    if len(places) == 1:
+        return lambda row: (pick(row),)
+    return pick
 
 
 #: How a value of each kind is read from a row.
