@@ -70,10 +70,20 @@ class Rollouts:
         self._tally: Counter[tuple[str, Outcome]] = Counter()
         #: The last plan each pool's pass computed (the API and metrics show it).
         self.plans: dict[str, RolloutPlan] = {}
+        #: Each pool's plan of its stored rollout, with the revision and the rollout it is
+        #: of: every claim and release asks for it, and it changes only with them.
+        self._routing: dict[str, tuple[str, Rollout | None, RolloutPlan]] = {}
 
     def stored(self, pool: PoolSpec) -> RolloutPlan:
         """The plan of the stored rollout, deciding nothing: how new claims route now."""
-        return routing_plan(pool.revision, self._catalog.rollout(pool.name))
+        ramp = self._catalog.rollout(pool.name)
+        known = self._routing.get(pool.name)
+        # A rollout is an immutable record: the same one (and revision) has the same plan.
+        if known is not None and known[0] == pool.revision and known[1] is ramp:
+            return known[2]
+        plan = routing_plan(pool.revision, ramp)
+        self._routing[pool.name] = (pool.revision, ramp, plan)
+        return plan
 
     def route(self, pool: PoolSpec, org: str) -> PoolSpec:
         """The spec of the revision a new (non-reuse) claim of `org` goes to."""
