@@ -26,7 +26,6 @@ a worker image need not install stoker's server): the file may also be copied as
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import os
@@ -72,10 +71,9 @@ def signature(secret: str, method: str, path: str, body: bytes) -> str:
     names the worker and the epoch, so a signature is good for one worker (each has its
     own secret) and one activation.
     """
-    mac = hmac.new(secret.encode(), digestmod=hashlib.sha256)
-    mac.update(f"{method.upper()}\n{path}\n".encode())
-    mac.update(body)
-    return f"{SIGNATURE_SCHEME}={mac.hexdigest()}"
+    # One call of the C implementation: the same MAC as `hmac.new(...).update(...)`.
+    message = f"{method.upper()}\n{path}\n".encode() + body
+    return f"{SIGNATURE_SCHEME}={hmac.digest(secret.encode(), message, 'sha256').hex()}"
 
 
 def signature_valid(secret: str, method: str, path: str, body: bytes, given: str | None) -> bool:

@@ -39,6 +39,8 @@ _log = EventLog("stoker.activator.http")
 _PAYLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(ActivationPayload))
 #: The caller's timeout bounds the whole call (retries included), not aiohttp's.
 _NO_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=None)
+#: Compact JSON (`json.dumps` with arguments builds an encoder per call).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class HttpActivator:
@@ -83,7 +85,7 @@ class HttpActivator:
             fields = {name: getattr(payload, name) for name in _PAYLOAD_FIELDS}
             fields["config"] = dict(payload.config)
             # The signature covers these exact bytes: they are sent as they are.
-            body = json.dumps(fields, separators=(",", ":")).encode()
+            body = _COMPACT.encode(fields).encode()
             secret = self._key.worker_secret(worker.id)
             headers = {
                 "Content-Type": "application/json",

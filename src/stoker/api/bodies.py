@@ -45,12 +45,17 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+#: `json.loads` with a hook builds a decoder per call; this one is built once.
+_UNIQUE_KEYS = json.JSONDecoder(object_pairs_hook=_unique)
+
+
 def duplicate_key(raw: bytes) -> str | None:
     """The first key a JSON object of `raw` names twice, else None (also for non-JSON)."""
     if raw.count(b'"') < 4:
         return None  # fewer than two keys: nothing can repeat
     try:
-        json.loads(raw, object_pairs_hook=_unique)
+        # The bytes are read as `json.loads` reads them (UTF-8, -16 or -32).
+        _UNIQUE_KEYS.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except DuplicateKey as exc:
         return exc.key
     except Exception:

@@ -8,7 +8,6 @@ replica sharing the key derives the same secret, and a secret opens one worker o
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 #: Shortest fleet key accepted, in bytes (`openssl rand -hex 32` gives 64).
@@ -27,7 +26,7 @@ class ActivationKey:
 
     def worker_secret(self, worker_id: str) -> str:
         """The activation secret of `worker_id`: HMAC-SHA256(key, worker id) in hex."""
-        return hmac.new(self._key, worker_id.encode(), hashlib.sha256).hexdigest()
+        return hmac.digest(self._key, worker_id.encode(), "sha256").hex()
 
     def __repr__(self) -> str:
         return "ActivationKey(<hidden>)"
