@@ -140,6 +140,12 @@ class WorkerProtocol:
     #: the control plane traces: a worker that traces continues the claim's trace from it.
     traceparent: str | None = None
 
+    def __post_init__(self) -> None:
+        # The first HMAC of a process initialises the crypto library (0.1 to several ms of
+        # CPU): paid here, while the worker starts, rather than by its first activation,
+        # when a burst of claims activates every warm worker at once.
+        signature(self.secret, "POST", ACTIVATE_PATH, b"")
+
     @classmethod
     def from_env(
         cls, worker_id: str | None = None, environ: Mapping[str, str] | None = None
