@@ -199,17 +199,23 @@ class Fleet:
         )
 
     async def hot(
-        self, org: str, *, pool: str = "p", owner: str | None = None, lease_s: float = 30.0
+        self,
+        org: str,
+        *,
+        pool: str = "p",
+        owner: str | None = None,
+        lease_s: float = 30.0,
+        revision: str = "r1",
     ) -> tuple[Worker, Claim]:
-        w = await self.activating(org, pool=pool)
+        w = await self.activating(org, pool=pool, revision=revision)
         now = self.tick()
         claim = make_claim(w, f"c-{w.id}", now, lease_s=lease_s, owner=owner or self.owner)
         return must(
             await self.store.bind(w.id, epoch=w.epoch, version=w.version, claim=claim, now=now)
         ), claim
 
-    async def hot_idle(self, org: str, *, pool: str = "p") -> Worker:
-        _, claim = await self.hot(org, pool=pool)
+    async def hot_idle(self, org: str, *, pool: str = "p", revision: str = "r1") -> Worker:
+        _, claim = await self.hot(org, pool=pool, revision=revision)
         now = self.tick()
         ended = await self.store.end_claim(
             claim.id,

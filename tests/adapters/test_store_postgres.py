@@ -35,7 +35,7 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
 from stoker.domain.errors import StoreError
-from stoker.domain.records import OrgForecastBucket, token_digest
+from stoker.domain.records import OrgForecastBucket, Worker, token_digest
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest
 from store_contract import (
@@ -429,6 +429,65 @@ async def test_a_store_pick_takes_the_newest_warm_worker_and_the_oldest_parked_o
             "p", "r1", expect=S.HOT_IDLE, org="org-a", org_cap=0, owner="cp-b", now=T0 + 100
         )
         assert must(got.worker).id == expected.id
+
+
+async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
+    make_pg: Callable[..., PostgresStore],
+) -> None:
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    warm = await fleet.warm()
+    other = await fleet.hot_idle("org-a", revision="r0")
+    first = await fleet.hot_idle("org-a")
+    await fleet.hot_idle("org-a")
+
+    async def take(w: Worker, org: str = "org-a", cap: int = 0, revs: Any = ("r1", "r0")) -> Any:
+        return await store.reserve_parked_or(
+            w.id,
+            pool="p",
+            revisions=revs,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org=org,
+            org_cap=cap,
+            owner="cp-b",
+            now=T0 + 100,
+            activate=True,
+        )
+
+    # The org's oldest parked worker of the first revision that has one; the warm one
+    # stays as it was.
+    got = must((await take(warm)).worker)
+    assert (got.id, got.state, got.epoch) == (first.id, S.ACTIVATING, first.epoch + 1)
+    assert await store.get_worker(warm.id) == warm
+    got = must((await take(warm, revs=("r0",))).worker)
+    assert got.id == other.id
+    # No parked worker of the org: the warm one, within the org's cap.
+    reserved = await fleet.reserved("org-c")
+    capped = await take(warm, org="org-c", cap=1)
+    assert capped.worker is None and capped.at_org_cap
+    got = must((await take(warm, org="org-b", cap=1)).worker)
+    assert (got.id, got.state, got.org, got.owner) == (warm.id, S.ACTIVATING, "org-b", "cp-b")
+    assert got.epoch == warm.epoch + 1 and got.activated
+    # A stale fence misses, and says nothing of a cap.
+    missed = await take(warm, org="org-d")
+    assert missed.worker is None and not missed.at_org_cap
+    assert must(await store.get_worker(reserved.id)).state is S.RESERVED
+    with pytest.raises(ValueError):
+        await store.reserve_parked_or(
+            warm.id,
+            pool="p",
+            revisions=("r1",),
+            expect=S.HOT_IDLE,
+            epoch=0,
+            version=0,
+            org="org-a",
+            org_cap=0,
+            owner="cp-b",
+            now=T0,
+        )
 
 
 async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(

@@ -216,8 +216,13 @@ class Claims:
             return await self._reservations.take_spawn(a)
         spawning = book.spawn_of(a) is not None
         if a.req.mode is not ClaimMode.COLD:
+            warm = None
             if pool.reuse is Reuse.SAME_ORG:
-                parked = await self._reservations.take(pool, org, WorkerState.HOT_IDLE)
+                # Without a spawn of its own to free first, the store's look for a parked
+                # worker may reserve a warm one when it finds none, in the same write.
+                parked, warm = await self._reservations.take_parked(
+                    pool, org, None if spawning else a.org_cap
+                )
                 if parked.worker is not None:
                     book.hand_on_spawn(a, pool.name)
                     return parked.worker, ClaimSource.REUSE
@@ -227,7 +232,8 @@ class Claims:
                 self._demand.record_claim(pool.name)
             if spawning:
                 await self._reservations.free_own_spawn(a)
-            warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
+            if warm is None:
+                warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
             if warm.worker is not None:
                 book.hand_on_spawn(a, pool.name)
                 return warm.worker, ClaimSource.WARM

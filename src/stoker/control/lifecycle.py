@@ -24,6 +24,8 @@ from stoker.domain.records import Claim, Worker
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.clock import Clock
 from stoker.ports.store import (
+    ParkedFirst,
+    ParkedOrWarm,
     Reservation,
     ReserveResult,
     SpawnRequest,
@@ -51,6 +53,8 @@ class Lifecycle:
         self, writer: StoreWriter, clock: Clock, metrics: Metrics, journal: Journal | None = None
     ) -> None:
         self._writer = writer
+        #: The store looks for a parked worker and reserves a warm one in one write.
+        self._parked_first = writer if isinstance(writer, ParkedFirst) else None
         self.clock = clock
         self.metrics = metrics
         self.journal = journal or Journal(clock.now)
@@ -158,6 +162,41 @@ class Lifecycle:
             return ReserveResult(None)
         if result.worker is not None:
             self._reserved(by["expect"], result.worker, "store_pick")
+        return result
+
+    @property
+    def folds_parked_look(self) -> bool:
+        """Whether `reserve_parked_or` costs one write (else the caller makes two)."""
+        return self._parked_first is not None
+
+    async def reserve_parked_or(
+        self, warm: Worker, *, revisions: Sequence[str], org: str, org_cap: int, owner: str
+    ) -> ReserveResult:
+        """A worker `org` parked at `revisions` (the first that has one), else the known
+        `warm` worker within `org_cap`, reserved and moved on to activating in one write;
+        the caller tells which by the id (`folds_parked_look` stores only)."""
+        assert self._parked_first is not None
+        by: ParkedOrWarm = {
+            "pool": warm.pool,
+            "revisions": revisions,
+            "org": org,
+            "org_cap": org_cap,
+            "owner": owner,
+            "activate": True,
+            **fence(warm),
+        }
+        try:
+            result = await self._parked_first.reserve_parked_or(warm.id, now=self.clock.now(), **by)
+        except StoreError as exc:
+            self._persist_failed(_label(WorkerState.WARM, WorkerState.RESERVED), exc)
+            return ReserveResult(None)
+        new = result.worker
+        if new is not None and new.id != warm.id:
+            self._reserved(WorkerState.HOT_IDLE, new, "store_pick")
+        elif new is not None:
+            self._reserved(WorkerState.WARM, new, None)
+        elif not result.at_org_cap:
+            self._fence_missed(_label(WorkerState.WARM, WorkerState.RESERVED))
         return result
 
     def _reserved(self, before: WorkerState, new: Worker, reason: str | None) -> None:

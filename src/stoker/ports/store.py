@@ -96,6 +96,14 @@ class FencedReservation(Reservation):
     version: int
 
 
+class ParkedOrWarm(FencedReservation):
+    """A reservation of a warm worker that a worker the org parked goes before: the pool
+    and the revisions (in order) where the store looks for one."""
+
+    pool: str
+    revisions: Sequence[str]
+
+
 class WorkerQuery(TypedDict, total=False):
     """The filters of `list_workers`: each one given (and not None) narrows the list."""
 
@@ -458,6 +466,21 @@ class ReplicaStore(StoreReader, Protocol):
 class Store(ReplicaStore, StoreWriter, Protocol):
     """Durable state, both sides: what an adapter implements. See the module docstring
     for the rules every adapter keeps."""
+
+
+@runtime_checkable
+class ParkedFirst(Protocol):
+    """A store whose round trips cost (PostgreSQL) that looks for a worker an org parked
+    and reserves a given warm worker when there is none, in one write."""
+
+    async def reserve_parked_or(
+        self, worker_id: str, *, now: float, **by: Unpack[ParkedOrWarm]
+    ) -> ReserveResult:
+        """Reserve, as `reserve_any` with `expect` hot_idle, the worker `org` parked at the
+        first of `revisions` that has one; when there is none, reserve the warm worker
+        `worker_id` of `pool` as `reserve` does (`by` is its fence and `org_cap`). The
+        result's worker is either, told apart by its id."""
+        ...
 
 
 @runtime_checkable

@@ -24,7 +24,12 @@ from stoker.adapters.postgres.connections import Connection, Connections, PoolOp
 from stoker.adapters.postgres.pools import PostgresPoolHooks
 from stoker.adapters.postgres.replicas import ReplicaRows
 from stoker.adapters.postgres.schema import Names, migrate
-from stoker.adapters.postgres.workers import WorkerRows, bind_statement, reserve_statements
+from stoker.adapters.postgres.workers import (
+    WorkerRows,
+    bind_statement,
+    parked_or_warm_statement,
+    reserve_statements,
+)
 from stoker.domain.records import Worker
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -66,6 +71,7 @@ class PostgresStore(WorkerRows, ReplicaRows, PostgresPoolHooks, PoolRows):
         self._pool_sql = PoolSql(schema=self._names.quoted)
         self._reserve_any_sql, self._reserve_sql_by_id = reserve_statements(self._names)
         self._bind_sql = bind_statement(self._names)
+        self._parked_or_warm_sql = parked_or_warm_statement(self._names)
 
     async def open(self) -> None:
         """Open the connection pool and apply pending migrations; a no-op when already open."""

@@ -56,6 +56,7 @@ from stoker.ports.store import (
     Ending,
     FencedReservation,
     Move,
+    ParkedOrWarm,
     Reservation,
     ReserveResult,
     SpawnRequest,
@@ -82,6 +83,7 @@ class WorkerRows:
     _reserve_any_sql: dict[WorkerState, str]
     _bind_sql: str
     _reserve_sql_by_id: dict[WorkerState, str]
+    _parked_or_warm_sql: str
 
     async def reserve_spawn_slots(
         self, req: SpawnRequest, ids: Sequence[str], now: float
@@ -196,6 +198,24 @@ class WorkerRows:
         async with self._db.connection() as conn:
             sql = self._reserve_any_sql[by["expect"]]
             return await self._reserve(conn, sql, params, lock=lock)
+
+    async def reserve_parked_or(
+        self, worker_id: str, *, now: float, **by: Unpack[ParkedOrWarm]
+    ) -> ReserveResult:
+        """A worker `org` parked, else the warm `worker_id` (within the org cap), reserved
+        and with `activate` moved on to activating, in one statement (`ParkedFirst`)."""
+        if by["expect"] is not WorkerState.WARM:
+            raise ValueError(f"the worker reserved when none is parked is warm, not {by['expect']}")
+        params = _reserve_params(by, now) | {
+            "id": worker_id,
+            "epoch": by["epoch"],
+            "version": by["version"],
+            "pool": by["pool"],
+            "revisions": list(by["revisions"]),
+        }
+        lock = lock_key(self._names.schema, "org", by["pool"], by["org"]) if params["cap"] else None
+        async with self._db.connection() as conn:
+            return await self._reserve(conn, self._parked_or_warm_sql, params, lock=lock)
 
     async def bind(
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
@@ -332,12 +352,12 @@ def _reserve_params(by: Reservation, now: float) -> dict[str, Any]:
 def reserve_statements(names: Names) -> tuple[dict[WorkerState, str], dict[WorkerState, str]]:
     """The statements of `reserve_any` and of `reserve` (by id), by the state reserved."""
     pick_any = (
-        f"SELECT id, pool FROM {names.workers} "
+        f"SELECT id, pool, state FROM {names.workers} "
         "WHERE pool = %(pool)s AND revision = %(revision)s AND state = %(expect)s{org} "
         "ORDER BY {order} LIMIT 1 FOR UPDATE SKIP LOCKED"
     )
     pick_by_id = (
-        f"SELECT id, pool FROM {names.workers} "
+        f"SELECT id, pool, state FROM {names.workers} "
         "WHERE id = %(id)s AND state = %(expect)s AND epoch = %(epoch)s "
         "AND version = %(version)s{org} FOR UPDATE"
     )
@@ -357,17 +377,38 @@ def reserve_statements(names: Names) -> tuple[dict[WorkerState, str], dict[Worke
     )
 
 
-def _reserve_sql(names: Names, pick: str) -> str:
+def parked_or_warm_statement(names: Names) -> str:
+    """The statement of `reserve_parked_or`: the oldest worker `%(org)s` parked at the
+    first of `%(revisions)s` that has one (nobody else locking it), else the warm worker
+    `%(id)s` at its fence; the org's cap only holds the warm one back."""
+    w = names.workers
+    parked = (
+        f"SELECT id, pool, state FROM {w} WHERE pool = %(pool)s "
+        "AND revision = ANY(%(revisions)s::text[]) AND state = 'hot_idle' AND org = %(org)s "
+        "ORDER BY array_position(%(revisions)s::text[], revision), updated_at, id "
+        "LIMIT 1 FOR UPDATE SKIP LOCKED"
+    )
+    warm = (
+        f"SELECT id, pool, state FROM {w} WHERE id = %(id)s AND state = 'warm' "
+        "AND epoch = %(epoch)s AND version = %(version)s "
+        "AND NOT EXISTS (SELECT 1 FROM parked) FOR UPDATE"
+    )
+    pick = "SELECT * FROM parked UNION ALL SELECT * FROM warm"
+    return _reserve_sql(names, pick, before=f"parked AS ({parked}), warm AS ({warm}), ")
+
+
+def _reserve_sql(names: Names, pick: str, *, before: str = "") -> str:
     """Reserve the row `pick` selects (and locks) in one statement, moved on to activating
-    with `%(activate)s` (the move the transition table allows next, in the same write).
+    with `%(activate)s` (the move the transition table allows next, in the same write);
+    `before`: the common table expressions `pick` reads.
 
     The first column says whether a row was picked; the rest is the reserved worker, or
-    NULLs when the org's cap (`%(cap)s`, 0 = none) stopped it.
+    NULLs when the org's cap (`%(cap)s`, 0 = none) stopped a warm one.
     """
     w = names.workers
     moved = ", ".join(f"w.{c}" for c in WORKER_COLUMNS)
     return (
-        f"WITH picked AS ({pick}), "
+        f"WITH {before}picked AS ({pick}), "
         "live AS ("
         f"SELECT count(*) AS n FROM {w} AS x JOIN picked ON x.pool = picked.pool "
         f"WHERE x.org = %(org)s AND x.state IN {LIVE_SQL}), "
@@ -377,8 +418,8 @@ def _reserve_sql(names: Names, pick: str) -> str:
         "activated = w.activated OR %(activate)s, epoch = w.epoch + 1, "
         "version = w.version + 1, org = %(org)s, "
         "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s "
-        "FROM picked WHERE w.id = picked.id AND w.state = %(expect)s "
-        "AND (%(cap)s = 0 OR (SELECT n FROM live) < %(cap)s) "
+        "FROM picked WHERE w.id = picked.id AND w.state = picked.state "
+        "AND (%(cap)s = 0 OR picked.state = 'hot_idle' OR (SELECT n FROM live) < %(cap)s) "
         f"RETURNING {moved}) "
         "SELECT EXISTS (SELECT 1 FROM picked), moved.* "
         "FROM (VALUES (1)) AS one LEFT JOIN moved ON true"
