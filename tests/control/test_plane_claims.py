@@ -30,6 +30,7 @@ from stoker.domain.errors import (
 )
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.specs import (
+    DemandSpec,
     OrgSpec,
     PlaneSettings,
     PoolSpec,
@@ -45,6 +46,8 @@ pytestmark = pytest.mark.looptime
 
 S = WorkerState
 TEMPLATE = ProcessTemplate(argv=("worker", "{port}"))
+#: The pools here size their warm pool to the default quantile.
+QUANTILE = DemandSpec().quantile
 
 
 def pool(**kw: Any) -> PoolSpec:
@@ -243,7 +246,7 @@ async def test_require_warm_waits_for_the_reconciler(tmp_path: Path) -> None:
         # One spawn for the queued claim, plus what its rate wants warm for the next ones.
         sizing = h.plane.janitor.sizing("p")
         assert sizing is not None and sizing.waiting == 1
-        assert sizing.reactive == warm_for_rate(1 / 30, sizing.replace_s, 0.99)
+        assert sizing.reactive == warm_for_rate(1 / 30, sizing.replace_s, QUANTILE)
         assert report.spawned == {"p": 1 + sizing.reactive}
         claim = await task
         assert claim.source is ClaimSource.WARM
@@ -456,7 +459,11 @@ async def test_lost_hot_worker_fails_its_claim_and_is_replaced(tmp_path: Path) -
         worker = await h.store.get_worker(claim.worker_id)
         assert worker is not None and worker.state is S.RETIRED and worker.reason == "lost"
         await h.tick()
-        assert len(await h.workers(S.WARM)) == 2
+        # Replaced: back to the warm target, or what the one claim's rate wants if more.
+        sizing = h.plane.janitor.sizing("p")
+        assert sizing is not None
+        wanted = max(2, warm_for_rate(1 / 30, sizing.replace_s, QUANTILE))
+        assert len(await h.workers(S.WARM)) == sizing.desired == wanted
 
 
 async def test_lost_warm_worker_is_replaced_to_target(tmp_path: Path) -> None:
@@ -640,7 +647,7 @@ async def test_thirty_misses_reserve_target_plus_thirty_slots_in_one_tick(tmp_pa
         # (thirty within the panic window) wants for the claims to come.
         sizing = h.plane.janitor.sizing("p")
         assert sizing is not None and sizing.waiting == 30
-        assert sizing.reactive == warm_for_rate(30 / 30, sizing.replace_s, 0.99) > 2
+        assert sizing.reactive == warm_for_rate(30 / 30, sizing.replace_s, QUANTILE) > 2
         assert report.spawned == {"p": 30 + sizing.reactive - 2}
         assert len(await h.workers(S.SPAWNING)) == 30 + sizing.reactive
         await h.settle()
@@ -667,7 +674,7 @@ async def test_demand_raises_the_warm_pool_then_scale_down_is_slow(tmp_path: Pat
         # The 19 misses spawned their own workers: they are not spawned for again.
         sizing = h.plane.janitor.sizing("p")
         assert sizing is not None
-        wanted = warm_for_rate(20 / 30, sizing.replace_s, 0.99)
+        wanted = warm_for_rate(20 / 30, sizing.replace_s, QUANTILE)
         assert sizing.reactive == wanted > 1
         assert report.spawned["p"] == wanted
         assert len(await h.workers(S.WARM)) == wanted

@@ -25,6 +25,8 @@ from stoker.policy.demand import warm_for_rate
 from stoker.ports.clock import VirtualClock
 
 TEMPLATE = ProcessTemplate(argv=("worker", "{port}"))
+#: The pools here size their warm pool to the default quantile.
+QUANTILE = DemandSpec().quantile
 
 
 def pool(**demand: object) -> PoolSpec:
@@ -138,7 +140,7 @@ async def test_a_restarted_leader_forecasts_from_what_the_last_one_learned(
         assert not sizing.forecast_off and sizing.forecast_error is not None
         # Nobody claimed since the restart: the warm pool is the forecast's alone.
         assert sizing.rate.value == 0 and sizing.policy == "forecast"
-        wanted = warm_for_rate(sizing.forecast_rate, sizing.replace_s, 0.99)
+        wanted = warm_for_rate(sizing.forecast_rate, sizing.replace_s, QUANTILE)
         assert sizing.desired == sizing.forecast_warm == wanted > 0
         workers = await again.store.list_workers(states=[WorkerState.SPAWNING, WorkerState.WARM])
         assert len(workers) == wanted
@@ -163,7 +165,8 @@ async def test_a_forecast_that_misses_is_set_aside_for_the_reactive_policy(
         await cp.run_janitor_pass()
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and sizing.policy == "forecast" and not sizing.forecast_off
-        assert sizing.desired == warm_for_rate(sizing.forecast_rate or 0, sizing.replace_s, 0.99)
+        wanted = warm_for_rate(sizing.forecast_rate or 0, sizing.replace_s, QUANTILE)
+        assert sizing.desired == wanted
         assert sizing.desired > 2
         # Passes without a claim: once the error window holds more than Poisson noise of
         # misses, the forecast is set aside and the pool is sized as without one.

@@ -111,7 +111,7 @@ class DemandSpec:
     panic_window_s: PositiveSeconds = 30.0
     panic_ratio: Annotated[float, Ge(1), Le(100)] = 2.0
     #: Share of replacement times whose claims the warm pool covers (Poisson quantile).
-    quantile: Annotated[float, Ge(0.5), Le(0.9999)] = 0.99
+    quantile: Annotated[float, Ge(0.5), Le(0.9999)] = 0.999
     #: Spawn-to-ready time assumed until the runtime has reported one.
     ready_seed_s: PositiveSeconds = 10.0
     #: Learn the new-session rate by hour of the week and size ahead of it.
