@@ -34,8 +34,8 @@ from stoker.adapters._schema import (
 from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
-from stoker.domain.errors import StoreError
-from stoker.domain.records import OrgForecastBucket, Worker, token_digest
+from stoker.domain.errors import ClaimKeyTaken, StoreError
+from stoker.domain.records import Claim, OrgForecastBucket, Worker, token_digest
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest
 from store_contract import (
@@ -488,6 +488,47 @@ async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
             owner="cp-b",
             now=T0,
         )
+
+
+async def test_binds_of_one_loop_iteration_answer_as_each_alone(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    ready = [await fleet.activating(f"org-{k}") for k in range(4)]
+    claims = [make_claim(w, f"c-{w.id}", T0 + 100) for w in ready]
+    stale = ready[1].evolve(version=ready[1].version - 1)
+
+    async def bind(w: Worker, claim: Claim) -> Worker | None:
+        return await store.bind(w.id, epoch=w.epoch, version=w.version, claim=claim, now=T0 + 100)
+
+    # One statement: three land, the stale fence misses alone.
+    binds = [bind(w, c) for w, c in zip([ready[0], stale, *ready[2:]], claims, strict=True)]
+    hot = await asyncio.gather(*binds)
+    assert hot[1] is None
+    for w, got, claim in zip(ready, hot, claims, strict=True):
+        if got is not None:
+            assert (got.id, got.state, got.claim_id) == (w.id, S.HOT, claim.id)
+            assert await store.get_claim(claim.id) == stored(claim)
+    assert await store.get_claim(claims[1].id) is None
+    # A batch the unique index refuses runs again bind by bind: only the clash fails.
+    more = [await fleet.activating("org-k") for _ in range(3)]
+    keyed = [
+        make_claim(w, f"c-{w.id}", T0 + 200).evolve(idempotency_key="sha256:k")
+        if i < 2
+        else make_claim(w, f"c-{w.id}", T0 + 200)
+        for i, w in enumerate(more)
+    ]
+    results = await asyncio.gather(
+        *(bind(w, c) for w, c in zip(more, keyed, strict=True)), return_exceptions=True
+    )
+    assert sum(isinstance(r, ClaimKeyTaken) for r in results) == 1
+    assert sum(isinstance(r, Worker) for r in results) == 2
+    third = results[2]
+    assert isinstance(third, Worker) and third.state is S.HOT
+    rows = await sql(postgres_url, f'SELECT count(*) FROM "{schema}".claims')
+    assert rows == [(5,)]
 
 
 async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(

@@ -8,8 +8,8 @@ with `prepare_threshold=None`. Times are arguments (SQL never calls `now()`).
 The parts: `connections` (the pool; psycopg errors surface as `StoreError`), `schema`
 (tables and migrations), `locks` (advisory locks), `workers` (the worker and claim rows,
 and how their writes keep caps under concurrency) and `replicas` (replicas, leases,
-demand, purge) `pools` (stored pools, on `stoker.adapters._pools`) and `feed` (the workers' change
-feed, LISTEN/NOTIFY). This module
+demand, purge) `pools` (stored pools, on `stoker.adapters._pools`), `binds` (the binds of one
+loop iteration in one statement) and `feed` (the workers' change feed, LISTEN/NOTIFY). This module
 opens and closes the store.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from stoker.adapters._pools import PoolRows, PoolSql
 from stoker.adapters.postgres import feed
+from stoker.adapters.postgres.binds import BindBatches
 from stoker.adapters.postgres.connections import Connection, Connections, PoolOptions
 from stoker.adapters.postgres.pools import PostgresPoolHooks
 from stoker.adapters.postgres.replicas import ReplicaRows
@@ -70,7 +71,7 @@ class PostgresStore(WorkerRows, ReplicaRows, PostgresPoolHooks, PoolRows):
         self._names = Names(schema)
         self._pool_sql = PoolSql(schema=self._names.quoted)
         self._reserve_any_sql, self._reserve_sql_by_id = reserve_statements(self._names)
-        self._bind_sql = bind_statement(self._names)
+        self._binds = BindBatches(self._db, self._names, bind_statement(self._names))
         self._parked_or_warm_sql = parked_or_warm_statement(self._names)
 
     async def open(self) -> None:

@@ -45,6 +45,7 @@ from stoker.adapters._rows import (
     worker_to_row,
 )
 from stoker.adapters._schema import CLAIMS, POSTGRES
+from stoker.adapters.postgres.binds import BindBatches
 from stoker.adapters.postgres.connections import Connection, Connections, PooledConnection
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, Names
@@ -81,7 +82,8 @@ class WorkerRows:
     _lock_idle_ms: str
     #: The reserve statements of the store's schema (`reserve_statements`), by state.
     _reserve_any_sql: dict[WorkerState, str]
-    _bind_sql: str
+    #: The binds of one loop iteration go as one statement.
+    _binds: BindBatches
     _reserve_sql_by_id: dict[WorkerState, str]
     _parked_or_warm_sql: str
 
@@ -220,18 +222,18 @@ class WorkerRows:
     async def bind(
         self, worker_id: str, *, epoch: int, version: int, claim: Claim, now: float
     ) -> Worker | None:
-        """activating -> hot and insert the claim, in one statement: the claim row is
-        inserted only when the worker's compare-and-set lands."""
+        """activating -> hot and insert the claim, in one statement (with the other binds of
+        the loop iteration): the claim row is inserted only when the worker's
+        compare-and-set lands."""
         check_claim_for(worker_id, epoch, claim)
         check_move(WorkerState.ACTIVATING, WorkerState.HOT, {"claim_id": claim.id})
         try:
-            row = await self._db.one(
-                self._bind_sql,
-                (now, claim.id, worker_id, epoch, version, claim.org, *claim_to_row(claim)),
+            row = await self._binds.bind(
+                (now, claim.id, worker_id, epoch, version, claim.org, *claim_to_row(claim))
             )
         except StoreError as exc:
-            # One statement: the unique index refused the claim, and the worker's move
-            # was undone with it.
+            # One statement (a batch that fails runs again bind by bind): the unique index
+            # refused the claim, and the worker's move was undone with it.
             cause = exc.__cause__
             if (
                 isinstance(cause, psycopg.errors.UniqueViolation)
