@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest processes for `make test` (pytest-xdist; 0 runs the suite in this process).
+TEST_WORKERS ?= 2
 # Every dependency of `.[dev]`, pinned with hashes: what `make install` and CI install.
 LOCK := requirements/dev.lock
 # Lock files compile for every platform and Python >= 3.11 (pyproject's requires-python).
@@ -40,7 +42,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 fmt: install
 	$(VENV)/bin/ruff format src tests benchmarks
