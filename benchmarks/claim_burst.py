@@ -656,6 +656,15 @@ async def compare(args: argparse.Namespace) -> None:
         )
 
 
+def stoker_src(text: str) -> Path:
+    """`--baseline`: a folder holding the `stoker` package. A folder without one would start
+    the baseline's server on this version (the installed one) and compare it with itself."""
+    path = Path(text)
+    if not (path / "stoker" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text} has no stoker package (want a src folder)")
+    return path.resolve()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--burst", type=int, default=160, help="claims of the burst (orgs)")
@@ -667,7 +676,7 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="py-spy output directory")
     parser.add_argument(
         "--baseline",
-        type=Path,
+        type=stoker_src,
         default=None,
         help="src folder of another stoker version, measured side by side with this one",
     )

@@ -164,7 +164,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both stores")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy output directory")
     parser.add_argument(
-        "--baseline", type=Path, default=None, help="the src folder of a version to compare"
+        "--baseline",
+        type=cb.stoker_src,
+        default=None,
+        help="the src folder of a version to compare",
     )
     parser.add_argument(
         "--postgres",
