@@ -1060,7 +1060,7 @@ class StoreContract(PoolContract):
             now=T0 + 50,
         )
         r = must(result.worker)
-        assert not result.at_org_cap
+        assert not result.at_org_cap and not result.parked
         assert (r.state, r.org, r.owner, r.epoch) == (S.RESERVED, "org-a", "cp-b", w.epoch + 1)
         assert (r.heartbeat_at, r.updated_at, r.endpoint) == (T0 + 50, T0 + 50, w.endpoint)
         assert await store.get_worker(w.id) == r
@@ -1177,6 +1177,7 @@ class StoreContract(PoolContract):
             now=T0 + 51,
         )
         r = must(own.worker)
+        assert own.parked
         assert (r.state, r.org, r.owner, r.epoch, r.activated) == (
             S.RESERVED,
             "org-a",
@@ -1304,7 +1305,7 @@ class StoreContract(PoolContract):
         hit = await store.reserve_any(
             "p", "r1", expect=S.HOT_IDLE, org="org-a", org_cap=0, owner="cp-a", now=T0 + 51
         )
-        assert must(hit.worker).id == a.id
+        assert must(hit.worker).id == a.id and hit.parked
         assert must(hit.worker).epoch == a.epoch + 1
 
     async def test_reserve_any_takes_each_worker_once(self, store: Store, fleet: Fleet) -> None:

@@ -440,7 +440,7 @@ async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
     warm = await fleet.warm()
     other = await fleet.hot_idle("org-a", revision="r0")
     first = await fleet.hot_idle("org-a")
-    await fleet.hot_idle("org-a")
+    second = await fleet.hot_idle("org-a")
 
     async def take(w: Worker, org: str = "org-a", cap: int = 0, revs: Any = ("r1", "r0")) -> Any:
         return await store.reserve_parked_or(
@@ -459,17 +459,25 @@ async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
 
     # The org's oldest parked worker of the first revision that has one; the warm one
     # stays as it was.
-    got = must((await take(warm)).worker)
+    result = await take(warm)
+    got = must(result.worker)
     assert (got.id, got.state, got.epoch) == (first.id, S.ACTIVATING, first.epoch + 1)
+    assert result.parked
     assert await store.get_worker(warm.id) == warm
     got = must((await take(warm, revs=("r0",))).worker)
     assert got.id == other.id
+    # The worker named as warm (a replica's memory of it) was parked by the org since: it
+    # is reserved as the parked one, and said so.
+    result = await take(second)
+    assert must(result.worker).id == second.id and result.parked
     # No parked worker of the org: the warm one, within the org's cap.
     reserved = await fleet.reserved("org-c")
     capped = await take(warm, org="org-c", cap=1)
     assert capped.worker is None and capped.at_org_cap
-    got = must((await take(warm, org="org-b", cap=1)).worker)
+    result = await take(warm, org="org-b", cap=1)
+    got = must(result.worker)
     assert (got.id, got.state, got.org, got.owner) == (warm.id, S.ACTIVATING, "org-b", "cp-b")
+    assert not result.parked
     assert got.epoch == warm.epoch + 1 and got.activated
     # A stale fence misses, and says nothing of a cap.
     missed = await take(warm, org="org-d")

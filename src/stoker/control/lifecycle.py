@@ -174,7 +174,7 @@ class Lifecycle:
     ) -> ReserveResult:
         """A worker `org` parked at `revisions` (the first that has one), else the known
         `warm` worker within `org_cap`, reserved and moved on to activating in one write;
-        the caller tells which by the id (`folds_parked_look` stores only)."""
+        the result's `parked` says which (`folds_parked_look` stores only)."""
         assert self._parked_first is not None
         by: ParkedOrWarm = {
             "pool": warm.pool,
@@ -191,7 +191,7 @@ class Lifecycle:
             self._persist_failed(_label(WorkerState.WARM, WorkerState.RESERVED), exc)
             return ReserveResult(None)
         new = result.worker
-        if new is not None and new.id != warm.id:
+        if new is not None and result.parked:
             self._reserved(WorkerState.HOT_IDLE, new, "store_pick")
         elif new is not None:
             self._reserved(WorkerState.WARM, new, None)

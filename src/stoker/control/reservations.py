@@ -96,8 +96,9 @@ class Reservations:
         finally:
             book.clear_in_flight(known.id)
         worker = result.worker
-        if worker is not None and worker.id != known.id:
-            book.put_back_warm(known)  # untouched: the next claim's
+        if worker is not None and result.parked:
+            if worker.id != known.id:
+                book.put_back_warm(known)  # untouched: the next claim's
             return await self._adopted(result), None
         if worker is not None:
             book.remember(worker)

@@ -176,6 +176,8 @@ class ReserveResult:
     worker: Worker | None
     #: True when nothing was reserved because the org is at its cap.
     at_org_cap: bool = False
+    #: True when the worker reserved was parked (hot_idle) rather than warm.
+    parked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,7 +481,8 @@ class ParkedFirst(Protocol):
         """Reserve, as `reserve_any` with `expect` hot_idle, the worker `org` parked at the
         first of `revisions` that has one; when there is none, reserve the warm worker
         `worker_id` of `pool` as `reserve` does (`by` is its fence and `org_cap`). The
-        result's worker is either, told apart by its id."""
+        result's worker is either, told apart by `parked` (not by the id: a book's warm
+        worker may since have been parked by the same org)."""
         ...
 
 

@@ -167,9 +167,9 @@ class WorkerRows:
                 await conn.execute(LOCK, (self._lock_idle_ms, lock))
                 cur = await conn.execute(sql, params)
         row = await cur.fetchone()
-        if row is None or row[1] is None:
+        if row is None or row[2] is None:
             return ReserveResult(None, at_org_cap=bool(row and row[0]) and params["cap"] > 0)
-        return ReserveResult(worker_from_row(row[1:]))
+        return ReserveResult(worker_from_row(row[2:]), parked=row[1])
 
     async def reserve(
         self, worker_id: str, *, now: float, **by: Unpack[FencedReservation]
@@ -404,8 +404,9 @@ def _reserve_sql(names: Names, pick: str, *, before: str = "") -> str:
     with `%(activate)s` (the move the transition table allows next, in the same write);
     `before`: the common table expressions `pick` reads.
 
-    The first column says whether a row was picked; the rest is the reserved worker, or
-    NULLs when the org's cap (`%(cap)s`, 0 = none) stopped a warm one.
+    The first column says whether a row was picked, the second whether it was parked
+    (hot_idle); the rest is the reserved worker, or NULLs when the org's cap (`%(cap)s`,
+    0 = none) stopped a warm one.
     """
     w = names.workers
     moved = ", ".join(f"w.{c}" for c in WORKER_COLUMNS)
@@ -423,7 +424,8 @@ def _reserve_sql(names: Names, pick: str, *, before: str = "") -> str:
         "FROM picked WHERE w.id = picked.id AND w.state = picked.state "
         "AND (%(cap)s = 0 OR picked.state = 'hot_idle' OR (SELECT n FROM live) < %(cap)s) "
         f"RETURNING {moved}) "
-        "SELECT EXISTS (SELECT 1 FROM picked), moved.* "
+        "SELECT EXISTS (SELECT 1 FROM picked), "
+        "EXISTS (SELECT 1 FROM picked WHERE state = 'hot_idle'), moved.* "
         "FROM (VALUES (1)) AS one LEFT JOIN moved ON true"
     )
 

@@ -166,7 +166,7 @@ class WorkerRows:
         if worker is not None and by.get("activate", False):
             # On to activating in the same transaction: one write less per claim.
             worker = self._cas(db, worker, to=WorkerState.ACTIVATING, now=now, changes=_ACTIVATED)
-        return ReserveResult(worker)
+        return ReserveResult(worker, parked=current.state is WorkerState.HOT_IDLE)
 
     async def reserve(
         self, worker_id: str, *, now: float, **by: Unpack[FencedReservation]
