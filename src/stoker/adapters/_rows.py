@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from enum import EnumMeta
 from operator import attrgetter, itemgetter
 from typing import Any, Generic, TypeGuard, TypeVar
@@ -85,6 +85,46 @@ def claims_by_org_select(table: str, mark: str) -> str:
         f"SELECT pool, org, count(*) FROM {table} WHERE created_at >= {mark} "
         f"AND created_at < {mark} GROUP BY pool, org ORDER BY pool, org"
     )
+
+
+#: `column IN values` (or `NOT IN`) as one store writes it, and the parameters it takes.
+ListTest = Callable[[str, Sequence[Any]], tuple[str, list[Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class ListingFilters:
+    """The WHERE clause of `list_workers` and `list_claims` in one store's SQL: its
+    parameter marker, and how it tests a column against a list of values."""
+
+    mark: str
+    among: ListTest
+    #: Only ever given a non-empty list.
+    not_among: ListTest
+
+    def where(self, query: Mapping[str, Any]) -> tuple[str, list[Any]]:
+        """A WHERE clause for the filters given (`WorkerQuery`, `ClaimQuery`; '' for none),
+        and its parameters."""
+        clauses: list[str] = []
+        params: list[Any] = []
+        for column in ("pool", "org", "owner"):
+            value = query.get(column)
+            if value is not None:
+                clauses.append(f"{column} = {self.mark}")
+                params.append(value)
+        not_owners = query.get("not_owners")
+        if not_owners:
+            sql, values = self.not_among("owner", list(not_owners))
+            clauses.append(f"(owner IS NULL OR {sql})")
+            params += values
+        states = query.get("states")
+        if states is not None:
+            sql, values = self.among("state", [s.value for s in states])
+            clauses.append(sql)
+            params += values
+        if (expires_before := query.get("expires_before")) is not None:
+            clauses.append(f"expires_at <= {self.mark}")
+            params.append(expires_before)
+        return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
 
 
 #: Flat JSON objects decoded from text, by the text (see `load_json_object`), and the most

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 import psycopg
+from psycopg.rows import TupleRow
 
 from stoker.adapters._rows import (
     CLAIM_COLUMNS,
@@ -29,6 +30,7 @@ from stoker.adapters._rows import (
     LIVE_SQL,
     WORKER_COLUMNS,
     WORKER_SELECT,
+    ListingFilters,
     check_claim_for,
     check_ending,
     check_move,
@@ -71,6 +73,12 @@ _WORKER_VALUES = ", ".join("%s::jsonb" if c in _JSON_COLUMNS else "%s" for c in 
 #: The claim's values with their column types, for an INSERT ... SELECT (where PostgreSQL
 #: cannot infer them from the target columns).
 _CLAIM_TYPED = ", ".join(f"%s::{POSTGRES.types[c.kind]}" for c in CLAIMS.columns)
+#: A list is one array parameter: one SQL text per combination of filters (prepared once).
+_FILTERS = ListingFilters(
+    "%s",
+    among=lambda column, values: (f"{column} = ANY(%s)", [list(values)]),
+    not_among=lambda column, values: (f"{column} <> ALL(%s)", [list(values)]),
+)
 
 
 class WorkerRows:
@@ -294,12 +302,8 @@ class WorkerRows:
 
     async def list_workers(self, **query: Unpack[WorkerQuery]) -> list[Worker]:
         """Rows matching every filter, oldest first."""
-        where, params = _filters(query)
-        sql = f"SELECT {WORKER_SELECT} FROM {self._names.workers}{where} ORDER BY created_at, id"
-        if (limit := query.get("limit")) is not None:
-            sql += " LIMIT %s"
-            params.append(int(limit))
-        return [worker_from_row(r) for r in await self._db.all(sql, params)]
+        rows = await self._listed(WORKER_SELECT, self._names.workers, query)
+        return [worker_from_row(r) for r in rows]
 
     async def count_workers(self) -> list[StateCount]:
         """Live workers grouped by pool, revision, state and binding."""
@@ -324,15 +328,17 @@ class WorkerRows:
 
     async def list_claims(self, **query: Unpack[ClaimQuery]) -> list[Claim]:
         """Claims matching every filter, oldest first (`expires_before` is inclusive)."""
-        where, params = _filters(query)
-        if (expires_before := query.get("expires_before")) is not None:
-            where += (" AND" if where else " WHERE") + " expires_at <= %s"
-            params.append(expires_before)
-        sql = f"SELECT {CLAIM_SELECT} FROM {self._names.claims}{where} ORDER BY created_at, id"
+        rows = await self._listed(CLAIM_SELECT, self._names.claims, query)
+        return [claim_from_row(r) for r in rows]
+
+    async def _listed(self, columns: str, table: str, query: Mapping[str, Any]) -> list[TupleRow]:
+        """`columns` of the rows of `table` matching every filter, oldest first."""
+        where, params = _FILTERS.where(query)
+        sql = f"SELECT {columns} FROM {table}{where} ORDER BY created_at, id"
         if (limit := query.get("limit")) is not None:
             sql += " LIMIT %s"
             params.append(int(limit))
-        return [claim_from_row(r) for r in await self._db.all(sql, params)]
+        return await self._db.all(sql, params)
 
 
 def _reserve_params(by: Reservation, now: float) -> dict[str, Any]:
@@ -499,23 +505,3 @@ def bind_statement(names: Names) -> str:
         f"SELECT {_CLAIM_TYPED} FROM moved) "
         "SELECT * FROM moved"
     )
-
-
-def _filters(query: Mapping[str, Any]) -> tuple[str, list[Any]]:
-    """A WHERE clause for the filters given; one SQL text per combination (prepared once)."""
-    clauses: list[str] = []
-    params: list[Any] = []
-    for column in ("pool", "org", "owner"):
-        value = query.get(column)
-        if value is not None:
-            clauses.append(f"{column} = %s")
-            params.append(value)
-    not_owners = query.get("not_owners")
-    if not_owners:
-        clauses.append("(owner IS NULL OR owner <> ALL(%s))")
-        params.append(list(not_owners))
-    states = query.get("states")
-    if states is not None:
-        clauses.append("state = ANY(%s)")
-        params.append([s.value for s in states])
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

@@ -17,6 +17,7 @@ from stoker.adapters._rows import (
     CLAIM_SELECT,
     WORKER_COLUMNS,
     WORKER_SELECT,
+    ListingFilters,
     check_claim_for,
     check_ending,
     check_move,
@@ -60,6 +61,20 @@ _PICK = f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? AN
 #: The oldest warm worker of a pool revision, or the oldest hot_idle one of an org.
 _PICK_WARM = _PICK + " ORDER BY updated_at, id LIMIT 1"
 _PICK_HOT_IDLE = _PICK + " AND org = ? ORDER BY updated_at, id LIMIT 1"
+
+
+def _marks(values: Sequence[Any]) -> str:
+    return ", ".join("?" for _ in values)
+
+
+#: A list is one marker per value; an empty list of states matches no row.
+_FILTERS = ListingFilters(
+    "?",
+    among=lambda column, values: (
+        (f"{column} IN ({_marks(values)})", list(values)) if values else ("1 = 0", [])
+    ),
+    not_among=lambda column, values: (f"{column} NOT IN ({_marks(values)})", list(values)),
+)
 
 
 class WorkerRows:
@@ -284,7 +299,7 @@ class WorkerRows:
                 limit=limit,
             )
         else:
-            where, params = _filters(query)
+            where, params = _FILTERS.where(query)
             sql = f"SELECT {WORKER_SELECT} FROM workers{where} ORDER BY created_at, id"
             if limit is not None:
                 sql += f" LIMIT {int(limit)}"
@@ -307,36 +322,8 @@ class WorkerRows:
 
     async def list_claims(self, **query: Unpack[ClaimQuery]) -> list[Claim]:
         """Claims matching every filter, oldest first."""
-        where, params = _filters(query)
-        if (expires_before := query.get("expires_before")) is not None:
-            where += (" AND" if where else " WHERE") + " expires_at <= ?"
-            params.append(expires_before)
+        where, params = _FILTERS.where(query)
         sql = f"SELECT {CLAIM_SELECT} FROM claims{where} ORDER BY created_at, id"
         if (limit := query.get("limit")) is not None:
             sql += f" LIMIT {int(limit)}"
         return [claim_from_row(r) for r in self._writes.read(sql, params)]
-
-
-def _filters(query: Mapping[str, Any]) -> tuple[str, list[Any]]:
-    """A WHERE clause for the filters given, and its parameters."""
-    clauses: list[str] = []
-    params: list[Any] = []
-    for column in ("pool", "org", "owner"):
-        value = query.get(column)
-        if value is not None:
-            clauses.append(f"{column} = ?")
-            params.append(value)
-    not_owners = query.get("not_owners")
-    if not_owners:
-        marks = ", ".join("?" for _ in not_owners)
-        clauses.append(f"(owner IS NULL OR owner NOT IN ({marks}))")
-        params += list(not_owners)
-    states = query.get("states")
-    if states is not None:
-        values = [s.value for s in states]
-        if not values:
-            clauses.append("1 = 0")
-        else:
-            clauses.append(f"state IN ({', '.join('?' for _ in values)})")
-            params += values
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
