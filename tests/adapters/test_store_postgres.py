@@ -539,6 +539,86 @@ async def test_binds_of_one_loop_iteration_answer_as_each_alone(
     assert rows == [(5,)]
 
 
+async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_alone(
+    make_pg: Callable[..., PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    warm = [await fleet.warm() for _ in range(6)]
+    parked = {org: await fleet.hot_idle(org) for org in ("org-a", "org-b")}
+    batches: list[int] = []
+    run_all = store._db.all
+
+    async def counted(sql_: str, params: Any = ()) -> Any:
+        if isinstance(params, dict) and "n" in params:
+            batches.append(len(params["n"]))
+        return await run_all(sql_, params)
+
+    monkeypatch.setattr(store._db, "all", counted)
+
+    def take(w: Worker, org: str, cap: int = 0) -> Any:
+        return store.reserve_parked_or(
+            w.id,
+            pool="p",
+            revisions=("r1",),
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org=org,
+            org_cap=cap,
+            owner="cp-b",
+            now=T0 + 100,
+            activate=True,
+        )
+
+    stale = warm[2].evolve(version=warm[2].version + 1)
+    results = await asyncio.gather(
+        take(warm[0], "org-a"),  # its parked worker
+        take(warm[1], "org-c"),  # nothing parked: the warm one named
+        take(stale, "org-d"),  # a stale fence: nothing
+        take(warm[3], "org-b"),  # its parked worker
+        take(warm[4], "org-a"),  # the same org again: alone
+        take(warm[5], "org-e", cap=1),  # within a cap: alone, under the org's lock
+    )
+    assert batches == [4]
+    a, c, d, b, a_again, e = results
+    # The two of org-a race (one in the batch, one alone): one takes the parked worker,
+    # the other the warm one it named.
+    taken = {(must(r.worker).id, r.parked) for r in (a, a_again)}
+    assert taken == {(parked["org-a"].id, True), (warm[0].id, False)} or taken == {
+        (parked["org-a"].id, True),
+        (warm[4].id, False),
+    }
+    assert must(b.worker).id == parked["org-b"].id and b.parked
+    got = must(c.worker)
+    assert (got.id, got.state, got.org, got.owner, c.parked) == (
+        warm[1].id,
+        S.ACTIVATING,
+        "org-c",
+        "cp-b",
+        False,
+    )
+    assert got.epoch == warm[1].epoch + 1 and got.version == warm[1].version + 1
+    assert (d.worker, d.at_org_cap) == (None, False)
+    assert await store.get_worker(warm[2].id) == warm[2]
+    assert must(e.worker).id == warm[5].id
+    for w in (parked["org-a"], parked["org-b"]):
+        assert must(await store.get_worker(w.id)).state is S.ACTIVATING
+    # A batch the store refuses runs again claim by claim: each gets its own answer.
+    more = [await fleet.warm() for _ in range(2)]
+    failing = iter([StoreError("postgres: connection lost")])
+
+    async def fails_once(sql_: str, params: Any = ()) -> Any:
+        if isinstance(params, dict) and "n" in params and (error := next(failing, None)):
+            raise error
+        return await run_all(sql_, params)
+
+    monkeypatch.setattr(store._db, "all", fails_once)
+    again = await asyncio.gather(take(more[0], "org-f"), take(more[1], "org-g"))
+    assert [must(r.worker).id for r in again] == [more[0].id, more[1].id]
+
+
 async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(
     make_pg: Callable[..., PostgresStore],
 ) -> None:

@@ -24,6 +24,7 @@ from stoker.adapters.postgres.binds import BindBatches
 from stoker.adapters.postgres.connections import Connection, Connections, PoolOptions
 from stoker.adapters.postgres.pools import PostgresPoolHooks
 from stoker.adapters.postgres.replicas import ReplicaRows
+from stoker.adapters.postgres.reserves import ParkedOrWarmBatches
 from stoker.adapters.postgres.schema import Names, migrate
 from stoker.adapters.postgres.workers import (
     WorkerRows,
@@ -73,6 +74,9 @@ class PostgresStore(WorkerRows, ReplicaRows, PostgresPoolHooks, PoolRows):
         self._reserve_any_sql, self._reserve_sql_by_id = reserve_statements(self._names)
         self._binds = BindBatches(self._db, self._names, bind_statement(self._names))
         self._parked_or_warm_sql = parked_or_warm_statement(self._names)
+        self._parked_or_warm = ParkedOrWarmBatches(
+            self._db, self._names, self._parked_or_warm_alone
+        )
 
     async def open(self) -> None:
         """Open the connection pool and apply pending migrations; a no-op when already open."""

@@ -50,6 +50,7 @@ from stoker.adapters._schema import CLAIMS, POSTGRES
 from stoker.adapters.postgres.binds import BindBatches
 from stoker.adapters.postgres.connections import Connection, Connections, PooledConnection
 from stoker.adapters.postgres.locks import LOCK, lock_key
+from stoker.adapters.postgres.reserves import ParkedOrWarmBatches
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, Names
 from stoker.domain.errors import ClaimKeyTaken, StoreError
 from stoker.domain.records import Claim, Worker
@@ -94,6 +95,8 @@ class WorkerRows:
     _binds: BindBatches
     _reserve_sql_by_id: dict[WorkerState, str]
     _parked_or_warm_sql: str
+    #: The parked-or-warm reservations of one loop iteration go as one statement.
+    _parked_or_warm: ParkedOrWarmBatches
 
     async def reserve_spawn_slots(
         self, req: SpawnRequest, ids: Sequence[str], now: float
@@ -223,7 +226,14 @@ class WorkerRows:
             "pool": by["pool"],
             "revisions": list(by["revisions"]),
         }
-        lock = lock_key(self._names.schema, "org", by["pool"], by["org"]) if params["cap"] else None
+        # With the others of the loop iteration, in one statement (`reserves`).
+        return await self._parked_or_warm.reserve(params)
+
+    async def _parked_or_warm_alone(self, params: dict[str, Any]) -> ReserveResult:
+        """`reserve_parked_or` in a statement of its own (after the org's lock with a cap)."""
+        lock = None
+        if params["cap"]:
+            lock = lock_key(self._names.schema, "org", params["pool"], params["org"])
         async with self._db.connection() as conn:
             return await self._reserve(conn, self._parked_or_warm_sql, params, lock=lock)
 
