@@ -171,10 +171,11 @@ class CpuMeter:
         figures[f"{phase} machine busy (cores)"] = self.machine / self.elapsed
 
 
-async def fence_misses(fleet: ReplicaSet) -> float:
-    """Compare-and-set writes of the fleet that found their row changed, so far."""
+async def fence_misses(fleet: ReplicaSet, metric: str = "stoker_fence_misses") -> float:
+    """Compare-and-set writes of the fleet that found their row changed, so far (with
+    `metric` "stoker_misses": claims that found no worker to take at once)."""
     scrapes = await fleet.scrape_all(timeout=10.0)
-    return sum(s.total("stoker_fence_misses") for s in scrapes.values() if s is not None)
+    return sum(s.total(metric) for s in scrapes.values() if s is not None)
 
 
 def _busy() -> float:
@@ -223,6 +224,7 @@ async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> 
         async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
             await open_connections(http, urls, max(1, args.workers // replicas))
             misses = await fence_misses(fleet)
+            waits = await fence_misses(fleet, "stoker_misses")
             profilers = [
                 Profiler(args.profile / f"{replicas}-replicas-r{r.index}", pid)
                 if args.profile is not None
@@ -244,6 +246,7 @@ async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> 
                 profiler.stop()
             meter.per(figures, "burst", args.workers)
             figures["burst fence misses"] = await fence_misses(fleet) - misses
+            figures["burst claims that waited"] = await fence_misses(fleet, "stoker_misses") - waits
             sources = Counter(answer["source"] for _, answer in results)
             # Round robin: claim i went to replica i % replicas; did it own the worker?
             foreign = sum(
@@ -259,7 +262,7 @@ async def throughput(args: argparse.Namespace, replicas: int, workdir: Path) -> 
                 f"  warm path: {args.workers / elapsed:.0f} claims/s ({args.workers} bound in "
                 f"{elapsed * 1000:.0f} ms; sources {dict(sources)}; {foreign} on a replica "
                 f"that did not spawn the worker; {figures['burst fence misses']:.0f} missed "
-                "compare-and-sets)"
+                f"compare-and-sets; {figures['burst claims that waited']:.0f} claims waited)"
             )
             print("    " + latency("claim", seconds))
             # Each burst org's worker parks for it: the reuse phase claims it again.

@@ -446,6 +446,7 @@ async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
         return await store.reserve_parked_or(
             w.id,
             pool="p",
+            revision="r1",
             revisions=revs,
             expect=S.WARM,
             epoch=w.epoch,
@@ -487,6 +488,7 @@ async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
         await store.reserve_parked_or(
             warm.id,
             pool="p",
+            revision="r1",
             revisions=("r1",),
             expect=S.HOT_IDLE,
             epoch=0,
@@ -561,6 +563,7 @@ async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_
         return store.reserve_parked_or(
             w.id,
             pool="p",
+            revision="r1",
             revisions=("r1",),
             expect=S.WARM,
             epoch=w.epoch,
@@ -617,6 +620,66 @@ async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_
     monkeypatch.setattr(store._db, "all", fails_once)
     again = await asyncio.gather(take(more[0], "org-f"), take(more[1], "org-g"))
     assert [must(r.worker).id for r in again] == [more[0].id, more[1].id]
+
+
+async def test_claims_naming_no_warm_worker_take_distinct_ones_in_the_same_statement(
+    make_pg: Callable[..., PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    warm = [await fleet.warm() for _ in range(3)]
+    parked = await fleet.hot_idle("org-a")
+    batches: list[int] = []
+    run_all = store._db.all
+
+    async def counted(sql_: str, params: Any = ()) -> Any:
+        if isinstance(params, dict) and "n" in params:
+            batches.append(len(params["n"]))
+        return await run_all(sql_, params)
+
+    monkeypatch.setattr(store._db, "all", counted)
+    by: dict[str, Any] = {
+        "pool": "p",
+        "revisions": ("r1",),
+        "expect": S.WARM,
+        "org_cap": 0,
+        "activate": True,
+    }
+
+    def anyone(org: str) -> Any:
+        return store.reserve_parked_or_any("r1", org=org, owner="cp-b", now=T0 + 100, **by)
+
+    named = store.reserve_parked_or(
+        warm[0].id,
+        epoch=warm[0].epoch,
+        version=warm[0].version,
+        revision="r1",
+        org="org-d",
+        owner="cp-b",
+        now=T0 + 100,
+        **by,
+    )
+    a, b, c, d, e = await asyncio.gather(
+        anyone("org-a"), anyone("org-b"), anyone("org-c"), named, anyone("org-e")
+    )
+    assert batches == [5]
+    assert must(a.worker).id == parked.id and a.parked
+    assert must(d.worker).id == warm[0].id and not d.parked
+    # The two free warm workers, one each, newest first; none left for the last claim.
+    assert [must(r.worker).id for r in (b, c)] == [warm[2].id, warm[1].id]
+    assert not (b.parked or c.parked)
+    for r, org in ((b, "org-b"), (c, "org-c")):
+        got = must(r.worker)
+        assert (got.state, got.org, got.owner, got.activated) == (S.ACTIVATING, org, "cp-b", True)
+    assert (e.worker, e.at_org_cap, e.parked) == (None, False, False)
+    # Alone, it is the same statement; an org cap is refused (it is counted under a lock).
+    batches.clear()
+    assert (await anyone("org-f")).worker is None and batches == [1]
+    with pytest.raises(ValueError):
+        await store.reserve_parked_or_any(
+            "r1", org="org-g", owner="cp-b", now=T0, **(by | {"org_cap": 1})
+        )
 
 
 async def test_replicas_reserving_and_spawning_under_load_keep_every_cap(

@@ -25,6 +25,7 @@ from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.clock import Clock
 from stoker.ports.store import (
     ParkedFirst,
+    ParkedOrAny,
     ParkedOrWarm,
     Reservation,
     ReserveResult,
@@ -183,6 +184,7 @@ class Lifecycle:
             "org_cap": org_cap,
             "owner": owner,
             "activate": True,
+            "revision": warm.revision,
             **fence(warm),
         }
         try:
@@ -197,6 +199,34 @@ class Lifecycle:
             self._reserved(WorkerState.WARM, new, None)
         elif not result.at_org_cap:
             self._fence_missed(_label(WorkerState.WARM, WorkerState.RESERVED))
+        return result
+
+    async def reserve_parked_or_any(
+        self, pool: str, revision: str, *, revisions: Sequence[str], org: str, owner: str
+    ) -> ReserveResult:
+        """A worker `org` parked at `revisions`, else any warm worker of `pool` at
+        `revision` (no org cap), reserved and moved on to activating in one write; the
+        result's `parked` says which (`folds_parked_look` stores only)."""
+        assert self._parked_first is not None
+        by: ParkedOrAny = {
+            "pool": pool,
+            "revisions": revisions,
+            "expect": WorkerState.WARM,
+            "org": org,
+            "org_cap": 0,
+            "owner": owner,
+            "activate": True,
+        }
+        try:
+            result = await self._parked_first.reserve_parked_or_any(
+                revision, now=self.clock.now(), **by
+            )
+        except StoreError as exc:
+            self._persist_failed(_label(WorkerState.WARM, WorkerState.RESERVED), exc)
+            return ReserveResult(None)
+        if result.worker is not None:
+            before = WorkerState.HOT_IDLE if result.parked else WorkerState.WARM
+            self._reserved(before, result.worker, "store_pick")
         return result
 
     def _reserved(self, before: WorkerState, new: Worker, reason: str | None) -> None:

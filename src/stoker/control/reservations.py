@@ -82,6 +82,10 @@ class Reservations:
             known = self._book.pop(WorkerState.WARM, pool.name, org, revision)
             if known is not None:
                 return await self._parked_or_warm(known, revisions, org, warm_cap)
+            if warm_cap == 0:
+                # No warm worker of its own to name (another replica spawned them): the
+                # store's pick, in the same write (and with the others of the iteration).
+                return await self._parked_or_any(pool.name, revision, revisions, org)
         return await self._take_stored(pool.name, org, WorkerState.HOT_IDLE, 0, revisions), None
 
     async def _parked_or_warm(
@@ -108,6 +112,20 @@ class Reservations:
             return _NONE, result
         await book.refresh(known.id)
         return _NONE, None
+
+    async def _parked_or_any(
+        self, pool: str, revision: str, revisions: tuple[str, ...], org: str
+    ) -> tuple[ReserveResult, ReserveResult | None]:
+        """One write: a worker `org` parked, else any warm worker of `revision`."""
+        result = await self._lifecycle.reserve_parked_or_any(
+            pool, revision, revisions=revisions, org=org, owner=self._book.instance_id
+        )
+        if result.worker is None:
+            return _NONE, None
+        adopted = await self._adopted(result)
+        if result.parked or adopted.worker is None:
+            return adopted, None
+        return _NONE, adopted
 
     async def _take(
         self,

@@ -96,12 +96,21 @@ class FencedReservation(Reservation):
     version: int
 
 
-class ParkedOrWarm(FencedReservation):
+class ParkedOrAny(Reservation):
     """A reservation of a warm worker that a worker the org parked goes before: the pool
     and the revisions (in order) where the store looks for one."""
 
     pool: str
     revisions: Sequence[str]
+
+
+class ParkedOrWarm(ParkedOrAny):
+    """A `ParkedOrAny` naming its warm worker as last read (its `epoch`, row `version` and
+    `revision`)."""
+
+    epoch: int
+    version: int
+    revision: str
 
 
 class WorkerQuery(TypedDict, total=False):
@@ -483,6 +492,13 @@ class ParkedFirst(Protocol):
         `worker_id` of `pool` as `reserve` does (`by` is its fence and `org_cap`). The
         result's worker is either, told apart by `parked` (not by the id: a book's warm
         worker may since have been parked by the same org)."""
+        ...
+
+    async def reserve_parked_or_any(
+        self, revision: str, *, now: float, **by: Unpack[ParkedOrAny]
+    ) -> ReserveResult:
+        """As `reserve_parked_or`, but when `org` parked none, reserve any warm worker of
+        `pool` at `revision` as `reserve_any` does (no org cap: `org_cap` must be 0)."""
         ...
 
 

@@ -60,6 +60,7 @@ from stoker.ports.store import (
     Ending,
     FencedReservation,
     Move,
+    ParkedOrAny,
     ParkedOrWarm,
     Reservation,
     ReserveResult,
@@ -225,8 +226,27 @@ class WorkerRows:
             "version": by["version"],
             "pool": by["pool"],
             "revisions": list(by["revisions"]),
+            "revision": by["revision"],
         }
         # With the others of the loop iteration, in one statement (`reserves`).
+        return await self._parked_or_warm.reserve(params)
+
+    async def reserve_parked_or_any(
+        self, revision: str, *, now: float, **by: Unpack[ParkedOrAny]
+    ) -> ReserveResult:
+        """A worker `org` parked, else any warm worker of `revision` nobody else is locking
+        (newest first, as `reserve_any`), reserved and with `activate` moved on to
+        activating, in one statement (`ParkedFirst`; no org cap)."""
+        if by["expect"] is not WorkerState.WARM or by["org_cap"]:
+            raise ValueError("the worker reserved when none is parked is warm, with no org cap")
+        params = _reserve_params(by, now) | {
+            "id": None,
+            "epoch": None,
+            "version": None,
+            "pool": by["pool"],
+            "revisions": list(by["revisions"]),
+            "revision": revision,
+        }
         return await self._parked_or_warm.reserve(params)
 
     async def _parked_or_warm_alone(self, params: dict[str, Any]) -> ReserveResult:
