@@ -25,7 +25,6 @@ from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.clock import Clock
 from stoker.ports.store import (
     ParkedFirst,
-    ParkedOrAny,
     ParkedOrWarm,
     Reservation,
     ReserveResult,
@@ -208,18 +207,17 @@ class Lifecycle:
         `revision` (no org cap), reserved and moved on to activating in one write; the
         result's `parked` says which (`folds_parked_look` stores only)."""
         assert self._parked_first is not None
-        by: ParkedOrAny = {
-            "pool": pool,
-            "revisions": revisions,
-            "expect": WorkerState.WARM,
-            "org": org,
-            "org_cap": 0,
-            "owner": owner,
-            "activate": True,
-        }
         try:
             result = await self._parked_first.reserve_parked_or_any(
-                revision, now=self.clock.now(), **by
+                revision,
+                now=self.clock.now(),
+                pool=pool,
+                revisions=revisions,
+                expect=WorkerState.WARM,
+                org=org,
+                org_cap=0,
+                owner=owner,
+                activate=True,
             )
         except StoreError as exc:
             self._persist_failed(_label(WorkerState.WARM, WorkerState.RESERVED), exc)
