@@ -122,15 +122,23 @@ def counting_postgres(counter: Counter) -> Iterator[None]:
 
 
 @asynccontextmanager
-async def plane_on(kind: str, tmp_path: Path, counter: Counter) -> AsyncIterator[ControlPlane]:
-    """A started control plane (no background loops) on a fresh store of `kind`."""
+async def plane_on(
+    kind: str,
+    tmp_path: Path,
+    counter: Counter,
+    *,
+    joining: str | None = None,
+    runtime: MemoryRuntime | None = None,
+) -> AsyncIterator[ControlPlane]:
+    """A started control plane (no background loops) on a fresh store of `kind` whose
+    pool it fills, or, `joining` a PostgreSQL schema, a replica of a fleet already there."""
     store: Store
-    schema = f"stoker_test_{uuid.uuid4().hex[:12]}"
+    schema = joining or f"stoker_test_{uuid.uuid4().hex[:12]}"
     if kind == "postgres":
         store = PostgresStore(POSTGRES_URL, schema=schema, max_size=2)
     else:
         store = SqliteStore(str(tmp_path / "stoker.db"))
-    runtime = MemoryRuntime(ready_delay=0.0)
+    runtime = runtime or MemoryRuntime(ready_delay=0.0)
     plane = ControlPlane(
         store=store,
         runtime=runtime,
@@ -148,15 +156,16 @@ async def plane_on(kind: str, tmp_path: Path, counter: Counter) -> AsyncIterator
     if isinstance(store, SqliteStore):
         store.db.set_trace_callback(SqliteStatements(counter))
     try:
-        await plane.run_janitor_pass()  # fills the warm target
-        for _ in range(200):
-            if len(await store.list_workers(states=[WorkerState.WARM])) == POOL.warm_target:
-                break
-            await asyncio.sleep(0.01)
+        if not joining:
+            await plane.run_janitor_pass()  # fills the warm target
+            for _ in range(200):
+                if len(await store.list_workers(states=[WorkerState.WARM])) == POOL.warm_target:
+                    break
+                await asyncio.sleep(0.01)
         yield plane
     finally:
         await plane.stop()
-        if kind == "postgres":
+        if kind == "postgres" and not joining:
             async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as c:
                 await c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
@@ -202,3 +211,25 @@ async def test_round_trips_per_claim_release_and_renewal(kind: str, tmp_path: Pa
         # The targets of the PostgreSQL claim path (see the README's "Several replicas").
         assert counts["warm claim"] <= 3 and counts["reuse claim"] <= 3
         assert counts["release"] <= 2
+
+
+@pytest.mark.postgres
+async def test_a_replica_that_spawned_no_worker_claims_warm_in_two_round_trips(
+    tmp_path: Path,
+) -> None:
+    """Its queues hold none of the warm workers: the look for a parked worker and the
+    store's pick of a warm one are one statement, then the bind."""
+    counter, runtime = Counter(), MemoryRuntime(ready_delay=0.0)
+    with counting_postgres(counter):
+        async with plane_on("postgres", tmp_path, counter, runtime=runtime) as spawner:
+            schema = spawner.store.schema  # type: ignore[attr-defined]
+            async with plane_on(
+                "postgres", tmp_path, counter, joining=schema, runtime=runtime
+            ) as other:
+                await settled(spawner)
+                request = ClaimRequest(pool="p", org="acme", timeout_s=5)
+                n, claim = await measured(counter, other, lambda: other.claim(request))
+                spawned = await other.store.get_worker(claim.worker_id)
+    assert claim.source is ClaimSource.WARM and spawned is not None
+    assert spawned.owner == other.book.instance_id
+    assert n == 2
