@@ -541,14 +541,8 @@ async def test_binds_of_one_loop_iteration_answer_as_each_alone(
     assert rows == [(5,)]
 
 
-async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_alone(
-    make_pg: Callable[..., PostgresStore], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = make_pg()
-    await store.open()
-    fleet = Fleet(store)
-    warm = [await fleet.warm() for _ in range(6)]
-    parked = {org: await fleet.hot_idle(org) for org in ("org-a", "org-b")}
+def count_reservation_batches(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the reservation batches `store` runs from now on (as they run)."""
     batches: list[int] = []
     run_all = store._db.all
 
@@ -558,6 +552,19 @@ async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_
         return await run_all(sql_, params)
 
     monkeypatch.setattr(store._db, "all", counted)
+    return batches
+
+
+async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_alone(
+    make_pg: Callable[..., PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    warm = [await fleet.warm() for _ in range(6)]
+    parked = {org: await fleet.hot_idle(org) for org in ("org-a", "org-b")}
+    run_all = store._db.all
+    batches = count_reservation_batches(store, monkeypatch)
 
     def take(w: Worker, org: str, cap: int = 0) -> Any:
         return store.reserve_parked_or(
@@ -630,15 +637,7 @@ async def test_claims_naming_no_warm_worker_take_distinct_ones_in_the_same_state
     fleet = Fleet(store)
     warm = [await fleet.warm() for _ in range(3)]
     parked = await fleet.hot_idle("org-a")
-    batches: list[int] = []
-    run_all = store._db.all
-
-    async def counted(sql_: str, params: Any = ()) -> Any:
-        if isinstance(params, dict) and "n" in params:
-            batches.append(len(params["n"]))
-        return await run_all(sql_, params)
-
-    monkeypatch.setattr(store._db, "all", counted)
+    batches = count_reservation_batches(store, monkeypatch)
     by: dict[str, Any] = {
         "pool": "p",
         "revisions": ("r1",),
