@@ -63,7 +63,10 @@ class LoopBatches(Generic[P, R]):
             else:
                 groups.setdefault(key, []).append((params, answer))
         for members in groups.values():
-            self._start(self._run_group(members))
+            if len(members) > 1:
+                self._start(self._run_group(members))
+            else:
+                alone.extend(members)  # nothing to share: straight to its own statement
         for params, answer in alone:
             self._start(self._answer_one(params, answer))
 
