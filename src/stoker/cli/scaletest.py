@@ -54,8 +54,8 @@ def scaletest(
 ) -> None:
     """Run the real control plane against a simulated cluster in virtual time.
 
-    Writes summary.json, timeseries.csv, PNG plots and report.md into --out; exits 1
-    when stoker's own policy breaks an invariant (the trace is printed).
+    Writes summary.json, timeseries.csv, PNG plots and report.md into --out;
+    exits 1 when stoker's own policy breaks an invariant (the trace is printed).
     """
     # Imported here: the client commands need none of the simulator.
     from stoker.extras import missing_extra
