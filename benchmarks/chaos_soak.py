@@ -1049,9 +1049,12 @@ class ChaosMonkey:
 
     async def _restart_exited(self, replica: Replica) -> None:
         try:
-            await asyncio.sleep(1.0)  # RestartSec
-            replica.start()
-            await self.replicas.ready(replica, timeout=60)
+            # It is the one replica down until it is ready again: no other fault may kill
+            # or stop it (or another replica) while it starts.
+            async with self._one_down:
+                await asyncio.sleep(1.0)  # RestartSec
+                replica.start()
+                await self.replicas.ready(replica, timeout=60)
             self.counts["replica_exit_restart"] += 1
         except Exception as exc:
             self.errors.append(f"restart of replica {replica.index}: {exc!r}")
@@ -1070,7 +1073,10 @@ class ChaosMonkey:
     async def replica_kill(self) -> None:
         """SIGKILL a replica, restart it 2-6 s later (a new instance on the same port)."""
         async with self._one_down:
-            replica = self.rng.choice([r for r in self.replicas.replicas if r.serving])
+            serving = [r for r in self.replicas.replicas if r.serving]
+            if not serving:
+                return
+            replica = self.rng.choice(serving)
             self._killed.add(replica.index)
             try:
                 replica.kill()
