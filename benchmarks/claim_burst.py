@@ -382,9 +382,14 @@ class CpuMeter:
         busy = machine.user + machine.system + machine.nice + getattr(machine, "softirq", 0.0)
         return used(self.server), workers, used(self.me), busy
 
-    def report(self, elapsed: float) -> str:
+    def used(self) -> tuple[float, float, float, float]:
+        """CPU seconds since the start: server, workers, load generator, whole machine."""
         end = self.sample()
         server, workers, client, busy = (b - a for a, b in zip(self.start, end, strict=True))
+        return server, workers, client, busy
+
+    def report(self, elapsed: float) -> str:
+        server, workers, client, busy = self.used()
         other = max(0.0, busy - server - workers - client)
         return (
             f"CPU over {elapsed:.2f} s ({psutil.cpu_count()} cores = "
@@ -495,7 +500,11 @@ async def sustained(
     print("  " + summary("claim latency", claims))
     print("  " + summary("release latency", releases))
     print("  " + cpu.report(elapsed))
+    busy = cpu.used()[3]
     figures["cycles/s"] = total / elapsed
+    # Everything the machine ran per cycle (server, workers, load generator, database):
+    # on a machine that is fully busy, its cores divided by this bound the rate.
+    figures["machine CPU/cycle (ms)"] = 1000 * busy / max(total, 1)
     figures["cycle claim p99 (ms)"] = percentile([s * 1000 for s in claims], 0.99)
 
 

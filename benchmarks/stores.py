@@ -14,9 +14,11 @@ warm workers, and measures (see `claim_burst.py`, whose phases these are):
      `--duration` seconds.
 
 It prints each run, then the median of each figure per store and the median of the
-paired ratios to SQLite, with the CPU the server and, for PostgreSQL, the
-database's own processes used per claim+release cycle. The round trips per claim and
-release are counted (and asserted) in tests/adapters/test_store_round_trips.py.
+paired ratios to SQLite, with the CPU the server, the whole machine and, for PostgreSQL,
+the database's own processes used per claim+release cycle, and the rate PostgreSQL's CPU
+per cycle would allow at most with every core busy (everything runs on the same cores).
+The round trips per claim and release are counted (and asserted) in
+tests/adapters/test_store_round_trips.py.
 
 With `--baseline SRC` (the `src` folder of another version of stoker), each round runs
 SQLite and PostgreSQL (as configured by default) on that version too (its servers started
@@ -141,10 +143,21 @@ async def main(args: argparse.Namespace) -> None:
                     f" ({', '.join(f'{r:.2f}' for r in ratios)})"
                 )
         print(line)
+    cores = psutil.cpu_count() or 1
     for kind in stores:
         if kind.startswith("postgres"):
             db = [figures["database CPU/cycle (ms)"] for figures in runs[kind]]
             print(f"  database CPU/cycle (ms) {kind}: {statistics.median(db):.2f}")
+            # What the machine's cores allow at this store's CPU per cycle (server,
+            # database, workers and load generator on the same cores), against SQLite.
+            _, at, version = kind.partition("@")
+            lite = statistics.median(f["cycles/s"] for f in runs["sqlite" + at + version])
+            need = statistics.median(f["machine CPU/cycle (ms)"] for f in runs[kind])
+            ceiling = cores * 1000 / need
+            print(
+                f"  at most {ceiling:.0f} cycles/s {kind} with all {cores} cores busy: "
+                f"{ceiling / lite:.2f}x sqlite's measured rate"
+            )
     if args.baseline is not None:
         for name in runs["sqlite"][0]:
             line = f"  {name:22s} this / baseline:"
