@@ -209,7 +209,12 @@ class Profiler:
 
 #: Where a sample's time goes, by the file of its innermost Python frame (first match wins).
 CATEGORIES = [
-    ("sqlite store (stoker/adapters/sqlite, sqlite3)", ("stoker/adapters/sqlite/", "_rows.py")),
+    ("sqlite store (stoker/adapters/sqlite, sqlite3)", ("stoker/adapters/sqlite/",)),
+    (
+        "postgres store (stoker/adapters/postgres, psycopg, psycopg_pool)",
+        ("stoker/adapters/postgres/", "psycopg/", "psycopg_pool/"),
+    ),
+    ("rows of both stores (stoker/adapters/_rows.py)", ("stoker/adapters/_rows.py",)),
     (
         "activation client (activator_http + aiohttp)",
         ("activator_http.py", "aiohttp/", "yarl/", "multidict/"),
