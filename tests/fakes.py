@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from stoker.domain.records import (
     Worker,
 )
 from stoker.domain.specs import PoolSpec
-from stoker.domain.states import ClaimState, WorkerState
+from stoker.domain.states import WorkerState
 from stoker.ports.activator import ActivationPayload
 from stoker.ports.runtime import RuntimeListener, RuntimeObject
 from stoker.ports.store import (
@@ -283,17 +283,8 @@ class FaultyStore:
     async def claim_by_key(self, org: str, idempotency_key: str) -> Claim | None:
         return await self.inner.claim_by_key(org, idempotency_key)
 
-    async def list_claims(
-        self,
-        *,
-        states: Collection[ClaimState] | None = None,
-        expires_before: float | None = None,
-        owner: str | None = None,
-        limit: int | None = None,
-    ) -> list[Claim]:
-        return await self.inner.list_claims(
-            states=states, expires_before=expires_before, owner=owner, limit=limit
-        )
+    async def list_claims(self, **kw: Any) -> list[Claim]:
+        return await self.inner.list_claims(**kw)
 
     async def register_instance(self, instance_id: str, **kw: Any) -> None:
         await self.inner.register_instance(instance_id, **kw)

@@ -36,6 +36,7 @@ from stoker.domain.records import (
     token_digest,
 )
 from stoker.domain.states import (
+    LIVE,
     TERMINAL,
     TRANSITIONS,
     ClaimMode,
@@ -1714,6 +1715,41 @@ class StoreContract(PoolContract):
         assert await ids(limit=2) == [w1.id, r1.id]
         assert await ids(states=[S.WARM], limit=1) == [w1.id]
         assert await store.get_worker("nobody") is None
+
+    async def test_listings_page_after_a_rows_created_at_and_id(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        # Three spawn slots of one request share their created_at: the id breaks the tie.
+        same = await fleet.spawning(3)
+        w = await fleet.warm()
+        g = await fleet.retired()
+        everything = await store.list_workers()
+        assert [x.id for x in everything] == [*(x.id for x in same), w.id, g.id]
+
+        async def page(after: Worker | None, **kw: Any) -> list[str]:
+            cursor = (after.created_at, after.id) if after is not None else None
+            return [x.id for x in await store.list_workers(after=cursor, limit=2, **kw)]
+
+        assert await page(None) == [same[0].id, same[1].id]
+        assert await page(same[1]) == [same[2].id, w.id]
+        assert await page(w) == [g.id]
+        assert await page(g) == []
+        # The live rows (SQLite answers them from memory) page the same way.
+        assert await page(same[0], states=LIVE) == [same[1].id, same[2].id]
+        assert await page(same[2], states=LIVE) == [w.id]
+        # A cursor names a place in the order, whether or not its row is still there.
+        assert await page(None, states=[S.RETIRED]) == [g.id]
+        assert [x.id for x in await store.list_workers(after=(w.created_at + 0.5, ""))] == [g.id]
+
+        _, c1 = await fleet.hot("org-a")
+        _, c2 = await fleet.hot("org-b")
+        _, c3 = await fleet.hot("org-c")
+        claims = await store.list_claims(states=[ClaimState.BOUND], after=(c1.created_at, c1.id))
+        assert [c.id for c in claims] == [c2.id, c3.id]
+        assert [c.id for c in await store.list_claims(after=(c3.created_at, c3.id))] == []
+        assert [c.id for c in await store.list_claims(after=(c1.created_at, c1.id), limit=1)] == [
+            c2.id
+        ]
 
     async def test_count_workers_groups_live_workers(self, store: Store, fleet: Fleet) -> None:
         await fleet.warm()

@@ -124,6 +124,10 @@ class ListingFilters:
         if (expires_before := query.get("expires_before")) is not None:
             clauses.append(f"expires_at <= {self.mark}")
             params.append(expires_before)
+        if (after := query.get("after")) is not None:
+            # Listings run oldest first, by (created_at, id): the rows after a page's last.
+            clauses.append(f"(created_at, id) > ({self.mark}, {self.mark})")
+            params += [float(after[0]), str(after[1])]
         return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
 
 

@@ -122,6 +122,8 @@ class WorkerQuery(TypedDict, total=False):
     owner: str | None
     #: Rows owned by none of these replicas (or by none).
     not_owners: Collection[str] | None
+    #: Only rows after this `(created_at, id)` in listing order: the next page.
+    after: tuple[float, str] | None
     limit: int | None
 
 
@@ -132,6 +134,8 @@ class ClaimQuery(TypedDict, total=False):
     #: Inclusive.
     expires_before: float | None
     owner: str | None
+    #: Only claims after this `(created_at, id)` in listing order: the next page.
+    after: tuple[float, str] | None
     limit: int | None
 
 

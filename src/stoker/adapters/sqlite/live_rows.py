@@ -184,9 +184,11 @@ class LiveRows:
         org: str | None = None,
         owner: str | None = None,
         not_owners: Collection[str] | None = None,
+        after: tuple[float, str] | None = None,
         limit: int | None = None,
     ) -> list[Row]:
-        """The live rows in `states` matching every filter given, oldest first."""
+        """The live rows in `states` matching every filter given, oldest first (after
+        `after`, a `(created_at, id)`, when given)."""
         self.rows()
         excluded = set(not_owners or ())
         rows = sorted(
@@ -198,6 +200,7 @@ class LiveRows:
                 and (org is None or row[_ORG] == org)
                 and (owner is None or row[_OWNER] == owner)
                 and row[_OWNER] not in excluded
+                and (after is None or _oldest_first(row) > after)
             ),
             key=_oldest_first,
         )

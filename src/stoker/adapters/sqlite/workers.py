@@ -296,6 +296,7 @@ class WorkerRows:
                 org=query.get("org"),
                 owner=query.get("owner"),
                 not_owners=query.get("not_owners"),
+                after=query.get("after"),
                 limit=limit,
             )
         else:
