@@ -282,6 +282,24 @@ def test_workers_list_with_filters(server: Server) -> None:
         run(["release", claim["id"]], url=server.url)
 
 
+def test_listings_with_all_fetch_page_after_page(server: Server) -> None:
+    claims = [
+        json.loads(run(["claim", "-p", "demo", "-o", f"hooli{i}"], url=server.url).stdout)
+        for i in range(2)
+    ]
+    try:
+        for what in ("workers", "claims"):
+            whole = json.loads(run([what, "list", "--json"], url=server.url).stdout)
+            one = json.loads(run([what, "list", "-n", "1", "--json"], url=server.url).stdout)
+            paged = run([what, "list", "--all", "-n", "1", "--json"], url=server.url)
+            assert paged.returncode == 0, paged.stderr
+            assert len(whole[what]) >= 2 and len(one[what]) == 1
+            assert json.loads(paged.stdout) == whole
+    finally:
+        for claim in claims:
+            run(["release", claim["id"]], url=server.url)
+
+
 def test_pools_lists_and_shows_pools(server: Server) -> None:
     listed = run(["pools"], url=server.url)
     assert listed.returncode == 0, listed.stderr

@@ -367,6 +367,45 @@ async def test_open_claims_are_listed(tmp_path: Path) -> None:
         assert_problem(await api.http.get("/v1/claims", params={"state": "nope"}), 422)
 
 
+async def test_listings_page_with_the_next_cursor(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(warm_target=3, max_workers=10)]) as api:
+        made = [(await api.claim(org=f"org{i}")).json()["id"] for i in range(5)]
+        everything = (await api.http.get("/v1/claims")).json()
+        assert everything["next"] is None  # not a full page: the listing ended
+        order = [c["id"] for c in everything["claims"]]
+        assert sorted(order) == sorted(made)
+        pages: list[list[str]] = []
+        params: dict[str, str | int] = {"limit": 2}
+        while True:
+            page = (await api.http.get("/v1/claims", params=params)).json()
+            pages.append([c["id"] for c in page["claims"]])
+            if page["next"] is None:
+                break
+            params = {"limit": 2, "after": page["next"]}
+        assert pages == [order[0:2], order[2:4], order[4:]]
+        # A full last page still carries `next`; the page after it is empty.
+        full = (await api.http.get("/v1/claims", params={"limit": 5})).json()
+        assert full["next"] is not None
+        after = {"limit": 5, "after": full["next"]}
+        assert (await api.http.get("/v1/claims", params=after)).json() == {
+            "claims": [],
+            "next": None,
+        }
+        # Workers page the same way, with their filters.
+        workers = [w["id"] for w in (await api.http.get("/v1/workers")).json()["workers"]]
+        first = (await api.http.get("/v1/workers", params={"limit": 3})).json()
+        rest = await api.http.get("/v1/workers", params={"limit": 1000, "after": first["next"]})
+        assert [w["id"] for w in first["workers"] + rest.json()["workers"]] == workers
+        hot: dict[str, str | int] = {"state": "hot", "limit": 4}
+        page = (await api.http.get("/v1/workers", params=hot)).json()
+        more = (await api.http.get("/v1/workers", params={**hot, "after": page["next"]})).json()
+        assert len(page["workers"]) == 4 and len(more["workers"]) == 1
+        for bad in ("nope!", "WzEsMl0", "x" * 600):
+            problem = await api.http.get("/v1/claims", params={"after": bad})
+            assert_problem(problem, 422)
+            assert problem.json()["errors"][0]["loc"] == ["query", "after"]
+
+
 async def test_events_record_spawns_and_retirements_with_reasons(tmp_path: Path) -> None:
     async with running(tmp_path, [pool(reuse="never")]) as api:
         claim = (await api.claim()).json()

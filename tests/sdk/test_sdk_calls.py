@@ -167,6 +167,54 @@ async def async_calls(client: AsyncClient) -> list[Any]:
     ]
 
 
+def paging_server() -> Callable[[httpx.Request], httpx.Response]:
+    """Listings of three pages of one row each: `next` names the page after."""
+    rows = {"/v1/claims": "claims", "/v1/workers": "workers"}
+    body = {"/v1/claims": claim_body(), "/v1/workers": WORKER_ROW}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        page = int(request.url.params.get("after", "0"))
+        item = {**body[path], "id": f"{rows[path]}-{page}"}
+        more = str(page + 1) if page < 2 else None
+        return httpx.Response(200, json={rows[path]: [item], "next": more})
+
+    return handle
+
+
+async def test_both_clients_iterate_over_every_page() -> None:
+    url = "http://stoker.test:8080/"
+    with Client(url, transport=httpx.MockTransport(paging_server())) as client:
+        claims = client.iter_claims(state="released", limit=1)
+        # Lazily: the first page is fetched by the first step.
+        assert next(claims).id == "claims-0"
+        assert [c.id for c in claims] == ["claims-1", "claims-2"]
+        assert [w.id for w in client.iter_workers(after="1")] == ["workers-1", "workers-2"]
+        one = client.claims(limit=1, after="2")
+        assert [c.id for c in one] == ["claims-2"]
+    requests: list[httpx.Request] = []
+    handle = paging_server()
+
+    def recorded(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return handle(request)
+
+    async with AsyncClient(url, transport=httpx.MockTransport(recorded)) as aclient:
+        got = [c.id async for c in aclient.iter_claims(state="released", limit=1)]
+        assert got == ["claims-0", "claims-1", "claims-2"]
+        assert [w.id async for w in aclient.iter_workers(pool="demo")] == [
+            "workers-0",
+            "workers-1",
+            "workers-2",
+        ]
+    assert [dict(r.url.params) for r in requests[:3]] == [
+        {"state": "released", "limit": "1"},
+        {"state": "released", "limit": "1", "after": "1"},
+        {"state": "released", "limit": "1", "after": "2"},
+    ]
+    assert dict(requests[4].url.params) == {"pool": "demo", "after": "1"}
+
+
 async def test_both_clients_send_the_same_requests_and_read_the_same_results() -> None:
     sync_server, async_server = every_call_server(), every_call_server()
     url = "http://stoker.test:8080/"

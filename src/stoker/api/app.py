@@ -37,6 +37,7 @@ from stoker.api.asgi import ApiState, Guard, Receive, Scope, Send, principal_of
 from stoker.api.bodies import JsonBodies
 from stoker.api.claims import add_claim_routes
 from stoker.api.connections import RefusalLog
+from stoker.api.cursors import next_cursor, read_after
 from stoker.api.models import (
     ClaimList,
     ClaimOut,
@@ -183,6 +184,9 @@ def create_app(
 _ADMIN = (401, 403, 422)
 #: And a listing, which reads the store: 503 while the plane is not running.
 _LISTING = (*_ADMIN, 503)
+#: A listing's `after`: the `next` of the page before.
+_AFTER = "The `next` of the previous page: list the rows after its last."
+_CURSOR_MAX = 512
 
 
 def _doc(operation: str, summary: str, tag: str, model: Any, *statuses: int) -> dict[str, Any]:
@@ -216,13 +220,18 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         state_: Annotated[WorkerState | None, Query(alias="state")] = None,
         org: Annotated[str | None, Query(max_length=128)] = None,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+        after: Annotated[str | None, Query(max_length=_CURSOR_MAX, description=_AFTER)] = None,
     ) -> Response:
-        """Workers, oldest first; live ones unless `state` asks for another (e.g. retired)."""
+        """Workers, oldest first; live ones unless `state` asks for another (e.g. retired).
+        A full page carries `next`: pass it as `after` for the page after it."""
         _check_listing(request, plane)
+        states = [state_] if state_ else LIVE
         workers = await plane.store.list_workers(
-            pool=pool, states=[state_] if state_ else LIVE, org=org, limit=limit
+            pool=pool, states=states, org=org, after=read_after(after), limit=limit
         )
-        return ModelResponse(WorkerList.model_construct(workers=[WorkerOut.of(w) for w in workers]))
+        listed = [WorkerOut.of(w) for w in workers]
+        page = WorkerList.model_construct(workers=listed, next=next_cursor(workers, limit))
+        return ModelResponse(page)
 
     @app.get(
         "/v1/claims", **_doc("list_claims", "List claims (admin)", "claims", ClaimList, *_LISTING)
@@ -231,12 +240,18 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         request: Request,
         state_: Annotated[ClaimState, Query(alias="state")] = ClaimState.BOUND,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+        after: Annotated[str | None, Query(max_length=_CURSOR_MAX, description=_AFTER)] = None,
     ) -> Response:
         """Claims in `state` (default: the open ones, `bound`), oldest first, without
-        their session tokens (the server keeps only digests)."""
+        their session tokens (the server keeps only digests). A full page carries `next`:
+        pass it as `after` for the page after it."""
         _check_listing(request, plane)
-        claims = await plane.store.list_claims(states=[state_], limit=limit)
-        return ModelResponse(ClaimList.model_construct(claims=[ClaimOut.of(c) for c in claims]))
+        claims = await plane.store.list_claims(
+            states=[state_], after=read_after(after), limit=limit
+        )
+        listed = [ClaimOut.of(c) for c in claims]
+        page = ClaimList.model_construct(claims=listed, next=next_cursor(claims, limit))
+        return ModelResponse(page)
 
     @app.get("/healthz", **_doc("healthz", "Liveness", "health", Health))
     async def healthz() -> Response:

@@ -246,12 +246,18 @@ class WorkerList(BaseModel):
     """`GET /v1/workers`."""
 
     workers: list[WorkerOut]
+    next: str | None = Field(
+        default=None, description="On a full page: `after` for the next one (it may be empty)."
+    )
 
 
 class ClaimList(BaseModel):
     """`GET /v1/claims`."""
 
     claims: list[ClaimOut]
+    next: str | None = Field(
+        default=None, description="On a full page: `after` for the next one (it may be empty)."
+    )
 
 
 class EventOut(BaseModel):

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stoker.cli.output import (
+    AllOption,
     LimitOption,
     TokenOption,
     UrlOption,
@@ -171,12 +172,16 @@ def claims_list(
         ClaimStateChoice, typer.Option("--state", "-s", help="Claims in this state")
     ] = ClaimStateChoice.bound,
     limit: LimitOption = 1000,
+    every: AllOption = False,
     *,
     client: Client,
     as_json: bool,
 ) -> None:
     """Claims in a state (the open ones by default), oldest first."""
-    claims = client.claims(state=state.value, limit=limit)
+    if every:
+        claims = list(client.iter_claims(state=state.value, limit=limit))
+    else:
+        claims = client.claims(state=state.value, limit=limit)
     what = f"{state.value} claims"
     print_listing("claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=as_json, what=what)
 

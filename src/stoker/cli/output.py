@@ -36,6 +36,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of te
 LimitOption = Annotated[
     int, typer.Option("--limit", "-n", min=1, max=10000, help="At most this many rows")
 ]
+AllOption = Annotated[
+    bool, typer.Option("--all", help="Every row, fetched --limit at a time (page after page)")
+]
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from stoker.cli.output import LimitOption, print_listing, server_command, when
-from stoker.sdk import Client, WorkerInfo
+from stoker.cli.output import AllOption, LimitOption, print_listing, server_command, when
+from stoker.sdk import Client, WorkerFilters, WorkerInfo
 
 workers_app = typer.Typer(
     name="workers", help="Workers on the server (admin token).", no_args_is_help=True
@@ -39,12 +39,14 @@ def workers_list(
     ] = None,
     org: Annotated[str | None, typer.Option("--org", "-o", help="Only this org")] = None,
     limit: LimitOption = 1000,
+    every: AllOption = False,
     *,
     client: Client,
     as_json: bool,
 ) -> None:
     """Workers, oldest first: the live ones, or those in `--state`."""
-    workers = client.workers(pool=pool, state=state.value if state else None, org=org, limit=limit)
+    filters = WorkerFilters(pool=pool, state=state.value if state else None, org=org, limit=limit)
+    workers = list(client.iter_workers(**filters)) if every else client.workers(**filters)
     print_listing("workers", workers, _WORKER_COLUMNS, _worker_row, as_json=as_json)
 
 

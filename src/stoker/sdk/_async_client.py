@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
@@ -25,6 +25,7 @@ from stoker.sdk._calls import (
     Call,
     ClaimFilters,
     ClaimOptions,
+    Page,
     PoolChanges,
     WorkerFilters,
 )
@@ -113,8 +114,14 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         return AsyncClaim(self, call, renew, on_lost)
 
     async def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
-        """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`)."""
+        """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`);
+        one page of at most `limit`."""
         return await self._send(self._calls.claims(filters))
+
+    def iter_claims(self, **filters: Unpack[ClaimFilters]) -> AsyncIterator[ClaimInfo]:
+        """Every claim `claims` would list, oldest first (`async for`), fetched a page
+        (`limit`) at a time as the iteration goes on."""
+        return self._pages(self._calls.claim_pages(filters), filters.get("after"))
 
     async def get_claim(self, claim_id: str) -> ClaimInfo:
         """A claim by id."""
@@ -160,8 +167,26 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         return await self._send(self._calls.rollout(pool, rollout_id, action))
 
     async def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
-        """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`)."""
+        """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`); one
+        page of at most `limit`."""
         return await self._send(self._calls.workers(filters))
+
+    def iter_workers(self, **filters: Unpack[WorkerFilters]) -> AsyncIterator[WorkerInfo]:
+        """Every worker `workers` would list, oldest first (`async for`), fetched a page
+        (`limit`) at a time as the iteration goes on."""
+        return self._pages(self._calls.worker_pages(filters), filters.get("after"))
+
+    async def _pages(
+        self, page: Callable[[str | None], Call[Page[T]]], after: str | None
+    ) -> AsyncIterator[T]:
+        """The items of `page(after)`, then of each page after it (`async for`)."""
+        got = await self._send(page(after))
+        for item in got.items:
+            yield item
+        while got.next is not None:
+            got = await self._send(page(got.next))
+            for item in got.items:
+                yield item
 
     async def ready(self) -> bool:
         """True when the server answers `/readyz` with 200."""

@@ -61,7 +61,10 @@ class WorkerFilters(TypedDict, total=False):
     #: Live workers when left out.
     state: str | None
     org: str | None
+    #: The most rows in the answer (a page of `iter_workers`).
     limit: int | None
+    #: The rows after the last of a previous page (its `next`, see `Page`).
+    after: str | None
 
 
 class ClaimFilters(TypedDict, total=False):
@@ -70,7 +73,10 @@ class ClaimFilters(TypedDict, total=False):
 
     #: bound (the open claims, when left out), released, expired or failed.
     state: str | None
+    #: The most claims in the answer (a page of `iter_claims`).
     limit: int | None
+    #: The claims after the last of a previous page (its `next`, see `Page`).
+    after: str | None
 
 
 class PoolChanges(TypedDict, total=False):
@@ -95,6 +101,15 @@ _CLAIM_OPTIONS = tuple(ClaimOptions.__annotations__)
 _POOL_CHANGES = tuple(PoolChanges.__annotations__)
 _WORKER_FILTERS = tuple(WorkerFilters.__annotations__)
 _CLAIM_FILTERS = tuple(ClaimFilters.__annotations__)
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    """One page of a listing (oldest first) and the `after` of the page after it: None
+    when this page was not full, so the listing ended here."""
+
+    items: list[T]
+    next: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +216,13 @@ class Calls:
         params = _given(filters, _CLAIM_FILTERS, "claim filter")
         return Call("GET", "/v1/claims", self._default_timeout, _claims, params=params)
 
+    def claim_pages(self, filters: ClaimFilters) -> Callable[[str | None], Call[Page[ClaimInfo]]]:
+        """For each `after`, `GET /v1/claims` with the filters set, read as a `Page`."""
+        params = _given(filters, _CLAIM_FILTERS, "claim filter")
+        return lambda after: Call(
+            "GET", "/v1/claims", self._default_timeout, _claim_page, params=_after(params, after)
+        )
+
     def get_claim(self, claim_id: str) -> Call[ClaimInfo]:
         """`GET /v1/claims/{id}`."""
         return Call("GET", _claim_path(claim_id), self._default_timeout, ClaimInfo.from_json)
@@ -258,6 +280,15 @@ class Calls:
         """`GET /v1/workers` with the filters that are set."""
         params = _given(filters, _WORKER_FILTERS, "worker filter")
         return Call("GET", "/v1/workers", self._default_timeout, _workers, params=params)
+
+    def worker_pages(
+        self, filters: WorkerFilters
+    ) -> Callable[[str | None], Call[Page[WorkerInfo]]]:
+        """For each `after`, `GET /v1/workers` with the filters set, read as a `Page`."""
+        params = _given(filters, _WORKER_FILTERS, "worker filter")
+        return lambda after: Call(
+            "GET", "/v1/workers", self._default_timeout, _worker_page, params=_after(params, after)
+        )
 
     def unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
         """The error for a request that got no answer."""
@@ -344,6 +375,19 @@ def _claims(body: Any) -> list[ClaimInfo]:
 
 def _workers(body: Any) -> list[WorkerInfo]:
     return [WorkerInfo.from_json(w) for w in body["workers"]]
+
+
+def _claim_page(body: Any) -> Page[ClaimInfo]:
+    return Page(_claims(body), body.get("next"))
+
+
+def _worker_page(body: Any) -> Page[WorkerInfo]:
+    return Page(_workers(body), body.get("next"))
+
+
+def _after(params: Mapping[str, Any], after: str | None) -> dict[str, Any]:
+    """`params` for the page after `after` (the first page: None)."""
+    return {**params, "after": after} if after is not None else dict(params)
 
 
 def _given(options: Mapping[str, Any], keys: tuple[str, ...], what: str) -> dict[str, Any]:

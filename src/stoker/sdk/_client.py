@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
@@ -28,6 +28,7 @@ from stoker.sdk._calls import (
     Call,
     ClaimFilters,
     ClaimOptions,
+    Page,
     PoolChanges,
     WorkerFilters,
 )
@@ -113,8 +114,14 @@ class Client(BaseClient[httpx.BaseTransport]):
         return Session(self, claim, renew, on_lost)
 
     def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
-        """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`)."""
+        """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`);
+        one page of at most `limit`."""
         return self._send(self._calls.claims(filters))
+
+    def iter_claims(self, **filters: Unpack[ClaimFilters]) -> Iterator[ClaimInfo]:
+        """Every claim `claims` would list, oldest first, fetched a page (`limit`) at a
+        time as the iteration goes on."""
+        return self._pages(self._calls.claim_pages(filters), filters.get("after"))
 
     def get_claim(self, claim_id: str) -> ClaimInfo:
         """A claim by id."""
@@ -160,8 +167,23 @@ class Client(BaseClient[httpx.BaseTransport]):
         return self._send(self._calls.rollout(pool, rollout_id, action))
 
     def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
-        """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`)."""
+        """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`); one
+        page of at most `limit`."""
         return self._send(self._calls.workers(filters))
+
+    def iter_workers(self, **filters: Unpack[WorkerFilters]) -> Iterator[WorkerInfo]:
+        """Every worker `workers` would list, oldest first, fetched a page (`limit`) at a
+        time as the iteration goes on."""
+        return self._pages(self._calls.worker_pages(filters), filters.get("after"))
+
+    def _pages(self, page: Callable[[str | None], Call[Page[T]]], after: str | None) -> Iterator[T]:
+        """The items of `page(after)`, then of each page after it."""
+        while True:
+            got = self._send(page(after))
+            yield from got.items
+            if got.next is None:
+                return
+            after = got.next
 
     def ready(self) -> bool:
         """True when the server answers `/readyz` with 200."""
