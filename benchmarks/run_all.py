@@ -6,8 +6,8 @@ By default the ones that need nothing but this machine: `core` (the in-process c
 path with real workers), `claim_burst` (claims over HTTP against `stoker serve`),
 `kubernetes_runtime` and `sim_cluster` (the fake cluster on virtual time) and `scaletest`
 (every shipped scenario, short form). `--all` adds the PostgreSQL ones (`stores`,
-`replicas`, `chaos_soak`; `--postgres URL` or STOKER_TEST_POSTGRES_URL names the
-server). Each prints its own figures; this prints the wall time of each and exits 1 when
+`store_cycles`, `replicas`, `chaos_soak`; `--postgres URL` or STOKER_TEST_POSTGRES_URL
+names the server). Each prints its own figures; this prints the wall time of each and exits 1 when
 one failed. Run nothing else meanwhile: the figures are wall-clock and CPU measurements.
 """
 
@@ -32,6 +32,7 @@ LOCAL: dict[str, list[str]] = {
 }
 POSTGRES: dict[str, list[str]] = {
     "stores": [],
+    "store_cycles": [],
     "replicas": [],
     "chaos_soak": ["--minutes", "2"],
 }
