@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, ClassVar
 
 import psycopg
@@ -37,7 +37,7 @@ from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
 from stoker.domain.errors import ClaimKeyTaken, StoreError
 from stoker.domain.records import Claim, OrgForecastBucket, Worker, token_digest
 from stoker.domain.states import ClaimState, WorkerState
-from stoker.ports.store import SpawnRequest
+from stoker.ports.store import ReserveResult, SpawnRequest
 from store_contract import (
     T0,
     Fleet,
@@ -431,6 +431,27 @@ async def test_a_store_pick_takes_the_newest_warm_worker_and_the_oldest_parked_o
         assert must(got.worker).id == expected.id
 
 
+def parked_or_warm(
+    store: PostgresStore, w: Worker, org: str, *, cap: int = 0, revisions: Any = ("r1",)
+) -> Coroutine[Any, Any, ReserveResult]:
+    """`reserve_parked_or` as replica cp-b calls it in pool p at revision r1: the org's
+    parked worker of `revisions`, else the warm `w`, moved on to activating."""
+    return store.reserve_parked_or(
+        w.id,
+        pool="p",
+        revision="r1",
+        revisions=revisions,
+        expect=S.WARM,
+        epoch=w.epoch,
+        version=w.version,
+        org=org,
+        org_cap=cap,
+        owner="cp-b",
+        now=T0 + 100,
+        activate=True,
+    )
+
+
 async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
     make_pg: Callable[..., PostgresStore],
 ) -> None:
@@ -443,20 +464,7 @@ async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
     second = await fleet.hot_idle("org-a")
 
     async def take(w: Worker, org: str = "org-a", cap: int = 0, revs: Any = ("r1", "r0")) -> Any:
-        return await store.reserve_parked_or(
-            w.id,
-            pool="p",
-            revision="r1",
-            revisions=revs,
-            expect=S.WARM,
-            epoch=w.epoch,
-            version=w.version,
-            org=org,
-            org_cap=cap,
-            owner="cp-b",
-            now=T0 + 100,
-            activate=True,
-        )
+        return await parked_or_warm(store, w, org, cap=cap, revisions=revs)
 
     # The org's oldest parked worker of the first revision that has one; the warm one
     # stays as it was.
@@ -567,20 +575,7 @@ async def test_parked_or_warm_reservations_of_one_loop_iteration_answer_as_each_
     batches = count_reservation_batches(store, monkeypatch)
 
     def take(w: Worker, org: str, cap: int = 0) -> Any:
-        return store.reserve_parked_or(
-            w.id,
-            pool="p",
-            revision="r1",
-            revisions=("r1",),
-            expect=S.WARM,
-            epoch=w.epoch,
-            version=w.version,
-            org=org,
-            org_cap=cap,
-            owner="cp-b",
-            now=T0 + 100,
-            activate=True,
-        )
+        return parked_or_warm(store, w, org, cap=cap)
 
     stale = warm[2].evolve(version=warm[2].version + 1)
     results = await asyncio.gather(
