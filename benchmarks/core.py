@@ -34,6 +34,7 @@ from stoker.domain.records import ClaimRequest
 from stoker.domain.specs import Activation, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimMode, WorkerState
 from stoker.ports.clock import LoopClock
+from stoker.ports.store import Store
 
 DEMO = ProcessTemplate(
     argv=("{python}", "-m", "stoker.demo_worker", "--port", "{port}", "--worker-id", "{worker_id}"),
@@ -46,13 +47,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def make_plane(db: Path, **pool: Any) -> ControlPlane:
+async def make_plane(store: Store, **pool: Any) -> ControlPlane:
+    """A started control plane (no background loops) on `store`, with one pool `demo` of
+    real demo workers (`pool`: its settings)."""
     clock = LoopClock()
     # Wired as bootstrap wires a server: readiness probes on the activator's connections.
     key = ActivationKey(secrets.token_bytes(32))
     activator = HttpActivator(activation_key=key)
     plane = ControlPlane(
-        store=SqliteStore(str(db)),
+        store=store,
         runtime=LocalProcessRuntime(
             clock=clock,
             fleet="bench-" + uuid.uuid4().hex[:6],
@@ -76,7 +79,7 @@ async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 120.0)
 
 
 async def misses_to_warm(tmp: Path, n: int) -> None:
-    plane = await make_plane(tmp / "ramp.db", warm_target=0)
+    plane = await make_plane(SqliteStore(str(tmp / "ramp.db")), warm_target=0)
     try:
         claims = [
             asyncio.create_task(
@@ -107,7 +110,9 @@ async def misses_to_warm(tmp: Path, n: int) -> None:
 
 
 async def claim_path(tmp: Path, cycles: int, activation: Activation) -> None:
-    plane = await make_plane(tmp / f"path-{activation}.db", warm_target=64, activation=activation)
+    plane = await make_plane(
+        SqliteStore(str(tmp / f"path-{activation}.db")), warm_target=64, activation=activation
+    )
     try:
         await wait_for(lambda: _count(plane, WorkerState.WARM, 64))
         # Warm path: claims of distinct orgs take neutral workers (no release in between).
@@ -149,7 +154,7 @@ async def _count(plane: ControlPlane, state: WorkerState, n: int) -> bool:
 
 
 async def idle_memory(tmp: Path) -> None:
-    plane = await make_plane(tmp / "mem.db", warm_target=5)
+    plane = await make_plane(SqliteStore(str(tmp / "mem.db")), warm_target=5)
     try:
         await wait_for(lambda: _count(plane, WorkerState.WARM, 5))
         await asyncio.sleep(1.0)

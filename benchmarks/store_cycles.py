@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
 import statistics
 import tempfile
 import time
@@ -34,36 +33,19 @@ import psutil
 import psycopg
 import uvloop
 
-from stoker.adapters.activator_http import HttpActivator
+from chaos_soak import DEFAULT_POSTGRES
+from core import make_plane
 from stoker.adapters.postgres import PostgresStore
-from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
-from stoker.control.plane import ControlPlane
-from stoker.domain.activation import ActivationKey
 from stoker.domain.records import ClaimRequest
-from stoker.domain.specs import Activation, PlaneSettings, PoolSpec, ProcessTemplate
+from stoker.domain.specs import Activation
 from stoker.domain.states import WorkerState
-from stoker.ports.clock import LoopClock
 from stoker.ports.store import Store
-
-DEMO = ProcessTemplate(
-    argv=("{python}", "-m", "stoker.demo_worker", "--port", "{port}", "--worker-id", "{worker_id}"),
-    memory_mb=32,
-)
+from stores import postgres_cpu
 
 
 def postgres_processes() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"]
-
-
-def postgres_cpu() -> float:
-    """CPU seconds used so far by this machine's PostgreSQL processes."""
-    used = 0.0
-    for process in postgres_processes():
-        with contextlib.suppress(psutil.Error):
-            t = process.cpu_times()
-            used += t.user + t.system
-    return used
 
 
 @contextlib.contextmanager
@@ -97,32 +79,7 @@ async def one_run(args: argparse.Namespace, kind: str, tmp: Path) -> dict[str, f
         store = PostgresStore(args.postgres, schema=schema)
     else:
         store = SqliteStore(str(tmp / f"{schema}.db"))
-    clock = LoopClock()
-    # Wired as bootstrap wires a server (the key is never used: activation is none).
-    key = ActivationKey(secrets.token_bytes(32))
-    activator = HttpActivator(activation_key=key)
-    plane = ControlPlane(
-        store=store,
-        runtime=LocalProcessRuntime(
-            clock=clock,
-            fleet="cycles-" + uuid.uuid4().hex[:6],
-            instance_id="cycles",
-            activation_key=key,
-            probe_session=activator.session,
-        ),
-        activator=activator,
-        pools=[
-            PoolSpec(
-                name="demo",
-                template=DEMO,
-                warm_target=args.concurrency,
-                activation=Activation.NONE,
-            )
-        ],
-        settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
-        clock=clock,
-    )
-    await plane.start(loops=False)
+    plane = await make_plane(store, warm_target=args.concurrency, activation=Activation.NONE)
     try:
         await plane.run_janitor_pass()
         async with asyncio.timeout(120):
@@ -192,9 +149,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both stores")
     parser.add_argument(
         "--postgres",
-        default=os.environ.get(
-            "STOKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
-        ),
+        default=os.environ.get("STOKER_TEST_POSTGRES_URL", DEFAULT_POSTGRES),
     )
     parser.add_argument(
         "--pin", action="store_true", help="PostgreSQL's processes on a core of their own"

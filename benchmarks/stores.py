@@ -151,12 +151,12 @@ async def main(args: argparse.Namespace) -> None:
             # What the machine's cores allow at this store's CPU per cycle (server,
             # database, workers and load generator on the same cores), against SQLite.
             _, at, version = kind.partition("@")
-            lite = statistics.median(f["cycles/s"] for f in runs["sqlite" + at + version])
+            rate = statistics.median(f["cycles/s"] for f in runs["sqlite" + at + version])
             need = statistics.median(f["machine CPU/cycle (ms)"] for f in runs[kind])
             ceiling = cores * 1000 / need
             print(
                 f"  at most {ceiling:.0f} cycles/s {kind} with all {cores} cores busy: "
-                f"{ceiling / lite:.2f}x sqlite's measured rate"
+                f"{ceiling / rate:.2f}x sqlite's measured rate"
             )
     if args.baseline is not None:
         for name in runs["sqlite"][0]:
