@@ -151,9 +151,16 @@ def kubernetes_namespace(
 
 
 def build_cluster(
-    runtime: KubernetesRuntimeConfig, *, clock: Clock, namespace: str, qps: float, burst: int
+    runtime: KubernetesRuntimeConfig,
+    *,
+    clock: Clock,
+    namespace: str,
+    qps: float,
+    burst: int,
+    create_deadline_s: float | None = None,
 ) -> LightkubeCluster:
-    """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used.
+    """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used;
+    pod creates stop retrying after `create_deadline_s`.
 
     Raises `ConfigError` naming `runtime.kubeconfig` (or `runtime.context`) when the
     credentials cannot be loaded, or the `kubernetes` extra when lightkube is missing.
@@ -179,7 +186,14 @@ def build_cluster(
             f"config error: runtime.{key}: cannot load the Kubernetes credentials "
             f"({where}): {cause}"
         ) from None
-    return LightkubeCluster(namespace=namespace, clock=clock, qps=qps, burst=burst, client=client)
+    return LightkubeCluster(
+        namespace=namespace,
+        clock=clock,
+        qps=qps,
+        burst=burst,
+        create_deadline_s=create_deadline_s,
+        client=client,
+    )
 
 
 def build_activation_key(config: StokerConfig) -> ActivationKey:
@@ -239,6 +253,7 @@ def build_runtime(
         namespace=kubernetes_namespace(runtime),
         qps=runtime.qps,
         burst=runtime.burst,
+        create_deadline_s=runtime.create_deadline_s,
     )
     # The runtime stops its informer on close but leaves the client to its owner.
     closers.append(cluster.close)

@@ -571,6 +571,22 @@ async def test_connection_errors_are_retried(make_cluster: MakeCluster) -> None:
     assert clock.slept == [0.5, 1.0]
 
 
+async def test_a_create_stops_retrying_at_its_deadline(make_cluster: MakeCluster) -> None:
+    """Nothing listens: a pod create makes no retry that would start past
+    `create_deadline_s` (5 s: retries after 0.5, 1 and 2 s, not after 4 more), while other
+    requests keep their `max_retries`."""
+    clock = StepClock()
+    cluster = await make_cluster(url="http://127.0.0.1:1", clock=clock, create_deadline_s=5.0)
+    with pytest.raises(ClusterUnavailable, match=r"no answer within 5s \(4 attempts"):
+        await cluster.create_pod(make_pod("w-1"))
+    assert clock.slept == [0.5, 1.0, 2.0]
+    assert clock.elapsed <= 5.0
+    clock.slept.clear()
+    with pytest.raises(ClusterUnavailable, match="ConnectError"):
+        await cluster.get_pod("w-1")
+    assert clock.slept == [0.5, 1.0, 2.0, 4.0, 8.0]
+
+
 # -- watches -------------------------------------------------------------------------------
 
 

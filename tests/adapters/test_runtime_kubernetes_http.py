@@ -30,6 +30,7 @@ from fakes import TEST_ACTIVATION_KEY
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
 from stoker.bootstrap import HTTP_CLIENT_LOGGERS, configure_logging
+from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts
 from stoker.domain.states import WorkerState
@@ -169,6 +170,31 @@ async def test_do_not_disrupt_and_stop_on_the_wire(
     (delete,) = kmock["delete", PODS]
     assert delete.url.path == f"{PODS_PATH}/w-1"
     assert delete.params == {"gracePeriodSeconds": "3"}
+
+
+async def test_a_spawn_against_an_unreachable_api_fails_within_the_deadline() -> None:
+    """During an API outage a spawn is a `RuntimeFailure` (a spawn failure, which backs the
+    pool off) within `create_deadline_s` of virtual time, not after 15.5 s of retries."""
+    clock = StepClock()
+    cluster = LightkubeCluster(
+        namespace=NAMESPACE,
+        clock=clock,
+        client=client_for("http://127.0.0.1:1"),
+        create_deadline_s=5.0,
+    )
+    runtime = KubernetesRuntime(
+        cluster=cluster,
+        clock=clock,
+        fleet=FLEET,
+        instance_id="cp-one",
+        activation_key=TEST_ACTIVATION_KEY,
+    )
+    try:
+        with pytest.raises(RuntimeFailure, match=r"cannot create pod w-1: .*no answer within 5s"):
+            await runtime.spawn(worker("w-1"), POOL)
+        assert 0 < clock.elapsed <= 5.0
+    finally:
+        await cluster.close()
 
 
 async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
