@@ -11,6 +11,7 @@ eviction and replacement, do-not-disrupt, a restart that adopts).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -1033,3 +1034,44 @@ class TestKubernetesRuntimeContract(RuntimeContract):
             for runtime in harness.runtimes:
                 await runtime.close()
         await server.close()
+
+
+class DeleteCounter(FakeApiServer):
+    """The fake cluster, counting the DELETEs of each pod."""
+
+    def __init__(self) -> None:
+        super().__init__(clock=LoopClock(epoch=EPOCH), namespace=NAMESPACE)
+        self.deletes: Counter[str] = Counter()
+
+    async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
+        self.deletes[name] += 1
+        await super().delete_pod(name, grace_s)
+
+
+async def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--stop-workers`: one DELETE per worker pod (the leftover scan leaves pods whose
+    deletion is under way alone, and says nothing of them), and the leader's headroom
+    placeholders are deleted too."""
+    server = DeleteCounter()
+    spec = pool(warm_target=3, headroom_nodes=2)
+    async with Kubelet(server), plane(tmp_path, server, spec=spec) as p:
+        await asyncio.sleep(3)
+        claim = await p.claim()
+        workers = {row.id for row in await p.rows()}
+        assert len(workers) == 3  # two warm, one hot (no pass refilled the target)
+        placeholders = {
+            pod.name for pod in (await server.list_pods({LABEL_PLACEHOLDER: "duck"})).items
+        }
+        assert len(placeholders) == 2
+        await p.plane.stop(stop_workers=True)
+        assert {name: server.deletes[name] for name in workers} == dict.fromkeys(workers, 1)
+        assert {name: server.deletes[name] for name in placeholders} == dict.fromkeys(
+            placeholders, 1
+        )
+        assert "leftover_stopped" not in caplog.text
+        await asyncio.sleep(15)  # past every grace
+        assert (await server.list_pods({LABEL_FLEET: FLEET})).items == ()
+        assert claim.worker_id in workers
+    await server.close()

@@ -40,7 +40,13 @@ from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
 from stoker.control.status import PoolStatus, add_samples, pool_statuses
 from stoker.control.stored_pools import StoredPools
-from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
+from stoker.domain.errors import (
+    OrgCapError,
+    RuntimeFailure,
+    StokerError,
+    StoreError,
+    Unavailable,
+)
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
@@ -208,6 +214,8 @@ class ControlPlane:
         to adopt (or stop them with `stop_workers`)."""
         if not self.started:
             return
+        # Read before the elector's loop stops: the leader keeps the headroom placeholders.
+        leading = self.elector.is_leader
         await self.claims.drain(self.settings.shutdown_grace_s)
         for task in self._loops:
             task.cancel()
@@ -217,6 +225,8 @@ class ControlPlane:
         self._loops = []
         if stop_workers:
             await self._stop_own_workers()
+            if leading:
+                await self._remove_headroom()
         await self.book.wait_background(self.settings.shutdown_grace_s)
         with contextlib.suppress(StokerError):
             await self.elector.resign()
@@ -255,6 +265,14 @@ class ControlPlane:
                 break
         await self.book.wait_background(self.settings.shutdown_grace_s)
         await self.retirer.stop_leftovers(self.instance_id)
+
+    async def _remove_headroom(self) -> None:
+        """Delete the fleet's headroom placeholders (a leader's `--stop-workers`): they hold
+        nodes for workers that no longer come. A leader that goes on recreates them."""
+        try:
+            await self.runtime.reconcile_headroom([])
+        except RuntimeFailure as exc:
+            logs.event("headroom_failed", error=str(exc), level=logs.WARNING)
 
     # -- loops ------------------------------------------------------------------------------
 

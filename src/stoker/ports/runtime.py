@@ -28,6 +28,9 @@ class RuntimeObject:
     ready: bool = False
     endpoint: str | None = None
     instance: str | None = None
+    #: Its stop is under way (requested by this runtime, or the pod is terminating): no
+    #: second stop is needed.
+    stopping: bool = False
 
 
 class RuntimeListener(Protocol):

@@ -137,6 +137,10 @@ class PodInformer:
             entry.settled = True
         return entry
 
+    def deletion_requested(self, name: str) -> bool:
+        """Whether the runtime deleted pod `name` (the cache may not show it yet)."""
+        return name in self._stopping
+
     def deletion_failed(self, name: str, entry: PodEntry | None) -> None:
         """Undo `expect_deletion` after the cluster refused it: the pod lives on."""
         self._stopping.pop(name, None)

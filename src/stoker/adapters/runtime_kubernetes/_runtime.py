@@ -225,13 +225,15 @@ class KubernetesRuntime:
         _log("worker_disruption", worker=worker.id, do_not_disrupt=wanted or "removed")
 
     async def list_objects(self) -> list[RuntimeObject]:
-        """Every worker pod of this fleet, from the informer's cache (no list call)."""
+        """Every worker pod of this fleet, from the informer's cache (no list call); a pod
+        this runtime deleted, or that is terminating, is `stopping`."""
         await self.informer.wait_synced()
         objects = []
         for entry in self.informer.worker_entries():
             view = entry.view
             listed = entry.listed
-            if listed is None or listed[0] is not view:
+            stopping = view.terminating or self.informer.deletion_requested(view.name)
+            if listed is None or listed[0] is not view or listed[1].stopping is not stopping:
                 listed = entry.listed = (
                     view,
                     RuntimeObject(
@@ -243,6 +245,7 @@ class KubernetesRuntime:
                         ready=view.serving,
                         endpoint=view.endpoint,
                         instance=view.instance,
+                        stopping=stopping,
                     ),
                 )
             objects.append(listed[1])
