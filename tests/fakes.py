@@ -181,6 +181,10 @@ class MemoryRuntime:
         if proc is not None:
             proc.busy = busy
 
+    def pinned(self, worker: Worker) -> bool | None:
+        proc = self.procs.get(worker.id)
+        return proc.busy if proc is not None and proc.alive else None
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         self.headroom_calls += 1
 

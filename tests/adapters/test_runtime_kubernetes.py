@@ -958,6 +958,45 @@ async def test_do_not_disrupt_follows_the_worker_state(tmp_path: Path) -> None:
     await server.close()
 
 
+async def test_a_pin_lost_in_an_api_outage_is_restored_by_the_next_pass(
+    tmp_path: Path,
+) -> None:
+    """A claim during an API outage cannot pin its pod (the patch fails, the claim is
+    served all the same); the pass during the outage counts the pin out of date, and the
+    first pass after the API's return pins the hot pod and unpins a warm one that an
+    operator pinned by hand."""
+    server = server_for_test()
+    async with Kubelet(server), plane(tmp_path, server) as p:
+        await asyncio.sleep(3)
+        down = ClusterUnavailable("connection refused")
+        server.fail_next("patch_pod", down)
+        claim = await p.claim()
+        await asyncio.sleep(1)
+        assert claim.state is ClaimState.BOUND
+        warm = [row.id for row in await p.rows(S.WARM)]
+        await server.patch_pod(warm[0], annotations={DO_NOT_DISRUPT: "true"})
+        await asyncio.sleep(1)
+        server.fail_next("patch_pod", down)
+        assert DO_NOT_DISRUPT not in (await pod_of(server, claim.worker_id)).annotations
+
+        def out_of_date() -> float | None:
+            return p.plane.metrics.registry.get_sample_value(
+                "stoker_pins_out_of_date", {"pool": "duck"}
+            )
+
+        await p.plane.run_janitor_pass()  # the API still fails this pass's first patch
+        assert out_of_date() == 1
+        await p.plane.run_janitor_pass()
+        assert (await pod_of(server, claim.worker_id)).annotations[DO_NOT_DISRUPT] == "true"
+        assert DO_NOT_DISRUPT not in (await pod_of(server, warm[0])).annotations
+        assert out_of_date() == 0
+        patches = server.calls["patch_pod"]
+        await asyncio.sleep(1)
+        await p.plane.run_janitor_pass()  # all in date: nothing to send
+        assert server.calls["patch_pod"] == patches
+    await server.close()
+
+
 async def test_a_restarted_control_plane_rebuilds_its_cache_and_adopts(tmp_path: Path) -> None:
     """The first replica stops and leaves its pods; the next one lists them once, adopts
     them (store owner and pod label) and serves claims from them, reuse included."""

@@ -156,6 +156,12 @@ class Metrics:
             "above 0 the pool backs off.",
             "pool",
         )
+        self.pins_out_of_date = self._gauge(
+            "stoker_pins_out_of_date",
+            "This replica's workers whose do-not-disrupt pin disagreed with their state at "
+            "the last janitor pass and could not be fixed (0: every busy worker is pinned).",
+            "pool",
+        )
         by_revision = ("pool", "revision")
         self.revision_failures = self._counter(*_REVISION_FAILURES, *by_revision, "kind")
         self.revision_share = self._gauge(*_REVISION_SHARE, *by_revision)

@@ -129,6 +129,7 @@ class ControlPlane:
         self.idempotent = parts.idempotent
         self.spawner, self.events, self.demand = parts.spawner, parts.events, parts.demand
         self.janitor, self.reaper = parts.janitor, parts.reaper
+        self.pins = parts.pins
         self.closers = tuple(closers)
         self._loops: list[asyncio.Task[None]] = []
         self.started = False
@@ -311,6 +312,8 @@ class ControlPlane:
         self.refresh_gauges()
         if self.elector.is_leader:
             return await self.run_janitor_pass()
+        # Every replica keeps its own workers' pins; the leader in its pass.
+        await self.pins.reconcile()
         await self.pools.refresh()  # the leader's pass reloads them too: all serve the store
         return None
 
@@ -340,7 +343,9 @@ class ControlPlane:
             self.expired = True
 
     async def run_janitor_pass(self) -> PassReport:
-        """One janitor pass now (tests and tools)."""
+        """One janitor pass now (tests and tools), with this replica's pins first: they
+        need no store, so a pass that fails on the store still keeps them."""
+        await self.pins.reconcile()
         report = await self.janitor.run_pass()
         self.metrics.janitor_last_success.set(self.clock.now())
         return report

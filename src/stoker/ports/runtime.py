@@ -90,6 +90,11 @@ class Runtime(Protocol):
         """Mark a worker as not to be disrupted by the cluster while bound to an org."""
         ...
 
+    def pinned(self, worker: Worker) -> bool | None:
+        """Whether the worker's object carries the not-to-be-disrupted mark, as last seen;
+        None when the runtime has no such mark or does not see a live object."""
+        ...
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Keep each pool's `headroom_nodes` placeholders (cluster runtimes; leader only)."""
         ...

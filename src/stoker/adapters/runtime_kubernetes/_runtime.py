@@ -224,6 +224,14 @@ class KubernetesRuntime:
             raise RuntimeFailure(f"cannot mark pod {name} busy={busy}: {exc}") from exc
         _log("worker_disruption", worker=worker.id, do_not_disrupt=wanted or "removed")
 
+    def pinned(self, worker: Worker) -> bool | None:
+        """Whether the worker's cached pod carries `karpenter.sh/do-not-disrupt: "true"`;
+        None when no live pod of the worker is cached."""
+        entry = self.informer.entry(pod_name(worker))
+        if entry is None or not entry.view.alive or entry.view.worker_id != worker.id:
+            return None
+        return entry.view.do_not_disrupt == "true"
+
     async def list_objects(self) -> list[RuntimeObject]:
         """Every worker pod of this fleet, from the informer's cache (no list call); a pod
         this runtime deleted, or that is terminating, is `stopping`."""

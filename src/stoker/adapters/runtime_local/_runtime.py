@@ -380,6 +380,10 @@ class LocalProcessRuntime:
         """Nothing to do: no one disrupts a local process (unlike a cluster node drain)."""
         return None
 
+    def pinned(self, worker: Worker) -> bool | None:
+        """None: a local process carries no such mark."""
+        return None
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""
         return None
