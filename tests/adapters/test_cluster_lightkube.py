@@ -32,6 +32,7 @@ from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import (
     ClusterAPI,
     ClusterUnavailable,
+    Condition,
     Conflict,
     Container,
     Forbidden,
@@ -42,6 +43,7 @@ from stoker.ports.cluster import (
     PodSpec,
     Throttled,
     Toleration,
+    Waiting,
 )
 
 NAMESPACE = "workers"
@@ -588,6 +590,69 @@ async def test_a_create_stops_retrying_at_its_deadline(make_cluster: MakeCluster
 
 
 # -- watches -------------------------------------------------------------------------------
+
+
+async def test_a_pending_pods_status_is_read(
+    kmock: ContractEmulator, make_cluster: MakeCluster
+) -> None:
+    """PodScheduled, the nominated node, the container's waiting reason and its start
+    reach the port's Pod."""
+    cluster = await make_cluster()
+    meta = {"name": "w-1", "namespace": NAMESPACE, "resourceVersion": "7"}
+    spec = {"containers": [{"name": "worker", "image": "x"}]}
+    unschedulable = {
+        "phase": "Pending",
+        "nominatedNodeName": "node-b",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient cpu.",
+            }
+        ],
+    }
+    pulling = {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}],
+        "containerStatuses": [
+            {
+                "name": "worker",
+                "image": "x",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "not found"}},
+            }
+        ],
+    }
+    running = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "worker",
+                "image": "x",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": "2026-12-06T06:00:00Z"}},
+            }
+        ],
+    }
+    kmock["watch", PODS] << tuple(
+        {"type": "MODIFIED", "object": {"metadata": meta, "spec": spec, "status": status}}
+        for status in (unschedulable, pulling, running)
+    )
+    watch = cluster.watch_pods({}, "5")
+    first, second, third = [(await anext(watch)).pod for _ in range(3)]
+    await watch.aclose()
+    assert first.scheduled == Condition(
+        "False", "Unschedulable", "0/3 nodes are available: 3 Insufficient cpu."
+    )
+    assert (first.nominated_node, first.waiting, first.started_at) == ("node-b", None, None)
+    assert second.scheduled == Condition("True")
+    assert second.waiting == Waiting("ImagePullBackOff", "not found")
+    assert (third.waiting, third.started_at) == (None, 1796536800.0)
 
 
 async def test_a_410_error_event_in_the_watch_is_gone(

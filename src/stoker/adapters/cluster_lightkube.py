@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -37,6 +37,7 @@ from stoker.ports.clock import Clock, TokenBucket
 from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
+    Condition,
     Container,
     Gone,
     Lease,
@@ -48,6 +49,7 @@ from stoker.ports.cluster import (
     PodSpec,
     Selector,
     Toleration,
+    Waiting,
     WatchEvent,
     WatchEventType,
     error_for_status,
@@ -204,11 +206,32 @@ def _container_from_k8s(container: k8s.Container) -> Container:
     )
 
 
+def _scheduled_of(conditions: Sequence[k8s.PodCondition]) -> Condition | None:
+    for condition in conditions:
+        if condition.type == "PodScheduled":
+            return Condition(condition.status, condition.reason, condition.message)
+    return None
+
+
+def _container_state(status: k8s.PodStatus) -> tuple[Waiting | None, float | None]:
+    """The first container's waiting reason, or the time it started running."""
+    statuses = status.containerStatuses or ()
+    state = statuses[0].state if statuses else None
+    if state is None:
+        return None, None
+    if state.waiting is not None and state.waiting.reason:
+        return Waiting(state.waiting.reason, state.waiting.message), None
+    if state.running is not None:
+        return None, _seconds(state.running.startedAt)
+    return None, None
+
+
 def _pod_from_k8s(obj: K8sPod) -> Pod:
     meta = obj.metadata or ObjectMeta()
     spec = obj.spec
     status = obj.status or k8s.PodStatus()
     conditions = status.conditions or ()
+    waiting, started_at = _container_state(status)
     return Pod(
         name=meta.name or "",
         namespace=meta.namespace or "",
@@ -237,6 +260,10 @@ def _pod_from_k8s(obj: K8sPod) -> Pod:
         pod_ip=status.podIP,
         node_name=spec.nodeName if spec else None,
         reason=status.reason,
+        scheduled=_scheduled_of(conditions),
+        nominated_node=status.nominatedNodeName,
+        waiting=waiting,
+        started_at=started_at,
         deletion_timestamp=_seconds(meta.deletionTimestamp),
         resource_version=meta.resourceVersion or "",
         created_at=_seconds(meta.creationTimestamp),

@@ -215,7 +215,13 @@ class Janitor:
         """In-flight rows past their timeout are retired (I4); draining rows retried."""
         timeouts = {name: pool.timeouts for name, pool in self._catalog.pools.items()}
         busy = self._book.in_flight()
-        for w in stuck_workers(world.in_flight, world.now, timeouts):
+        # A pod that waits on the cluster (a node, an image) gets the longer pending_s.
+        progress = {
+            w.id: seen
+            for w in world.in_flight
+            if w.state is WorkerState.SPAWNING and (seen := self._runtime.progress(w))
+        }
+        for w in stuck_workers(world.in_flight, world.now, timeouts, progress):
             if w.id in busy or w.owner not in world.live_instances:
                 continue
             if w.state is WorkerState.DRAINING:

@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stoker.domain.records import Worker
+from stoker.domain.records import SpawnProgress, Worker
 from stoker.domain.specs import PoolSpec
+
+__all__ = ["Runtime", "RuntimeListener", "RuntimeObject", "SpawnProgress"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,12 @@ class RuntimeListener(Protocol):
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         """The worker's process or pod is gone (`lost`, `evicted`, `spawn_failure`, ...)."""
+        ...
+
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        """The spawning worker cannot start as it is (`stage`: `unschedulable`,
+        `image_pull_failing`, ...; `error` says why). It is not gone: it may still start
+        once the cluster changes (a node comes, the registry answers)."""
         ...
 
 
@@ -88,6 +96,11 @@ class Runtime(Protocol):
 
     async def set_busy(self, worker: Worker, busy: bool) -> None:
         """Mark a worker as not to be disrupted by the cluster while bound to an org."""
+        ...
+
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        """How the spawning worker's object is getting on, as last seen; None when the
+        runtime cannot tell (or sees no object of it)."""
         ...
 
     def pinned(self, worker: Worker) -> bool | None:

@@ -24,7 +24,7 @@ from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ClusterAPI, ClusterError, Conflict, ObjectNotFound
-from stoker.ports.runtime import RuntimeListener, RuntimeObject
+from stoker.ports.runtime import RuntimeListener, RuntimeObject, SpawnProgress
 
 _log = EventLog("stoker.runtime.kubernetes")
 
@@ -223,6 +223,14 @@ class KubernetesRuntime:
         except ClusterError as exc:
             raise RuntimeFailure(f"cannot mark pod {name} busy={busy}: {exc}") from exc
         _log("worker_disruption", worker=worker.id, do_not_disrupt=wanted or "removed")
+
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        """How the worker's cached pod gets on towards ready (`PodView.progress`); None
+        when no pod of the worker is cached, or it serves."""
+        entry = self.informer.entry(pod_name(worker))
+        if entry is None or entry.view.worker_id != worker.id:
+            return None
+        return entry.view.progress
 
     def pinned(self, worker: Worker) -> bool | None:
         """Whether the worker's cached pod carries `karpenter.sh/do-not-disrupt: "true"`;
