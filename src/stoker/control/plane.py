@@ -270,7 +270,7 @@ class ControlPlane:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.metrics.pass_failures.labels(name).inc()
+            self.metrics.pass_failures.labels(name, "").inc()
             logs.event("pass_failed", loop=name, error=repr(exc), level=logs.WARNING)
             self.journal.record(EventKind.PASS_FAILED, reason=name, detail=repr(exc))
             return False
