@@ -209,6 +209,7 @@ class ControlPlane:
         if not self.started:
             return
         await self.claims.drain(self.settings.shutdown_grace_s)
+        self.spawner.close()
         for task in self._loops:
             task.cancel()
         for task in self._loops:
