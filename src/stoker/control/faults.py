@@ -2,8 +2,8 @@
 
 The janitor and the fallback reaper act pool by pool; an exception in one pool's step (a
 stored template the runtime cannot use, a bug that one pool's settings reach) is caught
-here, so the other pools are still refilled, scaled down and swept (DESIGN.md §0: one
-pool's failure never stops the janitor's work on the others). Each pool that failed is
+here, so the other pools are still refilled, scaled down and swept: one pool's failure
+never stops the janitor's work on the others. Each pool that failed is
 logged once per pass (`event=pool_pass_failed`, with the pool and the step named) and
 counted once per pass in `stoker_pass_failures_total{pass,pool}`; a pool whose passes fail
 `FAILING_AFTER` times in a row is reported by `/readyz` (docs/operations.md).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from stoker.control import logs
 from stoker.control.journal import EventKind, Journal
@@ -33,6 +34,18 @@ class PoolFault:
     passes: int
     step: str
     error: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolProblem:
+    """Why `/readyz` calls a pool degraded: its passes (`pass_failing`) or its spawns
+    (`spawn_failing`) failed `in_a_row` times in a row, and the last error."""
+
+    pool: str
+    problem: Literal["pass_failing", "spawn_failing"]
+    in_a_row: int
+    detail: str
+    revision: str | None = None
 
 
 def describe(exc: BaseException) -> str:
@@ -103,3 +116,12 @@ class PassFaults:
     def failing(self, at_least: int = FAILING_AFTER) -> list[PoolFault]:
         """The pools whose last `at_least` passes (or more) failed, by name."""
         return [f for f in self._failing.values() if f.passes >= at_least]
+
+    def problems(self) -> list[PoolProblem]:
+        """The pools whose passes keep failing, as `/readyz` reports them."""
+        return [
+            PoolProblem(
+                f.pool, "pass_failing", f.passes, f"{f.pass_name} pass, {f.step}: {f.error}"
+            )
+            for f in self.failing()
+        ]

@@ -26,6 +26,7 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
+from stoker.control.faults import FAILING_AFTER, PoolProblem
 from stoker.control.following import Follower
 from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
@@ -294,6 +295,8 @@ class ControlPlane:
         self.refresh_gauges()
         if self.elector.is_leader:
             return await self.run_janitor_pass()
+        # Another replica runs the janitor now: its failures are no longer this one's.
+        self.janitor.faults.clear()
         await self.pools.refresh()  # the leader's pass reloads them too: all serve the store
         return None
 
@@ -390,6 +393,20 @@ class ControlPlane:
         """A claim by id."""
         self._check_running()
         return await self.sessions.get_claim(claim_id)
+
+    def degraded(self) -> list[PoolProblem]:
+        """The pools this replica sees in trouble (`/readyz`): those whose janitor or reaper
+        passes failed `FAILING_AFTER` times in a row here, and the pool revisions whose
+        spawns failed as often in a row."""
+        problems = self.janitor.faults.problems() + self.reaper.faults.problems()
+        for (pool, revision), trouble in sorted(self.spawner.troubled().items()):
+            if trouble.failures >= FAILING_AFTER:
+                problems.append(
+                    PoolProblem(
+                        pool, "spawn_failing", trouble.failures, trouble.last_error, revision
+                    )
+                )
+        return problems
 
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""
