@@ -184,6 +184,8 @@ def test_a_pool_whose_passes_keep_failing_pages_once_per_pool() -> None:
     assert selectors(pass_rule["expr"], "stoker_pass_failures_total") == [{empty}]
     expression = promql_parser.parse(pool_rule["expr"])
     assert isinstance(expression, promql_parser.BinaryExpr)
+    assert isinstance(expression.lhs, promql_parser.AggregateExpr)
+    assert expression.lhs.modifier is not None
     assert expression.lhs.modifier.labels == ["namespace", "pool"]
     assert pool_rule["for"] == "10m" and pool_rule["labels"]["severity"] == "critical"
     assert "docs/operations.md" in pool_rule["annotations"]["description"]
