@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable
 
 from stoker.control import logs
 from stoker.control.demand import DemandPublisher
@@ -200,12 +201,11 @@ class Janitor:
                         reason = self._rollouts.retire_reason(w.pool, w.revision)
                         if await self._retirer.retire(w, reason):
                             report.count(reason)
-        for w in hot_idle_to_reap(candidates, world.now, self._catalog.min_hot_idle):
-            if w.id in gone:
-                continue
-            with self.faults.step(w.pool, "reap hot_idle"):
-                if await self._retirer.retire(w, RetireReason.TTL):
-                    report.count(RetireReason.TTL)
+        for pool, parked in by_pool(w for w in candidates if w.id not in gone).items():
+            with self.faults.step(pool, "reap hot_idle"):
+                for w in hot_idle_to_reap(parked, world.now, self._catalog.min_hot_idle):
+                    if await self._retirer.retire(w, RetireReason.TTL):
+                        report.count(RetireReason.TTL)
 
     def _acts_for(self, owner: str, world: World) -> bool:
         """Whether this pass acts for what `owner` holds: the fleet's janitor for anyone; a
@@ -232,15 +232,16 @@ class Janitor:
         """In-flight rows past their timeout are retired (I4); draining rows retried."""
         timeouts = {name: pool.timeouts for name, pool in self._catalog.pools.items()}
         busy = self._book.in_flight()
-        for w in stuck_workers(world.in_flight, world.now, timeouts):
-            if w.id in busy or w.owner not in world.live_instances:
-                continue
-            with self.faults.step(w.pool, "sweep stuck"):
-                if w.state is WorkerState.DRAINING:
-                    await self._retirer.retire(w, RetireReason.STUCK)
-                elif await self._retirer.retire(w, RetireReason.STUCK):
-                    report.count(RetireReason.STUCK)
-                    logs.worker_event("worker_stuck", w, level=logs.WARNING)
+        for pool, in_flight in by_pool(world.in_flight).items():
+            with self.faults.step(pool, "sweep stuck"):
+                for w in stuck_workers(in_flight, world.now, timeouts):
+                    if w.id in busy or w.owner not in world.live_instances:
+                        continue
+                    if w.state is WorkerState.DRAINING:
+                        await self._retirer.retire(w, RetireReason.STUCK)
+                    elif await self._retirer.retire(w, RetireReason.STUCK):
+                        report.count(RetireReason.STUCK)
+                        logs.worker_event("worker_stuck", w, level=logs.WARNING)
 
     async def _stop_stranded(self, world: World, report: PassReport) -> None:
         """Runtime objects with stoker's labels but no live row, older than the grace."""
@@ -331,3 +332,11 @@ class Janitor:
         for name in self._catalog.pools:
             for state in LIVE:
                 self._metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))
+
+
+def by_pool(workers: Iterable[Worker]) -> dict[str, list[Worker]]:
+    """Workers grouped by pool, each pool's in the order given (a pool's step at a time)."""
+    grouped: dict[str, list[Worker]] = defaultdict(list)
+    for w in workers:
+        grouped[w.pool].append(w)
+    return grouped
