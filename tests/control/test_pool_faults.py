@@ -274,3 +274,39 @@ async def test_claims_during_a_back_off_do_not_spawn(tmp_path: Path) -> None:
         )
         # Within 30 s of a 10 s back-off: the probes at 10 s and (after 20 s) 30 s at most.
         assert runtime.spawn_calls - before <= 2
+
+
+async def test_a_pool_row_that_cannot_be_read_keeps_its_last_settings(tmp_path: Path) -> None:
+    """A stored pool whose settings cannot be read (`min_hot_idle: "x"`) no longer keeps
+    every pool from loading: the others load, it is served as it was, and its failure to
+    load counts in each pass (the fallback reaper's and the janitor's) until /readyz names
+    it. Parked workers past their TTL are retired by the reaper in both pools."""
+    pools = [pool("bad", hot_idle_ttl=5.0), pool("good", hot_idle_ttl=5.0)]
+    async with running(tmp_path, pools) as p:
+        parked = {}
+        for name in ("bad", "good"):
+            claim = await p.plane.claim(ClaimRequest(pool=name, org="acme", timeout_s=5))
+            await p.plane.release(claim.id)
+            parked[name] = claim.worker_id
+        with sqlite3.connect(p.path / "stoker.db") as db:
+            [(settings,)] = db.execute("SELECT settings FROM pools WHERE name = 'bad'")
+            db.execute(
+                "UPDATE pools SET settings = ?, generation = generation + 1 WHERE name = 'bad'",
+                (json.dumps({**json.loads(settings), "min_hot_idle": "x"}),),
+            )
+        await asyncio.sleep(10)
+
+        await p.plane.run_reaper_pass()
+        await asyncio.sleep(1)
+        for name in ("bad", "good"):
+            worker = await p.store.get_worker(parked[name])
+            assert worker is not None and (worker.state, worker.reason) == (S.RETIRED, "ttl")
+        assert p.metric("stoker_pass_failures_total", **{"pass": "reaper", "pool": "bad"}) == 1
+        assert p.metric("stoker_pass_failures_total", **{"pass": "reaper", "pool": ""}) == 0
+
+        await p.passes(3)
+        # Both refilled after the claims (the demand rate may ask for more than 2).
+        assert len(await p.warm("good")) >= 2 and len(await p.warm("bad")) >= 2
+        [problem] = p.plane.degraded()
+        assert (problem.pool, problem.problem) == ("bad", "pass_failing")
+        assert "janitor pass, load: its stored row cannot be read" in problem.detail

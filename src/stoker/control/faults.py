@@ -77,10 +77,11 @@ class PassFaults:
         except Exception as exc:
             self.failed(pool, step, exc)
 
-    def failed(self, pool: str, step: str, exc: BaseException) -> None:
-        """Note that `pool`'s `step` raised `exc` in the pass under way (first one kept)."""
+    def failed(self, pool: str, step: str, exc: BaseException | str) -> None:
+        """Note that `pool`'s `step` raised `exc` (or failed as the text says) in the pass
+        under way (the first failure of the pool is kept)."""
         if pool not in self._now:
-            self._now[pool] = (step, describe(exc))
+            self._now[pool] = (step, exc if isinstance(exc, str) else describe(exc))
 
     def end(self) -> None:
         """The pass ended: log and count each pool that failed in it, once; forget the

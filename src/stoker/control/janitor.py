@@ -121,6 +121,8 @@ class Janitor:
         self.faults.begin()
         if self._pools is not None:
             await self._pools.refresh()
+            for pool, why in self._pools.broken.items():
+                self.faults.failed(pool, "load", why)
         world = await self.sync()
         report = PassReport()
         await self.step(world, report)
