@@ -134,7 +134,7 @@ async def running(
 async def test_a_bad_stable_template_fails_its_pool_only(tmp_path: Path) -> None:
     """The pool whose template breaks its step (`memory_mb: "x"` once promoted) fails
     pass after pass, counted and reported by readiness; the pool listed after it is still
-    refilled and scaled down, and workers of the bad pool are still reaped."""
+    refilled and scaled down, and a replica restarted on the store starts."""
     pools = [pool("bad", warm_target=1), pool("good", scale_down_delay=2.0)]
     async with running(tmp_path, pools) as p:
         assert len(await p.warm("good")) == 2
@@ -161,12 +161,16 @@ async def test_a_bad_stable_template_fails_its_pool_only(tmp_path: Path) -> None
         await p.passes(6)
         assert await p.warm("good") == []
 
-        # The bad pool's own reaping goes on: its old warm worker (the previous revision)
-        # is still in the store's hands, and its failures go on being counted.
+        # The bad pool's step goes on failing, once per pass, each one counted.
         failed = p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "bad"})
         assert failed >= 3 + 2 + 6
         [problem] = p.plane.degraded()
         assert problem.in_a_row == failed
+
+    # A replica that starts on this store starts (and serves the good pool).
+    async with running(tmp_path, pools) as again:
+        await again.passes(3)
+        assert [x.pool for x in again.plane.degraded()] == ["bad"]
 
 
 async def test_a_bad_rollout_revision_backs_off_and_the_stable_one_is_served(

@@ -26,7 +26,7 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
-from stoker.control.faults import FAILING_AFTER, PoolProblem
+from stoker.control.faults import FAILING_AFTER, PoolProblem, describe
 from stoker.control.following import Follower
 from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
@@ -192,7 +192,13 @@ class ControlPlane:
         if pool.max_workers > 0:
             logs.event("pool_cap", pool=pool.name, cap=pool.max_workers, source="max_workers")
             return
-        derived = self.runtime.derived_cap(pool)
+        try:
+            derived = self.runtime.derived_cap(pool)
+        except Exception as exc:
+            # A stored template the cap cannot be read from: the janitor reports the pool
+            # (`/readyz`); the replica starts and serves the other pools.
+            logs.event("pool_cap", pool=pool.name, cap="unknown", error=describe(exc))
+            return
         if derived > 0:
             logs.event(
                 "pool_cap",
