@@ -3,7 +3,7 @@
 A bad name is a config error that names the key, not a pod the API server refuses on every
 spawn. Each rule is a plain check (`is_label_value`) and an annotated string type the
 config's models use (`LabelValue`, `QualifiedName`, `DnsSubdomain`, `DnsLabel`, `EnvName`,
-`Quantity`).
+`Quantity`), and the text a worker is handed (`WorkerText`).
 """
 
 from __future__ import annotations
@@ -107,3 +107,21 @@ DnsLabel = Annotated[str, _rule(lambda v: _DNS_LABEL.fullmatch(v) is not None, _
 EnvName = Annotated[str, _rule(lambda v: _ENV_NAME.fullmatch(v) is not None, _ENV_NAME_RULE)]
 #: A Kubernetes resource quantity (`"2"`, `500m`, `4Gi`); numbers are accepted as text.
 Quantity = Annotated[str, BeforeValidator(_quantity_text), AfterValidator(_check_quantity)]
+
+
+def _worker_text(value: str) -> str:
+    # exec refuses a NUL in an argument, a variable or a path, and text that is not valid
+    # unicode (a lone surrogate) cannot be encoded for the process, the store or the pod.
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid unicode (no lone surrogates)") from None
+    return value
+
+
+#: Text handed to a worker (an argument, an environment value, a path): what exec takes.
+WorkerText = Annotated[str, AfterValidator(_worker_text)]
+#: `WorkerText` that is not empty (a program, an argument that must name something).
+NonEmptyWorkerText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_worker_text)]
