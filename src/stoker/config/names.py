@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, StringConstraints, WithJsonSchema
 
 #: Pool names appear in URLs, metric labels and process labels: keep them plain.
 PoolName = Annotated[
@@ -104,7 +104,11 @@ LabelValue = Annotated[str, _rule(lambda v: not v or is_label_value(v), LABEL_VA
 QualifiedName = Annotated[str, _rule(_is_qualified_name, _QUALIFIED_NAME_RULE)]
 DnsSubdomain = Annotated[str, _rule(is_dns_subdomain, DNS_SUBDOMAIN_RULE)]
 DnsLabel = Annotated[str, _rule(lambda v: _DNS_LABEL.fullmatch(v) is not None, _DNS_LABEL_RULE)]
-EnvName = Annotated[str, _rule(lambda v: _ENV_NAME.fullmatch(v) is not None, _ENV_NAME_RULE)]
+EnvName = Annotated[
+    str,
+    _rule(lambda v: _ENV_NAME.fullmatch(v) is not None, _ENV_NAME_RULE),
+    WithJsonSchema({"type": "string", "pattern": f"^{_ENV_NAME.pattern}$"}),
+]
 #: A Kubernetes resource quantity (`"2"`, `500m`, `4Gi`); numbers are accepted as text.
 Quantity = Annotated[str, BeforeValidator(_quantity_text), AfterValidator(_check_quantity)]
 
