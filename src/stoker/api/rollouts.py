@@ -37,34 +37,27 @@ RolloutId = Annotated[str, Path(max_length=128)]
 _ERRORS = (401, 403, 404, 422, 503)
 
 
-def _changes_schema(model: type[BaseModel], title: str) -> dict[str, Any]:
-    """The JSON schema of some of `model`'s fields (any of them, none required), with its
-    nested models written out in place: the document has no `$defs` of its own for them."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
+def _changes_schema(model: type[BaseModel], title: str) -> dict[str, dict[str, Any]]:
+    """The JSON schema of some of `model`'s fields (any of them, none required) under
+    `title`, with the schemas of its nested models, for the document's components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    nested: dict[str, dict[str, Any]] = schema.pop("$defs", {})
     schema.pop("required", None)
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    body: dict[str, Any] = inline(schema)
-    return {**body, "title": title, "minProperties": 1}
+    return {**nested, title: {**schema, "title": title, "minProperties": 1}}
 
 
-#: The template's fields as the document shows them: a process's or a pod's, any of them.
+#: The schemas of a template's fields, a process's or a pod's (`_document` adds them to
+#: the OpenAPI document's components).
+TEMPLATE_SCHEMAS = {
+    **_changes_schema(ProcessConfig, "ProcessTemplateChanges"),
+    **_changes_schema(PodConfig, "PodTemplateChanges"),
+}
 _TEMPLATE_SCHEMA = {
     "description": "Fields of the new template, laid over the pool's stable one: a "
     "process pool's `command`, `env`, `cwd`, `memory_mb`; a pod pool's `pod:` keys.",
     "anyOf": [
-        _changes_schema(ProcessConfig, "ProcessTemplateChanges"),
-        _changes_schema(PodConfig, "PodTemplateChanges"),
+        {"$ref": "#/components/schemas/ProcessTemplateChanges"},
+        {"$ref": "#/components/schemas/PodTemplateChanges"},
     ],
 }
 

@@ -137,7 +137,8 @@ else:
     PodConfig = derived_section(
         "PodConfig",
         _PodBase,
-        """A worker pod (runtime.kind: kubernetes): the fields of `PodTemplate`.
+        """A worker pod (runtime.kind: kubernetes): its image, command, resources and
+        placement.
 
         `{port}` and `{worker_id}` are replaced in `command`, `args` and `env`. Requests
         equal limits (`cpu`, `memory`), so workers get the Guaranteed QoS class.
@@ -169,8 +170,8 @@ else:
     ProcessConfig = derived_section(
         "ProcessConfig",
         _ProcessBase,
-        """A worker process (runtime.kind: local): its `command` and the fields of
-        `ProcessTemplate`. In the config file these are a pool's own keys.""",
+        """A worker process (runtime.kind: local): its command line, environment, working
+        directory and memory. In the config file these are a pool's own keys.""",
         _PROCESS_FIELDS,
     )
 
