@@ -55,7 +55,7 @@ from stoker.api.models import (
 from stoker.api.pages import add_pages
 from stoker.api.pools import add_pool_routes
 from stoker.api.problems import openapi_responses
-from stoker.api.rollouts import add_rollout_routes
+from stoker.api.rollouts import TEMPLATE_SCHEMAS, add_rollout_routes
 from stoker.api.routing import DirectRoutes
 from stoker.api.tokens import TokenTable
 from stoker.config import ApiConfig
@@ -371,6 +371,7 @@ def _document(app: FastAPI, *, secured: bool, pools: list[str]) -> None:
         problem = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(problem.pop("$defs", {}))
         schemas["Problem"] = problem
+        schemas.update(TEMPLATE_SCHEMAS)
         if pools:
             schemas["ClaimCreate"]["properties"]["pool"]["examples"] = pools
         created = schema["paths"]["/v1/claims"]["post"]["responses"]["201"]

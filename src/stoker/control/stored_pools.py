@@ -29,6 +29,7 @@ from stoker.control.ids import Ids
 from stoker.domain.errors import NotFound, StoreError
 from stoker.domain.pools import (
     Rollout,
+    SameTemplate,
     StaleGeneration,
     StoredPool,
     StoredRevision,
@@ -228,19 +229,23 @@ class StoredPools:
         self, name: str, changes: Mapping[str, Any], *, generation: int | None = None
     ) -> StoredPool:
         """Change tunable settings (`TUNABLE_SETTINGS`), by CAS on `generation` (None: the
-        generation read now); the catalog serves the result at once."""
-        pool = await self.get(name)
-        expected = pool.generation if generation is None else generation
-        changed = pool.evolve(spec=with_settings(pool.spec, changes), generation=expected)
+        generation read now); the catalog serves the result at once. A change to the values
+        the pool has already writes nothing: its generation stays."""
+        pool = current(await self.get(name), generation)
+        spec = with_settings(pool.spec, changes)
+        if spec == pool.spec:
+            return pool
+        changed = pool.evolve(spec=spec)
         return await self._written(await self.store.update_pool(changed, now=self._clock.now()))
 
     async def set_draining(
         self, name: str, draining: bool, *, generation: int | None = None
     ) -> StoredPool:
-        """Stop (or resume) handing out new claims of the pool."""
-        pool = await self.get(name)
-        expected = pool.generation if generation is None else generation
-        changed = pool.evolve(draining=draining, generation=expected)
+        """Stop (or resume) handing out new claims of the pool (already so: no write)."""
+        pool = current(await self.get(name), generation)
+        if pool.draining == draining:
+            return pool
+        changed = pool.evolve(draining=draining)
         return await self._written(await self.store.update_pool(changed, now=self._clock.now()))
 
     async def propose(
@@ -252,7 +257,22 @@ class StoredPools:
         strategy: Strategy | None = None,
     ) -> Rollout:
         """Start a rollout of `template` (superseding the pool's active one) at the
-        generation `pool` was read at."""
+        generation `pool` was read at; `SameTemplate` when the pool serves it already or
+        rolls it out already (it would ramp nothing)."""
+        revision = revision_of(template)
+        active = [r for r in await self.store.list_rollouts(pool=pool.name) if r.active]
+        for r in active:
+            if r.revision == revision:
+                raise SameTemplate(
+                    f"rollout {r.id!r} of pool {pool.name!r} is rolling revision "
+                    f"{revision} out already"
+                )
+        if revision == pool.revision:
+            hint = f": abort rollout {active[0].id!r} to go back to it" if active else ""
+            raise SameTemplate(
+                f"pool {pool.name!r} serves this template already (revision {revision}), "
+                f"nothing to roll out{hint}"
+            )
         rollout = new_rollout(self._ids.rollout(), pool, template, strategy or pool.strategy, now)
         await self.store.start_rollout(rollout, template, generation=pool.generation, now=now)
         r = rollout
@@ -268,6 +288,14 @@ class StoredPools:
         )
         await self.refresh()
         return pool
+
+
+def current(pool: StoredPool, generation: int | None) -> StoredPool:
+    """`pool` when the caller's `generation` is its own (or None: the one read now);
+    `StaleGeneration` (412) otherwise, before anything is written."""
+    if generation is not None and generation != pool.generation:
+        raise StaleGeneration(pool.name, generation, pool.generation)
+    return pool
 
 
 def with_file_settings(
