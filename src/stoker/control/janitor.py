@@ -272,8 +272,17 @@ class Janitor:
         ]
         self._report_unseen(unseen)
         kept = set() if self.stop_unseen else {o.worker_id for o in unseen}
-        for obj in old:
-            if obj.worker_id in live or obj.worker_id in kept:
+        doomed = [o for o in old if o.worker_id not in live and o.worker_id not in kept]
+        if doomed:
+            # The objects were read before this pass retired workers (whose stops are under
+            # way): stop only what still runs and is not being stopped.
+            try:
+                now = {o.worker_id: o for o in await self._runtime.list_objects()}
+            except RuntimeFailure:
+                return
+            doomed = [now[o.worker_id] for o in doomed if o.worker_id in now]
+        for obj in doomed:
+            if obj.stopping:
                 continue
             with self.faults.step(obj.pool, "stop stranded"):
                 try:
