@@ -16,6 +16,7 @@ from collections import defaultdict
 from stoker.control import logs
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
+from stoker.control.outcomes import OutcomeCounts
 from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
@@ -75,12 +76,15 @@ class Janitor:
             shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
         )
         self._pools = pools
+        #: This replica's outcome counts of rollouts, written every pass.
+        self._outcomes = OutcomeCounts(shared, store=store)
         self._scaler = Scaler(
             shared,
             store=store,
             retirer=retirer,
             spawner=spawner,
             sizer=None if self._baseline else self.sizer,
+            outcomes=self._outcomes,
             demand=demand,
         )
         self._last_purge: float | None = None
@@ -132,8 +136,10 @@ class Janitor:
             await self._purge(world.now)
             self._gauges(world)
         else:
-            # Every replica's claim counter reaches the leader's demand rate.
+            # Every replica's claim counter reaches the leader's demand rate, and its
+            # outcome counts the leader's verdict on a rollout.
             await self._publisher.publish()
+            await self._outcomes.publish()
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
 

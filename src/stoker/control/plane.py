@@ -96,14 +96,16 @@ class ControlPlane:
         self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
         self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
         self.book = Book(reader=store, instance_id=self.instance_id)
+        #: Recent events and the last hour of each pool, for the dashboard.
+        self.journal = Journal(self.clock.now)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).
-        self.rollouts = Rollouts(self.catalog, self.metrics, planner or rollout_plan)
+        self.rollouts = Rollouts(
+            self.catalog, self.metrics, planner or rollout_plan, journal=self.journal
+        )
         #: An admin's pause, resume, abort and promote of a rollout.
         self.rollout_actions = RolloutActions(
             store=store, catalog=self.catalog, rollouts=self.rollouts, clock=self.clock
         )
-        #: Recent events and the last hour of each pool, for the dashboard.
-        self.journal = Journal(self.clock.now)
         self.history = History(self.settings.pool_sample_s)
         self.lifecycle = Lifecycle(store, self.clock, self.metrics, self.journal)
         shared = Shared(
