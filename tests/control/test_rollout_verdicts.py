@@ -1,6 +1,6 @@
 """Verdicts from every replica: a bad revision whose failures only the replicas that do
 not lead see rolls back, because every replica writes its outcome counts to the store and
-the leader judges from their sum (DESIGN.md section 0).
+the leader judges from their sum (#25).
 
 Three planes on one SQLite file with one set of `MemoryRuntime` workers; the passes are
 driven by hand (the first plane runs the janitor, the others their fallback reaper), on

@@ -1,4 +1,4 @@
-"""The rollout plan: a canary sized from the claims it will get (DESIGN.md section 0),
+"""The rollout plan: a canary sized from the claims it will get (#25),
 with picchu's own numbers where its bugs are the ones avoided (#602, #614-#617, #648)."""
 
 from __future__ import annotations

@@ -88,6 +88,8 @@ class Rollouts:
         self._shown: dict[str, set[str]] = {}
         #: The rollout id and step each pool's last recorded hold was about.
         self._held: dict[str, tuple[str, int]] = {}
+        #: Called after a failure is counted (the outcome counts publish soon).
+        self.on_failure: Callable[[], None] | None = None
         #: Attempts and failures by (rollout id, outcome).
         self._tally: Counter[tuple[str, Outcome]] = Counter()
         #: The last plan each pool's pass computed (the API and metrics show it).
@@ -159,6 +161,8 @@ class Rollouts:
         ramp = self._catalog.rollout(pool)
         if ramp is not None and ramp.revision == revision and not ramp.state.ended:
             self._tally[(ramp.id, outcome)] += 1
+            if outcome in _FAILURES and self.on_failure is not None:
+                self.on_failure()
 
     def note_neutral(self, pool: str, revision: str) -> None:
         """Count a claim of the pool that wants a neutral worker, routed to `revision`,
@@ -280,6 +284,9 @@ class Rollouts:
             self._held[name] = key
             self.record(EventKind.ROLLOUT_HELD, ramp, plan.waits)
 
+
+#: Outcomes that are failures: the leader should hear of them before the next pass.
+_FAILURES = frozenset({Outcome.SPAWN_FAILURE, Outcome.ACTIVATION_FAILURE, Outcome.CLAIM_ERROR})
 
 #: The event of each decision the leader writes.
 _DECIDED = {
