@@ -21,6 +21,7 @@ from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import RuntimeFailure
+from stoker.domain.pools import Rollout
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, RolloutState
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, revision_of
@@ -52,7 +53,8 @@ class ImageRuntime(MemoryRuntime):
 async def replicas(path: Path) -> AsyncIterator[tuple[list[ControlPlane], list[ImageRuntime]]]:
     spec = PoolSpec(name="p", template=OLD, warm_target=10, reuse=Reuse.NEVER)
     async with AsyncExitStack() as stack:
-        planes, runtimes = [], []
+        planes: list[ControlPlane] = []
+        runtimes: list[ImageRuntime] = []
         for _ in range(3):
             runtime = ImageRuntime(ready_delay=0.2)
             if runtimes:
@@ -85,6 +87,7 @@ async def test_failures_seen_only_by_replicas_that_do_not_lead_roll_the_revision
         rollout = await leader.pools.propose(stored, NEW, now=leader.clock.now(), strategy=strategy)
         loop = asyncio.get_running_loop()
         took_effect: float | None = None
+        row: Rollout | None = None
         orgs = iter(range(10_000))
         for _ in range(int(3 * STEP_S)):
             await leader.run_janitor_pass()
@@ -102,6 +105,7 @@ async def test_failures_seen_only_by_replicas_that_do_not_lead_roll_the_revision
                 await plane.release(claim.id)
             await asyncio.sleep(1.0)
         assert took_effect is not None, "the first step never took effect"
+        assert row is not None
         assert row.state is RolloutState.ROLLED_BACK and "activation" in (row.reason or "")
         assert loop.time() - took_effect <= 2 * STEP_S
         # The leader saw none of the failures itself: the verdict is the replicas' sum.
