@@ -20,6 +20,7 @@ import pytest
 from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
+from stoker.control.rollout_actions import Action
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.pools import Rollout
 from stoker.domain.records import ClaimRequest, Worker
@@ -114,3 +115,28 @@ async def test_failures_seen_only_by_replicas_that_do_not_lead_roll_the_revision
         assert summed[rollout.id]["activation_failure"] >= 5
         kinds = [e.kind.value for e in leader.journal.recent()]
         assert "rollout_rolled_back" in kinds and "rollout_step" in kinds
+
+
+async def test_a_replica_that_does_not_lead_shows_the_stored_rollout(tmp_path: Path) -> None:
+    async with replicas(tmp_path) as (planes, _):
+        leader, other = planes[0], planes[1]
+
+        def shares(plane: ControlPlane) -> dict[str, float]:
+            return {
+                s.labels["revision"]: s.value
+                for m in plane.metrics.registry.collect()
+                if m.name == "stoker_pool_revision_share"
+                for s in m.samples
+            }
+
+        stored = await leader.pools.get("p")
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=STEP_S)
+        rollout = await leader.pools.propose(stored, NEW, now=leader.clock.now(), strategy=strategy)
+        for _ in range(3):
+            await leader.run_janitor_pass()
+            await other.run_reaper_pass()
+            await asyncio.sleep(1.0)
+        assert shares(other) == {revision_of(OLD): 0.5, revision_of(NEW): 0.5}
+        await leader.rollout_actions.act("p", rollout.id, Action.ABORT)
+        await other.run_reaper_pass()
+        assert shares(other) == {revision_of(OLD): 1.0}

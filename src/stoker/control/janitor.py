@@ -140,6 +140,7 @@ class Janitor:
             # outcome counts the leader's verdict on a rollout.
             await self._publisher.publish()
             await self._outcomes.publish()
+            self._rollouts.show_stored()
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
 

@@ -110,6 +110,12 @@ class Rollouts:
         self._show(pool.name, plan, ramp)
         return plan
 
+    def show_stored(self) -> None:
+        """Bring every pool's series to its stored rollout (a replica that does not lead
+        plans nothing; its catalog loads what the leader wrote)."""
+        for pool in self._catalog.pools.values():
+            self.stored(pool)
+
     def route(self, pool: PoolSpec, org: str) -> PoolSpec:
         """The spec of the revision a new (non-reuse) claim of `org` goes to."""
         if self._catalog.rollout(pool.name) is None:

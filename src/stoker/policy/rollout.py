@@ -355,7 +355,7 @@ def _canary(
         revisions=parts,
         ramp=ramp,
         needed=needed,
-        waits=_waits(ramp, own, needed, held, due, due_at, pool, counts),
+        waits=_waits(ramp, own, needed, held, due_at - now, pool, live),
         held_back=due and not held and not (last and not preparing),
         totals={"whole": whole, "live": live},
     )
@@ -384,20 +384,19 @@ def _waits(
     own: RevisionCounts,
     needed: int,
     held: bool,
-    due: bool,
-    due_at: float,
+    due_in: float,
     pool: PoolDemand,
-    counts: Mapping[str, RevisionCounts],
+    live: int,
 ) -> str:
-    """Why the rollout waits now, in words."""
+    """Why the rollout waits now, in words (`due_in`: seconds until its next step is due)."""
     if ramp.state is RolloutState.PAUSED:
         return f"paused: {ramp.reason}" if ramp.reason else "paused"
-    if not due:
-        return f"the step's interval runs until {due_at:.0f}"
+    if due_in > 0:
+        return f"the step's interval: the next step is due in {due_in:.0f} s"
     if held:
         return ""
     why = f"the new revision holds {own.warm} of the {needed} warm workers its step needs"
-    if pool.cap > 0 and sum(c.live for c in counts.values()) >= pool.cap:
+    if pool.cap > 0 and live >= pool.cap:
         why += f", the pool is at its cap of {pool.cap}"
     return why
 
