@@ -315,3 +315,32 @@ async def test_metrics_show_the_current_plan_after_rollouts_that_ended(tmp_path:
         assert _shares(h) == {seen[2]: 1.0} and _state(h) == {"promoted"}
         await h.tick()
         assert _shares(h) == {seen[2]: 1.0} and _state(h) == set()
+
+
+async def test_the_rollout_view_samples_each_revision_and_says_why_a_step_waits(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, warm_target=10, reuse=Reuse.NEVER) as h:
+        claims = [await h.claim(f"o{i}") for i in range(3)]
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60)
+        stored = await h.plane.pools.get("p")
+        rollout = await h.plane.pools.propose(stored, NEW, now=h.clock.now(), strategy=strategy)
+        await h.plane.run_janitor_pass()  # spawns the first step's workers: they wait
+        (status,) = await h.plane.pool_status()
+        assert status.rollout_waits is not None
+        assert "holds 0 of the" in status.rollout_waits
+        await h.tick()
+        await h.tick()
+        (status,) = await h.plane.pool_status()
+        assert status.rollout_waits is not None
+        assert status.rollout_waits.startswith("the step's interval: the next step is due in")
+        await h.plane.sample_pools()
+        samples = h.plane.history.samples()["p"]
+        revisions = {r.revision: r for r in samples[-1].revisions}
+        assert revisions[OLD_REV].share == 0.5 and revisions[NEW_REV].share == 0.5
+        assert revisions[OLD_REV].busy == len(claims)
+        assert revisions[NEW_REV].warm >= 5 and revisions[NEW_REV].busy == 0
+        await h.plane.rollout_actions.act("p", rollout.id, Action.ABORT)
+        await h.tick()
+        (status,) = await h.plane.pool_status()
+        assert status.rollout_waits is None

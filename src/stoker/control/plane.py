@@ -38,7 +38,7 @@ from stoker.control.rollout_actions import RolloutActions
 from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
-from stoker.control.status import PoolStatus, add_samples, pool_statuses
+from stoker.control.status import PoolStatus, add_samples, pool_statuses, revision_samples
 from stoker.control.stored_pools import StoredPools
 from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
 from stoker.domain.records import Claim, ClaimRequest
@@ -331,7 +331,9 @@ class ControlPlane:
 
     async def sample_pools(self) -> None:
         """Add one sample of every pool to `history` (the dashboard's chart)."""
-        add_samples(self.history, await self.pool_status(), self.clock.now())
+        statuses = await self.pool_status()
+        revisions = await revision_samples(self.store, self.catalog)
+        add_samples(self.history, statuses, self.clock.now(), revisions)
 
     async def run_reaper_pass(self) -> PassReport:
         """One fallback-reaper pass now (tests and tools)."""
@@ -395,4 +397,6 @@ class ControlPlane:
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""
         self._check_running()
-        return await pool_statuses(self.store, self.catalog, self.spawner, self.janitor)
+        return await pool_statuses(
+            self.store, self.catalog, self.spawner, self.janitor, self.rollouts
+        )
