@@ -314,3 +314,27 @@ async def test_a_pool_row_that_cannot_be_read_keeps_its_last_settings(tmp_path: 
         [problem] = p.plane.degraded()
         assert (problem.pool, problem.problem) == ("bad", "pass_failing")
         assert "janitor pass, load: its stored row cannot be read" in problem.detail
+
+
+async def test_one_probe_at_a_time_while_it_is_in_flight(tmp_path: Path) -> None:
+    """A probe that started but is not ready yet (a slow start, or one that will fail
+    late) holds the revision's turn: claims that come after its back-off ended do not
+    each start another."""
+    backoff = SpawnBackoff(initial_s=2, max_s=8, factor=2)
+    runtime = MemoryRuntime(auto_ready=False)
+    runtime.fail_spawns = 1
+    async with running(
+        tmp_path, [pool("p", warm_target=0, spawn_backoff=backoff)], runtime=runtime
+    ) as p:
+        with pytest.raises(CapacityError):
+            await p.plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=1))
+        assert runtime.spawn_calls == 1
+        await asyncio.sleep(3)
+        with pytest.raises(CapacityError):  # the probe starts, and never gets ready
+            await p.plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=1))
+        assert runtime.spawn_calls == 2
+        for i in range(10):
+            await asyncio.sleep(3)
+            with pytest.raises(CapacityError):
+                await p.plane.claim(ClaimRequest(pool="p", org=f"org{i}", timeout_s=1))
+        assert runtime.spawn_calls == 2

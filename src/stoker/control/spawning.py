@@ -107,11 +107,16 @@ class Spawner:
         return dict(self._trouble)
 
     def backoff_left(self, pool: PoolSpec) -> float:
-        """Seconds before the pool may start a spawn again (0: it may now)."""
+        """Seconds before the pool may start a spawn again (0: it may now). While the
+        probe is in flight, its outcome decides: asked again at least every initial back-off
+        (never 0, which would have a claim ask again at once, over and over)."""
         trouble = self._trouble.get((pool.name, pool.revision))
         if trouble is None:
             return 0.0
-        return max(0.0, trouble.retry_at - self._clock.monotonic())
+        left = max(0.0, trouble.retry_at - self._clock.monotonic())
+        if self._probing(trouble):
+            return max(left, pool.spawn_backoff.initial_s)
+        return left
 
     def spawn_failed(self, pool: str, revision: str, error: str) -> None:
         """A spawn of the revision failed (not created, or lost before ready): back off."""
@@ -163,12 +168,12 @@ class Spawner:
         )
         return min(count, 1)
 
-    def _probe_reserved(self, pool: PoolSpec, worker_id: str) -> None:
+    def _probe_reserved(self, pool: PoolSpec, workers: list[Worker]) -> None:
         """The slot `_allowed` let a backing-off revision reserve is its probe."""
         key = (pool.name, pool.revision)
         trouble = self._trouble.get(key)
-        if trouble is not None:
-            self._trouble[key] = replace(trouble, probe=worker_id)
+        if trouble is not None and workers:
+            self._trouble[key] = replace(trouble, probe=workers[0].id)
 
     def _probing(self, trouble: SpawnTrouble) -> bool:
         """Whether the revision's probe is still in flight (its slot still spawning)."""
@@ -239,6 +244,7 @@ class Spawner:
         """Reserve up to `count` neutral spawn slots (never beyond `target`) and spawn them
         (fewer while the pool's spawns fail: see `SpawnTrouble`). A template the cap
         cannot be read from counts as a failed spawn and is raised on to the pass."""
+        probe = (pool.name, pool.revision) in self._trouble
         count = self._allowed(pool, count)
         if count <= 0:
             return 0
@@ -259,8 +265,9 @@ class Spawner:
         )
         ids = [self._ids.worker() for _ in range(count)]
         result = await self._lifecycle.reserve_slots(req, ids)
+        if probe:
+            self._probe_reserved(pool, result.workers)
         for worker in result.workers:
-            self._probe_reserved(pool, worker.id)
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "warm").inc()
             self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
@@ -270,6 +277,7 @@ class Spawner:
     async def reserve_cold_slot(self, pool: PoolSpec, org: str, org_cap: int) -> SpawnResult:
         """One spawn slot bound to `org` within the pool and org caps (not created yet);
         none, `limited_by` "backoff", while the pool's spawns fail and back off."""
+        probe = (pool.name, pool.revision) in self._trouble
         if not self._allowed(pool, 1):
             return SpawnResult(workers=[], limited_by="backoff")
         try:
@@ -287,8 +295,9 @@ class Spawner:
             org_cap=org_cap,
         )
         result = await self._lifecycle.reserve_slots(req, [self._ids.worker()])
+        if probe:
+            self._probe_reserved(pool, result.workers)
         for worker in result.workers:
-            self._probe_reserved(pool, worker.id)
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "cold").inc()
             self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
