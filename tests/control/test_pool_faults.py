@@ -25,7 +25,7 @@ from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
-from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff
+from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff, Timeouts
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import VirtualClock
 
@@ -265,8 +265,8 @@ async def test_a_pool_of_300_whose_command_cannot_start_tries_once_per_back_off(
         # 1, 2, 4, 8, 16 and 32 s of back-off, then 60 s: six tries in the first minute,
         # then one per minute.
         assert at[:6] == [0, 1, 3, 7, 15, 31], at
-        # (The one a pass or two late is the first after the stuck sweep gave the waiting
-        # slots back, at the spawn timeout: the next pass reserves the probe.)
+        # (A try may come a pass late: once the waiting slots gave up at their spawn
+        # timeout, the janitor's next pass reserves the probe.)
         gaps = [b - a for a, b in itertools.pairwise(at[6:])]
         assert at[6] - at[5] == 32 and all(60 <= gap <= 64 for gap in gaps), at
         assert len(at) == 20
@@ -350,3 +350,42 @@ async def test_one_probe_at_a_time_while_it_is_in_flight(tmp_path: Path) -> None
             with pytest.raises(CapacityError):
                 await p.plane.claim(ClaimRequest(pool="p", org=f"org{i}", timeout_s=1))
         assert runtime.spawn_calls == 2
+
+
+async def test_a_waiting_spawn_retired_elsewhere_never_starts(tmp_path: Path) -> None:
+    """Another replica's stuck sweep may retire a slot that waits for its turn here (this
+    replica's memory does not hear of it): the spawn reads its row before it starts, and
+    starts nothing for a retired one. A slot that outwaits its spawn timeout gives up on
+    its own, nothing started."""
+    backoff = SpawnBackoff(initial_s=5, max_s=60, factor=2)
+    timeouts = Timeouts(spawn_s=30)
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 1
+    pools = [pool("p", warm_target=3, spawn_backoff=backoff, timeouts=timeouts)]
+    async with running(tmp_path, pools, runtime=runtime) as p:
+        waiting = await p.store.list_workers(states=(S.SPAWNING,))
+        assert runtime.spawn_calls == 1 and len(waiting) == 2
+        gone = waiting[0]
+        await p.store.transition(
+            gone.id,
+            expect=S.SPAWNING,
+            epoch=gone.epoch,
+            version=gone.version,
+            to=S.RETIRED,
+            now=p.plane.clock.now(),
+            changes={"reason": "stuck"},
+        )
+        await asyncio.sleep(10)  # the back-off ended: one of them probes, and works
+        assert runtime.spawn_calls == 2
+        assert gone.id not in runtime.procs
+
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 10**9
+    (tmp_path / "2").mkdir()
+    pools = [pool("p", warm_target=10, spawn_backoff=backoff, timeouts=timeouts)]
+    async with running(tmp_path / "2", pools, runtime=runtime) as p:
+        await asyncio.sleep(31)
+        rows = await p.store.list_workers()
+        assert not [w for w in rows if w.state is S.SPAWNING]
+        assert {w.reason for w in rows} == {"spawn_failure", "stuck"}
+        assert runtime.spawn_calls == 3  # at 0, 5 and 15 s; the next would be at 35 s

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from stoker.control import logs
 from stoker.control.faults import describe
@@ -32,6 +33,16 @@ from stoker.policy.scaling import spawn_backoff_s
 from stoker.ports.clock import TokenBucket
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import SpawnRequest, SpawnResult
+
+
+class Turn(Enum):
+    """How a spawn's wait for its turn ended."""
+
+    GO = "go"
+    #: Retired meanwhile (or the replica shuts down): nothing may start.
+    GONE = "gone"
+    #: Its spawn timeout ran out while it waited.
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,10 +318,15 @@ class Spawner:
         """Create the runtime object of a spawning slot; a failure, whatever it raised,
         frees the slot at once and counts. While the revision backs off the spawn waits
         for its turn to probe (its slot kept, until it starts or is retired)."""
-        if not await self._turn(worker, pool):
+        turn = await self._turn(worker, pool)
+        if turn is not Turn.GO:
             # Retired (and forgotten) while it waited for its turn (a shutdown, a stuck
-            # sweep): its stop found no process, so none may start now.
+            # sweep, another replica): its stop found no process, so none may start now.
             self._book.drop_spawn_wait(worker.id)
+            if turn is Turn.EXPIRED:
+                # Its spawn timeout ran out while the revision backed off: the slot goes
+                # back now (nothing was started), as the stuck sweep would retire it.
+                await self._retirer.retire(worker, RetireReason.STUCK, stop=False)
             return False
         # While the runtime holds the spawn (queued behind other start-ups, or starting the
         # process) the stuck sweep leaves the row alone: its spawn timeout has not begun.
@@ -359,19 +375,34 @@ class Spawner:
                 self._book.remember(recorded)
         return True
 
-    async def _turn(self, worker: Worker, pool: PoolSpec) -> bool:
-        """Wait for the token bucket and for the spawn's turn (see `_turn_in`); False when
-        the slot was retired meanwhile."""
+    async def _turn(self, worker: Worker, pool: PoolSpec) -> Turn:
+        """Wait for the token bucket and for the spawn's turn (see `_turn_in`), at most
+        until the slot's spawn timeout."""
         key = (pool.name, pool.revision)
+        deadline = worker.updated_at + pool.timeouts.spawn_s
         waited = False
         while not (waited and self._closing):
             await self._bucket.acquire()
             known = self._book.known(worker.id)
             if known is None or (known.state, known.epoch) != (WorkerState.SPAWNING, worker.epoch):
-                return False
+                return Turn.GONE
             wait = self._turn_in(worker, pool)
             if wait is None:
-                return True
-            await self._until_changed(key, wait)
+                # After a wait, the row may have been retired by another replica's sweep
+                # (this book does not hear of it): read it before anything starts.
+                return Turn.GO if not waited or await self._still_spawning(worker) else Turn.GONE
+            left = deadline - self._clock.now()
+            if left <= 0:
+                return Turn.EXPIRED
+            await self._until_changed(key, min(wait, left))
             waited = True
-        return False
+        return Turn.GONE
+
+    async def _still_spawning(self, worker: Worker) -> bool:
+        """Whether the store still holds the slot as it was reserved (False on a failed
+        read: better a slot the sweep retires than a process without a row)."""
+        fresh = await self._book.refresh(worker.id)
+        return fresh is not None and (fresh.state, fresh.epoch) == (
+            WorkerState.SPAWNING,
+            worker.epoch,
+        )
