@@ -187,7 +187,11 @@ class Metrics:
             "stoker_pass_duration_seconds", "Duration of reconcile passes.", "pass"
         )
         self.pass_failures = self._counter(
-            "stoker_pass_failures", "Reconcile passes that failed.", "pass"
+            "stoker_pass_failures",
+            "Reconcile passes that failed (pool empty), and passes whose step for one pool "
+            "failed while the other pools went on (pool set, once per pass).",
+            "pass",
+            "pool",
         )
         self.is_leader = self._gauge(
             "stoker_janitor_is_leader", "1 while this replica runs the fleet-wide janitor."

@@ -26,6 +26,7 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
+from stoker.control.faults import FAILING_AFTER, PoolProblem, describe
 from stoker.control.following import Follower
 from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
@@ -198,7 +199,13 @@ class ControlPlane:
         if pool.max_workers > 0:
             logs.event("pool_cap", pool=pool.name, cap=pool.max_workers, source="max_workers")
             return
-        derived = self.runtime.derived_cap(pool)
+        try:
+            derived = self.runtime.derived_cap(pool)
+        except Exception as exc:
+            # A stored template the cap cannot be read from: the janitor reports the pool
+            # (`/readyz`); the replica starts and serves the other pools.
+            logs.event("pool_cap", pool=pool.name, cap="unknown", error=describe(exc))
+            return
         if derived > 0:
             logs.event(
                 "pool_cap",
@@ -218,6 +225,7 @@ class ControlPlane:
         # Read before the elector's loop stops: the leader keeps the headroom placeholders.
         leading = self.elector.is_leader
         await self.claims.drain(self.settings.shutdown_grace_s)
+        self.spawner.close()
         for task in self._loops:
             task.cancel()
         for task in self._loops:
@@ -289,7 +297,7 @@ class ControlPlane:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.metrics.pass_failures.labels(name).inc()
+            self.metrics.pass_failures.labels(name, "").inc()
             logs.event("pass_failed", loop=name, error=repr(exc), level=logs.WARNING)
             self.journal.record(EventKind.PASS_FAILED, reason=name, detail=repr(exc))
             return False
@@ -314,6 +322,8 @@ class ControlPlane:
             return await self.run_janitor_pass()
         # Every replica keeps its own workers' pins; the leader in its pass.
         await self.pins.reconcile()
+        # Another replica runs the janitor now: its failures are no longer this one's.
+        self.janitor.faults.clear()
         await self.pools.refresh()  # the leader's pass reloads them too: all serve the store
         return None
 
@@ -412,6 +422,20 @@ class ControlPlane:
         """A claim by id."""
         self._check_running()
         return await self.sessions.get_claim(claim_id)
+
+    def degraded(self) -> list[PoolProblem]:
+        """The pools this replica sees in trouble (`/readyz`): those whose janitor or reaper
+        passes failed `FAILING_AFTER` times in a row here, and the pool revisions whose
+        spawns failed as often in a row."""
+        problems = self.janitor.faults.problems() + self.reaper.faults.problems()
+        for (pool, revision), trouble in sorted(self.spawner.troubled().items()):
+            if trouble.failures >= FAILING_AFTER:
+                problems.append(
+                    PoolProblem(
+                        pool, "spawn_failing", trouble.failures, trouble.last_error, revision
+                    )
+                )
+        return problems
 
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""
