@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_api import ADMIN, TOKENS, Api, assert_problem, running
+from test_api import ADMIN, TOKENS, Api, assert_problem, pool, running
 
 from stoker.config.changes import changed_template
 from stoker.domain.specs import ProcessTemplate, revision_of
@@ -266,3 +266,11 @@ async def test_a_write_that_changes_nothing_keeps_the_generation(tmp_path: Path)
             "/v1/pools/demo", json={"warm_target": 3}, headers={**AS_ADMIN, "If-Match": "*"}
         )
         assert same.status_code == 200 and same.json()["generation"] == 2
+
+
+async def test_settings_that_do_not_fit_together_are_a_422(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_workers=5)], api=TOKENS) as api:
+        before = await api.plane.store.get_pool("demo")
+        above = await api.http.patch("/v1/pools/demo", json={"warm_target": 6}, headers=AS_ADMIN)
+        assert "exceeds max_workers" in refused(above, 422)["detail"]
+        assert await api.plane.store.get_pool("demo") == before
