@@ -171,9 +171,13 @@ async def stored_templates(server: AdminServer) -> list[RuntimeTemplate]:
 
 
 def assert_nothing_accepted_fails_later(server: AdminServer) -> None:
-    """A janitor pass runs through; every stored template passes the model as it is and
-    is what exec takes."""
-    server.call(server.app.plane.run_janitor_pass())
+    """A janitor pass fails for no pool, every stored pool loads, and every stored template
+    passes the model as it is and is what exec takes."""
+    plane = server.app.plane
+    server.call(plane.run_janitor_pass())
+    # The janitor isolates a pool whose step fails: a pass that runs through says nothing.
+    assert plane.janitor.faults.failing(at_least=1) == []
+    assert plane.pools.broken == {}
     for template in server.call(stored_templates(server)):
         assert changed_template(template, {}) == template
         assert_exec_takes(template)
