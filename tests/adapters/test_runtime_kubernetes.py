@@ -1159,6 +1159,8 @@ async def test_an_unschedulable_pool_says_why_backs_off_and_does_not_churn(
         assert len(created) == 6, created
         assert created[:3] == pytest.approx([0, 0, 0], abs=0.1)
         assert not [at for at in deleted if at < 600]
+        names = [name for _, name in server.deleted]
+        assert sorted(names) == sorted(set(names)), "a pod deleted twice"
         # After pending_s: one probe per back-off interval, never more than the target.
         assert all(later - earlier >= 4 for earlier, later in itertools.pairwise(created[3:]))
         (status,) = await p.plane.pool_status()

@@ -40,6 +40,9 @@ def describe(r: RolloutInfo) -> str:
     """One line about a rollout."""
     steps = r.strategy.get("steps")
     where = f"step {r.step + 1} of {len(steps)}, " if steps and not r.ended else ""
+    if steps and not r.ended and r.share == 0:
+        # A canary's first step takes effect once the new revision holds its workers.
+        where = f"preparing step 1 ({steps[0]} %), "
     reason = f" ({r.reason})" if r.reason else ""
     return (
         f"rollout {r.id}: {r.state}{reason}, {where}{r.share} % of new claims to "

@@ -20,6 +20,7 @@ from stoker.control import logs
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.faults import PassFaults, describe
+from stoker.control.outcomes import OutcomeCounts
 from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
@@ -83,6 +84,8 @@ class Janitor:
             shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
         )
         self._pools = pools
+        #: This replica's outcome counts of rollouts, written every pass.
+        self._outcomes = OutcomeCounts(shared, store=store)
         self._scaler = Scaler(
             shared,
             store=store,
@@ -90,6 +93,7 @@ class Janitor:
             spawner=spawner,
             sizer=None if self._baseline else self.sizer,
             faults=self.faults,
+            outcomes=self._outcomes,
             demand=demand,
         )
         self._last_purge: float | None = None
@@ -146,8 +150,11 @@ class Janitor:
             await self._purge(world.now)
             self._gauges(world)
         else:
-            # Every replica's claim counter reaches the leader's demand rate.
+            # Every replica's claim counter reaches the leader's demand rate, and its
+            # outcome counts the leader's verdict on a rollout.
             await self._publisher.publish()
+            await self._outcomes.publish()
+            self._rollouts.show_stored()
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
 
@@ -272,8 +279,17 @@ class Janitor:
         ]
         self._report_unseen(unseen)
         kept = set() if self.stop_unseen else {o.worker_id for o in unseen}
-        for obj in old:
-            if obj.worker_id in live or obj.worker_id in kept:
+        doomed = [o for o in old if o.worker_id not in live and o.worker_id not in kept]
+        if doomed:
+            # The objects were read before this pass retired workers (whose stops are under
+            # way): stop only what still runs and is not being stopped.
+            try:
+                now = {o.worker_id: o for o in await self._runtime.list_objects()}
+            except RuntimeFailure:
+                return
+            doomed = [now[o.worker_id] for o in doomed if o.worker_id in now]
+        for obj in doomed:
+            if obj.stopping:
                 continue
             with self.faults.step(obj.pool, "stop stranded"):
                 try:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -386,8 +386,13 @@ class RolloutConfig(_Model):
     steps: tuple[int, ...] = (10, 50, 100)
     step_interval_s: float = Field(60.0, gt=0)
     max_failure_ratio: float = Field(0.2, gt=0, le=1)
+    #: Seconds a step may wait for the new revision's warm workers before it pauses.
+    hold_deadline_s: float = Field(600.0, gt=0)
     #: Share of the new revision's activations that fail (a bad image): none by default.
     activation_failure_rate: float = Field(0.0, ge=0, le=1)
+    #: Whose activations of the new revision fail: every replica's, or only those of the
+    #: replicas that do not lead (the leader's verdict must sum the others' counts).
+    failing_on: Literal["all", "followers"] = "all"
 
 
 # -- policies --------------------------------------------------------------------------------

@@ -169,10 +169,14 @@ class KubernetesRuntime:
     async def stop(self, worker: Worker, grace_s: float) -> None:
         """Delete the worker's pod with `grace_s` (capped by `stop_grace_s`).
 
-        The deletion is not reported as a loss. A pod that is already gone is fine.
-        Raises `RuntimeFailure` when the cluster refuses the deletion.
+        The deletion is not reported as a loss. A pod that is already gone is fine, and
+        one this runtime deleted already is not deleted again (a retirement's stop, then a
+        stranded scan from a snapshot taken before it). Raises `RuntimeFailure` when the
+        cluster refuses the deletion.
         """
         name = pod_name(worker)
+        if self.informer.deletion_requested(name):
+            return
         entry = self.informer.expect_deletion(name)
         grace = self._grace(grace_s)
         try:
