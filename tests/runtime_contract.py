@@ -51,6 +51,9 @@ class Recorder:
         if not self._lost[worker_id].done():
             self._lost[worker_id].set_result(reason)
 
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        self.events.append(("stalled", worker_id, stage))
+
     async def ready(self, worker_id: str) -> str:
         """The endpoint of `worker_id`'s readiness event, once it comes."""
         return await asyncio.wait_for(asyncio.shield(self._ready[worker_id]), EVENT_TIMEOUT_S)
@@ -172,6 +175,26 @@ class RuntimeContract:
         # A failed pod stays listed until deleted, as not alive; a dead process is not listed.
         listed = await runtime.list_objects()
         assert not any(obj.alive for obj in listed if obj.worker_id == victim.id)
+
+    async def test_pinned_follows_set_busy_and_a_ready_worker_has_no_progress(
+        self, harness: RuntimeHarness
+    ) -> None:
+        """A runtime with a do-not-disrupt mark shows what `set_busy` set (once its view
+        caught up); one without says None throughout. A ready worker has no progress to
+        tell, nor has a worker the runtime never saw."""
+        runtime, recorder = await harness.start("cp-one")
+        worker = await spawn_ready(runtime, recorder, harness.pool)
+        before = runtime.pinned(worker)
+        assert before in (False, None)
+        await runtime.set_busy(worker, True)
+        await harness.settle()
+        assert runtime.pinned(worker) is (None if before is None else True)
+        await runtime.set_busy(worker, False)
+        await harness.settle()
+        assert runtime.pinned(worker) is before
+        assert runtime.progress(worker) is None
+        assert runtime.progress(make_worker(harness.pool)) is None
+        assert runtime.pinned(make_worker(harness.pool)) is None
 
     async def test_a_restarted_runtime_adopts_live_workers(self, harness: RuntimeHarness) -> None:
         """After a restart, adopt finds a live worker and watches it: its loss is reported

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shlex
 import signal
 import socket
 import sqlite3
@@ -350,6 +351,29 @@ def test_pools_set_and_drain_change_the_stored_pool(server: Server) -> None:
         run(["pools", "set", "demo", "--lease-s", "60"], url=server.url)
     after = json.loads(run(["pools", "demo", "--json"], url=server.url).stdout)
     assert after["draining"] is False and after["settings"]["lease_s"] == 60
+
+
+def test_rollout_start_takes_command_and_refuses_an_empty_one(server: Server) -> None:
+    before = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
+    for words in ('""', "''", "   ", "python ''"):
+        empty = run(["rollout", "start", "demo", "--command", words], url=server.url)
+        assert "--command" in one_line_error(empty, 2)
+    unclosed = run(["rollout", "start", "demo", "--command", "python 'x"], url=server.url)
+    assert "--command" in one_line_error(unclosed, 2)
+    # argv is no option (the command line is --command everywhere).
+    argv = run(["rollout", "start", "demo", "--argv", "python"], url=server.url)
+    assert argv.returncode == 2 and "--argv" in argv.stderr and "Traceback" not in argv.stderr
+    same = run(["rollout", "start", "demo", "--command", shlex.join(DEMO)], url=server.url)
+    assert "serves this template already" in one_line_error(same, 1)
+    bad_env = run(["rollout", "start", "demo", "--env", "1X=y"], url=server.url)
+    assert "env" in one_line_error(bad_env, 1)
+    after = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
+    assert after["generation"] == before["generation"] and after["rollout"] is None
+
+
+def test_pools_set_refuses_a_lease_shorter_than_a_claim_s(server: Server) -> None:
+    short = run(["pools", "set", "demo", "--lease-s", "0.001"], url=server.url)
+    assert "lease_s" in one_line_error(short, 1)
 
 
 def test_config_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -> None:

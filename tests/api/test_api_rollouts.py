@@ -11,7 +11,7 @@ from stoker.domain.specs import ProcessTemplate, revision_of
 
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 AS_ACME = {"Authorization": f"Bearer {ACME}"}
-NEW = {"argv": ["worker", "--v2", "{port}"]}
+NEW = {"command": ["worker", "--v2", "{port}"]}
 CANARY = {"kind": "canary", "steps": [10, 50, 100], "step_interval_s": 30}
 
 
@@ -63,7 +63,7 @@ async def test_rollouts_refuse_bad_input_and_org_tokens(tmp_path: Path) -> None:
             )
             assert_problem(bad, 422)
         assert_problem(
-            await api.http.post(url, json={"template": {"argv": 5}}, headers=AS_ADMIN), 400
+            await api.http.post(url, json={"template": {"command": 5}}, headers=AS_ADMIN), 422
         )
         assert_problem(await api.http.get(f"{url}/ro-nope", headers=AS_ADMIN), 404)
         assert_problem(await api.http.post(f"{url}/ro-nope/abort", headers=AS_ADMIN), 404)

@@ -225,7 +225,7 @@ pools:
     activation: none
     lease_s: 15
     claim_timeout_s: 4
-    timeouts: {spawn_s: 9, activation_s: 2}
+    timeouts: {spawn_s: 9, pending_s: 900, activation_s: 2}
 orgs:
   - {name: acme, hot_idle_ttl: 30, max_workers: 4}
 intervals: {janitor_interval_s: 1, spawn_burst: 7}
@@ -240,6 +240,7 @@ intervals: {janitor_interval_s: 1, spawn_burst: 7}
     assert pool.reuse is Reuse.NEVER and pool.activation is Activation.NONE
     assert (pool.lease_s, pool.claim_timeout_s) == (15, 4)
     assert (pool.timeouts.spawn_s, pool.timeouts.activation_s) == (9, 2)
+    assert pool.timeouts.pending_s == 900
     assert pool.revision
     [org] = domain.orgs
     assert (org.name, org.hot_idle_ttl, org.max_workers, org.min_hot_idle) == ("acme", 30, 4, None)
@@ -291,6 +292,7 @@ runtime:
   qps: 20
   burst: 40
   resync_s: 120
+  create_deadline_s: 8
   placeholder_priority_class: stoker-placeholder
   placeholder_image: registry.example/pause:3.10
   placeholder_size: {cpu: 8, memory: 32Gi}
@@ -327,6 +329,7 @@ def test_the_kubernetes_runtime_takes_every_key(tmp_path: Path) -> None:
         "prod",
     )
     assert (runtime.qps, runtime.burst, runtime.resync_s) == (20, 40, 120)
+    assert runtime.create_deadline_s == 8
     assert runtime.placeholder_priority_class == "stoker-placeholder"
     assert runtime.placeholder_image == "registry.example/pause:3.10"
     assert runtime.placeholder_size is not None
@@ -347,6 +350,7 @@ def test_kubernetes_defaults(tmp_path: Path) -> None:
     assert isinstance(runtime, KubernetesRuntimeConfig)
     assert (runtime.namespace, runtime.kubeconfig, runtime.context) == (None, None, None)
     assert (runtime.qps, runtime.burst, runtime.resync_s) == (50, 100, 300)
+    assert runtime.create_deadline_s == 5
     assert runtime.placeholder_priority_class is None
     assert runtime.placeholder_image == "registry.k8s.io/pause:3.10"
     assert runtime.placeholder_size is None

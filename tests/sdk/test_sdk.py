@@ -257,12 +257,36 @@ def test_an_admin_changes_and_drains_a_pool(admin: Client, acme: Client) -> None
     assert admin.pool("tiny").draining is False
 
 
+def test_a_template_the_server_refuses_names_the_field_and_starts_nothing(
+    admin: Client,
+) -> None:
+    before = admin.pool("tiny")
+    with pytest.raises(InvalidRequest, match="`command`"):
+        admin.start_rollout("tiny", {"argv": ["python"]})
+    with pytest.raises(InvalidRequest, match="memory_mb"):
+        admin.start_rollout("tiny", {"memory_mb": "x"})
+    with pytest.raises(InvalidRequest, match="step"):
+        admin.start_rollout("tiny", {"env": {"V": "2"}}, strategy={"step": [50]})
+    with pytest.raises(ClaimConflict, match="serves this template already"):
+        admin.start_rollout("tiny", {"command": list(DEMO)})
+    assert before.generation is not None
+    with pytest.raises(StaleGeneration):
+        admin.start_rollout("tiny", {"env": {"V": "2"}}, generation=before.generation + 5)
+    after = admin.pool("tiny")
+    assert after.generation == before.generation and after.raw["rollout"] is None
+
+
 async def test_the_async_client_changes_a_pool(server: Server) -> None:
     async with AsyncClient(server.url, token=ADMIN) as client:
         generation = (await client.pool("capped")).generation
         assert generation is not None
-        changed = await client.update_pool("capped", warm_target=1, generation=generation)
+        # Its warm target is 1 already: a change to what it has keeps the generation.
+        same = await client.update_pool("capped", warm_target=1, generation=generation)
+        assert same.generation == generation
+        changed = await client.update_pool("capped", warm_target=2, generation=generation)
         assert changed.generation == generation + 1
+        restored = await client.update_pool("capped", warm_target=1)
+        assert restored.generation == generation + 2
         assert (await client.drain_pool("capped", draining=False)).draining is False
 
 

@@ -35,6 +35,7 @@ from stoker.sdk import (
     Session,
     SessionLost,
     StokerError,
+    TemplateChanges,
     Unavailable,
     WorkerInfo,
 )
@@ -534,3 +535,43 @@ async def test_retries_end_at_the_calls_deadline_with_the_last_error() -> None:
         # The claim's wait (1 s) plus the retry deadline (5 s), never a try past them.
         assert loop.time() - started <= 6.0
     assert len(server.requests) == 3
+
+
+ROLLOUT = {
+    "id": "ro-1",
+    "state": "ramping",
+    "share": 10,
+    "step": 0,
+    "revision": "r2",
+    "base_revision": "r1",
+    "strategy": {"kind": "canary", "steps": [10, 100]},
+    "started_at": 1.0,
+    "ended_at": None,
+    "reason": None,
+}
+
+
+async def test_rollout_writes_send_the_template_and_if_match_from_both_clients() -> None:
+    def rollout_server() -> Server:
+        return Server(
+            {
+                ("POST", "/v1/pools/demo/rollouts"): ok(ROLLOUT, 201),
+                ("POST", "/v1/pools/demo/rollouts/ro-1/pause"): ok(ROLLOUT),
+            }
+        )
+
+    template: TemplateChanges = {"command": ["worker", "--v2"], "env": {"A": "b"}}
+    sync_server, async_server = rollout_server(), rollout_server()
+    with Client("http://s", transport=httpx.MockTransport(sync_server)) as client:
+        assert client.start_rollout("demo", template, generation=3).id == "ro-1"
+        client.rollout("demo", "ro-1", "pause", generation=4)
+        client.start_rollout("demo", template)
+    async with AsyncClient("http://s", transport=httpx.MockTransport(async_server)) as aclient:
+        assert (await aclient.start_rollout("demo", template, generation=3)).id == "ro-1"
+        await aclient.rollout("demo", "ro-1", "pause", generation=4)
+        await aclient.start_rollout("demo", template)
+    for server in (sync_server, async_server):
+        started, paused, unmatched = server.requests
+        assert json.loads(started.content) == {"template": template}
+        assert started.headers["if-match"] == '"3"' and paused.headers["if-match"] == '"4"'
+        assert "if-match" not in unmatched.headers

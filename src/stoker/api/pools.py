@@ -4,7 +4,8 @@
 revision's share, state and workers by state. `PATCH /v1/pools/{name}` changes its tunable
 settings, `POST /v1/pools/{name}/drain` and `/undrain` stop and resume handing out its new
 claims (admin token only). Every write compares the pool's generation: the one the caller
-read (`If-Match` or `generation`), else the one read now; a lost race is a 412.
+read (`If-Match` or `generation`), else the one read now; a lost race is a 412. A write
+that changes nothing leaves the generation as it is.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from collections import defaultdict
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Path, Request
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from starlette.responses import Response
 
 from stoker.api.asgi import principal_of
 from stoker.api.models import PoolOut
 from stoker.api.problems import openapi_responses
+from stoker.config.changes import SettingsChange
 from stoker.control.plane import ControlPlane
 from stoker.control.stored_pools import revision_shares
 from stoker.domain.errors import InvalidRequest, NotFound
-from stoker.domain.pools import TUNABLE_SETTINGS, Rollout
+from stoker.domain.pools import GENERATION_MAX, TUNABLE_SETTINGS, Rollout
 from stoker.domain.rollouts import strategy_json
 from stoker.domain.states import LIVE
 
@@ -77,35 +79,26 @@ class PoolDetail(PoolOut):
     revisions: list[RevisionOut] = dataclasses.field(default_factory=list)
 
 
-class PoolPatch(BaseModel):
-    """The tunable settings to change (README, "Pools in the store"); those left out keep
-    their value, and so do those sent as null but for `hot_idle_ttl`, which null sets back
-    to the default (60 s). Bounds are the config's."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    warm_target: int | None = Field(None, ge=0, le=100_000)
-    max_workers: int | None = Field(None, ge=0, le=1_000_000)
-    max_workers_per_org: int | None = Field(None, ge=0, le=1_000_000)
-    hot_idle_ttl: float | None = Field(None, ge=0, le=365 * 86400)
-    max_ttl: float | None = Field(None, ge=0, le=365 * 86400)
-    min_hot_idle: int | None = Field(None, ge=0, le=100_000)
-    lease_s: float | None = Field(None, gt=0, le=86400)
-    claim_timeout_s: float | None = Field(None, ge=0, le=3600)
-    scale_down_delay: float | None = Field(None, ge=0, le=365 * 86400)
-    max_claim_s: float | None = Field(None, ge=0, le=365 * 86400)
-    #: The generation the change was made from (or send `If-Match`); a stale one is a 412.
-    generation: int | None = Field(None, ge=1)
+#: `PATCH /v1/pools/{name}`: the config's settings model, strict (`true` is no count).
+PoolPatch = SettingsChange
 
 
 def expected_generation(if_match: str | None, body: int | None = None) -> int | None:
-    """The generation a write compares: `If-Match` (`"3"`, `W/"3"` or `3`), else `body`."""
+    """The generation a write compares: `If-Match` (`"3"`, `W/"3"` or `3`; `*`: any),
+    else `body`. An `If-Match` that can name no generation is malformed (400)."""
     if if_match is None:
         return body
     text = if_match.strip().removeprefix("W/").strip('"')
-    if not text.isdigit():
-        raise InvalidRequest(f"If-Match must name a pool generation, got {if_match!r}")
-    return int(text)
+    if text == "*":
+        return body
+    # Checked before int(): a generation has at most 19 digits, and int() of thousands of
+    # digits is refused outright.
+    if not (text.isascii() and text.isdigit()) or len(text) > 19:
+        raise InvalidRequest(f"If-Match must name a pool generation, got {if_match[:40]!r}")
+    value = int(text)
+    if not 1 <= value <= GENERATION_MAX:
+        raise InvalidRequest(f"If-Match names no generation a pool can have: {value}")
+    return value
 
 
 async def pool_details(plane: ControlPlane) -> list[PoolDetail]:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from stoker.domain import errors
-from stoker.domain.pools import StaleGeneration
+from stoker.domain.pools import SameTemplate, StaleGeneration
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -33,6 +33,8 @@ STATUS_OF: dict[type[errors.StokerError], int] = {
     errors.NotFound: 404,
     errors.ClaimConflict: 409,
     errors.RolloutEnded: 409,
+    # A rollout of the template the pool serves or rolls out already.
+    SameTemplate: 409,
     # A write of a pool from a generation it has moved past (`If-Match` is stale).
     StaleGeneration: 412,
     errors.OrgCapError: 429,
@@ -234,6 +236,12 @@ PLAIN_MESSAGES = {
     "model_type": "must be an object",
     "model_attributes_type": "must be an object",
     "list_type": "must be an array",
+    "too_short": "must have at least {min_length} item(s)",
+    "too_long": "must have at most {max_length} item(s)",
+    "string_pattern_mismatch": "must match {pattern}",
+    "bool_parsing": "must be true or false",
+    "missing_argument": "is required",
+    "unexpected_keyword_argument": "is not a known field",
     "finite_number": "must be a finite number",
     "enum": "must be one of {expected}",
     "literal_error": "must be one of {expected}",

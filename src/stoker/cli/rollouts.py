@@ -77,9 +77,13 @@ def _follow(client: Client, pool: str, first: RolloutInfo, interval: float) -> N
 def start(
     ctx: typer.Context,
     pool: PoolArgument,
-    argv: Annotated[
+    command: Annotated[
         str | None,
-        typer.Option("--argv", help="A process pool's new command line ({port} is the port)"),
+        typer.Option(
+            "--command",
+            help="A process pool's new command line, split as a shell would but never run "
+            "by one ({port} is the port)",
+        ),
     ] = None,
     image: Annotated[str | None, typer.Option("--image", help="A pod pool's new image")] = None,
     env: Annotated[
@@ -102,8 +106,14 @@ def start(
     """Start rolling a new template of the pool out (the pool's default strategy unless
     --steps or --replace say otherwise); follow it with `status --watch`."""
     template: dict[str, Any] = {}
-    if argv is not None:
-        template["argv"] = shlex.split(argv)
+    if command is not None:
+        try:
+            words = shlex.split(command)
+        except ValueError as exc:
+            fail(f"--command: {exc}", code=2)
+        if not words or not all(words):
+            fail("--command needs a program (and no empty argument)", code=2)
+        template["command"] = words
     if image is not None:
         template["image"] = image
     if env:
@@ -112,7 +122,7 @@ def start(
             fail("--env takes KEY=VALUE", code=2)
         template["env"] = {key: value for key, _, value in pairs}
     if not template:
-        fail("say what changes: --argv, --image or --env", code=2)
+        fail("say what changes: --command, --image or --env", code=2)
     strategy = _strategy(steps, step_interval, max_failure_ratio, replace)
     with server(*ctx.obj) as client:
         _show(client.start_rollout(pool, template, strategy=strategy), as_json)

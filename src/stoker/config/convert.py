@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from stoker.config.changes import template_of
 from stoker.config.models import StokerConfig
-from stoker.config.pools import PoolConfig
+from stoker.config.pools import PoolConfig, ProcessConfig
 from stoker.config.schema import spec_values
 from stoker.config.sections import KubernetesRuntimeConfig
 from stoker.domain.errors import ConfigError
@@ -14,7 +15,6 @@ from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import (
     OrgSpec,
     PlaneSettings,
-    PodTemplate,
     PoolSpec,
     ProcessTemplate,
     RuntimeTemplate,
@@ -54,12 +54,15 @@ def to_domain(config: StokerConfig) -> DomainConfig:
 
 
 def _template(i: int, pool: PoolConfig) -> RuntimeTemplate:
-    """The pool's `pod` as a `PodTemplate`, or its `command` as a `ProcessTemplate`."""
+    """The pool's `pod` as a `PodTemplate`, or its `command` and process keys as a
+    `ProcessTemplate`: through the one template model the API validates with too."""
     if pool.pod is not None:
-        return PodTemplate(**spec_values(pool.pod, PodTemplate))
+        return template_of(pool.pod)
     if pool.command is not None:
         process = spec_values(pool, ProcessTemplate, omit={"argv"})
-        return ProcessTemplate(argv=tuple(pool.command), **process)
+        # The file's values were read leniently already (`load_config`).
+        model = ProcessConfig.model_validate({"command": pool.command, **process}, strict=False)
+        return template_of(model)
     # Only a config built without validation (model_construct) gets here.
     raise ConfigError(f"config error: pools[{i}]: needs a command or a pod")
 

@@ -56,7 +56,9 @@ def load_config(
         source = str(path)
     env_keys = _apply_env(data, environ)
     try:
-        config = StokerConfig.model_validate(data)
+        # Lenient: a `STOKER_*` override is text, so `"5"` is read as 5 here (and YAML's
+        # `true` as 1); the API's JSON is held to the models' strict types.
+        config = StokerConfig.model_validate(data, strict=False)
     except ValidationError as exc:
         raise ConfigError("\n".join(format_errors(exc, env_keys))) from None
     # The domain objects run their own checks; surface them as config errors now.

@@ -3,7 +3,7 @@
 A bad name is a config error that names the key, not a pod the API server refuses on every
 spawn. Each rule is a plain check (`is_label_value`) and an annotated string type the
 config's models use (`LabelValue`, `QualifiedName`, `DnsSubdomain`, `DnsLabel`, `EnvName`,
-`Quantity`).
+`Quantity`), and the text a worker is handed (`WorkerText`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, StringConstraints, WithJsonSchema
 
 #: Pool names appear in URLs, metric labels and process labels: keep them plain.
 PoolName = Annotated[
@@ -104,6 +104,28 @@ LabelValue = Annotated[str, _rule(lambda v: not v or is_label_value(v), LABEL_VA
 QualifiedName = Annotated[str, _rule(_is_qualified_name, _QUALIFIED_NAME_RULE)]
 DnsSubdomain = Annotated[str, _rule(is_dns_subdomain, DNS_SUBDOMAIN_RULE)]
 DnsLabel = Annotated[str, _rule(lambda v: _DNS_LABEL.fullmatch(v) is not None, _DNS_LABEL_RULE)]
-EnvName = Annotated[str, _rule(lambda v: _ENV_NAME.fullmatch(v) is not None, _ENV_NAME_RULE)]
+EnvName = Annotated[
+    str,
+    _rule(lambda v: _ENV_NAME.fullmatch(v) is not None, _ENV_NAME_RULE),
+    WithJsonSchema({"type": "string", "pattern": f"^{_ENV_NAME.pattern}$"}),
+]
 #: A Kubernetes resource quantity (`"2"`, `500m`, `4Gi`); numbers are accepted as text.
 Quantity = Annotated[str, BeforeValidator(_quantity_text), AfterValidator(_check_quantity)]
+
+
+def _worker_text(value: str) -> str:
+    # exec refuses a NUL in an argument, a variable or a path, and text that is not valid
+    # unicode (a lone surrogate) cannot be encoded for the process, the store or the pod.
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid unicode (no lone surrogates)") from None
+    return value
+
+
+#: Text handed to a worker (an argument, an environment value, a path): what exec takes.
+WorkerText = Annotated[str, AfterValidator(_worker_text)]
+#: `WorkerText` that is not empty (a program, an argument that must name something).
+NonEmptyWorkerText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_worker_text)]

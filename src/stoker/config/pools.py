@@ -3,7 +3,14 @@
 A pool's settings are `PoolSpec`'s fields, a local worker's are `ProcessTemplate`'s and a
 pod's are `PodTemplate`'s (`schema.derived_section`): their defaults, bounds and docs are
 declared there, once. This module adds what only the config knows: the pool's `command` or
-`pod`, and Kubernetes' rules for a pod's names, quantities and tolerations.
+`pod`, the text a worker can be handed, and Kubernetes' rules for a pod's names,
+quantities and tolerations.
+
+The worker template is one model, `ProcessConfig` or `PodConfig`, whichever surface it
+comes from: the config file, `PATCH`/rollouts of the HTTP API, the CLI and the SDK
+(`stoker.config.changes`). Both are strict: a JSON request's `true` or `"64"` is not a
+number there. The config file is read leniently (`load_config`): its `STOKER_*` overrides
+are text.
 """
 
 from __future__ import annotations
@@ -12,7 +19,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
-from stoker.config.names import DnsSubdomain, EnvName, LabelValue, PoolName, QualifiedName, Quantity
+from stoker.config.names import (
+    DnsSubdomain,
+    EnvName,
+    LabelValue,
+    NonEmptyWorkerText,
+    PoolName,
+    QualifiedName,
+    Quantity,
+    WorkerText,
+)
 from stoker.config.problems import Loc, raise_problems
 from stoker.config.schema import DerivedSection, Section, derived_section, spec_fields
 from stoker.domain.errors import InvalidRequest
@@ -36,8 +52,8 @@ DEMO_COMMAND = [
     "--worker-id",
     "{worker_id}",
 ]
-#: argv of a worker process: at least the program.
-Argv = Annotated[list[str], Field(min_length=1)]
+#: A worker process's command line: the program and its arguments, none of them empty.
+Command = Annotated[list[NonEmptyWorkerText], Field(min_length=1, max_length=4096)]
 
 #: Labels and annotations the Kubernetes runtime sets itself; a template may not set them.
 _RESERVED_LABEL_PREFIX = "stoker.dev/"
@@ -54,7 +70,7 @@ class TolerationConfig(Section):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = Field(None, alias="tolerationSeconds", ge=0)
 
-    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, strict=True)
 
     @model_validator(mode="after")
     def _consistent(self) -> TolerationConfig:
@@ -83,21 +99,24 @@ class TolerationConfig(Section):
 #: every spawn is refused at start-up. A toleration is validated, then kept as the mapping
 #: the template holds.
 _POD_RULES: dict[str, Any] = {
-    "env": dict[EnvName, str],
+    "image": NonEmptyWorkerText,
+    "command": list[WorkerText],
+    "args": list[WorkerText],
+    "env": dict[EnvName, WorkerText],
     "cpu": Quantity,
     "memory": Quantity,
     "node_selector": dict[QualifiedName, LabelValue],
-    "tolerations": tuple[
-        Annotated[TolerationConfig, AfterValidator(TolerationConfig.as_mapping)], ...
-    ],
+    "tolerations": list[Annotated[TolerationConfig, AfterValidator(TolerationConfig.as_mapping)]],
     "priority_class": DnsSubdomain | None,
     "service_account": DnsSubdomain | None,
     "labels": dict[QualifiedName, LabelValue],
-    "annotations": dict[QualifiedName, str],
+    "annotations": dict[QualifiedName, WorkerText],
 }
 
 
 class _PodBase(DerivedSection):
+    model_config = ConfigDict(strict=True)
+
     @model_validator(mode="after")
     def _not_stokers_own(self) -> _PodBase:
         # The runtime sets these itself (the fleet label scopes every list and watch;
@@ -119,7 +138,8 @@ else:
     PodConfig = derived_section(
         "PodConfig",
         _PodBase,
-        """A worker pod (runtime.kind: kubernetes): the fields of `PodTemplate`.
+        """A worker pod (runtime.kind: kubernetes): its image, command, resources and
+        placement.
 
         `{port}` and `{worker_id}` are replaced in `command`, `args` and `env`. Requests
         equal limits (`cpu`, `memory`), so workers get the Guaranteed QoS class.
@@ -128,10 +148,41 @@ else:
     )
 
 
+#: `ProcessTemplate`'s fields the config checks further: text exec can take.
+_PROCESS_RULES: dict[str, Any] = {
+    "env": dict[EnvName, WorkerText],
+    "cwd": NonEmptyWorkerText | None,
+}
+#: A process template's fields but its command line: `ProcessConfig`'s, and a pool's own.
+_PROCESS_FIELDS = spec_fields(ProcessTemplate, omit={"argv"}, refine=_PROCESS_RULES)
+
+
+class _ProcessBase(DerivedSection):
+    model_config = ConfigDict(strict=True)
+
+    #: argv of a worker process (never run through a shell); `{port}`, `{worker_id}` and
+    #: `{python}` are replaced when a worker starts.
+    command: Command
+
+
+if TYPE_CHECKING:
+    ProcessConfig = _ProcessBase
+else:
+    ProcessConfig = derived_section(
+        "ProcessConfig",
+        _ProcessBase,
+        """A worker process (runtime.kind: local): its command line, environment, working
+        directory and memory. In the config file these are a pool's own keys.""",
+        _PROCESS_FIELDS,
+    )
+
+
 class RolloutConfig(Section):
     """How a new template of the pool takes over (README, "Pools in the store"): a canary
     hands `steps` percent of new claims to it, one step per `step_interval_s`, and rolls
     back when its failures reach `max_failure_ratio`; `replace` switches at once."""
+
+    model_config = ConfigDict(strict=True)
 
     kind: Literal["canary", "replace"] = "canary"
     steps: list[int] = Field(default_factory=lambda: list(DEFAULT_STEPS))
@@ -142,6 +193,9 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _valid(self) -> RolloutConfig:
+        canary_keys = sorted(self.model_fields_set - {"kind"})
+        if self.kind == "replace" and canary_keys:
+            raise ValueError(f"a replace rollout takes no {', '.join(canary_keys)}")
         try:
             self.strategy()
         except InvalidRequest as exc:
@@ -158,7 +212,7 @@ class _PoolBase(DerivedSection):
     name: PoolName
     #: argv of a worker process (never run through a shell); `{port}`, `{worker_id}` and
     #: `{python}` are replaced when a worker starts.
-    command: Argv | None = None
+    command: Command | None = None
     #: The worker pod of the kubernetes runtime.
     pod: PodConfig | None = None
     #: The default strategy of a rollout when the pool's template changes.
@@ -186,7 +240,7 @@ else:
         are `ProcessTemplate`'s: the local runtime's only.
         """,
         {
-            **spec_fields(ProcessTemplate, omit={"argv"}),
+            **_PROCESS_FIELDS,
             **spec_fields(PoolSpec, omit={"name", "template", "revision"}),
         },
     )

@@ -73,8 +73,12 @@ class RolloutActions:
             raise NotFound(f"pool {pool!r} has no rollout {rollout_id!r}")
         return rollout
 
-    async def act(self, pool: str, rollout_id: str, action: Action) -> Rollout:
-        """Pause, resume, abort or promote the rollout; the row as written."""
+    async def act(
+        self, pool: str, rollout_id: str, action: Action, *, generation: int | None = None
+    ) -> Rollout:
+        """Pause, resume, abort or promote the rollout; the row as written. `generation`:
+        the pool's generation the caller read (`If-Match`); another is `StaleGeneration`,
+        and so is a lost race (None: the one read now, read again on a lost race)."""
         tries = 0
         while True:
             tries += 1
@@ -82,13 +86,15 @@ class RolloutActions:
             stored = await self._store.get_pool(pool)
             if stored is None:
                 raise NotFound(f"pool {pool!r} is not in the store")
+            if generation is not None and generation != stored.generation:
+                raise StaleGeneration(pool, generation, stored.generation)
             now = self._clock.now()
             written = acted(rollout, action, now)
             try:
                 await self._store.update_rollout(written, generation=stored.generation, now=now)
                 break
             except StaleGeneration:
-                if tries >= _TRIES:
+                if generation is not None or tries >= _TRIES:
                     raise
         spec = self._catalog.get(pool)
         if spec is not None:

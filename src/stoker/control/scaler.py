@@ -9,7 +9,8 @@ its part. Scale-down of a revision that serves waits `scale_down_delay`; a revis
 no longer serves retires its warm workers at once when its rollout failed, else a share
 per pass. The leader writes what the plan decided (a step, a pause, a promotion, a
 rollback) before it acts on it, judging the ramping revision from every replica's outcome
-counts (`control.outcomes`).
+counts (`control.outcomes`). Each pool, and each revision of a pool, is a step of its
+own: one that fails is noted in the pass's faults and the others go on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from stoker.control import logs
+from stoker.control.faults import PassFaults
 from stoker.control.outcomes import OutcomeCounts
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
@@ -99,12 +101,14 @@ class Scaler:
         spawner: Spawner,
         sizer: PoolSizer | None,
         outcomes: OutcomeCounts,
+        faults: PassFaults,
         demand: DemandSource | None = None,
     ) -> None:
         """Sized by `sizer`, or by a baseline's `demand` added to the static target;
-        rollouts judged from `outcomes`."""
+        rollouts judged from `outcomes`; what fails for one pool is noted in `faults`."""
         self._retirer, self._spawner = retirer, spawner
         self._outcomes = outcomes
+        self._faults = faults
         self._sizer, self._demand = sizer, demand
         self._store = store
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
@@ -128,29 +132,41 @@ class Scaler:
             await self._sizer.read(world.now)
         summed = await self._summed()
         for name, pool in list(self._catalog.pools.items()):
-            cap = self._catalog.pool_cap(pool)
-            sizing, demand = await self._wanted(
-                pool, counts.get(name, {}), live[name], cap, world.now
-            )
             ramp = self._catalog.rollout(name)
             failures = summed.get(ramp.id) if summed is not None and ramp is not None else None
-            plan = self._rollouts.plan(
-                pool, counts.get(name, {}), sizing, world.now, failures=failures
-            )
-            if plan.decision is not Decision.HOLD and not await self._decided(
-                pool, plan, world.now
-            ):
-                # Unwritten, the decision does not hold: act on the stored rollout.
-                plan = self._rollouts.plan(
-                    pool, counts.get(name, {}), sizing, world.now, decide=False
+            with self._faults.step(name, "scale"):
+                await self._scale_pool(
+                    pool, counts.get(name, {}), live, warm, world, report, failures
                 )
-            desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
-            self.desired[name], self.demand[name] = desired, demand
-            self._metrics.demand.labels(name).set(demand)
-            self._metrics.warm_desired.labels(name).set(desired)
-            self._metrics.pool_cap.labels(name).set(cap)
-            for part in plan.revisions.values():
-                mine = counts.get(name, {}).get(part.revision, RevisionCounts())
+
+    async def _scale_pool(
+        self,
+        pool: PoolSpec,
+        counts: dict[str, RevisionCounts],
+        live: dict[str, int],
+        warm: dict[tuple[str, str], list[Worker]],
+        world: World,
+        report: PassReport,
+        failures: RevisionFailures | None = None,
+    ) -> None:
+        """One pool's step: its plan (judging its rollout from `failures`, every replica's
+        counts; None: this replica's), then each revision's spawns and scale-down."""
+        name = pool.name
+        cap = self._catalog.pool_cap(pool)
+        sizing, demand = await self._wanted(pool, counts, live[name], cap, world.now)
+        plan = self._rollouts.plan(pool, counts, sizing, world.now, failures=failures)
+        if plan.decision is not Decision.HOLD and not await self._decided(pool, plan, world.now):
+            # Unwritten, the decision does not hold: act on the stored rollout.
+            plan = self._rollouts.plan(pool, counts, sizing, world.now, decide=False)
+        desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
+        self.desired[name], self.demand[name] = desired, demand
+        self._metrics.demand.labels(name).set(demand)
+        self._metrics.warm_desired.labels(name).set(desired)
+        self._metrics.pool_cap.labels(name).set(cap)
+        for part in plan.revisions.values():
+            # A revision whose template breaks its step leaves the others' alone.
+            with self._faults.step(name, f"scale revision {part.revision}"):
+                mine = counts.get(part.revision, RevisionCounts())
                 held = PoolCounts(warm=mine.warm, spawning_neutral=mine.spawning, live=live[name])
                 workers = warm[(name, part.revision)]
                 if part.role in SERVING:

@@ -8,6 +8,8 @@ A rollout's ramp (state, step, share) lives in its row alone: what a revision's 
 at any moment is derived from it by one function (`stoker.policy.rollout`).
 
 Specs and templates are kept as JSON objects (`spec_settings`, `template_json` and back).
+A process template's command line is stored under `argv`, which every release reads;
+`template_from_json` also reads it under `command`, the name every surface uses.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class StaleGeneration(StokerError, code="stale-generation"):
         super().__init__(f"pool {pool!r} is {now}, not {expected}: read it again")
         self.pool, self.expected, self.current = pool, expected, current
 
+
+class SameTemplate(StokerError, code="same-template"):
+    """A rollout of the template the pool already serves or already rolls out (HTTP 409):
+    it would ramp nothing."""
+
+
+#: The largest generation a pool can reach: the store keeps it as a signed 64-bit integer.
+GENERATION_MAX = 2**63 - 1
 
 #: The states of a rollout that has not ended: at most one per pool.
 ACTIVE_ROLLOUT_STATES = frozenset(s for s in RolloutState if not s.ended)
@@ -151,7 +161,8 @@ def template_from_json(body: Mapping[str, Any]) -> RuntimeTemplate:
     """The template `template_json` wrote."""
     data = {k: v for k, v in body.items() if k != "kind"}
     if body.get("kind", "process") == "process":
-        data["argv"] = tuple(data.get("argv", ()))
+        command = data.pop("command", None)
+        data["argv"] = tuple(data.get("argv", command or ()))
         return ProcessTemplate(**data)
     for name in ("command", "args"):
         data[name] = tuple(data.get(name, ()))

@@ -38,9 +38,14 @@ class Activation(StrEnum):
     NONE = "none"
 
 
+#: The most memory a worker may be said to use: 1 TiB.
+MEMORY_MB_MAX = 1_048_576
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessTemplate:
-    """A local worker process: argv with `{port}` and `{worker_id}` placeholders, never a shell."""
+    """A local worker process: its command line (`command` in the config, the API, the CLI
+    and the SDK) with `{port}` and `{worker_id}` placeholders, never run through a shell."""
 
     argv: tuple[str, ...]
     #: Environment of the process, added to the server's.
@@ -48,7 +53,7 @@ class ProcessTemplate:
     #: Working directory of the process; None: the server's.
     cwd: str | None = None
     #: Memory one worker is expected to use; the local cap is budget / this when max_workers is 0.
-    memory_mb: Annotated[int, Ge(1)] = 64
+    memory_mb: Annotated[int, Ge(1), Le(MEMORY_MB_MAX)] = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,10 @@ class Timeouts:
     """How long each in-flight state may last before the stuck sweep retires it (I4)."""
 
     spawn_s: PositiveSeconds = 120.0
+    #: Kubernetes: how long a spawning pod may wait on the cluster (no node fits it yet,
+    #: a node is on its way, its image is being pulled) before the stuck sweep retires it,
+    #: instead of `spawn_s`; `spawn_s` counts again from its container's start.
+    pending_s: PositiveSeconds = 600.0
     reserve_s: PositiveSeconds = 30.0
     activation_s: PositiveSeconds = 30.0
     drain_s: PositiveSeconds = 120.0
@@ -170,8 +179,9 @@ class PoolSpec:
     activation: Activation = Activation.HTTP
     #: How long warm workers stay above target before the excess is retired.
     scale_down_delay: Seconds = 60.0
-    #: A claim's lease when the claim asks for none; a lease not renewed expires.
-    lease_s: Annotated[float, Gt(0), Le(86400)] = 60.0
+    #: A claim's lease when the claim asks for none; a lease not renewed expires. At least
+    #: a second, as a claim's own `lease_s` must be.
+    lease_s: Annotated[float, Ge(1), Le(86400)] = 60.0
     #: How long a claim waits for a worker when it sets no timeout_s.
     claim_timeout_s: Annotated[float, Ge(0), Le(3600)] = 30.0
     #: The longest a session may last from its bind, renewals included: its lease never
@@ -193,8 +203,8 @@ class PoolSpec:
                 f"pool {self.name!r}: warm_target ({self.warm_target}) exceeds "
                 f"max_workers ({self.max_workers})"
             )
-        if self.lease_s <= 0 or self.claim_timeout_s < 0 or self.scale_down_delay < 0:
-            raise ConfigError(f"pool {self.name!r}: lease_s must be > 0, timeouts >= 0")
+        if self.lease_s < 1 or self.claim_timeout_s < 0 or self.scale_down_delay < 0:
+            raise ConfigError(f"pool {self.name!r}: lease_s must be >= 1, timeouts >= 0")
 
 
 @dataclass(frozen=True, slots=True)

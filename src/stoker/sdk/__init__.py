@@ -4,7 +4,13 @@ one exception per kind of error. It depends on httpx only, never on the server's
 from __future__ import annotations
 
 from stoker.sdk._async_client import AsyncClaim, AsyncClient, AsyncSession
-from stoker.sdk._calls import ClaimFilters, ClaimOptions, PoolChanges, WorkerFilters
+from stoker.sdk._calls import (
+    ClaimFilters,
+    ClaimOptions,
+    PoolChanges,
+    TemplateChanges,
+    WorkerFilters,
+)
 from stoker.sdk._client import Client, Session
 from stoker.sdk._errors import (
     CapacityError,
@@ -49,6 +55,7 @@ __all__ = [
     "SessionLost",
     "StaleGeneration",
     "StokerError",
+    "TemplateChanges",
     "Unauthorized",
     "Unavailable",
     "WorkerFilters",

@@ -97,6 +97,27 @@ class PoolChanges(TypedDict, total=False):
     generation: int
 
 
+class TemplateChanges(TypedDict, total=False):
+    """Fields of a pool's new template (`start_rollout`), laid over its stable one: a
+    process pool's `command`, `env`, `cwd` and `memory_mb`, a pod pool's `pod:` keys (see
+    the config file). The server validates them as its config does, strictly: a field that
+    does not fit is `InvalidRequest` (422), naming it."""
+
+    #: A process's command line (never run through a shell): the program, then its
+    #: arguments, none empty; `{port}` and `{worker_id}` are replaced.
+    command: list[str]
+    #: Environment variables, names to text.
+    env: dict[str, str]
+    cwd: str | None
+    memory_mb: int
+    #: A pod's image (its `command` above replaces the image's entrypoint).
+    image: str
+    args: list[str]
+    cpu: str
+    memory: str
+    port: int
+
+
 _CLAIM_OPTIONS = tuple(ClaimOptions.__annotations__)
 _POOL_CHANGES = tuple(PoolChanges.__annotations__)
 _WORKER_FILTERS = tuple(WorkerFilters.__annotations__)
@@ -257,24 +278,47 @@ class Calls:
         return Call("POST", path, self._default_timeout, PoolInfo.from_json)
 
     def start_rollout(
-        self, name: str, template: Mapping[str, Any], strategy: Mapping[str, Any] | None
+        self,
+        name: str,
+        template: TemplateChanges | Mapping[str, Any],
+        strategy: Mapping[str, Any] | None,
+        generation: int | None = None,
     ) -> Call[RolloutInfo]:
-        """`POST /v1/pools/{name}/rollouts`."""
+        """`POST /v1/pools/{name}/rollouts` (`If-Match: generation` when given)."""
         body: dict[str, Any] = {"template": dict(template)}
         if strategy is not None:
             body["strategy"] = dict(strategy)
         path = _pool_path(name) + "/rollouts"
-        return Call("POST", path, self._default_timeout, RolloutInfo.from_json, json=body)
+        return Call(
+            "POST",
+            path,
+            self._default_timeout,
+            RolloutInfo.from_json,
+            json=body,
+            headers=_if_match(generation),
+        )
 
-    def rollout(self, name: str, rollout_id: str, action: str | None = None) -> Call[RolloutInfo]:
+    def rollout(
+        self,
+        name: str,
+        rollout_id: str,
+        action: str | None = None,
+        generation: int | None = None,
+    ) -> Call[RolloutInfo]:
         """`GET /v1/pools/{name}/rollouts/{id}`, or `POST` its `action` (pause, resume,
-        abort or promote)."""
+        abort or promote; `If-Match: generation` when given)."""
         path = f"{_pool_path(name)}/rollouts/{quote(rollout_id, safe='')}"
         if action is None:
             return Call("GET", path, self._default_timeout, RolloutInfo.from_json)
         if action not in ROLLOUT_ACTIONS:
             raise ValueError(f"unknown rollout action {action!r}: one of {ROLLOUT_ACTIONS}")
-        return Call("POST", f"{path}/{action}", self._default_timeout, RolloutInfo.from_json)
+        return Call(
+            "POST",
+            f"{path}/{action}",
+            self._default_timeout,
+            RolloutInfo.from_json,
+            headers=_if_match(generation),
+        )
 
     def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
         """`GET /v1/workers` with the filters that are set."""
@@ -355,6 +399,11 @@ def _claim_path(claim_id: str) -> str:
     if claim_id.strip(".") == "":
         raise InvalidRequest(f"invalid claim id {claim_id!r}: expected an id such as c-...")
     return f"/v1/claims/{quote(claim_id, safe='')}"
+
+
+def _if_match(generation: int | None) -> dict[str, str] | None:
+    """The `If-Match` header of a write made from `generation` (None: no header)."""
+    return None if generation is None else {"If-Match": f'"{generation}"'}
 
 
 #: What `rollout(..., action)` may ask of a rollout under way.

@@ -30,6 +30,7 @@ from stoker.sdk._calls import (
     ClaimOptions,
     Page,
     PoolChanges,
+    TemplateChanges,
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
@@ -154,17 +155,32 @@ class Client(BaseClient[httpx.BaseTransport]):
         return self._send(self._calls.drain_pool(name, draining=draining))
 
     def start_rollout(
-        self, pool: str, template: Mapping[str, Any], *, strategy: Mapping[str, Any] | None = None
+        self,
+        pool: str,
+        template: TemplateChanges | Mapping[str, Any],
+        *,
+        strategy: Mapping[str, Any] | None = None,
+        generation: int | None = None,
     ) -> RolloutInfo:
         """Roll a new revision of the pool out (admin token): `template` fields laid over
-        its stable template, `strategy` a canary's or `{"kind": "replace"}` (None: the
-        pool's default)."""
-        return self._send(self._calls.start_rollout(pool, template, strategy))
+        its stable template (`TemplateChanges`: a process's `command`, ...), `strategy` a
+        canary's or `{"kind": "replace"}` (None: the pool's default). `generation`: the
+        pool's generation it is made from (`PoolInfo.generation`); a pool changed since is
+        `StaleGeneration`. The template the pool serves or rolls out already is a 409."""
+        return self._send(self._calls.start_rollout(pool, template, strategy, generation))
 
-    def rollout(self, pool: str, rollout_id: str, action: str | None = None) -> RolloutInfo:
+    def rollout(
+        self,
+        pool: str,
+        rollout_id: str,
+        action: str | None = None,
+        *,
+        generation: int | None = None,
+    ) -> RolloutInfo:
         """A rollout of the pool (admin token); with `action` (pause, resume, abort or
-        promote) act on it first (`ClaimConflict`-like 409 once it has ended)."""
-        return self._send(self._calls.rollout(pool, rollout_id, action))
+        promote) act on it first (`ClaimConflict`-like 409 once it has ended; with
+        `generation`, `StaleGeneration` when the pool has moved past it)."""
+        return self._send(self._calls.rollout(pool, rollout_id, action, generation))
 
     def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
         """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`); one
