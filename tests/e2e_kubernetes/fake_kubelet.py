@@ -12,9 +12,11 @@ Run as ``python fake_kubelet.py --server URL --token T --nodes a,b,c --workdir D
   own, 127.0.<node>.<n> (Linux answers on all of 127.0.0.0/8). A pod has no network
   namespace here, so an argument ``0.0.0.0`` (listen on all interfaces, which in a pod
   means the pod's own address) becomes the pod's IP;
-- reports the pod Running with that IP at once, and Ready once the container's first port
-  accepts a connection (what a tcpSocket readiness probe would report); a process that
-  exits makes the pod Succeeded or Failed (restartPolicy Never is all it supports);
+- reports the pod Running with that IP at once (after ``e2e.stoker.dev/pull-seconds``
+  in Pending/ContainerCreating when the pod carries that annotation: an image pull),
+  and Ready once the container's first port accepts a connection (what a tcpSocket
+  readiness probe would report); a process that exits makes the pod Succeeded or Failed
+  (restartPolicy Never is all it supports);
 - on a deletion with grace (deletionTimestamp set) sends SIGTERM, SIGKILL after the grace
   period, and then finishes the deletion with a DELETE of grace 0 (preconditioned on the
   pod's uid), as a kubelet does; a pod deleted at once loses its process at once.
@@ -23,10 +25,11 @@ Run as ``python fake_kubelet.py --server URL --token T --nodes a,b,c --workdir D
 
 What it does not model: no real kubelet (no pod lifecycle hooks, probes other than the
 one above, restarts, init or sidecar containers, volumes, eviction under pressure,
-static pods), no container engine or image pulls (the image is ignored; the command
-runs on this machine's Python and filesystem), no cgroups (requests and limits are only
-what the scheduler sees), no CNI (no pod network, only loopback addresses) and hence no
-NetworkPolicy enforcement, no node-lifecycle controller (a node never turns NotReady).
+static pods), no container engine or image pulls (the image is ignored, a pull is only
+a wait; the command runs on this machine's Python and filesystem), no cgroups (requests
+and limits are only what the scheduler sees), no CNI (no pod network, only loopback
+addresses) and hence no NetworkPolicy enforcement, no node-lifecycle controller (a node
+never turns NotReady).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ from typing import Any, BinaryIO
 import httpx
 
 HEARTBEAT_S = 10.0
+#: A pod annotated with this many seconds waits that long in ContainerCreating before its
+#: process starts: an image pull, as the kubelet reports one.
+PULL_SECONDS = "e2e.stoker.dev/pull-seconds"
 LEASE_NAMESPACE = "kube-node-lease"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -307,15 +313,21 @@ class Kubelet:
             proc=None,
         )
         self.pods[running.uid] = running
-        running.task = asyncio.create_task(self.run(running, spec["containers"][0]))
+        pull_s = float((meta.get("annotations") or {}).get(PULL_SECONDS, 0))
+        running.task = asyncio.create_task(self.run(running, spec["containers"][0], pull_s))
 
     def _log_file(self, running: Running) -> BinaryIO:
         log_dir = self.workdir / "pods"
         log_dir.mkdir(parents=True, exist_ok=True)
         return open(log_dir / f"{running.namespace}_{running.name}.log", "ab")
 
-    async def run(self, running: Running, container: dict[str, Any]) -> None:
-        """Start the process, report Running and Ready, then the process's end."""
+    async def run(self, running: Running, container: dict[str, Any], pull_s: float) -> None:
+        """Pull (wait `pull_s`), start the process, report Running and Ready, then its end."""
+        if pull_s > 0:
+            await self.report(running, "Pending", ready=False, waiting="ContainerCreating")
+            await asyncio.sleep(pull_s)
+            if running.terminating or running.uid not in self.pods:
+                return
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/"),
@@ -353,12 +365,16 @@ class Kubelet:
         if running.proc is None:
             return
         if ports:
+            # Probed every 50 ms at first, then less often: a pod that never listens
+            # (a test's sleeping container) costs little.
             waiter = asyncio.create_task(running.proc.wait())
+            period = 0.05
             while not waiter.done():
                 if await accepts(running.ip, ports[0]):
                     await self.report(running, "Running", ready=True, started=started)
                     break
-                await asyncio.wait({waiter}, timeout=0.1)
+                await asyncio.wait({waiter}, timeout=period)
+                period = min(period * 1.5, 0.5)
         code = await running.proc.wait()
         if running.terminating or running.uid not in self.pods:
             return
@@ -375,12 +391,15 @@ class Kubelet:
         started: str | None = None,
         exit_code: int | None = None,
         reason: str | None = None,
+        waiting: str | None = None,
     ) -> None:
         """Patch the pod's status (retried while the API server is away)."""
         stamp = now()
         flag = "True" if ready else "False"
-        if exit_code is None:
-            state: dict[str, Any] = {"running": {"startedAt": started or stamp}}
+        if waiting is not None:
+            state: dict[str, Any] = {"waiting": {"reason": waiting}}
+        elif exit_code is None:
+            state = {"running": {"startedAt": started or stamp}}
         else:
             state = {
                 "terminated": {
