@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 import yaml
 from kube_control_plane import ControlPlane, binaries, build, by_stoker, until
@@ -147,6 +148,18 @@ StartStoker = Callable[..., Stoker]
 
 
 @pytest.fixture
+def postgres_url() -> str:
+    """A PostgreSQL server for tests of several replicas (STOKER_TEST_POSTGRES_URL, which
+    `.ci/run` sets); skipped without one, but under CI=true its absence fails."""
+    url = os.environ.get("STOKER_TEST_POSTGRES_URL")
+    if not url:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI=true and STOKER_TEST_POSTGRES_URL is not set")
+        pytest.skip("several replicas need PostgreSQL: set STOKER_TEST_POSTGRES_URL")
+    return url
+
+
+@pytest.fixture
 def fleet() -> str:
     """A fleet label of this test's own."""
     return f"e2e-{uuid.uuid4().hex[:8]}"
@@ -157,7 +170,8 @@ def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[Sta
     """Starts `stoker serve` processes of `fleet` (all stopped, and the fleet's pods
     deleted, at the end of the test)."""
     started: list[Stoker] = []
-    store = f"sqlite:///{tmp_path / 'stoker.db'}"
+    sqlite = f"sqlite:///{tmp_path / 'stoker.db'}"
+    schemas: list[tuple[str, str]] = []
 
     def start(
         pools: list[dict[str, Any]],
@@ -168,10 +182,18 @@ def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[Sta
         election: dict[str, Any] | str | None = None,
         args: tuple[str, ...] = (),
         log_level: str = "info",
+        store: str | None = None,
     ) -> Stoker:
+        """`store`: a PostgreSQL URL (a schema of the test's own) for several replicas;
+        the default is a SQLite file of the test's own."""
+        store_options: dict[str, Any] = {}
+        if store is not None:
+            store_options["schema"] = f"stoker_{fleet.replace('-', '_')}"
+            schemas.append((store, store_options["schema"]))
         config = {
             "fleet": fleet,
-            "store": store,
+            "store": store or sqlite,
+            "store_options": store_options,
             "runtime": {
                 "kind": "kubernetes",
                 "namespace": "stoker",
@@ -203,6 +225,9 @@ def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[Sta
     for stoker in started:
         if stoker.server.proc.poll() is None:
             stoker.stop(timeout=30)
+    for url, schema in set(schemas):
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     admin = kube.admin
     assert admin is not None
     for pod in admin.pods(f"stoker.dev/fleet={fleet}"):

@@ -194,6 +194,17 @@ class Admin:
         params = {} if grace_s is None else {"gracePeriodSeconds": str(grace_s)}
         self.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}", params=params)
 
+    def advance_revision(self, writes: int = 3) -> None:
+        """Write something no pod watch sees (an annotation of namespace `default`), so
+        that etcd's revision moves past every pod watcher's last resourceVersion."""
+        for index in range(writes):
+            self.request(
+                "PATCH",
+                "/api/v1/namespaces/default",
+                json={"metadata": {"annotations": {"e2e.stoker.dev/tick": str(index)}}},
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+
     def lease(self, name: str) -> dict[str, Any] | None:
         """One Lease of stoker's namespace, or None."""
         response = self.request(
@@ -412,8 +423,12 @@ class ControlPlane:
         until(ready, 90, "kube-apiserver ready", interval=0.25)
 
     def stop_apiserver(self, sig: int = signal.SIGTERM) -> None:
-        """Stop the API server (etcd and everything else keep running)."""
-        self._stop("kube-apiserver", sig)
+        """Stop the API server (etcd and everything else keep running).
+
+        It stops listening at once on SIGTERM but then waits for its open watches; after
+        3 s it is killed, so that an outage lasts as long as the test means it to.
+        """
+        self._stop("kube-apiserver", sig, timeout=3.0)
 
     def restart_apiserver(self) -> None:
         """Stop and start the API server on the same port."""
