@@ -176,7 +176,7 @@ def test_a_pod_still_pulling_its_image_is_not_recreated(
     stoker = start_stoker(
         [pool(kube, warm_target=2, pod=template, timeouts={"spawn_s": 4, "stop_grace_s": 1})]
     )
-    until(lambda: stoker.pool()["counts"]["warm"] == 2, 40, "two warm workers after the pull")
+    until(lambda: stoker.pool()["counts"]["warm"] == 2, 25, "two warm workers after the pull")
     creates = [
         e for e in stoker_writes(kube, started) if e.verb == "create" and e.resource == "pods"
     ]
