@@ -50,6 +50,7 @@ from typing import Any, BinaryIO
 import httpx
 
 HEARTBEAT_S = 10.0
+WATCH_TIMEOUT = httpx.Timeout(10.0, read=330.0)
 #: A pod annotated with this many seconds waits that long in ContainerCreating before its
 #: process starts: an image pull, as the kubelet reports one.
 PULL_SECONDS = "e2e.stoker.dev/pull-seconds"
@@ -244,7 +245,11 @@ class Kubelet:
                         self.gone(uid)
                 version = listing["metadata"]["resourceVersion"]
                 params = {"watch": "1", "resourceVersion": version, "timeoutSeconds": "300"}
-                async with self.client.stream("GET", "/api/v1/pods", params=params) as stream:
+                # Only the watch may be silent for long; a list or a patch that hangs (on
+                # an API server that is shutting down) is given up after 10 s.
+                async with self.client.stream(
+                    "GET", "/api/v1/pods", params=params, timeout=WATCH_TIMEOUT
+                ) as stream:
                     async for line in stream.aiter_lines():
                         if not line:
                             continue
@@ -257,7 +262,7 @@ class Kubelet:
                         else:
                             self.observe(pod)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
-                print(f"fake_kubelet: watch ended: {exc!r}", flush=True)
+                print(f"{now()} fake_kubelet: watch ended: {exc!r}", flush=True)
                 await asyncio.sleep(0.5)
 
     def observe(self, pod: dict[str, Any]) -> None:
@@ -523,7 +528,7 @@ async def main(argv: list[str]) -> None:
         base_url=args.server,
         verify=False,
         headers={"Authorization": f"Bearer {args.token}"},
-        timeout=httpx.Timeout(10.0, read=330.0),
+        timeout=10.0,
     )
     kubelet = Kubelet(
         client=client,
@@ -537,7 +542,7 @@ async def main(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await kubelet.register()
-    print("fake_kubelet: nodes registered", flush=True)
+    print(f"{now()} fake_kubelet: nodes registered", flush=True)
     tasks = [asyncio.create_task(kubelet.keep_fresh()), asyncio.create_task(kubelet.watch_pods())]
     await stop.wait()
     for task in tasks:
