@@ -35,7 +35,7 @@ from stoker.domain.records import (
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.activator import ActivationPayload
-from stoker.ports.runtime import RuntimeListener, RuntimeObject
+from stoker.ports.runtime import RuntimeListener, RuntimeObject, SpawnProgress
 from stoker.ports.store import (
     DemandCounts,
     ReserveResult,
@@ -180,6 +180,13 @@ class MemoryRuntime:
         proc = self.procs.get(worker.id)
         if proc is not None:
             proc.busy = busy
+
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        return None
+
+    def pinned(self, worker: Worker) -> bool | None:
+        proc = self.procs.get(worker.id)
+        return proc.busy if proc is not None and proc.alive else None
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         self.headroom_calls += 1

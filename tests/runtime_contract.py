@@ -51,6 +51,9 @@ class Recorder:
         if not self._lost[worker_id].done():
             self._lost[worker_id].set_result(reason)
 
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        self.events.append(("stalled", worker_id, stage))
+
     async def ready(self, worker_id: str) -> str:
         """The endpoint of `worker_id`'s readiness event, once it comes."""
         return await asyncio.wait_for(asyncio.shield(self._ready[worker_id]), EVENT_TIMEOUT_S)

@@ -334,6 +334,8 @@ async def test_kubernetes_builds_pods_and_a_lease_without_contacting_the_cluster
             (20, 40),
             (ELECTOR_QPS, ELECTOR_BURST),
         ]
+        # Only the runtime's pod creates have a deadline (the default, 5 s).
+        assert [c._create_deadline_s for c in clusters] == [5.0, None]
         # The spawn bucket is the client's budget; the pool is a pod with headroom.
         assert (plane.settings.spawn_rate, plane.settings.spawn_burst) == (20, 40)
         [pool] = plane.catalog.pools.values()

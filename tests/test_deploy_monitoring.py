@@ -35,6 +35,7 @@ REQUIRED_ALERTS = {
     "StokerPersistFailures",
     "StokerIdleWorkersPastTTL",
     "StokerReaperStalled",
+    "StokerPoolPassesFailing",
 }
 #: Grafana's variables, replaced by a value of the right kind before parsing.
 GRAFANA_VARIABLES = {
@@ -157,6 +158,37 @@ def test_no_leader_fires_after_two_lease_durations() -> None:
     assert metric_names(rule["expr"]) == {"stoker_janitor_is_leader"}
     lease = LeaderElectionConfig().lease_duration_s
     assert rule["for"] == f"{round(2 * lease)}s"
+
+
+def selectors(expression: str, metric: str) -> list[set[tuple[str, str, str]]]:
+    """The label matchers (name, operator, value) of each selector of `metric`."""
+    found: list[set[tuple[str, str, str]]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector) and node.name == metric:
+            found.append({(m.name, str(m.op), m.value) for m in node.matchers.matchers})
+
+    promql_parser.walk(promql_parser.parse(expression), visit)
+    return found
+
+
+def test_a_pool_whose_passes_keep_failing_pages_once_per_pool() -> None:
+    """The failures of one pool's step (`pool` set) page per pool and only once they
+    persist; the failures of whole passes (`pool` empty) stay with StokerPassesFailing,
+    so a bad pool does not fire both."""
+    by_name = {rule["alert"]: rule for rule in rules()}
+    pool_rule, pass_rule = by_name["StokerPoolPassesFailing"], by_name["StokerPassesFailing"]
+    not_empty = ("pool", str(promql_parser.MatchOp.NotEqual), "")
+    empty = ("pool", str(promql_parser.MatchOp.Equal), "")
+    assert selectors(pool_rule["expr"], "stoker_pass_failures_total") == [{not_empty}]
+    assert selectors(pass_rule["expr"], "stoker_pass_failures_total") == [{empty}]
+    expression = promql_parser.parse(pool_rule["expr"])
+    assert isinstance(expression, promql_parser.BinaryExpr)
+    assert isinstance(expression.lhs, promql_parser.AggregateExpr)
+    assert expression.lhs.modifier is not None
+    assert expression.lhs.modifier.labels == ["namespace", "pool"]
+    assert pool_rule["for"] == "10m" and pool_rule["labels"]["severity"] == "critical"
+    assert "docs/operations.md" in pool_rule["annotations"]["description"]
 
 
 def test_the_dashboard_is_complete() -> None:

@@ -179,6 +179,26 @@ async def test_claim_use_release_reuse_isolate_and_reap(
         )
 
 
+async def test_a_template_with_a_number_in_its_env_fails_its_spawns_at_once(
+    tmp_path: Path, fleet: str, no_leftovers: None
+) -> None:
+    """`env: {"A": 1}` (stored before the API checked it) cannot start a process: each
+    try retires its slot at once as a counted spawn failure that says why, and the back-off
+    holds the pool's other spawns (no row left `spawning` for the spawn timeout, no crash
+    loop of tries)."""
+    bad = ProcessTemplate(argv=DEMO.argv, env={"A": 1})  # type: ignore[dict-item]
+    async with plane_on(tmp_path / "s.db", fleet, VirtualClock(), template=bad) as plane:
+        rows = await plane.store.list_workers()
+        assert [(w.state, w.reason) for w in rows if w.state is S.RETIRED] == [
+            (S.RETIRED, "spawn_failure")
+        ]
+        # The other slot of the start's pass waits for its turn, created nowhere.
+        assert [w.state for w in rows if w.state is not S.RETIRED] == [S.SPAWNING]
+        [status] = await plane.pool_status()
+        assert status.spawn_failing and status.spawn_failures == 1
+        assert "not int" in (status.last_spawn_error or "")
+
+
 async def test_killed_worker_process_is_replaced_to_target(
     tmp_path: Path, fleet: str, no_leftovers: None
 ) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypedDict
 import yaml
 
 from stoker.adapters._election import ElectorOptions
+from stoker.adapters._logs import kv_line
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
@@ -150,9 +151,16 @@ def kubernetes_namespace(
 
 
 def build_cluster(
-    runtime: KubernetesRuntimeConfig, *, clock: Clock, namespace: str, qps: float, burst: int
+    runtime: KubernetesRuntimeConfig,
+    *,
+    clock: Clock,
+    namespace: str,
+    qps: float,
+    burst: int,
+    create_deadline_s: float | None = None,
 ) -> LightkubeCluster:
-    """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used.
+    """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used;
+    pod creates stop retrying after `create_deadline_s`.
 
     Raises `ConfigError` naming `runtime.kubeconfig` (or `runtime.context`) when the
     credentials cannot be loaded, or the `kubernetes` extra when lightkube is missing.
@@ -178,7 +186,14 @@ def build_cluster(
             f"config error: runtime.{key}: cannot load the Kubernetes credentials "
             f"({where}): {cause}"
         ) from None
-    return LightkubeCluster(namespace=namespace, clock=clock, qps=qps, burst=burst, client=client)
+    return LightkubeCluster(
+        namespace=namespace,
+        clock=clock,
+        qps=qps,
+        burst=burst,
+        create_deadline_s=create_deadline_s,
+        client=client,
+    )
 
 
 def build_activation_key(config: StokerConfig) -> ActivationKey:
@@ -238,6 +253,7 @@ def build_runtime(
         namespace=kubernetes_namespace(runtime),
         qps=runtime.qps,
         burst=runtime.burst,
+        create_deadline_s=runtime.create_deadline_s,
     )
     # The runtime stops its informer on close but leaves the client to its owner.
     closers.append(cluster.close)
@@ -532,6 +548,48 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
+#: The loggers of the HTTP clients' request lines: lightkube's client (httpx2) and the
+#: activation client's (httpx).
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2")
+
+
+class HttpClientLines(logging.Filter):
+    """An HTTP client's request lines as stoker events at debug level.
+
+    The clients log every request at info (`HTTP Request: POST https://... "HTTP/1.1 201
+    Created"`): one line per pod create, patch and Lease renewal. Their loggers sit at
+    warning unless stoker logs at debug; there, each request becomes
+    `event=http_request method=... url=... status=...` at debug, and any other line of
+    theirs `event=http_client msg=...` at its own level (debug for info).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite `record` in place; never drops it."""
+        args = record.args
+        if (
+            isinstance(args, tuple)
+            and len(args) == 5
+            and str(record.msg).startswith("HTTP Request:")
+        ):
+            method, url, version, status, phrase = args
+            fields: dict[str, Any] = {
+                "method": method,
+                "url": str(url),
+                "status": status,
+                "reason": phrase,
+                "http_version": version,
+            }
+            name = "http_request"
+        else:
+            fields = {"msg": record.getMessage()}
+            name = "http_client"
+        record.msg, record.args = kv_line(name, fields), None
+        record.stoker_event, record.stoker_fields = name, fields
+        if record.levelno <= logging.INFO:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
 class _DropStartupNoise(logging.Filter):
     """uvicorn's own startup-failure line repeats what stoker already says in one line."""
 
@@ -554,10 +612,19 @@ def configure_logging(level: str = "info", fmt: str = "kv", stream: TextIO | Non
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    # Per-request lines of the HTTP server and of the activation client would drown the
-    # state-change events; their warnings and errors still show.
-    for name in ("uvicorn", "uvicorn.error", "httpx", "httpcore"):
+    # Per-request lines of the HTTP server would drown the state-change events, and the
+    # clients' transports trace every connection at debug: too much even there.
+    for name in ("uvicorn", "uvicorn.error", "httpcore", "httpcore2"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    # The HTTP clients' request lines (the Kubernetes API's, the activations') are debug
+    # events: dropped by their logger's level unless stoker logs at debug.
+    for name in HTTP_CLIENT_LOGGERS:
+        client = logging.getLogger(name)
+        client.setLevel(
+            logging.DEBUG if root.level <= logging.DEBUG else max(logging.WARNING, root.level)
+        )
+        if not any(isinstance(f, HttpClientLines) for f in client.filters):
+            client.addFilter(HttpClientLines())
     logging.getLogger("uvicorn.access").disabled = True
     uvicorn_error = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, _DropStartupNoise) for f in uvicorn_error.filters):

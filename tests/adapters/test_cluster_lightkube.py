@@ -32,6 +32,7 @@ from stoker.ports.clock import LoopClock, TokenBucket
 from stoker.ports.cluster import (
     ClusterAPI,
     ClusterUnavailable,
+    Condition,
     Conflict,
     Container,
     Forbidden,
@@ -42,6 +43,7 @@ from stoker.ports.cluster import (
     PodSpec,
     Throttled,
     Toleration,
+    Waiting,
 )
 
 NAMESPACE = "workers"
@@ -571,7 +573,86 @@ async def test_connection_errors_are_retried(make_cluster: MakeCluster) -> None:
     assert clock.slept == [0.5, 1.0]
 
 
+async def test_a_create_stops_retrying_at_its_deadline(make_cluster: MakeCluster) -> None:
+    """Nothing listens: a pod create makes no retry that would start past
+    `create_deadline_s` (5 s: retries after 0.5, 1 and 2 s, not after 4 more), while other
+    requests keep their `max_retries`."""
+    clock = StepClock()
+    cluster = await make_cluster(url="http://127.0.0.1:1", clock=clock, create_deadline_s=5.0)
+    with pytest.raises(ClusterUnavailable, match=r"no answer within 5s \(4 attempts"):
+        await cluster.create_pod(make_pod("w-1"))
+    assert clock.slept == [0.5, 1.0, 2.0]
+    assert clock.elapsed <= 5.0
+    clock.slept.clear()
+    with pytest.raises(ClusterUnavailable, match="ConnectError"):
+        await cluster.get_pod("w-1")
+    assert clock.slept == [0.5, 1.0, 2.0, 4.0, 8.0]
+
+
 # -- watches -------------------------------------------------------------------------------
+
+
+async def test_a_pending_pods_status_is_read(
+    kmock: ContractEmulator, make_cluster: MakeCluster
+) -> None:
+    """PodScheduled, the nominated node, the container's waiting reason and its start
+    reach the port's Pod."""
+    cluster = await make_cluster()
+    meta = {"name": "w-1", "namespace": NAMESPACE, "resourceVersion": "7"}
+    spec = {"containers": [{"name": "worker", "image": "x"}]}
+    unschedulable = {
+        "phase": "Pending",
+        "nominatedNodeName": "node-b",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient cpu.",
+            }
+        ],
+    }
+    pulling = {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}],
+        "containerStatuses": [
+            {
+                "name": "worker",
+                "image": "x",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "not found"}},
+            }
+        ],
+    }
+    running = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "worker",
+                "image": "x",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": "2026-12-06T06:00:00Z"}},
+            }
+        ],
+    }
+    kmock["watch", PODS] << tuple(
+        {"type": "MODIFIED", "object": {"metadata": meta, "spec": spec, "status": status}}
+        for status in (unschedulable, pulling, running)
+    )
+    watch = cluster.watch_pods({}, "5")
+    first, second, third = [(await anext(watch)).pod for _ in range(3)]
+    await watch.aclose()
+    assert first.scheduled == Condition(
+        "False", "Unschedulable", "0/3 nodes are available: 3 Insufficient cpu."
+    )
+    assert (first.nominated_node, first.waiting, first.started_at) == ("node-b", None, None)
+    assert second.scheduled == Condition("True")
+    assert second.waiting == Waiting("ImagePullBackOff", "not found")
+    assert (third.waiting, third.started_at) == (None, 1796536800.0)
 
 
 async def test_a_410_error_event_in_the_watch_is_gone(

@@ -11,6 +11,9 @@ eviction and replacement, do-not-disrupt, a restart that adopts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -42,6 +45,7 @@ from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import (
     ClusterUnavailable,
+    Condition,
     Container,
     Invalid,
     ObjectNotFound,
@@ -50,10 +54,11 @@ from stoker.ports.cluster import (
     PodPhase,
     PodSpec,
     Selector,
+    Waiting,
     WatchEvent,
     WatchEventType,
 )
-from stoker.ports.runtime import Runtime
+from stoker.ports.runtime import Runtime, SpawnProgress
 from stoker.sim.cluster import FakeApiServer
 from stoker.worker import SECRET_ENV
 
@@ -114,12 +119,16 @@ class Events:
 
     ready: list[tuple[str, str]] = field(default_factory=list)
     lost: list[tuple[str, str]] = field(default_factory=list)
+    stalled: list[tuple[str, str, str]] = field(default_factory=list)
 
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         self.ready.append((worker_id, endpoint))
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         self.lost.append((worker_id, reason))
+
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        self.stalled.append((worker_id, stage, error))
 
 
 class Kubelet:
@@ -432,6 +441,74 @@ async def test_a_pod_that_ends_is_reported_lost_once(end: str, reason: str) -> N
         assert await server.get_pod("w-1") is None
     assert events.lost == [("w-1", reason)]
     assert events.ready == [("w-1", "http://10.1.2.3:8080")]
+    await server.close()
+
+
+NO_NODE = Condition("False", "Unschedulable", "0/3 nodes are available: 3 Insufficient cpu.")
+
+
+async def test_a_pending_pod_tells_how_it_gets_on() -> None:
+    """The runtime reads PodScheduled, the nominated node, the container's waiting reason
+    and its start: a pod no node fits is `unschedulable` (reported once as a stall, with
+    the scheduler's message) but waits; a nominated one has a node coming; a scheduled one
+    pulls its image; a failing pull is a stall that does not wait; a running, unready
+    one counts from its start."""
+    server = server_for_test()
+    runtime, events = make_runtime(server)
+    spec = pool()
+    one = worker("w-1", spec)
+    async with started(runtime):
+        await runtime.spawn(one, spec)
+        await asyncio.sleep(0.1)
+        assert runtime.progress(one) == SpawnProgress("scheduling")
+        server.set_pod_status("w-1", scheduled=NO_NODE)
+        await asyncio.sleep(0.1)
+        unschedulable = runtime.progress(one)
+        assert unschedulable is not None
+        assert (unschedulable.stage, unschedulable.waiting) == ("unschedulable", True)
+        assert events.stalled == [
+            ("w-1", "unschedulable", "pod w-1 unschedulable: " + str(NO_NODE.message))
+        ]
+        # The scheduler writes the condition again on every attempt: still one report.
+        server.set_pod_status("w-1", scheduled=replace(NO_NODE, message="0/4 nodes fit"))
+        await asyncio.sleep(0.1)
+        assert len(events.stalled) == 1
+        server.set_pod_status("w-1", nominated_node="node-b")
+        await asyncio.sleep(0.1)
+        assert runtime.progress(one) == SpawnProgress(
+            "node_coming", waiting=True, detail="nominated to node-b"
+        )
+        server.set_pod_status(
+            "w-1",
+            node_name="node-b",
+            scheduled=Condition("True"),
+            waiting=Waiting("ContainerCreating"),
+        )
+        await asyncio.sleep(0.1)
+        assert runtime.progress(one) == SpawnProgress(
+            "pulling", waiting=True, detail="ContainerCreating"
+        )
+        server.set_pod_status("w-1", waiting=Waiting("ImagePullBackOff", "Back-off pulling"))
+        await asyncio.sleep(0.1)
+        failing = runtime.progress(one)
+        assert failing is not None and (failing.stage, failing.waiting) == (
+            "image_pull_failing",
+            False,
+        )
+        assert events.stalled[1:] == [
+            (
+                "w-1",
+                "image_pull_failing",
+                "pod w-1 cannot pull its image: ImagePullBackOff: Back-off pulling",
+            )
+        ]
+        server.set_pod_status("w-1", phase=PodPhase.RUNNING, waiting=None, started_at=EPOCH + 300)
+        await asyncio.sleep(0.1)
+        assert runtime.progress(one) == SpawnProgress("not_ready", started_at=EPOCH + 300)
+        run(server, "w-1")
+        await asyncio.sleep(0.1)
+        assert runtime.progress(one) is None
+        assert events.ready == [("w-1", "http://10.1.2.3:8080")]
     await server.close()
 
 
@@ -957,6 +1034,209 @@ async def test_do_not_disrupt_follows_the_worker_state(tmp_path: Path) -> None:
     await server.close()
 
 
+async def test_a_pin_lost_in_an_api_outage_is_restored_by_the_next_pass(
+    tmp_path: Path,
+) -> None:
+    """A claim during an API outage cannot pin its pod (the patch fails, the claim is
+    served all the same); the pass during the outage counts the pin out of date, and the
+    first pass after the API's return pins the hot pod and unpins a warm one that an
+    operator pinned by hand."""
+    server = server_for_test()
+    async with Kubelet(server), plane(tmp_path, server) as p:
+        await asyncio.sleep(3)
+        down = ClusterUnavailable("connection refused")
+        server.fail_next("patch_pod", down)
+        claim = await p.claim()
+        await asyncio.sleep(1)
+        assert claim.state is ClaimState.BOUND
+        warm = [row.id for row in await p.rows(S.WARM)]
+        await server.patch_pod(warm[0], annotations={DO_NOT_DISRUPT: "true"})
+        await asyncio.sleep(1)
+        server.fail_next("patch_pod", down)
+        assert DO_NOT_DISRUPT not in (await pod_of(server, claim.worker_id)).annotations
+
+        def out_of_date() -> float | None:
+            return p.plane.metrics.registry.get_sample_value(
+                "stoker_pins_out_of_date", {"pool": "duck"}
+            )
+
+        await p.plane.run_janitor_pass()  # the API still fails this pass's first patch
+        assert out_of_date() == 1
+        await p.plane.run_janitor_pass()
+        assert (await pod_of(server, claim.worker_id)).annotations[DO_NOT_DISRUPT] == "true"
+        assert DO_NOT_DISRUPT not in (await pod_of(server, warm[0])).annotations
+        assert out_of_date() == 0
+        patches = server.calls["patch_pod"]
+        await asyncio.sleep(1)
+        await p.plane.run_janitor_pass()  # all in date: nothing to send
+        assert server.calls["patch_pod"] == patches
+    await server.close()
+
+
+class NoRoom:
+    """A scheduler that finds no node for any pod: each new pod is marked Unschedulable
+    `delay` seconds after its creation, as kube-scheduler does while no node fits."""
+
+    def __init__(self, server: FakeApiServer, *, delay: float = 0.5) -> None:
+        self.server = server
+        self.delay = delay
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> NoRoom:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        watch = self.server.watch_pods({LABEL_FLEET: FLEET}, self.server.resource_version)
+        try:
+            async for event in watch:
+                if event.type is WatchEventType.ADDED:
+                    loop = asyncio.get_running_loop()
+                    loop.call_later(self.delay, self._mark, event.pod.name)
+        finally:
+            await watch.aclose()
+
+    def _mark(self, name: str) -> None:
+        with contextlib.suppress(ObjectNotFound):
+            self.server.set_pod_status(name, scheduled=NO_NODE)
+
+
+class CreateCounter(FakeApiServer):
+    """The fake cluster, remembering when each pod was created and deleted."""
+
+    def __init__(self) -> None:
+        super().__init__(clock=LoopClock(epoch=EPOCH), namespace=NAMESPACE)
+        self.created: list[tuple[float, str]] = []
+        self.deleted: list[tuple[float, str]] = []
+
+    async def create_pod(self, pod: Pod) -> Pod:
+        self.created.append((asyncio.get_running_loop().time(), pod.name))
+        return await super().create_pod(pod)
+
+    async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
+        self.deleted.append((asyncio.get_running_loop().time(), name))
+        await super().delete_pod(name, grace_s)
+
+
+async def test_an_unschedulable_pool_says_why_backs_off_and_does_not_churn(
+    tmp_path: Path,
+) -> None:
+    """No node fits the pool's pods. Within one pass of the scheduler's verdict the pool
+    shows `spawn_failing` with the scheduler's message; its pods are kept (a node may be
+    on its way) until `timeouts.pending_s` (600 s), so none is recreated after 5 minutes;
+    over 20 minutes of janitor passes every 2 s the pool creates 6 pods (3, then 3
+    probes after pending_s), where retiring them at `spawn_s` made 30."""
+    server = CreateCounter()
+    spec = pool(warm_target=3)
+    async with NoRoom(server), plane(tmp_path, server, spec=spec) as p:
+        start = asyncio.get_running_loop().time()
+        await asyncio.sleep(1)
+        await p.plane.run_janitor_pass()
+        (status,) = await p.plane.pool_status()
+        assert status.spawn_failing and status.spawn_failures == 3
+        assert status.last_spawn_error is not None
+        assert "unschedulable: 0/3 nodes are available: 3 Insufficient cpu." in (
+            status.last_spawn_error
+        )
+        assert {state: n for state, n in status.counts.items() if n} == {"spawning": 3}
+        assert (
+            p.plane.metrics.registry.get_sample_value(
+                "stoker_spawn_failures_total", {"pool": "duck", "reason": "unschedulable"}
+            )
+            == 3
+        )
+        while asyncio.get_running_loop().time() - start < 20 * 60:
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        created = [at - start for at, _ in server.created]
+        deleted = [at - start for at, _ in server.deleted]
+        assert len(created) == 6, created
+        assert created[:3] == pytest.approx([0, 0, 0], abs=0.1)
+        assert not [at for at in deleted if at < 600]
+        # After pending_s: one probe per back-off interval, never more than the target.
+        assert all(later - earlier >= 4 for earlier, later in itertools.pairwise(created[3:]))
+        (status,) = await p.plane.pool_status()
+        assert status.spawn_failing and status.counts.get("spawning") == 3
+    await server.close()
+
+
+async def test_a_pod_waiting_for_its_node_and_image_is_not_retired_at_spawn_s(
+    tmp_path: Path,
+) -> None:
+    """A pod nominated to a node (preemption) and then pulling its image for 5 minutes is
+    not retired at `timeouts.spawn_s` (120 s): it becomes a warm worker when it runs."""
+    server = CreateCounter()
+    spec = pool(warm_target=1)
+    async with plane(tmp_path, server, spec=spec) as p:
+        await asyncio.sleep(1)
+        [row] = await p.rows(S.SPAWNING)
+        server.set_pod_status(row.id, nominated_node="node-b")
+        for _ in range(60):  # two minutes of passes
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        server.set_pod_status(row.id, node_name="node-b", waiting=Waiting("ContainerCreating"))
+        for _ in range(90):  # three more
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        assert [w.id for w in await p.rows(S.SPAWNING)] == [row.id]
+        run(server, row.id)
+        await asyncio.sleep(1)
+        assert [w.id for w in await p.rows(S.WARM)] == [row.id]
+        assert [name for _, name in server.created] == [row.id]
+        assert server.deleted == []
+        (status,) = await p.plane.pool_status()
+        assert not status.spawn_failing
+    await server.close()
+
+
+async def test_a_pod_that_never_gets_a_node_is_retired_at_pending_s(tmp_path: Path) -> None:
+    """Past `timeouts.pending_s` an unschedulable pod is retired as stuck (and a probe
+    replaces it); before, it stays. A running pod that never gets ready is retired
+    `spawn_s` after its container started."""
+    server = CreateCounter()
+    spec = pool(warm_target=1, timeouts=Timeouts(spawn_s=120, pending_s=300))
+    async with NoRoom(server), plane(tmp_path, server, spec=spec) as p:
+        await asyncio.sleep(1)
+        [row] = await p.rows(S.SPAWNING)
+        for _ in range(148):
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        assert [w.id for w in await p.rows(S.SPAWNING)] == [row.id]  # at 297 s
+        for _ in range(3):
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        gone = await p.plane.store.get_worker(row.id)
+        assert gone is not None and gone.reason == "stuck"
+        await asyncio.sleep(1)
+        await p.plane.run_janitor_pass()  # the probe, once the back-off allows
+        [probe] = await p.rows(S.SPAWNING)
+        await asyncio.sleep(1)
+        # The probe gets a node and starts, but never gets ready.
+        started = asyncio.get_running_loop().time()
+        server.set_pod_status(
+            probe.id,
+            node_name="node-a",
+            phase=PodPhase.RUNNING,
+            started_at=EPOCH + started,
+        )
+        while asyncio.get_running_loop().time() - started < 118:
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        assert [w.id for w in await p.rows(S.SPAWNING)] == [probe.id]
+        for _ in range(2):
+            await asyncio.sleep(2)
+            await p.plane.run_janitor_pass()
+        late = await p.plane.store.get_worker(probe.id)
+        assert late is not None and late.reason == "stuck"
+    await server.close()
+
+
 async def test_a_restarted_control_plane_rebuilds_its_cache_and_adopts(tmp_path: Path) -> None:
     """The first replica stops and leaves its pods; the next one lists them once, adopts
     them (store owner and pod label) and serves claims from them, reuse included."""
@@ -1033,3 +1313,44 @@ class TestKubernetesRuntimeContract(RuntimeContract):
             for runtime in harness.runtimes:
                 await runtime.close()
         await server.close()
+
+
+class DeleteCounter(FakeApiServer):
+    """The fake cluster, counting the DELETEs of each pod."""
+
+    def __init__(self) -> None:
+        super().__init__(clock=LoopClock(epoch=EPOCH), namespace=NAMESPACE)
+        self.deletes: Counter[str] = Counter()
+
+    async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
+        self.deletes[name] += 1
+        await super().delete_pod(name, grace_s)
+
+
+async def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--stop-workers`: one DELETE per worker pod (the leftover scan leaves pods whose
+    deletion is under way alone, and says nothing of them), and the leader's headroom
+    placeholders are deleted too."""
+    server = DeleteCounter()
+    spec = pool(warm_target=3, headroom_nodes=2)
+    async with Kubelet(server), plane(tmp_path, server, spec=spec) as p:
+        await asyncio.sleep(3)
+        claim = await p.claim()
+        workers = {row.id for row in await p.rows()}
+        assert len(workers) == 3  # two warm, one hot (no pass refilled the target)
+        placeholders = {
+            pod.name for pod in (await server.list_pods({LABEL_PLACEHOLDER: "duck"})).items
+        }
+        assert len(placeholders) == 2
+        await p.plane.stop(stop_workers=True)
+        assert {name: server.deletes[name] for name in workers} == dict.fromkeys(workers, 1)
+        assert {name: server.deletes[name] for name in placeholders} == dict.fromkeys(
+            placeholders, 1
+        )
+        assert "leftover_stopped" not in caplog.text
+        await asyncio.sleep(15)  # past every grace
+        assert (await server.list_pods({LABEL_FLEET: FLEET})).items == ()
+        assert claim.worker_id in workers
+    await server.close()

@@ -11,8 +11,10 @@ its grace, and the informer's list and watch of its own fleet only.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 from test_cluster_lightkube import (
@@ -27,6 +29,8 @@ from test_cluster_lightkube import (
 from fakes import TEST_ACTIVATION_KEY
 from stoker.adapters.cluster_lightkube import LightkubeCluster
 from stoker.adapters.runtime_kubernetes import KubernetesRuntime
+from stoker.bootstrap import HTTP_CLIENT_LOGGERS, configure_logging
+from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec, Timeouts
 from stoker.domain.states import WorkerState
@@ -168,6 +172,31 @@ async def test_do_not_disrupt_and_stop_on_the_wire(
     assert delete.params == {"gracePeriodSeconds": "3"}
 
 
+async def test_a_spawn_against_an_unreachable_api_fails_within_the_deadline() -> None:
+    """During an API outage a spawn is a `RuntimeFailure` (a spawn failure, which backs the
+    pool off) within `create_deadline_s` of virtual time, not after 15.5 s of retries."""
+    clock = StepClock()
+    cluster = LightkubeCluster(
+        namespace=NAMESPACE,
+        clock=clock,
+        client=client_for("http://127.0.0.1:1"),
+        create_deadline_s=5.0,
+    )
+    runtime = KubernetesRuntime(
+        cluster=cluster,
+        clock=clock,
+        fleet=FLEET,
+        instance_id="cp-one",
+        activation_key=TEST_ACTIVATION_KEY,
+    )
+    try:
+        with pytest.raises(RuntimeFailure, match=r"cannot create pod w-1: .*no answer within 5s"):
+            await runtime.spawn(worker("w-1"), POOL)
+        assert 0 < clock.elapsed <= 5.0
+    finally:
+        await cluster.close()
+
+
 async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
     """Until `check` holds (real HTTP I/O: wall time), failing after `timeout` seconds."""
     async with asyncio.timeout(timeout):
@@ -215,3 +244,48 @@ async def test_the_informer_lists_and_watches_its_fleet_only(
         "limits": {"cpu": "2", "memory": "4Gi"},
     }
     assert placeholder["spec"]["restartPolicy"] == "Never"
+
+
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """Puts back the root handlers and the loggers' levels and filters `configure_logging`
+    changes."""
+    root = logging.getLogger()
+    names = ("", *HTTP_CLIENT_LOGGERS, "httpcore", "httpcore2")
+    saved = {
+        name: (logging.getLogger(name).level, list(logging.getLogger(name).filters))
+        for name in names
+    }
+    handlers = list(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    for name, (level, filters) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.filters = filters
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+@pytest.mark.usefixtures("logging_restored")
+async def test_api_requests_are_debug_events(
+    kmock: ContractEmulator, make_runtime: MakeRuntime, level: str
+) -> None:
+    """At the default level a Kubernetes API call logs no line of the HTTP client; at
+    debug it logs one `event=http_request` line per request, at debug level."""
+    stream = io.StringIO()
+    configure_logging(level, stream=stream)
+    runtime = await make_runtime()
+    await runtime.spawn(worker("w-1"), POOL)
+    lines = stream.getvalue().splitlines()
+    client_lines = [line for line in lines if "logger=httpx" in line]
+    assert not [line for line in lines if "level=info logger=httpx" in line]
+    if level == "info":
+        assert client_lines == []
+        return
+    (request,) = client_lines
+    assert "level=debug logger=httpx2 event=http_request method=POST" in request
+    assert f'url="{kmock.url}'.rstrip("/") + f"{PODS_PATH}?fieldManager=stoker" in request
+    assert "status=200 reason=OK" in request

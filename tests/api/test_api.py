@@ -468,7 +468,7 @@ async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
     async with running(tmp_path) as api:
         assert (await api.http.get("/healthz")).json() == {"status": "ok"}
         ready = await api.http.get("/readyz")
-        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+        assert ready.status_code == 200 and ready.json() == {"status": "ready", "degraded": []}
         await api.claim()
         metrics = await api.http.get("/metrics")
         assert metrics.status_code == 200
@@ -478,6 +478,32 @@ async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
         assert "_created" not in metrics.text
         api.app.api_state.draining = True
         assert assert_problem(await api.http.get("/readyz"), 503)["reason"] == "shutting_down"
+
+
+async def test_readiness_reports_a_pool_in_trouble_and_stays_200(tmp_path: Path) -> None:
+    """A pool whose spawns keep failing degrades the answer without failing it: every
+    replica shares the pool's fault, and a 503 would take all of them out of the load
+    balancer, the other pools' claims with them."""
+    async with running(tmp_path) as api:
+        api.runtime.fail_spawns = 10**9
+        for worker in await api.plane.store.list_workers(states=[WorkerState.WARM]):
+            api.runtime.kill(worker.id)
+        for _ in range(10):
+            await api.plane.run_janitor_pass()
+            await asyncio.sleep(1)
+        ready = await api.http.get("/readyz")
+        assert ready.status_code == 200
+        body = ready.json()
+        assert body["status"] == "degraded"
+        [pool] = body["degraded"]
+        assert pool["pool"] == "demo" and pool["problem"] == "spawn_failing"
+        assert pool["in_a_row"] >= 3 and pool["detail"] == "injected spawn failure"
+
+        api.runtime.fail_spawns = 0
+        for _ in range(40):
+            await api.plane.run_janitor_pass()
+            await asyncio.sleep(1)
+        assert (await api.http.get("/readyz")).json() == {"status": "ready", "degraded": []}
 
 
 class SwitchedElector:

@@ -132,7 +132,11 @@ def test_diurnal_headroom_absorbs_the_daily_peak() -> None:
     assert on["vcpu_hours"]["placeholder"] > 0
     assert off["vcpu_hours"]["placeholder"] == 0
     assert sum(on["claims"]["failures"].values()) <= sum(off["claims"]["failures"].values())
-    assert on["claims"]["latency_s"]["all"]["p99"] < off["claims"]["latency_s"]["all"]["p99"]
+    # Pods that preempt placeholders start on a node that is there; without headroom the
+    # peak's pods wait for new nodes (the claims, served warm, differ by noise only).
+    on_starts, off_starts = on["workers"]["pod_start_s"], off["workers"]["pod_start_s"]
+    assert on_starts["p90"] * 2 < off_starts["p90"]
+    assert on["claims"]["latency_s"]["all"]["max"] < off["claims"]["latency_s"]["all"]["max"]
 
 
 def test_the_large_scenario_binds_every_claim_without_waiting_for_nodes() -> None:

@@ -15,11 +15,16 @@ class EventLog:
     def __call__(self, event: str, *, level: int = logging.INFO, **fields: Any) -> None:
         """Log `event=<event>` with the fields as key=value pairs (None values left out)."""
         if self.logger.isEnabledFor(level):
-            parts = [f"event={event}"]
-            parts += [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None]
             # The fields travel with the record too, typed, for the JSON format.
             extra = {"stoker_event": event, "stoker_fields": fields}
-            self.logger.log(level, " ".join(parts), extra=extra)
+            self.logger.log(level, kv_line(event, fields), extra=extra)
+
+
+def kv_line(event: str, fields: dict[str, Any]) -> str:
+    """`event=<event> key=value ...` (None values left out), as every stoker line reads."""
+    parts = [f"event={event}"]
+    parts += [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None]
+    return " ".join(parts)
 
 
 def _fmt(value: Any) -> str:

@@ -4,6 +4,8 @@ Every request first takes a token from a client-side QPS/burst budget (the API s
 priority-and-fairness budget is shared with the rest of the cluster; a spawn burst must
 not eat it). Throttling (429), server errors (5xx) and connection errors are retried with
 exponential backoff on the injected clock; a 429's Retry-After is honoured when longer.
+A pod create stops retrying at its deadline (`create_deadline_s`), so that a spawn during
+an API outage fails, and backs off, within seconds.
 400, 401, 403, 404, 409 and 422 are answers, not failures, and are never retried: they map
 at once to the port's errors.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -35,6 +37,7 @@ from stoker.ports.clock import Clock, TokenBucket
 from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
+    Condition,
     Container,
     Gone,
     Lease,
@@ -46,6 +49,7 @@ from stoker.ports.cluster import (
     PodSpec,
     Selector,
     Toleration,
+    Waiting,
     WatchEvent,
     WatchEventType,
     error_for_status,
@@ -202,11 +206,32 @@ def _container_from_k8s(container: k8s.Container) -> Container:
     )
 
 
+def _scheduled_of(conditions: Sequence[k8s.PodCondition]) -> Condition | None:
+    for condition in conditions:
+        if condition.type == "PodScheduled":
+            return Condition(condition.status, condition.reason, condition.message)
+    return None
+
+
+def _container_state(status: k8s.PodStatus) -> tuple[Waiting | None, float | None]:
+    """The first container's waiting reason, or the time it started running."""
+    statuses = status.containerStatuses or ()
+    state = statuses[0].state if statuses else None
+    if state is None:
+        return None, None
+    if state.waiting is not None and state.waiting.reason:
+        return Waiting(state.waiting.reason, state.waiting.message), None
+    if state.running is not None:
+        return None, _seconds(state.running.startedAt)
+    return None, None
+
+
 def _pod_from_k8s(obj: K8sPod) -> Pod:
     meta = obj.metadata or ObjectMeta()
     spec = obj.spec
     status = obj.status or k8s.PodStatus()
     conditions = status.conditions or ()
+    waiting, started_at = _container_state(status)
     return Pod(
         name=meta.name or "",
         namespace=meta.namespace or "",
@@ -235,6 +260,10 @@ def _pod_from_k8s(obj: K8sPod) -> Pod:
         pod_ip=status.podIP,
         node_name=spec.nodeName if spec else None,
         reason=status.reason,
+        scheduled=_scheduled_of(conditions),
+        nominated_node=status.nominatedNodeName,
+        waiting=waiting,
+        started_at=started_at,
         deletion_timestamp=_seconds(meta.deletionTimestamp),
         resource_version=meta.resourceVersion or "",
         created_at=_seconds(meta.creationTimestamp),
@@ -278,7 +307,9 @@ class LightkubeCluster:
     """ClusterAPI on `lightkube.AsyncClient`, bound to one namespace.
 
     `qps`/`burst` size the client-side request budget; `max_retries` and `backoff_s` (the
-    first delay, doubled per retry) govern retries of 429, 5xx and connection errors.
+    first delay, doubled per retry) govern retries of 429, 5xx and connection errors. A pod
+    create makes no retry that would start more than `create_deadline_s` after its first
+    attempt (None: only `max_retries` bounds it).
     Without `client`, one is built by `build_client` from `kubeconfig`/`context`. The
     cluster owns the client: `close` closes it.
     """
@@ -292,6 +323,7 @@ class LightkubeCluster:
         burst: int = 100,
         max_retries: int = 5,
         backoff_s: float = 0.5,
+        create_deadline_s: float | None = None,
         client: AsyncClient | None = None,
         kubeconfig: str | None = None,
         context: str | None = None,
@@ -300,11 +332,14 @@ class LightkubeCluster:
             raise ValueError("pass either a client or kubeconfig/context, not both")
         if max_retries < 0 or backoff_s < 0:
             raise ValueError("max_retries and backoff_s must be >= 0")
+        if create_deadline_s is not None and create_deadline_s <= 0:
+            raise ValueError("create_deadline_s must be > 0")
         self._namespace = namespace
         self._clock = clock
         self._budget = TokenBucket(clock, rate=qps, burst=burst)
         self._max_retries = max_retries
         self._backoff_s = backoff_s
+        self._create_deadline_s = create_deadline_s
         self._client = (
             client
             if client is not None
@@ -369,11 +404,18 @@ class LightkubeCluster:
         except ObjectNotFound:
             return None
 
-    async def _request(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run `call` within the budget, retrying what a retry can fix."""
+    async def _request(
+        self, what: str, call: Callable[[], Awaitable[T]], *, deadline_s: float | None = None
+    ) -> T:
+        """Run `call` within the budget, retrying what a retry can fix; no retry that would
+        start more than `deadline_s` after the first attempt (the wait for the budget's
+        first token not included: that is the queue of other requests, not an outage)."""
         attempt = 0
+        first: float | None = None
         while True:
             await self._budget.acquire()
+            if first is None:
+                first = self._clock.monotonic()
             try:
                 return await call()
             except (httpx2.HTTPStatusError, httpx2.TransportError) as exc:
@@ -383,6 +425,14 @@ class LightkubeCluster:
                     if isinstance(exc, httpx2.HTTPStatusError)
                     else type(exc).__name__
                 )
+                if deadline_s is not None and (
+                    self._clock.monotonic() + delay - first > deadline_s
+                ):
+                    raise ClusterUnavailable(
+                        f"{what}: no answer within {deadline_s:g}s ({attempt + 1} attempts, "
+                        f"last: {exc!r})",
+                        status=_status_of(exc) if isinstance(exc, httpx2.HTTPStatusError) else None,
+                    ) from exc
             attempt += 1
             logger.warning(
                 "event=cluster_retry request=%r cause=%s attempt=%d delay_s=%.3f",
@@ -394,7 +444,8 @@ class LightkubeCluster:
             await self._clock.sleep(delay)
 
     async def create_pod(self, pod: Pod) -> Pod:
-        """POST the pod; `Conflict` if the name exists.
+        """POST the pod; `Conflict` if the name exists; `ClusterUnavailable` once retries
+        would run past `create_deadline_s`.
 
         A create retried after a connection error may meet its own earlier success as a
         `Conflict`: the caller reads the pod to tell.
@@ -403,6 +454,7 @@ class LightkubeCluster:
         created = await self._request(
             f"create pod {pod.name}",
             lambda: self._client.create(body, field_manager=FIELD_MANAGER),
+            deadline_s=self._create_deadline_s,
         )
         return _pod_from_k8s(created)
 

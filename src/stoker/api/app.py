@@ -21,7 +21,7 @@ reconciled before the first request is served) and stops it on shutdown.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,12 +41,14 @@ from stoker.api.cursors import next_cursor, read_after
 from stoker.api.models import (
     ClaimList,
     ClaimOut,
+    DegradedPool,
     EventList,
     EventOut,
     Health,
     ModelResponse,
     PoolHistory,
     Problem,
+    Readiness,
     WorkerList,
     WorkerOut,
 )
@@ -258,10 +260,13 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
         """200 while the process runs."""
         return ModelResponse(Health(status="ok"))
 
-    @app.get("/readyz", **_doc("readyz", "Readiness", "health", Health, 503))
+    @app.get("/readyz", **_doc("readyz", "Readiness", "health", Readiness, 503))
     async def readyz() -> Response:
         """200 once the store is migrated and the runtime reconciled; 503 while shutting
-        down and while the store fails (the last heartbeat's write failed)."""
+        down and while the store fails (the last heartbeat's write failed). A pool whose
+        passes or spawns keep failing makes the answer `degraded` (still 200: the fault is
+        the pool's, and every replica shares it; taking replicas out of the load balancer
+        would stop the other pools' claims too)."""
         if state.draining:
             return problems.problem_response(
                 503, "not-ready", "shutting down", reason="shutting_down"
@@ -277,7 +282,18 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
             return problems.problem_response(
                 503, "not-ready", plane.store_error, reason="store_unavailable"
             )
-        return ModelResponse(Health(status="ready"))
+        degraded = [
+            DegradedPool(
+                pool=p.pool,
+                problem=p.problem,
+                in_a_row=p.in_a_row,
+                detail=p.detail,
+                revision=p.revision,
+            )
+            for p in plane.degraded()
+        ]
+        status: Literal["ready", "degraded"] = "degraded" if degraded else "ready"
+        return ModelResponse(Readiness(status=status, degraded=degraded))
 
     @app.get(
         "/metrics",

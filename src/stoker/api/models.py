@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -308,9 +308,33 @@ class PoolHistory(BaseModel):
 
 
 class Health(BaseModel):
-    """`GET /healthz` and `GET /readyz` when all is well."""
+    """`GET /healthz` when the process runs."""
 
     status: str
+
+
+class DegradedPool(BaseModel):
+    """A pool in trouble that `/readyz` reports (the replica still serves the others)."""
+
+    pool: str
+    #: `pass_failing`: the janitor's (or reaper's) step for the pool failed pass after
+    #: pass; `spawn_failing`: the spawns of one of its revisions failed in a row.
+    problem: Literal["pass_failing", "spawn_failing"]
+    #: Passes, or spawns, failed in a row.
+    in_a_row: int
+    #: The last error.
+    detail: str
+    #: The revision whose spawns fail (`spawn_failing` only).
+    revision: str | None = None
+
+
+class Readiness(BaseModel):
+    """`GET /readyz` when the replica serves claims: `ready`, or `degraded` while some pools
+    are in trouble (listed in `degraded`; a load balancer keeps the replica, an operator
+    reads why)."""
+
+    status: Literal["ready", "degraded"]
+    degraded: list[DegradedPool] = []
 
 
 class FieldError(BaseModel):

@@ -80,6 +80,10 @@ class KubernetesRuntimeConfig(Section):
     burst: int = Field(100, ge=1, le=100_000)
     #: The informer lists and diffs this often, to catch what a dropped watch missed.
     resync_s: PositiveSeconds = 300.0
+    #: A pod create that the API server does not answer (connection errors, 5xx, 429) is
+    #: retried until this long after its first attempt, then the spawn counts as failed
+    #: and the pool backs off.
+    create_deadline_s: PositiveSeconds = Field(5.0, le=600)
     #: PriorityClass of headroom placeholders; required when a pool has headroom_nodes.
     placeholder_priority_class: DnsSubdomain | None = None
     placeholder_image: str = Field("registry.k8s.io/pause:3.10", min_length=1)

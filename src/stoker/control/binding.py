@@ -13,6 +13,7 @@ import asyncio
 from stoker.control import logs
 from stoker.control.attempt import Attempt
 from stoker.control.journal import EventKind
+from stoker.control.pins import Pins
 from stoker.control.retiring import Retirer
 from stoker.control.rollouts import Outcome
 from stoker.control.shared import Shared
@@ -22,14 +23,13 @@ from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import Activation
 from stoker.domain.states import ClaimSource, ClaimState, RetireReason, Reuse, WorkerState
 from stoker.ports.activator import ActivationPayload, Activator
-from stoker.ports.runtime import Runtime
 
 
 class Binder:
     """Activates reserved workers and binds their claims; gives back what is not bound."""
 
     def __init__(
-        self, shared: Shared, *, retirer: Retirer, activator: Activator, runtime: Runtime
+        self, shared: Shared, *, retirer: Retirer, activator: Activator, pins: Pins
     ) -> None:
         self._book, self._lifecycle = shared.book, shared.lifecycle
         self._catalog, self._clock = shared.catalog, shared.clock
@@ -38,7 +38,7 @@ class Binder:
         self._journal = shared.journal
         self._rollouts = shared.rollouts
         self._activator = activator
-        self._runtime = runtime
+        self._pins = pins
         self._tracer = shared.tracer
 
     async def activate_and_bind(
@@ -70,7 +70,7 @@ class Binder:
             if source is not ClaimSource.REUSE:
                 # First activation (warm and cold workers have never held an org's data):
                 # from now on it does. A reused worker is still marked busy from its first.
-                book.spawn_task(self._set_busy(activating), f"busy:{worker.id}")
+                self._pins.pin_soon(activating)
             token = self._ids.token()
             started = self._clock.monotonic()
             if pool.activation is Activation.HTTP:
@@ -212,9 +212,3 @@ class Binder:
             if stamped is not None:
                 self._book.remember(stamped)
             await self._clock.sleep(interval)
-
-    async def _set_busy(self, worker: Worker) -> None:
-        try:
-            await self._runtime.set_busy(worker, True)
-        except RuntimeFailure as exc:
-            logs.worker_event("set_busy_failed", worker, error=str(exc), level=logs.WARNING)

@@ -91,6 +91,10 @@ class Catalog:
         if revision is not None:
             self._revisions[(revision.pool, revision.revision)] = revision
 
+    def revisions_of(self, name: str) -> list[StoredRevision]:
+        """The stored revisions of the pool this catalog serves."""
+        return [r for (pool, _), r in self._revisions.items() if pool == name]
+
     def rollout(self, name: str) -> Rollout | None:
         """The pool's newest rollout: its active one, or one that ended on this replica
         since the pool was last loaded."""

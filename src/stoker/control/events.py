@@ -53,6 +53,17 @@ class RuntimeEvents:
         self._book.lost.note(worker_id, reason)
         self._book.spawn_task(self.settle_lost(worker_id), f"lost:{worker_id}")
 
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        """Runtime event: a spawning worker of this replica cannot start as it is (no node
+        fits it, its image cannot be pulled). A spawn failure of its revision: counted,
+        backing the pool off and shown as its `last_spawn_error`; the worker itself stays
+        until it starts or the stuck sweep retires it (`timeouts.pending_s`)."""
+        known = self._book.known(worker_id)
+        if known is None or known.state is not WorkerState.SPAWNING:
+            return
+        self._metrics.spawn_failures.labels(known.pool, stage).inc()
+        self._spawner.spawn_failed(known.pool, known.revision, error)
+
     async def settle_pending(self) -> None:
         """Retry the facts whose write failed earlier: losses first, then readiness."""
         for worker_id in self._book.lost.copy():

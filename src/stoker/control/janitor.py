@@ -2,7 +2,9 @@
 (every replica, its own workers).
 
 Each pass is a passive *sync* that reads the world into a `World` snapshot, followed by an
-active *step* that decides from that snapshot and acts. Every action is a fenced write
+active *step* that decides from that snapshot and acts. The step acts pool by pool (and
+worker by worker): what fails for one pool is noted in `faults` (`control.faults`) and the
+other pools go on. Every action is a fenced write
 through the lifecycle (spawns, retirements, adoptions, expiries), so two janitors at once
 are harmless (I7): the second one's CAS misses, spawn slots are reserved against the
 target inside the store, and scale-down picks its victims deterministically.
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable
 
 from stoker.control import logs
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
+from stoker.control.faults import PassFaults, describe
 from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
@@ -71,6 +75,10 @@ class Janitor:
         self._events, self._publisher = events, publisher
         self._rollouts = shared.rollouts
         self._baseline = demand is not None
+        #: The pools whose step of this pass failed, pass after pass (`/readyz`).
+        self.faults = PassFaults(
+            "janitor" if self.reach is Reach.FLEET else "reaper", shared.metrics, shared.journal
+        )
         self.sizer = PoolSizer(
             shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
         )
@@ -81,6 +89,7 @@ class Janitor:
             retirer=retirer,
             spawner=spawner,
             sizer=None if self._baseline else self.sizer,
+            faults=self.faults,
             demand=demand,
         )
         self._last_purge: float | None = None
@@ -107,12 +116,17 @@ class Janitor:
     # -- the pass ---------------------------------------------------------------------------
 
     async def run_pass(self) -> PassReport:
-        """Sync then step. Raises StoreError when the world could not be read."""
+        """Sync then step. Raises StoreError when the world could not be read; a failure
+        of one pool's step is noted in `faults` and the pass goes on."""
+        self.faults.begin()
         if self._pools is not None:
             await self._pools.refresh()
+            for pool, why in self._pools.broken.items():
+                self.faults.failed(pool, "load", why)
         world = await self.sync()
         report = PassReport()
         await self.step(world, report)
+        self.faults.end()
         return report
 
     async def sync(self) -> World:
@@ -147,20 +161,24 @@ class Janitor:
     async def _adopt_orphans(self, world: World, report: PassReport) -> None:
         """Workers of expired replicas: keep serving ones, retire in-flight ones."""
         for worker in world.orphans:
-            if worker.state in (WorkerState.WARM, WorkerState.HOT, WorkerState.HOT_IDLE):
-                adopted = await self._lifecycle.adopt(worker, self._book.instance_id)
-                if adopted is None:
-                    continue
-                if not await self._runtime.adopt(adopted):
-                    await self._lost_on_adopt(adopted, report)
-                    continue
-                self._book.load([adopted])
-                report.adopted += 1
-                logs.worker_event("worker_adopted", adopted, previous_owner=worker.owner)
-            elif worker.state is WorkerState.DRAINING:
-                await self._retirer.retire(worker, RetireReason.ORPHANED)
-            elif await self._retirer.retire(worker, RetireReason.ORPHANED):
-                report.count(RetireReason.ORPHANED)
+            with self.faults.step(worker.pool, "adopt"):
+                await self._adopt_orphan(worker, report)
+
+    async def _adopt_orphan(self, worker: Worker, report: PassReport) -> None:
+        if worker.state in (WorkerState.WARM, WorkerState.HOT, WorkerState.HOT_IDLE):
+            adopted = await self._lifecycle.adopt(worker, self._book.instance_id)
+            if adopted is None:
+                return
+            if not await self._runtime.adopt(adopted):
+                await self._lost_on_adopt(adopted, report)
+                return
+            self._book.load([adopted])
+            report.adopted += 1
+            logs.worker_event("worker_adopted", adopted, previous_owner=worker.owner)
+        elif worker.state is WorkerState.DRAINING:
+            await self._retirer.retire(worker, RetireReason.ORPHANED)
+        elif await self._retirer.retire(worker, RetireReason.ORPHANED):
+            report.count(RetireReason.ORPHANED)
 
     async def _lost_on_adopt(self, worker: Worker, report: PassReport) -> None:
         if worker.state is WorkerState.HOT and worker.claim_id:
@@ -173,23 +191,23 @@ class Janitor:
     async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
         candidates = [w for w in world.hot_idle if self._acts_for(w.owner, world)]
-        stale = []
+        gone: set[str] = set()
         if self.reach is Reach.FLEET:
             # A parked worker of a failed revision is never reused (older ones expire).
-            stale = [
-                w
-                for w in candidates
-                if w.pool in self._catalog.pools
-                and w.revision not in self._rollouts.reusable(w.pool)
-            ]
-            for w in stale:
-                reason = self._rollouts.retire_reason(w.pool, w.revision)
-                if await self._retirer.retire(w, reason):
-                    report.count(reason)
-        gone = {w.id for w in stale}
-        for w in hot_idle_to_reap(candidates, world.now, self._catalog.min_hot_idle):
-            if w.id not in gone and await self._retirer.retire(w, RetireReason.TTL):
-                report.count(RetireReason.TTL)
+            for w in candidates:
+                with self.faults.step(w.pool, "reap stale revision"):
+                    if w.pool in self._catalog.pools and w.revision not in (
+                        self._rollouts.reusable(w.pool)
+                    ):
+                        gone.add(w.id)
+                        reason = self._rollouts.retire_reason(w.pool, w.revision)
+                        if await self._retirer.retire(w, reason):
+                            report.count(reason)
+        for pool, parked in by_pool(w for w in candidates if w.id not in gone).items():
+            with self.faults.step(pool, "reap hot_idle"):
+                for w in hot_idle_to_reap(parked, world.now, self._catalog.min_hot_idle):
+                    if await self._retirer.retire(w, RetireReason.TTL):
+                        report.count(RetireReason.TTL)
 
     def _acts_for(self, owner: str, world: World) -> bool:
         """Whether this pass acts for what `owner` holds: the fleet's janitor for anyone; a
@@ -203,27 +221,35 @@ class Janitor:
     async def _expire_leases(self, world: World, report: PassReport) -> None:
         claims = [c for c in world.expired if self._acts_for(c.owner, world)]
         for claim in expired_claims(claims, world.now):
-            left = session_left(
-                claim.created_at, self._catalog.max_claim_s(claim.pool, claim.org), world.now
-            )
-            why = RetireReason.MAX_CLAIM if left == 0 else RetireReason.LEASE_EXPIRED
-            if await self._sessions.expire(claim, why):
-                report.expired_claims += 1
-                report.count(why)
+            with self.faults.step(claim.pool, "expire lease"):
+                left = session_left(
+                    claim.created_at, self._catalog.max_claim_s(claim.pool, claim.org), world.now
+                )
+                why = RetireReason.MAX_CLAIM if left == 0 else RetireReason.LEASE_EXPIRED
+                if await self._sessions.expire(claim, why):
+                    report.expired_claims += 1
+                    report.count(why)
 
     async def _sweep_stuck(self, world: World, report: PassReport) -> None:
         """In-flight rows past their timeout are retired (I4); draining rows retried."""
         timeouts = {name: pool.timeouts for name, pool in self._catalog.pools.items()}
         busy = self._book.in_flight()
-        for w in stuck_workers(world.in_flight, world.now, timeouts):
-            if w.id in busy or w.owner not in world.live_instances:
-                continue
-            if w.state is WorkerState.DRAINING:
-                await self._retirer.retire(w, RetireReason.STUCK)
-                continue
-            if await self._retirer.retire(w, RetireReason.STUCK):
-                report.count(RetireReason.STUCK)
-                logs.worker_event("worker_stuck", w, level=logs.WARNING)
+        # A pod that waits on the cluster (a node, an image) gets the longer pending_s.
+        progress = {
+            w.id: seen
+            for w in world.in_flight
+            if w.state is WorkerState.SPAWNING and (seen := self._runtime.progress(w))
+        }
+        for pool, in_flight in by_pool(world.in_flight).items():
+            with self.faults.step(pool, "sweep stuck"):
+                for w in stuck_workers(in_flight, world.now, timeouts, progress):
+                    if w.id in busy or w.owner not in world.live_instances:
+                        continue
+                    if w.state is WorkerState.DRAINING:
+                        await self._retirer.retire(w, RetireReason.STUCK)
+                    elif await self._retirer.retire(w, RetireReason.STUCK):
+                        report.count(RetireReason.STUCK)
+                        logs.worker_event("worker_stuck", w, level=logs.WARNING)
 
     async def _stop_stranded(self, world: World, report: PassReport) -> None:
         """Runtime objects with stoker's labels but no live row, older than the grace."""
@@ -249,13 +275,14 @@ class Janitor:
         for obj in old:
             if obj.worker_id in live or obj.worker_id in kept:
                 continue
-            try:
-                await self._runtime.stop(ghost(obj), 0.0)
-            except RuntimeFailure as exc:
-                logs.event("stranded_stop_failed", worker=obj.worker_id, error=str(exc))
-                continue
-            report.stranded_stopped += 1
-            logs.event("stranded_stopped", worker=obj.worker_id, pool=obj.pool)
+            with self.faults.step(obj.pool, "stop stranded"):
+                try:
+                    await self._runtime.stop(ghost(obj), 0.0)
+                except RuntimeFailure as exc:
+                    logs.event("stranded_stop_failed", worker=obj.worker_id, error=str(exc))
+                    continue
+                report.stranded_stopped += 1
+                logs.event("stranded_stopped", worker=obj.worker_id, pool=obj.pool)
 
     def _report_unseen(self, unseen: list[RuntimeObject]) -> None:
         """Say, once per object, that stranded objects of a replica the store never heard
@@ -301,6 +328,10 @@ class Janitor:
             await self._runtime.reconcile_headroom(pools)
         except RuntimeFailure as exc:
             logs.event("headroom_failed", error=str(exc), level=logs.WARNING)
+        except Exception as exc:
+            # One call places every pool's placeholders: which pool broke it is unknown,
+            # and the rest of the pass goes on.
+            logs.event("headroom_failed", error=describe(exc), level=logs.ERROR)
 
     def _gauges(self, world: World) -> None:
         by: dict[tuple[str, str], int] = defaultdict(int)
@@ -309,3 +340,11 @@ class Janitor:
         for name in self._catalog.pools:
             for state in LIVE:
                 self._metrics.workers.labels(name, state.value).set(by.get((name, state.value), 0))
+
+
+def by_pool(workers: Iterable[Worker]) -> dict[str, list[Worker]]:
+    """Workers grouped by pool, each pool's in the order given (a pool's step at a time)."""
+    grouped: dict[str, list[Worker]] = defaultdict(list)
+    for w in workers:
+        grouped[w.pool].append(w)
+    return grouped

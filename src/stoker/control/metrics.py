@@ -156,6 +156,12 @@ class Metrics:
             "above 0 the pool backs off.",
             "pool",
         )
+        self.pins_out_of_date = self._gauge(
+            "stoker_pins_out_of_date",
+            "This replica's workers whose do-not-disrupt pin disagreed with their state at "
+            "the last janitor pass and could not be fixed (0: every busy worker is pinned).",
+            "pool",
+        )
         by_revision = ("pool", "revision")
         self.revision_failures = self._counter(*_REVISION_FAILURES, *by_revision, "kind")
         self.revision_share = self._gauge(*_REVISION_SHARE, *by_revision)
@@ -181,7 +187,11 @@ class Metrics:
             "stoker_pass_duration_seconds", "Duration of reconcile passes.", "pass"
         )
         self.pass_failures = self._counter(
-            "stoker_pass_failures", "Reconcile passes that failed.", "pass"
+            "stoker_pass_failures",
+            "Reconcile passes that failed (pool empty), and passes whose step for one pool "
+            "failed while the other pools went on (pool set, once per pass).",
+            "pass",
+            "pool",
         )
         self.is_leader = self._gauge(
             "stoker_janitor_is_leader", "1 while this replica runs the fleet-wide janitor."

@@ -16,6 +16,7 @@ from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.idempotency import IdempotentClaims
 from stoker.control.janitor import Janitor
+from stoker.control.pins import Pins
 from stoker.control.reservations import Reservations
 from stoker.control.retiring import Retirer
 from stoker.control.scaler import DemandSource
@@ -43,6 +44,7 @@ class Parts:
     demand: DemandPublisher
     janitor: Janitor
     reaper: Janitor
+    pins: Pins
 
 
 def assemble(
@@ -61,11 +63,12 @@ def assemble(
     sessions = Sessions(shared, retirer=retirer, reader=store)
     events = RuntimeEvents(shared, retirer=retirer, spawner=spawner, reader=store)
     publisher = DemandPublisher(shared, store=store)
+    pins = Pins(shared, runtime=runtime)
     claims = Claims(
         shared,
         reservations=Reservations(shared, retirer=retirer, spawner=spawner, runtime=runtime),
         spawner=spawner,
-        binder=Binder(shared, retirer=retirer, activator=activator, runtime=runtime),
+        binder=Binder(shared, retirer=retirer, activator=activator, pins=pins),
         sessions=sessions,
         demand=publisher,
     )
@@ -95,4 +98,5 @@ def assemble(
         demand=publisher,
         janitor=janitor(Reach.FLEET, demand),
         reaper=janitor(Reach.OWN, None),
+        pins=pins,
     )

@@ -26,6 +26,7 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.book import Book
 from stoker.control.catalog import Catalog
+from stoker.control.faults import FAILING_AFTER, PoolProblem, describe
 from stoker.control.following import Follower
 from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
@@ -40,7 +41,13 @@ from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
 from stoker.control.status import PoolStatus, add_samples, pool_statuses
 from stoker.control.stored_pools import StoredPools
-from stoker.domain.errors import OrgCapError, StokerError, StoreError, Unavailable
+from stoker.domain.errors import (
+    OrgCapError,
+    RuntimeFailure,
+    StokerError,
+    StoreError,
+    Unavailable,
+)
 from stoker.domain.records import Claim, ClaimRequest
 from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
@@ -123,6 +130,7 @@ class ControlPlane:
         self.idempotent = parts.idempotent
         self.spawner, self.events, self.demand = parts.spawner, parts.events, parts.demand
         self.janitor, self.reaper = parts.janitor, parts.reaper
+        self.pins = parts.pins
         self.closers = tuple(closers)
         self._loops: list[asyncio.Task[None]] = []
         self.started = False
@@ -191,7 +199,13 @@ class ControlPlane:
         if pool.max_workers > 0:
             logs.event("pool_cap", pool=pool.name, cap=pool.max_workers, source="max_workers")
             return
-        derived = self.runtime.derived_cap(pool)
+        try:
+            derived = self.runtime.derived_cap(pool)
+        except Exception as exc:
+            # A stored template the cap cannot be read from: the janitor reports the pool
+            # (`/readyz`); the replica starts and serves the other pools.
+            logs.event("pool_cap", pool=pool.name, cap="unknown", error=describe(exc))
+            return
         if derived > 0:
             logs.event(
                 "pool_cap",
@@ -208,7 +222,10 @@ class ControlPlane:
         to adopt (or stop them with `stop_workers`)."""
         if not self.started:
             return
+        # Read before the elector's loop stops: the leader keeps the headroom placeholders.
+        leading = self.elector.is_leader
         await self.claims.drain(self.settings.shutdown_grace_s)
+        self.spawner.close()
         for task in self._loops:
             task.cancel()
         for task in self._loops:
@@ -217,6 +234,8 @@ class ControlPlane:
         self._loops = []
         if stop_workers:
             await self._stop_own_workers()
+            if leading:
+                await self._remove_headroom()
         await self.book.wait_background(self.settings.shutdown_grace_s)
         with contextlib.suppress(StokerError):
             await self.elector.resign()
@@ -256,6 +275,14 @@ class ControlPlane:
         await self.book.wait_background(self.settings.shutdown_grace_s)
         await self.retirer.stop_leftovers(self.instance_id)
 
+    async def _remove_headroom(self) -> None:
+        """Delete the fleet's headroom placeholders (a leader's `--stop-workers`): they hold
+        nodes for workers that no longer come. A leader that goes on recreates them."""
+        try:
+            await self.runtime.reconcile_headroom([])
+        except RuntimeFailure as exc:
+            logs.event("headroom_failed", error=str(exc), level=logs.WARNING)
+
     # -- loops ------------------------------------------------------------------------------
 
     async def _every(self, interval: float, name: str, body: Callable[[], Awaitable[Any]]) -> None:
@@ -270,7 +297,7 @@ class ControlPlane:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.metrics.pass_failures.labels(name).inc()
+            self.metrics.pass_failures.labels(name, "").inc()
             logs.event("pass_failed", loop=name, error=repr(exc), level=logs.WARNING)
             self.journal.record(EventKind.PASS_FAILED, reason=name, detail=repr(exc))
             return False
@@ -293,6 +320,10 @@ class ControlPlane:
         self.refresh_gauges()
         if self.elector.is_leader:
             return await self.run_janitor_pass()
+        # Every replica keeps its own workers' pins; the leader in its pass.
+        await self.pins.reconcile()
+        # Another replica runs the janitor now: its failures are no longer this one's.
+        self.janitor.faults.clear()
         await self.pools.refresh()  # the leader's pass reloads them too: all serve the store
         return None
 
@@ -322,7 +353,9 @@ class ControlPlane:
             self.expired = True
 
     async def run_janitor_pass(self) -> PassReport:
-        """One janitor pass now (tests and tools)."""
+        """One janitor pass now (tests and tools), with this replica's pins first: they
+        need no store, so a pass that fails on the store still keeps them."""
+        await self.pins.reconcile()
         report = await self.janitor.run_pass()
         self.metrics.janitor_last_success.set(self.clock.now())
         return report
@@ -389,6 +422,20 @@ class ControlPlane:
         """A claim by id."""
         self._check_running()
         return await self.sessions.get_claim(claim_id)
+
+    def degraded(self) -> list[PoolProblem]:
+        """The pools this replica sees in trouble (`/readyz`): those whose janitor or reaper
+        passes failed `FAILING_AFTER` times in a row here, and the pool revisions whose
+        spawns failed as often in a row."""
+        problems = self.janitor.faults.problems() + self.reaper.faults.problems()
+        for (pool, revision), trouble in sorted(self.spawner.troubled().items()):
+            if trouble.failures >= FAILING_AFTER:
+                problems.append(
+                    PoolProblem(
+                        pool, "spawn_failing", trouble.failures, trouble.last_error, revision
+                    )
+                )
+        return problems
 
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""

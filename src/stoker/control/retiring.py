@@ -197,13 +197,18 @@ class Retirer:
 
         The last step of a shutdown with `--stop-workers`: the rows' retirements need the
         store, and a store that is down, locked or full must not leave workers behind.
+        Objects whose stop is under way already (a retirement's) are left to it.
         """
         try:
             objects = await self._runtime.list_objects()
         except RuntimeFailure as exc:
             logs.event("leftover_scan_failed", error=str(exc), level=logs.WARNING)
             return 0
-        ours = [o for o in objects if o.instance == instance or self._owns(o.worker_id, instance)]
+        ours = [
+            o
+            for o in objects
+            if not o.stopping and (o.instance == instance or self._owns(o.worker_id, instance))
+        ]
         stopped = await asyncio.gather(*(self._stop_leftover(o) for o in ours))
         return sum(stopped)
 

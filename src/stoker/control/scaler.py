@@ -8,7 +8,8 @@ for its stable revision and nothing for older ones; during a ramp each revision 
 its part. Scale-down of a revision that serves waits `scale_down_delay`; a revision that
 no longer serves retires its warm workers at once when its rollout failed, else a share
 per pass. The leader writes what the plan decided (a step, a promotion, a rollback)
-before it acts on it.
+before it acts on it. Each pool, and each revision of a pool, is a step of its own: one
+that fails is noted in the pass's faults and the others go on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from stoker.control import logs
+from stoker.control.faults import PassFaults
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
 from stoker.control.sizing import PoolSizer
@@ -95,10 +97,13 @@ class Scaler:
         retirer: Retirer,
         spawner: Spawner,
         sizer: PoolSizer | None,
+        faults: PassFaults,
         demand: DemandSource | None = None,
     ) -> None:
-        """Sized by `sizer`, or by a baseline's `demand` added to the static target."""
+        """Sized by `sizer`, or by a baseline's `demand` added to the static target; what
+        fails for one pool is noted in `faults`."""
         self._retirer, self._spawner = retirer, spawner
+        self._faults = faults
         self._sizer, self._demand = sizer, demand
         self._store = store
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
@@ -121,25 +126,35 @@ class Scaler:
         if self._sizer is not None:
             await self._sizer.read(world.now)
         for name, pool in list(self._catalog.pools.items()):
-            cap = self._catalog.pool_cap(pool)
-            sizing, demand = await self._wanted(
-                pool, counts.get(name, {}), live[name], cap, world.now
-            )
-            plan = self._rollouts.plan(pool, counts.get(name, {}), sizing, world.now)
-            if plan.decision is not Decision.HOLD and not await self._decided(
-                pool, plan, world.now
-            ):
-                # Unwritten, the decision does not hold: act on the stored rollout.
-                plan = self._rollouts.plan(
-                    pool, counts.get(name, {}), sizing, world.now, decide=False
-                )
-            desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
-            self.desired[name], self.demand[name] = desired, demand
-            self._metrics.demand.labels(name).set(demand)
-            self._metrics.warm_desired.labels(name).set(desired)
-            self._metrics.pool_cap.labels(name).set(cap)
-            for part in plan.revisions.values():
-                mine = counts.get(name, {}).get(part.revision, RevisionCounts())
+            with self._faults.step(name, "scale"):
+                await self._scale_pool(pool, counts.get(name, {}), live, warm, world, report)
+
+    async def _scale_pool(
+        self,
+        pool: PoolSpec,
+        counts: dict[str, RevisionCounts],
+        live: dict[str, int],
+        warm: dict[tuple[str, str], list[Worker]],
+        world: World,
+        report: PassReport,
+    ) -> None:
+        """One pool's step: its plan, then each revision's spawns and scale-down."""
+        name = pool.name
+        cap = self._catalog.pool_cap(pool)
+        sizing, demand = await self._wanted(pool, counts, live[name], cap, world.now)
+        plan = self._rollouts.plan(pool, counts, sizing, world.now)
+        if plan.decision is not Decision.HOLD and not await self._decided(pool, plan, world.now):
+            # Unwritten, the decision does not hold: act on the stored rollout.
+            plan = self._rollouts.plan(pool, counts, sizing, world.now, decide=False)
+        desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
+        self.desired[name], self.demand[name] = desired, demand
+        self._metrics.demand.labels(name).set(demand)
+        self._metrics.warm_desired.labels(name).set(desired)
+        self._metrics.pool_cap.labels(name).set(cap)
+        for part in plan.revisions.values():
+            # A revision whose template breaks its step leaves the others' alone.
+            with self._faults.step(name, f"scale revision {part.revision}"):
+                mine = counts.get(part.revision, RevisionCounts())
                 held = PoolCounts(warm=mine.warm, spawning_neutral=mine.spawning, live=live[name])
                 workers = warm[(name, part.revision)]
                 if part.role in SERVING:

@@ -1,17 +1,24 @@
 """Spawning: reserve spawn slots in the store within caps and target, then create the
 runtime objects, rate-limited by a token bucket sized to the runtime's API budget.
 
-A failed create frees its slot at once (I4). Spawns that keep failing (a worker command
-that cannot start, a crash loop) back off per pool and revision, exponentially and
-capped (`PoolSpec.spawn_backoff`): no spawn starts until the back-off ends, then one
-probes; the first worker that gets ready ends the trouble.
+A failed create frees its slot at once (I4), whatever it failed with: a runtime's
+`RuntimeFailure`, or anything else a spawn raises (a stored template the runtime cannot
+use) — that is a spawn failure too, never a slot left `spawning` until its timeout. Spawns
+that keep failing (a worker command that cannot start, a crash loop) back off per pool and
+revision, exponentially and capped (`PoolSpec.spawn_backoff`): no spawn starts until the
+back-off ends, then one probes, and while it is in flight no other starts; the first
+worker that gets ready ends the trouble. Spawns reserved before the trouble began wait for
+their turn in `create` rather than try (and fail) one after the other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+from dataclasses import dataclass, replace
 
 from stoker.control import logs
+from stoker.control.faults import describe
 from stoker.control.journal import EventKind
 from stoker.control.retiring import Retirer
 from stoker.control.rollouts import Outcome
@@ -29,12 +36,21 @@ from stoker.ports.store import SpawnRequest, SpawnResult
 
 @dataclass(frozen=True, slots=True)
 class SpawnTrouble:
-    """Spawns of one pool revision failing in a row: how many, the last error, and when
-    (monotonic) the next one may start."""
+    """Spawns of one pool revision failing in a row: how many, the last error, when
+    (monotonic) the next one may start, and the spawn that probes now (its worker id)."""
 
     failures: int
     last_error: str
     retry_at: float
+    probe: str | None = None
+
+
+def crash_error(worker: Worker, exc: Exception) -> str:
+    """What a spawn that raised something other than a `RuntimeFailure` failed with."""
+    return (
+        f"worker {worker.id} of revision {worker.revision} could not be started "
+        f"(the pool's template or the runtime is faulty): {describe(exc)}"
+    )
 
 
 class Spawner:
@@ -54,6 +70,10 @@ class Spawner:
         )
         #: Pool revisions whose spawns fail, by (pool, revision).
         self._trouble: dict[tuple[str, str], SpawnTrouble] = {}
+        #: Set (and replaced) when a revision's trouble changes: its queued spawns wake.
+        self._changes: dict[tuple[str, str], asyncio.Event] = {}
+        #: Set at shutdown: spawns that wait for their turn give up (nothing started).
+        self._closing = False
         #: Spawn-to-ready time of this replica's spawns, per pool.
         self._ready: dict[str, ReadyTime] = {}
 
@@ -82,6 +102,10 @@ class Spawner:
         """The failing spawns of the pool's current revision, if its spawns fail."""
         return self._trouble.get((pool.name, pool.revision))
 
+    def troubled(self) -> dict[tuple[str, str], SpawnTrouble]:
+        """Every pool revision whose spawns fail now, by (pool, revision)."""
+        return dict(self._trouble)
+
     def backoff_left(self, pool: PoolSpec) -> float:
         """Seconds before the pool may start a spawn again (0: it may now)."""
         trouble = self._trouble.get((pool.name, pool.revision))
@@ -102,6 +126,7 @@ class Spawner:
         self._trouble[(pool, revision)] = SpawnTrouble(
             failures, error, self._clock.monotonic() + delay
         )
+        self._changed((pool, revision))
         if revision == spec.revision:
             self._metrics.spawn_failing.labels(pool).set(failures)
         logs.event(
@@ -118,6 +143,7 @@ class Spawner:
     def spawn_ready(self, pool: str, revision: str) -> None:
         """A worker of the revision got ready: its spawns work (again)."""
         if self._trouble.pop((pool, revision), None) is not None:
+            self._changed((pool, revision))
             self._metrics.spawn_failing.labels(pool).set(0)
             logs.event("spawn_recovered", pool=pool, revision=revision)
 
@@ -127,34 +153,114 @@ class Spawner:
         trouble = self._trouble.get((pool.name, pool.revision))
         if trouble is None:
             return count
-        if trouble.retry_at > self._clock.monotonic():
+        if self._probing(trouble) or trouble.retry_at > self._clock.monotonic():
             return 0
         # The probe takes the slot of the next failure: until it fails or gets ready, no
-        # other spawn starts.
-        self._trouble[(pool.name, pool.revision)] = SpawnTrouble(
-            trouble.failures,
-            trouble.last_error,
-            self._clock.monotonic() + spawn_backoff_s(trouble.failures, pool.spawn_backoff),
+        # other spawn starts (`_probe_reserved` names it once its slot is reserved).
+        delay = spawn_backoff_s(trouble.failures, pool.spawn_backoff)
+        self._trouble[(pool.name, pool.revision)] = replace(
+            trouble, probe=None, retry_at=self._clock.monotonic() + delay
         )
         return min(count, 1)
 
+    def _probe_reserved(self, pool: PoolSpec, worker_id: str) -> None:
+        """The slot `_allowed` let a backing-off revision reserve is its probe."""
+        key = (pool.name, pool.revision)
+        trouble = self._trouble.get(key)
+        if trouble is not None:
+            self._trouble[key] = replace(trouble, probe=worker_id)
+
+    def _probing(self, trouble: SpawnTrouble) -> bool:
+        """Whether the revision's probe is still in flight (its slot still spawning)."""
+        if trouble.probe is None:
+            return False
+        known = self._book.known(trouble.probe)
+        return known is not None and known.state is WorkerState.SPAWNING
+
+    def _turn_in(self, worker: Worker, pool: PoolSpec) -> float | None:
+        """None when the spawn may start now (its revision's spawns work, or it is the
+        probe, or it becomes the probe), else how long to wait before asking again."""
+        key = (pool.name, pool.revision)
+        trouble = self._trouble.get(key)
+        if trouble is None or trouble.probe == worker.id:
+            return None
+        now = self._clock.monotonic()
+        if self._probing(trouble):
+            # Woken when the probe fails or gets ready; asks again at least this often.
+            return max(trouble.retry_at - now, pool.spawn_backoff.initial_s)
+        if trouble.retry_at > now:
+            return trouble.retry_at - now
+        delay = spawn_backoff_s(trouble.failures, pool.spawn_backoff)
+        self._trouble[key] = replace(trouble, probe=worker.id, retry_at=now + delay)
+        return None
+
+    def close(self) -> None:
+        """Shutdown: the spawns waiting for their turn give up now instead of probing
+        through the grace (their slots stay for the next start to settle)."""
+        self._closing = True
+        for key in list(self._changes):
+            self._changed(key)
+
+    def _changed(self, key: tuple[str, str]) -> None:
+        """Wake the spawns of the revision that wait for their turn."""
+        event = self._changes.pop(key, None)
+        if event is not None:
+            event.set()
+
+    async def _until_changed(self, key: tuple[str, str], seconds: float) -> None:
+        """Wait until the revision's trouble changes (or shutdown), at most `seconds`."""
+        if self._closing:
+            return
+        event = self._changes.setdefault(key, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await event.wait()
+
+    def _crashed(self, pool: PoolSpec, what: str, exc: Exception) -> None:
+        """A spawn of the revision raised before a slot was reserved (its template breaks
+        the cap): an attempt and a failure, backed off like any other."""
+        error = (
+            f"spawns of revision {pool.revision} cannot be reserved "
+            f"(the pool's template is faulty): {describe(exc)}"
+        )
+        self._metrics.spawn_failures.labels(pool.name, "crash").inc()
+        self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
+        logs.event(
+            "spawn_failed",
+            pool=pool.name,
+            revision=pool.revision,
+            step=what,
+            error=error,
+            level=logs.WARNING,
+        )
+        self.spawn_failed(pool.name, pool.revision, error)
+
     async def spawn_warm(self, pool: PoolSpec, count: int, *, target: int) -> int:
         """Reserve up to `count` neutral spawn slots (never beyond `target`) and spawn them
-        (fewer while the pool's spawns fail: see `SpawnTrouble`)."""
+        (fewer while the pool's spawns fail: see `SpawnTrouble`). A template the cap
+        cannot be read from counts as a failed spawn and is raised on to the pass."""
         count = self._allowed(pool, count)
         if count <= 0:
             return 0
+        try:
+            cap = self._catalog.pool_cap(pool)
+        except Exception as exc:
+            # A failed spawn (backed off, judged by the rollout) and a failed step of the
+            # pass (the janitor notes the pool and goes on with the others).
+            self._crashed(pool, "warm", exc)
+            raise
         req = SpawnRequest(
             pool=pool.name,
             revision=pool.revision,
             count=count,
             owner=self._book.instance_id,
-            pool_cap=self._catalog.pool_cap(pool),
+            pool_cap=cap,
             target=target,
         )
         ids = [self._ids.worker() for _ in range(count)]
         result = await self._lifecycle.reserve_slots(req, ids)
         for worker in result.workers:
+            self._probe_reserved(pool, worker.id)
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "warm").inc()
             self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
@@ -166,27 +272,33 @@ class Spawner:
         none, `limited_by` "backoff", while the pool's spawns fail and back off."""
         if not self._allowed(pool, 1):
             return SpawnResult(workers=[], limited_by="backoff")
+        try:
+            cap = self._catalog.pool_cap(pool)
+        except Exception as exc:
+            self._crashed(pool, "cold", exc)
+            return SpawnResult(workers=[], limited_by="backoff")
         req = SpawnRequest(
             pool=pool.name,
             revision=pool.revision,
             count=1,
             owner=self._book.instance_id,
             org=org,
-            pool_cap=self._catalog.pool_cap(pool),
+            pool_cap=cap,
             org_cap=org_cap,
         )
         result = await self._lifecycle.reserve_slots(req, [self._ids.worker()])
         for worker in result.workers:
+            self._probe_reserved(pool, worker.id)
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "cold").inc()
             self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
         return result
 
     async def create(self, worker: Worker, pool: PoolSpec) -> bool:
-        """Create the runtime object of a spawning slot; a failure frees the slot at once."""
-        await self._bucket.acquire()
-        known = self._book.known(worker.id)
-        if known is None or (known.state, known.epoch) != (WorkerState.SPAWNING, worker.epoch):
+        """Create the runtime object of a spawning slot; a failure, whatever it raised,
+        frees the slot at once and counts. While the revision backs off the spawn waits
+        for its turn to probe (its slot kept, until it starts or is retired)."""
+        if not await self._turn(worker, pool):
             # Retired (and forgotten) while it waited for its turn (a shutdown, a stuck
             # sweep): its stop found no process, so none may start now.
             self._book.drop_spawn_wait(worker.id)
@@ -207,6 +319,17 @@ class Spawner:
             self._book.drop_spawn_wait(worker.id)
             await self._retirer.retire(worker, RetireReason.SPAWN_FAILURE, stop=False)
             return False
+        except Exception as exc:
+            # Not a runtime's word for a failure (a template value of the wrong type met
+            # the runtime): a failed spawn all the same. The runtime may have started
+            # something before it raised, so the retirement stops what it finds.
+            error = crash_error(worker, exc)
+            self._metrics.spawn_failures.labels(pool.name, "crash").inc()
+            logs.worker_event("spawn_failed", worker, error=error, level=logs.ERROR)
+            self.spawn_failed(worker.pool, worker.revision, error)
+            self._book.drop_spawn_wait(worker.id)
+            await self._retirer.retire(worker, RetireReason.SPAWN_FAILURE)
+            return False
         finally:
             # Cleared before anything else can happen: once ready, the worker is offered to
             # claims, which skip what is in flight.
@@ -226,3 +349,20 @@ class Spawner:
                 self._book.ref_saved(worker.id)
                 self._book.remember(recorded)
         return True
+
+    async def _turn(self, worker: Worker, pool: PoolSpec) -> bool:
+        """Wait for the token bucket and for the spawn's turn (see `_turn_in`); False when
+        the slot was retired meanwhile."""
+        key = (pool.name, pool.revision)
+        waited = False
+        while not (waited and self._closing):
+            await self._bucket.acquire()
+            known = self._book.known(worker.id)
+            if known is None or (known.state, known.epoch) != (WorkerState.SPAWNING, worker.epoch):
+                return False
+            wait = self._turn_in(worker, pool)
+            if wait is None:
+                return True
+            await self._until_changed(key, wait)
+            waited = True
+        return False

@@ -11,7 +11,9 @@ holds. At start a replica *seeds* the store from its config file, one log line p
 
 Each janitor and fallback-reaper pass reads the pools' generations (one small query) and
 reloads the catalog when they changed, so an admin change is in force on every replica
-within a pass, without a restart. Every write compares the pool's generation.
+within a pass, without a restart. Every write compares the pool's generation. A pool whose
+stored row cannot be read (written before the API checked what it stores) keeps what the
+catalog served before, is named in `broken`, and never keeps the others from loading.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 
 from stoker.control import logs
 from stoker.control.catalog import Catalog
+from stoker.control.faults import describe
 from stoker.control.ids import Ids
-from stoker.domain.errors import NotFound
+from stoker.domain.errors import NotFound, StoreError
 from stoker.domain.pools import (
     Rollout,
     StaleGeneration,
@@ -89,6 +92,9 @@ class StoredPools:
         self._strategies = dict(strategies or {})
         #: The generations the catalog was loaded at (None: never loaded).
         self._loaded: dict[str, int] | None = None
+        #: Pools whose stored row or revisions could not be read at the last load, with
+        #: why (they are read again at every refresh until they load).
+        self.broken: dict[str, str] = {}
 
     # -- seed and refresh -----------------------------------------------------------------
 
@@ -157,17 +163,57 @@ class StoredPools:
         """Reload the catalog when the stored generations changed (or with `force`); True
         when it reloaded."""
         generations = await self.store.pool_generations()
-        if not force and generations == self._loaded:
+        if not force and not self.broken and generations == self._loaded:
             return False
-        pools = await self.store.list_pools()
+        broken: dict[str, str] = {}
+        pools = await self._read_pools(generations, broken)
         rollouts = await self.store.list_rollouts()
         revisions: list[StoredRevision] = []
-        for pool in pools:
-            revisions += await self.store.list_revisions(pool.name)
+        for pool in list(pools):
+            try:
+                revisions += await self.store.list_revisions(pool.name)
+            except StoreError:
+                raise
+            except Exception as exc:
+                broken[pool.name] = f"its revisions cannot be read: {describe(exc)}"
+                pools.remove(pool)
+        for name, why in broken.items():
+            if name not in self.broken:
+                logs.event("pool_unreadable", pool=name, error=why, level=logs.ERROR)
+            # Served as it was before, while its row cannot be read.
+            before = self.catalog.stored(name)
+            if before is not None:
+                pools.append(before)
+                revisions += self.catalog.revisions_of(name)
+        self.broken = broken
         if pools:
             self.catalog.load(pools, rollouts, revisions)
-        self._loaded = {p.name: p.generation for p in pools}
+        self._loaded = {p.name: p.generation for p in pools if p.name not in broken}
         return True
+
+    async def _read_pools(
+        self, generations: Mapping[str, int], broken: dict[str, str]
+    ) -> list[StoredPool]:
+        """Every stored pool; when one row cannot be read, each pool on its own, the ones
+        that fail named in `broken`."""
+        try:
+            return await self.store.list_pools()
+        except StoreError:
+            raise
+        except Exception:
+            pass
+        pools = []
+        for name in sorted(generations):
+            try:
+                pool = await self.store.get_pool(name)
+            except StoreError:
+                raise
+            except Exception as exc:
+                broken[name] = f"its stored row cannot be read: {describe(exc)}"
+                continue
+            if pool is not None:
+                pools.append(pool)
+        return pools
 
     # -- an admin's writes ------------------------------------------------------------------
 

@@ -227,3 +227,24 @@ class ClaimRequest:
     config: Mapping[str, Any] = field(default_factory=dict)
     #: The client's `Idempotency-Key`: a retry with the same key gets the same claim.
     idempotency_key: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnProgress:
+    """How a spawned worker that is not ready yet is getting on, as the runtime sees it.
+
+    `stage` is a word for logs: `unschedulable` (no node fits it), `node_coming` (a node
+    is nominated for it), `scheduling`, `pulling` (its image), `starting`,
+    `image_pull_failing`, `container_failing`, `not_ready` (it runs, its readiness probe
+    fails). `waiting`: it waits on the cluster (a node to fit it or on its way, its image),
+    so the stuck sweep gives it the pool's `timeouts.pending_s` rather than `spawn_s`.
+    `failure`: why it cannot start as it is (reported once as `worker_stalled`); `detail`:
+    the cluster's message; `started_at`: when its process started (seconds since the
+    epoch), from which `spawn_s` counts again.
+    """
+
+    stage: str
+    waiting: bool = False
+    failure: str | None = None
+    detail: str | None = None
+    started_at: float | None = None

@@ -81,6 +81,10 @@ class Timeouts:
     """How long each in-flight state may last before the stuck sweep retires it (I4)."""
 
     spawn_s: PositiveSeconds = 120.0
+    #: Kubernetes: how long a spawning pod may wait on the cluster (no node fits it yet,
+    #: a node is on its way, its image is being pulled) before the stuck sweep retires it,
+    #: instead of `spawn_s`; `spawn_s` counts again from its container's start.
+    pending_s: PositiveSeconds = 600.0
     reserve_s: PositiveSeconds = 30.0
     activation_s: PositiveSeconds = 30.0
     drain_s: PositiveSeconds = 120.0

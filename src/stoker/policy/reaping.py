@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
-from stoker.domain.records import Claim, Worker
+from stoker.domain.records import Claim, SpawnProgress, Worker
 from stoker.domain.specs import DEFAULT_HOT_IDLE_TTL_S, Timeouts
 from stoker.domain.states import ClaimState, WorkerState
 
@@ -125,11 +125,23 @@ def _group(worker: Worker) -> tuple[str, str]:
     return worker.pool, worker.org or ""
 
 
-def stuck_deadline(worker: Worker, timeouts: Timeouts) -> float | None:
-    """When an in-flight or draining worker counts as stuck, or None for other states."""
+def stuck_deadline(
+    worker: Worker, timeouts: Timeouts, progress: SpawnProgress | None = None
+) -> float | None:
+    """When an in-flight or draining worker counts as stuck, or None for other states.
+
+    A spawning worker gets `spawn_s`; `pending_s` (if longer) while its runtime `progress`
+    says it waits on the cluster (a node, an image), and `spawn_s` again from the start
+    of its process.
+    """
     match worker.state:
         case WorkerState.SPAWNING:
-            return worker.updated_at + timeouts.spawn_s
+            deadline = worker.updated_at + timeouts.spawn_s
+            if progress is not None and progress.waiting:
+                deadline = max(deadline, worker.updated_at + timeouts.pending_s)
+            if progress is not None and progress.started_at is not None:
+                deadline = max(deadline, progress.started_at + timeouts.spawn_s)
+            return deadline
         case WorkerState.RESERVED:
             return worker.updated_at + timeouts.reserve_s
         case WorkerState.ACTIVATING:
@@ -142,13 +154,18 @@ def stuck_deadline(worker: Worker, timeouts: Timeouts) -> float | None:
 
 
 def stuck_workers(
-    workers: Iterable[Worker], now: float, timeouts_of: Mapping[str, Timeouts]
+    workers: Iterable[Worker],
+    now: float,
+    timeouts_of: Mapping[str, Timeouts],
+    progress_of: Mapping[str, SpawnProgress] | None = None,
 ) -> list[Worker]:
-    """In-flight rows that outlived their timeout (I4); unknown pools use default timeouts."""
+    """In-flight rows that outlived their timeout (I4); unknown pools use default timeouts.
+    `progress_of` holds the runtime's view of spawning workers, by worker id."""
     default = Timeouts()
+    progress_of = progress_of or {}
     out = []
     for w in workers:
-        deadline = stuck_deadline(w, timeouts_of.get(w.pool, default))
+        deadline = stuck_deadline(w, timeouts_of.get(w.pool, default), progress_of.get(w.id))
         if deadline is not None and now >= deadline:
             out.append(w)
     return out

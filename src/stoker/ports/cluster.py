@@ -91,6 +91,25 @@ class PodSpec:
     termination_grace_period_s: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """A pod condition (`status.conditions[]`): its status ("True", "False", "Unknown"),
+    and for a False one the machine-readable reason and the human message."""
+
+    status: str
+    reason: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Why a container does not run yet (`state.waiting`): `ContainerCreating` while its
+    image is pulled, `ErrImagePull` or `ImagePullBackOff` when the pull fails, ..."""
+
+    reason: str
+    message: str | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pod:
     """A pod as stoker sees it; the cluster fills in everything after `spec` on create."""
@@ -107,6 +126,16 @@ class Pod:
     node_name: str | None = None
     #: `status.reason`, e.g. "Evicted" for a pod the kubelet evicted under node pressure.
     reason: str | None = None
+    #: The PodScheduled condition; None before the scheduler wrote one. False with reason
+    #: "Unschedulable" (and a message saying which nodes did not fit, and why) while no
+    #: node can take the pod.
+    scheduled: Condition | None = None
+    #: `status.nominatedNodeName`: a preemption freed room there, and the pod goes there.
+    nominated_node: str | None = None
+    #: Why the first container is not running yet, if it is waiting.
+    waiting: Waiting | None = None
+    #: Seconds since the epoch at which the first container started running, if it runs.
+    started_at: float | None = None
     #: Seconds since the epoch at which a graceful deletion completes; None while not deleting.
     deletion_timestamp: float | None = None
     resource_version: str = ""

@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stoker.domain.records import Worker
+from stoker.domain.records import SpawnProgress, Worker
 from stoker.domain.specs import PoolSpec
+
+__all__ = ["Runtime", "RuntimeListener", "RuntimeObject", "SpawnProgress"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,9 @@ class RuntimeObject:
     ready: bool = False
     endpoint: str | None = None
     instance: str | None = None
+    #: Its stop is under way (requested by this runtime, or the pod is terminating): no
+    #: second stop is needed.
+    stopping: bool = False
 
 
 class RuntimeListener(Protocol):
@@ -39,6 +44,12 @@ class RuntimeListener(Protocol):
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         """The worker's process or pod is gone (`lost`, `evicted`, `spawn_failure`, ...)."""
+        ...
+
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        """The spawning worker cannot start as it is (`stage`: `unschedulable`,
+        `image_pull_failing`, ...; `error` says why). It is not gone: it may still start
+        once the cluster changes (a node comes, the registry answers)."""
         ...
 
 
@@ -85,6 +96,16 @@ class Runtime(Protocol):
 
     async def set_busy(self, worker: Worker, busy: bool) -> None:
         """Mark a worker as not to be disrupted by the cluster while bound to an org."""
+        ...
+
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        """How the spawning worker's object is getting on, as last seen; None when the
+        runtime cannot tell (or sees no object of it)."""
+        ...
+
+    def pinned(self, worker: Worker) -> bool | None:
+        """Whether the worker's object carries the not-to-be-disrupted mark, as last seen;
+        None when the runtime has no such mark or does not see a live object."""
         ...
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:

@@ -205,6 +205,11 @@ class ObservedRuntime:
         if self._listener is not None:
             self._listener.worker_lost(worker_id, reason)
 
+    def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
+        """Tell the pool manager."""
+        if self._listener is not None:
+            self._listener.worker_stalled(worker_id, stage, error)
+
     def _settled(self, worker_id: str) -> None:
         """Hook: the worker's spawn is over (ready, gone or stopped)."""
 

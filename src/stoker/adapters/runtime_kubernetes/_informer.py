@@ -3,14 +3,17 @@
 One list, then a watch from the list's resourceVersion, resumed from the last version seen
 when the stream ends, a fresh list when the cluster answers `Gone`, and a periodic resync
 (list and diff) that emits whatever a missed watch event would have. Pod changes become the
-two runtime events:
+runtime events:
 
 - `worker_ready(id, "http://<podIP>:<port>")` once per pod, when it is Running, Ready and
   has an IP (also for ready pods found by the first list; the pool manager ignores workers
   it does not own);
 - `worker_lost(id, reason)` once per pod, when it is deleted (or starts terminating),
   Failed or Succeeded: `"evicted"` for a pod the kubelet evicted, else `"lost"`. A pod
-  whose deletion the runtime requested (`expect_deletion`) is never reported.
+  whose deletion the runtime requested (`expect_deletion`) is never reported;
+- `worker_stalled(id, stage, error)` once per pod and stage, while a pod that is not
+  ready yet cannot start as it is: no node fits it (`unschedulable`), its image cannot be
+  pulled, its container cannot be created (see `PodView.progress`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class PodEntry:
     settled: bool = False
     #: What `list_objects` made of `view` last time (rebuilt once the view changes).
     listed: tuple[PodView, RuntimeObject] | None = None
+    #: The stages of trouble reported as worker_stalled (each once per pod).
+    stalled: frozenset[str] = frozenset()
 
 
 class PodInformer:
@@ -136,6 +141,10 @@ class PodInformer:
         if entry is not None:
             entry.settled = True
         return entry
+
+    def deletion_requested(self, name: str) -> bool:
+        """Whether the runtime deleted pod `name` (the cache may not show it yet)."""
+        return name in self._stopping
 
     def deletion_failed(self, name: str, entry: PodEntry | None) -> None:
         """Undo `expect_deletion` after the cluster refused it: the pod lives on."""
@@ -263,7 +272,9 @@ class PodInformer:
             entry.settled = True
             self._report_lost(view)
             return
-        if not entry.announced and view.serving:
+        if not entry.announced and not view.serving:
+            self._report_stall(entry, view)
+        elif not entry.announced:
             entry.announced = True
             endpoint = view.endpoint or ""
             _log(
@@ -275,6 +286,24 @@ class PodInformer:
             )
             if self.listener is not None and view.worker_id is not None:
                 self.listener.worker_ready(view.worker_id, endpoint)
+
+    def _report_stall(self, entry: PodEntry, view: PodView) -> None:
+        """A spawning pod that cannot start as it is (unschedulable, its image cannot be
+        pulled): report each such stage once per pod."""
+        progress = view.progress
+        if progress is None or progress.failure is None or progress.stage in entry.stalled:
+            return
+        entry.stalled |= {progress.stage}
+        _log(
+            "worker_stalled",
+            level=self._level(view, logging.WARNING),
+            worker=view.worker_id,
+            pool=view.pool,
+            stage=progress.stage,
+            detail=progress.detail,
+        )
+        if self.listener is not None and view.worker_id is not None:
+            self.listener.worker_stalled(view.worker_id, progress.stage, progress.failure)
 
     def _forget(self, view: PodView) -> None:
         """A pod is gone from the cluster: drop it and report it if it was a live worker."""

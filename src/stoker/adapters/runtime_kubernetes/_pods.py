@@ -21,7 +21,16 @@ from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec
-from stoker.ports.cluster import Container, Pod, PodPhase, PodSpec, Toleration
+from stoker.ports.cluster import (
+    Condition,
+    Container,
+    Pod,
+    PodPhase,
+    PodSpec,
+    Toleration,
+    Waiting,
+)
+from stoker.ports.runtime import SpawnProgress
 from stoker.worker import SECRET_ENV
 
 #: Labels every pod of this runtime carries.
@@ -43,6 +52,14 @@ WORKER_CONTAINER = "worker"
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 _FINISHED = frozenset({PodPhase.FAILED, PodPhase.SUCCEEDED})
+#: The PodScheduled condition's reason while no node can take the pod.
+UNSCHEDULABLE = "Unschedulable"
+#: Waiting reasons of a container whose image cannot be pulled (the kubelet retries).
+_PULL_FAILURES = frozenset(
+    {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+)
+#: Waiting reasons of a container that cannot be created as specified.
+_CREATE_FAILURES = frozenset({"CreateContainerConfigError", "CreateContainerError"})
 _TOLERATION_KEYS = frozenset(
     {"key", "operator", "value", "effect", "tolerationSeconds", "toleration_seconds"}
 )
@@ -81,6 +98,11 @@ class PodView:
     do_not_disrupt: str | None
     created_at: float | None
     resource_version: str
+    node_name: str | None = None
+    scheduled: Condition | None = None
+    nominated_node: str | None = None
+    waiting: Waiting | None = None
+    started_at: float | None = None
 
     @classmethod
     def of(cls, pod: Pod) -> PodView:
@@ -103,6 +125,11 @@ class PodView:
             do_not_disrupt=pod.annotations.get(DO_NOT_DISRUPT),
             created_at=pod.created_at,
             resource_version=pod.resource_version,
+            node_name=pod.node_name,
+            scheduled=pod.scheduled,
+            nominated_node=pod.nominated_node,
+            waiting=pod.waiting,
+            started_at=pod.started_at,
         )
 
     @property
@@ -138,6 +165,57 @@ class PodView:
             return None
         host = f"[{self.pod_ip}]" if ":" in self.pod_ip else self.pod_ip
         return f"http://{host}:{self.port}"
+
+    @property
+    def progress(self) -> SpawnProgress | None:
+        """How the pod gets on towards ready (None once it serves, or when it is gone).
+
+        What the pod object shows, and no more: no events are read. A pod no node fits is
+        `unschedulable` (a failure: the pool backs off and says why) yet still waiting: a
+        node autoscaler may be bringing a node for it, and its pending pod is what makes
+        the autoscaler do so. A nominated pod has room coming (a preemption).
+        """
+        if not self.alive or self.serving:
+            return None
+        if self.node_name is None:
+            if self.nominated_node:
+                return SpawnProgress(
+                    "node_coming", waiting=True, detail=f"nominated to {self.nominated_node}"
+                )
+            scheduled = self.scheduled
+            if (
+                scheduled is not None
+                and scheduled.status == "False"
+                and scheduled.reason == UNSCHEDULABLE
+            ):
+                detail = scheduled.message or "no node fits the pod"
+                return SpawnProgress(
+                    "unschedulable",
+                    waiting=True,
+                    failure=f"pod {self.name} unschedulable: {detail}",
+                    detail=detail,
+                )
+            return SpawnProgress("scheduling")
+        if self.phase == PodPhase.PENDING:
+            waiting = self.waiting
+            if waiting is None:
+                return SpawnProgress("starting", waiting=True)
+            detail = f"{waiting.reason}: {waiting.message}" if waiting.message else waiting.reason
+            if waiting.reason in _PULL_FAILURES:
+                return SpawnProgress(
+                    "image_pull_failing",
+                    failure=f"pod {self.name} cannot pull its image: {detail}",
+                    detail=detail,
+                )
+            if waiting.reason in _CREATE_FAILURES:
+                return SpawnProgress(
+                    "container_failing",
+                    failure=f"pod {self.name} cannot start its container: {detail}",
+                    detail=detail,
+                )
+            stage = "pulling" if waiting.reason == "ContainerCreating" else "starting"
+            return SpawnProgress(stage, waiting=True, detail=detail)
+        return SpawnProgress("not_ready", started_at=self.started_at)
 
     @property
     def loss_reason(self) -> str:

@@ -24,7 +24,7 @@ from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ClusterAPI, ClusterError, Conflict, ObjectNotFound
-from stoker.ports.runtime import RuntimeListener, RuntimeObject
+from stoker.ports.runtime import RuntimeListener, RuntimeObject, SpawnProgress
 
 _log = EventLog("stoker.runtime.kubernetes")
 
@@ -224,14 +224,32 @@ class KubernetesRuntime:
             raise RuntimeFailure(f"cannot mark pod {name} busy={busy}: {exc}") from exc
         _log("worker_disruption", worker=worker.id, do_not_disrupt=wanted or "removed")
 
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        """How the worker's cached pod gets on towards ready (`PodView.progress`); None
+        when no pod of the worker is cached, or it serves."""
+        entry = self.informer.entry(pod_name(worker))
+        if entry is None or entry.view.worker_id != worker.id:
+            return None
+        return entry.view.progress
+
+    def pinned(self, worker: Worker) -> bool | None:
+        """Whether the worker's cached pod carries `karpenter.sh/do-not-disrupt: "true"`;
+        None when no live pod of the worker is cached."""
+        entry = self.informer.entry(pod_name(worker))
+        if entry is None or not entry.view.alive or entry.view.worker_id != worker.id:
+            return None
+        return entry.view.do_not_disrupt == "true"
+
     async def list_objects(self) -> list[RuntimeObject]:
-        """Every worker pod of this fleet, from the informer's cache (no list call)."""
+        """Every worker pod of this fleet, from the informer's cache (no list call); a pod
+        this runtime deleted, or that is terminating, is `stopping`."""
         await self.informer.wait_synced()
         objects = []
         for entry in self.informer.worker_entries():
             view = entry.view
             listed = entry.listed
-            if listed is None or listed[0] is not view:
+            stopping = view.terminating or self.informer.deletion_requested(view.name)
+            if listed is None or listed[0] is not view or listed[1].stopping is not stopping:
                 listed = entry.listed = (
                     view,
                     RuntimeObject(
@@ -243,6 +261,7 @@ class KubernetesRuntime:
                         ready=view.serving,
                         endpoint=view.endpoint,
                         instance=view.instance,
+                        stopping=stopping,
                     ),
                 )
             objects.append(listed[1])

@@ -66,7 +66,8 @@ def start_process(
             stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
             start_new_session=True,
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
+        # TypeError: an argv or environment value that is not a string.
         raise RuntimeFailure(f"cannot start worker {worker_id}: {exc}") from exc
     finally:
         # The child holds its own copy of the descriptor.

@@ -41,7 +41,7 @@ from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec, ProcessTemplate
 from stoker.ports.clock import Clock
-from stoker.ports.runtime import RuntimeListener, RuntimeObject
+from stoker.ports.runtime import RuntimeListener, RuntimeObject, SpawnProgress
 from stoker.worker import SECRET_ENV
 
 _log = EventLog("stoker.runtime.local")
@@ -378,6 +378,14 @@ class LocalProcessRuntime:
 
     async def set_busy(self, worker: Worker, busy: bool) -> None:
         """Nothing to do: no one disrupts a local process (unlike a cluster node drain)."""
+        return None
+
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        """None: a local process starts or fails; it waits on nothing the sweep should know."""
+        return None
+
+    def pinned(self, worker: Worker) -> bool | None:
+        """None: a local process carries no such mark."""
         return None
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:

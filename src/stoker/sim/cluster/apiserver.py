@@ -35,6 +35,7 @@ from typing import Any, TypedDict, Unpack
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import (
     ClusterError,
+    Condition,
     Conflict,
     Invalid,
     Lease,
@@ -44,6 +45,7 @@ from stoker.ports.cluster import (
     PodList,
     PodPhase,
     Selector,
+    Waiting,
     WatchEvent,
     WatchEventType,
 )
@@ -61,6 +63,10 @@ class PodStatus(TypedDict, total=False):
     pod_ip: str
     node_name: str
     reason: str
+    scheduled: Condition
+    nominated_node: str | None
+    waiting: Waiting | None
+    started_at: float
 
 
 def _merge(current: Mapping[str, str], patch: MetadataPatch) -> dict[str, str]:
@@ -238,6 +244,10 @@ class FakeApiServer:
             pod_ip=None,
             node_name=None,
             reason=None,
+            scheduled=None,
+            nominated_node=None,
+            waiting=None,
+            started_at=None,
             deletion_timestamp=None,
             resource_version=self._next_rv(),
             created_at=self._clock.now(),

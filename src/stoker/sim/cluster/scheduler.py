@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
+from stoker.ports.cluster import Condition
 from stoker.sim.cluster.freeindex import best_fit, least_allocated, most_allocated
 from stoker.sim.cluster.model import UNSCHEDULABLE, NodePool, NodeState, SimNode, SimPod
 from stoker.sim.cluster.timeline import Timeline, Trigger
@@ -79,6 +80,10 @@ class _Outcome(Enum):
     NOMINATED = "nominated"
     FAILED = "failed"
 
+
+#: The PodScheduled condition of a pod no node can take now, and of a bound pod.
+_NO_NODE = Condition("False", UNSCHEDULABLE, "no node fits the pod's requests and selector")
+_SCHEDULED = Condition("True")
 
 _GroupKey = tuple[int, int, tuple[NodePool, ...], tuple[tuple[str, str], ...]]
 _Entry = tuple[int, int, int, "SimPod | _Group"]
@@ -288,7 +293,13 @@ class Scheduler:
         self._tokens -= 1.0
         self.counters.binds += 1
         # The cluster's listener accounts the pod on the node when the binding is stored.
-        pod.server.set_pod_status(pod.name, node_name=node.name, clear_reason=True)
+        pod.server.set_pod_status(
+            pod.name,
+            node_name=node.name,
+            scheduled=_SCHEDULED,
+            nominated_node=None,
+            clear_reason=True,
+        )
 
     def _park(self, pod: SimPod) -> None:
         key = _group_key(pod)
@@ -302,7 +313,11 @@ class Scheduler:
         if not pod.unschedulable:
             pod.unschedulable = True
             self.counters.unschedulable_marks += 1
-            pod.server.set_pod_status(pod.name, reason=UNSCHEDULABLE)
+            pod.server.set_pod_status(
+                pod.name,
+                reason=UNSCHEDULABLE,
+                scheduled=_NO_NODE,
+            )
             self._on_unschedulable(pod)
         self._flush.at(self._timeline.now() + self.config.unschedulable_flush_s)
 
@@ -399,6 +414,7 @@ class Scheduler:
         node.reserve(pod)
         pod.nominated = node
         self._nominated[pod] = None
+        pod.server.set_pod_status(pod.name, nominated_node=node.name)
         for victim in victims:
             victim.server.delete_pod_nowait(victim.name)
         return True

@@ -1,0 +1,316 @@
+"""A pool that cannot be served never stops the janitor's work on the others, and a pool
+whose spawns fail (whatever they fail with) holds no slot and makes a bounded number of
+attempts: on virtual time (looptime), with `MemoryRuntime` workers and the real SQLite
+store. A bad stored template is written into the store directly, as an older release or a
+hand-edited database would have left it: the API rejects it today.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sqlite3
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fakes import MemoryRuntime
+from stoker.adapters.sqlite import SqliteStore
+from stoker.control.plane import ControlPlane
+from stoker.domain.errors import CapacityError
+from stoker.domain.records import ClaimRequest, Worker
+from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
+from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff
+from stoker.domain.states import WorkerState
+from stoker.ports.clock import VirtualClock
+
+pytestmark = pytest.mark.looptime
+
+S = WorkerState
+TEMPLATE = ProcessTemplate(argv=("worker", "{port}"))
+
+
+def pool(name: str, **kw: Any) -> PoolSpec:
+    base: dict[str, Any] = {"name": name, "template": TEMPLATE, "warm_target": 2}
+    base.update(kw)
+    return PoolSpec(**base)
+
+
+class MeasuringRuntime(MemoryRuntime):
+    """A memory runtime that derives a pool's cap from its template's `memory_mb`, as the
+    local runtime does (a budget of 4 GiB)."""
+
+    def derived_cap(self, pool: PoolSpec) -> int:
+        template = pool.template
+        assert isinstance(template, ProcessTemplate)
+        return max(1, 4096 // max(1, template.memory_mb))
+
+
+class CrashingRuntime(MemoryRuntime):
+    """A runtime whose spawns of one pool raise what a template of the wrong type raises
+    deep in a runtime (`env` values that are not strings, say)."""
+
+    def __init__(self, pool: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.crash_pool = pool
+        self.crashes = 0
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        if pool.name == self.crash_pool:
+            self.spawn_calls += 1
+            self.crashes += 1
+            raise TypeError("expected str, bytes or os.PathLike object, not int")
+        return await super().spawn(worker, pool)
+
+
+@dataclass
+class Plane:
+    plane: ControlPlane
+    runtime: MemoryRuntime
+    store: SqliteStore
+    path: Path
+
+    async def passes(self, n: int, every: float = 1.0) -> None:
+        """`n` janitor passes, `every` seconds apart."""
+        for _ in range(n):
+            await self.plane.run_janitor_pass()
+            await asyncio.sleep(every)
+
+    async def warm(self, pool: str) -> list[Worker]:
+        return [w for w in await self.store.list_workers(states=(S.WARM,)) if w.pool == pool]
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.plane.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def store_bad_rollout(self, name: str, strategy: Strategy, **bad: Any) -> str:
+        """Start a rollout of `name` to a new template, then make its stored template bad
+        in the database (as no API accepts it); returns the revision."""
+        stored = await self.plane.pools.get(name)
+        template = ProcessTemplate(argv=("worker", "{port}", "--v2"))
+        rollout = await self.plane.pools.propose(
+            stored, template, now=self.plane.clock.now(), strategy=strategy
+        )
+        body = {"kind": "process", "argv": list(template.argv), **bad}
+        with sqlite3.connect(self.path / "stoker.db") as db:
+            db.execute(
+                "UPDATE revisions SET template = ? WHERE pool = ? AND revision = ?",
+                (json.dumps(body), name, rollout.revision),
+            )
+        await self.plane.pools.refresh(force=True)
+        return rollout.revision
+
+
+@asynccontextmanager
+async def running(
+    path: Path, pools: Iterable[PoolSpec], *, runtime: MemoryRuntime | None = None
+) -> AsyncIterator[Plane]:
+    """A started plane without background loops: the test drives its passes."""
+    store = SqliteStore(str(path / "stoker.db"))
+    runtime = runtime or MeasuringRuntime(ready_delay=0.2)
+    plane = ControlPlane(
+        store=store,
+        runtime=runtime,
+        activator=runtime,
+        pools=list(pools),
+        settings=PlaneSettings(),
+        clock=VirtualClock(),
+    )
+    await plane.start(loops=False)
+    await asyncio.sleep(1)
+    try:
+        yield Plane(plane, runtime, store, path)
+    finally:
+        await plane.stop()
+
+
+# -- a bad stored template never stops the janitor ------------------------------------------
+
+
+async def test_a_bad_stable_template_fails_its_pool_only(tmp_path: Path) -> None:
+    """The pool whose template breaks its step (`memory_mb: "x"` once promoted) fails
+    pass after pass, counted and reported by readiness; the pool listed after it is still
+    refilled and scaled down, and a replica restarted on the store starts."""
+    pools = [pool("bad", warm_target=1), pool("good", scale_down_delay=2.0)]
+    async with running(tmp_path, pools) as p:
+        assert len(await p.warm("good")) == 2
+        await p.store_bad_rollout("bad", ReplaceStrategy(), memory_mb="x")
+        assert p.plane.degraded() == []
+
+        await p.passes(3)
+        [problem] = p.plane.degraded()
+        assert (problem.pool, problem.problem, problem.in_a_row) == ("bad", "pass_failing", 3)
+        assert "TypeError" in problem.detail and "janitor pass, scale" in problem.detail
+        assert p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "bad"}) == 3
+        assert p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "good"}) == 0
+        assert p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": ""}) == 0
+
+        # The other pool is refilled: a warm worker lost is replaced at the next pass.
+        lost = (await p.warm("good"))[0]
+        p.runtime.kill(lost.id)
+        await p.passes(2)
+        warm = await p.warm("good")
+        assert len(warm) == 2 and lost.id not in {w.id for w in warm}
+
+        # ... and scaled down when its target drops.
+        await p.plane.pools.update("good", {"warm_target": 0})
+        await p.passes(6)
+        assert await p.warm("good") == []
+
+        # The bad pool's step goes on failing, once per pass, each one counted.
+        failed = p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "bad"})
+        assert failed >= 3 + 2 + 6
+        [problem] = p.plane.degraded()
+        assert problem.in_a_row == failed
+
+    # A replica that starts on this store starts (and serves the good pool).
+    async with running(tmp_path, pools) as again:
+        await again.passes(3)
+        assert [x.pool for x in again.plane.degraded()] == ["bad"]
+
+
+async def test_a_bad_rollout_revision_backs_off_and_the_stable_one_is_served(
+    tmp_path: Path,
+) -> None:
+    """A canary whose stored template breaks its spawns: each attempt counts as a failed
+    spawn of that revision (backed off, judged by the rollout, which rolls back), the step
+    of the pass is counted as failed, readiness reports the spawns failing, and the stable
+    revision keeps its warm pool."""
+    pools = [pool("bad", warm_target=2), pool("good")]
+    async with running(tmp_path, pools) as p:
+        revision = await p.store_bad_rollout("bad", CanaryStrategy(steps=(50, 100)), memory_mb="x")
+        await p.passes(8)
+        assert p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "bad"}) >= 3
+        assert p.metric("stoker_spawn_failures_total", pool="bad", reason="crash") >= 3
+        problems = {(x.pool, x.problem, x.revision) for x in p.plane.degraded()}
+        assert ("bad", "spawn_failing", revision) in problems
+        # Backed off: attempts at 0, 1, 3 and 7 s, not one per pass.
+        assert p.metric("stoker_spawn_failures_total", pool="bad", reason="crash") <= 5
+        assert len(await p.warm("good")) == 2
+
+        await p.passes(30)
+        stable = p.plane.catalog.pool("bad").revision
+        assert stable != revision
+        assert len([w for w in await p.warm("bad") if w.revision == stable]) == 2
+        [ramp] = await p.store.list_rollouts(pool="bad")
+        assert ramp.state is RolloutState.ROLLED_BACK
+
+
+# -- a spawn that crashes is a failed spawn ---------------------------------------------------
+
+
+async def test_a_spawn_that_raises_frees_its_slot_at_once_and_counts(tmp_path: Path) -> None:
+    runtime = CrashingRuntime("bad", ready_delay=0.2)
+    backoff = SpawnBackoff(initial_s=30, max_s=60, factor=2)
+    pools = [pool("bad", warm_target=1, max_workers=1, spawn_backoff=backoff), pool("good")]
+    async with running(tmp_path, pools, runtime=runtime) as p:
+        # The start's pass tried once; the slot is free again at once, not in 120 s.
+        assert runtime.crashes == 1
+        workers = [w for w in await p.store.list_workers() if w.pool == "bad"]
+        assert [(w.state, w.reason) for w in workers] == [(S.RETIRED, "spawn_failure")]
+        assert p.metric("stoker_spawn_failures_total", pool="bad", reason="crash") == 1
+        [status] = [s for s in await p.plane.pool_status() if s.name == "bad"]
+        assert status.spawn_failing and status.spawn_failures == 1
+        error = status.last_spawn_error or ""
+        assert "could not be started" in error and "not int" in error
+
+        # The back-off holds the next attempts; a claim is told why, at once.
+        with pytest.raises(CapacityError) as failed:
+            await p.plane.claim(ClaimRequest(pool="bad", org="acme", timeout_s=0.5))
+        assert failed.value.reason == "spawn_failing"
+        assert runtime.crashes == 1
+        assert len(await p.warm("good")) == 2
+
+        # Fixed, the next probe after the back-off works and the pool fills its slot.
+        runtime.crash_pool = ""
+        await p.passes(31)
+        assert len(await p.warm("bad")) == 1
+        [status] = [s for s in await p.plane.pool_status() if s.name == "bad"]
+        assert not status.spawn_failing
+
+
+# -- back-off bounds spawns -----------------------------------------------------------------
+
+
+async def test_a_pool_of_300_whose_command_cannot_start_tries_once_per_back_off(
+    tmp_path: Path,
+) -> None:
+    """The figure docs/operations.md states: warm_target 300, every spawn fails, the
+    default back-off (1 s doubling to 60 s). Before, the 300 slots of the first pass all
+    tried within 4 s (the token bucket's pace); now they wait their turn and one probes per
+    back-off interval."""
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 10**9
+    async with running(tmp_path, [pool("p", warm_target=300)], runtime=runtime) as p:
+        assert runtime.spawn_calls <= 2  # at 0 and 1 s (the start waited a second)
+        await p.passes(4)
+        assert runtime.spawn_calls <= 3  # at 0, 1 and 3 s
+        calls = [runtime.spawn_calls]
+        for _ in range(10):  # ten minutes, a pass every 2 s
+            await p.passes(30, every=2.0)
+            calls.append(runtime.spawn_calls)
+        per_minute = [b - a for a, b in itertools.pairwise(calls)]
+        # 1, 2, 4, 8, 16, 32 s, then 60 s: at most two attempts in any later minute.
+        assert sum(per_minute[:2]) <= 5
+        assert all(n <= 2 for n in per_minute[2:]), per_minute
+        assert runtime.spawn_calls <= 20
+
+
+async def test_claims_during_a_back_off_do_not_spawn(tmp_path: Path) -> None:
+    """Fifty prefer_warm claims (each would spawn cold) against a pool whose spawns fail:
+    they share the revision's one probe per back-off and fail with `spawn_failing`."""
+    backoff = SpawnBackoff(initial_s=10, max_s=60, factor=2)
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 10**9
+    pools = [pool("p", warm_target=1, spawn_backoff=backoff)]
+    async with running(tmp_path, pools, runtime=runtime) as p:
+        before = runtime.spawn_calls
+        claims = [
+            p.plane.claim(ClaimRequest(pool="p", org=f"org{i}", timeout_s=30)) for i in range(50)
+        ]
+        results = await asyncio.gather(*claims, return_exceptions=True)
+        assert all(isinstance(r, CapacityError) and r.reason == "spawn_failing" for r in results), (
+            results
+        )
+        # Within 30 s of a 10 s back-off: the probes at 10 s and (after 20 s) 30 s at most.
+        assert runtime.spawn_calls - before <= 2
+
+
+async def test_a_pool_row_that_cannot_be_read_keeps_its_last_settings(tmp_path: Path) -> None:
+    """A stored pool whose settings cannot be read (`min_hot_idle: "x"`) no longer keeps
+    every pool from loading: the others load, it is served as it was, and its failure to
+    load counts in each pass (the fallback reaper's and the janitor's) until /readyz names
+    it. Parked workers past their TTL are retired by the reaper in both pools."""
+    pools = [pool("bad", hot_idle_ttl=5.0), pool("good", hot_idle_ttl=5.0)]
+    async with running(tmp_path, pools) as p:
+        parked = {}
+        for name in ("bad", "good"):
+            claim = await p.plane.claim(ClaimRequest(pool=name, org="acme", timeout_s=5))
+            await p.plane.release(claim.id)
+            parked[name] = claim.worker_id
+        with sqlite3.connect(p.path / "stoker.db") as db:
+            [(settings,)] = db.execute("SELECT settings FROM pools WHERE name = 'bad'")
+            db.execute(
+                "UPDATE pools SET settings = ?, generation = generation + 1 WHERE name = 'bad'",
+                (json.dumps({**json.loads(settings), "min_hot_idle": "x"}),),
+            )
+        await asyncio.sleep(10)
+
+        await p.plane.run_reaper_pass()
+        await asyncio.sleep(1)
+        for name in ("bad", "good"):
+            worker = await p.store.get_worker(parked[name])
+            assert worker is not None and (worker.state, worker.reason) == (S.RETIRED, "ttl")
+        assert p.metric("stoker_pass_failures_total", **{"pass": "reaper", "pool": "bad"}) == 1
+        assert p.metric("stoker_pass_failures_total", **{"pass": "reaper", "pool": ""}) == 0
+
+        await p.passes(3)
+        # Both refilled after the claims (the demand rate may ask for more than 2).
+        assert len(await p.warm("good")) >= 2 and len(await p.warm("bad")) >= 2
+        [problem] = p.plane.degraded()
+        assert (problem.pool, problem.problem) == ("bad", "pass_failing")
+        assert "janitor pass, load: its stored row cannot be read" in problem.detail
