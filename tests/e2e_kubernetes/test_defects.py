@@ -3,8 +3,7 @@ pin lost after an outage (1), `--stop-workers` deleting every pod twice and leav
 placeholders (3), the HTTP client's request lines at INFO (4), and pod creates retried
 for 15.5 s during an outage (5). Defect 2 (unschedulable pods) is in test_scheduling.py.
 
-A test marked xfail(strict=True) names a defect whose fix has not reached this branch
-yet: it fails today, and its mark must go when the fix lands.
+Each fails without its fix (checked against the code before the fixes).
 """
 
 from __future__ import annotations
@@ -30,10 +29,6 @@ def annotations(kube: ControlPlane, name: str) -> dict[str, str]:
     return dict(pod.get("metadata", {}).get("annotations") or {})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #24 defect 1: a failed do-not-disrupt patch is never retried",
-)
 def test_a_hot_pod_gets_its_pin_after_an_api_outage(
     kube: ControlPlane, start_stoker: StartStoker
 ) -> None:
@@ -54,16 +49,21 @@ def test_a_hot_pod_gets_its_pin_after_an_api_outage(
     # Within a janitor pass (0.5 s) of the Lease and the watch being back.
     until(lambda: annotations(kube, name).get(PIN) == "true", 10, "the hot pod pinned")
 
-    # Released to hot_idle, the pod may move again: the pin goes.
+    # Parked as hot_idle it still holds the org's data: the pin stays.
     assert stoker.release(claim["id"]).status_code in (200, 204)
-    until(lambda: PIN not in annotations(kube, name), 10, "the idle pod unpinned")
+    assert annotations(kube, name).get(PIN) == "true"
+    # A neutral (warm) pod must stay movable: a pin someone put on it is removed.
+    assert kube.admin is not None
+    warm = stoker.workers(pool="duck", state="warm")[0]["id"]
+    kube.admin.request(
+        "PATCH",
+        f"/api/v1/namespaces/stoker/pods/{warm}",
+        json={"metadata": {"annotations": {PIN: "true"}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    until(lambda: PIN not in annotations(kube, warm), 10, "the warm pod unpinned")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #24 defect 3: --stop-workers deletes each pod twice, logs a false "
-    "leftover_stopped and leaves the headroom placeholders",
-)
 def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
     kube: ControlPlane, start_stoker: StartStoker, fleet: str
 ) -> None:
@@ -93,10 +93,6 @@ def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
     assert "leftover_stopped" not in stoker.log()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #24 defect 4: lightkube's client logs every request at INFO",
-)
 def test_the_http_clients_request_lines_stay_out_of_the_info_log(
     kube: ControlPlane, start_stoker: StartStoker
 ) -> None:
@@ -111,10 +107,6 @@ def test_the_http_clients_request_lines_stay_out_of_the_info_log(
     assert foreign == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #24 defect 5: a pod create retries for 15.5 s during an API outage",
-)
 def test_a_create_during_an_api_outage_fails_within_its_deadline(
     kube: ControlPlane, start_stoker: StartStoker
 ) -> None:
