@@ -225,6 +225,9 @@ def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[Sta
     for stoker in started:
         if stoker.server.proc.poll() is None:
             stoker.stop(timeout=30)
+        stoker.http.close()
+        if stoker.server.proc.stdout is not None:
+            stoker.server.proc.stdout.close()  # a killed server's pipe
     for url, schema in set(schemas):
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

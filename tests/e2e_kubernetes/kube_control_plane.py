@@ -421,6 +421,12 @@ class ControlPlane:
             return response.status_code == 200
 
         until(ready, 90, "kube-apiserver ready", interval=0.25)
+        if "kube-scheduler" in self.procs:
+            # Back from an outage: client-go's reflectors in the scheduler back off up to
+            # 30 s (jittered to 60 s) after repeated failures, and a later test's pods would
+            # wait that long to be bound. A fresh scheduler lists at once.
+            self._stop("kube-scheduler", timeout=5.0)
+            self.start_scheduler()
 
     def stop_apiserver(self, sig: int = signal.SIGTERM) -> None:
         """Stop the API server (etcd and everything else keep running).

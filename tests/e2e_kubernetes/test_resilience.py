@@ -19,11 +19,12 @@ pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(240)]
 
 
 def replace_one_warm(kube: ControlPlane, stoker: Stoker, timeout: float = 20) -> None:
-    """Delete a warm pod from outside and wait until stoker has replaced it: proof that
-    its informer sees the cluster's events again."""
+    """Once the pool is at its warm target, delete a warm pod from outside and wait until
+    stoker has replaced it: proof that its informer sees the cluster's events again."""
     assert kube.admin is not None
+    target = stoker.pool()["warm_target"]
+    until(lambda: stoker.pool()["counts"]["warm"] == target, timeout, "the warm target met")
     warm = {w["id"] for w in stoker.workers(pool="duck", state="warm")}
-    target = len(warm)
     victim = sorted(warm)[0]
     kube.admin.delete_pod(victim, grace_s=0)
     until(
