@@ -5,39 +5,25 @@ The binaries come from `cluster/build.sh`'s cache; a missing cache is built firs
 `CI=true` a failed build fails the tier; elsewhere the tier is skipped with the reason.
 Every test runs its own fleet (a label of its own), so the fleets of different tests
 never see each other's pods; the cluster, its nodes and the fake kubelet are shared.
+The helpers the tests import are in e2e_support.py.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
 import yaml
-from kube_control_plane import ControlPlane, binaries, build, by_stoker, until
+from e2e_support import ADMIN, INTERVALS, LEASE, StartStoker, Stoker
+from kube_control_plane import ControlPlane, binaries, build, until
 
-from servers import Server, environment, start_server
-
-ADMIN = "e2e-stoker-admin-token-0123456789"
-#: Short timings, so that every behaviour shows within seconds.
-INTERVALS: dict[str, Any] = {
-    "janitor_interval_s": 0.5,
-    "reaper_interval_s": 0.5,
-    "instance_heartbeat_s": 0.5,
-    "instance_expiry_s": 3.0,
-    "stranded_grace_s": 5.0,
-    "stranded_scan_s": 2.0,
-    "shutdown_grace_s": 3.0,
-}
-#: The janitor Lease's timings (seconds): a survivor leads at most ~5 s after a SIGKILL.
-LEASE = {"lease_duration_s": 4.0, "renew_deadline_s": 3.0, "retry_period_s": 0.5}
+from servers import environment, start_server
 
 
 @pytest.fixture(scope="session")
@@ -62,101 +48,6 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         raise AssertionError(f"the control plane did not start:\n{logs}") from None
     yield plane
     plane.stop()
-
-
-def pod_template(kube: ControlPlane, **overrides: Any) -> dict[str, Any]:
-    """A worker pod running the demo worker (the fake kubelet runs its command)."""
-    template: dict[str, Any] = {
-        "image": "registry.example/stoker-demo-worker:1",
-        "command": [sys.executable, "-m", "stoker.demo_worker"],
-        # All interfaces, as in a real pod; the fake kubelet binds the pod's own IP.
-        "args": ["--port", "{port}", "--worker-id", "{worker_id}", "--host", "0.0.0.0"],
-        "cpu": "250m",
-        "memory": "64Mi",
-        "port": kube.worker_port,
-        "priority_class": "stoker-worker",
-        "service_account": "stoker-worker",
-    }
-    template.update(overrides)
-    return template
-
-
-def pool(kube: ControlPlane, name: str = "duck", **overrides: Any) -> dict[str, Any]:
-    """A pool of demo-worker pods with short timeouts."""
-    spec: dict[str, Any] = {
-        "name": name,
-        "pod": pod_template(kube),
-        "warm_target": 2,
-        "hot_idle_ttl": 60,
-        "scale_down_delay": 600,
-        "claim_timeout_s": 20,
-        "timeouts": {"spawn_s": 30, "stop_grace_s": 1, "activation_s": 10},
-        "spawn_backoff": {"initial_s": 1, "max_s": 4},
-    }
-    spec.update(overrides)
-    return spec
-
-
-class Stoker:
-    """One `stoker serve` against the cluster, and what an operator sees of it."""
-
-    def __init__(self, server: Server, fleet: str) -> None:
-        self.server = server
-        self.fleet = fleet
-        self.http = httpx.Client(
-            base_url=server.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30
-        )
-
-    def pool(self, name: str = "duck") -> dict[str, Any]:
-        """`GET /v1/pools/{name}`."""
-        response = self.http.get(f"/v1/pools/{name}")
-        response.raise_for_status()
-        return dict(response.json())
-
-    def workers(self, **params: str) -> list[dict[str, Any]]:
-        """`GET /v1/workers` (every page)."""
-        found: list[dict[str, Any]] = []
-        query: dict[str, str] = dict(params)
-        while True:
-            response = self.http.get("/v1/workers", params=query)
-            response.raise_for_status()
-            body = response.json()
-            found.extend(body["workers"])
-            if not body.get("next"):
-                return found
-            query["after"] = body["next"]
-
-    def claim(self, org: str, pool: str = "duck", **extra: Any) -> httpx.Response:
-        """`POST /v1/claims`."""
-        return self.http.post("/v1/claims", json={"pool": pool, "org": org, **extra})
-
-    def release(self, claim_id: str) -> httpx.Response:
-        """`DELETE /v1/claims/{id}`."""
-        return self.http.delete(f"/v1/claims/{claim_id}")
-
-    def log(self) -> str:
-        """What the server logged so far."""
-        return self.server.log()
-
-    def stop(self, *args: Any, **kwargs: Any) -> int:
-        """Stop the server (see `Server.stop`)."""
-        self.http.close()
-        return self.server.stop(*args, **kwargs)
-
-
-StartStoker = Callable[..., Stoker]
-
-
-@pytest.fixture
-def postgres_url() -> str:
-    """A PostgreSQL server for tests of several replicas (STOKER_TEST_POSTGRES_URL, which
-    `.ci/run` sets); skipped without one, but under CI=true its absence fails."""
-    url = os.environ.get("STOKER_TEST_POSTGRES_URL")
-    if not url:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("CI=true and STOKER_TEST_POSTGRES_URL is not set")
-        pytest.skip("several replicas need PostgreSQL: set STOKER_TEST_POSTGRES_URL")
-    return url
 
 
 @pytest.fixture
@@ -236,8 +127,3 @@ def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[Sta
     for pod in admin.pods(f"stoker.dev/fleet={fleet}"):
         admin.delete_pod(pod["metadata"]["name"], grace_s=0)
     until(lambda: not admin.pods(f"stoker.dev/fleet={fleet}"), 30, f"fleet {fleet} cleaned up")
-
-
-def stoker_writes(kube: ControlPlane, since: float) -> list[Any]:
-    """The audited writes of stoker's ServiceAccount since `since` (epoch seconds)."""
-    return [event for event in by_stoker(kube.audit_events()) if event.at >= since]

@@ -371,15 +371,13 @@ class ControlPlane:
                 "--unsafe-no-fsync",
             ],
         )
-        until(
-            lambda: (
-                self._alive("etcd")
-                or httpx.get(f"http://127.0.0.1:{self.etcd_port}/health", timeout=2).status_code
-                == 200
-            ),
-            30,
-            "etcd healthy",
-        )
+
+        def healthy() -> bool:
+            self._alive("etcd")
+            url = f"http://127.0.0.1:{self.etcd_port}/health"
+            return httpx.get(url, timeout=2).status_code == 200
+
+        until(healthy, 30, "etcd healthy")
 
     def start_apiserver(self) -> None:
         """Start kube-apiserver on `api_port` and wait until it is ready."""
@@ -482,7 +480,12 @@ class ControlPlane:
         admin = self.admin
         assert admin is not None
         for manifest in manifests("namespace", "priorityclasses", "serviceaccounts", "rbac"):
-            until(lambda m=manifest: admin.apply(m) or True, 30, f"apply {manifest['kind']}")
+
+            def applied(m: dict[str, Any] = manifest) -> bool:
+                admin.apply(m)
+                return True
+
+            until(applied, 30, f"apply {manifest['kind']}")
         self.stoker_token = admin.service_account_token("stoker")
         (self.workdir / "kubeconfig-stoker").write_text(
             kubeconfig(self.url, self.stoker_token, "stoker")

@@ -13,16 +13,15 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from e2e_support import StartStoker, pool, stoker_writes
 from kube_control_plane import ControlPlane, until
-
-from conftest import StartStoker, pool, stoker_writes
 
 pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(180)]
 
 PIN = "karpenter.sh/do-not-disrupt"
 
 
-def annotations(kube: ControlPlane, name: str) -> dict[str, str]:
+def pod_annotations(kube: ControlPlane, name: str) -> dict[str, str]:
     """The pod's annotations ({} when it has none or is gone)."""
     assert kube.admin is not None
     pod = kube.admin.pod(name) or {}
@@ -47,11 +46,11 @@ def test_a_hot_pod_gets_its_pin_after_an_api_outage(
         kube.start_apiserver()
     name = claim["worker"]["id"]
     # Within a janitor pass (0.5 s) of the Lease and the watch being back.
-    until(lambda: annotations(kube, name).get(PIN) == "true", 10, "the hot pod pinned")
+    until(lambda: pod_annotations(kube, name).get(PIN) == "true", 10, "the hot pod pinned")
 
     # Parked as hot_idle it still holds the org's data: the pin stays.
     assert stoker.release(claim["id"]).status_code in (200, 204)
-    assert annotations(kube, name).get(PIN) == "true"
+    assert pod_annotations(kube, name).get(PIN) == "true"
     # A neutral (warm) pod must stay movable: a pin someone put on it is removed.
     assert kube.admin is not None
     warm = stoker.workers(pool="duck", state="warm")[0]["id"]
@@ -61,7 +60,7 @@ def test_a_hot_pod_gets_its_pin_after_an_api_outage(
         json={"metadata": {"annotations": {PIN: "true"}}},
         headers={"Content-Type": "application/merge-patch+json"},
     )
-    until(lambda: PIN not in annotations(kube, warm), 10, "the warm pod unpinned")
+    until(lambda: PIN not in pod_annotations(kube, warm), 10, "the warm pod unpinned")
 
 
 def test_stop_workers_deletes_each_pod_once_and_the_placeholders(

@@ -10,17 +10,17 @@ processes on loopback addresses (see fake_kubelet.py for what it does not model)
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import pytest
+from e2e_support import ADMIN, StartStoker, pool, stoker_writes
 from kube_control_plane import ControlPlane, until
-
-from conftest import ADMIN, StartStoker, pool, stoker_writes
 
 pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(180)]
 
 
-def serving_pods(kube: ControlPlane, fleet: str) -> list[dict]:
+def serving_pods(kube: ControlPlane, fleet: str) -> list[dict[str, Any]]:
     """The fleet's worker pods that are Running and Ready, with an IP."""
     assert kube.admin is not None
     found = []
@@ -72,10 +72,11 @@ def test_claim_use_release_reuse_and_isolation(
     assert used.status_code == 200 and used.json()["org"] == "org-a"
     assert httpx.get(worker["endpoint"] + "/").status_code == 401
     # The hot pod is pinned against node consolidation.
-    assert kube.admin is not None
+    admin = kube.admin
+    assert admin is not None
     until(
         lambda: (
-            (kube.admin.pod(worker["id"]) or {})["metadata"]
+            (admin.pod(worker["id"]) or {})["metadata"]
             .get("annotations", {})
             .get("karpenter.sh/do-not-disrupt")
             == "true"

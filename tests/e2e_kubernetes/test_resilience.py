@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 import pytest
+from e2e_support import LEASE, StartStoker, Stoker, pool
 from kube_control_plane import ControlPlane, until
-
-from conftest import LEASE, StartStoker, Stoker, pool
 
 pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(240)]
 

@@ -12,10 +12,9 @@ import time
 from typing import Any
 
 import pytest
+from e2e_support import StartStoker, pod_template, pool, stoker_writes
 from fake_kubelet import PULL_SECONDS
 from kube_control_plane import NODE_NAMES, ControlPlane, until
-
-from conftest import StartStoker, pod_template, pool, stoker_writes
 
 pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(180)]
 
