@@ -330,6 +330,16 @@ class FaultyStore:
     async def read_demand(self) -> list[DemandRecord]:
         return await self.inner.read_demand()
 
+    async def record_outcomes(
+        self, instance_id: str, counts: Mapping[str, Mapping[str, int]], *, now: float
+    ) -> None:
+        self._maybe_fail("record_outcomes")
+        await self.inner.record_outcomes(instance_id, counts, now=now)
+
+    async def read_outcomes(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        self._maybe_fail("read_outcomes")
+        return await self.inner.read_outcomes(rollout_ids)
+
     async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
         self._maybe_fail("record_forecast")
         await self.inner.record_forecast(buckets)

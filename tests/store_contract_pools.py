@@ -228,3 +228,43 @@ class PoolContract:
         assert len(await store.list_rollouts()) == 1
         assert len(await store.list_revisions("p")) == 2
         assert await store.pool_generations() == {"p": 2}
+
+    # -- outcome counts of a rollout's revision, from every replica ---------------------------
+
+    async def test_outcome_counts_are_upserted_per_replica_and_summed(
+        self, store: Store, make_store: MakeStore
+    ) -> None:
+        """Each replica replaces its own cumulative counts; the leader reads their sum."""
+        other = await make_store()
+        assert await store.read_outcomes(["ro-1"]) == {}
+        await store.record_outcomes("cp-a", {"ro-1": {"spawn": 4, "claim": 2}}, now=T0)
+        await other.record_outcomes(
+            "cp-b", {"ro-1": {"activation": 5, "activation_failure": 3}}, now=T0 + 1
+        )
+        await store.record_outcomes("cp-c", {"ro-2": {"spawn": 9}}, now=T0 + 1)
+        await store.record_outcomes("cp-a", {"ro-1": {"spawn": 6, "claim": 2}}, now=T0 + 2)
+        await store.record_outcomes("cp-b", {}, now=T0 + 3)
+        await other.record_outcomes("cp-b", {"ro-1": {"activation": 7}}, now=T0 + 4)
+        assert await store.read_outcomes(["ro-1"]) == {
+            "ro-1": {"spawn": 6, "claim": 2, "activation": 7, "activation_failure": 3}
+        }
+        assert await other.read_outcomes(["ro-1", "ro-2", "ro-3"]) == {
+            "ro-1": {"spawn": 6, "claim": 2, "activation": 7, "activation_failure": 3},
+            "ro-2": {"spawn": 9},
+        }
+        assert await store.read_outcomes([]) == {}
+
+    async def test_the_purge_deletes_the_outcome_counts_of_rollouts_that_ended(
+        self, store: Store
+    ) -> None:
+        await store.create_pool(stored_pool(), now=T0)
+        await store.start_rollout(rollout(), V2, generation=1, now=T0 + 1)
+        await store.record_outcomes("cp-a", {"ro-1": {"spawn": 3}}, now=T0 + 2)
+        await store.purge(before=T0 + 10_000)
+        assert await store.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 3}}  # still active
+        failed = rollout().evolve(state=RolloutState.ROLLED_BACK, share=0, ended_at=T0 + 5)
+        await store.update_rollout(failed, generation=2, now=T0 + 5)
+        await store.purge(before=T0 + 5)
+        assert await store.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 3}}  # not old yet
+        assert await store.purge(before=T0 + 6) >= 1
+        assert await store.read_outcomes(["ro-1"]) == {}

@@ -83,7 +83,8 @@ def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
         )
         assert started.returncode == 0, started.stderr
         rollout = json.loads(started.stdout)
-        assert rollout["state"] == "ramping" and rollout["share"] == 50
+        # Preparing: the first step takes effect once the new revision holds its workers.
+        assert rollout["state"] == "ramping" and rollout["share"] == 0
         watched = run(
             ["rollout", "status", "demo", rollout["id"], "--watch", "--interval", "0.5"],
             url=server.url,

@@ -774,10 +774,27 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 11
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 12
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
+
+
+async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    store = make_pg()
+    await store.open()
+    await store.close()
+    s = f'"{schema}"'
+    # What version 11 left behind: no rollout_outcomes table, version 12 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 12")
+    await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 12
+    await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
+    assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
 
 
 async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(

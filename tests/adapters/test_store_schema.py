@@ -172,10 +172,30 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 11
+        assert await upgraded.schema_version() == LATEST == 12
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
         assert await upgraded.read_org_forecast() == [bucket]
+    finally:
+        await upgraded.close()
+
+
+async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 11 left behind: no rollout_outcomes table, version 12 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 12")
+    db.execute("DROP TABLE rollout_outcomes")
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 12
+        await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
+        assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
     finally:
         await upgraded.close()

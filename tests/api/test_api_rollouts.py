@@ -26,13 +26,14 @@ async def test_a_rollout_starts_reads_pauses_resumes_and_promotes(tmp_path: Path
         body = started.json()
         new = revision_of(ProcessTemplate(argv=("worker", "--v2", "{port}")))
         assert body["revision"] == new and body["state"] == "ramping"
-        assert body["share"] == 10 and body["strategy"]["steps"] == [10, 50, 100]
+        # Its first step takes effect once the new revision holds its warm workers.
+        assert body["share"] == 0 and body["strategy"]["steps"] == [10, 50, 100]
         url = f"/v1/pools/demo/rollouts/{body['id']}"
         read = await api.http.get(url, headers=AS_ADMIN)
         assert read.status_code == 200 and read.json()["id"] == body["id"]
         pool = (await api.http.get("/v1/pools/demo", headers=AS_ADMIN)).json()
         shares = {r["revision"]: (r["state"], r["share"]) for r in pool["revisions"]}
-        assert shares[new] == ("ramping", 10)
+        assert shares[new] == ("ramping", 0)
         for action, state in (("pause", "paused"), ("resume", "ramping")):
             moved = await api.http.post(f"{url}/{action}", headers=AS_ADMIN)
             assert moved.status_code == 200, moved.text

@@ -7,6 +7,8 @@ nothing points elsewhere. tests/api/test_pages_browser.py renders them in Chromi
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -66,6 +68,10 @@ async def test_the_dashboard_is_public_and_loads_only_its_own_files(
     assert "default-src 'none'" in policy and "connect-src 'self'" in policy
     script = (await http.get("/static/ui/dashboard.js")).text
     assert "sessionStorage" in script and "Authorization" in script
+    # The rollout view: a section with the share and the workers of each revision.
+    for element in ('id="rollout"', 'id="share-chart"', 'id="revision-chart"'):
+        assert element in page.text
+    assert "rollout_waits" in script and "revisions" in script
     assert (await http.get("/ui/", follow_redirects=False)).headers["location"] == "/ui"
     assert (await http.get("/v1/pools")).status_code == 401
 
@@ -92,3 +98,14 @@ def test_the_vendored_bundles_ship_with_their_licenses() -> None:
     }.items():
         for name in files:
             assert (vendor / folder / name).stat().st_size > 0, f"{folder}/{name}"
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no node to parse the script with")
+def test_the_dashboard_script_parses() -> None:
+    checked = subprocess.run(
+        ["node", "--check", str(STATIC_DIR / "ui" / "dashboard.js")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stderr

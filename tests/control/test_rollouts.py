@@ -8,6 +8,7 @@ claim); the store is the real SQLite adapter; time is virtual (looptime).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import pytest
 from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
+from stoker.control.rollout_actions import Action
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.pools import Rollout
 from stoker.domain.records import Claim, ClaimRequest, Worker
@@ -157,16 +159,64 @@ async def test_reuse_stays_on_the_workers_own_revision(tmp_path: Path) -> None:
         assert {w.revision for w in parked} == {OLD_REV, NEW_REV}
 
 
-async def test_the_ramp_is_sized_from_the_other_revisions_busy_workers(tmp_path: Path) -> None:
-    async with running(tmp_path, warm_target=2, reuse=Reuse.NEVER) as h:
-        claims = [await h.claim(f"o{i}") for i in range(30)]
-        assert len(claims) == 30
-        await h.start(step=0)  # 10 % of 30 busy + 2 warm -> at least 4
+async def test_the_ramp_is_sized_from_the_claims_it_will_get(tmp_path: Path) -> None:
+    async with running(tmp_path, warm_target=20, reuse=Reuse.NEVER) as h:
+        claims = [await h.claim(f"o{i}") for i in range(60)]
+        assert len(claims) == 60
+        await h.start(step=0)
         await h.tick()
         await h.tick()
-        assert len(await h.warm(NEW_REV)) >= 4
         plan = h.plane.rollouts.plans["p"]
         assert plan.ramping == NEW_REV
+        whole = plan.totals["whole"]
+        new, old = plan.part(NEW_REV), plan.part(OLD_REV)
+        # 10 % of the pool's own warm target, never 10 % of the 60 sessions the old
+        # revision serves (they never move); the stable revision gives up as much.
+        assert new.warm_target == math.ceil(whole * 0.1) < 6
+        assert new.warm_target + old.warm_target == whole
+        assert len(await h.warm(NEW_REV)) == new.warm_target
+
+
+async def test_a_started_canary_routes_nothing_before_it_holds_its_first_step(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, warm_target=20, reuse=Reuse.NEVER) as h:
+        stored = await h.plane.pools.get("p")
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60)
+        rollout = await h.plane.pools.propose(stored, NEW, now=h.clock.now(), strategy=strategy)
+        assert rollout.share == 0 and rollout.step == 0
+        # Nothing of the new revision is warm yet: every new claim stays on the old one.
+        orgs = [f"org-{i}" for i in range(12)]
+        for org in orgs:
+            claim = await h.claim(org)
+            assert await h.revision_of_claim(claim) == OLD_REV
+            await h.plane.release(claim.id)
+        await h.tick()  # spawns the first step's workers (ready 0.2 s later)
+        await h.tick()  # holds them: the step takes effect
+        ramp = h.plane.catalog.rollout("p")
+        assert ramp is not None and ramp.share == 50 and ramp.state is RolloutState.RAMPING
+        assert len(await h.warm(NEW_REV)) >= 9  # 90 % of half of the pool's 20
+        kinds = [e.kind.value for e in h.plane.journal.recent()]
+        assert "rollout_step" in kinds
+
+
+async def test_a_step_that_cannot_hold_its_workers_pauses_the_rollout(tmp_path: Path) -> None:
+    async with running(tmp_path, warm_target=4, max_workers=10, reuse=Reuse.NEVER) as h:
+        for i in range(10):  # the cap is full of sessions that outlast the deadline
+            await h.plane.claim(ClaimRequest(pool="p", org=f"o{i}", timeout_s=10, lease_s=600))
+        stored = await h.plane.pools.get("p")
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60, hold_deadline_s=120)
+        await h.plane.pools.propose(stored, NEW, now=h.clock.now(), strategy=strategy)
+        await h.tick()
+        for _ in range(3):
+            await asyncio.sleep(50)
+            await h.tick()
+        row = await h.store.get_rollout(h.plane.catalog.rollout("p").id)  # type: ignore[union-attr]
+        assert row is not None and row.state is RolloutState.PAUSED and row.share == 0
+        assert row.reason is not None
+        assert "holds 0 of the 2 warm workers" in row.reason and "cap of 10" in row.reason
+        events = [e for e in h.plane.journal.recent() if e.kind.value == "rollout_paused"]
+        assert events and events[0].reason == row.reason
 
 
 async def test_steps_advance_after_their_interval_and_the_last_promotes(tmp_path: Path) -> None:
@@ -218,3 +268,79 @@ async def test_failure_mid_ramp_rolls_back_and_restores_the_stable_target_at_onc
             assert gone is not None and gone.reason == "rollout_failed"
         after = await h.claim("o-late")
         assert await h.revision_of_claim(after) == OLD_REV
+
+
+def _shares(h: Harness) -> dict[str, float]:
+    return {
+        sample.labels["revision"]: sample.value
+        for metric in h.plane.metrics.registry.collect()
+        if metric.name == "stoker_pool_revision_share"
+        for sample in metric.samples
+    }
+
+
+def _state(h: Harness) -> set[str]:
+    return {
+        sample.labels["state"]
+        for metric in h.plane.metrics.registry.collect()
+        if metric.name == "stoker_rollout_state"
+        for sample in metric.samples
+        if sample.value == 1
+    }
+
+
+async def test_metrics_show_the_current_plan_after_rollouts_that_ended(tmp_path: Path) -> None:
+    async with running(tmp_path, warm_target=4) as h:
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60)
+        seen: list[str] = []
+        for version in range(3):
+            template = ProcessTemplate(argv=("worker", f"--v{version + 2}", "{port}"))
+            stored = await h.plane.pools.get("p")
+            rollout = await h.plane.pools.propose(
+                stored, template, now=h.clock.now(), strategy=strategy
+            )
+            seen.append(rollout.revision)
+            await h.tick()
+            await h.tick()
+            assert _state(h) == {"ramping"}
+            if version == 1:
+                await h.plane.rollout_actions.act("p", rollout.id, Action.ABORT)
+                assert _state(h) == {"aborted"}
+                await h.tick()
+                assert _state(h) == set()  # none under way
+        # The first was superseded, the second aborted, the third ramps at 50 %.
+        shares = _shares(h)
+        assert shares == {OLD_REV: 0.5, seen[2]: 0.5}
+        await h.plane.rollout_actions.act("p", rollout.id, Action.PROMOTE)
+        assert _shares(h) == {seen[2]: 1.0} and _state(h) == {"promoted"}
+        await h.tick()
+        assert _shares(h) == {seen[2]: 1.0} and _state(h) == set()
+
+
+async def test_the_rollout_view_samples_each_revision_and_says_why_a_step_waits(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, warm_target=10, reuse=Reuse.NEVER) as h:
+        claims = [await h.claim(f"o{i}") for i in range(3)]
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60)
+        stored = await h.plane.pools.get("p")
+        rollout = await h.plane.pools.propose(stored, NEW, now=h.clock.now(), strategy=strategy)
+        await h.plane.run_janitor_pass()  # spawns the first step's workers: they wait
+        (status,) = await h.plane.pool_status()
+        assert status.rollout_waits is not None
+        assert "holds 0 of the" in status.rollout_waits
+        await h.tick()
+        await h.tick()
+        (status,) = await h.plane.pool_status()
+        assert status.rollout_waits is not None
+        assert status.rollout_waits.startswith("the step's interval: the next step is due in")
+        await h.plane.sample_pools()
+        samples = h.plane.history.samples()["p"]
+        revisions = {r.revision: r for r in samples[-1].revisions}
+        assert revisions[OLD_REV].share == 0.5 and revisions[NEW_REV].share == 0.5
+        assert revisions[OLD_REV].busy == len(claims)
+        assert revisions[NEW_REV].warm >= 5 and revisions[NEW_REV].busy == 0
+        await h.plane.rollout_actions.act("p", rollout.id, Action.ABORT)
+        await h.tick()
+        (status,) = await h.plane.pool_status()
+        assert status.rollout_waits is None

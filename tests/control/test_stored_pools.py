@@ -105,7 +105,8 @@ async def test_a_new_template_proposes_a_rollout_an_old_one_changes_nothing(
     assert stored.revision == spec().revision  # the stable revision stays
     (rollout,) = await b.store.list_rollouts()
     assert (rollout.revision, rollout.base_revision) == (spec(V2).revision, spec().revision)
-    assert (rollout.state, rollout.share) == (RolloutState.RAMPING, 10)
+    # A canary prepares its first step: no claim routes to it before it holds its workers.
+    assert (rollout.state, rollout.share) == (RolloutState.RAMPING, 0)
     assert b.catalog.rollout("demo") == rollout
     ramping = b.catalog.revision_spec("demo", rollout.revision)
     assert ramping is not None and ramping.template == V2

@@ -1,6 +1,9 @@
-"""The rollout plan, with picchu's own numbers (#602, #614-#617, #648)."""
+"""The rollout plan: a canary sized from the claims it will get (#25),
+with picchu's own numbers where its bugs are the ones avoided (#602, #614-#617, #648)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from hypothesis import given
@@ -17,6 +20,7 @@ from stoker.domain.rollouts import (
 )
 from stoker.policy.rollout import (
     MIN_ATTEMPTS,
+    MIN_ROUTED_CLAIMS,
     Decision,
     PoolDemand,
     RevisionCounts,
@@ -64,45 +68,72 @@ def plan(
     )
 
 
-def test_a_ten_percent_step_over_120_busy_wants_at_least_12() -> None:
-    p = plan({"old": RevisionCounts(busy=120)})
+def test_the_ramp_is_its_steps_share_of_the_pools_demand_driven_target() -> None:
+    p = plan({"old": RevisionCounts(busy=1000)}, pool=PoolDemand(warm_target=20))
     assert p.ramping == "new"
-    new = p.part("new")
+    new, old = p.part("new"), p.part("old")
     assert new.role is Role.RAMPING and new.share == pytest.approx(0.1)
-    assert new.warm_target >= 12
+    # 10 % of 20, not 10 % of the 1,000 sessions the old revision serves: a session never
+    # moves, so only new claims use the new revision's workers.
+    assert new.warm_target == 2
+    assert old.warm_target == 18  # the stable revision gives up as much
+
+
+@given(busy=st.integers(0, 5000), own_busy=st.integers(0, 5000), warm=st.integers(0, 500))
+def test_busy_sessions_never_size_the_ramp(busy: int, own_busy: int, warm: int) -> None:
+    pool = PoolDemand(warm_target=40, demand=3)
+    base = plan({}, pool=pool)
+    p = plan(
+        {"old": RevisionCounts(busy=busy, warm=warm), "new": RevisionCounts(busy=own_busy)},
+        pool=pool,
+    )
+    assert p.part("new").warm_target == base.part("new").warm_target == 5  # 10 % of 43
+    assert p.part("new").warm_target + p.part("old").warm_target == 43
 
 
 def test_the_ramp_never_counts_its_own_workers() -> None:
-    alone = plan({"old": RevisionCounts(busy=100)}).part("new").warm_target
-    # However many workers the ramp holds already, its capacity stays 10 % of the others:
-    # what it holds only lowers what it still needs (no 100 -> 232 feedback loop).
+    pool = PoolDemand(warm_target=100)
+    alone = plan({"old": RevisionCounts(busy=100)}, pool=pool).part("new").warm_target
+    # However many workers the ramp holds already, its target stays 10 % of the pool's:
+    # no 100 -> 232 feedback loop.
     for own in (10, 50, 232):
-        p = plan({"old": RevisionCounts(busy=100), "new": RevisionCounts(warm=own)})
-        assert p.part("new").warm_target == alone
-        busy = plan({"old": RevisionCounts(busy=100), "new": RevisionCounts(busy=own)})
-        assert own + busy.part("new").warm_target <= max(alone, own)
+        for counts in (RevisionCounts(warm=own), RevisionCounts(busy=own)):
+            p = plan({"old": RevisionCounts(busy=100), "new": counts}, pool=pool)
+            assert p.part("new").warm_target == alone == 10
 
 
-def test_the_total_stays_within_the_cap() -> None:
-    # 450 + 383 -> 752 for the new one was picchu's; here the cap holds the sum.
+def test_the_pools_target_stays_within_the_cap() -> None:
     p = plan(
         {"old": RevisionCounts(busy=450), "new": RevisionCounts(busy=383)},
         r=ramp(step=1),
-        pool=PoolDemand(cap=900),
+        pool=PoolDemand(warm_target=500, demand=600, cap=900),
     )
-    new = p.part("new")
-    assert 450 + 383 + new.warm_target <= 900
+    assert p.part("new").warm_target + p.part("old").warm_target == 900
 
 
-def test_unbounded_the_ramp_stays_within_the_others_plus_demand() -> None:
-    p = plan({"old": RevisionCounts(busy=100)}, r=ramp(step=2), pool=PoolDemand(demand=7))
-    assert p.part("new").warm_target <= 100 + 7
+def test_orgs_routed_to_the_ramp_that_claim_more_than_its_share_size_it() -> None:
+    pool = PoolDemand(warm_target=20)
+    heavy = RevisionFailures(neutral=100, routed=30)
+    p = plan({"old": RevisionCounts(busy=50)}, pool=pool, failures=heavy)
+    # 10 % of the orgs made 30 % of the claims: sticky routing sends them all here.
+    assert p.part("new").warm_target == 6 and p.part("old").warm_target == 14
+    few = RevisionFailures(neutral=MIN_ROUTED_CLAIMS - 1, routed=MIN_ROUTED_CLAIMS - 1)
+    assert plan({}, pool=pool, failures=few).part("new").warm_target == 2
+    light = RevisionFailures(neutral=100, routed=1)
+    assert plan({}, pool=pool, failures=light).part("new").warm_target == 2
 
 
-def test_warm_target_zero_and_nothing_else_live_sizes_from_demand() -> None:
+def test_warm_target_zero_sizes_from_demand() -> None:
     p = plan({}, pool=PoolDemand(warm_target=0, demand=9))
-    assert p.part("new").warm_target == 9
+    assert p.part("new").warm_target == 1 and p.part("old").warm_target == 8
     assert plan({}, pool=PoolDemand()).part("new").warm_target == 0
+
+
+def test_a_step_that_holds_nothing_is_taken_at_once() -> None:
+    preparing = ramp().evolve(share=0)
+    p = plan({}, r=preparing, pool=PoolDemand(), now=0)
+    assert p.decision is Decision.ADVANCE and p.written is not None
+    assert p.written.share == 10
 
 
 def test_the_stable_revision_keeps_demand_driven_scaling() -> None:
@@ -124,22 +155,65 @@ def test_a_step_waits_for_its_interval() -> None:
     assert p.part("new").share == pytest.approx(0.5)
 
 
-def test_a_step_waits_for_the_capacity_of_the_next_and_grows_towards_it() -> None:
-    counts = {"old": RevisionCounts(busy=100), "new": RevisionCounts(warm=12)}
-    p = plan(counts, now=61)
-    assert p.decision is Decision.HOLD
-    assert p.needed == 50
-    assert p.part("new").warm_target == 50
+def test_a_step_waits_for_its_warm_workers_and_grows_towards_them() -> None:
+    pool = PoolDemand(warm_target=20)
+    counts = {"old": RevisionCounts(busy=100), "new": RevisionCounts(warm=5)}
+    p = plan(counts, pool=pool, now=61)
+    assert p.decision is Decision.HOLD and p.ramp is not None and p.ramp.share == 10
+    assert p.needed == 10 and "holds 5 of the 10 warm workers" in p.waits
+    # Still 10 % of new claims, but the warm target is the next step's already; the
+    # stable revision keeps its part until the step takes effect.
+    assert p.part("new").share == pytest.approx(0.1)
+    assert p.part("new").warm_target == 10 and p.part("old").warm_target == 18
+    held = plan({**counts, "new": RevisionCounts(warm=9)}, pool=pool, now=61)
+    assert held.decision is Decision.ADVANCE  # 9 of 10: within the hold ratio
+
+
+def test_the_ramp_grows_ahead_of_its_step() -> None:
+    counts = {"old": RevisionCounts(busy=100)}
+    # A replacement time ahead (40 s) ...
+    early = plan(counts, pool=PoolDemand(warm_target=20, lead_s=40), now=19)
+    assert early.part("new").warm_target == 2 and "interval" in early.waits
+    ahead = plan(counts, pool=PoolDemand(warm_target=20, lead_s=40), now=20)
+    assert ahead.decision is Decision.HOLD and ahead.part("new").warm_target == 10
+    # ... and at least half an interval (30 s): a new image's spawns are slower.
+    assert plan(counts, pool=PoolDemand(warm_target=20), now=29).part("new").warm_target == 2
+    assert plan(counts, pool=PoolDemand(warm_target=20), now=30).part("new").warm_target == 10
+
+
+def test_at_a_full_pool_the_stable_revision_makes_room_for_the_ramp() -> None:
+    counts = {"old": RevisionCounts(busy=380, warm=18), "new": RevisionCounts(busy=2)}
+    p = plan(counts, pool=PoolDemand(warm_target=20, cap=400), now=61)
+    assert p.part("new").warm_target == 10 and p.part("old").warm_target == 10
+    roomy = plan(counts, pool=PoolDemand(warm_target=20, cap=800), now=61)
+    assert roomy.part("new").warm_target == 10 and roomy.part("old").warm_target == 18
+
+
+def test_a_step_not_held_within_the_deadline_pauses_with_the_reason() -> None:
+    strategy = CanaryStrategy(steps=(10, 50, 100), step_interval_s=60, hold_deadline_s=300)
+    r = ramp().evolve(strategy=strategy)
+    counts = {"old": RevisionCounts(busy=390, warm=10), "new": RevisionCounts(warm=2)}
+    pool = PoolDemand(warm_target=20, cap=400)
+    assert plan(counts, r=r, pool=pool, now=359).decision is Decision.HOLD
+    p = plan(counts, r=r, pool=pool, now=360)
+    assert p.decision is Decision.PAUSE and p.written is not None
+    assert p.written.state is RolloutState.PAUSED
+    assert p.written.reason is not None and "holds 2 of the 10" in p.written.reason
+    assert "cap of 400" in p.written.reason and "300 s" in p.written.reason
+    assert p.part("new").role is Role.PAUSED and p.part("new").share == pytest.approx(0.1)
+    assert p.waits.startswith("paused: ")
 
 
 def test_a_canary_prepares_its_first_step_before_it_takes_any_claim() -> None:
     preparing = ramp().evolve(share=0)
     counts = {"old": RevisionCounts(busy=100)}
-    p = plan(counts, r=preparing, now=1)
+    pool = PoolDemand(warm_target=100)
+    p = plan(counts, r=preparing, pool=pool, now=1)
     assert p.decision is Decision.HOLD
     assert p.part("new").share == 0 and p.route("any-org") == "old"
     assert p.part("new").warm_target == 10 and p.needed == 10
-    held = plan({**counts, "new": RevisionCounts(warm=10)}, r=preparing, now=1)
+    assert p.part("old").warm_target == 100 and p.part("old").share == 1.0
+    held = plan({**counts, "new": RevisionCounts(warm=10)}, r=preparing, pool=pool, now=1)
     assert held.decision is Decision.ADVANCE  # no interval to wait: the first step
     assert held.written is not None and held.written.share == 10 and held.written.step == 0
     assert held.part("new").share == pytest.approx(0.1)
@@ -231,36 +305,41 @@ def test_an_org_that_moved_stays_on_the_ramp_at_later_steps() -> None:
     other_warm=st.integers(0, 100),
     own_busy=st.integers(0, 500),
     own_warm=st.integers(0, 500),
+    warm_target=st.integers(0, 300),
     demand=st.integers(0, 100),
     cap=st.integers(0, 2000),
     step=st.integers(0, 2),
+    now=st.floats(0, 400),
 )
-def test_the_ramp_never_lifts_the_total_over_its_limit(
+def test_the_revisions_share_the_pools_target_and_no_more(
     other_busy: int,
     other_warm: int,
     own_busy: int,
     own_warm: int,
+    warm_target: int,
     demand: int,
     cap: int,
     step: int,
+    now: float,
 ) -> None:
     counts = {
         "old": RevisionCounts(busy=other_busy, warm=other_warm),
         "new": RevisionCounts(busy=own_busy, warm=own_warm),
     }
-    p = plan(counts, r=ramp(step=step), pool=PoolDemand(demand=demand, cap=cap))
-    wanted = own_busy + p.part("new").warm_target
-    if cap > 0:
-        assert other_busy + other_warm + wanted <= max(cap, other_busy + other_warm + own_busy)
-    else:
-        assert wanted <= max(own_busy, other_busy + other_warm + demand)
-
-
-@given(own=st.integers(0, 1000), other=st.integers(1, 1000))
-def test_the_ramp_target_does_not_grow_with_its_own_warm_workers(own: int, other: int) -> None:
-    base = plan({"old": RevisionCounts(busy=other)})
-    more = plan({"old": RevisionCounts(busy=other), "new": RevisionCounts(warm=own)})
-    assert more.part("new").warm_target == base.part("new").warm_target
+    pool = PoolDemand(warm_target=warm_target, demand=demand, cap=cap, lead_s=30)
+    p = plan(counts, r=ramp(step=step), pool=pool, now=now)
+    whole = warm_target + demand if cap == 0 else min(cap, warm_target + demand)
+    new, old = p.part("new"), p.part("old")
+    share = CANARY.share(step)
+    following = CANARY.share(min(step + 1, 2))
+    # The ramp holds its step's part or, ahead of the next step, that one's; never more.
+    assert new.warm_target in (math.ceil(whole * share), math.ceil(whole * following))
+    # The stable revision gives up the step's part (and the ramp's whole part at a full
+    # pool): together they never want more than the pool's target plus the step ahead.
+    assert old.warm_target in (whole - math.ceil(whole * share), whole - new.warm_target)
+    live = other_busy + other_warm + own_busy + own_warm
+    if cap > 0 and live + max(0, new.warm_target - own_warm) > cap:
+        assert new.warm_target + old.warm_target == whole
 
 
 def test_org_positions_are_stable_and_spread() -> None:

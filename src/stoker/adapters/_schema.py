@@ -188,16 +188,37 @@ ORG_FORECAST = Table(
     ),
     key=("pool", "org", "bucket"),
 )
+#: Each replica's cumulative outcome counts of a rollout's revision (`control.outcomes`):
+#: the leader's verdict sums every replica's rows.
+ROLLOUT_OUTCOMES = Table(
+    "rollout_outcomes",
+    (
+        *_text("rollout", "instance", "outcome"),
+        Column("count", Kind.INT),
+        *_real("updated_at"),
+    ),
+    key=("rollout", "instance", "outcome"),
+)
 #: The stored pools' tables as the version that added them made them.
 FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
-TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES, FORECAST, ORG_FORECAST)
+TABLES = (
+    WORKERS,
+    CLAIMS,
+    INSTANCES,
+    LEASES,
+    DEMAND,
+    *POOL_TABLES,
+    FORECAST,
+    ORG_FORECAST,
+    ROLLOUT_OUTCOMES,
+)
 
 
 def before_rate(table: Table) -> Table | None:
     """A table as it was before demand became a rate: the demand table without its claim
     counter, no forecast tables (None); the others unchanged (for the upgrade tests)."""
-    if table in (FORECAST, ORG_FORECAST):
+    if table in (FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES):
         return None
     if table is DEMAND:
         return Table(

@@ -16,6 +16,7 @@ from stoker.adapters._schema import (
     FORECAST,
     ORG_FORECAST,
     POOLS,
+    ROLLOUT_OUTCOMES,
     TABLES,
     WORKERS,
     Dialect,
@@ -75,3 +76,8 @@ class TableChanges:
     def org_forecast(self) -> list[str]:
         """Per-org forecasts: each pool's busiest orgs' learned new-session rates."""
         return self.create(ORG_FORECAST)
+
+    @property
+    def rollout_outcomes(self) -> list[str]:
+        """Verdicts from every replica: each one's outcome counts of a rollout's revision."""
+        return self.create(ROLLOUT_OUTCOMES)

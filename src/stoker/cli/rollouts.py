@@ -9,7 +9,15 @@ from typing import Annotated, Any
 
 import typer
 
-from stoker.cli.output import JsonFlag, TokenOption, UrlOption, fail, print_json, server
+from stoker.cli.output import (
+    JsonFlag,
+    TokenOption,
+    UrlOption,
+    check_input,
+    fail,
+    print_json,
+    server,
+)
 from stoker.sdk import Client, RolloutInfo
 
 rollout_app = typer.Typer(
@@ -40,6 +48,9 @@ def describe(r: RolloutInfo) -> str:
     """One line about a rollout."""
     steps = r.strategy.get("steps")
     where = f"step {r.step + 1} of {len(steps)}, " if steps and not r.ended else ""
+    if steps and not r.ended and r.share == 0:
+        # A canary's first step takes effect once the new revision holds its workers.
+        where = f"preparing step 1 ({steps[0]} %), "
     reason = f" ({r.reason})" if r.reason else ""
     return (
         f"rollout {r.id}: {r.state}{reason}, {where}{r.share} % of new claims to "
@@ -121,6 +132,8 @@ def start(
     if not template:
         fail("say what changes: --command, --image or --env", code=2)
     strategy = _strategy(steps, step_interval, max_failure_ratio, replace)
+    if strategy is not None:
+        check_input("strategy", strategy)
     with server(*ctx.obj) as client:
         _show(client.start_rollout(pool, template, strategy=strategy), as_json)
 

@@ -33,6 +33,7 @@ from stoker.config.problems import Loc, raise_problems
 from stoker.config.schema import DerivedSection, Section, derived_section, spec_fields
 from stoker.domain.errors import InvalidRequest
 from stoker.domain.rollouts import (
+    DEFAULT_HOLD_DEADLINE_S,
     DEFAULT_MAX_FAILURE_RATIO,
     DEFAULT_STEP_INTERVAL_S,
     DEFAULT_STEPS,
@@ -187,6 +188,8 @@ class RolloutConfig(Section):
     steps: list[int] = Field(default_factory=lambda: list(DEFAULT_STEPS))
     step_interval_s: float = DEFAULT_STEP_INTERVAL_S
     max_failure_ratio: float = DEFAULT_MAX_FAILURE_RATIO
+    #: Seconds a step may wait for the new revision's warm workers before the rollout pauses.
+    hold_deadline_s: float = DEFAULT_HOLD_DEADLINE_S
 
     @model_validator(mode="after")
     def _valid(self) -> RolloutConfig:

@@ -230,6 +230,7 @@ class Claims:
                 # Not served by reuse: this claim wants a neutral worker (demand rate).
                 a.counted = True
                 self._demand.record_claim(pool.name)
+                self._rollouts.note_neutral(pool.name, pool.revision)
             if spawning:
                 await self._reservations.free_own_spawn(a)
             if warm is None:

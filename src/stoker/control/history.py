@@ -1,4 +1,5 @@
-"""The last hour of each pool's warm target, demand and workers, sampled by this replica.
+"""The last hour of each pool's warm target, demand and workers (and each revision's share
+and workers, the rollout view's), sampled by this replica.
 
 The dashboard's chart reads it (README, "Dashboard"): kept on the server, a page opened
 now shows the hour before it, every viewer sees the same curve, and a reload loses
@@ -18,6 +19,17 @@ SPAN_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
+class RevisionSample:
+    """One revision of a pool at one instant: its share (0-1) of new claims by the rollout
+    plan, and its warm and busy (reserved, activating, hot, hot_idle) workers."""
+
+    revision: str
+    share: float
+    warm: int
+    busy: int
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSample:
     """One pool at one instant; `at` in seconds since the Unix epoch."""
 
@@ -29,6 +41,8 @@ class PoolSample:
     hot: int
     hot_idle: int
     spawning: int
+    #: Each revision with live workers or a share, the stable one first.
+    revisions: tuple[RevisionSample, ...] = ()
 
 
 class History:

@@ -20,6 +20,7 @@ from stoker.control import logs
 from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.faults import PassFaults, describe
+from stoker.control.outcomes import OutcomeCounts
 from stoker.control.pins import Pins
 from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
@@ -86,12 +87,15 @@ class Janitor:
             shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
         )
         self._pools = pools
+        #: This replica's outcome counts of rollouts, written every pass.
+        self._outcomes = OutcomeCounts(shared, store=store)
         self._scaler = Scaler(
             shared,
             store=store,
             retirer=retirer,
             spawner=spawner,
             sizer=None if self._baseline else self.sizer,
+            outcomes=self._outcomes,
             faults=self.faults,
             demand=demand,
         )
@@ -153,8 +157,11 @@ class Janitor:
             await self._purge(world.now)
             self._gauges(world)
         else:
-            # Every replica's claim counter reaches the leader's demand rate.
+            # Every replica's claim counter reaches the leader's demand rate, and its
+            # outcome counts the leader's verdict on a rollout.
             await self._publisher.publish()
+            await self._outcomes.publish()
+            self._rollouts.show_stored()
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
 

@@ -1,9 +1,10 @@
 """This replica's recent events, kept in memory for the dashboard (README, "Dashboard").
 
-A bounded ring: spawns, retirements with their reasons, and failures (spawns, activations,
-durable writes, passes), newest last. It is what one replica saw since it started, not the
-fleet's history (the store keeps retired rows, and the logs every change); it never grows
-past `capacity`, and recording costs one append.
+A bounded ring: spawns, retirements with their reasons, failures (spawns, activations,
+durable writes, passes) and rollouts' steps, holds, pauses and verdicts, newest last. It
+is what one replica saw since it started, not the fleet's history (the store keeps retired
+rows, and the logs every change); it never grows past `capacity`, and recording costs one
+append.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ class EventKind(StrEnum):
     ACTIVATION_FAILED = "activation_failed"
     PERSIST_FAILED = "persist_failed"
     PASS_FAILED = "pass_failed"
+    #: A rollout's step took effect, waits for its workers, paused, or ended by a verdict
+    #: (or an admin's action).
+    ROLLOUT_STEP = "rollout_step"
+    ROLLOUT_HELD = "rollout_held"
+    ROLLOUT_PAUSED = "rollout_paused"
+    ROLLOUT_RESUMED = "rollout_resumed"
+    ROLLOUT_PROMOTED = "rollout_promoted"
+    ROLLOUT_ROLLED_BACK = "rollout_rolled_back"
+    ROLLOUT_ABORTED = "rollout_aborted"
 
 
 class About(TypedDict, total=False):

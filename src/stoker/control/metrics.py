@@ -41,7 +41,8 @@ _REVISION_SHARE = (
 )
 _ROLLOUT_STATE = (
     "stoker_rollout_state",
-    "1 for the state the pool's newest rollout is in, 0 for the others.",
+    "1 for the state of the pool's rollout under way (or of the one this replica just "
+    "ended), 0 for the others; all 0 without one.",
 )
 
 _M = TypeVar("_M", bound="_Children")
@@ -51,8 +52,8 @@ class _Children:
     """`labels(...)` that asks prometheus_client once per label set.
 
     Every pass and claim looks its series up: prometheus_client converts and checks the
-    values and takes a lock each time, which cost more than the update itself. stoker
-    never removes a series, so a found child stays valid.
+    values and takes a lock each time, which cost more than the update itself. A found
+    child stays valid until `remove` drops the series.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -66,6 +67,11 @@ class _Children:
         if child is None:
             child = self._children[values] = super().labels(*values)  # type: ignore[misc]
         return child
+
+    def remove(self, *values: Any) -> None:
+        """Drop the series of `values` (nothing when there is none)."""
+        if self._children.pop(values, None) is not None:
+            super().remove(*values)  # type: ignore[misc]
 
 
 class Gauge(_Children, prometheus_client.Gauge):

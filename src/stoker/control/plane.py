@@ -39,7 +39,7 @@ from stoker.control.rollout_actions import RolloutActions
 from stoker.control.rollouts import Planner, Rollouts
 from stoker.control.scaler import DemandSource, PassReport
 from stoker.control.shared import Shared
-from stoker.control.status import PoolStatus, add_samples, pool_statuses
+from stoker.control.status import PoolStatus, add_samples, pool_statuses, revision_samples
 from stoker.control.stored_pools import StoredPools
 from stoker.domain.errors import (
     OrgCapError,
@@ -103,14 +103,16 @@ class ControlPlane:
         self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
         self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
         self.book = Book(reader=store, instance_id=self.instance_id)
+        #: Recent events and the last hour of each pool, for the dashboard.
+        self.journal = Journal(self.clock.now)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).
-        self.rollouts = Rollouts(self.catalog, self.metrics, planner or rollout_plan)
+        self.rollouts = Rollouts(
+            self.catalog, self.metrics, planner or rollout_plan, journal=self.journal
+        )
         #: An admin's pause, resume, abort and promote of a rollout.
         self.rollout_actions = RolloutActions(
             store=store, catalog=self.catalog, rollouts=self.rollouts, clock=self.clock
         )
-        #: Recent events and the last hour of each pool, for the dashboard.
-        self.journal = Journal(self.clock.now)
         self.history = History(self.settings.pool_sample_s)
         self.lifecycle = Lifecycle(store, self.clock, self.metrics, self.journal)
         shared = Shared(
@@ -362,7 +364,9 @@ class ControlPlane:
 
     async def sample_pools(self) -> None:
         """Add one sample of every pool to `history` (the dashboard's chart)."""
-        add_samples(self.history, await self.pool_status(), self.clock.now())
+        statuses = await self.pool_status()
+        revisions = await revision_samples(self.store, self.catalog)
+        add_samples(self.history, statuses, self.clock.now(), revisions)
 
     async def run_reaper_pass(self) -> PassReport:
         """One fallback-reaper pass now (tests and tools)."""
@@ -440,4 +444,6 @@ class ControlPlane:
     async def pool_status(self) -> list[PoolStatus]:
         """Targets, demand and counts by state of every pool."""
         self._check_running()
-        return await pool_statuses(self.store, self.catalog, self.spawner, self.janitor)
+        return await pool_statuses(
+            self.store, self.catalog, self.spawner, self.janitor, self.rollouts
+        )

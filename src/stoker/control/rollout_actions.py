@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from stoker.control import logs
 from stoker.control.catalog import Catalog
+from stoker.control.journal import EventKind
 from stoker.control.rollouts import Rollouts
 from stoker.domain.errors import NotFound, RolloutEnded
 from stoker.domain.pools import Rollout, StaleGeneration
@@ -41,10 +42,11 @@ def acted(rollout: Rollout, action: Action, now: float) -> Rollout:
         )
     match action:
         case Action.PAUSE:
-            return rollout.evolve(state=RolloutState.PAUSED)
+            return rollout.evolve(state=RolloutState.PAUSED, reason="paused by an admin")
         case Action.RESUME:
             # The step's interval starts again: a pause never counts towards it.
-            return rollout.evolve(state=RolloutState.RAMPING, step_started_at=now)
+            # The reason of a pause goes with it.
+            return rollout.evolve(state=RolloutState.RAMPING, step_started_at=now, reason=None)
         case Action.ABORT:
             return rollout.evolve(
                 state=RolloutState.ABORTED, share=0, ended_at=now, reason="aborted"
@@ -97,6 +99,7 @@ class RolloutActions:
         spec = self._catalog.get(pool)
         if spec is not None:
             self._rollouts.adopt(spec, written)
+        self._rollouts.record(_EVENTS[action], written, f"{action.value} by an admin")
         logs.event(
             "rollout_" + action.value,
             pool=pool,
@@ -105,3 +108,12 @@ class RolloutActions:
             state=written.state.value,
         )
         return written
+
+
+#: The journal's event of each action.
+_EVENTS = {
+    Action.PAUSE: EventKind.ROLLOUT_PAUSED,
+    Action.RESUME: EventKind.ROLLOUT_RESUMED,
+    Action.ABORT: EventKind.ROLLOUT_ABORTED,
+    Action.PROMOTE: EventKind.ROLLOUT_PROMOTED,
+}

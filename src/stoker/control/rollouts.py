@@ -4,7 +4,11 @@ revisions may park workers for reuse, and each pass's `rollout_plan`.
 Every answer comes from `stoker.policy.rollout.rollout_plan` over the catalog's stored
 rollout: a replica that does not lead routes by the plan of the stored step (`decide`
 off); the leader's janitor computes the plan that decides and writes what it decided.
-Failures of the ramping revision are counted here as this replica sees them.
+Outcomes of the ramping revision are counted here as this replica sees them; every replica
+writes its counts to the store (`control.outcomes`) and the leader judges from their sum.
+Each plan sets the pool's `stoker_pool_revision_share` series (those of revisions that no
+longer serve are removed) and `stoker_rollout_state`, and the leader's steps, holds,
+pauses and verdicts are events of the journal (`GET /v1/events`).
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from collections.abc import Callable, Container, Mapping
 from enum import StrEnum
 
 from stoker.control.catalog import Catalog
+from stoker.control.journal import EventKind, Journal
 from stoker.control.metrics import Metrics
 from stoker.domain.pools import Rollout, StoredRevision
-from stoker.domain.rollouts import RolloutState
+from stoker.domain.rollouts import CanaryStrategy, RolloutState
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import RetireReason
 from stoker.policy.rollout import (
     SERVING,
+    Decision,
     PoolDemand,
     RevisionCounts,
     RevisionFailures,
@@ -42,6 +48,10 @@ class Outcome(StrEnum):
     ACTIVATION_FAILURE = "activation_failure"
     CLAIM = "claim"
     CLAIM_ERROR = "claim_error"
+    #: A claim of the pool that wanted a neutral worker while the rollout was under way,
+    #: and one of those that routing sent to the ramping revision (sticky by org).
+    NEUTRAL = "neutral"
+    ROUTED = "routed"
 
 
 #: `rollout_plan`, or what the simulator's baselines put in its place (same arguments).
@@ -61,11 +71,25 @@ class _Reusable(Container[str]):
 class Rollouts:
     """Routing, reuse and sizing of each pool's revisions by its rollout plan."""
 
-    def __init__(self, catalog: Catalog, metrics: Metrics, planner: Planner = rollout_plan) -> None:
-        """`planner` replaces `rollout_plan` (the simulator's baselines)."""
+    def __init__(
+        self,
+        catalog: Catalog,
+        metrics: Metrics,
+        planner: Planner = rollout_plan,
+        journal: Journal | None = None,
+    ) -> None:
+        """`planner` replaces `rollout_plan` (the simulator's baselines); `journal`
+        records the rollouts' events."""
         self._catalog = catalog
         self._metrics = metrics
         self._plan = planner
+        self._journal = journal
+        #: The revisions whose share series each pool shows.
+        self._shown: dict[str, set[str]] = {}
+        #: The rollout id and step each pool's last recorded hold was about.
+        self._held: dict[str, tuple[str, int]] = {}
+        #: Called after a failure is counted (the outcome counts publish soon).
+        self.on_failure: Callable[[], None] | None = None
         #: Attempts and failures by (rollout id, outcome).
         self._tally: Counter[tuple[str, Outcome]] = Counter()
         #: The last plan each pool's pass computed (the API and metrics show it).
@@ -83,7 +107,14 @@ class Rollouts:
             return known[2]
         plan = routing_plan(pool.revision, ramp)
         self._routing[pool.name] = (pool.revision, ramp, plan)
+        self._show(pool.name, plan, ramp)
         return plan
+
+    def show_stored(self) -> None:
+        """Bring every pool's series to its stored rollout (a replica that does not lead
+        plans nothing; its catalog loads what the leader wrote)."""
+        for pool in self._catalog.pools.values():
+            self.stored(pool)
 
     def route(self, pool: PoolSpec, org: str) -> PoolSpec:
         """The spec of the revision a new (non-reuse) claim of `org` goes to."""
@@ -136,17 +167,45 @@ class Rollouts:
         ramp = self._catalog.rollout(pool)
         if ramp is not None and ramp.revision == revision and not ramp.state.ended:
             self._tally[(ramp.id, outcome)] += 1
+            if outcome in _FAILURES and self.on_failure is not None:
+                self.on_failure()
+
+    def note_neutral(self, pool: str, revision: str) -> None:
+        """Count a claim of the pool that wants a neutral worker, routed to `revision`,
+        while a rollout is under way (how much of the pool's claims routing sends it)."""
+        ramp = self._catalog.rollout(pool)
+        if ramp is not None and not ramp.state.ended:
+            self._tally[(ramp.id, Outcome.NEUTRAL)] += 1
+            if ramp.revision == revision:
+                self._tally[(ramp.id, Outcome.ROUTED)] += 1
+
+    def counted(self) -> dict[str, dict[str, int]]:
+        """This replica's counts so far: rollout id -> outcome -> count."""
+        out: dict[str, dict[str, int]] = {}
+        for (rollout, outcome), n in self._tally.items():
+            out.setdefault(rollout, {})[outcome.value] = n
+        return out
 
     def failures(self, rollout_id: str) -> RevisionFailures:
         """What this replica saw of the rollout's revision so far."""
-        t = self._tally
+        return self.failures_of(self.counted().get(rollout_id, {}))
+
+    @staticmethod
+    def failures_of(counts: Mapping[str, int]) -> RevisionFailures:
+        """The plan's view of outcome counts (by `Outcome` value)."""
+
+        def n(outcome: Outcome) -> int:
+            return counts.get(outcome.value, 0)
+
         return RevisionFailures(
-            spawns=t[(rollout_id, Outcome.SPAWN)],
-            spawn_failures=t[(rollout_id, Outcome.SPAWN_FAILURE)],
-            activations=t[(rollout_id, Outcome.ACTIVATION)],
-            activation_failures=t[(rollout_id, Outcome.ACTIVATION_FAILURE)],
-            claims=t[(rollout_id, Outcome.CLAIM)],
-            claim_errors=t[(rollout_id, Outcome.CLAIM_ERROR)],
+            spawns=n(Outcome.SPAWN),
+            spawn_failures=n(Outcome.SPAWN_FAILURE),
+            activations=n(Outcome.ACTIVATION),
+            activation_failures=n(Outcome.ACTIVATION_FAILURE),
+            claims=n(Outcome.CLAIM),
+            claim_errors=n(Outcome.CLAIM_ERROR),
+            neutral=n(Outcome.NEUTRAL),
+            routed=n(Outcome.ROUTED),
         )
 
     def adopt(
@@ -158,13 +217,38 @@ class Rollouts:
         spec = self._catalog.revision_spec(pool.name, written.revision)
         if written.state is RolloutState.PROMOTED and spec is not None:
             self._catalog.update_pool(spec)
-        self.show(pool.name, written)
+        current = self._catalog.get(pool.name) or pool
+        self._show(pool.name, routing_plan(current.revision, written), written)
 
-    def show(self, name: str, ramp: Rollout | None) -> None:
-        """Set the pool's `stoker_rollout_state` series."""
+    def _show(self, name: str, plan: RolloutPlan, ramp: Rollout | None) -> None:
+        """Set the pool's series to `plan`: each serving revision's share (the series of
+        the others are removed) and the state of its newest rollout `ramp`."""
+        shown = self._shown.setdefault(name, set())
+        serving = {rev for rev in plan.revisions if plan.serving(rev)} | {plan.stable}
+        for revision in shown - serving:
+            self._metrics.revision_share.remove(name, revision)
+        for revision in serving:
+            self._metrics.revision_share.labels(name, revision).set(plan.part(revision).share)
+        self._shown[name] = serving
         for state in RolloutState:
             on = ramp is not None and ramp.state is state
             self._metrics.rollout_state.labels(name, state.value).set(1 if on else 0)
+
+    def record(self, kind: EventKind, ramp: Rollout, why: str | None = None) -> None:
+        """An event of the journal about `ramp` (`why`: its reason, if any)."""
+        if self._journal is None:
+            return
+        detail = f"rollout {ramp.id} of revision {ramp.revision}: {ramp.state.value}"
+        if not ramp.state.ended:
+            detail += f" at step {ramp.step + 1} of {_steps(ramp)}, {ramp.share} % of new claims"
+        self._journal.record(kind, pool=ramp.pool, reason=why, detail=detail)
+
+    def decided(self, plan: RolloutPlan) -> None:
+        """Record what the leader wrote for `plan` (a step, a pause, a verdict)."""
+        written = plan.written
+        kind = _DECIDED.get(plan.decision)
+        if written is not None and kind is not None:
+            self.record(kind, written, plan.why)
 
     def plan(
         self,
@@ -174,20 +258,51 @@ class Rollouts:
         now: float,
         *,
         decide: bool = True,
+        failures: RevisionFailures | None = None,
     ) -> RolloutPlan:
         """The pass's plan for the pool, deciding what is due unless `decide` is off (the
-        leader writes what it decided)."""
+        leader writes what it decided); `failures`: every replica's counts of the
+        rollout (None: this replica's own)."""
         ramp = self._catalog.rollout(pool.name)
+        if failures is None:
+            failures = self.failures(ramp.id) if ramp is not None else RevisionFailures()
         plan = self._plan(
             stable=pool.revision,
             ramp=ramp,
             counts=counts,
-            failures=self.failures(ramp.id) if ramp is not None else RevisionFailures(),
+            failures=failures,
             pool=demand,
             now=now,
             decide=decide,
         )
         self.plans[pool.name] = plan
-        for part in plan.revisions.values():
-            self._metrics.revision_share.labels(pool.name, part.revision).set(part.share)
+        self._show(pool.name, plan, ramp)
+        self._note_hold(pool.name, plan)
         return plan
+
+    def _note_hold(self, name: str, plan: RolloutPlan) -> None:
+        """Record once per step that a due step waits for the revision's workers."""
+        ramp = plan.ramp
+        if ramp is None or plan.decision is not Decision.HOLD or not plan.held_back:
+            return
+        key = (ramp.id, ramp.step if ramp.share else -1)
+        if self._held.get(name) != key:
+            self._held[name] = key
+            self.record(EventKind.ROLLOUT_HELD, ramp, plan.waits)
+
+
+#: Outcomes that are failures: the leader should hear of them before the next pass.
+_FAILURES = frozenset({Outcome.SPAWN_FAILURE, Outcome.ACTIVATION_FAILURE, Outcome.CLAIM_ERROR})
+
+#: The event of each decision the leader writes.
+_DECIDED = {
+    Decision.ADVANCE: EventKind.ROLLOUT_STEP,
+    Decision.PAUSE: EventKind.ROLLOUT_PAUSED,
+    Decision.PROMOTE: EventKind.ROLLOUT_PROMOTED,
+    Decision.ROLL_BACK: EventKind.ROLLOUT_ROLLED_BACK,
+}
+
+
+def _steps(ramp: Rollout) -> int:
+    strategy = ramp.strategy
+    return len(strategy.steps) if isinstance(strategy, CanaryStrategy) else 1

@@ -7,9 +7,10 @@ claim rate's and its forecast's, plus the claims queued, within the cap: `contro
 for its stable revision and nothing for older ones; during a ramp each revision gets
 its part. Scale-down of a revision that serves waits `scale_down_delay`; a revision that
 no longer serves retires its warm workers at once when its rollout failed, else a share
-per pass. The leader writes what the plan decided (a step, a promotion, a rollback)
-before it acts on it. Each pool, and each revision of a pool, is a step of its own: one
-that fails is noted in the pass's faults and the others go on.
+per pass. The leader writes what the plan decided (a step, a pause, a promotion, a
+rollback) before it acts on it, judging the ramping revision from every replica's outcome
+counts (`control.outcomes`). Each pool, and each revision of a pool, is a step of its
+own: one that fails is noted in the pass's faults and the others go on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from stoker.control import logs
 from stoker.control.faults import PassFaults
+from stoker.control.outcomes import OutcomeCounts
 from stoker.control.retiring import Retirer
 from stoker.control.shared import Shared
 from stoker.control.sizing import PoolSizer
@@ -35,6 +37,7 @@ from stoker.policy.rollout import (
     Decision,
     PoolDemand,
     RevisionCounts,
+    RevisionFailures,
     RevisionPlan,
     Role,
     RolloutPlan,
@@ -97,12 +100,14 @@ class Scaler:
         retirer: Retirer,
         spawner: Spawner,
         sizer: PoolSizer | None,
+        outcomes: OutcomeCounts,
         faults: PassFaults,
         demand: DemandSource | None = None,
     ) -> None:
-        """Sized by `sizer`, or by a baseline's `demand` added to the static target; what
-        fails for one pool is noted in `faults`."""
+        """Sized by `sizer`, or by a baseline's `demand` added to the static target;
+        rollouts judged from `outcomes`; what fails for one pool is noted in `faults`."""
         self._retirer, self._spawner = retirer, spawner
+        self._outcomes = outcomes
         self._faults = faults
         self._sizer, self._demand = sizer, demand
         self._store = store
@@ -125,9 +130,14 @@ class Scaler:
                 warm[(w.pool, w.revision)].append(w)
         if self._sizer is not None:
             await self._sizer.read(world.now)
+        summed = await self._summed()
         for name, pool in list(self._catalog.pools.items()):
+            ramp = self._catalog.rollout(name)
+            failures = summed.get(ramp.id) if summed is not None and ramp is not None else None
             with self._faults.step(name, "scale"):
-                await self._scale_pool(pool, counts.get(name, {}), live, warm, world, report)
+                await self._scale_pool(
+                    pool, counts.get(name, {}), live, warm, world, report, failures
+                )
 
     async def _scale_pool(
         self,
@@ -137,12 +147,14 @@ class Scaler:
         warm: dict[tuple[str, str], list[Worker]],
         world: World,
         report: PassReport,
+        failures: RevisionFailures | None = None,
     ) -> None:
-        """One pool's step: its plan, then each revision's spawns and scale-down."""
+        """One pool's step: its plan (judging its rollout from `failures`, every replica's
+        counts; None: this replica's), then each revision's spawns and scale-down."""
         name = pool.name
         cap = self._catalog.pool_cap(pool)
         sizing, demand = await self._wanted(pool, counts, live[name], cap, world.now)
-        plan = self._rollouts.plan(pool, counts, sizing, world.now)
+        plan = self._rollouts.plan(pool, counts, sizing, world.now, failures=failures)
         if plan.decision is not Decision.HOLD and not await self._decided(pool, plan, world.now):
             # Unwritten, the decision does not hold: act on the stored rollout.
             plan = self._rollouts.plan(pool, counts, sizing, world.now, decide=False)
@@ -166,6 +178,13 @@ class Scaler:
                 elif workers:
                     await self._retire_stale(name, part.role, workers, live[name], report)
 
+    async def _summed(self) -> dict[str, RevisionFailures] | None:
+        """Write this replica's outcome counts, then read every replica's of the active
+        rollouts (None when the store failed: each plan judges from this replica's)."""
+        await self._outcomes.publish()
+        active = [r.id for name in self._catalog.pools if (r := self._catalog.rollout(name))]
+        return await self._outcomes.summed(active)
+
     async def _wanted(
         self,
         pool: PoolSpec,
@@ -185,7 +204,10 @@ class Scaler:
             live=live,
         )
         sized = self._sizer.size(pool, held, cap=cap, now=now)
-        return PoolDemand(warm_target=sized.base, demand=sized.waiting, cap=cap), sized.demand
+        wanted = PoolDemand(
+            warm_target=sized.base, demand=sized.waiting, cap=cap, lead_s=sized.replace_s
+        )
+        return wanted, sized.demand
 
     async def _spawn(
         self, name: str, revision: str, target: int, held: PoolCounts, cap: int, report: PassReport
@@ -280,6 +302,7 @@ class Scaler:
             logs.event("rollout_write_failed", pool=pool.name, error=str(exc), level=logs.WARNING)
             return False
         self._rollouts.adopt(pool, written)
+        self._rollouts.decided(plan)
         logs.event(
             "rollout_" + plan.decision.value,
             pool=pool.name,

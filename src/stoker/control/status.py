@@ -1,6 +1,6 @@
 """What a replica shows of its pools: `GET /v1/pools`, `stoker status` and the samples of
-the dashboard's chart, read off the catalog, the store's counts, the spawner's trouble and
-the janitor's last sizing."""
+the dashboard's charts, read off the catalog, the store's counts, the spawner's trouble,
+the janitor's last sizing and the rollout plan."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from stoker.control.catalog import Catalog
-from stoker.control.history import History, PoolSample
+from stoker.control.history import History, PoolSample, RevisionSample
 from stoker.control.janitor import Janitor
+from stoker.control.rollouts import Rollouts
 from stoker.control.sizing import SizingStatus
 from stoker.control.spawning import Spawner
-from stoker.domain.states import LIVE
+from stoker.control.stored_pools import revision_shares
+from stoker.domain.states import LIVE, WorkerState
 from stoker.ports.store import StoreReader
 
 
@@ -38,10 +40,17 @@ class PoolStatus:
     last_spawn_error: str | None = None
     #: How the last janitor pass sized the pool; null on a replica that does not lead.
     sizing: SizingStatus | None = None
+    #: Why the pool's rollout under way waits, as the last janitor pass planned it ("": it
+    #: does not); null without a rollout or on a replica that does not lead.
+    rollout_waits: str | None = None
 
 
 async def pool_statuses(
-    store: StoreReader, catalog: Catalog, spawner: Spawner, janitor: Janitor
+    store: StoreReader,
+    catalog: Catalog,
+    spawner: Spawner,
+    janitor: Janitor,
+    rollouts: Rollouts | None = None,
 ) -> list[PoolStatus]:
     """Targets, demand and counts by state of every pool."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -49,6 +58,11 @@ async def pool_statuses(
         counts[c.pool][c.state.value] += c.count
     out = []
     for name, pool in catalog.pools.items():
+        plan = rollouts.plans.get(name) if rollouts is not None else None
+        ramp = catalog.rollout(name)
+        waits = None
+        if plan is not None and plan.ramp is not None and ramp is not None and ramp.active:
+            waits = plan.waits
         trouble = spawner.trouble(pool)
         out.append(
             PoolStatus(
@@ -65,13 +79,46 @@ async def pool_statuses(
                 spawn_failures=trouble.failures if trouble else 0,
                 last_spawn_error=trouble.last_error if trouble else None,
                 sizing=SizingStatus.of(sized) if (sized := janitor.sizing(name)) else None,
+                rollout_waits=waits,
             )
         )
     return out
 
 
-def add_samples(history: History, statuses: Iterable[PoolStatus], now: float) -> None:
-    """One sample of each pool in `history`, taken at `now`."""
+async def revision_samples(
+    store: StoreReader, catalog: Catalog
+) -> dict[str, tuple[RevisionSample, ...]]:
+    """Each pool's revisions now: share by the stored rollout, warm and busy workers."""
+    warm: dict[tuple[str, str], int] = defaultdict(int)
+    busy: dict[tuple[str, str], int] = defaultdict(int)
+    for c in await store.count_workers():
+        if c.state is WorkerState.WARM:
+            warm[c.pool, c.revision] += c.count
+        elif c.state not in (WorkerState.SPAWNING, WorkerState.DRAINING):
+            busy[c.pool, c.revision] += c.count
+    out = {}
+    for name, pool in catalog.pools.items():
+        shares = revision_shares(pool.revision, catalog.rollout(name))
+        live = sorted({rev for p, rev in (*warm, *busy) if p == name} - set(shares))
+        out[name] = tuple(
+            RevisionSample(
+                rev,
+                shares[rev][1] / 100 if rev in shares else 0.0,
+                warm[name, rev],
+                busy[name, rev],
+            )
+            for rev in [*shares, *live]
+        )
+    return out
+
+
+def add_samples(
+    history: History,
+    statuses: Iterable[PoolStatus],
+    now: float,
+    revisions: Mapping[str, tuple[RevisionSample, ...]] | None = None,
+) -> None:
+    """One sample of each pool in `history`, taken at `now` (with its `revisions`)."""
     for status in statuses:
         counts = status.counts
         history.add(
@@ -85,5 +132,6 @@ def add_samples(history: History, statuses: Iterable[PoolStatus], now: float) ->
                 hot=counts.get("hot", 0),
                 hot_idle=counts.get("hot_idle", 0),
                 spawning=counts.get("spawning", 0),
+                revisions=(revisions or {}).get(status.name, ()),
             ),
         )

@@ -46,8 +46,9 @@ from stoker.ports.store import ReplicaStore
 def new_rollout(
     rollout_id: str, pool: StoredPool, template: RuntimeTemplate, strategy: Strategy, now: float
 ) -> Rollout:
-    """A rollout of `template` as it starts: a canary ramps from its first step, a replace
-    is promoted at once."""
+    """A rollout of `template` as it starts: a canary prepares its first step (share 0:
+    no claim routes to it before it holds that step's warm workers), a replace is
+    promoted at once."""
     rollout = Rollout(
         id=rollout_id,
         pool=pool.name,
@@ -60,7 +61,7 @@ def new_rollout(
     )
     if isinstance(strategy, ReplaceStrategy):
         return rollout.evolve(state=RolloutState.PROMOTED, share=100, ended_at=now)
-    return rollout.evolve(share=strategy.steps[0])
+    return rollout
 
 
 def revision_shares(stable: str, rollout: Rollout | None) -> dict[str, tuple[str, int]]:

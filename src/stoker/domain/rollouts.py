@@ -38,6 +38,8 @@ class RolloutState(StrEnum):
 DEFAULT_STEPS = (10, 50, 100)
 DEFAULT_STEP_INTERVAL_S = 60.0
 DEFAULT_MAX_FAILURE_RATIO = 0.2
+#: How long a step may wait for the new revision's warm workers before the rollout pauses.
+DEFAULT_HOLD_DEADLINE_S = 600.0
 
 
 class StrategyKind(StrEnum):
@@ -51,11 +53,14 @@ class StrategyKind(StrEnum):
 class CanaryStrategy:
     """Shares of new claims (percent, increasing, 1-100) the new revision gets, one step
     per `step_interval_s`; the rollout rolls back when the revision's spawn, activation or
-    claim failures reach `max_failure_ratio` of its attempts."""
+    claim failures reach `max_failure_ratio` of its attempts. A step takes effect once the
+    revision holds its warm workers; one that cannot within `hold_deadline_s` of being due
+    pauses the rollout."""
 
     steps: tuple[int, ...] = DEFAULT_STEPS
     step_interval_s: float = DEFAULT_STEP_INTERVAL_S
     max_failure_ratio: float = DEFAULT_MAX_FAILURE_RATIO
+    hold_deadline_s: float = DEFAULT_HOLD_DEADLINE_S
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -68,6 +73,8 @@ class CanaryStrategy:
             raise InvalidRequest("step_interval_s must be > 0 and at most a day")
         if not 0 < self.max_failure_ratio <= 1:
             raise InvalidRequest("max_failure_ratio must be > 0 and at most 1")
+        if not 0 < self.hold_deadline_s <= 86_400:
+            raise InvalidRequest("hold_deadline_s must be > 0 and at most a day")
 
     @property
     def kind(self) -> StrategyKind:
@@ -109,6 +116,7 @@ def strategy_from(body: Mapping[str, Any]) -> Strategy:
     defaults = {
         "step_interval_s": DEFAULT_STEP_INTERVAL_S,
         "max_failure_ratio": DEFAULT_MAX_FAILURE_RATIO,
+        "hold_deadline_s": DEFAULT_HOLD_DEADLINE_S,
     }
     for name, default in defaults.items():
         value = body.get(name, default)
@@ -127,4 +135,5 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
         "steps": list(strategy.steps),
         "step_interval_s": strategy.step_interval_s,
         "max_failure_ratio": strategy.max_failure_ratio,
+        "hold_deadline_s": strategy.hold_deadline_s,
     }

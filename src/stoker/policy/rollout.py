@@ -4,16 +4,24 @@
 revision from it, routing splits new claims by its shares, the janitor retires by its
 roles, and the API and metrics show it. Nothing else derives a ramp.
 
-The rules (picchu #602, #614-#617, #648, whose bugs each rule avoids):
+The rules (README, "Rolling out a new worker"; picchu #602, #614-#617, #648, whose bugs
+each avoids):
 
-- the ramping revision's capacity is the *other* revisions' live capacity (busy + warm)
-  times its share, never a figure that counts its own workers (a feedback loop: 100 -> 232);
-- the total stays within the pool's cap when it has one, else within the 100 % equivalent
-  of the other revisions plus the pool's demand;
-- with nothing else live (warm_target 0), the ramp is sized from demand, never a fixed 1;
-- the stable revision keeps its demand-driven target for its share of new claims;
-- a step advances after `step_interval_s` only once the ramping revision holds what the
-  next step needs and its failure ratios stay under `max_failure_ratio`;
+- a session never moves to another revision, so the ramping revision is sized from the
+  claims it will get: its step's share of the pool's own demand-driven warm target (the
+  rate and forecast one), or more when the orgs routed to it made more of the pool's
+  claims (routing is sticky by org); the stable revision's target shrinks by as much.
+  Busy sessions of any revision never size it, and neither do its own workers (no
+  feedback loop: 100 -> 232); the pool's target is within its cap;
+- every step, the first included, takes effect (new claims routed by its share) only once
+  the ramping revision holds its step's warm workers; it grows towards the next step
+  ahead of it (a replacement time, at least half an interval), so that it holds them when
+  the step is due; the stable revision gives up its part when the step takes effect, or
+  while the ramp grows when the pool's cap leaves no room for both;
+- a step that cannot be held within the strategy's `hold_deadline_s` pauses the rollout
+  with the reason;
+- a step advances after `step_interval_s` while the revision's failure ratios (summed
+  over every replica) stay under `max_failure_ratio`; the last one promotes;
 - failures over the threshold roll back at once: share 0 and the stable revision's whole
   target back in the same plan (no `scale_down_delay`).
 """
@@ -33,6 +41,11 @@ from stoker.policy.scaling import desired_warm
 #: A failure ratio is judged only from this many attempts on (one early failure of a
 #: revision is not a verdict); a crash loop reaches it within a few back-offs.
 MIN_ATTEMPTS = 5
+#: The share of the pool's claims the routed orgs made counts from this many claims on.
+MIN_ROUTED_CLAIMS = 20
+#: A step is held once the revision has this much of its step's warm workers: claims
+#: routed to it take some while the rest get ready (picchu's 0.90, #611).
+HOLD_RATIO = 0.9
 
 
 class Role(StrEnum):
@@ -63,6 +76,8 @@ class Decision(StrEnum):
 
     HOLD = "hold"
     ADVANCE = "advance"
+    #: The step could not be held within the strategy's deadline.
+    PAUSE = "pause"
     PROMOTE = "promote"
     ROLL_BACK = "roll_back"
 
@@ -90,7 +105,8 @@ class RevisionCounts:
 
 @dataclass(frozen=True, slots=True)
 class RevisionFailures:
-    """Attempts and failures of the ramping revision since its rollout started."""
+    """Attempts and failures of the ramping revision since its rollout started, summed
+    over every replica, and how many of the pool's claims its routing took."""
 
     spawns: int = 0
     spawn_failures: int = 0
@@ -98,6 +114,17 @@ class RevisionFailures:
     activation_failures: int = 0
     claims: int = 0
     claim_errors: int = 0
+    #: Claims of the pool that wanted a neutral worker while the rollout was under way,
+    #: and those of them routed to the ramping revision.
+    neutral: int = 0
+    routed: int = 0
+
+    def routed_share(self) -> float | None:
+        """The share of the pool's neutral claims the orgs routed to the revision made
+        (None: too few claims to tell)."""
+        if self.neutral < MIN_ROUTED_CLAIMS:
+            return None
+        return min(1.0, self.routed / self.neutral)
 
     def worst(self) -> tuple[str, float] | None:
         """The highest failure ratio among those judged (enough attempts), with its name."""
@@ -122,6 +149,9 @@ class PoolDemand:
     demand: int = 0
     #: The pool cap in force (0 = unbounded).
     cap: int = 0
+    #: Seconds from a spawn to a ready worker, plus a pass: how early a revision starts to
+    #: grow towards its next step.
+    lead_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +176,13 @@ class RolloutPlan:
     ramp: Rollout | None = None
     #: The rollout row the leader writes for `decision` (None: nothing to write).
     written: Rollout | None = None
-    #: What the ramping revision must hold before the step may advance (0: no ramp).
+    #: Warm workers the ramping revision must hold before its next step takes effect
+    #: (0: no ramp).
     needed: int = 0
+    #: Why the rollout waits, in words ("": it does not).
+    waits: str = ""
+    #: Whether a step that is due waits for the revision's warm workers.
+    held_back: bool = False
     totals: Mapping[str, int] = field(default_factory=dict)
 
     @property
@@ -276,67 +311,94 @@ def _canary(
             _steady(stable, ramp.revision, counts, pool), ramp, Decision.ROLL_BACK, why, now
         )
     own = counts.get(ramp.revision, RevisionCounts())
-    others = [c for rev, c in counts.items() if rev != ramp.revision]
-    other_capacity = sum(c.capacity for c in others)
-    other_live = sum(c.live for c in others)
     whole = desired_warm(pool.warm_target, pool.demand, pool.cap)
-    # The ramp may hold at most this much: the cap, else the 100 % equivalent of the
-    # others (their busy workers and the pool's warm target) plus the pool's demand.
-    room = pool.cap - other_live if pool.cap > 0 else other_capacity + whole
-    room = max(0, room)
-    last = ramp.step >= len(strategy.steps) - 1
-    due = (
-        failures is not None
-        and ramp.state is RolloutState.RAMPING
-        and now - _step_started(ramp) >= strategy.step_interval_s
-    )
+    routed = failures.routed_share() if failures is not None else None
 
-    def capacity(share: float) -> int:
-        if other_capacity == 0:
-            # Nothing else live (warm_target 0): size from demand, never a fixed 1.
-            return min(room, desired_warm(pool.warm_target, pool.demand, pool.cap))
-        return min(room, math.ceil(other_capacity * share))
+    def portion(share: float) -> int:
+        """The ramp's part of the pool's warm target at `share` of new claims."""
+        if share <= 0:
+            return 0
+        return min(whole, math.ceil(whole * max(share, routed or 0.0)))
 
     # A canary starts *preparing* (share 0): its first step is a step like the others,
-    # taken once the new revision holds what it needs, so its first claims find workers.
+    # taken once the new revision holds its workers, so that its first claims find them.
     preparing = ramp.share <= 0
+    last = ramp.step >= len(strategy.steps) - 1
     share = 0.0 if preparing else strategy.share(ramp.step)
-    if preparing:
-        needed = capacity(strategy.share(ramp.step))
-    else:
-        needed = capacity(share if last else strategy.share(ramp.step + 1))
-    healthy = worst is None or worst[1] <= strategy.max_failure_ratio
-    ready = failures is not None and ramp.state is RolloutState.RAMPING and healthy
-    # What the others hold is the yardstick: with nothing else live there is nothing to
-    # catch up with (the demand-sized target is where the ramp grows, not a gate).
-    held = own.capacity >= (needed if other_capacity else 0)
-    if ready and (due or preparing) and held:
-        if last and not preparing:
-            plan = _steady(ramp.revision, None, counts, pool)
-            return _ended(plan, ramp, Decision.PROMOTE, "the last step held", now)
-        step = ramp.step if preparing else ramp.step + 1
-        advanced = ramp.evolve(step=step, share=strategy.steps[step], step_started_at=now)
-        plan = _canary(stable, advanced, strategy, counts, failures, pool, now)
-        why = f"the new revision holds {own.capacity} of {needed}: {strategy.steps[step]} %"
-        return replace(plan, decision=Decision.ADVANCE, why=why, written=advanced)
-    # While a step is due (or the first one prepared), the ramp grows towards what the
-    # next step needs.
-    target = needed if due or preparing else capacity(share)
-    ramp_share_of_warm = math.ceil(whole * share)
-    ramp_capacity = min(room, max(target, own.busy + ramp_share_of_warm))
+    coming = strategy.share(ramp.step if preparing or last else ramp.step + 1)
+    due_at = _step_started(ramp) + (0.0 if preparing else strategy.step_interval_s)
+    ramping = ramp.state is RolloutState.RAMPING
+    # It grows towards the next step ahead of it, so that it holds the step's workers when
+    # the step is due: a replacement time early, and at least half an interval (a new
+    # revision's first spawns pull its image; the pool's estimate knows the old one's).
+    lead = max(pool.lead_s, strategy.step_interval_s / 2)
+    growing = ramping and not (last and not preparing) and now >= due_at - lead
+    ramp_warm = portion(coming if growing else share)
+    # The stable revision gives up its part once the step takes effect; while the ramp
+    # grows it keeps it (its claims still come), unless the pool's cap leaves no room for
+    # both, the ramp's spawns going first.
+    stable_warm = whole - portion(share)
+    live = sum(c.live for c in counts.values())
+    if pool.cap > 0 and live + max(0, ramp_warm - own.warm - own.spawning) > pool.cap:
+        stable_warm = whole - ramp_warm
+    needed = portion(coming)
+    held = own.warm >= math.ceil(needed * HOLD_RATIO)
+    due = ramping and now >= due_at
+    role = Role.RAMPING if ramping else Role.PAUSED
     parts = {rev: RevisionPlan(rev, Role.RETIRING, 0.0, 0) for rev in counts}
-    parts[stable] = RevisionPlan(stable, Role.STABLE, 1.0 - share, whole - ramp_share_of_warm)
-    role = Role.RAMPING if ramp.state is RolloutState.RAMPING else Role.PAUSED
-    parts[ramp.revision] = RevisionPlan(
-        ramp.revision, role, share, max(0, ramp_capacity - own.busy)
-    )
-    return RolloutPlan(
+    # The ramp first: at a full pool its spawns go before the stable revision's refills.
+    parts.pop(ramp.revision, None)
+    parts = {ramp.revision: RevisionPlan(ramp.revision, role, share, ramp_warm), **parts}
+    parts[stable] = RevisionPlan(stable, Role.STABLE, 1.0 - share, max(0, stable_warm))
+    plan = RolloutPlan(
         stable=stable,
         revisions=parts,
         ramp=ramp,
         needed=needed,
-        totals={"other_capacity": other_capacity, "room": room},
+        waits=_waits(ramp, own, needed, held, due_at - now, pool, live),
+        held_back=due and not held and not (last and not preparing),
+        totals={"whole": whole, "live": live},
     )
+    if failures is None or not due:
+        return plan
+    if last and not preparing:
+        promoted = _steady(ramp.revision, None, counts, pool)
+        return _ended(promoted, ramp, Decision.PROMOTE, "the last step held", now)
+    if held:
+        step = ramp.step if preparing else ramp.step + 1
+        advanced = ramp.evolve(step=step, share=strategy.steps[step], step_started_at=now)
+        after = _canary(stable, advanced, strategy, counts, failures, pool, now)
+        why = f"the new revision holds {own.warm} of {needed} warm workers: {advanced.share} %"
+        return replace(after, decision=Decision.ADVANCE, why=why, written=advanced)
+    if now - due_at >= strategy.hold_deadline_s:
+        waited = f"waited {now - due_at:.0f} s (deadline {strategy.hold_deadline_s:.0f} s)"
+        why = f"{plan.waits}: {waited}"
+        paused = ramp.evolve(state=RolloutState.PAUSED, reason=why)
+        after = _canary(stable, paused, strategy, counts, failures, pool, now)
+        return replace(after, decision=Decision.PAUSE, why=why, written=paused)
+    return plan
+
+
+def _waits(
+    ramp: Rollout,
+    own: RevisionCounts,
+    needed: int,
+    held: bool,
+    due_in: float,
+    pool: PoolDemand,
+    live: int,
+) -> str:
+    """Why the rollout waits now, in words (`due_in`: seconds until its next step is due)."""
+    if ramp.state is RolloutState.PAUSED:
+        return f"paused: {ramp.reason}" if ramp.reason else "paused"
+    if due_in > 0:
+        return f"the step's interval: the next step is due in {due_in:.0f} s"
+    if held:
+        return ""
+    why = f"the new revision holds {own.warm} of the {needed} warm workers its step needs"
+    if pool.cap > 0 and live >= pool.cap:
+        why += f", the pool is at its cap of {pool.cap}"
+    return why
 
 
 def _step_started(ramp: Rollout) -> float:

@@ -280,6 +280,11 @@ class StoreReader(Protocol):
         """The pool's rollouts, oldest first; without `pool`, every pool's *active* ones."""
         ...
 
+    async def read_outcomes(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """Every replica's outcome counts of the rollouts `rollout_ids`, summed: rollout id
+        -> outcome -> count (a rollout nobody counted for is left out)."""
+        ...
+
     async def read_forecast(self) -> list[ForecastBucket]:
         """Every pool's learned forecast buckets."""
         ...
@@ -432,6 +437,14 @@ class ReplicaStore(StoreReader, Protocol):
         """
         ...
 
+    async def record_outcomes(
+        self, instance_id: str, counts: Mapping[str, Mapping[str, int]], *, now: float
+    ) -> None:
+        """Publish this replica's cumulative outcome counts of rollouts' revisions (rollout
+        id -> outcome -> count), replacing its earlier ones: the leader's verdict sums every
+        replica's (`read_outcomes`)."""
+        ...
+
     # -- stored pools: every write compares and bumps the pool's generation ------------------
 
     async def create_pool(self, pool: StoredPool, *, now: float) -> StoredPool | None:
@@ -474,7 +487,8 @@ class ReplicaStore(StoreReader, Protocol):
 
     async def purge(self, *, before: float) -> int:
         """Delete history older than `before`: retired workers, ended claims, the rows of
-        stopped or expired replicas and their demand. Returns the rows deleted."""
+        stopped or expired replicas and their demand, the outcome counts of rollouts that
+        ended. Returns the rows deleted."""
         ...
 
 

@@ -83,12 +83,22 @@ class SimActivator:
         self._held: dict[str, tuple[str, int]] = {}
         #: Share of activations that fail, per revision (a bad image).
         self.revision_failure_rate: dict[str, float] = {}
+        #: Whether those fail only when a replica that does not lead activates.
+        self.followers_only = False
         self.activations = 0
         self.rejections = 0
         self.failures = 0
 
-    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
-        """Activate `worker` for `payload.org` (see the class docstring)."""
+    async def activate(
+        self,
+        worker: Worker,
+        payload: ActivationPayload,
+        timeout: float,
+        *,
+        leading: bool = False,
+    ) -> None:
+        """Activate `worker` for `payload.org` (see the class docstring); `leading`: the
+        activating replica leads."""
         delay = self._latency.sample(self._rng) if self._latency is not None else 0.0
         if delay > timeout:
             await self._clock.sleep(timeout)
@@ -106,6 +116,8 @@ class SimActivator:
                 f"worker {worker.id} refused org {payload.org} at epoch {payload.epoch}"
             )
         rate = self.revision_failure_rate.get(worker.revision, self._failure_rate)
+        if leading and self.followers_only:
+            rate = self._failure_rate
         if rate and self._rng.random() < rate:
             self.failures += 1
             raise RuntimeFailure(f"worker {worker.id} answered 500 to activation")
@@ -114,6 +126,23 @@ class SimActivator:
 
     async def close(self) -> None:
         """Nothing to release: no connection is held."""
+        return None
+
+
+class ReplicaActivator:
+    """Replica `index`'s door to the shared activator: it says whether the replica leads
+    (a bad image may fail only for the replicas that do not)."""
+
+    def __init__(self, shared: SimActivator, replicas: PolicyReplicas, index: int) -> None:
+        self._shared, self._replicas, self._index = shared, replicas, index
+
+    async def activate(self, worker: Worker, payload: ActivationPayload, timeout: float) -> None:
+        """Activate through the shared activator."""
+        leading = self._replicas.leader() == self._index
+        await self._shared.activate(worker, payload, timeout, leading=leading)
+
+    async def close(self) -> None:
+        """Nothing to release."""
         return None
 
 
@@ -196,7 +225,7 @@ def build_replicas(
                 clock=clock,
             ),
             runtime=parts.runtime,
-            activator=activator,
+            activator=ReplicaActivator(activator, replicas, index),
             elector=parts.elector,
             demand=demand,
             planner=planner_for(entry),

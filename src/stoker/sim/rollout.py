@@ -37,7 +37,7 @@ from stoker.sim.sessions import Attempt
 #: How often the run looks at the rollout (seconds of run time).
 WATCH_S = 1.0
 #: The settings of the scenario's rollout that are its canary, in the strategy's JSON form.
-_CANARY = {"steps", "step_interval_s", "max_failure_ratio"}
+_CANARY = {"steps", "step_interval_s", "max_failure_ratio", "hold_deadline_s"}
 
 
 def strategy_for(entry: PolicyEntry, config: RolloutConfig) -> Strategy:
@@ -67,6 +67,8 @@ class RolloutRun:
         self.cap = cap
         self.rollout: Rollout | None = None
         self.started_s: float | None = None
+        #: When its first step took effect (a claim could route to it), and when it ended.
+        self.first_step_s: float | None = None
         self.ended_s: float | None = None
         self.completed_s: float | None = None
         self.outcome: str | None = None
@@ -99,6 +101,7 @@ class RolloutRun:
         if self._config.activation_failure_rate:
             rates = self._replicas.activator.revision_failure_rate
             rates[rollout.revision] = self._config.activation_failure_rate
+            self._replicas.activator.followers_only = self._config.failing_on == "followers"
         self.rollout, self.started_s = rollout, self._now()
 
     async def _watch(self) -> None:
@@ -116,6 +119,8 @@ class RolloutRun:
             )
         if self.ended_s is None:
             row = await self._store.get_rollout(rollout.id)
+            if row is not None and row.share > 0 and self.first_step_s is None:
+                self.first_step_s = self._now()
             if row is None or not row.state.ended:
                 return
             self.rollout, self.ended_s = row, self._now()
@@ -151,11 +156,17 @@ class RolloutRun:
             "peak_live": self.peak_live,
             "cap": self.cap or None,
             "completed_s": None if self.completed_s is None else self.completed_s - self.started_s,
+            "first_step_s": _after(self.first_step_s, self.started_s),
+            "ended_s": _after(self.ended_s, self.started_s),
             "outcome": self.outcome,
             "state": self.rollout.state.value,
             "reason": self.rollout.reason,
             "live_at_end": self.last_counts,
         }
+
+
+def _after(at: float | None, start: float) -> float | None:
+    return None if at is None else at - start
 
 
 def _outcome(entry: PolicyEntry, row: Rollout) -> str:

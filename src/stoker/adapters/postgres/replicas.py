@@ -218,6 +218,42 @@ class ReplicaRows:
         rows = await self._db.all(org_forecast_select(self._names.org_forecast))
         return [ORG_FORECAST_ROWS.from_row(row) for row in rows]
 
+    async def record_outcomes(
+        self, instance_id: str, counts: Mapping[str, Mapping[str, int]], *, now: float
+    ) -> None:
+        """Upsert this replica's outcome counts in one statement."""
+        rows = [
+            (rollout, outcome, n)
+            for rollout, outcomes in sorted(counts.items())
+            for outcome, n in sorted(outcomes.items())
+        ]
+        if not rows:
+            return
+        rollouts, outcomes, ns = (list(c) for c in zip(*rows, strict=True))
+        async with self._db.connection() as conn:
+            await conn.execute(
+                f"INSERT INTO {self._names.rollout_outcomes} "
+                "(rollout, instance, outcome, count, updated_at) "
+                "SELECT r, %s, o, n, %s FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+                "AS t(r, o, n) ON CONFLICT (rollout, instance, outcome) DO UPDATE SET "
+                "count = EXCLUDED.count, updated_at = EXCLUDED.updated_at",
+                (instance_id, now, rollouts, outcomes, ns),
+            )
+
+    async def read_outcomes(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """Every replica's outcome counts of the rollouts, summed."""
+        if not rollout_ids:
+            return {}
+        rows = await self._db.all(
+            f"SELECT rollout, outcome, SUM(count) FROM {self._names.rollout_outcomes} "
+            "WHERE rollout = ANY(%s::text[]) GROUP BY rollout, outcome",
+            (list(rollout_ids),),
+        )
+        summed: dict[str, dict[str, int]] = {}
+        for rollout, outcome, n in rows:
+            summed.setdefault(rollout, {})[outcome] = int(n)
+        return summed
+
     async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
         """Claims created in [since, before), by pool and org (the `claims_created` index)."""
         rows = await self._db.all(claims_by_org_select(self._names.claims, "%s"), (since, before))
@@ -234,6 +270,8 @@ class ReplicaRows:
                 f"DELETE FROM {n.demand} WHERE instance IN (SELECT id FROM "
                 f"{n.instances} WHERE state <> 'active' AND heartbeat_at < %s)",
                 f"DELETE FROM {n.instances} WHERE state <> 'active' AND heartbeat_at < %s",
+                f"DELETE FROM {n.rollout_outcomes} WHERE rollout IN (SELECT id FROM "
+                f"{n.rollouts} WHERE ended_at IS NOT NULL AND ended_at < %s)",
             ):
                 cur = await conn.execute(sql, (before,))
                 deleted += cur.rowcount

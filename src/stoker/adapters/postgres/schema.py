@@ -32,6 +32,8 @@ class Names:
         self.demand = f"{s}.demand"
         self.forecast = f"{s}.forecast"
         self.org_forecast = f"{s}.org_forecast"
+        self.rollouts = f"{s}.rollouts"
+        self.rollout_outcomes = f"{s}.rollout_outcomes"
         self.versions = f"{s}.schema_migrations"
         #: The channel of the workers' change feed (`feed`), one per schema.
         self.channel = f"stoker_workers_{schema}"[:63]
@@ -125,6 +127,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         # The workers' change feed: replicas hear of claimable workers (`feed`).
         (10, feed_statements(s, channel)),
         (11, tables.org_forecast),
+        (12, tables.rollout_outcomes),
     ]
 
 

@@ -17,7 +17,7 @@ from stoker.adapters._rows import (
     lease_from_row,
     org_forecast_select,
 )
-from stoker.adapters._schema import FORECAST, ORG_FORECAST, Table
+from stoker.adapters._schema import FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES, Table
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.ownership import FileIdentity
@@ -197,6 +197,35 @@ class ReplicaRows:
         rows = self._writes.read(org_forecast_select("org_forecast"))
         return [ORG_FORECAST_ROWS.from_row(row) for row in rows]
 
+    async def record_outcomes(
+        self, instance_id: str, counts: Mapping[str, Mapping[str, int]], *, now: float
+    ) -> None:
+        """Upsert this replica's outcome counts, one row per rollout and outcome."""
+        rows = [
+            (rollout, instance_id, outcome, n, now)
+            for rollout, outcomes in sorted(counts.items())
+            for outcome, n in sorted(outcomes.items())
+        ]
+        if not rows:
+            return
+        async with self._writes.tx() as db:
+            db.executemany(_upsert(ROLLOUT_OUTCOMES), rows)
+
+    async def read_outcomes(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """Every replica's outcome counts of the rollouts, summed."""
+        if not rollout_ids:
+            return {}
+        marks = ", ".join("?" * len(rollout_ids))
+        rows = self._writes.read(
+            "SELECT rollout, outcome, SUM(count) FROM rollout_outcomes "
+            f"WHERE rollout IN ({marks}) GROUP BY rollout, outcome",
+            tuple(rollout_ids),
+        )
+        summed: dict[str, dict[str, int]] = {}
+        for rollout, outcome, n in rows:
+            summed.setdefault(rollout, {})[outcome] = int(n)
+        return summed
+
     async def claims_by_org(self, *, since: float, before: float) -> list[tuple[str, str, int]]:
         """Claims created in [since, before), by pool and org."""
         rows = self._writes.read(claims_by_org_select("claims", "?"), (since, before))
@@ -218,5 +247,10 @@ class ReplicaRows:
             ).rowcount
             deleted += db.execute(
                 "DELETE FROM instances WHERE state <> 'active' AND heartbeat_at < ?", (before,)
+            ).rowcount
+            deleted += db.execute(
+                "DELETE FROM rollout_outcomes WHERE rollout IN (SELECT id FROM rollouts "
+                "WHERE ended_at IS NOT NULL AND ended_at < ?)",
+                (before,),
             ).rowcount
             return int(deleted)

@@ -76,6 +76,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (9, _TABLES.demand_rate),
     (10, _TABLES.pool_seed),
     (11, _TABLES.org_forecast),
+    (12, _TABLES.rollout_outcomes),
 ]
 
 

@@ -13,6 +13,8 @@
     ["demand", "--demand"],
     ["hot", "--hot"],
   ];
+  // One color per revision of a rollout, in the order the samples name them.
+  const REVISION_COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#0891b2", "#be123c"];
 
   const $ = (id) => document.getElementById(id);
   let history = {};        // pool -> samples, oldest first
@@ -155,9 +157,9 @@
     }
   }
 
-  function drawChart() {
-    const canvas = $("chart");
-    const pool = $("chart-pool").value;
+  // A chart of the last hour on `canvas`: each series is [value of a sample, color,
+  // dashed]; `max` fixes the scale (else the largest value), `label` formats its ticks.
+  function plot(canvas, points, series, opts) {
     const ratio = window.devicePixelRatio || 1;
     const width = canvas.clientWidth || 900;
     const height = canvas.clientHeight || 240;
@@ -167,49 +169,115 @@
     g.setTransform(ratio, 0, 0, ratio, 0, 0);
     g.clearRect(0, 0, width, height);
     const style = getComputedStyle(document.documentElement);
-    const points = (history[pool] || []).slice();
-    const live = livePools.find((p) => p.name === pool);
     const end = nowS();
-    if (live) {
-      const c = live.counts || {};
-      points.push({ at: end, desired_warm: live.desired_warm, demand: live.demand,
-        warm: c.warm || 0, hot: c.hot || 0 });
-    }
-    $("chart-note").textContent = points.length > 1 ? "" : "(collecting samples)";
     const left = 36, right = 8, top = 8, bottom = 22;
     const plotW = width - left - right, plotH = height - top - bottom;
-    let max = 1;
-    for (const s of points) for (const [key] of SERIES) max = Math.max(max, s[key] || 0);
-    max = Math.ceil(max * 1.15);
+    let max = opts.max || 1;
+    if (!opts.max) {
+      for (const s of points) for (const [value] of series) max = Math.max(max, value(s));
+      max = Math.ceil(max * 1.15);
+    }
+    const label = opts.label || String;
     const x = (at) => left + ((at - (end - HOUR_S)) / HOUR_S) * plotW;
     const y = (v) => top + plotH - (v / max) * plotH;
     g.font = "11px system-ui, sans-serif";
     g.fillStyle = style.getPropertyValue("--muted");
     g.strokeStyle = style.getPropertyValue("--line");
     g.lineWidth = 1;
-    const step = Math.max(1, Math.ceil(max / 5));
+    const step = opts.step || Math.max(1, Math.ceil(max / 5));
     g.textAlign = "left";
-    for (let v = 0; v <= max; v += step) {
+    for (let v = 0; v <= max + 1e-9; v += step) {
       g.beginPath(); g.moveTo(left, y(v)); g.lineTo(width - right, y(v)); g.stroke();
-      g.fillText(String(v), 4, y(v) + 4);
+      g.fillText(label(v), 4, y(v) + 4);
     }
     for (let m = 60; m >= 0; m -= 10) {
       const at = end - m * 60;
       g.textAlign = m === 60 ? "left" : m === 0 ? "right" : "center";
       g.fillText(m === 0 ? "now" : "-" + m + "m", x(at), height - 6);
     }
-    for (const [key, color] of SERIES) {
-      g.strokeStyle = style.getPropertyValue(color);
+    for (const [value, color, dashed] of series) {
+      g.strokeStyle = color.startsWith("--") ? style.getPropertyValue(color) : color;
       g.lineWidth = 2;
+      g.setLineDash(dashed ? [5, 4] : []);
       g.beginPath();
       points.forEach((s, i) => {
-        const px = x(Math.max(s.at, end - HOUR_S)), py = y(s[key] || 0);
+        const px = x(Math.max(s.at, end - HOUR_S)), py = y(value(s));
         if (i === 0) g.moveTo(px, py);
-        else { g.lineTo(px, y(points[i - 1][key] || 0)); g.lineTo(px, py); }
+        else { g.lineTo(px, y(value(points[i - 1]))); g.lineTo(px, py); }
       });
       g.stroke();
     }
+    g.setLineDash([]);
     canvas.dataset.points = String(points.length);
+  }
+
+  function drawChart() {
+    const pool = $("chart-pool").value;
+    const points = (history[pool] || []).slice();
+    const live = livePools.find((p) => p.name === pool);
+    if (live) {
+      const c = live.counts || {};
+      const revisions = (live.revisions || []).map((r) => ({ revision: r.revision,
+        share: r.share / 100, warm: (r.counts || {}).warm || 0, busy: busy(r.counts || {}) }));
+      points.push({ at: nowS(), desired_warm: live.desired_warm, demand: live.demand,
+        warm: c.warm || 0, hot: c.hot || 0, revisions });
+    }
+    $("chart-note").textContent = points.length > 1 ? "" : "(collecting samples)";
+    plot($("chart"), points, SERIES.map(([key, color]) => [(s) => s[key] || 0, color]), {});
+    drawRollout(pool, live, points);
+  }
+
+  function busy(counts) {
+    return ["reserved", "activating", "hot", "hot_idle"].reduce((n, k) => n + (counts[k] || 0), 0);
+  }
+
+  // The rollout view: the pool's rollout (its step and why it waits), and each revision's
+  // share and workers over the last hour. Shown while a rollout is under way or the hour
+  // saw more than one revision.
+  function drawRollout(pool, live, points) {
+    const rollout = live && live.rollout;
+    const names = [];
+    for (const s of points) {
+      for (const r of s.revisions || []) if (!names.includes(r.revision)) names.push(r.revision);
+    }
+    const section = $("rollout");
+    section.hidden = !rollout && names.length < 2;
+    if (section.hidden) return;
+    $("rollout-pool").textContent = "(" + pool + ")";
+    $("rollout-line").textContent = rollout ? describeRollout(rollout) : "none under way";
+    $("rollout-waits").textContent = rollout && live.rollout_waits
+      ? "waits: " + live.rollout_waits : "";
+    const color = (name) => REVISION_COLORS[names.indexOf(name) % REVISION_COLORS.length];
+    const of = (name, key) => (s) => {
+      const r = (s.revisions || []).find((x) => x.revision === name);
+      return r ? r[key] : 0;
+    };
+    plot($("share-chart"), points, names.map((n) => [of(n, "share"), color(n)]),
+      { max: 1, step: 0.25, label: (v) => Math.round(v * 100) + "%" });
+    const workers = [];
+    for (const n of names) {
+      workers.push([of(n, "warm"), color(n)]);
+      workers.push([of(n, "busy"), color(n), true]);
+    }
+    plot($("revision-chart"), points, workers, {});
+    const legend = $("rollout-legend");
+    legend.replaceChildren(...names.map((n) => {
+      const span = document.createElement("span");
+      const key = document.createElement("span");
+      key.className = "key";
+      key.style.background = color(n);
+      span.append(key, n + (live && n === live.revision ? " (stable)" : ""));
+      return span;
+    }));
+  }
+
+  function describeRollout(r) {
+    const steps = (r.strategy && r.strategy.steps) || [];
+    let where = steps.length ? "step " + (r.step + 1) + " of " + steps.length + ", " : "";
+    if (steps.length && r.share === 0) where = "preparing step 1 (" + steps[0] + " %), ";
+    const reason = r.reason ? " (" + r.reason + ")" : "";
+    return "rollout " + r.id + ": " + r.state + reason + ", " + where + r.share +
+      " % of new claims to " + r.revision + " (from " + r.base_revision + ")";
   }
 
   function setStatus(text, error) {
