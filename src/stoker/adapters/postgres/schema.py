@@ -34,6 +34,8 @@ class Names:
         self.org_forecast = f"{s}.org_forecast"
         self.rollouts = f"{s}.rollouts"
         self.rollout_outcomes = f"{s}.rollout_outcomes"
+        self.ledger = f"{s}.ledger"
+        self.claim_log = f"{s}.claim_log"
         self.versions = f"{s}.schema_migrations"
         #: The channel of the workers' change feed (`feed`), one per schema.
         self.channel = f"stoker_workers_{schema}"[:63]
@@ -59,6 +61,15 @@ def indexes(s: str) -> list[str]:
         f"CREATE INDEX claims_created ON {s}.claims (created_at, id)",
         # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
         f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
+        *ledger_indexes(s),
+    ]
+
+
+def ledger_indexes(s: str) -> list[str]:
+    """The ledger's reads and bounded purges go by hour, the claim log's by arrival."""
+    return [
+        f"CREATE INDEX ledger_hour ON {s}.ledger (hour)",
+        f"CREATE INDEX claim_log_at ON {s}.claim_log (at, id)",
     ]
 
 
@@ -128,6 +139,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (10, feed_statements(s, channel)),
         (11, tables.org_forecast),
         (12, tables.rollout_outcomes),
+        (13, [*tables.ledger, *ledger_indexes(s)]),
     ]
 
 
