@@ -6,6 +6,7 @@ back, against a hand-computed table. Then bounded purges and the claim log's rou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -15,12 +16,14 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
+from fakes import MemoryRuntime
 from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.catalog import Catalog
 from stoker.control.ledger import Ledger
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
+from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, OrgCapError
 from stoker.domain.ledger import (
     HOUR_S,
@@ -33,9 +36,10 @@ from stoker.domain.ledger import (
     split_hours,
     summed,
 )
-from stoker.domain.records import Claim, Worker
+from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.specs import CostSpec, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
+from stoker.ports.clock import VirtualClock
 from stoker.ports.store import SpawnRequest, Store
 
 pytestmark = pytest.mark.looptime
@@ -334,3 +338,50 @@ async def test_a_failure_is_logged_by_what_its_requester_was_told(store: Store) 
     await ledger.flush(store)
     log = await store.read_claim_log(since=0, until=clock.now() + 1)
     assert [e.outcome for e in log] == ["pool_cap", "no_capacity", "failed"]
+
+
+async def test_a_running_plane_accounts_for_every_second_of_every_worker(tmp_path: Path) -> None:
+    """The real claim path, passes and readiness events: whatever the workers did, the sum
+    of the ledger's states is each worker's whole life (from its row), and every claim is
+    one log row with its outcome."""
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    runtime = MemoryRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=2, hot_idle_ttl=5.0)
+    plane = ControlPlane(store=store, runtime=runtime, activator=runtime, pools=[pool], clock=clock)
+    await plane.start(loops=False)
+    try:
+        await asyncio.sleep(1.0)
+        t0 = clock.now()
+        first = await plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+        await asyncio.sleep(30.0)
+        await plane.release(first.id)
+        second = await plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+        cold = await plane.claim(
+            ClaimRequest(pool="p", org="globex", mode=ClaimMode.COLD, timeout_s=5.0)
+        )
+        await asyncio.sleep(10.0)
+        await plane.release(second.id)
+        await plane.release(cold.id)
+        for _ in range(5):
+            await plane.run_janitor_pass()
+            await asyncio.sleep(3.0)
+        await plane.run_reaper_pass()
+        now = clock.now()
+        rows = await store.read_ledger("p", since=t0 - HOUR_S, until=now + 1)
+        total = LedgerCounts()
+        for _, counts in rows:
+            total.merge(counts)
+        workers = await store.list_workers()
+        lived = sum((w.updated_at if w.state is S.RETIRED else now) - w.created_at for w in workers)
+        counted = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
+        assert counted + total.draining_s == pytest.approx(lived, abs=1e-6)
+        assert total.hot_s > 40 and total.hot_idle_s > 0 and total.warm_s > 0
+        assert (total.claims_warm, total.claims_reuse, total.claims_cold) == (1, 1, 1)
+        assert total.spawns == len(workers) and total.ready >= 3
+        log = await store.read_claim_log(since=0, until=now + 1)
+        assert sorted(e.id for e in log) == sorted([first.id, second.id, cold.id])
+        assert {e.outcome for e in log} == {"released"}
+        assert all(e.held_s is not None and e.held_s > 0 for e in log)
+    finally:
+        await plane.stop()
