@@ -8,6 +8,7 @@ template's resources, prices, and the summary a reader makes of every replica's 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
@@ -295,3 +296,45 @@ def money(counts: LedgerCounts, cost: CostSpec | None) -> dict[str, float | None
         total_cost=total,
     )
     return out
+
+
+#: The units of a relative time (`24h`, `7d`), in seconds.
+_UNITS = {"s": 1.0, "m": 60.0, "h": HOUR_S, "d": 86400.0, "w": 7 * 86400.0}
+#: The longest window a ledger or log read may span: a year.
+MAX_WINDOW_S = 366 * 86400.0
+
+
+def parse_time(text: str, now: float) -> float:
+    """A point in time: unix seconds (`1733400000`), or a duration before `now` (`24h`,
+    `7d`, `90m`). ValueError for anything else."""
+    value = text.strip()
+    if value and value[-1] in _UNITS and len(value) <= 16:
+        amount = float(value[:-1])
+        if (
+            not math.isfinite(amount)
+            or amount < 0
+            or amount * _UNITS[value[-1]] > 100 * 365 * 86400
+        ):
+            raise ValueError(f"not a duration: {text!r}")
+        return now - amount * _UNITS[value[-1]]
+    if len(value) > 32:
+        raise ValueError("too long for a time")
+    at = float(value)
+    if not math.isfinite(at) or not 0 <= at <= 1e11:
+        raise ValueError(f"not a time: {text!r}")
+    return at
+
+
+def window(
+    since: str | None, until: str | None, now: float, default_s: float
+) -> tuple[float, float]:
+    """[since, until) from their texts (`parse_time`): until defaults to now, since to
+    `default_s` before until. ValueError when since is not before until or the window is
+    longer than `MAX_WINDOW_S`."""
+    end = parse_time(until, now) if until else now
+    start = parse_time(since, now) if since else end - default_s
+    if start >= end:
+        raise ValueError("since must be before until")
+    if end - start > MAX_WINDOW_S:
+        raise ValueError("a window spans a year at most")
+    return start, end
