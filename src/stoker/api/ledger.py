@@ -8,7 +8,7 @@ export form. Both are admin routes: they name every org.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Path, Query, Request
 from pydantic import BaseModel
@@ -27,6 +27,7 @@ from stoker.domain.ledger import (
     summed,
     window,
 )
+from stoker.domain.specs import CostSpec
 
 PoolName = Annotated[str, Path(max_length=128)]
 #: A time: unix seconds, or a duration before now (`24h`, `7d`).
@@ -112,14 +113,15 @@ class ClaimLogPage(BaseModel):
     next: str | None
 
 
-def _row(hour: int, group: str, counts: LedgerCounts, plane: ControlPlane, pool: str) -> LedgerRow:
-    spec = plane.catalog.get(pool)
+def _row(
+    hour: int, group: str, counts: LedgerCounts, cost: CostSpec | None, mean_ready: float | None
+) -> LedgerRow:
     return LedgerRow(
         hour=hour,
         group=group,
         **counts.scalars(),
         **counts.hists(),
-        **money(counts, spec.cost if spec is not None else None),
+        **money(counts, cost, mean_ready_s=mean_ready),
     )
 
 
@@ -161,11 +163,15 @@ def add_ledger_routes(app: FastAPI, plane: ControlPlane) -> None:
         cells = await plane.store.read_ledger(name, since=start, until=end)
         grouped = summed(cells, by)
         total = LedgerCounts()
+        for counts in grouped.values():
+            total.merge(counts)
+        # Cold starts avoided at the pool's mean spawn-to-ready time over the window: a
+        # group (an org) whose own spawns are few is not left without one.
+        mean_ready = total.ready_sum_s / total.ready if total.ready else None
         rows = []
         for slot in sorted(grouped, key=lambda s: (int(s.split("|", 1)[0]), s)):
             hour, group = slot.split("|", 1)
-            total.merge(grouped[slot])
-            rows.append(_row(int(hour), group, grouped[slot], plane, name))
+            rows.append(_row(int(hour), group, grouped[slot], spec.cost, mean_ready))
         body = LedgerOut(
             pool=name,
             since=start,
@@ -174,7 +180,7 @@ def add_ledger_routes(app: FastAPI, plane: ControlPlane) -> None:
             cost=None if spec.cost is None else _cost(spec.cost),
             spawn_buckets=list(SPAWN_BUCKETS),
             wait_buckets=list(WAIT_BUCKETS),
-            total=_row(0, "", total, plane, name),
+            total=_row(0, "", total, spec.cost, mean_ready),
             rows=rows,
         )
         return Response(body.model_dump_json(), media_type="application/json")
@@ -211,7 +217,7 @@ def add_ledger_routes(app: FastAPI, plane: ControlPlane) -> None:
         return Response(body.model_dump_json(), media_type="application/json")
 
 
-def _cost(cost: Any) -> dict[str, float | None]:
+def _cost(cost: CostSpec) -> dict[str, float | None]:
     return {
         "per_cpu_hour": cost.per_cpu_hour,
         "per_gib_hour": cost.per_gib_hour,

@@ -176,10 +176,10 @@ _LEDGER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("ready s", lambda r: _num(r["mean_ready_s"])),
     ("reuse/warm/cold", lambda r: f"{r['claims_reuse']}/{r['claims_warm']}/{r['claims_cold']}"),
     ("failed", lambda r: str(r["failed"])),
-    ("idle warm $", lambda r: _num(r["idle_warm_cost"])),
-    ("parked $", lambda r: _num(r["idle_parked_cost"])),
-    ("headroom $", lambda r: _num(r["headroom_cost"])),
-    ("total $", lambda r: _num(r["total_cost"])),
+    ("idle warm $", lambda r: _price(r["idle_warm_cost"])),
+    ("parked $", lambda r: _price(r["idle_parked_cost"])),
+    ("headroom $", lambda r: _price(r["headroom_cost"])),
+    ("total $", lambda r: _price(r["total_cost"])),
     ("cold s avoided", lambda r: _num(r["cold_start_s_avoided"])),
 )
 
@@ -190,6 +190,11 @@ def _hours(seconds: float) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _price(value: float | None) -> str:
+    # Cents of an hour of a few workers are still worth showing.
+    return "-" if value is None else f"{value:.2f}" if abs(value) >= 10 else f"{value:.4f}"
 
 
 def _ledger_table(body: dict[str, Any]) -> Table:

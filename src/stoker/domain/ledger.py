@@ -258,16 +258,20 @@ def summed(
     return out
 
 
-def money(counts: LedgerCounts, cost: CostSpec | None) -> dict[str, float | None]:
+def money(
+    counts: LedgerCounts, cost: CostSpec | None, *, mean_ready_s: float | None = None
+) -> dict[str, float | None]:
     """What the counts read in money (None without prices): the idle warm, idle parked
     (hot_idle) and headroom (placeholder) cost, the cost of all worker time, and the
-    seconds of cold start the claims served warm or by reuse did not wait."""
+    seconds of cold start the claims served warm or by reuse did not wait, at
+    `mean_ready_s` (the pool's mean over the whole window) or else the counts' own mean."""
     worker_s = counts.warm_s + counts.hot_s + counts.hot_idle_s + counts.starting_s
     worker_s += counts.draining_s
     mean_ready = counts.ready_sum_s / counts.ready if counts.ready else None
+    at = mean_ready_s if mean_ready_s is not None else mean_ready
     avoided = None
-    if mean_ready is not None:
-        avoided = (counts.claims_warm + counts.claims_reuse) * mean_ready
+    if at is not None:
+        avoided = (counts.claims_warm + counts.claims_reuse) * at
     out: dict[str, float | None] = {
         "mean_ready_s": mean_ready,
         "cold_start_s_avoided": avoided,

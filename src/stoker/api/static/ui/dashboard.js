@@ -246,7 +246,9 @@
     drawLedger();
   }
 
-  function money(v) { return v === null || v === undefined ? "-" : v.toFixed(2); }
+  function money(v) {
+    return v === null || v === undefined ? "-" : v.toFixed(Math.abs(v) >= 10 ? 2 : 4);
+  }
   function hours(s) { return (s / HOUR_S).toFixed(2); }
 
   function drawLedger() {
