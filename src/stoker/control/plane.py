@@ -250,6 +250,8 @@ class ControlPlane:
             if leading:
                 await self._remove_headroom()
         await self.book.wait_background(self.settings.shutdown_grace_s)
+        # The ledger's last counts and log rows: a clean stop loses none of them.
+        await self.ledger.flush(self.store)
         with contextlib.suppress(StokerError):
             await self.elector.resign()
         with contextlib.suppress(StokerError):
