@@ -92,6 +92,9 @@ class Ledger:
         self._idle_cost = metrics.ledger_idle_cost
         self._avoided = metrics.ledger_cold_start_avoided
         self._ready_mean: dict[str, tuple[int, float]] = {}
+        #: Metric increments gathered in memory and added at each flush (no metric call on
+        #: the claim path): (series, labels) -> amount.
+        self._metered: dict[tuple[str, str, str], float] = {}
 
     # -- what the other parts tell it (in memory only) --------------------------------------
 
@@ -119,7 +122,7 @@ class Ledger:
         if source != "cold":
             n, total = self._ready_mean.get(claim.pool, (0, 0.0))
             if n:
-                self._avoided.labels(claim.pool).inc(total / n)
+                self._meter("avoided", claim.pool, "", total / n)
         self._log(
             ClaimLogEntry(
                 id=claim.id,
@@ -209,6 +212,7 @@ class Ledger:
             self._carry(worker_id, now)
         for pool in list(self._placeholders):
             self._accrue_placeholders(pool, now)
+        self._publish_metrics()
         await self._write(store, now)
 
     def _reconcile(self, rows: list[Worker], now: float) -> None:
@@ -284,7 +288,7 @@ class Ledger:
             for hour, seconds in split_hours(since, until):
                 cell = self._cell_at(LedgerKey(pool, revision, "", hour))
                 cell.add_time("placeholder", seconds * slots, 0.0, 0.0)
-            self._worker_seconds.labels(pool, "placeholder").inc((until - since) * slots)
+            self._meter("seconds", pool, "placeholder", (until - since) * slots)
             self._idle_cost_of(pool, "headroom", (until - since) * slots, pool, revision)
         self._placeholders[pool] = (revision, slots, now)
 
@@ -295,7 +299,7 @@ class Ledger:
             self._cell_at(LedgerKey(pool, revision, org, hour)).add_time(
                 state, seconds, span.cpus, span.gib
             )
-        self._worker_seconds.labels(pool, state).inc(end - start)
+        self._meter("seconds", pool, state, end - start)
         if state in ("warm", "hot_idle"):
             kind = "warm" if state == "warm" else "parked"
             self._idle_cost_of(pool, kind, end - start, pool, revision)
@@ -306,7 +310,21 @@ class Ledger:
         if cost is None:
             return
         cpus, gib = self._resources_of(name, revision)
-        self._idle_cost.labels(pool, kind).inc(cost.of(seconds, seconds * cpus, seconds * gib))
+        self._meter("cost", pool, kind, cost.of(seconds, seconds * cpus, seconds * gib))
+
+    def _meter(self, series: str, pool: str, label: str, amount: float) -> None:
+        key = (series, pool, label)
+        self._metered[key] = self._metered.get(key, 0.0) + amount
+
+    def _publish_metrics(self) -> None:
+        metered, self._metered = self._metered, {}
+        for (series, pool, label), amount in metered.items():
+            if series == "seconds":
+                self._worker_seconds.labels(pool, label).inc(amount)
+            elif series == "cost":
+                self._idle_cost.labels(pool, label).inc(amount)
+            else:
+                self._avoided.labels(pool).inc(amount)
 
     def _resources_of(self, pool: str, revision: str) -> tuple[float, float]:
         known = self._resources.get((pool, revision))
