@@ -201,8 +201,10 @@ def test_dashboard_shows_what_the_pools_warmth_cost(
     wait_for(
         browser,
         "an hour of the ledger with warm worker time",
-        lambda d: len(rows := d.find_elements(By.CSS_SELECTOR, "#ledger tbody tr")) >= 2
-        and float(rows[0].find_elements(By.TAG_NAME, "td")[1].text) > 0,
+        lambda d: (
+            len(rows := d.find_elements(By.CSS_SELECTOR, "#ledger tbody tr")) >= 2
+            and float(rows[0].find_elements(By.TAG_NAME, "td")[1].text) > 0
+        ),
     )
     total = cells(browser, "#ledger tbody tr:last-child")
     assert total[0] == "total" and float(total[1]) > 0, total
