@@ -387,3 +387,32 @@ async def test_a_running_plane_accounts_for_every_second_of_every_worker(tmp_pat
         assert all(e.held_s is not None and e.held_s > 0 for e in log)
     finally:
         await plane.stop()
+
+
+async def test_moves_another_replica_wrote_are_placed_at_their_write(store: Store) -> None:
+    """The leader drains one of this replica's workers and retires another: the owner's
+    next flush places each change at the row's write, not at the flush."""
+    clock = ManualClock()
+    ledger, life, _ = wire(store, clock)
+    leader = Lifecycle(store, clock, Metrics(CollectorRegistry()))  # no ledger hooks
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=2, owner=ME), ["w-x", "w-y"]
+    )
+    clock.advance(5)
+    x, y = [await life.move(w, S.WARM, endpoint="http://w") for w in slots.workers]
+    assert x is not None and y is not None
+    clock.advance(45)
+    drained = await leader.move(x, S.DRAINING, reason="excess")
+    gone = await leader.move(y, S.DRAINING, reason="excess")
+    assert drained is not None and gone is not None
+    assert await leader.move(gone, S.RETIRED, reason="excess") is not None
+    clock.advance(50)
+    await ledger.flush(store)
+    total = LedgerCounts()
+    for _, counts in await store.read_ledger("p", since=t0 - 1, until=t0 + 101):
+        total.merge(counts)
+    assert total.starting_s == pytest.approx(5 + 5)
+    assert total.warm_s == pytest.approx(45 + 45)
+    # x drains from the leader's write on; y's time ends at its retirement.
+    assert total.draining_s == pytest.approx(50)

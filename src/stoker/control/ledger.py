@@ -208,6 +208,7 @@ class Ledger:
             mine = None
         if mine is not None:
             self._reconcile(mine, now)
+            await self._close_gone(store, {w.id for w in mine}, now)
         for worker_id in list(self._open):
             self._carry(worker_id, now)
         for pool in list(self._placeholders):
@@ -216,9 +217,7 @@ class Ledger:
         await self._write(store, now)
 
     def _reconcile(self, rows: list[Worker], now: float) -> None:
-        seen = set()
         for row in rows:
-            seen.add(row.id)
             span = self._open.get(row.id)
             if span is None:
                 # Adopted, or this replica's before it started counting: from its last write.
@@ -227,9 +226,20 @@ class Ledger:
                 # Moved by another replica: the change is its row's last write.
                 self._close(row.id, max(span.since, min(row.updated_at, now)))
                 self._open_span(row, max(row.updated_at, 0.0))
-        for worker_id in [w for w in self._open if w not in seen]:
-            # Retired or taken over by another replica's write since: counted up to now.
-            self._close(worker_id, now)
+
+    async def _close_gone(self, store: ReplicaStore, live: set[str], now: float) -> None:
+        """Close the spans of workers no longer live and ours: retired or taken over by
+        another replica's write, at that write's time (now, when the row cannot be read)."""
+        for worker_id in [w for w in self._open if w not in live]:
+            try:
+                row = await store.get_worker(worker_id)
+            except StoreError:
+                row = None
+            span = self._open.get(worker_id)
+            if span is None:
+                continue
+            at = now if row is None else max(span.since, min(row.updated_at, now))
+            self._close(worker_id, at)
 
     async def _write(self, store: ReplicaStore, now: float) -> None:
         if self._dirty:
