@@ -61,7 +61,6 @@ def indexes(s: str) -> list[str]:
         f"CREATE INDEX claims_created ON {s}.claims (created_at, id)",
         # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
         f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
-        *ledger_indexes(s),
     ]
 
 
@@ -161,7 +160,7 @@ async def migrate(conn: Connection, names: Names, lock_idle_ms: str) -> None:
             await conn.execute(f"CREATE TABLE {names.versions} (version integer PRIMARY KEY)")
         cur = await conn.execute(f"SELECT version FROM {names.versions}")
         applied = {r[0] for r in await cur.fetchall()}
-        current = TableChanges(POSTGRES, s).current + indexes(s)
+        current = TableChanges(POSTGRES, s).current + indexes(s) + ledger_indexes(s)
         current += feed_statements(s, names.channel)
         for version, statements in pending(applied, current, upgrades(s, names.channel)):
             for sql in statements:
