@@ -1,8 +1,8 @@
 """Rolling a new demo-worker command out under steady claims, end to end: a real
 `stoker serve`, real worker processes, the `stoker rollout` command and the SDK (#14).
 
-Claims keep coming from two threads while the canary ramps 50 % then 100 %; not one may
-fail, and once promoted every new worker runs the new command.
+Claims keep coming from two threads, at a steady rate, while the canary ramps 50 % then
+100 %; not one may fail, and once promoted every new worker runs the new command.
 """
 
 from __future__ import annotations
@@ -36,12 +36,21 @@ def server(tmp_path: Path) -> Iterator[Server]:
         kill_fleet(fleet)
 
 
+#: Seconds between the starts of one org's claims: a steady rate that a loaded machine
+#: serves. Back to back, with `reuse: never`, each claim's retirement and the cold spawns
+#: of two orgs kept the local start-up slots busy, and the new revision's warm spawns
+#: waited behind them for minutes on a loaded machine.
+CLAIM_PERIOD_S = 1.0
+
+
 def _steady_claims(
     url: str, org: str, stop: threading.Event, seen: list[str], failed: list[str]
 ) -> None:
-    """Claim, hold briefly, release, again, until `stop`; record each claim's worker."""
+    """Claim, hold briefly, release, one claim every `CLAIM_PERIOD_S` (or at once after a
+    slower one), until `stop`; record each claim's worker."""
     with Client(url) as client:
         while not stop.is_set():
+            began = time.perf_counter()
             try:
                 claim = client.create_claim("demo", org, timeout_s=30)
             except StokerError as exc:
@@ -50,6 +59,7 @@ def _steady_claims(
             seen.append(claim.worker.id)
             time.sleep(0.2)
             client.release(claim.id)
+            stop.wait(max(0.0, CLAIM_PERIOD_S - (time.perf_counter() - began)))
 
 
 def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
