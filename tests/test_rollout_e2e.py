@@ -85,7 +85,7 @@ def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
                 "DEMO_REVISION=2",
                 "--steps",
                 "50,100",
-                "--step-interval",
+                "--step-interval-s",
                 "2",
                 "--json",
             ],
