@@ -897,3 +897,14 @@ def test_config_check_masks_every_secret_of_a_url_and_says_schema(tmp_path: Path
     # The key names of the file and the documentation, not the code's.
     assert shown["store_options"]["schema"] == "tenants" and "db_schema" not in result.stdout
     assert shown["pools"][0]["env"] == {"DB_PASSWORD": "***", "MODE": "ro"}
+
+
+def test_config_check_of_a_pod_pool_says_nothing_but_the_config(tmp_path: Path) -> None:
+    (tmp_path / "k8s.yaml").write_text(
+        "runtime: {kind: kubernetes}\n"
+        "pools:\n  - {name: db, pod: {image: 'worker:1', cpu: 500m, memory: 256Mi}}\n"
+    )
+    result = run(["config", "check", "--config", str(tmp_path / "k8s.yaml"), "--json"])
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    pod = json.loads(result.stdout)["pools"][0]["pod"]
+    assert (pod["command"], pod["args"], pod["tolerations"]) == ([], [], [])

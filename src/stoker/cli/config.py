@@ -55,7 +55,10 @@ def config_check(
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
     # The file's names (`store_options.schema`), as the documentation gives them.
-    effective = _masked(loaded.config.model_dump(mode="json", by_alias=True))
+    # (A pod template's empty lists default to the domain's empty tuples: serialized as
+    # lists all the same, without pydantic's warning about the type on stderr.)
+    dumped = loaded.config.model_dump(mode="json", by_alias=True, warnings=False)
+    effective = _masked(dumped)
     if as_json:
         print_json(effective)
         return
