@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from servers import Server, kill_fleet, start_server
+from servers import Server, kill_fleet, start_server, wait_until
 from stoker.sdk import Client, StokerError
 from test_cli import config, run
 
@@ -37,10 +37,11 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 #: Seconds between the starts of one org's claims: a steady rate that a loaded machine
-#: serves. Back to back, with `reuse: never`, each claim's retirement and the cold spawns
-#: of two orgs kept the local start-up slots busy, and the new revision's warm spawns
-#: waited behind them for minutes on a loaded machine.
-CLAIM_PERIOD_S = 1.0
+#: serves. With `reuse: never` each claim costs a spawn; back to back (or one a second
+#: per org, with both cores busy elsewhere) the cold spawns claims wait for, which go
+#: first, kept the local start-up slots busy and the new revision's warm spawns never
+#: started: the rollout stayed at "preparing step 1".
+CLAIM_PERIOD_S = 4.0
 
 
 def _steady_claims(
@@ -103,7 +104,8 @@ def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
         assert watched.returncode == 0, watched.stderr
         assert "promoted" in watched.stdout.splitlines()[-1], watched.stdout
         before = len(seen)
-        time.sleep(3)
+        # Claims go on after the promotion: one of each org at least (bounded, not timed).
+        assert wait_until(lambda: len(seen) >= before + 2, timeout=4 * CLAIM_PERIOD_S + 60)
     finally:
         stop.set()
         for t in threads:
