@@ -14,6 +14,7 @@ from stoker.cli.output import (
     JsonFlag,
     TokenOption,
     UrlOption,
+    check_input,
     fail,
     print_json,
     remember_server,
@@ -142,6 +143,8 @@ def start(
         print("stoker: --step-interval is deprecated; use --step-interval-s", file=sys.stderr)
         step_interval_s = step_interval_s if step_interval_s is not None else old_step_interval
     strategy = _strategy(steps, step_interval_s, max_failure_ratio, replace)
+    if strategy is not None:
+        check_input("strategy", strategy)
     with server(url, token) as client:
         _show(client.start_rollout(pool, template, strategy=strategy), as_json)
 
