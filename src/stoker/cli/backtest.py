@@ -121,6 +121,14 @@ def backtest(
             help="cold_share, session_p99_ms or claim_p99_ms, at most NUMBER",
         ),
     ] = "cold_share=0.005",
+    search: Annotated[
+        str,
+        typer.Option(
+            "--search",
+            metavar="KEY[,KEY...]",
+            help="The settings --recommend varies",
+        ),
+    ] = "warm_target,demand.quantile,hot_idle_ttl,headroom_nodes",
     seed: Annotated[int, typer.Option("--seed", help="Seed")] = 1,
     jobs: Annotated[
         int,
@@ -150,6 +158,7 @@ def backtest(
 
     from stoker.domain.errors import ConfigError
     from stoker.sim.backtest import (
+        SEARCHED,
         Backtest,
         SpawnToReady,
         all_figures,
@@ -171,8 +180,10 @@ def backtest(
         else:
             assert url is not None
             replay, known, spawn = _from_server(url, token, since, pool)
+        intervals: dict[str, Any] = {}
         if config is not None:
-            known.update(_config_settings(config, replay.pool))
+            pool_settings, intervals = _config_settings(config, replay.pool)
+            known.update(pool_settings)
         if current:
             known.update(parse_settings(current))
         if spawn_s is not None:
@@ -199,6 +210,10 @@ def backtest(
         goal = parse_target(target) if recommend else None
         if recommend and len(runs) > 1:
             raise ConfigError("--recommend searches from the current settings: no candidates")
+        keys = [k.strip() for k in search.split(",") if k.strip()]
+        for key in keys:
+            if key not in SEARCHED:
+                raise ConfigError(f"--search: cannot search {key!r}; one of {', '.join(SEARCHED)}")
     except ConfigError as exc:
         fail(str(exc).removeprefix("scenario backtest: "), code=2)
     if len(replay) == 0:
@@ -211,16 +226,17 @@ def backtest(
         replay=replay,
         current=known,
         spawn=spawn or SpawnToReady(),
+        control_plane=intervals,
         seed=seed,
         jobs=workers,
         progress=bar.update,
     )
     try:
         if goal is not None:
-            from stoker.sim.backtest import recommend as search
+            from stoker.sim.backtest import recommend as run_search
 
             try:
-                found = search(run, *goal)
+                found = run_search(run, *goal, keys=keys)
             finally:
                 bar.stop()
             _print_recommendation(found, replay, known, as_json=as_json)
@@ -328,14 +344,19 @@ def _ledger_spawn(body: Any) -> Any:
     return None
 
 
-def _config_settings(path: Path, pool: str) -> dict[str, Any]:
-    """The pool's settings in a stoker config file."""
+def _config_settings(path: Path, pool: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pool's settings in a stoker config file, and the replicas' intervals it sets."""
     from stoker.config.convert import to_domain
     from stoker.config.loading import load_config
     from stoker.domain.errors import ConfigError
 
-    domain = to_domain(load_config(path, environ={}).config)
-    for spec in domain.pools:
+    loaded = load_config(path, environ={}).config
+    intervals: dict[str, Any] = {
+        key: getattr(loaded.intervals, key)
+        for key in ("janitor_interval_s", "reaper_interval_s")
+        if key in loaded.intervals_given()
+    }
+    for spec in to_domain(loaded).pools:
         if spec.name == pool:
             return {
                 "warm_target": spec.warm_target,
@@ -349,7 +370,7 @@ def _config_settings(path: Path, pool: str) -> dict[str, Any]:
                 "claim_timeout_s": spec.claim_timeout_s,
                 "headroom_nodes": spec.headroom_nodes,
                 "demand.quantile": spec.demand.quantile,
-            }
+            }, intervals
     raise ConfigError(f"{path} has no pool {pool!r}")
 
 

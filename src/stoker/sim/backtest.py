@@ -151,6 +151,9 @@ class Backtest:
     #: The pool's current settings (`KEY: value`, keys of `SETTINGS`, maybe `policy`).
     current: dict[str, Any] = field(default_factory=dict)
     spawn: SpawnToReady = field(default_factory=SpawnToReady)
+    #: The replicas' intervals (`ControlPlaneConfig` keys) over the backtest's defaults:
+    #: the live fleet's janitor interval, read from its config.
+    control_plane: dict[str, Any] = field(default_factory=dict)
     seed: int = 1
     jobs: int = 1
     progress: ProgressCallback | None = None
@@ -162,6 +165,7 @@ class Backtest:
             [(name, {**self.current, **changes}) for name, changes in candidates],
             spawn=self.spawn,
             seed=self.seed,
+            control_plane=self.control_plane,
         )
 
     def run(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> ScenarioResult:
@@ -220,6 +224,7 @@ def backtest_scenario(
     *,
     spawn: SpawnToReady,
     seed: int,
+    control_plane: Mapping[str, Any] | None = None,
 ) -> Scenario:
     """The backtest's scenario: one policy per (name, settings); ConfigError on settings
     the pool refuses (e.g. warm_target above max_workers)."""
@@ -234,6 +239,7 @@ def backtest_scenario(
         "epoch_s": math.floor(replay.start - replay.lead_s),
         "duration_s": replay.lead_s + replay.span_s + TAIL_S,
         "policies": policies,
+        "control_plane": {**BASE["control_plane"], **(control_plane or {})},
         "pool": {**BASE["pool"], "name": replay.pool},
         "cluster": {
             **BASE["cluster"],
@@ -338,16 +344,22 @@ class Recommendation:
         return self.confirmed is not None and self.confirmed.meets(self.target, self.bound)
 
 
-def neighbours(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+#: The settings `--recommend` searches, and the values it tries for each.
+SEARCHED: Mapping[str, Sequence[Any]] = {
+    "warm_target": WARM_TARGETS,
+    "demand.quantile": QUANTILES,
+    "hot_idle_ttl": HOT_IDLE_TTLS,
+    "headroom_nodes": HEADROOM_NODES,
+}
+
+
+def neighbours(
+    settings: Mapping[str, Any], keys: Sequence[str] = tuple(SEARCHED)
+) -> list[dict[str, Any]]:
     """Settings that differ from `settings` in one searched key."""
     out: list[dict[str, Any]] = []
-    for key, values in (
-        ("warm_target", WARM_TARGETS),
-        ("demand.quantile", QUANTILES),
-        ("hot_idle_ttl", HOT_IDLE_TTLS),
-        ("headroom_nodes", HEADROOM_NODES),
-    ):
-        for value in values:
+    for key in keys:
+        for value in SEARCHED[key]:
             if settings.get(key) != value:
                 out.append({**settings, key: value})
     return out
@@ -358,6 +370,7 @@ def recommend(
     target: str,
     bound: float,
     *,
+    keys: Sequence[str] = tuple(SEARCHED),
     on_round: Callable[[int, list[Figures]], None] | None = None,
 ) -> Recommendation:
     """Coordinate search from the current settings: each round runs every one-key change
@@ -366,6 +379,9 @@ def recommend(
     seed to confirm it."""
     if target not in TARGETS:
         raise ConfigError(f"unknown target {target!r}; one of {', '.join(TARGETS)}")
+    for key in keys:
+        if key not in SEARCHED:
+            raise ConfigError(f"cannot search {key!r}; one of {', '.join(SEARCHED)}")
     best: dict[str, Any] = dict(backtest.current)
     first = backtest.run([("current", {})])
     current = all_figures(first)[0]
@@ -373,7 +389,7 @@ def recommend(
     best_figures = current if current.meets(target, bound) else None
     seen = {settings_text(best)}
     for round_number in range(1, ROUNDS + 1):
-        batch = [n for n in neighbours(best) if settings_text(n) not in seen]
+        batch = [n for n in neighbours(best, keys) if settings_text(n) not in seen]
         seen.update(settings_text(n) for n in batch)
         if not batch:
             break
@@ -400,6 +416,7 @@ def recommend(
         replay=backtest.replay,
         current=best,
         spawn=backtest.spawn,
+        control_plane=backtest.control_plane,
         seed=backtest.seed + 1,
         jobs=1,
         progress=backtest.progress,
