@@ -10,7 +10,7 @@ LOCK := requirements/dev.lock
 COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
 	--generate-hashes --custom-compile-command 'make lock'
 
-.PHONY: install lock demo serve test lint fmt bench docs clean
+.PHONY: install lock demo serve test test-e2e kube-e2e-binaries lint fmt bench docs clean
 
 install: $(STAMP)
 
@@ -43,6 +43,14 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS)
+
+# The tier against a real kube-apiserver and kube-scheduler (tests/e2e_kubernetes), alone,
+# in one process: it shares one cluster. Builds the binaries first when they are not cached.
+test-e2e: install kube-e2e-binaries
+	$(PY) -m pytest -n 0 -m e2e_kubernetes tests/e2e_kubernetes
+
+kube-e2e-binaries:
+	bash tests/e2e_kubernetes/cluster/build.sh
 
 fmt: install
 	$(VENV)/bin/ruff format src tests benchmarks

@@ -371,9 +371,17 @@ def test_rollout_start_takes_command_and_refuses_an_empty_one(server: Server) ->
     assert after["generation"] == before["generation"] and after["rollout"] is None
 
 
-def test_pools_set_refuses_a_lease_shorter_than_a_claim_s(server: Server) -> None:
+def test_pools_set_and_rollout_start_check_with_the_server_s_models(server: Server) -> None:
+    # Refused before anything is sent (status 2), in the words the server would answer.
+    before = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
     short = run(["pools", "set", "demo", "--lease-s", "0.001"], url=server.url)
-    assert "lease_s" in one_line_error(short, 1)
+    assert one_line_error(short, 2) == "stoker: lease_s: must be at least 1"
+    many = run(["pools", "set", "demo", "--warm-target", "100001"], url=server.url)
+    assert one_line_error(many, 2) == "stoker: warm_target: must be at most 100000"
+    steps = run(["rollout", "start", "demo", "--env", "V=2", "--steps", "50,10"], url=server.url)
+    assert "steps must increase" in one_line_error(steps, 2)
+    after = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
+    assert after["generation"] == before["generation"] and after["rollout"] is None
 
 
 def test_config_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -> None:

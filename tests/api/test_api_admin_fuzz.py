@@ -9,6 +9,10 @@ is, and each stored template's command line, environment and directory are hande
 (its program swapped for `true`: a fuzzer's programs are not run) and refused for no
 reason of their form. The server is the real app on uvicorn in a thread with
 `MemoryRuntime` workers, as in test_api_fuzz.py.
+
+Its pools run processes, so the template model is also driven directly, with generated
+changes of a process's and a pod's template: every template it accepts is one exec takes,
+or one whose worker pod the API server's rules and the Pod schema take.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import kubernetes_validate
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
@@ -35,12 +42,21 @@ from schemathesis.specs.openapi.checks import (
 )
 from test_api_fuzz import ADMIN, ThreadedServer, openapi_document
 
+from fakes import TEST_ACTIVATION_KEY
+from stoker.adapters.cluster_lightkube import _pod_to_k8s
+from stoker.adapters.runtime_kubernetes._pods import worker_pod
 from stoker.adapters.runtime_local._processes import start_process, substitute, worker_environment
 from stoker.config.changes import changed_template
 from stoker.domain.errors import RuntimeFailure
-from stoker.domain.specs import ProcessTemplate, RuntimeTemplate
+from stoker.domain.records import Worker
+from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, RuntimeTemplate
+from stoker.domain.states import WorkerState
+from stoker.ports.cluster import Invalid
+from stoker.sim.cluster.validation import check_labels
 
 T = TypeVar("T")
+#: The Kubernetes whose Pod schema a worker pod must fit (as the deploy manifests do).
+KUBERNETES_VERSION = "1.37"
 #: Examples per route and generation mode.
 EXAMPLES = 60
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
@@ -171,9 +187,13 @@ async def stored_templates(server: AdminServer) -> list[RuntimeTemplate]:
 
 
 def assert_nothing_accepted_fails_later(server: AdminServer) -> None:
-    """A janitor pass runs through; every stored template passes the model as it is and
-    is what exec takes."""
-    server.call(server.app.plane.run_janitor_pass())
+    """A janitor pass fails for no pool, every stored pool loads, and every stored template
+    passes the model as it is and is what exec takes."""
+    plane = server.app.plane
+    server.call(plane.run_janitor_pass())
+    # The janitor isolates a pool whose step fails: a pass that runs through says nothing.
+    assert plane.janitor.faults.failing(at_least=1) == []
+    assert plane.pools.broken == {}
     for template in server.call(stored_templates(server)):
         assert changed_template(template, {}) == template
         assert_exec_takes(template)
@@ -215,3 +235,163 @@ def test_exec_check_tells_a_form_refusal_from_the_machine_s(tmp_path: Path) -> N
     assert_exec_takes(ProcessTemplate(argv=("w", "--x"), cwd=str(tmp_path / "nowhere")))
     with pytest.raises(AssertionError):
         assert_exec_takes(ProcessTemplate(argv=("w", "a\x00b")))
+
+
+# -- the template model itself, over generated changes -------------------------------------
+
+#: Any JSON value (the wrong type for most fields).
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+#: Text a worker can be handed, and text it cannot (or that is empty).
+TEXT = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), max_size=8)
+WORDS = TEXT.filter(bool)
+BAD_TEXT = st.sampled_from(["", "a\x00b", "\ud800"])
+#: Environment variable names, label keys and values, object names; and wrong ones.
+ENV_NAMES = st.from_regex(r"[A-Za-z_.-][A-Za-z0-9_.-]{0,6}", fullmatch=True)
+LABEL_VALUES = st.from_regex(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,4}[A-Za-z0-9])?)?", fullmatch=True)
+LABEL_KEYS = st.from_regex(
+    r"([a-z0-9]{1,4}(\.[a-z0-9]{1,4})?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,4}[A-Za-z0-9])?",
+    fullmatch=True,
+)
+OBJECT_NAMES = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,6}[a-z0-9])?", fullmatch=True)
+BAD_NAMES = st.sampled_from(["1X", "A=B", "", "-a", "a/", "stoker.dev/pool", "Ab_"])
+QUANTITIES = st.sampled_from(["1", "500m", "2Gi", "0.5", "1e3", "128Mi"])
+BAD_QUANTITIES = st.sampled_from(["0", "-1", "x", "1.5.2", 2, 1.5, True])
+
+
+NOTHING: st.SearchStrategy[Any] = st.nothing()
+
+
+def field(
+    valid: st.SearchStrategy[Any], invalid: st.SearchStrategy[Any] = NOTHING
+) -> st.SearchStrategy[Any]:
+    """Mostly a valid value (12 in 14), else an invalid one or any JSON at all."""
+    return weighted((12, valid), (1, invalid), (1, JSON))
+
+
+def weighted(*choices: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """One of the strategies, each drawn by its weight (one_of draws them alike)."""
+    picks = [strategy for weight, strategy in choices for _ in range(weight)]
+    return st.integers(0, len(picks) - 1).flatmap(lambda i: picks[i])
+
+
+def mapping(keys: st.SearchStrategy[str], values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A small mapping of `keys` to `values`."""
+    return st.dictionaries(keys, values, max_size=3)
+
+
+_PROCESS_FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "command": field(st.lists(WORDS, min_size=1, max_size=4), st.lists(BAD_TEXT, max_size=2)),
+        "env": field(mapping(ENV_NAMES, TEXT), mapping(BAD_NAMES, BAD_TEXT)),
+        "cwd": field(st.none() | WORDS, BAD_TEXT),
+        "memory_mb": field(st.integers(1, 2**20), st.integers(-2, 0) | st.just(2**21)),
+    },
+)
+#: A process template's fields, now and then under the name the API no longer takes.
+PROCESS_CHANGES = weighted(
+    (9, _PROCESS_FIELDS), (1, st.fixed_dictionaries({"argv": st.lists(WORDS, max_size=2)}))
+)
+TOLERATION = st.fixed_dictionaries(
+    {"operator": st.just("Exists")},
+    optional={
+        "key": field(st.none() | LABEL_KEYS, st.just("")),
+        "effect": field(st.sampled_from(["NoSchedule", "NoExecute"]), st.just("Never")),
+    },
+)
+POD_CHANGES = st.fixed_dictionaries(
+    {},
+    optional={
+        "image": field(WORDS, BAD_TEXT),
+        "command": field(st.lists(TEXT, max_size=3), st.lists(BAD_TEXT, min_size=1, max_size=2)),
+        "args": field(st.lists(TEXT, max_size=3)),
+        "env": field(mapping(ENV_NAMES, TEXT), mapping(BAD_NAMES, TEXT)),
+        "cpu": field(QUANTITIES, BAD_QUANTITIES),
+        "memory": field(QUANTITIES, BAD_QUANTITIES),
+        "port": field(st.integers(1, 65535), st.sampled_from([0, 65536, "8080"])),
+        "node_selector": field(mapping(LABEL_KEYS, LABEL_VALUES), mapping(BAD_NAMES, TEXT)),
+        "tolerations": field(st.lists(TOLERATION, max_size=2)),
+        "priority_class": field(st.none() | OBJECT_NAMES, BAD_NAMES),
+        "service_account": field(st.none() | OBJECT_NAMES, BAD_NAMES),
+        "labels": field(mapping(LABEL_KEYS, LABEL_VALUES), mapping(BAD_NAMES, TEXT)),
+        "annotations": field(mapping(LABEL_KEYS, TEXT), mapping(BAD_NAMES, TEXT)),
+    },
+)
+STABLE_PROCESS = ProcessTemplate(argv=("worker", "{port}"))
+STABLE_POD = PodTemplate(image="worker:1")
+
+
+def assert_a_cluster_takes(template: PodTemplate) -> None:
+    """The worker pod of `template` has names and labels the API server takes, and its
+    manifest fits the Pod schema of a current Kubernetes."""
+    worker = Worker(
+        id="w-1",
+        pool="p",
+        revision="r1",
+        state=WorkerState.SPAWNING,
+        epoch=0,
+        owner="cp-a",
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    pool = PoolSpec(name="p", template=template)
+    pod = worker_pod(
+        worker,
+        pool,
+        template,
+        fleet="f",
+        instance_id="cp-a",
+        grace_s=10,
+        activation_key=TEST_ACTIVATION_KEY,
+    )
+    check_labels(pod.labels)
+    check_labels(pod.spec.node_selector)
+    manifest = _pod_to_k8s(pod, "stoker").to_dict()
+    kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(PROCESS_CHANGES)
+def test_every_process_template_the_model_takes_is_one_exec_takes(
+    changes: dict[str, Any],
+) -> None:
+    try:
+        template = changed_template(STABLE_PROCESS, changes)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False):
+            assert error["loc"], error  # each problem names a field
+        event("refused")
+        return
+    event("accepted")
+    assert "argv" not in changes
+    assert_exec_takes(template)
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(POD_CHANGES)
+def test_every_pod_template_the_model_takes_is_one_a_cluster_takes(
+    changes: dict[str, Any],
+) -> None:
+    try:
+        template = changed_template(STABLE_POD, changes)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False):
+            assert error["loc"], error
+        event("refused")
+        return
+    event("accepted")
+    assert isinstance(template, PodTemplate)
+    assert_a_cluster_takes(template)
+
+
+def test_the_cluster_check_refuses_what_an_api_server_would() -> None:
+    # The check the property relies on: a label key the API server refuses fails it.
+    assert_a_cluster_takes(PodTemplate(image="worker:1", labels={"app": "w"}))
+    with pytest.raises(Invalid):
+        assert_a_cluster_takes(PodTemplate(image="worker:1", labels={"-app": "w"}))

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from test_api import ADMIN, TOKENS, Api, assert_problem, running
+from pydantic import ValidationError
+from test_api import ADMIN, TOKENS, Api, assert_problem, pool, running
 
 from stoker.config.changes import changed_template
 from stoker.domain.specs import ProcessTemplate, revision_of
@@ -53,10 +54,12 @@ def refused(response: httpx.Response, status: int, *fields: str) -> dict[str, An
 
 async def assert_fleet_unharmed(api: Api) -> None:
     """No rollout was stored, the stored templates are all valid under the model, and a
-    janitor pass runs through and refills the pool."""
+    janitor pass fails for no pool."""
     assert await api.plane.store.list_rollouts() == []
     await assert_stored_templates_valid(api)
     await api.plane.run_janitor_pass()
+    assert api.plane.janitor.faults.failing(at_least=1) == []
+    assert api.plane.pools.broken == {}
     assert api.plane.catalog.pool("demo").revision == STABLE
 
 
@@ -135,6 +138,7 @@ async def test_command_is_the_template_s_command_line_and_argv_a_422_naming_it(
         assert started.json()["revision"] == new
         await assert_stored_templates_valid(api)
         await api.plane.run_janitor_pass()
+        assert api.plane.janitor.faults.failing(at_least=1) == []
 
 
 # -- "Loose types and edges on the pool routes" ---------------------------------------------
@@ -266,3 +270,22 @@ async def test_a_write_that_changes_nothing_keeps_the_generation(tmp_path: Path)
             "/v1/pools/demo", json={"warm_target": 3}, headers={**AS_ADMIN, "If-Match": "*"}
         )
         assert same.status_code == 200 and same.json()["generation"] == 2
+
+
+async def test_settings_that_do_not_fit_together_are_a_422(tmp_path: Path) -> None:
+    async with running(tmp_path, [pool(max_workers=5)], api=TOKENS) as api:
+        before = await api.plane.store.get_pool("demo")
+        above = await api.http.patch("/v1/pools/demo", json={"warm_target": 6}, headers=AS_ADMIN)
+        assert "exceeds max_workers" in refused(above, 422)["detail"]
+        assert await api.plane.store.get_pool("demo") == before
+
+
+async def test_the_checks_above_catch_a_template_stored_around_the_api(tmp_path: Path) -> None:
+    # What these tests rely on: a template the model refuses, written to the store as the
+    # API once let through, fails `assert_stored_templates_valid`.
+    async with running(tmp_path, api=TOKENS) as api:
+        stored = await api.plane.pools.get("demo")
+        bad = ProcessTemplate(argv=("worker",), env={"A": 1})  # type: ignore[dict-item]
+        await api.plane.pools.propose(stored, bad, now=api.plane.clock.now())
+        with pytest.raises(ValidationError):
+            await assert_stored_templates_valid(api)

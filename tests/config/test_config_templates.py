@@ -59,6 +59,13 @@ def test_the_file_refuses_what_the_api_refuses(tmp_path: Path, pool: str, words:
         load_config(path, {})
 
 
+def test_argv_in_the_file_names_command(tmp_path: Path) -> None:
+    path = tmp_path / "stoker.yaml"
+    path.write_text("pools:\n  - {name: p, argv: [w]}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.argv: .*command line is `command`"):
+        load_config(path, {})
+
+
 def test_a_pod_template_goes_through_the_same_model() -> None:
     stable = PodTemplate(image="worker:1", tolerations=({"key": "k", "operator": "Exists"},))
     changed = changed_template(stable, {"image": "worker:2", "port": 9000})

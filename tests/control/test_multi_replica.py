@@ -448,8 +448,7 @@ async def test_replicas_started_with_different_files_serve_one_stored_revision(
     await until(two_warm)
     # An admin's change is in force on every replica within a pass, no restart.
     changed = await b.plane.pools.update("demo", {"warm_target": 3})
-    # Seeded (1), B's proposed rollout (2), this change; the rollout's first step, once its
-    # revision holds a warm worker, is a write of its own that may come first.
+    # After the seed and the proposal (and the canary's first step, once it held).
     assert changed.generation in (3, 4)
 
     async def served_everywhere() -> bool:

@@ -25,7 +25,7 @@ from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
-from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff
+from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff, Timeouts
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import VirtualClock
 
@@ -49,6 +49,18 @@ class MeasuringRuntime(MemoryRuntime):
         template = pool.template
         assert isinstance(template, ProcessTemplate)
         return max(1, 4096 // max(1, template.memory_mb))
+
+
+class TimedRuntime(MemoryRuntime):
+    """A memory runtime that notes when (loop time) each spawn was tried."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.tried: list[float] = []
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        self.tried.append(asyncio.get_running_loop().time())
+        return await super().spawn(worker, pool)
 
 
 class CrashingRuntime(MemoryRuntime):
@@ -240,24 +252,24 @@ async def test_a_pool_of_300_whose_command_cannot_start_tries_once_per_back_off(
     tmp_path: Path,
 ) -> None:
     """The figure docs/operations.md states: warm_target 300, every spawn fails, the
-    default back-off (1 s doubling to 60 s). Before, the 300 slots of the first pass all
-    tried within 4 s (the token bucket's pace); now they wait their turn and one probes per
-    back-off interval."""
-    runtime = MemoryRuntime(ready_delay=0.2)
+    default back-off (1 s doubling to 60 s), a janitor pass every 2 s for 15 minutes.
+    Before, the 300 slots of the first pass all tried within 4 s (the token bucket's pace);
+    now they wait their turn and one probes per back-off interval."""
+    runtime = TimedRuntime(ready_delay=0.2)
     runtime.fail_spawns = 10**9
     async with running(tmp_path, [pool("p", warm_target=300)], runtime=runtime) as p:
-        assert runtime.spawn_calls <= 2  # at 0 and 1 s (the start waited a second)
-        await p.passes(4)
-        assert runtime.spawn_calls <= 3  # at 0, 1 and 3 s
-        calls = [runtime.spawn_calls]
-        for _ in range(10):  # ten minutes, a pass every 2 s
+        for _ in range(15):
             await p.passes(30, every=2.0)
-            calls.append(runtime.spawn_calls)
-        per_minute = [b - a for a, b in itertools.pairwise(calls)]
-        # 1, 2, 4, 8, 16, 32 s, then 60 s: at most two attempts in any later minute.
-        assert sum(per_minute[:2]) <= 5
-        assert all(n <= 2 for n in per_minute[2:]), per_minute
-        assert runtime.spawn_calls <= 20
+        start = runtime.tried[0]
+        at = [round(t - start) for t in runtime.tried]
+        # 1, 2, 4, 8, 16 and 32 s of back-off, then 60 s: six tries in the first minute,
+        # then one per minute.
+        assert at[:6] == [0, 1, 3, 7, 15, 31], at
+        # (A try may come a pass late: once the waiting slots gave up at their spawn
+        # timeout, the janitor's next pass reserves the probe.)
+        gaps = [b - a for a, b in itertools.pairwise(at[6:])]
+        assert at[6] - at[5] == 32 and all(60 <= gap <= 64 for gap in gaps), at
+        assert len(at) == 20
 
 
 async def test_claims_during_a_back_off_do_not_spawn(tmp_path: Path) -> None:
@@ -314,3 +326,66 @@ async def test_a_pool_row_that_cannot_be_read_keeps_its_last_settings(tmp_path: 
         [problem] = p.plane.degraded()
         assert (problem.pool, problem.problem) == ("bad", "pass_failing")
         assert "janitor pass, load: its stored row cannot be read" in problem.detail
+
+
+async def test_one_probe_at_a_time_while_it_is_in_flight(tmp_path: Path) -> None:
+    """A probe that started but is not ready yet (a slow start, or one that will fail
+    late) holds the revision's turn: claims that come after its back-off ended do not
+    each start another."""
+    backoff = SpawnBackoff(initial_s=2, max_s=8, factor=2)
+    runtime = MemoryRuntime(auto_ready=False)
+    runtime.fail_spawns = 1
+    async with running(
+        tmp_path, [pool("p", warm_target=0, spawn_backoff=backoff)], runtime=runtime
+    ) as p:
+        with pytest.raises(CapacityError):
+            await p.plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=1))
+        assert runtime.spawn_calls == 1
+        await asyncio.sleep(3)
+        with pytest.raises(CapacityError):  # the probe starts, and never gets ready
+            await p.plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=1))
+        assert runtime.spawn_calls == 2
+        for i in range(10):
+            await asyncio.sleep(3)
+            with pytest.raises(CapacityError):
+                await p.plane.claim(ClaimRequest(pool="p", org=f"org{i}", timeout_s=1))
+        assert runtime.spawn_calls == 2
+
+
+async def test_a_waiting_spawn_retired_elsewhere_never_starts(tmp_path: Path) -> None:
+    """Another replica's stuck sweep may retire a slot that waits for its turn here (this
+    replica's memory does not hear of it): the spawn reads its row before it starts, and
+    starts nothing for a retired one. A slot that outwaits its spawn timeout gives up on
+    its own, nothing started."""
+    backoff = SpawnBackoff(initial_s=5, max_s=60, factor=2)
+    timeouts = Timeouts(spawn_s=30)
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 1
+    pools = [pool("p", warm_target=3, spawn_backoff=backoff, timeouts=timeouts)]
+    async with running(tmp_path, pools, runtime=runtime) as p:
+        waiting = await p.store.list_workers(states=(S.SPAWNING,))
+        assert runtime.spawn_calls == 1 and len(waiting) == 2
+        gone = waiting[0]
+        await p.store.transition(
+            gone.id,
+            expect=S.SPAWNING,
+            epoch=gone.epoch,
+            version=gone.version,
+            to=S.RETIRED,
+            now=p.plane.clock.now(),
+            changes={"reason": "stuck"},
+        )
+        await asyncio.sleep(10)  # the back-off ended: one of them probes, and works
+        assert runtime.spawn_calls == 2
+        assert gone.id not in runtime.procs
+
+    runtime = MemoryRuntime(ready_delay=0.2)
+    runtime.fail_spawns = 10**9
+    (tmp_path / "2").mkdir()
+    pools = [pool("p", warm_target=10, spawn_backoff=backoff, timeouts=timeouts)]
+    async with running(tmp_path / "2", pools, runtime=runtime) as p:
+        await asyncio.sleep(31)
+        rows = await p.store.list_workers()
+        assert not [w for w in rows if w.state is S.SPAWNING]
+        assert {w.reason for w in rows} == {"spawn_failure", "stuck"}
+        assert runtime.spawn_calls == 3  # at 0, 5 and 15 s; the next would be at 35 s

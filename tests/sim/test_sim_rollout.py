@@ -57,6 +57,17 @@ def test_the_canary_costs_about_what_switching_at_once_does(name: str) -> None:
     assert stoker["ended_s"] <= 2 * nominal
 
 
+def test_a_canary_sized_from_the_other_revisions_holds_a_second_fleet() -> None:
+    """Sessions never move: sized from the sessions the old revision serves, the canary
+    holds idle workers no claim uses (stoker's rule before #25)."""
+    name = "rollout-long-sessions"
+    replace = _summary(name, "replace")["vcpu_hours"]["idle"]
+    others = _summary(name, "canary-others-capacity")
+    assert others["rollout"]["outcome"] == "promoted"
+    assert others["vcpu_hours"]["idle"] > 1.5 * replace
+    assert others["rollout"]["peak_live"] > _rollout(name, "stoker")["peak_live"]
+
+
 def test_failures_only_the_replicas_that_do_not_lead_see_roll_the_canary_back() -> None:
     """Three replicas; the bad image fails only on the two that do not lead: the leader's
     verdict sums every replica's counts, within two step intervals of the first step."""

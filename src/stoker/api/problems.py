@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from stoker.domain import errors
-from stoker.domain.pools import SameTemplate, StaleGeneration
+from stoker.domain.pools import InvalidSettings, SameTemplate, StaleGeneration
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -28,6 +28,8 @@ PROBLEM_JSON = "application/problem+json"
 STATUS_OF: dict[type[errors.StokerError], int] = {
     errors.InvalidRequest: 400,
     errors.IdempotencyKeyReused: 422,
+    # Pool settings that are each valid but do not fit together (warm_target > max_workers).
+    InvalidSettings: 422,
     errors.Unauthorized: 401,
     errors.Forbidden: 403,
     errors.NotFound: 404,

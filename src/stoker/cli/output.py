@@ -47,6 +47,26 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+def check_input(model: str, body: Mapping[str, Any]) -> None:
+    """End the command (status 2) when `body` does not fit the server's `model` (the
+    `SettingsChange` of `PATCH`, the `RolloutConfig` of a rollout's strategy), with the
+    first problem in the words the server would answer: nothing is sent."""
+    # Imported here: the server's models are for the commands that change a pool only.
+    from pydantic import BaseModel, ValidationError
+
+    from stoker.api.problems import plain_message
+    from stoker.config.changes import SettingsChange
+    from stoker.config.pools import RolloutConfig
+
+    models: dict[str, type[BaseModel]] = {"settings": SettingsChange, "strategy": RolloutConfig}
+    try:
+        models[model].model_validate(dict(body))
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        at = ".".join(str(p) for p in error["loc"])
+        fail(f"{at or model}: {plain_message(error)}", code=2)
+
+
 def client_of(url: str | None, token: str | None) -> Client:
     """A client of the running server that sends each request once: a command says at
     once that the server does not answer (the SDK's retries, up to a claim's wait plus

@@ -21,6 +21,7 @@ from stoker.cli.output import (
     JsonOption,
     TokenOption,
     UrlOption,
+    check_input,
     client_of,
     fail,
     make_console,
@@ -118,6 +119,7 @@ def pools_set(
     changes: PoolChanges = {k: v for k, v in given.items() if v is not None}  # type: ignore[assignment]
     if set(changes) <= {"generation"}:
         fail("nothing to change: give at least one setting (see --help)", code=2)
+    check_input("settings", changes)
     changed = client.update_pool(name, **changes)
     _print_pools(client.url, [changed], as_json=as_json, one=True)
 

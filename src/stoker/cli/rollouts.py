@@ -9,7 +9,15 @@ from typing import Annotated, Any
 
 import typer
 
-from stoker.cli.output import JsonFlag, TokenOption, UrlOption, fail, print_json, server
+from stoker.cli.output import (
+    JsonFlag,
+    TokenOption,
+    UrlOption,
+    check_input,
+    fail,
+    print_json,
+    server,
+)
 from stoker.sdk import Client, RolloutInfo
 
 rollout_app = typer.Typer(
@@ -124,6 +132,8 @@ def start(
     if not template:
         fail("say what changes: --command, --image or --env", code=2)
     strategy = _strategy(steps, step_interval, max_failure_ratio, replace)
+    if strategy is not None:
+        check_input("strategy", strategy)
     with server(*ctx.obj) as client:
         _show(client.start_rollout(pool, template, strategy=strategy), as_json)
 

@@ -24,7 +24,7 @@ from stoker.domain.pools import GENERATION_MAX, TUNABLE_SETTINGS
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, RuntimeTemplate
 
 #: Names a template field had before it was renamed, and what it is called now.
-_RENAMED = {"argv": "command"}
+RENAMED_FIELDS = {"argv": "command"}
 
 
 def template_of(model: ProcessConfig | PodConfig) -> RuntimeTemplate:
@@ -75,13 +75,13 @@ def changed_template(stable: RuntimeTemplate, changes: Mapping[str, Any]) -> Run
             type=PydanticCustomError(
                 "renamed_field",
                 "is not a known field: a process's command line is `{now}`",
-                {"now": _RENAMED[name]},
+                {"now": RENAMED_FIELDS[name]},
             ),
             loc=(name,),
             input=changes[name],
         )
         for name in changes
-        if model is ProcessConfig and name in _RENAMED
+        if model is ProcessConfig and name in RENAMED_FIELDS
     ]
     if renamed:
         raise ValidationError.from_exception_data("template", renamed)

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from stoker.config.changes import RENAMED_FIELDS
 from stoker.config.convert import to_domain
 from stoker.config.models import StokerConfig
 from stoker.config.pools import default_pools
@@ -210,6 +211,9 @@ def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str])
             message = str(ctx.get("error", error["msg"]))
         else:
             message = error["msg"][:1].lower() + error["msg"][1:]
+        renamed = RENAMED_FIELDS.get(str(error["loc"][-1])) if error["loc"] else None
+        if kind == "extra_forbidden" and renamed is not None:
+            message += f" (a process's command line is `{renamed}`)"
         lines.append(_line(tuple(error["loc"]), message, env_keys))
     return lines
 

@@ -19,6 +19,7 @@ from typing import Literal
 from stoker.control import logs
 from stoker.control.journal import EventKind, Journal
 from stoker.control.metrics import Metrics
+from stoker.domain.errors import StoreError
 
 #: Passes in a row a pool's step must fail before `/readyz` reports the pool.
 FAILING_AFTER = 3
@@ -71,9 +72,12 @@ class PassFaults:
 
     @contextlib.contextmanager
     def step(self, pool: str, step: str) -> Iterator[None]:
-        """Run one pool's `step`; an exception is noted for the pool and swallowed."""
+        """Run one pool's `step`; an exception is noted for the pool and swallowed. A
+        `StoreError` is not the pool's fault: it goes on and fails the pass, as before."""
         try:
             yield
+        except StoreError:
+            raise
         except Exception as exc:
             self.failed(pool, step, exc)
 

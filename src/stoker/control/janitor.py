@@ -92,8 +92,8 @@ class Janitor:
             retirer=retirer,
             spawner=spawner,
             sizer=None if self._baseline else self.sizer,
-            faults=self.faults,
             outcomes=self._outcomes,
+            faults=self.faults,
             demand=demand,
         )
         self._last_purge: float | None = None

@@ -168,7 +168,7 @@ class ControlPlane:
         # The first janitor pass adopts what a previous run left (README, "Running several
         # replicas": reconcile the store and the runtime at start: adopt live, retire dead).
         if self.elector.is_leader:
-            await self._guarded("janitor", self.janitor.run_pass)
+            await self._guarded("janitor", self.run_janitor_pass)
         self.reconciled = True
         if loops:
             # The chart starts with the pools as they are at start.

@@ -9,8 +9,8 @@ its part. Scale-down of a revision that serves waits `scale_down_delay`; a revis
 no longer serves retires its warm workers at once when its rollout failed, else a share
 per pass. The leader writes what the plan decided (a step, a pause, a promotion, a
 rollback) before it acts on it, judging the ramping revision from every replica's outcome
-counts (`control.outcomes`). Each pool, and each revision of a pool, is a step of its own:
-one that fails is noted in the pass's faults and the others go on.
+counts (`control.outcomes`). Each pool, and each revision of a pool, is a step of its
+own: one that fails is noted in the pass's faults and the others go on.
 """
 
 from __future__ import annotations
@@ -100,15 +100,15 @@ class Scaler:
         retirer: Retirer,
         spawner: Spawner,
         sizer: PoolSizer | None,
-        faults: PassFaults,
         outcomes: OutcomeCounts,
+        faults: PassFaults,
         demand: DemandSource | None = None,
     ) -> None:
         """Sized by `sizer`, or by a baseline's `demand` added to the static target;
         rollouts judged from `outcomes`; what fails for one pool is noted in `faults`."""
         self._retirer, self._spawner = retirer, spawner
-        self._faults = faults
         self._outcomes = outcomes
+        self._faults = faults
         self._sizer, self._demand = sizer, demand
         self._store = store
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
@@ -132,9 +132,9 @@ class Scaler:
             await self._sizer.read(world.now)
         summed = await self._summed()
         for name, pool in list(self._catalog.pools.items()):
+            ramp = self._catalog.rollout(name)
+            failures = summed.get(ramp.id) if summed is not None and ramp is not None else None
             with self._faults.step(name, "scale"):
-                ramp = self._catalog.rollout(name)
-                failures = summed.get(ramp.id) if summed is not None and ramp is not None else None
                 await self._scale_pool(
                     pool, counts.get(name, {}), live, warm, world, report, failures
                 )
@@ -147,10 +147,10 @@ class Scaler:
         warm: dict[tuple[str, str], list[Worker]],
         world: World,
         report: PassReport,
-        failures: RevisionFailures | None,
+        failures: RevisionFailures | None = None,
     ) -> None:
-        """One pool's step: its plan (the ramping revision judged from `failures`, every
-        replica's outcome counts), then each revision's spawns and scale-down."""
+        """One pool's step: its plan (judging its rollout from `failures`, every replica's
+        counts; None: this replica's), then each revision's spawns and scale-down."""
         name = pool.name
         cap = self._catalog.pool_cap(pool)
         sizing, demand = await self._wanted(pool, counts, live[name], cap, world.now)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from stoker.control import logs
 from stoker.control.faults import describe
@@ -32,6 +33,16 @@ from stoker.policy.scaling import spawn_backoff_s
 from stoker.ports.clock import TokenBucket
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import SpawnRequest, SpawnResult
+
+
+class Turn(Enum):
+    """How a spawn's wait for its turn ended."""
+
+    GO = "go"
+    #: Retired meanwhile (or the replica shuts down): nothing may start.
+    GONE = "gone"
+    #: Its spawn timeout ran out while it waited.
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +118,16 @@ class Spawner:
         return dict(self._trouble)
 
     def backoff_left(self, pool: PoolSpec) -> float:
-        """Seconds before the pool may start a spawn again (0: it may now)."""
+        """Seconds before the pool may start a spawn again (0: it may now). While the
+        probe is in flight, its outcome decides: asked again at least every initial back-off
+        (never 0, which would have a claim ask again at once, over and over)."""
         trouble = self._trouble.get((pool.name, pool.revision))
         if trouble is None:
             return 0.0
-        return max(0.0, trouble.retry_at - self._clock.monotonic())
+        left = max(0.0, trouble.retry_at - self._clock.monotonic())
+        if self._probing(trouble):
+            return max(left, pool.spawn_backoff.initial_s)
+        return left
 
     def spawn_failed(self, pool: str, revision: str, error: str) -> None:
         """A spawn of the revision failed (not created, or lost before ready): back off."""
@@ -163,12 +179,12 @@ class Spawner:
         )
         return min(count, 1)
 
-    def _probe_reserved(self, pool: PoolSpec, worker_id: str) -> None:
+    def _probe_reserved(self, pool: PoolSpec, workers: list[Worker]) -> None:
         """The slot `_allowed` let a backing-off revision reserve is its probe."""
         key = (pool.name, pool.revision)
         trouble = self._trouble.get(key)
-        if trouble is not None:
-            self._trouble[key] = replace(trouble, probe=worker_id)
+        if trouble is not None and workers:
+            self._trouble[key] = replace(trouble, probe=workers[0].id)
 
     def _probing(self, trouble: SpawnTrouble) -> bool:
         """Whether the revision's probe is still in flight (its slot still spawning)."""
@@ -239,6 +255,7 @@ class Spawner:
         """Reserve up to `count` neutral spawn slots (never beyond `target`) and spawn them
         (fewer while the pool's spawns fail: see `SpawnTrouble`). A template the cap
         cannot be read from counts as a failed spawn and is raised on to the pass."""
+        probe = (pool.name, pool.revision) in self._trouble
         count = self._allowed(pool, count)
         if count <= 0:
             return 0
@@ -259,8 +276,9 @@ class Spawner:
         )
         ids = [self._ids.worker() for _ in range(count)]
         result = await self._lifecycle.reserve_slots(req, ids)
+        if probe:
+            self._probe_reserved(pool, result.workers)
         for worker in result.workers:
-            self._probe_reserved(pool, worker.id)
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "warm").inc()
             self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
@@ -270,6 +288,7 @@ class Spawner:
     async def reserve_cold_slot(self, pool: PoolSpec, org: str, org_cap: int) -> SpawnResult:
         """One spawn slot bound to `org` within the pool and org caps (not created yet);
         none, `limited_by` "backoff", while the pool's spawns fail and back off."""
+        probe = (pool.name, pool.revision) in self._trouble
         if not self._allowed(pool, 1):
             return SpawnResult(workers=[], limited_by="backoff")
         try:
@@ -287,8 +306,9 @@ class Spawner:
             org_cap=org_cap,
         )
         result = await self._lifecycle.reserve_slots(req, [self._ids.worker()])
+        if probe:
+            self._probe_reserved(pool, result.workers)
         for worker in result.workers:
-            self._probe_reserved(pool, worker.id)
             self._book.remember(worker)
             self._metrics.spawns.labels(pool.name, "cold").inc()
             self._rollouts.note(pool.name, pool.revision, Outcome.SPAWN)
@@ -298,10 +318,15 @@ class Spawner:
         """Create the runtime object of a spawning slot; a failure, whatever it raised,
         frees the slot at once and counts. While the revision backs off the spawn waits
         for its turn to probe (its slot kept, until it starts or is retired)."""
-        if not await self._turn(worker, pool):
+        turn = await self._turn(worker, pool)
+        if turn is not Turn.GO:
             # Retired (and forgotten) while it waited for its turn (a shutdown, a stuck
-            # sweep): its stop found no process, so none may start now.
+            # sweep, another replica): its stop found no process, so none may start now.
             self._book.drop_spawn_wait(worker.id)
+            if turn is Turn.EXPIRED:
+                # Its spawn timeout ran out while the revision backed off: the slot goes
+                # back now (nothing was started), as the stuck sweep would retire it.
+                await self._retirer.retire(worker, RetireReason.STUCK, stop=False)
             return False
         # While the runtime holds the spawn (queued behind other start-ups, or starting the
         # process) the stuck sweep leaves the row alone: its spawn timeout has not begun.
@@ -350,19 +375,34 @@ class Spawner:
                 self._book.remember(recorded)
         return True
 
-    async def _turn(self, worker: Worker, pool: PoolSpec) -> bool:
-        """Wait for the token bucket and for the spawn's turn (see `_turn_in`); False when
-        the slot was retired meanwhile."""
+    async def _turn(self, worker: Worker, pool: PoolSpec) -> Turn:
+        """Wait for the token bucket and for the spawn's turn (see `_turn_in`), at most
+        until the slot's spawn timeout."""
         key = (pool.name, pool.revision)
+        deadline = worker.updated_at + pool.timeouts.spawn_s
         waited = False
         while not (waited and self._closing):
             await self._bucket.acquire()
             known = self._book.known(worker.id)
             if known is None or (known.state, known.epoch) != (WorkerState.SPAWNING, worker.epoch):
-                return False
+                return Turn.GONE
             wait = self._turn_in(worker, pool)
             if wait is None:
-                return True
-            await self._until_changed(key, wait)
+                # After a wait, the row may have been retired by another replica's sweep
+                # (this book does not hear of it): read it before anything starts.
+                return Turn.GO if not waited or await self._still_spawning(worker) else Turn.GONE
+            left = deadline - self._clock.now()
+            if left <= 0:
+                return Turn.EXPIRED
+            await self._until_changed(key, min(wait, left))
             waited = True
-        return False
+        return Turn.GONE
+
+    async def _still_spawning(self, worker: Worker) -> bool:
+        """Whether the store still holds the slot as it was reserved (False on a failed
+        read: better a slot the sweep retires than a process without a row)."""
+        fresh = await self._book.refresh(worker.id)
+        return fresh is not None and (fresh.state, fresh.epoch) == (
+            WorkerState.SPAWNING,
+            worker.epoch,
+        )

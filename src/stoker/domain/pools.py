@@ -44,6 +44,11 @@ class StaleGeneration(StokerError, code="stale-generation"):
         self.pool, self.expected, self.current = pool, expected, current
 
 
+class InvalidSettings(InvalidRequest, code="invalid-request"):
+    """Settings that are each valid but do not fit together or the pool (HTTP 422), such
+    as a warm target above the pool's cap."""
+
+
 class SameTemplate(StokerError, code="same-template"):
     """A rollout of the template the pool already serves or already rolls out (HTTP 409):
     it would ramp nothing."""
@@ -204,15 +209,16 @@ def spec_from_json(
 
 
 def with_settings(spec: PoolSpec, changes: Mapping[str, Any]) -> PoolSpec:
-    """`spec` with tunable settings changed; InvalidRequest names an unknown setting or a
-    combination the spec refuses (warm_target above max_workers, say)."""
+    """`spec` with tunable settings changed; `InvalidSettings` names an unknown setting or
+    a combination the spec refuses (warm_target above max_workers, say). The values' types
+    and bounds are the caller's to have checked (`stoker.config.changes.SettingsChange`)."""
     unknown = sorted(set(changes) - set(TUNABLE_SETTINGS))
     if unknown:
-        raise InvalidRequest(f"not a tunable pool setting: {', '.join(unknown)}")
+        raise InvalidSettings(f"not a tunable pool setting: {', '.join(unknown)}")
     try:
         return dataclasses.replace(spec, **changes)
-    except (StokerError, TypeError) as exc:
-        raise InvalidRequest(str(exc)) from None
+    except StokerError as exc:
+        raise InvalidSettings(str(exc)) from None
 
 
 def _plain(value: Any) -> Any:

@@ -16,7 +16,10 @@ and settings here:
   demand logic apart from the cap;
 - **knative-kpa**: Knative's Pod Autoscaler as the demand source (`stoker.sim.kpa`);
 - **canary-pool-default** (picchu #602): a rollout plan whose ramp is sized from the
-  pool's default target alone (`pool_default_plan`, `stoker.sim.rollout`).
+  pool's default target alone (`pool_default_plan`, `stoker.sim.rollout`);
+- **canary-others-capacity** (stoker before #25, picchu's rule): a rollout plan whose ramp
+  is sized from the other revisions' busy and warm workers times its share
+  (`others_capacity_plan`): sessions never move, so it holds a second fleet.
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ from stoker.control.rollouts import Planner
 from stoker.control.scaler import DemandSource
 from stoker.domain.records import Worker
 from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec
-from stoker.policy.rollout import PoolDemand, RolloutPlan, rollout_plan
+from stoker.policy.rollout import (
+    PoolDemand,
+    RevisionCounts,
+    RolloutPlan,
+    rollout_plan,
+)
+from stoker.policy.scaling import desired_warm
 from stoker.ports.clock import Clock
 from stoker.sim.cluster.resources import memory_bytes
 from stoker.sim.observed import ObservedRuntime
@@ -189,7 +198,11 @@ class RunOnceElector:
 
 def planner_for(entry: PolicyEntry) -> Planner | None:
     """The rollout plan under the policy (None: stoker's own)."""
-    return pool_default_plan if entry.policy == "canary-pool-default" else None
+    planners: dict[str, Planner] = {
+        "canary-pool-default": pool_default_plan,
+        "canary-others-capacity": others_capacity_plan,
+    }
+    return planners.get(entry.policy)
 
 
 def pool_default_plan(**inputs: Any) -> RolloutPlan:
@@ -204,3 +217,28 @@ def pool_default_plan(**inputs: Any) -> RolloutPlan:
     part = plan.part(ramping)
     default = dataclasses.replace(part, warm_target=math.ceil(pool.warm_target * part.share))
     return dataclasses.replace(plan, revisions={**plan.revisions, ramping: default})
+
+
+def others_capacity_plan(**inputs: Any) -> RolloutPlan:
+    """stoker's plan (`rollout_plan`, same arguments), but the ramping revision's warm
+    target is sized as stoker did before #25: the other revisions' busy and warm workers
+    times the share it is sized for (its step's, or the next one's while it grows), never
+    its own, within the cap's room (else the others' capacity plus the pool's target)."""
+    plan = rollout_plan(**inputs)
+    ramping = plan.ramping
+    if ramping is None:
+        return plan
+    counts: Mapping[str, RevisionCounts] = inputs["counts"]
+    pool: PoolDemand = inputs["pool"]
+    own = counts.get(ramping, RevisionCounts())
+    others = [c for revision, c in counts.items() if revision != ramping]
+    capacity = sum(c.busy + c.warm for c in others)
+    whole = desired_warm(pool.warm_target, pool.demand, pool.cap)
+    room = pool.cap - sum(c.live for c in others) if pool.cap > 0 else capacity + whole
+    part = plan.part(ramping)
+    # The share stoker's plan sized the ramp for (its step's or, growing, the next one's).
+    sized_for = part.warm_target / whole if whole else part.share
+    wanted = max(math.ceil(capacity * sized_for), own.busy + math.ceil(whole * part.share))
+    target = max(0, min(max(0, room), wanted) - own.busy)
+    sized = dataclasses.replace(part, warm_target=target)
+    return dataclasses.replace(plan, revisions={**plan.revisions, ramping: sized})

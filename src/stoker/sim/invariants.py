@@ -21,7 +21,9 @@ act: leaks are bounded by "TTL + 2 reaper intervals", also while leadership is l
   served nobody: org is written once, `stoker.domain.states`);
 - **I3** a hot_idle worker past its TTL + 2 passes that the org's `min_hot_idle` floor
   does not keep; a bound claim past its lease + 2 passes;
-- **I4** a spawning, reserved or activating row past its timeout + 2 passes;
+- **I4** a spawning, reserved or activating row past its timeout + 2 passes (for a
+  spawning row whose pod is still Pending, the pool's `pending_s` when longer than
+  `spawn_s`: the pod waits on the cluster);
 - **I5** live workers above the pool cap or an org's cap (0 = unbounded);
 - **I6** warm plus neutral spawning workers below the pool's warm target, with no warm
   spawn by any replica, for longer than 2 passes while the pool cap leaves room (claims
@@ -168,6 +170,8 @@ class InvariantChecker:
         self._retired: set[str] = set()
         #: Worker -> run time its pod was seen gone, terminating or finished (I6).
         self._pod_gone: dict[str, float] = {}
+        #: Workers whose pod is Pending (I4: they wait on the cluster).
+        self._pod_pending: set[str] = set()
         #: Pool -> run time warm + neutral spawning fell below the target (I6), and the
         #: last time a replica reserved neutral spawn slots for it.
         self._deficit_since: dict[str, float] = {}
@@ -304,7 +308,13 @@ class InvariantChecker:
         """The cluster's change stream: remember when a worker's pod went away."""
         pod = change.after
         worker = pod.labels.get(WORKER_LABEL)
-        if worker is None or worker in self._pod_gone:
+        if worker is None:
+            return
+        if pod.phase == PodPhase.PENDING and change.type is not WatchEventType.DELETED:
+            self._pod_pending.add(worker)
+        else:
+            self._pod_pending.discard(worker)
+        if worker in self._pod_gone:
             return
         gone = (
             change.type is WatchEventType.DELETED
@@ -408,7 +418,10 @@ class InvariantChecker:
                 continue
             timeouts = spec.timeouts
             if worker.state is WorkerState.SPAWNING:
-                deadline = worker.updated_at + timeouts.spawn_s
+                waits = worker.id in self._pod_pending
+                deadline = worker.updated_at + (
+                    max(timeouts.spawn_s, timeouts.pending_s) if waits else timeouts.spawn_s
+                )
             elif worker.state is WorkerState.RESERVED:
                 deadline = worker.updated_at + timeouts.reserve_s
             else:

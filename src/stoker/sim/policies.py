@@ -3,8 +3,9 @@
 `stoker` is stoker as `stoker serve` runs it; `stoker-reactive` is stoker with the learned
 forecast off (the warm target and headroom from the reactive estimate alone). The rest are
 the baselines stoker is compared with (`stoker.sim.baselines`, `stoker.sim.kpa`):
-historical failures re-enacted, and the strongest reactive peer. `replace` and
-`canary-pool-default` differ from stoker only in how a rollout ramps (`stoker.sim.rollout`).
+historical failures re-enacted, and the strongest reactive peer. `replace`,
+`canary-pool-default` and `canary-others-capacity` differ from stoker only in how a
+rollout ramps (`stoker.sim.rollout`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ POLICY_KINDS = (
     "percent-headroom",
     "replace",
     "canary-pool-default",
+    "canary-others-capacity",
 )
 
 
@@ -87,4 +89,7 @@ POLICY_PARAMS: Mapping[str, type[ParamsModel]] = {
     # A canary whose ramp is sized from the pool's default target, never from the other
     # revisions' load (picchu #602's first bug).
     "canary-pool-default": NoParams,
+    # A canary sized from the other revisions' busy and warm workers times its share:
+    # stoker's rule before #25, a second fleet when sessions are long.
+    "canary-others-capacity": NoParams,
 }
