@@ -17,7 +17,7 @@ from rich.table import Table
 from stoker.cli.output import JsonFlag, fail, make_console, print_json
 
 if TYPE_CHECKING:
-    from stoker.sim.backtest import Figures, Recommendation
+    from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
     from stoker.sim.claimlog import ClaimReplay
 
 #: The settings of the pool's current run when nothing says otherwise.
@@ -281,7 +281,7 @@ def backtest(
 
 def _from_server(
     url: str, token: str | None, since: str, pool: str | None
-) -> tuple[ClaimReplay, dict[str, Any], Any]:
+) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady]:
     """The log, the pool's current settings and its spawn-to-ready time, from a server."""
     import httpx
 
@@ -330,7 +330,7 @@ def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def _ledger_spawn(body: Any) -> Any:
+def _ledger_spawn(body: Any) -> SpawnToReady | None:
     """The ledger's spawn-to-ready quantiles (`ready_s: {p50, p99}`), when it states them."""
     from stoker.sim.backtest import SpawnToReady
 

@@ -158,6 +158,9 @@ class Backtest:
     jobs: int = 1
     progress: ProgressCallback | None = None
 
+    def __post_init__(self) -> None:
+        self.replay.lead_s = LEAD_S
+
     def scenario(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> Scenario:
         """The scenario whose policies are `current` and the (name, changes) candidates."""
         return backtest_scenario(
@@ -170,7 +173,6 @@ class Backtest:
 
     def run(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> ScenarioResult:
         """Replay the log once per candidate (in `jobs` processes)."""
-        self.replay.lead_s = LEAD_S
         return run_scenario(
             self.scenario(candidates),
             progress=self.progress,
@@ -393,7 +395,7 @@ def recommend(
         seen.update(settings_text(n) for n in batch)
         if not batch:
             break
-        named = [(f"try-{i}", _changes(backtest.current, n)) for i, n in enumerate(batch)]
+        named = [(settings_text(_changes(backtest.current, n)), {**n}) for n in batch]
         found = all_figures(backtest.run(named))
         tried += list(zip(batch, found, strict=True))
         if on_round is not None:
