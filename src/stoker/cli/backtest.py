@@ -261,6 +261,7 @@ def backtest(
                 "span_s": replay.span_s,
                 "recorded_cold_share": replay.recorded_cold_share(),
                 "current": known,
+                "spawn_s": {"p50": run.spawn.p50_s, "p99": run.spawn.p99_s},
                 "runs": [
                     {**f.as_dict(), "settings": s} for f, (_, s) in zip(rows, runs, strict=True)
                 ],
@@ -282,31 +283,45 @@ def backtest(
 def _from_server(
     url: str, token: str | None, since: str, pool: str | None
 ) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady]:
-    """The log, the pool's current settings and its spawn-to-ready time, from a server."""
+    """The log (`GET /v1/claims/log`, page after page), the pool's current settings
+    (`GET /v1/pools/{name}`) and its spawn-to-ready time (`GET /v1/pools/{name}/ledger`
+    when the server has it, else the default)."""
     import httpx
 
     from stoker.domain.errors import ConfigError
     from stoker.sim.backtest import SpawnToReady
-    from stoker.sim.claimlog import build_replay, parse_lines
+    from stoker.sim.claimlog import build_replay, in_order, parse_entry
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    params = {"since": since, **({"pool": pool} if pool else {})}
     try:
         with httpx.Client(base_url=url, headers=headers, timeout=60.0) as client:
-            answer = client.get("/v1/claims/log", params=params)
-            _raise_for(answer, "/v1/claims/log")
-            replay = build_replay(
-                parse_lines(answer.text.splitlines(), f"{url}/v1/claims/log"), pool
+            entries: list[Any] = []
+            params: dict[str, Any] = {"since": since, "limit": 10_000}
+            if pool:
+                params["pool"] = pool
+            while True:
+                answer = client.get("/v1/claims/log", params=params)
+                _raise_for(answer, "/v1/claims/log")
+                page = answer.json()
+                entries += page.get("entries", [])
+                if not page.get("next"):
+                    break
+                params["after"] = page["next"]
+            where = f"{url}/v1/claims/log"
+            claims = in_order(
+                (parse_entry(e, f"{where} entry {i}"), f"{where} entry {i}")
+                for i, e in enumerate(entries, start=1)
             )
+            replay = build_replay(claims, pool)
             info = client.get(f"/v1/pools/{replay.pool}")
             _raise_for(info, f"/v1/pools/{replay.pool}")
             settings = _pool_settings(info.json())
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
-            spawn = None
-            if ledger.status_code == 200:
-                spawn = _ledger_spawn(ledger.json())
+            spawn = _ledger_spawn(ledger.json()) if ledger.status_code == 200 else None
     except httpx.HTTPError as exc:
         raise ConfigError(f"cannot read from {url}: {exc}") from None
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
     return replay, settings, spawn or SpawnToReady()
 
 
@@ -326,22 +341,30 @@ def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
     """The settings a pool's `GET /v1/pools/{name}` states (the others keep defaults)."""
     names = {"warm_target": "warm_target", "cap": "max_workers"}
     names.update({k: k for k in ("max_workers_per_org", "hot_idle_ttl", "headroom_nodes")})
-    settings = {key: body[field] for field, key in names.items() if body.get(field) is not None}
-    return settings
+    return {key: body[field] for field, key in names.items() if body.get(field) is not None}
 
 
 def _ledger_spawn(body: Any) -> SpawnToReady | None:
-    """The ledger's spawn-to-ready quantiles (`ready_s: {p50, p99}`), when it states them."""
+    """The ledger's spawn-to-ready time: its mean as the median, and the histogram's
+    bucket that holds the 99th percentile (its upper bound) as the p99."""
     from stoker.sim.backtest import SpawnToReady
 
-    if not isinstance(body, Mapping):
+    total = body.get("total") if isinstance(body, Mapping) else None
+    if not isinstance(total, Mapping) or not total.get("mean_ready_s"):
         return None
-    for key in ("spawn_to_ready_s", "ready_s"):
-        figures = body.get(key)
-        if isinstance(figures, Mapping) and figures.get("p50"):
-            p50 = float(figures["p50"])
-            return SpawnToReady(p50, max(p50, float(figures.get("p99") or p50)))
-    return None
+    mean = float(total["mean_ready_s"])
+    bounds = [float(b) for b in body.get("spawn_buckets") or []]
+    counts = [int(c) for c in total.get("ready_hist") or []]
+    p99 = mean
+    if bounds and sum(counts):
+        seen, need = 0, 0.99 * sum(counts)
+        for i, count in enumerate(counts):
+            seen += count
+            if seen >= need:
+                # The last bucket is open: twice its lower bound stands for it.
+                p99 = bounds[i] if i < len(bounds) else 2 * bounds[-1]
+                break
+    return SpawnToReady(mean, max(mean, p99))
 
 
 def _config_settings(path: Path, pool: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -65,6 +65,12 @@ def parse_line(text: str, where: str) -> RecordedClaim:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+    return parse_entry(data, where)
+
+
+def parse_entry(data: Any, where: str) -> RecordedClaim:
+    """One claim of the log as a decoded JSON object (a line, or an entry of
+    `GET /v1/claims/log`); ConfigError naming `where` and the problem."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     keys = set(data)
@@ -115,13 +121,20 @@ def _one_of(data: dict[str, Any], key: str, allowed: Sequence[str], where: str) 
 def parse_lines(lines: Iterable[str], source: str) -> Iterator[RecordedClaim]:
     """Every claim of the log's lines (blank lines skipped); ConfigError on a bad line or
     a line out of order."""
+    parsed = (
+        (parse_line(text, f"{source}:{number}"), f"{source}:{number}")
+        for number, text in enumerate(lines, start=1)
+        if text.strip()
+    )
+    return in_order(parsed)
+
+
+def in_order(claims: Iterable[tuple[RecordedClaim, str]]) -> Iterator[RecordedClaim]:
+    """The claims, checked to be sorted by `at` (ConfigError naming where one is not)."""
     last = -math.inf
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        claim = parse_line(text, f"{source}:{number}")
+    for claim, where in claims:
         if claim.at < last:
-            raise ConfigError(f"{source}:{number}: not sorted by at ({claim.at} < {last})")
+            raise ConfigError(f"{where}: not sorted by at ({claim.at} < {last})")
         last = claim.at
         yield claim
 
