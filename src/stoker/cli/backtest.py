@@ -58,6 +58,7 @@ def backtest(
         Path | None,
         typer.Option(
             "--config",
+            "-c",
             help="Take the pool's current settings from this config file",
             dir_okay=False,
             show_default=False,
@@ -85,7 +86,6 @@ def backtest(
         list[str] | None,
         typer.Option(
             "--candidate",
-            "-c",
             metavar=_GRAMMAR,
             help="One candidate: changes to the current settings (repeatable)",
             show_default=False,

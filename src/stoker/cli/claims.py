@@ -244,7 +244,7 @@ def claims_renew(
     _print_claim(client.renew(claim_id, lease_s), as_json)
 
 
-@claims_app.command("export")
+@server_command(claims_app, "export")
 def claims_export(
     since: Annotated[
         str, typer.Option(help="From: a duration before now (7d, 24h) or unix seconds")
@@ -261,22 +261,23 @@ def claims_export(
             "--out", "-o", help="Write to this file (default: stdout)", show_default=False
         ),
     ] = None,
-    url: UrlOption = None,
-    token: TokenOption = None,
+    *,
+    client: Client,
+    as_json: bool,
 ) -> None:
-    """The claim log as JSON lines, by arrival (docs/claim-log.md): what a backtest replays."""
-    with server(url, token) as client:
-        entries = client.iter_claim_log(since=since, until=until, pool=pool)
-        if out is None:
+    """The claim log as JSON lines, by arrival (docs/claim-log.md): what a backtest replays.
+    Its output is JSON lines with or without `--json`."""
+    entries = client.iter_claim_log(since=since, until=until, pool=pool)
+    if out is None:
+        for entry in entries:
+            print(json.dumps(entry, separators=(",", ":")))
+        return
+    count = 0
+    try:
+        with open(out, "w", encoding="utf-8") as file:
             for entry in entries:
-                print(json.dumps(entry, separators=(",", ":")))
-            return
-        count = 0
-        try:
-            with open(out, "w", encoding="utf-8") as file:
-                for entry in entries:
-                    file.write(json.dumps(entry, separators=(",", ":")) + "\n")
-                    count += 1
-        except OSError as exc:
-            fail(f"cannot write {out}: {exc.strerror or exc}")
-        print(f"wrote {count} claims to {out}", file=sys.stderr)
+                file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+                count += 1
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}")
+    print(f"wrote {count} claims to {out}", file=sys.stderr)
