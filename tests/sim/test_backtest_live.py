@@ -1,11 +1,10 @@
 """The backtest against a live run: a real `stoker serve` records claims, the backtest
 replays them, and the cold shares agree within `TOLERANCE`.
 
-The log is recorded as `stoker claims export` would write it: each claim's arrival (the
-client's send time), org, mode, source and wait from the answer, and its hold from the
-listing of ended claims (`GET /v1/claims?state=released`: created and ended times). The
-spawn-to-ready time handed to the backtest is the live run's own: the waits of its cold
-claims. The replicas' janitor interval is read from the same config file.
+The log is the server's own claim log, exported with `stoker claims export`; the live
+cold share is what the clients saw. The spawn-to-ready time handed to the backtest is the
+live run's own: the waits of its cold claims. The replicas' janitor interval is read from
+the same config file.
 """
 
 from __future__ import annotations
@@ -94,37 +93,22 @@ def _drive(url: str) -> list[dict[str, Any]]:
     return sorted(sent, key=lambda r: r["at"])
 
 
-def _record(url: str, sent: list[dict[str, Any]], path: Path) -> None:
-    """The claim log, from what the clients saw and the server's listing of ended claims."""
-    with httpx.Client(base_url=url, timeout=30) as client:
-        listed = client.get("/v1/claims", params={"state": "released", "limit": 1000}).json()
-    ended = {c["id"]: c for c in listed["claims"]}
-    lines = []
-    for row in sent:
-        claim = ended.get(row["id"] or "")
-        held = None
-        if claim is not None and claim.get("ended_at"):
-            held = _seconds(claim["ended_at"]) - _seconds(claim["created_at"])
-        lines.append(
-            {
-                "at": row["at"],
-                "pool": "demo",
-                "org": row["org"],
-                "mode": "prefer_warm",
-                "source": row["source"] if claim is None else claim["source"],
-                "wait_s": row["wait_s"],
-                "held_s": held,
-                "outcome": "released" if held is not None else "no_capacity",
-                "revision": None,
-            }
-        )
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-
-
-def _seconds(stamp: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+def _export(url: str, path: Path) -> list[dict[str, Any]]:
+    """`stoker claims export` of the run, once every claim of it is in the log (the
+    replicas write the log in batches, each janitor pass)."""
+    entries: list[dict[str, Any]] = []
+    for _ in range(30):
+        result = subprocess.run(
+            [STOKER, "claims", "export", "--since", "1h", "--pool", "demo", "--url", url,
+             "--out", str(path)],
+            capture_output=True, text=True, timeout=60, env=environment(), check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        entries = [json.loads(line) for line in path.read_text().splitlines() if line]
+        if len(entries) >= CLAIMS and all(e["outcome"] != "open" for e in entries):
+            break
+        time.sleep(1)
+    return entries
 
 
 def test_the_backtest_reproduces_a_live_runs_cold_share(
@@ -134,7 +118,8 @@ def test_the_backtest_reproduces_a_live_runs_cold_share(
     time.sleep(3)  # the warm pool fills, as the backtest's lead lets it
     sent = _drive(server.url)
     log = tmp_path / "claims.jsonl"
-    _record(server.url, sent, log)
+    exported = _export(server.url, log)
+    assert len(exported) == CLAIMS
     bound = [r for r in sent if r["source"] is not None]
     assert len(bound) == CLAIMS
     cold_waits = sorted(r["wait_s"] for r in bound if r["source"] == "cold")

@@ -38,7 +38,6 @@ def backtest(
         str | None,
         typer.Option(
             "--url",
-            envvar="STOKER_URL",
             help="Fetch the log, the pool's settings and spawn times from this server",
             show_default=False,
         ),
