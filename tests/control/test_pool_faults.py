@@ -156,6 +156,9 @@ async def test_a_bad_stable_template_fails_its_pool_only(tmp_path: Path) -> None
         await p.passes(3)
         [problem] = p.plane.degraded()
         assert (problem.pool, problem.problem, problem.in_a_row) == ("bad", "pass_failing", 3)
+        # The pools' listing still answers, for the bad pool too (its configured cap).
+        listed = {s.name: s for s in await p.plane.pool_status()}
+        assert set(listed) == {"bad", "good"} and listed["bad"].cap == 0
         assert "TypeError" in problem.detail and "janitor pass, scale" in problem.detail
         assert p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "bad"}) == 3
         assert p.metric("stoker_pass_failures_total", **{"pass": "janitor", "pool": "good"}) == 0

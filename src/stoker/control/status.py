@@ -15,6 +15,7 @@ from stoker.control.rollouts import Rollouts
 from stoker.control.sizing import SizingStatus
 from stoker.control.spawning import Spawner
 from stoker.control.stored_pools import revision_shares
+from stoker.domain.specs import PoolSpec
 from stoker.domain.states import LIVE, WorkerState
 from stoker.ports.store import StoreReader
 
@@ -71,7 +72,7 @@ async def pool_statuses(
                 warm_target=pool.warm_target,
                 desired_warm=janitor.desired.get(name, pool.warm_target),
                 demand=janitor.demand.get(name, 0),
-                cap=catalog.pool_cap(pool),
+                cap=_cap(catalog, pool),
                 max_workers_per_org=pool.max_workers_per_org,
                 reuse=pool.reuse.value,
                 counts={s.value: counts[name].get(s.value, 0) for s in LIVE},
@@ -83,6 +84,16 @@ async def pool_statuses(
             )
         )
     return out
+
+
+def _cap(catalog: Catalog, pool: PoolSpec) -> int:
+    """The pool cap in force; when the pool's template gives none (a stored template the
+    runtime cannot read, which `/readyz` reports), the configured `max_workers`, so that
+    one broken pool never breaks the listing of all."""
+    try:
+        return catalog.pool_cap(pool)
+    except Exception:  # whatever the template holds; the janitor's faults name it
+        return pool.max_workers
 
 
 async def revision_samples(
