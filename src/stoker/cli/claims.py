@@ -60,7 +60,7 @@ def _lease_option(help_text: str, shown: str) -> Any:
     return typer.Option("--lease-s", min=1, max=86400, help=help_text, show_default=shown)
 
 
-#: `--lease`, the name `--lease-s` had before 0.2 (hidden; said to be deprecated).
+#: `--lease`, the earlier name of `--lease-s` (hidden; it says it is deprecated).
 OldLease = Annotated[float | None, typer.Option("--lease", min=1, max=86400, hidden=True)]
 
 
