@@ -14,6 +14,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from stoker._version import __version__
+from stoker.cli.backtest import backtest
 from stoker.cli.claims import claim, claims_app, release
 from stoker.cli.config import config_app
 from stoker.cli.output import DEFAULT_URL, JsonFlag, print_json, remember_server
@@ -80,6 +81,7 @@ app.command()(claim)
 app.command()(release)
 app.command()(status)
 app.command()(scaletest)
+app.command()(backtest)
 app.command("worker-check", context_settings={"allow_interspersed_args": False})(worker_check)
 app.command()(version)
 app.add_typer(claims_app)

@@ -242,3 +242,41 @@ def claims_renew(
     """Extend a claim's lease from now."""
     lease_s = renamed(lease_s, old_lease, "--lease", "--lease-s")
     _print_claim(client.renew(claim_id, lease_s), as_json)
+
+
+@claims_app.command("export")
+def claims_export(
+    since: Annotated[
+        str, typer.Option(help="From: a duration before now (7d, 24h) or unix seconds")
+    ] = "7d",
+    until: Annotated[
+        str | None, typer.Option(help="Until (default: now)", show_default=False)
+    ] = None,
+    pool: Annotated[
+        str | None, typer.Option(help="Only this pool's claims", show_default=False)
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", "-o", help="Write to this file (default: stdout)", show_default=False
+        ),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """The claim log as JSON lines, by arrival (docs/claim-log.md): what a backtest replays."""
+    with server(url, token) as client:
+        entries = client.iter_claim_log(since=since, until=until, pool=pool)
+        if out is None:
+            for entry in entries:
+                print(json.dumps(entry, separators=(",", ":")))
+            return
+        count = 0
+        try:
+            with open(out, "w", encoding="utf-8") as file:
+                for entry in entries:
+                    file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+                    count += 1
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}")
+        print(f"wrote {count} claims to {out}", file=sys.stderr)
