@@ -125,7 +125,7 @@ GOOD = json.dumps(next(synthetic_claims(1)))
         ([GOOD.replace('"prefer_warm"', '"eager"')], (), "mode 'eager' is not one of"),
         ([GOOD], ("--set", "warm_targt=8"), "unknown setting 'warm_targt'"),
         ([GOOD], ("--set", "warm_target=eight"), "warm_target: 'eight' is not a int"),
-        ([GOOD], ("-c", "demand.quantile=2"), "demand_quantile"),
+        ([GOOD], ("--candidate", "demand.quantile=2"), "demand_quantile"),
         ([GOOD], ("--policy", "magic"), "unknown policy 'magic'"),
         ([GOOD], ("--recommend", "--target", "cost=1"), "--target 'cost=1'"),
         ([GOOD], ("--spawn-s", "9:3"), "need 0 < p50 <= p99"),

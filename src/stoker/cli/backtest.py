@@ -85,7 +85,6 @@ def backtest(
         list[str] | None,
         typer.Option(
             "--candidate",
-            "-c",
             metavar=_GRAMMAR,
             help="One candidate: changes to the current settings (repeatable)",
             show_default=False,

@@ -263,6 +263,9 @@ def claims_export(
     ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON lines (the output anyway)")
+    ] = False,
 ) -> None:
     """The claim log as JSON lines, by arrival (docs/claim-log.md): what a backtest replays."""
     with server(url, token) as client:
