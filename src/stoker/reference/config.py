@@ -92,7 +92,8 @@ def _describe(annotation: Any) -> str:
     elif origin is Literal:
         text = "one of " + ", ".join(f"`{value}`" for value in args)
     elif origin in (list, tuple, frozenset, set):
-        text = f"list of {_describe(args[0]) if args else 'any'}"
+        inner = _describe(args[0]) if args else "any"
+        text = "list of sections" if inner == "section" else f"list of {inner}"
     elif origin in (dict, Mapping) or origin is typing.get_origin(Mapping[str, str]):
         text = f"mapping of {_describe(args[0])} to {_describe(args[1])}"
     elif isinstance(annotation, type) and issubclass(annotation, enum.Enum):
@@ -165,7 +166,15 @@ def _variant(owner: type[Any]) -> str:
     return ""
 
 
-def keys(model: type[Any] = StokerConfig, prefix: str = "", variant: str = "") -> list[Key]:
+def _section_doc(owner: type[Any]) -> str | None:
+    """The first paragraph of a section's own docstring (not one dataclass makes up)."""
+    doc = owner.__dict__.get("__doc__") or ""
+    if dataclasses.is_dataclass(owner) and doc.startswith(f"{owner.__name__}("):
+        return None
+    return doc.split("\n\n", 1)[0].strip() or None
+
+
+def all_keys(model: type[Any] = StokerConfig, prefix: str = "", variant: str = "") -> list[Key]:
     """Every key under `model`, depth first, in declaration order."""
     found: list[Key] = []
     for key, annotation, default, about in _fields(model):
@@ -174,17 +183,16 @@ def keys(model: type[Any] = StokerConfig, prefix: str = "", variant: str = "") -
         suffix, inner = _sections(annotation)
         shown = "see below" if inner and not suffix else _default(default)
         if not about and len(inner) == 1:
-            # A section documented on its class: the docstring's first paragraph.
-            about = (inner[0].__doc__ or "").split("\n\n", 1)[0] or None
+            about = _section_doc(inner[0])
         found.append(Key(path, section, _describe(annotation), shown, about, variant))
         for owner in inner:
-            found += keys(owner, f"{path}{suffix}.", _variant(owner) or variant)
+            found += all_keys(owner, f"{path}{suffix}.", _variant(owner) or variant)
     return found
 
 
 def undocumented(model: type[Any] = StokerConfig) -> list[str]:
     """The keys under `model` that have no description (a test fails while there is one)."""
-    return [key.path for key in keys(model) if not key.description]
+    return [key.path for key in all_keys(model) if not key.description]
 
 
 def _cell(text: str) -> str:
@@ -208,7 +216,7 @@ def markdown() -> str:
         "",
     ]
     by_section: dict[str, list[Key]] = {}
-    for key in keys():
+    for key in all_keys():
         by_section.setdefault(key.section, []).append(key)
     for section, entries in by_section.items():
         lines += [f"## `{section}`", ""]
