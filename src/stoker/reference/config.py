@@ -211,8 +211,10 @@ def markdown() -> str:
         "bounds, default and meaning. A key left out takes its default; an unknown key is "
         "an error that names it. Each key can also be set from the environment: "
         "`STOKER_` + the path in capitals with `__` between levels (`api.port` is "
-        "`STOKER_API__PORT`). `stoker config check FILE` validates a file and prints the "
-        "result. `[]` marks the entries of a list (`pools[].warm_target` is each pool's).",
+        "`STOKER_API__PORT`), a list's entry by its index (`STOKER_POOLS__0__WARM_TARGET`). "
+        "`stoker config check -c FILE` validates a file and prints the result. `[]` marks "
+        "the entries of a list (`pools[].warm_target` is each pool's). How to put a "
+        "configuration together: [Running locally](../guides/local.md).",
         "",
     ]
     by_section: dict[str, list[Key]] = {}
