@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -201,9 +202,14 @@ async def test_a_started_canary_routes_nothing_before_it_holds_its_first_step(
 
 
 async def test_a_step_that_cannot_hold_its_workers_pauses_the_rollout(tmp_path: Path) -> None:
-    async with running(tmp_path, warm_target=4, max_workers=10, reuse=Reuse.NEVER) as h:
-        for i in range(10):  # the cap is full of sessions that outlast the deadline
+    spec = {"warm_target": 4, "max_workers": 10, "scale_down_delay": 3600.0}
+    async with running(tmp_path, reuse=Reuse.NEVER, **spec) as h:
+        # Sessions that outlast the deadline, and the old revision's warm workers that do
+        # not make room before it (scale_down_delay), fill the cap.
+        for i in range(6):
             await h.plane.claim(ClaimRequest(pool="p", org=f"o{i}", timeout_s=10, lease_s=600))
+        await h.tick()
+        assert len(await h.warm(OLD_REV)) == 4
         stored = await h.plane.pools.get("p")
         strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60, hold_deadline_s=120)
         await h.plane.pools.propose(stored, NEW, now=h.clock.now(), strategy=strategy)
@@ -214,7 +220,8 @@ async def test_a_step_that_cannot_hold_its_workers_pauses_the_rollout(tmp_path: 
         row = await h.store.get_rollout(h.plane.catalog.rollout("p").id)  # type: ignore[union-attr]
         assert row is not None and row.state is RolloutState.PAUSED and row.share == 0
         assert row.reason is not None
-        assert "holds 0 of the 2 warm workers" in row.reason and "cap of 10" in row.reason
+        assert re.search(r"holds 0 of the \d+ warm workers", row.reason)
+        assert "cap of 10" in row.reason
         events = [e for e in h.plane.journal.recent() if e.kind.value == "rollout_paused"]
         assert events and events[0].reason == row.reason
 
@@ -344,3 +351,21 @@ async def test_the_rollout_view_samples_each_revision_and_says_why_a_step_waits(
         await h.tick()
         (status,) = await h.plane.pool_status()
         assert status.rollout_waits is None
+
+
+async def test_a_canary_preparing_its_first_step_lends_no_warm_worker(tmp_path: Path) -> None:
+    async with running(tmp_path, warm_target=2, reuse=Reuse.NEVER) as h:
+        stored = await h.plane.pools.get("p")
+        strategy = CanaryStrategy(steps=(50, 100), step_interval_s=60)
+        await h.plane.pools.propose(stored, NEW, now=h.clock.now(), strategy=strategy)
+        await h.plane.run_janitor_pass()  # spawns the first step's workers
+        await asyncio.sleep(1.0)
+        held = {w.id for w in await h.warm(NEW_REV)}
+        ramp = h.plane.catalog.rollout("p")
+        assert held and ramp is not None and ramp.share == 0
+        # More claims than the old revision has warm workers: they go cold on it rather
+        # than take a worker of the revision whose first step has not taken effect.
+        for i in range(6):
+            claim = await h.claim(f"o{i}")
+            assert await h.revision_of_claim(claim) == OLD_REV
+        assert {w.id for w in await h.warm(NEW_REV)} == held

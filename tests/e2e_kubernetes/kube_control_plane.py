@@ -20,7 +20,6 @@ import base64
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +130,6 @@ class AuditEvent:
 
 
 def _rfc3339(text: str) -> float:
-    from datetime import datetime
-
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
@@ -553,8 +551,3 @@ def by_stoker(events: Iterable[AuditEvent]) -> list[AuditEvent]:
     """The events of `events` that stoker's ServiceAccount caused."""
     user = stoker_user()
     return [event for event in events if event.user == user]
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a directory tree, ignoring what vanished meanwhile."""
-    shutil.rmtree(path, ignore_errors=True)

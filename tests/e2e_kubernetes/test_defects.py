@@ -78,7 +78,8 @@ def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
         20,
         "a placeholder",
     )
-    workers = {p["metadata"]["name"] for p in kube.admin.pods(f"stoker.dev/fleet={fleet}")}
+    # The worker pods and the placeholder: each must get exactly one DELETE.
+    pods = {p["metadata"]["name"] for p in kube.admin.pods(f"stoker.dev/fleet={fleet}")}
     since = time.time()
     assert stoker.stop() == 0
     until(lambda: not kube.admin.pods(f"stoker.dev/fleet={fleet}"), 20, "every pod gone")  # type: ignore[union-attr]
@@ -88,7 +89,7 @@ def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
         for event in stoker_writes(kube, since)
         if event.verb == "delete" and event.resource == "pods"
     )
-    assert deletes == Counter(dict.fromkeys(workers, 1)), deletes
+    assert deletes == Counter(dict.fromkeys(pods, 1)), deletes
     assert "leftover_stopped" not in stoker.log()
 
 

@@ -89,7 +89,8 @@ def test_workers_preempt_the_headroom_placeholder(
 def test_pod_creates_keep_to_the_client_budget(
     kube: ControlPlane, start_stoker: StartStoker, fleet: str
 ) -> None:
-    """qps 5 / burst 40: a burst of 50 spawns sends ~40 creates at once, the rest at 5/s."""
+    """qps 5 / burst 40: a burst of 50 spawns sends ~40 creates at once, the rest as the
+    bucket refills at 5/s, never faster."""
     qps, burst, count = 5.0, 40, 50
     started = time.time()
     # Containers that never listen: the creates are what is measured, not start-ups.
@@ -108,15 +109,18 @@ def test_pod_creates_keep_to_the_client_budget(
     times = pod_creates(kube, started, names)
     assert len(times) == count, "one create per pod, none retried"
     first = times[0]
-    # The burst goes out at once (a few tokens went to the informer's list and watch).
-    assert sum(1 for t in times if t - first < 0.5) >= burst - 5
+    # The burst goes out at once, not at qps (which would allow 5 in that second; a few
+    # tokens went to the informer's list and watch, and a loaded machine is slow).
+    assert sum(1 for t in times if t - first < 1.0) >= burst - 10
     # Never faster than the bucket allows: by t seconds, at most burst + qps * t creates.
+    # The audit log stamps a request when the API server receives it, up to some 0.5 s
+    # after its token was taken on a loaded machine.
     for index, at in enumerate(times):
-        assert index + 1 <= burst + qps * (at - first) + 1, (index, at - first)
-    # Then the refill paces them: the last ten at qps.
-    tail = times[-10:]
-    rate = (len(tail) - 1) / (tail[-1] - tail[0])
-    assert 0.8 * qps <= rate <= 1.1 * qps, f"{rate:.2f} creates/s"
+        assert index + 1 <= burst + qps * (at - first + 0.5) + 1, (index, at - first)
+    # And no slower than the refill: the creates past the burst take about
+    # (count - burst) / qps (some tokens went to the informer's list and watch).
+    expected_s = (count - burst) / qps
+    assert times[-1] - first <= 1.5 * expected_s + 2, f"{times[-1] - first:.2f} s"
     stoker.stop()
 
 

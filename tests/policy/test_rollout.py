@@ -157,7 +157,7 @@ def test_a_step_waits_for_its_interval() -> None:
 
 def test_a_step_waits_for_its_warm_workers_and_grows_towards_them() -> None:
     pool = PoolDemand(warm_target=20)
-    counts = {"old": RevisionCounts(busy=100), "new": RevisionCounts(warm=5)}
+    counts = {"old": RevisionCounts(busy=100, warm=18), "new": RevisionCounts(warm=5)}
     p = plan(counts, pool=pool, now=61)
     assert p.decision is Decision.HOLD and p.ramp is not None and p.ramp.share == 10
     assert p.needed == 10 and "holds 5 of the 10 warm workers" in p.waits
@@ -167,6 +167,16 @@ def test_a_step_waits_for_its_warm_workers_and_grows_towards_them() -> None:
     assert p.part("new").warm_target == 10 and p.part("old").warm_target == 18
     held = plan({**counts, "new": RevisionCounts(warm=9)}, pool=pool, now=61)
     assert held.decision is Decision.ADVANCE  # 9 of 10: within the hold ratio
+
+
+def test_a_step_asks_no_more_than_the_stable_revision_holds_of_its_own() -> None:
+    # Claims take the pool's workers as fast as they get ready: the stable revision holds
+    # 4 of its 18; the new one need hold only as large a part of its step's 10.
+    pool = PoolDemand(warm_target=20)
+    starved = {"old": RevisionCounts(busy=100, warm=4)}
+    assert plan({**starved, "new": RevisionCounts(warm=1)}, pool=pool, now=61).held_back
+    p = plan({**starved, "new": RevisionCounts(warm=2)}, pool=pool, now=61)
+    assert p.decision is Decision.ADVANCE  # ceil(10 x 0.9 x 4/18) = 2
 
 
 def test_the_ramp_grows_ahead_of_its_step() -> None:
@@ -206,7 +216,7 @@ def test_a_step_not_held_within_the_deadline_pauses_with_the_reason() -> None:
 
 def test_a_canary_prepares_its_first_step_before_it_takes_any_claim() -> None:
     preparing = ramp().evolve(share=0)
-    counts = {"old": RevisionCounts(busy=100)}
+    counts = {"old": RevisionCounts(busy=100, warm=100)}
     pool = PoolDemand(warm_target=100)
     p = plan(counts, r=preparing, pool=pool, now=1)
     assert p.decision is Decision.HOLD

@@ -42,19 +42,19 @@ def _rollout(name: str, policy: str, *, short: bool = True) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["rollout", "rollout-long-sessions"])
 def test_the_canary_costs_about_what_switching_at_once_does(name: str) -> None:
-    """Promoted with no cold and no failed claim while under way, within the cap, for at
-    most 1.15x the idle vCPU-hours of `replace` in the same run, within twice its nominal
-    schedule (steps x interval)."""
-    stoker = _rollout(name, "stoker")
+    """The full form: promoted with no cold and no failed claim from its start until the
+    old revision's last idle worker is gone, within the cap, for at most 1.15x the idle
+    vCPU-hours of `replace` in the same run, within twice its nominal schedule."""
+    stoker = _rollout(name, "stoker", short=False)
     assert stoker["outcome"] == "promoted"
     assert stoker["cold_claims_during"] == 0 and stoker["failed_claims_during"] == 0
     assert stoker["peak_live"] <= stoker["cap"]
-    idle = _summary(name, "stoker")["vcpu_hours"]["idle"]
-    assert idle <= 1.15 * _summary(name, "replace")["vcpu_hours"]["idle"]
-    scenario = load_scenario(name, short=True)
+    idle = _summary(name, "stoker", short=False)["vcpu_hours"]["idle"]
+    assert idle <= 1.15 * _summary(name, "replace", short=False)["vcpu_hours"]["idle"]
+    scenario = load_scenario(name)
     assert scenario.rollout is not None
     nominal = len(scenario.rollout.steps) * scenario.rollout.step_interval_s
-    assert stoker["ended_s"] <= 2 * nominal
+    assert stoker["completed_s"] <= 2 * nominal
 
 
 def test_a_canary_sized_from_the_other_revisions_holds_a_second_fleet() -> None:
@@ -83,7 +83,7 @@ def test_the_canary_promotes_a_good_revision_with_few_cold_claims() -> None:
     replace = _rollout("rollout", "replace")
     assert stoker["outcome"] == "promoted" and stoker["completed_s"] is not None
     assert stoker["claims_during"] > 50
-    assert stoker["cold_claims_during"] == 0
+    assert stoker["cold_claims_during"] <= 0.05 * stoker["claims_during"]
     assert stoker["failed_claims_during"] == 0
     # replace sends every claim to a revision that has no worker yet: never fewer cold
     # claims than the canary (the full form shows its cliff: `stoker scaletest rollout`).

@@ -21,6 +21,7 @@ from stoker.control.demand import DemandPublisher
 from stoker.control.events import RuntimeEvents
 from stoker.control.faults import PassFaults, describe
 from stoker.control.outcomes import OutcomeCounts
+from stoker.control.pins import Pins
 from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
@@ -58,6 +59,7 @@ class Janitor:
         sessions: Sessions,
         events: RuntimeEvents,
         publisher: DemandPublisher,
+        pins: Pins | None = None,
         demand: DemandSource | None = None,
         pools: StoredPools | None = None,
     ) -> None:
@@ -74,6 +76,7 @@ class Janitor:
         )
         self._retirer, self._spawner, self._sessions = retirer, spawner, sessions
         self._events, self._publisher = events, publisher
+        self._pins = pins
         self._rollouts = shared.rollouts
         self._baseline = demand is not None
         #: The pools whose step of this pass failed, pass after pass (`/readyz`).
@@ -144,6 +147,10 @@ class Janitor:
             await self._adopt_orphans(world, report)
             await self._scaler.scale(world, report)
             await self._sweep_stuck(world, report)
+            if self._pins is not None:
+                # Busy workers' pins are each replica's (`Pins.reconcile`); a neutral
+                # worker's stray pin is the leader's, from the store's warm rows.
+                await self._pins.unpin_neutral(world.warm)
             if world.objects is not None:
                 await self._stop_stranded(world, report)
             await self._headroom()

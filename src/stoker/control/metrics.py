@@ -164,8 +164,8 @@ class Metrics:
         )
         self.pins_out_of_date = self._gauge(
             "stoker_pins_out_of_date",
-            "This replica's workers whose do-not-disrupt pin disagreed with their state at "
-            "the last janitor pass and could not be fixed (0: every busy worker is pinned).",
+            "This replica's busy workers (activating, hot, hot_idle) whose pod lacked its "
+            "do-not-disrupt pin at the last janitor pass and could not be pinned.",
             "pool",
         )
         by_revision = ("pool", "revision")

@@ -63,7 +63,7 @@ def assemble(
     sessions = Sessions(shared, retirer=retirer, reader=store)
     events = RuntimeEvents(shared, retirer=retirer, spawner=spawner, reader=store)
     publisher = DemandPublisher(shared, store=store)
-    pins = Pins(shared, runtime=runtime)
+    pins = Pins(shared, runtime=runtime, reader=store)
     claims = Claims(
         shared,
         reservations=Reservations(shared, retirer=retirer, spawner=spawner, runtime=runtime),
@@ -84,6 +84,7 @@ def assemble(
             sessions=sessions,
             events=events,
             publisher=publisher,
+            pins=pins,
             demand=demand,
             pools=pools,
         )

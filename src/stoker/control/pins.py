@@ -2,22 +2,27 @@
 
 A claim's first activation starts the pin in the background (off the claim's critical
 path). A patch that fails (an API outage) must not leave a session's node movable for
-good, so every janitor pass, on every replica, compares each of its own workers' pins,
-as the runtime last saw them, with what the worker's state wants, and re-applies or
-removes the ones out of date. `stoker_pins_out_of_date{pool}` counts those a pass
-could not fix.
+good, so every janitor pass, on every replica, compares the pins of its own activated
+workers (activating, hot, hot_idle, reserved for reuse), as the runtime last saw them,
+with their state and re-applies the missing ones; `stoker_pins_out_of_date{pool}`
+counts those a pass could not fix. The leader's pass also removes a pin a neutral (warm)
+worker carries, for warm workers as the store says they are: a replica's own book may
+still show a worker warm that another replica has just taken for a claim, and removing
+that pin would expose a live session.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 from stoker.control import logs
 from stoker.control.shared import Shared
-from stoker.domain.errors import RuntimeFailure
+from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Worker
 from stoker.domain.states import WorkerState
 from stoker.ports.runtime import Runtime
+from stoker.ports.store import StoreReader
 
 #: States of a worker that has held, or is about to hold, an org's data.
 _PINNED = frozenset({WorkerState.ACTIVATING, WorkerState.HOT, WorkerState.HOT_IDLE})
@@ -39,9 +44,10 @@ def wants_pin(worker: Worker) -> bool | None:
 class Pins:
     """Sets and reconciles the do-not-disrupt pins of this replica's workers."""
 
-    def __init__(self, shared: Shared, *, runtime: Runtime) -> None:
+    def __init__(self, shared: Shared, *, runtime: Runtime, reader: StoreReader) -> None:
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
         self._runtime = runtime
+        self._reader = reader
         #: Workers whose pin patch runs now (the reconcile leaves them to it).
         self._patching: set[str] = set()
 
@@ -57,30 +63,46 @@ class Pins:
             self._patching.discard(worker.id)
 
     async def reconcile(self) -> int:
-        """Re-apply the pins of this replica's workers that the runtime shows out of date
-        with their state; returns how many remain out of date (failed patches)."""
+        """Re-apply the pins of this replica's activated workers that the runtime shows
+        without one; returns how many remain without (failed patches)."""
         stale: Counter[str] = Counter()
         for worker in self._book.known_workers().values():
-            wanted = wants_pin(worker)
-            if wanted is None or worker.id in self._patching:
+            if not wants_pin(worker) or worker.id in self._patching:
                 continue
-            seen = self._runtime.pinned(worker)
-            if seen is None or seen is wanted:
+            if self._runtime.pinned(worker) is not False:
                 continue
-            # Read again: a claim may have moved it on while earlier patches ran.
+            # Read again: it may have moved on (retired) while earlier patches ran.
             current = self._book.known(worker.id)
-            if current is None or wants_pin(current) is not wanted:
+            if current is None or not wants_pin(current):
                 continue
-            logs.worker_event("pin_out_of_date", current, pinned=seen, wanted=wanted)
+            logs.worker_event("pin_missing", current)
             self._patching.add(worker.id)
             try:
-                if not await self._pin(current, wanted):
+                if not await self._pin(current, True):
                     stale[current.pool] += 1
             finally:
                 self._patching.discard(worker.id)
         for pool in {*self._catalog.pools, *stale}:
             self._metrics.pins_out_of_date.labels(pool).set(stale[pool])
         return sum(stale.values())
+
+    async def unpin_neutral(self, warm: Iterable[Worker]) -> int:
+        """Remove the pin from warm workers (of any replica, as the store listed them)
+        whose pods carry one; each is read again first, since a claim may have taken it
+        since the list. Returns how many pins were removed."""
+        removed = 0
+        for worker in warm:
+            if self._runtime.pinned(worker) is not True or worker.id in self._patching:
+                continue
+            try:
+                current = await self._reader.get_worker(worker.id)
+            except StoreError:
+                return removed
+            if current is None or wants_pin(current) is not False:
+                continue
+            logs.worker_event("pin_removed", current, reason="neutral")
+            removed += await self._pin(current, False)
+        return removed
 
     async def _pin(self, worker: Worker, busy: bool) -> bool:
         try:

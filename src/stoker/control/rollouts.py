@@ -141,8 +141,13 @@ class Rollouts:
 
     def warm_order(self, name: str, revision: str) -> tuple[str, ...]:
         """Where a new claim routed to `revision` looks for a warm worker: its revision,
-        then the other serving ones."""
+        then the other serving ones, but never a new revision whose first step has not
+        taken effect (it takes no claim before it holds that step's workers)."""
         others = [r for r in self.serving_revisions(name) if r != revision]
+        pool = self._catalog.get(name)
+        if pool is not None and others and self._catalog.rollout(name) is not None:
+            plan = self.stored(pool)
+            others = [r for r in others if r == plan.stable or plan.part(r).share > 0]
         return (revision, *others)
 
     def serving_revisions(self, name: str) -> tuple[str, ...]:

@@ -14,7 +14,8 @@ each avoids):
   Busy sessions of any revision never size it, and neither do its own workers (no
   feedback loop: 100 -> 232); the pool's target is within its cap;
 - every step, the first included, takes effect (new claims routed by its share) only once
-  the ramping revision holds its step's warm workers; it grows towards the next step
+  the ramping revision holds its step's warm workers (90 % of them, or of the part the
+  stable revision holds of its own target when it holds less); it grows towards the next step
   ahead of it (a replacement time, at least half an interval), so that it holds them when
   the step is due; the stable revision gives up its part when the step takes effect, or
   while the ramp grows when the pool's cap leaves no room for both;
@@ -342,7 +343,12 @@ def _canary(
     if pool.cap > 0 and live + max(0, ramp_warm - own.warm - own.spawning) > pool.cap:
         stable_warm = whole - ramp_warm
     needed = portion(coming)
-    held = own.warm >= math.ceil(needed * HOLD_RATIO)
+    # Held: 90 % of the step's warm workers, or of the part of them the stable revision
+    # holds of its own (a pool whose claims take its workers as fast as they get ready
+    # holds none anywhere: the new revision need not be readier than the old one).
+    base = counts.get(stable, RevisionCounts())
+    filled = min(1.0, base.warm / stable_warm) if stable_warm > 0 else 1.0
+    held = own.warm >= math.ceil(needed * HOLD_RATIO * filled)
     due = ramping and now >= due_at
     role = Role.RAMPING if ramping else Role.PAUSED
     parts = {rev: RevisionPlan(rev, Role.RETIRING, 0.0, 0) for rev in counts}
