@@ -340,6 +340,24 @@ class FaultyStore:
         self._maybe_fail("read_outcomes")
         return await self.inner.read_outcomes(rollout_ids)
 
+    async def record_ledger(self, instance_id: str, cells: Any, *, now: float) -> None:
+        self._maybe_fail("record_ledger")
+        await self.inner.record_ledger(instance_id, cells, now=now)
+
+    async def read_ledger(self, pool: str, **kw: Any) -> Any:
+        return await self.inner.read_ledger(pool, **kw)
+
+    async def record_claim_log(self, arrivals: Any, endings: Any) -> None:
+        self._maybe_fail("record_claim_log")
+        await self.inner.record_claim_log(arrivals, endings)
+
+    async def read_claim_log(self, **kw: Any) -> Any:
+        return await self.inner.read_claim_log(**kw)
+
+    async def purge_ledger(self, **kw: Any) -> int:
+        self._maybe_fail("purge_ledger")
+        return await self.inner.purge_ledger(**kw)
+
     async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
         self._maybe_fail("record_forecast")
         await self.inner.record_forecast(buckets)

@@ -774,7 +774,7 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 12
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 13
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
@@ -792,7 +792,7 @@ async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
     await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 12
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 13
     await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
     assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
 

@@ -172,7 +172,7 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 12
+        assert await upgraded.schema_version() == LATEST == 13
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
@@ -194,7 +194,7 @@ async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 12
+        assert await upgraded.schema_version() == LATEST == 13
         await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
         assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
     finally:

@@ -52,7 +52,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = (
         f"store: sqlite:///./stoker.db\nfleet: {fleet}\n"
         f"api: {{port: 0, admin_tokens: [{ADMIN}]}}\n"
-        "intervals: {janitor_interval_s: 0.2, pool_sample_s: 1, shutdown_grace_s: 5}\n"
+        "intervals: {janitor_interval_s: 0.2, reaper_interval_s: 1, pool_sample_s: 1, "
+        "shutdown_grace_s: 5}\n"
         f"pools:\n  - {json.dumps(pool)}\n"
     )
     srv = start_server(tmp_path_factory.mktemp("ui"), config=config, args=["--stop-workers"])
@@ -187,6 +188,29 @@ def test_dashboard_asks_for_the_token_then_shows_pools_and_follows_a_claim(
         "the released claim gone from the open claims",
         lambda d: not d.find_elements(By.CSS_SELECTOR, f"#claims tr[data-claim='{claim['id']}']"),
     )
+    assert all(url.startswith(server.url) for url in requested(browser)), requested(browser)
+
+
+def test_dashboard_shows_what_the_pools_warmth_cost(
+    server: Server, browser: WebDriver, tmp_path: Path
+) -> None:
+    browser.get(server.url + "/ui")
+    browser.find_element(By.ID, "token").send_keys(ADMIN)
+    browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+    # The warm workers' hours reach the store with each replica's pass, the page reads them.
+    wait_for(
+        browser,
+        "an hour of the ledger with warm worker time",
+        lambda d: (
+            len(rows := d.find_elements(By.CSS_SELECTOR, "#ledger tbody tr")) >= 2
+            and float(rows[0].find_elements(By.TAG_NAME, "td")[1].text) > 0
+        ),
+    )
+    total = cells(browser, "#ledger tbody tr:last-child")
+    assert total[0] == "total" and float(total[1]) > 0, total
+    bars = browser.find_element(By.ID, "ledger-chart").get_attribute("data-bars")
+    assert int(bars or 0) >= 1
+    keep_screenshot(browser, tmp_path, "dashboard-ledger.png")
     assert all(url.startswith(server.url) for url in requested(browser)), requested(browser)
 
 

@@ -575,3 +575,38 @@ async def test_rollout_writes_send_the_template_and_if_match_from_both_clients()
         assert json.loads(started.content) == {"template": template}
         assert started.headers["if-match"] == '"3"' and paused.headers["if-match"] == '"4"'
         assert "if-match" not in unmatched.headers
+
+
+def ledger_server(requests: list[httpx.Request]) -> Callable[[httpx.Request], httpx.Response]:
+    """A pool's ledger, and a claim log of three pages of one entry each."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        if request.url.path == "/v1/pools/demo/ledger":
+            return httpx.Response(200, json={"pool": "demo", "total": {"warm_s": 7.0}})
+        page = int(request.url.params.get("after", "0"))
+        entry = {"at": 100.0 + page, "pool": "demo", "org": "acme", "outcome": "released"}
+        return httpx.Response(
+            200, json={"entries": [entry], "next": str(page + 1) if page < 2 else None}
+        )
+
+    return handle
+
+
+async def test_both_clients_read_the_ledger_and_page_through_the_claim_log() -> None:
+    sent: list[httpx.Request] = []
+    with Client("http://s", transport=httpx.MockTransport(ledger_server(sent))) as client:
+        body = client.pool_ledger("demo", since="24h", by="org")
+        assert body["total"]["warm_s"] == 7.0
+        assert [e["at"] for e in client.iter_claim_log(since="7d", page_size=1)] == [
+            100.0,
+            101.0,
+            102.0,
+        ]
+    async with AsyncClient("http://s", transport=httpx.MockTransport(ledger_server(sent))) as a:
+        assert (await a.pool_ledger("demo", since="24h", by="org"))["pool"] == "demo"
+        got = [e["at"] async for e in a.iter_claim_log(since="7d", pool="demo", page_size=1)]
+        assert got == [100.0, 101.0, 102.0]
+    assert dict(sent[0].url.params) == {"since": "24h", "by": "org"}
+    assert dict(sent[2].url.params) == {"since": "7d", "limit": "1", "after": "1"}
+    assert dict(sent[-1].url.params) == {"since": "7d", "pool": "demo", "limit": "1", "after": "2"}

@@ -12,6 +12,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
+from stoker.domain.ledger import INT_FIELDS, SCALAR_FIELDS
+
 
 class Kind(Enum):
     """What a column holds, whatever the store."""
@@ -199,6 +201,34 @@ ROLLOUT_OUTCOMES = Table(
     ),
     key=("rollout", "instance", "outcome"),
 )
+#: Each replica's cumulative counts of one ledger cell (`control.ledger`, docs/warmth.md):
+#: pool, revision, org and hour; readers sum every replica's rows.
+LEDGER = Table(
+    "ledger",
+    (
+        *_text("pool", "revision", "org"),
+        Column("hour", Kind.INT),
+        *_text("instance"),
+        *(Column(n, Kind.INT if n in INT_FIELDS else Kind.REAL) for n in SCALAR_FIELDS),
+        Column("hists", Kind.JSON, has_default=True),
+        *_real("updated_at"),
+    ),
+    key=("pool", "revision", "org", "hour", "instance"),
+)
+#: One row per claim (docs/claim-log.md): arrival, org, mode, wait, hold and outcome.
+CLAIM_LOG = Table(
+    "claim_log",
+    (
+        *_text("id"),
+        *_real("at"),
+        *_text("pool", "org", "mode"),
+        *_text("source", nullable=True),
+        *_real("wait_s"),
+        *_real("held_s", nullable=True),
+        *_text("outcome"),
+        *_text("revision", nullable=True),
+    ),
+)
 #: The stored pools' tables as the version that added them made them.
 FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
@@ -212,13 +242,15 @@ TABLES = (
     FORECAST,
     ORG_FORECAST,
     ROLLOUT_OUTCOMES,
+    LEDGER,
+    CLAIM_LOG,
 )
 
 
 def before_rate(table: Table) -> Table | None:
     """A table as it was before demand became a rate: the demand table without its claim
     counter, no forecast tables (None); the others unchanged (for the upgrade tests)."""
-    if table in (FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES):
+    if table in (FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES, LEDGER, CLAIM_LOG):
         return None
     if table is DEMAND:
         return Table(

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
+    CLAIM_LOG,
     CLAIMS,
     DEMAND,
     FIRST_POOL_TABLES,
     FORECAST,
+    LEDGER,
     ORG_FORECAST,
     POOLS,
     ROLLOUT_OUTCOMES,
@@ -81,3 +83,8 @@ class TableChanges:
     def rollout_outcomes(self) -> list[str]:
         """Verdicts from every replica: each one's outcome counts of a rollout's revision."""
         return self.create(ROLLOUT_OUTCOMES)
+
+    @property
+    def ledger(self) -> list[str]:
+        """The ledger and the claim log (docs/warmth.md, docs/claim-log.md)."""
+        return self.create(LEDGER, CLAIM_LOG)

@@ -38,6 +38,7 @@ from stoker.api.bodies import JsonBodies
 from stoker.api.claims import add_claim_routes
 from stoker.api.connections import RefusalLog
 from stoker.api.cursors import next_cursor, read_after
+from stoker.api.ledger import add_ledger_routes
 from stoker.api.models import (
     ClaimList,
     ClaimOut,
@@ -172,6 +173,8 @@ def create_app(
     if api.access_log:
         # Outside the guard: it logs refused requests too, and who the guard let in.
         app.add_middleware(AccessLog)
+    # Before the claim routes: `GET /v1/claims/log` is no claim's id.
+    add_ledger_routes(app, plane)
     add_claim_routes(app, plane, app.api_state)
     _routes(app, plane, app.api_state)
     add_pool_routes(app, plane)

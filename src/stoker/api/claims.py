@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Path
+from pydantic import AfterValidator
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -57,7 +58,15 @@ IDEMPOTENCY_KEY_PARAMETER: dict[str, Any] = {
 #: Longest claim id a path may carry.
 CLAIM_ID_MAX = 128
 
-ClaimId = Annotated[str, Path(min_length=1, max_length=CLAIM_ID_MAX)]
+
+def _not_a_route(claim_id: str) -> str:
+    """`log` names the claim log's route (`api.ledger`), never a claim."""
+    if claim_id == "log":
+        raise ValueError("log is not a claim id")
+    return claim_id
+
+
+ClaimId = Annotated[str, Path(min_length=1, max_length=CLAIM_ID_MAX), AfterValidator(_not_a_route)]
 Endpoint = Callable[..., Any]
 
 

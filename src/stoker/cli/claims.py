@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any
@@ -210,3 +211,38 @@ def claims_renew(
 ) -> None:
     """Extend a claim's lease from now."""
     _print_claim(client.renew(claim_id, lease), as_json)
+
+
+@claims_app.command("export")
+def claims_export(
+    since: Annotated[
+        str, typer.Option(help="From: a duration before now (7d, 24h) or unix seconds")
+    ] = "7d",
+    until: Annotated[
+        str | None, typer.Option(help="Until (default: now)", show_default=False)
+    ] = None,
+    pool: Annotated[
+        str | None, typer.Option(help="Only this pool's claims", show_default=False)
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", "-o", help="Write to this file (default: stdout)", show_default=False
+        ),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """The claim log as JSON lines, by arrival (docs/claim-log.md): what a backtest replays."""
+    with server(url, token) as client:
+        entries = client.iter_claim_log(since=since, until=until, pool=pool)
+        if out is None:
+            for entry in entries:
+                print(json.dumps(entry, separators=(",", ":")))
+            return
+        count = 0
+        with open(out, "w", encoding="utf-8") as file:
+            for entry in entries:
+                file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+                count += 1
+        print(f"wrote {count} claims to {out}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -145,6 +146,84 @@ def pools_drain(
     """Stop handing out a pool's new claims: sessions end as usual, warm workers retire."""
     changed = client.drain_pool(name, draining=not undo)
     _print_pools(client.url, [changed], as_json=as_json, one=True)
+
+
+@server_command(pools_app, "ledger")
+def pools_ledger(
+    name: NameArgument,
+    since: Annotated[
+        str, typer.Option(help="From: a duration before now (24h, 7d) or unix seconds")
+    ] = "24h",
+    until: Annotated[
+        str | None, typer.Option(help="Until (default: now)", show_default=False)
+    ] = None,
+    by: Annotated[
+        str | None,
+        typer.Option(help="One row per hour and org, or revision", show_default=False),
+    ] = None,
+    *,
+    client: Client,
+    as_json: bool,
+) -> None:
+    """What the pool's warmth cost and bought, per hour (docs/warmth.md)."""
+    if by not in (None, "org", "revision"):
+        fail("--by takes org or revision", code=2)
+    body = client.pool_ledger(name, since=since, until=until, by=by)
+    if as_json:
+        print_json(body)
+        return
+    make_console().print(_ledger_table(body))
+
+
+#: The ledger table's columns: header and how a row's value is shown.
+_LEDGER_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("warm h", lambda r: _hours(r["warm_s"])),
+    ("hot h", lambda r: _hours(r["hot_s"])),
+    ("parked h", lambda r: _hours(r["hot_idle_s"])),
+    ("starting h", lambda r: _hours(r["starting_s"])),
+    ("headroom h", lambda r: _hours(r["placeholder_s"])),
+    ("spawns", lambda r: str(r["spawns"])),
+    ("ready s", lambda r: _num(r["mean_ready_s"])),
+    ("reuse/warm/cold", lambda r: f"{r['claims_reuse']}/{r['claims_warm']}/{r['claims_cold']}"),
+    ("failed", lambda r: str(r["failed"])),
+    ("idle warm $", lambda r: _price(r["idle_warm_cost"])),
+    ("parked $", lambda r: _price(r["idle_parked_cost"])),
+    ("headroom $", lambda r: _price(r["headroom_cost"])),
+    ("total $", lambda r: _price(r["total_cost"])),
+    ("cold s avoided", lambda r: _num(r["cold_start_s_avoided"])),
+)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _price(value: float | None) -> str:
+    # Cents of an hour of a few workers are still worth showing.
+    return "-" if value is None else f"{value:.2f}" if abs(value) >= 10 else f"{value:.4f}"
+
+
+def _ledger_table(body: dict[str, Any]) -> Table:
+    """The ledger's rows (hour, group) and its total as a table."""
+    table = Table(title=f"ledger of pool {body['pool']}", title_justify="left")
+    table.add_column("hour (UTC)")
+    if body.get("by"):
+        table.add_column(str(body["by"]), overflow="fold")
+    for header, _ in _LEDGER_COLUMNS:
+        table.add_column(header, justify="right")
+
+    def add(label: str, row: dict[str, Any]) -> None:
+        group = [row["group"] or "-"] if body.get("by") else []
+        table.add_row(label, *group, *(show(row) for _, show in _LEDGER_COLUMNS))
+
+    for row in body["rows"]:
+        add(datetime.fromtimestamp(row["hour"], UTC).strftime("%Y-%m-%d %H:00"), row)
+    add("total", {**body["total"], "group": ""})
+    return table
 
 
 def _print_pools(url: str, found: Sequence[PoolInfo], *, as_json: bool, one: bool) -> None:

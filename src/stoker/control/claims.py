@@ -57,6 +57,7 @@ class Claims:
         self._reservations, self._spawner = reservations, spawner
         self._binder, self._sessions, self._demand = binder, sessions, demand
         self._tracer = shared.tracer
+        self._ledger = shared.ledger
         self._in_flight = 0
 
     async def claim(self, req: ClaimRequest) -> Claim:
@@ -181,6 +182,10 @@ class Claims:
                 if claim is None:
                     continue
                 self._rollouts.note(a.pool.name, worker.revision, Outcome.CLAIM)
+                if self._ledger is not None:
+                    # In memory only: the ledger writes it with its next flush.
+                    wait = self._clock.monotonic() - a.started
+                    self._ledger.claimed(claim, revision=worker.revision, wait_s=wait)
                 if a.gone():
                     # The requester is gone: the session never starts, park the worker.
                     await self._sessions.release(claim.id)
@@ -202,6 +207,17 @@ class Claims:
                 if a.blocked_by is not MissReason.ORG_CAP:
                     self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM)
                     self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM_ERROR)
+            if self._ledger is not None and not a.result.cancelled():
+                error = a.result.exception()
+                if error is not None:
+                    self._ledger.failed(
+                        pool=a.pool.name,
+                        revision=a.pool.revision,
+                        org=a.req.org,
+                        mode=a.req.mode,
+                        wait_s=self._clock.monotonic() - a.started,
+                        error=error,
+                    )
             # A spawn the claim waited for goes on to the next claim (or warm).
             await self._reservations.let_go(a)
 

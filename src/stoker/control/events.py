@@ -22,6 +22,7 @@ class RuntimeEvents:
     ) -> None:
         self._book, self._lifecycle, self._metrics = shared.book, shared.lifecycle, shared.metrics
         self._clock = shared.clock
+        self._ledger = shared.ledger
         self._retirer = retirer
         self._spawner = spawner
         self._reader = reader
@@ -37,6 +38,8 @@ class RuntimeEvents:
                 started = self._book.started_at(worker_id)
                 since = known.created_at if started is None else started
                 self._spawner.observe_ready(known.pool, self._clock.now() - since)
+                if self._ledger is not None:
+                    self._ledger.spawn_ready(known, self._clock.now() - since)
         if self._book.resolve_ready(worker_id, endpoint, pool=pool):
             return  # the cold claim waiting for it first takes it from here
         self._book.ready.note(worker_id, endpoint)

@@ -78,6 +78,7 @@ class Janitor:
         self._events, self._publisher = events, publisher
         self._pins = pins
         self._rollouts = shared.rollouts
+        self._ledger = shared.ledger
         self._baseline = demand is not None
         #: The pools whose step of this pass failed, pass after pass (`/readyz`).
         self.faults = PassFaults(
@@ -161,6 +162,8 @@ class Janitor:
             # outcome counts the leader's verdict on a rollout.
             await self._publisher.publish()
             await self._outcomes.publish()
+            if self._ledger is not None:
+                await self._ledger.flush(self._store)
             self._rollouts.show_stored()
         await self._reap_hot_idle(world, report)
         await self._expire_leases(world, report)
@@ -338,6 +341,21 @@ class Janitor:
             return
         if deleted:
             logs.event("history_purged", rows=deleted)
+        await self._purge_ledger(now)
+
+    async def _purge_ledger(self, now: float) -> None:
+        """The ledger's and the claim log's rows past their retention, a bounded batch per
+        purge (docs/warmth.md)."""
+        settings = self._settings
+        try:
+            deleted = await self._store.purge_ledger(
+                before=now - settings.ledger_retention_s, limit=settings.ledger_purge_batch
+            )
+        except StoreError as exc:
+            logs.event("ledger_purge_failed", error=str(exc), level=logs.WARNING)
+            return
+        if deleted:
+            logs.event("ledger_purged", rows=deleted)
 
     async def _headroom(self) -> None:
         """Each pool's placeholders: the forecast's where it has one, else the constant."""
@@ -347,6 +365,10 @@ class Janitor:
             if sizing is not None and sizing.headroom is not None:
                 pool = dataclasses.replace(pool, headroom_nodes=sizing.headroom)
             pools.append(pool)
+        if self._ledger is not None:
+            for pool in pools:
+                slots = pool.headroom_nodes * self._runtime.placeholder_slots(pool)
+                self._ledger.placeholders(pool.name, pool.revision, float(slots))
         try:
             await self._runtime.reconcile_headroom(pools)
         except RuntimeFailure as exc:

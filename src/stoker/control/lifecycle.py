@@ -13,7 +13,7 @@ records the change.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 from stoker.control import logs
@@ -62,6 +62,10 @@ class Lifecycle:
         self._beats: dict[str, asyncio.Future[Worker | None]] = {}
         #: (monotonic time, error) of the last write the store failed, if any.
         self.last_store_failure: tuple[float, str] | None = None
+        #: Told of every state written (the state before; None for a new row) and of every
+        #: claim ended: the ledger's hooks (`control.ledger`), in memory only.
+        self.on_moved: Callable[[WorkerState | None, Worker], None] | None = None
+        self.on_claim_ended: Callable[[Claim], None] | None = None
 
     def _persist_failed(self, label: str, exc: StoreError) -> None:
         self.last_store_failure = (self.clock.monotonic(), str(exc))
@@ -85,6 +89,8 @@ class Lifecycle:
         )
         if old_state is None:
             self.journal.worker(EventKind.SPAWNED, new)
+        if self.on_moved is not None:
+            self.on_moved(old_state, new)
 
     async def move(
         self,
@@ -314,6 +320,8 @@ class Lifecycle:
             "claim_ended", claim=claim.id, org=claim.org, state=state.value, reason=claim_reason
         )
         self._written(WorkerState.HOT, result[1], worker_changes.get("reason"))
+        if self.on_claim_ended is not None:
+            self.on_claim_ended(result[0])
         return result
 
     async def renew(self, claim_id: str, *, lease_s: float) -> Claim | None:

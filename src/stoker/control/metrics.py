@@ -216,6 +216,25 @@ class Metrics:
             "reason",
         )
         self.pool_cap = self._gauge("stoker_pool_cap", "Pool cap in force (0 = unbounded).", "pool")
+        # The ledger (docs/warmth.md): by pool only, never by org, so the series stay few.
+        self.ledger_worker_seconds = self._counter(
+            "stoker_ledger_worker_seconds",
+            "Worker-seconds this replica counted in the ledger, by pool and state.",
+            "pool",
+            "state",
+        )
+        self.ledger_idle_cost = self._counter(
+            "stoker_ledger_idle_cost",
+            "Cost of idle worker time by the pool's prices (kind: warm, parked, headroom).",
+            "pool",
+            "kind",
+        )
+        self.ledger_cold_start_avoided = self._counter(
+            "stoker_ledger_cold_start_seconds_avoided",
+            "Seconds of cold start the claims served warm or by reuse did not wait (the "
+            "pool's mean spawn-to-ready time this replica measured, per claim).",
+            "pool",
+        )
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry)

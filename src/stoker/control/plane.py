@@ -32,6 +32,7 @@ from stoker.control.history import History
 from stoker.control.holdings import org_cap_retry_after
 from stoker.control.ids import Ids
 from stoker.control.journal import EventKind, Journal
+from stoker.control.ledger import Ledger
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.parts import assemble
@@ -115,6 +116,15 @@ class ControlPlane:
         )
         self.history = History(self.settings.pool_sample_s)
         self.lifecycle = Lifecycle(store, self.clock, self.metrics, self.journal)
+        #: What warmth costs and buys, and the claim log (docs/warmth.md).
+        self.ledger = Ledger(
+            clock=self.clock,
+            catalog=self.catalog,
+            instance_id=self.instance_id,
+            metrics=self.metrics,
+        )
+        self.lifecycle.on_moved = self.ledger.moved
+        self.lifecycle.on_claim_ended = self.ledger.claim_ended
         shared = Shared(
             book=self.book,
             lifecycle=self.lifecycle,
@@ -126,6 +136,7 @@ class ControlPlane:
             settings=self.settings,
             journal=self.journal,
             tracer=tracer,
+            ledger=self.ledger,
         )
         parts = assemble(shared, self.pools, store, runtime, activator, demand=demand)
         self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
@@ -239,6 +250,8 @@ class ControlPlane:
             if leading:
                 await self._remove_headroom()
         await self.book.wait_background(self.settings.shutdown_grace_s)
+        # The ledger's last counts and log rows: a clean stop loses none of them.
+        await self.ledger.flush(self.store)
         with contextlib.suppress(StokerError):
             await self.elector.resign()
         with contextlib.suppress(StokerError):

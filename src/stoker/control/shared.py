@@ -8,6 +8,7 @@ from stoker.control.book import Book
 from stoker.control.catalog import Catalog
 from stoker.control.ids import Ids
 from stoker.control.journal import Journal
+from stoker.control.ledger import Ledger
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.rollouts import Rollouts
@@ -36,3 +37,5 @@ class Shared:
     journal: Journal
     #: Spans of each claim's steps (`NO_TRACER` unless tracing is on).
     tracer: Tracer = NO_TRACER
+    #: What warmth costs and buys, and the claim log (`control.ledger`); None: not kept.
+    ledger: Ledger | None = None

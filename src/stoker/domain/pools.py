@@ -24,6 +24,7 @@ from stoker.domain.errors import InvalidRequest, StokerError
 from stoker.domain.rollouts import CanaryStrategy, RolloutState, Strategy, strategy_json
 from stoker.domain.specs import (
     Activation,
+    CostSpec,
     DemandSpec,
     PodTemplate,
     PoolSpec,
@@ -201,6 +202,8 @@ def spec_from_json(
         data["spawn_backoff"] = SpawnBackoff(**data["spawn_backoff"])
     if "demand" in data:
         data["demand"] = DemandSpec(**data["demand"])
+    if data.get("cost") is not None:
+        data["cost"] = CostSpec(**data["cost"])
     if "reuse" in data:
         data["reuse"] = Reuse(data["reuse"])
     if "activation" in data:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -125,6 +126,40 @@ class SpawnBackoff:
     factor: Annotated[float, Ge(1), Le(10)] = 2.0
 
 
+#: The most a price may say (per hour).
+_PRICE_MAX = 1_000_000.0
+Price = Annotated[float, Ge(0), Le(_PRICE_MAX)]
+
+
+@dataclass(frozen=True, slots=True)
+class CostSpec:
+    """What a pool's workers cost (docs/warmth.md): either per cpu-hour and GiB-hour of the
+    template's resources, or a flat price per worker-hour. Currency is the operator's."""
+
+    per_cpu_hour: Price | None = None
+    per_gib_hour: Price | None = None
+    per_worker_hour: Price | None = None
+
+    def __post_init__(self) -> None:
+        by_resources = self.per_cpu_hour is not None or self.per_gib_hour is not None
+        if by_resources and self.per_worker_hour is not None:
+            raise ValueError("cost takes per_cpu_hour/per_gib_hour or per_worker_hour, not both")
+        if not by_resources and self.per_worker_hour is None:
+            raise ValueError("cost needs per_cpu_hour and per_gib_hour, or per_worker_hour")
+        for name in ("per_cpu_hour", "per_gib_hour", "per_worker_hour"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"cost.{name} must be a finite price >= 0")
+
+    def of(self, worker_s: float, cpu_s: float, gib_s: float) -> float:
+        """The price of `worker_s` worker-seconds holding `cpu_s` cpu-seconds and `gib_s`
+        GiB-seconds."""
+        if self.per_worker_hour is not None:
+            return worker_s / 3600.0 * self.per_worker_hour
+        cpu = (self.per_cpu_hour or 0.0) * cpu_s
+        return (cpu + (self.per_gib_hour or 0.0) * gib_s) / 3600.0
+
+
 @dataclass(frozen=True, slots=True)
 class DemandSpec:
     """How a pool reads its demand as a rate and sizes its warm pool and node headroom from
@@ -214,6 +249,8 @@ class PoolSpec:
     spawn_backoff: SpawnBackoff = field(default_factory=SpawnBackoff)
     #: Demand as a rate, the forecast and node headroom (docs/scaling.md).
     demand: DemandSpec = field(default_factory=DemandSpec)
+    #: What the pool's workers cost, so the ledger reads in money (docs/warmth.md).
+    cost: CostSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.revision:
@@ -272,6 +309,10 @@ class PlaneSettings:
     history_retention_s: Seconds = 86_400.0
     #: How often the janitor deletes old history.
     purge_interval_s: PositiveSeconds = 600.0
+    #: The ledger and the claim log are kept this long (docs/warmth.md): 35 days.
+    ledger_retention_s: Seconds = 35 * 86400.0
+    #: Rows of the ledger and the claim log one purge deletes at most.
+    ledger_purge_batch: Annotated[int, Ge(1), Le(1_000_000)] = 10_000
     #: Spawns per second and burst: the runtime's API budget (client-go: QPS 50, burst 100).
     spawn_rate: Annotated[float, Gt(0), Le(100_000)] = 50.0
     #: Spawns that may start at once above `spawn_rate` (the token bucket's size).

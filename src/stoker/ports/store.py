@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
+from stoker.domain.ledger import ClaimEnding, ClaimLogEntry, LedgerCounts, LedgerKey
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
 from stoker.domain.records import (
     Claim,
@@ -483,6 +484,48 @@ class ReplicaStore(StoreReader, Protocol):
     ) -> None:
         """In one write: delete every bucket of the (pool, org) pairs in `drop` (orgs no
         longer forecast), then insert or replace `buckets` (by pool, org and bucket)."""
+        ...
+
+    # -- the ledger and the claim log (docs/warmth.md, docs/claim-log.md) --------------------
+
+    async def record_ledger(
+        self, instance_id: str, cells: Mapping[LedgerKey, LedgerCounts], *, now: float
+    ) -> None:
+        """Publish this replica's cumulative counts of ledger cells, replacing its earlier
+        ones of the same cells: a failed write loses nothing, the next one writes them again."""
+        ...
+
+    async def read_ledger(
+        self, pool: str, *, since: float, until: float
+    ) -> list[tuple[LedgerKey, LedgerCounts]]:
+        """Every replica's cells of `pool` whose hour starts before `until` and ends after
+        `since`, unsummed (one per cell and replica), by hour."""
+        ...
+
+    async def record_claim_log(
+        self, arrivals: Sequence[ClaimLogEntry], endings: Sequence[ClaimEnding]
+    ) -> None:
+        """Write claims' log rows: an arrival sets the row's arrival, mode, source, wait and
+        revision (and its outcome only while the row has no ending); an ending sets its
+        hold and outcome. Either may come first, from any replica."""
+        ...
+
+    async def read_claim_log(
+        self,
+        *,
+        since: float,
+        until: float,
+        pool: str | None = None,
+        after: tuple[float, str] | None = None,
+        limit: int = 1000,
+    ) -> list[ClaimLogEntry]:
+        """Up to `limit` log rows that arrived in [`since`, `until`) (of `pool` if given), by
+        arrival and id, after the `(at, id)` `after` if given: the next page."""
+        ...
+
+    async def purge_ledger(self, *, before: float, limit: int) -> int:
+        """Delete at most `limit` rows in all of ledger cells whose hour ended by `before`
+        and claim log rows that arrived before it; the rows deleted."""
         ...
 
     async def purge(self, *, before: float) -> int:

@@ -320,6 +320,26 @@ class Calls:
             headers=_if_match(generation),
         )
 
+    def pool_ledger(
+        self, name: str, *, since: str | None, until: str | None, by: str | None
+    ) -> Call[dict[str, Any]]:
+        """`GET /v1/pools/{name}/ledger` (docs/warmth.md): the answer's JSON as it is."""
+        params = {k: v for k, v in (("since", since), ("until", until), ("by", by)) if v}
+        path = _pool_path(name) + "/ledger"
+        return Call("GET", path, self._default_timeout, _as_dict, params=params)
+
+    def claim_log_pages(
+        self, *, since: str | None, until: str | None, pool: str | None, limit: int
+    ) -> Callable[[str | None], Call[Page[dict[str, Any]]]]:
+        """For each `after`, `GET /v1/claims/log` (docs/claim-log.md), read as a `Page` of
+        entries in the export form."""
+        given = (("since", since), ("until", until), ("pool", pool))
+        params: dict[str, Any] = {k: v for k, v in given if v}
+        params["limit"] = limit
+        return lambda after: Call(
+            "GET", "/v1/claims/log", self._default_timeout, _log_page, params=_after(params, after)
+        )
+
     def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
         """`GET /v1/workers` with the filters that are set."""
         params = _given(filters, _WORKER_FILTERS, "worker filter")
@@ -432,6 +452,14 @@ def _claim_page(body: Any) -> Page[ClaimInfo]:
 
 def _worker_page(body: Any) -> Page[WorkerInfo]:
     return Page(_workers(body), body.get("next"))
+
+
+def _as_dict(body: Any) -> dict[str, Any]:
+    return dict(body)
+
+
+def _log_page(body: Any) -> Page[dict[str, Any]]:
+    return Page([dict(e) for e in body["entries"]], body.get("next"))
 
 
 def _after(params: Mapping[str, Any], after: str | None) -> dict[str, Any]:

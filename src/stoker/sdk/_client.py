@@ -149,6 +149,32 @@ class Client(BaseClient[httpx.BaseTransport]):
         janitor pass. The pool as changed."""
         return self._send(self._calls.update_pool(name, changes))
 
+    def pool_ledger(
+        self,
+        name: str,
+        *,
+        since: str | None = None,
+        until: str | None = None,
+        by: str | None = None,
+    ) -> dict[str, Any]:
+        """What the pool's warmth cost and bought (admin token; docs/warmth.md): every
+        replica's ledger in [since, until) per hour (and per `by`: "org" or "revision"),
+        with `total`. Times are unix seconds or a duration before now ("24h", "7d")."""
+        return self._send(self._calls.pool_ledger(name, since=since, until=until, by=by))
+
+    def iter_claim_log(
+        self,
+        *,
+        since: str | None = None,
+        until: str | None = None,
+        pool: str | None = None,
+        page_size: int = 1000,
+    ) -> Iterator[dict[str, Any]]:
+        """Every claim of the log in [since, until) (admin token), by arrival, each in the
+        export form of docs/claim-log.md, fetched a page at a time."""
+        pages = self._calls.claim_log_pages(since=since, until=until, pool=pool, limit=page_size)
+        return self._pages(pages, None)
+
     def drain_pool(self, name: str, *, draining: bool = True) -> PoolInfo:
         """Stop handing out the pool's new claims (admin token; `draining=False` resumes
         them): its sessions end as usual, its warm workers retire."""

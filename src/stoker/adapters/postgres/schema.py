@@ -34,6 +34,8 @@ class Names:
         self.org_forecast = f"{s}.org_forecast"
         self.rollouts = f"{s}.rollouts"
         self.rollout_outcomes = f"{s}.rollout_outcomes"
+        self.ledger = f"{s}.ledger"
+        self.claim_log = f"{s}.claim_log"
         self.versions = f"{s}.schema_migrations"
         #: The channel of the workers' change feed (`feed`), one per schema.
         self.channel = f"stoker_workers_{schema}"[:63]
@@ -59,6 +61,14 @@ def indexes(s: str) -> list[str]:
         f"CREATE INDEX claims_created ON {s}.claims (created_at, id)",
         # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
         f"CREATE UNIQUE INDEX {IDEMPOTENCY_INDEX} ON {s}.claims (org, idempotency_key)",
+    ]
+
+
+def ledger_indexes(s: str) -> list[str]:
+    """The ledger's reads and bounded purges go by hour, the claim log's by arrival."""
+    return [
+        f"CREATE INDEX ledger_hour ON {s}.ledger (hour)",
+        f"CREATE INDEX claim_log_at ON {s}.claim_log (at, id)",
     ]
 
 
@@ -128,6 +138,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (10, feed_statements(s, channel)),
         (11, tables.org_forecast),
         (12, tables.rollout_outcomes),
+        (13, [*tables.ledger, *ledger_indexes(s)]),
     ]
 
 
@@ -149,7 +160,7 @@ async def migrate(conn: Connection, names: Names, lock_idle_ms: str) -> None:
             await conn.execute(f"CREATE TABLE {names.versions} (version integer PRIMARY KEY)")
         cur = await conn.execute(f"SELECT version FROM {names.versions}")
         applied = {r[0] for r in await cur.fetchall()}
-        current = TableChanges(POSTGRES, s).current + indexes(s)
+        current = TableChanges(POSTGRES, s).current + indexes(s) + ledger_indexes(s)
         current += feed_statements(s, names.channel)
         for version, statements in pending(applied, current, upgrades(s, names.channel)):
             for sql in statements:

@@ -22,6 +22,7 @@ from stoker.adapters._pools import PoolRows, PoolSql
 from stoker.adapters.postgres import feed
 from stoker.adapters.postgres.binds import BindBatches
 from stoker.adapters.postgres.connections import Connection, Connections, PoolOptions
+from stoker.adapters.postgres.ledger import LedgerRows
 from stoker.adapters.postgres.pools import PostgresPoolHooks
 from stoker.adapters.postgres.replicas import ReplicaRows
 from stoker.adapters.postgres.reserves import ParkedOrWarmBatches
@@ -37,7 +38,7 @@ from stoker.domain.records import Worker
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 
-class PostgresStore(WorkerRows, ReplicaRows, PostgresPoolHooks, PoolRows):
+class PostgresStore(WorkerRows, ReplicaRows, LedgerRows, PostgresPoolHooks, PoolRows):
     """The Store port on PostgreSQL (psycopg 3, one async connection pool per instance)."""
 
     def __init__(

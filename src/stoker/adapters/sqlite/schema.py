@@ -13,6 +13,12 @@ from stoker.adapters._schema import DEMAND, SQLITE, pending
 from stoker.adapters._upgrades import TableChanges
 from stoker.domain.records import token_digest
 
+#: The ledger's reads and bounded purges go by hour, the claim log's by arrival.
+LEDGER_INDEXES = (
+    "CREATE INDEX ledger_hour ON ledger (hour)",
+    "CREATE INDEX claim_log_at ON claim_log (at, id)",
+)
+
 #: The indexes of the current version. Each index is one page more written by every write
 #: that touches its columns, and a claim + release cycle makes four: only what a query
 #: needs. `workers_live` finds rows by state (the live ones, a pool's warm or hot_idle ones
@@ -23,6 +29,7 @@ INDEXES = (
     "CREATE INDEX claims_state_expires ON claims (state, expires_at)",
     # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
     "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
+    *LEDGER_INDEXES,
 )
 
 _TABLES = TableChanges(SQLITE)
@@ -77,6 +84,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (10, _TABLES.pool_seed),
     (11, _TABLES.org_forecast),
     (12, _TABLES.rollout_outcomes),
+    (13, [*_TABLES.ledger, *LEDGER_INDEXES]),
 ]
 
 

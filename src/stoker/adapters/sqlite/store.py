@@ -27,6 +27,7 @@ from stoker.adapters.sqlite.batching import (
     OpenBatches,
 )
 from stoker.adapters.sqlite.decoded import DecodedRows
+from stoker.adapters.sqlite.ledger import LedgerRows
 from stoker.adapters.sqlite.live_rows import LiveRows
 from stoker.adapters.sqlite.ownership import FileIdentity
 from stoker.adapters.sqlite.pools import SqlitePoolHooks
@@ -57,7 +58,7 @@ def keep_private(path: str) -> None:
             os.chmod(name, mode & 0o700)
 
 
-class SqliteStore(WorkerRows, ReplicaRows, SqlitePoolHooks, PoolRows):
+class SqliteStore(WorkerRows, ReplicaRows, LedgerRows, SqlitePoolHooks, PoolRows):
     """The Store port on one SQLite file (or `:memory:`)."""
 
     def __init__(

@@ -227,6 +227,76 @@
     drawRollout(pool, live, points);
   }
 
+  // The ledger (docs/warmth.md): worker-hours per hour of the chosen pool as stacked bars,
+  // and a row per hour with what it cost and bought. Read at most every LEDGER_MS.
+  const LEDGER_MS = 15000;
+  const LEDGER_STATES = [
+    ["warm_s", "--warm"], ["hot_s", "--hot"], ["hot_idle_s", "#d97706"],
+    ["starting_s", "#9ca3af"], ["placeholder_s", "#9333ea"],
+  ];
+  let ledger = null;       // the last GET /v1/pools/{name}/ledger
+  let ledgerAt = 0;        // when it was read (this browser's ms)
+
+  async function refreshLedger() {
+    const pool = $("chart-pool").value;
+    if (!pool) return;
+    if (ledger && ledger.pool === pool && Date.now() - ledgerAt < LEDGER_MS) return;
+    ledger = await api("/v1/pools/" + encodeURIComponent(pool) + "/ledger?since=24h");
+    ledgerAt = Date.now();
+    drawLedger();
+  }
+
+  function money(v) {
+    return v === null || v === undefined ? "-" : v.toFixed(Math.abs(v) >= 10 ? 2 : 4);
+  }
+  function hours(s) { return (s / HOUR_S).toFixed(2); }
+
+  function drawLedger() {
+    if (!ledger) return;
+    $("ledger-pool").textContent = "(" + ledger.pool + ")";
+    const rows = ledger.rows.slice();
+    $("ledger-note").textContent = rows.length ? "" : "(nothing counted yet)";
+    fill("ledger", rows.concat([Object.assign({ total: true }, ledger.total)]), (tr, r) => {
+      cell(tr, r.total ? "total" : new Date(r.hour * 1000).toISOString().slice(0, 13) + ":00Z");
+      cell(tr, hours(r.warm_s)); cell(tr, hours(r.hot_s)); cell(tr, hours(r.hot_idle_s));
+      cell(tr, hours(r.placeholder_s));
+      cell(tr, r.claims_reuse + " / " + r.claims_warm + " / " + r.claims_cold);
+      cell(tr, r.failed); cell(tr, money(r.mean_ready_s));
+      cell(tr, money(r.idle_warm_cost)); cell(tr, money(r.idle_parked_cost));
+      cell(tr, money(r.headroom_cost)); cell(tr, money(r.cold_start_s_avoided));
+    });
+    const canvas = $("ledger-chart");
+    const ratio = window.devicePixelRatio || 1;
+    const width = canvas.clientWidth || 900, height = canvas.clientHeight || 160;
+    canvas.width = width * ratio; canvas.height = height * ratio;
+    const g = canvas.getContext("2d");
+    g.setTransform(ratio, 0, 0, ratio, 0, 0);
+    g.clearRect(0, 0, width, height);
+    const style = getComputedStyle(document.documentElement);
+    const color = (c) => c.startsWith("--") ? style.getPropertyValue(c) : c;
+    const left = 36, bottom = 18, top = 6, plotH = height - top - bottom;
+    const start = ledger.until - 24 * HOUR_S;
+    const barW = (width - left - 8) / 24;
+    let max = 1;
+    for (const r of rows) max = Math.max(max, LEDGER_STATES.reduce((n, [k]) => n + r[k], 0) / HOUR_S);
+    g.font = "11px system-ui, sans-serif";
+    g.fillStyle = style.getPropertyValue("--muted");
+    g.fillText(max.toFixed(1) + " h", 2, top + 10);
+    g.fillText("-24h", left, height - 4);
+    g.textAlign = "right"; g.fillText("now", width - 8, height - 4); g.textAlign = "left";
+    for (const r of rows) {
+      const i = Math.floor((r.hour - start) / HOUR_S);
+      let y = top + plotH;
+      for (const [key, c] of LEDGER_STATES) {
+        const h = (r[key] / HOUR_S / max) * plotH;
+        g.fillStyle = color(c);
+        g.fillRect(left + Math.max(0, i) * barW + 1, y - h, barW - 2, h);
+        y -= h;
+      }
+    }
+    canvas.dataset.bars = String(rows.length);
+  }
+
   function busy(counts) {
     return ["reserved", "activating", "hot", "hot_idle"].reduce((n, k) => n + (counts[k] || 0), 0);
   }
@@ -302,6 +372,7 @@
       renderEvents(events.events);
       mergeHistory(hist);
       drawChart();
+      await refreshLedger();
       document.body.dataset.loaded = "true";
       setStatus("updated " + new Date().toLocaleTimeString() + " · replica " + events.replica);
     } catch (e) {
@@ -335,7 +406,11 @@
       sessionStorage.removeItem(TOKEN_KEY);
       restart();
     });
-    $("chart-pool").addEventListener("change", drawChart);
+    $("chart-pool").addEventListener("change", () => {
+      drawChart();
+      ledger = null;
+      refreshLedger().catch(() => {});
+    });
     window.addEventListener("resize", drawChart);
     restart();
   });

@@ -1,0 +1,361 @@
+"""What warmth costs and buys (docs/warmth.md), and the claim log (docs/claim-log.md): each
+replica counts its own share in memory and writes it in batches, off the claim path.
+
+Worker time is *integrated from transitions*, not sampled: every state change this
+replica's lifecycle writes closes the worker's span in its old state at the row's
+`updated_at` (the write's own time) and opens the next, so a worker of this replica is
+counted to the second in each state, however short. A flush (every fallback-reaper pass)
+carries open spans up to now, then reconciles with the store's rows of this replica: a
+worker another replica moved (the leader retiring it, a release through another replica)
+or this replica adopted is placed by the row's `updated_at`, its last write. Spans are
+split at hour boundaries exactly. Placeholder time is the leader's: the headroom it keeps
+between its passes, in worker slots.
+
+A claim adds one to a count and appends one compact row in memory (no I/O); a flush
+writes the cells that changed (cumulative per replica, so a failed write loses nothing)
+and the log rows gathered since the last one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from stoker.control import logs
+from stoker.control.catalog import Catalog
+from stoker.control.metrics import Metrics
+from stoker.domain.errors import CapacityError, OrgCapError, StoreError
+from stoker.domain.ledger import (
+    HOUR_S,
+    ClaimEnding,
+    ClaimLogEntry,
+    LedgerCounts,
+    LedgerKey,
+    hour_of,
+    resources_of,
+    split_hours,
+)
+from stoker.domain.records import Claim, Worker
+from stoker.domain.specs import CostSpec
+from stoker.domain.states import LIVE, ClaimMode, WorkerState
+from stoker.ports.clock import Clock
+from stoker.ports.store import ReplicaStore
+
+#: The ledger state each worker state's time counts in.
+_TIME_STATE = {
+    WorkerState.SPAWNING: "starting",
+    WorkerState.RESERVED: "starting",
+    WorkerState.ACTIVATING: "starting",
+    WorkerState.WARM: "warm",
+    WorkerState.HOT: "hot",
+    WorkerState.HOT_IDLE: "hot_idle",
+    WorkerState.DRAINING: "draining",
+}
+#: Log rows kept in memory while the store fails, at most (the oldest go first).
+MAX_PENDING_ROWS = 100_000
+
+
+@dataclass(slots=True)
+class _Span:
+    """A worker's time in one state since `since`, counted up to there already."""
+
+    pool: str
+    revision: str
+    org: str
+    state: str
+    since: float
+    version: int
+    cpus: float
+    gib: float
+
+
+class Ledger:
+    """This replica's ledger cells and claim log rows until they are written."""
+
+    def __init__(
+        self, *, clock: Clock, catalog: Catalog, instance_id: str, metrics: Metrics
+    ) -> None:
+        self._clock, self._catalog, self._instance_id = clock, catalog, instance_id
+        #: Cumulative counts of the cells of hours not yet over and written.
+        self._cells: dict[LedgerKey, LedgerCounts] = {}
+        self._dirty: set[LedgerKey] = set()
+        self._open: dict[str, _Span] = {}
+        #: Per pool: (revision, worker slots of its placeholders, since).
+        self._placeholders: dict[str, tuple[str, float, float]] = {}
+        self._arrivals: list[ClaimLogEntry] = []
+        self._endings: list[ClaimEnding] = []
+        self._failures = itertools.count(1)
+        self._resources: dict[tuple[str, str], tuple[float, float]] = {}
+        #: How long a placeholder count stands without a new headroom pass.
+        self.placeholder_stale_s = 60.0
+        self._worker_seconds = metrics.ledger_worker_seconds
+        self._idle_cost = metrics.ledger_idle_cost
+        self._avoided = metrics.ledger_cold_start_avoided
+        self._ready_mean: dict[str, tuple[int, float]] = {}
+        #: Metric increments gathered in memory and added at each flush (no metric call on
+        #: the claim path): (series, labels) -> amount.
+        self._metered: dict[tuple[str, str, str], float] = {}
+
+    # -- what the other parts tell it (in memory only) --------------------------------------
+
+    def moved(self, before: WorkerState | None, worker: Worker) -> None:
+        """The lifecycle wrote `worker` (coming from `before`; None for a new spawn slot)."""
+        at = worker.updated_at
+        if before is None:
+            self._cell(worker.pool, worker.revision, worker.org or "", at).spawns += 1
+        self._close(worker.id, at)
+        self._open_span(worker, at)
+
+    def spawn_ready(self, worker: Worker, seconds: float) -> None:
+        """A spawn of this replica answered its readiness probe `seconds` after it started."""
+        self._cell(worker.pool, worker.revision, worker.org or "", self._clock.now()).add_ready(
+            seconds
+        )
+        n, total = self._ready_mean.get(worker.pool, (0, 0.0))
+        self._ready_mean[worker.pool] = (n + 1, total + seconds)
+
+    def claimed(self, claim: Claim, *, revision: str, wait_s: float) -> None:
+        """A claim was bound after waiting `wait_s` since it arrived."""
+        now = self._clock.now()
+        source = claim.source.value
+        self._cell(claim.pool, revision, claim.org, now).add_claim(source, wait_s)
+        if source != "cold":
+            n, total = self._ready_mean.get(claim.pool, (0, 0.0))
+            if n:
+                self._meter("avoided", claim.pool, "", total / n)
+        self._log(
+            ClaimLogEntry(
+                id=claim.id,
+                at=now - wait_s,
+                pool=claim.pool,
+                org=claim.org,
+                mode=claim.mode.value,
+                source=source,
+                wait_s=wait_s,
+                held_s=None,
+                outcome="open",
+                revision=revision,
+            )
+        )
+
+    def failed(
+        self,
+        *,
+        pool: str,
+        revision: str,
+        org: str,
+        mode: ClaimMode,
+        wait_s: float,
+        error: BaseException,
+    ) -> None:
+        """A claim got no worker: `error` is what its requester was told."""
+        now = self._clock.now()
+        self._cell(pool, revision, org, now).add_failure(wait_s)
+        outcome = "failed"
+        if isinstance(error, OrgCapError):
+            outcome = "org_cap"
+        elif isinstance(error, CapacityError) and error.reason in ("pool_cap", "no_capacity"):
+            outcome = error.reason
+        self._log(
+            ClaimLogEntry(
+                id=f"failed-{self._instance_id}-{next(self._failures)}",
+                at=now - wait_s,
+                pool=pool,
+                org=org,
+                mode=mode.value,
+                source=None,
+                wait_s=wait_s,
+                held_s=None,
+                outcome=outcome,
+                revision=None,
+            )
+        )
+
+    def claim_ended(self, claim: Claim) -> None:
+        """A bound claim ended (released, expired or failed), by this replica's write."""
+        ended = claim.ended_at if claim.ended_at is not None else claim.updated_at
+        self._endings.append(
+            ClaimEnding(
+                id=claim.id,
+                pool=claim.pool,
+                org=claim.org,
+                mode=claim.mode.value,
+                source=claim.source.value,
+                bound_at=claim.created_at,
+                held_s=max(0.0, ended - claim.created_at),
+                outcome=claim.state.value,
+            )
+        )
+        if len(self._endings) > MAX_PENDING_ROWS:
+            del self._endings[: len(self._endings) - MAX_PENDING_ROWS]
+
+    def placeholders(self, pool: str, revision: str, slots: float) -> None:
+        """The leader keeps `slots` worker slots of placeholders for `pool` from now on."""
+        now = self._clock.now()
+        self._accrue_placeholders(pool, now)
+        self._placeholders[pool] = (revision, slots, now)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    async def flush(self, store: ReplicaStore) -> None:
+        """Carry open spans up to now, reconcile with the store's rows of this replica, and
+        write the cells that changed and the log rows gathered (a failure keeps them)."""
+        now = self._clock.now()
+        try:
+            mine = await store.list_workers(owner=self._instance_id, states=LIVE)
+        except StoreError as exc:
+            logs.event("ledger_read_failed", error=str(exc), level=logs.WARNING)
+            mine = None
+        if mine is not None:
+            self._reconcile(mine, now)
+            await self._close_gone(store, {w.id for w in mine}, now)
+        for worker_id in list(self._open):
+            self._carry(worker_id, now)
+        for pool in list(self._placeholders):
+            self._accrue_placeholders(pool, now)
+        self._publish_metrics()
+        await self._write(store, now)
+
+    def _reconcile(self, rows: list[Worker], now: float) -> None:
+        for row in rows:
+            span = self._open.get(row.id)
+            if span is None:
+                # Adopted, or this replica's before it started counting: from its last write.
+                self._open_span(row, min(row.updated_at, now))
+            elif row.version > span.version and _TIME_STATE.get(row.state) != span.state:
+                # Moved by another replica: the change is its row's last write.
+                self._close(row.id, max(span.since, min(row.updated_at, now)))
+                self._open_span(row, max(row.updated_at, 0.0))
+
+    async def _close_gone(self, store: ReplicaStore, live: set[str], now: float) -> None:
+        """Close the spans of workers no longer live and ours: retired or taken over by
+        another replica's write, at that write's time (now, when the row cannot be read)."""
+        for worker_id in [w for w in self._open if w not in live]:
+            try:
+                row = await store.get_worker(worker_id)
+            except StoreError:
+                row = None
+            span = self._open.get(worker_id)
+            if span is None:
+                continue
+            at = now if row is None else max(span.since, min(row.updated_at, now))
+            self._close(worker_id, at)
+
+    async def _write(self, store: ReplicaStore, now: float) -> None:
+        if self._dirty:
+            cells = {key: self._cells[key].copy() for key in self._dirty}
+            try:
+                await store.record_ledger(self._instance_id, cells, now=now)
+            except StoreError as exc:
+                logs.event("ledger_write_failed", error=str(exc), level=logs.WARNING)
+            else:
+                self._dirty.clear()
+                # A cell is kept two hours past its hour: a late span (a move another
+                # replica wrote, reconciled later) still adds to the whole of it.
+                over = [k for k in self._cells if k.hour + 3 * HOUR_S <= now]
+                for key in over:
+                    del self._cells[key]
+        if self._arrivals or self._endings:
+            arrivals, endings = self._arrivals, self._endings
+            self._arrivals, self._endings = [], []
+            try:
+                await store.record_claim_log(arrivals, endings)
+            except StoreError as exc:
+                logs.event("claim_log_write_failed", error=str(exc), level=logs.WARNING)
+                self._arrivals[:0] = arrivals
+                self._endings[:0] = endings
+
+    # -- spans ------------------------------------------------------------------------------
+
+    def _open_span(self, worker: Worker, at: float) -> None:
+        state = _TIME_STATE.get(worker.state)
+        if state is None or worker.owner != self._instance_id:
+            return
+        cpus, gib = self._resources_of(worker.pool, worker.revision)
+        self._open[worker.id] = _Span(
+            worker.pool, worker.revision, worker.org or "", state, at, worker.version, cpus, gib
+        )
+
+    def _close(self, worker_id: str, at: float) -> None:
+        if worker_id in self._open:
+            self._carry(worker_id, at)
+            del self._open[worker_id]
+
+    def _carry(self, worker_id: str, until: float) -> None:
+        span = self._open[worker_id]
+        if until <= span.since:
+            return
+        self._add_time(span.pool, span.revision, span.org, span.state, span.since, until, span)
+        span.since = until
+
+    def _accrue_placeholders(self, pool: str, now: float) -> None:
+        held = self._placeholders.get(pool)
+        if held is None:
+            return
+        revision, slots, since = held
+        until = min(now, since + self.placeholder_stale_s)
+        if slots > 0 and until > since:
+            for hour, seconds in split_hours(since, until):
+                cell = self._cell_at(LedgerKey(pool, revision, "", hour))
+                cell.add_time("placeholder", seconds * slots, 0.0, 0.0)
+            self._meter("seconds", pool, "placeholder", (until - since) * slots)
+            self._idle_cost_of(pool, "headroom", (until - since) * slots, pool, revision)
+        self._placeholders[pool] = (revision, slots, now)
+
+    def _add_time(
+        self, pool: str, revision: str, org: str, state: str, start: float, end: float, span: _Span
+    ) -> None:
+        for hour, seconds in split_hours(start, end):
+            self._cell_at(LedgerKey(pool, revision, org, hour)).add_time(
+                state, seconds, span.cpus, span.gib
+            )
+        self._meter("seconds", pool, state, end - start)
+        if state in ("warm", "hot_idle"):
+            kind = "warm" if state == "warm" else "parked"
+            self._idle_cost_of(pool, kind, end - start, pool, revision)
+
+    def _idle_cost_of(self, pool: str, kind: str, seconds: float, name: str, revision: str) -> None:
+        spec = self._catalog.get(name)
+        cost: CostSpec | None = spec.cost if spec is not None else None
+        if cost is None:
+            return
+        cpus, gib = self._resources_of(name, revision)
+        self._meter("cost", pool, kind, cost.of(seconds, seconds * cpus, seconds * gib))
+
+    def _meter(self, series: str, pool: str, label: str, amount: float) -> None:
+        key = (series, pool, label)
+        self._metered[key] = self._metered.get(key, 0.0) + amount
+
+    def _publish_metrics(self) -> None:
+        metered, self._metered = self._metered, {}
+        for (series, pool, label), amount in metered.items():
+            if series == "seconds":
+                self._worker_seconds.labels(pool, label).inc(amount)
+            elif series == "cost":
+                self._idle_cost.labels(pool, label).inc(amount)
+            else:
+                self._avoided.labels(pool).inc(amount)
+
+    def _resources_of(self, pool: str, revision: str) -> tuple[float, float]:
+        known = self._resources.get((pool, revision))
+        if known is None:
+            spec = self._catalog.revision_spec(pool, revision) or self._catalog.get(pool)
+            known = resources_of(spec.template) if spec is not None else (0.0, 0.0)
+            if spec is not None:
+                self._resources[(pool, revision)] = known
+        return known
+
+    def _cell(self, pool: str, revision: str, org: str, at: float) -> LedgerCounts:
+        return self._cell_at(LedgerKey(pool, revision, org, hour_of(at)))
+
+    def _cell_at(self, key: LedgerKey) -> LedgerCounts:
+        self._dirty.add(key)
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = LedgerCounts()
+        return cell
+
+    def _log(self, entry: ClaimLogEntry) -> None:
+        self._arrivals.append(entry)
+        if len(self._arrivals) > MAX_PENDING_ROWS:
+            del self._arrivals[: len(self._arrivals) - MAX_PENDING_ROWS]

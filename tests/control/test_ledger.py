@@ -1,0 +1,418 @@
+"""The ledger and the claim log (docs/warmth.md, docs/claim-log.md) on both stores, on
+virtual time (looptime): a fleet whose every transition happens at a time the test chose,
+written through the real lifecycle, counted by the ledger, flushed to the store and summed
+back, against a hand-computed table. Then bounded purges and the claim log's round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fakes import MemoryRuntime
+from stoker.adapters.postgres import PostgresStore
+from stoker.adapters.sqlite import SqliteStore
+from stoker.control.catalog import Catalog
+from stoker.control.ledger import Ledger
+from stoker.control.lifecycle import Lifecycle
+from stoker.control.metrics import Metrics
+from stoker.control.plane import ControlPlane
+from stoker.domain.errors import CapacityError, OrgCapError
+from stoker.domain.ledger import (
+    HOUR_S,
+    ClaimEnding,
+    ClaimLogEntry,
+    LedgerCounts,
+    LedgerKey,
+    hour_of,
+    money,
+    split_hours,
+    summed,
+)
+from stoker.domain.records import Claim, ClaimRequest, Worker
+from stoker.domain.specs import CostSpec, PoolSpec, ProcessTemplate
+from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
+from stoker.ports.clock import VirtualClock
+from stoker.ports.store import SpawnRequest, Store
+
+pytestmark = pytest.mark.looptime
+
+S = WorkerState
+ME = "replica-1"
+POOL = PoolSpec(
+    name="p",
+    template=ProcessTemplate(argv=("worker", "{port}"), memory_mb=512),
+    cost=CostSpec(per_worker_hour=3.6),
+)
+#: A secret a claim is handed, which must never reach the log.
+SECRET = "tok-SECRET-never-logged"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    """A fresh, opened store of each kind (PostgreSQL: a schema of its own)."""
+    schema = ""
+    made: Store
+    if request.param == "sqlite":
+        made = SqliteStore(str(tmp_path / "stoker.db"))
+    else:
+        url = request.getfixturevalue("postgres_url")
+        schema = f"stoker_test_{uuid.uuid4().hex[:12]}"
+        made = PostgresStore(url, schema=schema)
+    await made.open()
+    try:
+        yield made
+    finally:
+        await made.close()
+        if schema:
+            url = request.getfixturevalue("postgres_url")
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+class ManualClock:
+    """Time that moves only when the test says (the store's own I/O takes none of it)."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.t += seconds
+
+
+def wire(store: Store, clock: ManualClock) -> tuple[Ledger, Lifecycle, Metrics]:
+    metrics = Metrics(CollectorRegistry())
+    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
+    ledger = Ledger(clock=clock, catalog=catalog, instance_id=ME, metrics=metrics)
+    lifecycle = Lifecycle(store, clock, metrics)
+    lifecycle.on_moved = ledger.moved
+    lifecycle.on_claim_ended = ledger.claim_ended
+    return ledger, lifecycle, metrics
+
+
+def claim_for(worker: Worker, now: float) -> Claim:
+    return Claim(
+        id="c-1",
+        pool="p",
+        org="acme",
+        worker_id=worker.id,
+        worker_epoch=worker.epoch,
+        source=ClaimSource.WARM,
+        mode=ClaimMode.PREFER_WARM,
+        state=ClaimState.BOUND,
+        token=SECRET,
+        endpoint=worker.endpoint or "",
+        lease_s=600.0,
+        expires_at=now + 600.0,
+        created_at=now,
+        updated_at=now,
+        owner=ME,
+    )
+
+
+async def run_fleet(store: Store, clock: ManualClock) -> tuple[Ledger, Metrics, float]:
+    """Two workers, every transition at a chosen time after t0 (returned):
+
+    A: spawning 0-10, warm 10-100, reserved+activating 100-101 (acme), hot 101-400,
+       hot_idle 400-460, draining 460-470, retired.
+    B: spawning 0-5, warm 5-4000 (the flush), across an hour boundary.
+    """
+    ledger, life, metrics = wire(store, clock)
+    t0 = clock.now()
+
+    async def at(offset: float) -> None:
+        clock.advance(t0 + offset - clock.now())
+
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=2, owner=ME), ["w-a", "w-b"]
+    )
+    a, b = slots.workers
+    await at(5)
+    b = await life.move(b, S.WARM, endpoint="http://b") or pytest.fail("b not warm")
+    ledger.spawn_ready(b, 5.0)
+    await at(10)
+    a = await life.move(a, S.WARM, endpoint="http://a") or pytest.fail("a not warm")
+    ledger.spawn_ready(a, 10.0)
+    await at(100)
+    reserved = await life.reserve(a, org="acme", org_cap=0, owner=ME)
+    a = reserved.worker or pytest.fail("a not reserved")
+    if a.state is S.RESERVED:
+        a = await life.move(a, S.ACTIVATING, activated=True) or pytest.fail("not activating")
+    await at(101)
+    claim = claim_for(a, clock.now())
+    a = await life.bind(a, claim) or pytest.fail("a not hot")
+    ledger.claimed(claim, revision=a.revision, wait_s=0.004)
+    await at(102)
+    ledger.failed(
+        pool="p",
+        revision=POOL.revision,
+        org="globex",
+        mode=ClaimMode.REQUIRE_WARM,
+        wait_s=1.5,
+        error=OrgCapError("globex holds its cap", retry_after=45.0),
+    )
+    await at(400)
+    ended = await life.end_claim(
+        claim, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, idle_since=clock.now()
+    )
+    a = (ended or pytest.fail("not released"))[1]
+    await at(460)
+    a = await life.move(a, S.DRAINING, reason="ttl") or pytest.fail("a not draining")
+    await at(470)
+    await life.move(a, S.RETIRED, reason="ttl") or pytest.fail("a not retired")
+    await at(4000)
+    await ledger.flush(store)
+    return ledger, metrics, t0
+
+
+async def test_every_worker_second_is_counted_in_its_state_on_both_stores(store: Store) -> None:
+    clock = ManualClock()
+    _, metrics, t0 = await run_fleet(store, clock)
+    rows = await store.read_ledger("p", since=t0 - 1, until=t0 + 4001)
+    total = LedgerCounts()
+    by_org: dict[str, LedgerCounts] = {}
+    for key, counts in rows:
+        total.merge(counts)
+        by_org.setdefault(key.org, LedgerCounts()).merge(counts)
+    # By hand: A lived 470 s, B 4000 s.
+    assert total.starting_s == pytest.approx(10 + 1 + 5)
+    assert total.warm_s == pytest.approx(90 + 3995)
+    assert total.hot_s == pytest.approx(299)
+    assert total.hot_idle_s == pytest.approx(60)
+    assert total.draining_s == pytest.approx(10)
+    assert total.placeholder_s == 0
+    all_s = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s + total.draining_s
+    assert all_s == pytest.approx(470 + 4000)
+    assert total.gib_s == pytest.approx(0.5 * (470 + 4000))
+    # The org's share: from its reservation on (1 + 299 + 60 + 10 s); the rest is neutral.
+    acme = by_org["acme"]
+    assert acme.starting_s + acme.hot_s + acme.hot_idle_s + acme.draining_s == pytest.approx(370)
+    assert by_org[""].warm_s == pytest.approx(4085)
+    assert (total.spawns, total.ready) == (2, 2)
+    assert total.ready_sum_s == pytest.approx(15.0)
+    assert sum(total.ready_hist) == 2
+    assert (total.claims_warm, total.claims_reuse, total.claims_cold) == (1, 0, 0)
+    assert total.wait_warm_s == pytest.approx(0.004)
+    assert total.failed == 1
+    assert total.failed_wait_s == pytest.approx(1.5)
+    # The hours: the cells of each hour hold exactly the seconds of that hour.
+    hours = {key.hour for key, _ in rows}
+    assert hours == {h for h, _ in split_hours(t0, t0 + 4000)}
+    worth = money(total, POOL.cost)
+    assert worth["idle_warm_cost"] == pytest.approx(4085 / 3600 * 3.6)
+    assert worth["idle_parked_cost"] == pytest.approx(60 / 3600 * 3.6)
+    assert worth["cold_start_s_avoided"] == pytest.approx(1 * 7.5)
+    assert metrics.registry.get_sample_value(
+        "stoker_ledger_worker_seconds_total", {"pool": "p", "state": "warm"}
+    ) == pytest.approx(4085)
+    assert metrics.registry.get_sample_value(
+        "stoker_ledger_idle_cost_total", {"pool": "p", "kind": "warm"}
+    ) == pytest.approx(4.085)
+
+
+async def test_the_claim_log_keeps_arrival_hold_and_outcome_and_no_token(store: Store) -> None:
+    clock = ManualClock()
+    _, _, t0 = await run_fleet(store, clock)
+    log = await store.read_claim_log(since=t0, until=t0 + 5000)
+    # By arrival: the refused claim arrived 1.5 s before its refusal, before the other.
+    assert [(e.outcome, e.org, e.mode, e.source) for e in log] == [
+        ("org_cap", "globex", "require_warm", None),
+        ("released", "acme", "prefer_warm", "warm"),
+    ]
+    refused, bound = log
+    assert bound.at == pytest.approx(t0 + 101 - 0.004)
+    assert bound.wait_s == pytest.approx(0.004)
+    assert bound.held_s == pytest.approx(299)
+    assert bound.revision == POOL.revision
+    assert refused.at == pytest.approx(t0 + 102 - 1.5)
+    assert (refused.held_s, refused.revision) == (None, None)
+    exported = "\n".join(json.dumps(e.export()) for e in log)
+    assert SECRET not in exported and "sha256" not in exported
+    assert set(json.loads(exported.splitlines()[0])) == {
+        "at", "pool", "org", "mode", "source", "wait_s", "held_s", "outcome", "revision"
+    }  # fmt: skip
+
+
+async def test_an_ending_written_before_its_arrival_keeps_its_outcome(store: Store) -> None:
+    ending = ClaimEnding("c-9", "p", "acme", "cold", "cold", 1000.0, 30.0, "expired")
+    arrival = ClaimLogEntry("c-9", 990.0, "p", "acme", "cold", "cold", 10.0, None, "open", "r1")
+    await store.record_claim_log([], [ending])
+    await store.record_claim_log([arrival], [])
+    (row,) = await store.read_claim_log(since=0, until=2000)
+    assert (row.at, row.wait_s, row.held_s, row.outcome, row.revision) == (
+        990.0,
+        10.0,
+        30.0,
+        "expired",
+        "r1",
+    )
+
+
+async def test_the_claim_log_pages_by_arrival(store: Store) -> None:
+    entries = [
+        ClaimLogEntry(f"c-{i:03}", 100.0 + i // 2, "p" if i % 3 else "q", "o", "cold", "cold",
+                      0.1, 1.0, "released", "r")
+        for i in range(25)
+    ]  # fmt: skip
+    await store.record_claim_log(entries, [])
+    got: list[ClaimLogEntry] = []
+    after = None
+    while True:
+        page = await store.read_claim_log(since=0, until=1e9, pool="p", after=after, limit=4)
+        if not page:
+            break
+        got += page
+        after = (page[-1].at, page[-1].id)
+    want = sorted((e for e in entries if e.pool == "p"), key=lambda e: (e.at, e.id))
+    assert got == want
+
+
+async def test_replicas_rows_are_summed_and_a_rewrite_replaces_its_own(store: Store) -> None:
+    key = LedgerKey("p", "r1", "acme", 7200)
+    one = LedgerCounts(warm_s=10.0, claims_warm=1)
+    await store.record_ledger("r-a", {key: one}, now=7300.0)
+    await store.record_ledger("r-b", {key: LedgerCounts(warm_s=5.0)}, now=7300.0)
+    # Cumulative per replica: writing again replaces, never adds.
+    await store.record_ledger("r-a", {key: LedgerCounts(warm_s=12.0, claims_warm=2)}, now=7400.0)
+    rows = await store.read_ledger("p", since=7200.0, until=10800.0)
+    total = summed(rows, by=None)
+    (cell,) = total.values()
+    assert (cell.warm_s, cell.claims_warm) == (17.0, 2)
+    assert await store.read_ledger("p", since=10800.0, until=14400.0) == []
+
+
+async def test_one_purge_deletes_at_most_its_batch(store: Store) -> None:
+    cells = {
+        LedgerKey("p", "r", f"o{i}", 3600 * (i % 5)): LedgerCounts(warm_s=1.0) for i in range(30)
+    }
+    await store.record_ledger("r-a", cells, now=0.0)
+    log = [
+        ClaimLogEntry(f"c{i}", float(i), "p", "o", "cold", None, 0.0, None, "no_capacity", None)
+        for i in range(30)
+    ]
+    await store.record_claim_log(log, [])
+    cutoff = 10 * HOUR_S
+    assert await store.purge_ledger(before=cutoff, limit=7) == 7
+    assert await store.purge_ledger(before=cutoff, limit=20) == 20
+    assert await store.purge_ledger(before=cutoff, limit=100) == 33
+    assert await store.purge_ledger(before=cutoff, limit=100) == 0
+    assert await store.read_ledger("p", since=0, until=1e9) == []
+    assert await store.read_claim_log(since=0, until=1e9) == []
+
+
+async def test_a_purge_keeps_what_is_within_retention(store: Store) -> None:
+    old, new = LedgerKey("p", "r", "o", 0), LedgerKey("p", "r", "o", hour_of(50_000))
+    await store.record_ledger("r-a", {old: LedgerCounts(), new: LedgerCounts()}, now=0.0)
+    entry = ClaimLogEntry("c", 49_000.0, "p", "o", "cold", None, 0.0, None, "failed", None)
+    await store.record_claim_log([entry], [])
+    assert await store.purge_ledger(before=40_000.0, limit=100) == 1
+    assert [k for k, _ in await store.read_ledger("p", since=0, until=1e9)] == [new]
+    assert len(await store.read_claim_log(since=0, until=1e9)) == 1
+
+
+async def test_a_failure_is_logged_by_what_its_requester_was_told(store: Store) -> None:
+    clock = ManualClock()
+    ledger, _, _ = wire(store, clock)
+    for error in (
+        CapacityError("full", reason="pool_cap"),
+        CapacityError("none", reason="no_capacity"),
+        CapacityError("broken", reason="spawn_failing"),
+    ):
+        ledger.failed(pool="p", revision="r", org="o", mode=ClaimMode.COLD, wait_s=1.0, error=error)
+        clock.advance(1.0)
+    await ledger.flush(store)
+    log = await store.read_claim_log(since=0, until=clock.now() + 1)
+    assert [e.outcome for e in log] == ["pool_cap", "no_capacity", "failed"]
+
+
+async def test_a_running_plane_accounts_for_every_second_of_every_worker(tmp_path: Path) -> None:
+    """The real claim path, passes and readiness events: whatever the workers did, the sum
+    of the ledger's states is each worker's whole life (from its row), and every claim is
+    one log row with its outcome."""
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    runtime = MemoryRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=2, hot_idle_ttl=5.0)
+    plane = ControlPlane(store=store, runtime=runtime, activator=runtime, pools=[pool], clock=clock)
+    await plane.start(loops=False)
+    try:
+        await asyncio.sleep(1.0)
+        t0 = clock.now()
+        first = await plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+        await asyncio.sleep(30.0)
+        await plane.release(first.id)
+        second = await plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+        cold = await plane.claim(
+            ClaimRequest(pool="p", org="globex", mode=ClaimMode.COLD, timeout_s=5.0)
+        )
+        await asyncio.sleep(10.0)
+        await plane.release(second.id)
+        await plane.release(cold.id)
+        for _ in range(5):
+            await plane.run_janitor_pass()
+            await asyncio.sleep(3.0)
+        await plane.run_reaper_pass()
+        now = clock.now()
+        rows = await store.read_ledger("p", since=t0 - HOUR_S, until=now + 1)
+        total = LedgerCounts()
+        for _, counts in rows:
+            total.merge(counts)
+        workers = await store.list_workers()
+        lived = sum((w.updated_at if w.state is S.RETIRED else now) - w.created_at for w in workers)
+        counted = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
+        assert counted + total.draining_s == pytest.approx(lived, abs=1e-6)
+        assert total.hot_s > 40 and total.hot_idle_s > 0 and total.warm_s > 0
+        assert (total.claims_warm, total.claims_reuse, total.claims_cold) == (1, 1, 1)
+        assert total.spawns == len(workers) and total.ready >= 3
+        log = await store.read_claim_log(since=0, until=now + 1)
+        assert sorted(e.id for e in log) == sorted([first.id, second.id, cold.id])
+        assert {e.outcome for e in log} == {"released"}
+        assert all(e.held_s is not None and e.held_s > 0 for e in log)
+    finally:
+        await plane.stop()
+
+
+async def test_moves_another_replica_wrote_are_placed_at_their_write(store: Store) -> None:
+    """The leader drains one of this replica's workers and retires another: the owner's
+    next flush places each change at the row's write, not at the flush."""
+    clock = ManualClock()
+    ledger, life, _ = wire(store, clock)
+    leader = Lifecycle(store, clock, Metrics(CollectorRegistry()))  # no ledger hooks
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=2, owner=ME), ["w-x", "w-y"]
+    )
+    clock.advance(5)
+    x, y = [await life.move(w, S.WARM, endpoint="http://w") for w in slots.workers]
+    assert x is not None and y is not None
+    clock.advance(45)
+    drained = await leader.move(x, S.DRAINING, reason="excess")
+    gone = await leader.move(y, S.DRAINING, reason="excess")
+    assert drained is not None and gone is not None
+    assert await leader.move(gone, S.RETIRED, reason="excess") is not None
+    clock.advance(50)
+    await ledger.flush(store)
+    total = LedgerCounts()
+    for _, counts in await store.read_ledger("p", since=t0 - 1, until=t0 + 101):
+        total.merge(counts)
+    assert total.starting_s == pytest.approx(5 + 5)
+    assert total.warm_s == pytest.approx(45 + 45)
+    # x drains from the leader's write on; y's time ends at its retirement.
+    assert total.draining_s == pytest.approx(50)

@@ -1,0 +1,118 @@
+"""`stoker pools ledger` and `stoker claims export` against a real `stoker serve`
+(docs/warmth.md, docs/claim-log.md): the export round-trips the server's claim log line
+for line, in the fixed format, with no token in it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from servers import DEMO, STOKER, Server, environment, kill_fleet, start_server
+
+pytestmark = pytest.mark.processes
+
+EXPORT_KEYS = {"at", "pool", "org", "mode", "source", "wait_s", "held_s", "outcome", "revision"}
+
+
+def run(args: list[str], url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [STOKER, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environment(STOKER_URL=url),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[str]]]:
+    """A server whose log holds two released sessions and one open one; the tokens the
+    claims were handed."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    pool = {"name": "demo", "command": DEMO, "warm_target": 2, "cost": {"per_worker_hour": 0.5}}
+    config = (
+        f"store: sqlite:///./stoker.db\nfleet: {fleet}\napi: {{port: 0}}\n"
+        "intervals: {janitor_interval_s: 0.2, reaper_interval_s: 0.5, shutdown_grace_s: 5}\n"
+        f"pools:\n  - {json.dumps(pool)}\n"
+    )
+    srv = start_server(
+        tmp_path_factory.mktemp("cli-ledger"), config=config, args=["--stop-workers"]
+    )
+    tokens = []
+    try:
+        for org in ("acme", "globex", "acme"):
+            made = httpx.post(
+                srv.url + "/v1/claims", json={"pool": "demo", "org": org}, timeout=30
+            ).json()
+            tokens.append(made["worker"]["token"])
+            if len(tokens) < 3:
+                httpx.delete(f"{srv.url}/v1/claims/{made['id']}", timeout=30)
+        # The replica writes its log rows with its next pass (every 0.5 s): bounded wait.
+        for _ in range(150):
+            entries = log(srv)
+            if sorted(e["outcome"] for e in entries) == ["open", "released", "released"]:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the log never held the three claims: {entries}")
+        yield srv, tokens
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+def log(srv: Server) -> list[dict[str, Any]]:
+    answer = httpx.get(srv.url + "/v1/claims/log", params={"since": "1h"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    entries: list[dict[str, Any]] = answer.json()["entries"]
+    return entries
+
+
+def test_claims_export_round_trips_the_log(
+    server: tuple[Server, list[str]], tmp_path: Path
+) -> None:
+    srv, tokens = server
+    out = tmp_path / "claims.jsonl"
+    done = run(["claims", "export", "--since", "1h", "--pool", "demo", "--out", str(out)], srv.url)
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert lines == log(srv)
+    assert all(set(line) == EXPORT_KEYS for line in lines)
+    assert [line["at"] for line in lines] == sorted(line["at"] for line in lines)
+    assert all(token not in text for token in tokens)
+    printed = run(["claims", "export", "--since", "1h"], srv.url)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == text
+    other = run(["claims", "export", "--since", "1h", "--pool", "nope"], srv.url)
+    assert other.returncode == 0 and other.stdout == ""
+
+
+def test_pools_ledger_prints_a_table_and_json(server: tuple[Server, list[str]]) -> None:
+    srv, _ = server
+    table = run(["pools", "ledger", "demo", "--since", "1h", "--by", "org"], srv.url)
+    assert table.returncode == 0, table.stderr
+    assert "total" in table.stdout and "acme" in table.stdout
+    as_json = run(["pools", "ledger", "demo", "--since", "1h", "--json"], srv.url)
+    assert as_json.returncode == 0, as_json.stderr
+    body = json.loads(as_json.stdout)
+    assert body["cost"]["per_worker_hour"] == 0.5
+    assert body["total"]["claims_warm"] + body["total"]["claims_reuse"] == 3
+    assert body["total"]["idle_warm_cost"] > 0
+
+
+def test_a_bad_window_is_one_line(server: tuple[Server, list[str]]) -> None:
+    srv, _ = server
+    bad = run(["pools", "ledger", "demo", "--since", "yesterday"], srv.url)
+    assert bad.returncode != 0
+    assert bad.stderr.startswith("stoker: ") and len(bad.stderr.strip().splitlines()) == 1
