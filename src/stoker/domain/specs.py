@@ -136,8 +136,11 @@ class CostSpec:
     """What a pool's workers cost (docs/warmth.md): either per cpu-hour and GiB-hour of the
     template's resources, or a flat price per worker-hour. Currency is the operator's."""
 
+    #: Price of one cpu-hour of the template's resources (with `per_gib_hour`).
     per_cpu_hour: Price | None = None
+    #: Price of one GiB-hour of the template's memory (with `per_cpu_hour`).
     per_gib_hour: Price | None = None
+    #: A flat price per worker-hour, instead of the two above.
     per_worker_hour: Price | None = None
 
     def __post_init__(self) -> None:
