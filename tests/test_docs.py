@@ -128,3 +128,39 @@ def test_every_metric_of_the_operations_guide_is_exported() -> None:
     assert len(named) >= 10
     missing = named - exported()
     assert not missing, missing
+
+
+def test_the_readme_is_a_newcomers_page_that_leads_into_the_site() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    for command in ("make serve", "make test", "make docs", "make docs-serve"):
+        assert command in text, command
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[:2] == ["Two commands", "A five-minute tour"], headings
+    linked = set(LINK.findall(text))
+    for page in (
+        "docs/index.md",
+        "docs/getting-started.md",
+        "docs/architecture.md",
+        "docs/guides/kubernetes.md",
+        "docs/guides/replicas.md",
+        "docs/operations.md",
+        "docs/api.md",
+        "docs/benchmarks/index.md",
+    ):
+        assert any(target.split("#")[0] == page for target in linked), page
+    # The tour: serve, claim, use, release, and the dashboard.
+    for step in ("**Claim**", "**Use**", "**Release**", "/ui"):
+        assert step in text, step
+
+
+def test_getting_started_shows_the_tour_the_quick_start_test_runs() -> None:
+    text = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    for command in (
+        "make serve",
+        "stoker claim --pool demo --org acme | tee claim.json",
+        'curl -H "Authorization: Bearer $TOKEN" "$ENDPOINT/"',
+        "stoker release",
+        "stoker status",
+    ):
+        assert command in text, command
