@@ -10,7 +10,7 @@ LOCK := requirements/dev.lock
 COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
 	--generate-hashes --custom-compile-command 'make lock'
 
-.PHONY: install lock demo serve test test-e2e kube-e2e-binaries lint fmt bench docs docs-serve clean
+.PHONY: install lock demo serve test test-e2e kube-e2e-binaries test-extras lint fmt bench docs docs-serve clean
 
 install: $(STAMP)
 
@@ -36,13 +36,18 @@ serve: install
 	$(VENV)/bin/stoker serve
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks noxfile.py
+	$(VENV)/bin/ruff format --check src tests benchmarks noxfile.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS)
+
+# Every extra on its own (noxfile.py): the wheel and sdist built and checked, each extra
+# installed into a fresh virtualenv (pip, its cache) and running what it is for.
+test-extras: install
+	$(VENV)/bin/nox $(NOX_ARGS)
 
 # The tier against a real kube-apiserver and kube-scheduler (tests/e2e_kubernetes), alone,
 # in one process: it shares one cluster. Builds the binaries first when they are not cached.
@@ -74,4 +79,4 @@ docs-serve: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict --dev-addr $(DOCS_ADDR)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis site
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .nox site

@@ -95,8 +95,12 @@ def test_a_short_chaos_soak_finds_no_violation(postgres_url: str, tmp_path: Path
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     assert soak.returncode == 0, output
     report: dict[str, Any] = json.loads(report_path.read_text())
-    # The soak did what it says: it served claims while every kind of fault happened...
-    assert report["claims"]["served"] > 100, output
+    # The soak did what it says: it served claims while every kind of fault happened, and
+    # each claim it tried was served or refused with a status (how many a machine serves
+    # in the time is its speed, a benchmark's figure: benchmarks/chaos_soak.py)...
+    claims = report["claims"]
+    assert claims["served"] > 0, output
+    assert claims["served"] + sum(claims["refused"].values()) == claims["attempted"], output
     for kind in FAULT_KINDS:
         assert report["faults"].get(kind, 0) >= 1, (kind, output)
     assert report["failed_writes"]["write"] > 0 and report["failed_writes"]["lease"] > 0, output

@@ -89,7 +89,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def test_claim_prints_json_and_release_frees_it(server: Server) -> None:
     claimed = run(
-        ["claim", "--pool", "demo", "--org", "acme", "--config", "role=ro", "--config", "n=3"],
+        ["claim", "--pool", "demo", "--org", "acme", "--set", "role=ro", "--set", "n=3"],
         url=server.url,
     )
     assert claimed.returncode == 0, claimed.stderr
@@ -116,16 +116,19 @@ def test_claim_options(server: Server) -> None:
             "globex",
             "--mode",
             "cold",
-            "--timeout",
+            "--timeout-s",
             "30",
-            "--lease",
+            "--lease-s",
             "5",
+            "--ttl-s",
+            "7",
         ],
         url=server.url,
     )
     assert claimed.returncode == 0, claimed.stderr
     claim = json.loads(claimed.stdout)
     assert claim["source"] == "cold" and claim["mode"] == "cold" and claim["lease_s"] == 5
+    assert claim["ttl_s"] == 7
     assert run(["release", claim["id"]], url=server.url).returncode == 0
 
 
@@ -241,7 +244,7 @@ def test_claims_list_show_and_renew(server: Server) -> None:
         == "bound"
     )
 
-    renewed = run(["claims", "renew", claim["id"], "--lease", "120", "--json"], url=server.url)
+    renewed = run(["claims", "renew", claim["id"], "--lease-s", "120", "--json"], url=server.url)
     assert renewed.returncode == 0, renewed.stderr
     body = json.loads(renewed.stdout)
     # 120 s from the renewal, which came after the claim was made.
@@ -527,10 +530,15 @@ def test_server_side_errors_are_one_line(server: Server) -> None:
     "args",
     [
         ["claim", "--pool", "demo"],
-        ["claim", "--pool", "demo", "--org", "acme", "--timeout", "-1"],
+        ["claim", "--pool", "demo", "--org", "acme", "--timeout-s", "-1"],
         ["claim", "--pool", "demo", "--org", "acme", "--mode", "hot"],
-        ["claim", "--pool", "demo", "--org", "acme", "--config", "no-equals-sign"],
-        ["claim", "--pool", "demo", "--org", "acme", "--lease", "0"],
+        ["claim", "--pool", "demo", "--org", "acme", "--set", "no-equals-sign"],
+        ["claim", "--pool", "demo", "--org", "acme", "--lease-s", "0"],
+        ["claim", "--pool", "demo", "--org", "acme", "-c", "role=ro"],
+        ["claim", "--url", "http://[::1", "--pool", "demo", "--org", "acme"],
+        ["--url", "ftp://example.org", "status"],
+        ["rollout", "start", "demo", "--command", "'unbalanced"],
+        ["rollout", "start", "demo", "--argv", "'unbalanced"],
         ["release"],
         ["status", "--interval", "fast"],
         ["status", "--json", "--watch"],
@@ -803,3 +811,108 @@ def test_serve_json_announces_itself_and_logs_json(tmp_path: Path) -> None:
 def test_a_bad_choice_is_said_without_the_parser_s_words() -> None:
     line = one_line_error(run(["workers", "list", "--state", "bogus"]), 2)
     assert "'bogus' is not one of" in line and "Value error" not in line
+
+
+# -- one grammar (#26): every case of the issue's CLI paragraph ------------------------------
+
+
+def test_url_and_token_work_before_the_command_and_after_it(server: Server) -> None:
+    # Before the command (as docs/getting-started.md shows them) with no $STOKER_URL: no "No such option".
+    before = run(["--url", server.url, "pools", "list", "--json"])
+    assert before.returncode == 0, before.stderr
+    assert [p["name"] for p in json.loads(before.stdout)["pools"]] == ["demo"]
+    rollout = run(["--url", server.url, "rollout", "status", "demo", "r-none"])
+    assert "has no rollout" in one_line_error(rollout, 1)
+    after = run(["rollout", "status", "demo", "r-none", "--url", server.url])
+    assert "has no rollout" in one_line_error(after, 1)
+    # Nearest the command wins: after it, over before it, over $STOKER_URL.
+    nearest = run(["--url", "http://127.0.0.1:9", "status", "--url", server.url, "--json"])
+    assert nearest.returncode == 0, nearest.stderr
+    given = run(["--url", server.url, "status", "--json"], url="http://127.0.0.1:9")
+    assert given.returncode == 0, given.stderr
+
+
+def test_every_list_is_noun_list(server: Server) -> None:
+    for noun in ("pools", "claims", "workers"):
+        listed = run([noun, "list", "--json"], url=server.url)
+        assert listed.returncode == 0, (noun, listed.stderr)
+        assert noun in json.loads(listed.stdout)
+    # `stoker pools` alone still lists, and `pools list` is no pool named "list".
+    assert json.loads(run(["pools", "--json"], url=server.url).stdout)["pools"]
+
+
+def test_one_name_per_concept_across_commands() -> None:
+    import typer
+
+    from stoker.cli.app import app
+
+    names: dict[str, set[str]] = {}
+    for path, command in _leaf_commands(typer.main.get_command(app)):
+        for param in command.params:
+            if getattr(param, "hidden", False):
+                continue
+            for opt in getattr(param, "opts", ()):
+                names.setdefault(opt, set()).add(" ".join(path))
+    # Seconds are named as the API names them; the old names are hidden aliases only.
+    for old in ("--lease", "--timeout", "--ttl", "--step-interval", "--ready-timeout"):
+        assert old not in names, names[old]
+    assert names["--lease-s"] >= {"claim", "claims renew", "pools set"}
+    assert "claim" in names["--ttl-s"] and "claim" in names["--timeout-s"]
+    # `-c` has one meaning: the config file.
+    assert names["-c"] == {"serve", "config check"}
+    assert names["--config"] == {"serve", "config check"}
+
+
+def test_the_old_option_names_still_work_and_say_so(server: Server) -> None:
+    claimed = run(["claim", "-p", "demo", "-o", "acme", "--lease", "5"], url=server.url)
+    assert claimed.returncode == 0, claimed.stderr
+    assert json.loads(claimed.stdout)["lease_s"] == 5
+    assert claimed.stderr.strip() == "stoker: --lease is deprecated; use --lease-s"
+    assert run(["release", json.loads(claimed.stdout)["id"]], url=server.url).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["claim", "--url", "http://[::1", "-p", "demo", "-o", "acme"], "--url"),
+        (["--url", "http://[::1", "claim", "-p", "demo", "-o", "acme"], "--url"),
+        (["rollout", "start", "demo", "--command", "'unbalanced"], "--command"),
+        (["rollout", "start", "demo", "--argv", "'unbalanced"], "--argv"),
+    ],
+)
+def test_the_inputs_that_ended_in_a_traceback_are_one_line(args: list[str], said: str) -> None:
+    assert said in one_line_error(run(args, url="http://127.0.0.1:9"), 2)
+
+
+def test_config_check_masks_every_secret_of_a_url_and_says_schema(tmp_path: Path) -> None:
+    secrets = ["userinfo-pw", "query-pw", "ssl-pw", "query-token", "env-pw"]
+    (tmp_path / "stoker.yaml").write_text(
+        f"store: 'postgresql://stoker:{secrets[0]}@db:5432/stoker?sslmode=require"
+        f"&password={secrets[1]}&sslpassword={secrets[2]}&api_token={secrets[3]}'\n"
+        "store_options: {schema: tenants}\n"
+        f"pools:\n  - {{name: p, command: [x], env: {{DB_PASSWORD: {secrets[4]}, MODE: ro}}}}\n"
+    )
+    for args in ([], ["--json"]):
+        result = run(["config", "check", "--config", str(tmp_path / "stoker.yaml"), *args])
+        assert result.returncode == 0, result.stderr
+        for secret in secrets:
+            assert secret not in result.stdout
+    shown = json.loads(result.stdout)
+    assert shown["store"] == (
+        "postgresql://stoker:***@db:5432/stoker?sslmode=require"
+        "&password=***&sslpassword=***&api_token=***"
+    )
+    # The key names of the file and the documentation, not the code's.
+    assert shown["store_options"]["schema"] == "tenants" and "db_schema" not in result.stdout
+    assert shown["pools"][0]["env"] == {"DB_PASSWORD": "***", "MODE": "ro"}
+
+
+def test_config_check_of_a_pod_pool_says_nothing_but_the_config(tmp_path: Path) -> None:
+    (tmp_path / "k8s.yaml").write_text(
+        "runtime: {kind: kubernetes}\n"
+        "pools:\n  - {name: db, pod: {image: 'worker:1', cpu: 500m, memory: 256Mi}}\n"
+    )
+    result = run(["config", "check", "--config", str(tmp_path / "k8s.yaml"), "--json"])
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    pod = json.loads(result.stdout)["pools"][0]["pod"]
+    assert (pod["command"], pod["args"], pod["tolerations"]) == ([], [], [])

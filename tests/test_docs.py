@@ -38,7 +38,7 @@ def test_every_relative_link_names_a_file(page: Path) -> None:
 
 #: Markdown files stoker writes (a scale test's report, `make docs`' API reference): named
 #: in the code as outputs, not as documents to read.
-WRITTEN = {"report.md", "api.md", "DIR/api.md"}
+WRITTEN = {"report.md", "api.md", "DIR/api.md", "backtest.md"}
 
 
 def test_every_document_the_code_cites_is_in_the_repository() -> None:

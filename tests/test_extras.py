@@ -157,3 +157,61 @@ def test_scaletest_without_matplotlib_is_one_line_before_the_run(tmp_path: Path)
         "stoker: the scale test needs the 'sim' extra: pip install 'stoker[sim]'"
     ]
     assert not out.exists()
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_scaletest_runs_with_the_sim_extra_alone(tmp_path: Path) -> None:
+    # `pip install 'stoker[sim]'`: no lightkube, psycopg or OpenTelemetry. The simulator
+    # runs the Kubernetes runtime's code, which must not need the Kubernetes library.
+    others = [m for extra, ms in EXTRAS.items() if extra != "sim" for m in ms]
+    result = stoker_without(
+        [*others, "lightkube.utils.quantity"],
+        ["scaletest", "cold-ramp", "--short", "--out", "r", "--no-progress", "-p", "stoker"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "r" / "summary.json").is_file()
+
+
+#: Which of stoker's modules may fail to import without an extra, by the extra they need:
+#: the adapters that are the extra's whole point, loaded only after `missing_extra` said yes.
+NEEDS_AN_EXTRA = {
+    "stoker.adapters.cluster_lightkube": "kubernetes",
+    "stoker.adapters.elector_k8s": "kubernetes",
+    "stoker.adapters.tracing_otel": "tracing",
+}
+AUDIT = """
+import importlib, pkgutil, sys
+sys.modules.update(dict.fromkeys(sys.argv[1].split(',')))
+import stoker
+failed = []
+for info in pkgutil.walk_packages(stoker.__path__, 'stoker.'):
+    if info.name.endswith('__main__'):
+        continue
+    try:
+        importlib.import_module(info.name)
+    except ImportError as exc:
+        failed.append(info.name)
+print('\\n'.join(sorted(set(failed))))
+"""
+
+
+def test_only_the_extras_own_adapters_need_an_extra_to_import() -> None:
+    # Every optional library missing at once: the rest of stoker imports, so that a
+    # feature that lacks one reaches its one-line `missing_extra` check, not a traceback.
+    # (OpenTelemetry's API comes with FastAPI in the base install; its SDK is the extra.)
+    blocked = ["psycopg", "psycopg_pool", "lightkube", "matplotlib"]
+    blocked += ["opentelemetry.sdk", "opentelemetry.exporter"]
+    result = subprocess.run(
+        [sys.executable, "-c", AUDIT, ",".join(blocked)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment(),
+        check=True,
+    )
+    failed = set(result.stdout.split())
+    allowed = {m for m in failed if m.startswith("stoker.adapters.postgres")}
+    assert failed - allowed <= set(NEEDS_AN_EXTRA), result.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -327,3 +328,43 @@ async def _retired(plane: ControlPlane, worker_id: str) -> bool:
 
 async def _claim_in(plane: ControlPlane, claim_id: str, state: ClaimState) -> bool:
     return (await plane.get_claim(claim_id)).state is state
+
+
+#: Stops of a plane with spawns in flight (each a fresh plane): enough to meet every moment
+#: a spawn can be in (waiting for the bucket, queued for a start-up slot, granted a slot,
+#: starting, probing) a few times over.
+STOPS_DURING_SPAWNS = 50
+
+
+@pytest.mark.slow
+async def test_a_stop_during_spawns_leaves_no_process(tmp_path: Path, fleet: str) -> None:
+    """A worker process that outlived its plane's stop was a leak: a spawn granted a
+    start-up slot (not yet resumed) when the stop retired its row started its process
+    afterwards, for a retired row. Stopped at every moment of its spawns, no plane leaves
+    a process behind."""
+    rng = random.Random(7)
+    for i in range(STOPS_DURING_SPAWNS):
+        clock = VirtualClock(epoch=None)
+        store = SqliteStore(str(tmp_path / f"s{i}.db"))
+        plane = ControlPlane(
+            store=store,
+            runtime=LocalProcessRuntime(
+                clock=clock,
+                fleet=fleet,
+                instance_id="unused",
+                activation_key=TEST_ACTIVATION_KEY,
+                # One start-up at a time: most spawns queue, and one is granted at each end.
+                start_limit=1,
+            ),
+            activator=HttpActivator(activation_key=TEST_ACTIVATION_KEY),
+            pools=[demo_pool(warm_target=4)],
+            settings=PlaneSettings(janitor_interval_s=3600, reaper_interval_s=3600),
+            clock=clock,
+        )
+        await plane.start(loops=False)
+        await asyncio.sleep(rng.uniform(0.0, 0.6))
+        await plane.stop(stop_workers=True)
+        left = fleet_processes(fleet)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert left == set(), f"stop {i}: processes outlived the plane"

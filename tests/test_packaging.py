@@ -127,6 +127,34 @@ def test_no_dependency_is_pinned_exactly(metadata: tuple[Message, list[str]]) ->
     assert pinned == []
 
 
+def test_the_wheel_carries_the_readme_as_its_long_description(
+    metadata: tuple[Message, list[str]],
+) -> None:
+    # What PyPI shows on the project's page: the README, as Markdown.
+    meta, _ = metadata
+    assert meta["Description-Content-Type"] == "text/markdown"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert str(meta.get_payload()).strip() == readme.strip()
+
+
+def test_the_version_is_written_in_one_place(metadata: tuple[Message, list[str]]) -> None:
+    # pyproject reads it from stoker/_version.py; the wheel, the package, the command
+    # and the changelog say the same.
+    from stoker import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    meta, _ = metadata
+    assert meta["Version"] == __version__
+    shown = subprocess.run(
+        [STOKER, "--version"], capture_output=True, text=True, check=True, env=environment()
+    )
+    assert shown.stdout.strip() == f"stoker {__version__}"
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "## [Unreleased]" in changelog
+    assert f"## [{__version__}] - " in changelog
+
+
 def test_the_wheel_ships_the_scenarios_and_the_type_marker(
     metadata: tuple[Message, list[str]],
 ) -> None:

@@ -1,8 +1,8 @@
 """Rolling a new demo-worker command out under steady claims, end to end: a real
 `stoker serve`, real worker processes, the `stoker rollout` command and the SDK (#14).
 
-Claims keep coming from two threads while the canary ramps 50 % then 100 %; not one may
-fail, and once promoted every new worker runs the new command.
+Claims keep coming from two threads, at a steady rate, while the canary ramps 50 % then
+100 %; not one may fail, and once promoted every new worker runs the new command.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from servers import Server, kill_fleet, start_server
+from servers import Server, kill_fleet, start_server, wait_until
 from stoker.sdk import Client, StokerError
 from test_cli import config, run
 
@@ -36,12 +36,22 @@ def server(tmp_path: Path) -> Iterator[Server]:
         kill_fleet(fleet)
 
 
+#: Seconds between the starts of one org's claims: a steady rate that a loaded machine
+#: serves. With `reuse: never` each claim costs a spawn; back to back (or one a second
+#: per org, with both cores busy elsewhere) the cold spawns claims wait for, which go
+#: first, kept the local start-up slots busy and the new revision's warm spawns never
+#: started: the rollout stayed at "preparing step 1".
+CLAIM_PERIOD_S = 4.0
+
+
 def _steady_claims(
     url: str, org: str, stop: threading.Event, seen: list[str], failed: list[str]
 ) -> None:
-    """Claim, hold briefly, release, again, until `stop`; record each claim's worker."""
+    """Claim, hold briefly, release, one claim every `CLAIM_PERIOD_S` (or at once after a
+    slower one), until `stop`; record each claim's worker."""
     with Client(url) as client:
         while not stop.is_set():
+            began = time.perf_counter()
             try:
                 claim = client.create_claim("demo", org, timeout_s=30)
             except StokerError as exc:
@@ -50,6 +60,7 @@ def _steady_claims(
             seen.append(claim.worker.id)
             time.sleep(0.2)
             client.release(claim.id)
+            stop.wait(max(0.0, CLAIM_PERIOD_S - (time.perf_counter() - began)))
 
 
 def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
@@ -75,7 +86,7 @@ def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
                 "DEMO_REVISION=2",
                 "--steps",
                 "50,100",
-                "--step-interval",
+                "--step-interval-s",
                 "2",
                 "--json",
             ],
@@ -93,7 +104,8 @@ def test_a_new_command_rolls_out_under_steady_claims_with_no_failed_claim(
         assert watched.returncode == 0, watched.stderr
         assert "promoted" in watched.stdout.splitlines()[-1], watched.stdout
         before = len(seen)
-        time.sleep(3)
+        # Claims go on after the promotion: one of each org at least (bounded, not timed).
+        assert wait_until(lambda: len(seen) >= before + 2, timeout=4 * CLAIM_PERIOD_S + 60)
     finally:
         stop.set()
         for t in threads:

@@ -66,7 +66,7 @@ def test_a_worker_that_trusts_unsigned_activations_fails_with_a_clear_row() -> N
 
 def test_a_worker_that_never_gets_healthy_fails_the_first_row() -> None:
     result = worker_check(
-        "--ready-timeout", "1", "--", sys.executable, "-c", "import time; time.sleep(30)"
+        "--ready-timeout-s", "1", "--", sys.executable, "-c", "import time; time.sleep(30)"
     )
     assert result.returncode == 1
     assert rows(result.stdout) == {

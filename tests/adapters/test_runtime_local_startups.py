@@ -68,3 +68,34 @@ async def test_withdrawn_and_cancelled_waiters_give_their_turn_on() -> None:
     gate.close()
     with pytest.raises(ValueError):
         StartGate(0)
+
+
+async def test_a_spawn_withdrawn_between_its_grant_and_its_turn_never_starts() -> None:
+    # The leak behind a process that outlived its plane's stop: the slot was granted, the
+    # stop came before the spawn resumed, found no process and no queued spawn, and the
+    # spawn then started one for a retired worker.
+    gate = StartGate(1)
+    await gate.enter("a")
+    granted = asyncio.create_task(gate.enter("b"))
+    then = asyncio.create_task(gate.enter("c"))
+    await settle()
+    gate.leave("a")  # "b" is granted its slot; its `enter` has not returned yet
+    assert gate.withdraw("b", "was stopped")
+    with pytest.raises(SpawnWithdrawn, match="b was withdrawn before it started"):
+        await granted
+    # Its slot went on to the next one; a withdrawn spawn is withdrawn once.
+    await then
+    assert (gate.starting, gate.queued) == (1, 0)
+    assert not gate.withdraw("b", "was stopped")
+
+
+async def test_closing_withdraws_a_granted_spawn_too() -> None:
+    gate = StartGate(1)
+    await gate.enter("a")
+    granted = asyncio.create_task(gate.enter("b"))
+    await settle()
+    gate.leave("a")
+    gate.close()
+    with pytest.raises(SpawnWithdrawn):
+        await granted
+    assert (gate.starting, gate.queued) == (0, 0)

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes import MemoryRuntime
+from stoker._version import __version__
 from stoker.api import StokerApp, create_app
 from stoker.api.routing import DECLINED, DirectRoute, DirectRoutes
 from stoker.bootstrap import build_control_plane
@@ -466,7 +467,7 @@ async def test_dashboard_data_is_for_admins_only(tmp_path: Path) -> None:
 
 async def test_health_readiness_and_metrics(tmp_path: Path) -> None:
     async with running(tmp_path) as api:
-        assert (await api.http.get("/healthz")).json() == {"status": "ok"}
+        assert (await api.http.get("/healthz")).json() == {"status": "ok", "version": __version__}
         ready = await api.http.get("/readyz")
         assert ready.status_code == 200 and ready.json() == {"status": "ready", "degraded": []}
         await api.claim()

@@ -388,7 +388,6 @@ async def test_failed_writes_during_a_workload_break_no_invariant(cluster: Clust
         await asyncio.gather(*(session(wave * 8 + i) for i in range(8)))
     for r in replicas:
         r.store.rate = 0.0
-    await asyncio.sleep(1.0)
 
     failures = sum(r.store.failures for r in replicas)
     persist_failures = sum(
@@ -408,14 +407,18 @@ async def test_failed_writes_during_a_workload_break_no_invariant(cluster: Clust
         by_worker[claim.worker_id].add(claim.org)
     assert all(len(orgs) == 1 for orgs in by_worker.values())
     assert await store.list_claims(states=[ClaimState.BOUND]) == []
+
     # Memory is only a hint across replicas (a release on another replica is not seen by
-    # the owner's queues), but no write is left pending once the store recovers.
-    await asyncio.sleep(1.0)
-    for r in replicas:
-        pending = r.plane.book.pending_facts()
-        assert (pending.ready, pending.lost, pending.retire) == ({}, {}, {})
-    stuck = await store.list_workers(states=[S.RESERVED, S.ACTIVATING])
-    assert stuck == []
+    # the owner's queues), but no write is left pending once the store recovers: the next
+    # passes write them, however long a loaded machine takes to run them.
+    async def settled() -> bool:
+        for r in replicas:
+            pending = r.plane.book.pending_facts()
+            if (pending.ready, pending.lost, pending.retire) != ({}, {}, {}):
+                return False
+        return await store.list_workers(states=[S.RESERVED, S.ACTIVATING]) == []
+
+    await until(settled, timeout=30)
     # I5: the org cap held throughout (checked at the end on every live row).
     per_org: dict[str | None, int] = defaultdict(int)
     for w in await store.list_workers(states=LIVE):

@@ -260,8 +260,8 @@ def _routes(app: FastAPI, plane: ControlPlane, state: ApiState) -> None:
 
     @app.get("/healthz", **_doc("healthz", "Liveness", "health", Health))
     async def healthz() -> Response:
-        """200 while the process runs."""
-        return ModelResponse(Health(status="ok"))
+        """200 while the process runs, with the version it runs."""
+        return ModelResponse(Health(status="ok", version=__version__))
 
     @app.get("/readyz", **_doc("readyz", "Readiness", "health", Readiness, 503))
     async def readyz() -> Response:

@@ -311,6 +311,8 @@ class Health(BaseModel):
     """`GET /healthz` when the process runs."""
 
     status: str
+    #: The version of stoker this replica runs (`stoker version`).
+    version: str
 
 
 class DegradedPool(BaseModel):

@@ -41,12 +41,12 @@ class Mode(StrEnum):
     cold = "cold"
 
 
-def _parse_config_items(items: Sequence[str]) -> dict[str, Any]:
+def _parse_settings(items: Sequence[str]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            fail(f"--config expects KEY=VALUE, got {item!r}", code=2)
+            fail(f"--set expects KEY=VALUE, got {item!r}", code=2)
         try:
             # Numbers, booleans, null and JSON objects keep their type; the rest is text.
             config[key] = json.loads(raw)
@@ -56,8 +56,21 @@ def _parse_config_items(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _lease_option(help_text: str, shown: str) -> Any:
-    """`--lease`: seconds, within what the server takes (a second to a day)."""
-    return typer.Option("--lease", min=1, max=86400, help=help_text, show_default=shown)
+    """`--lease-s`: seconds, within what the server takes (a second to a day)."""
+    return typer.Option("--lease-s", min=1, max=86400, help=help_text, show_default=shown)
+
+
+#: `--lease`, the name `--lease-s` had before 0.2 (hidden; said to be deprecated).
+OldLease = Annotated[float | None, typer.Option("--lease", min=1, max=86400, hidden=True)]
+
+
+def renamed(new: float | None, old: float | None, old_name: str, new_name: str) -> float | None:
+    """The value of an option given under its new name, or (with a note on stderr that
+    the name is deprecated) under its old one."""
+    if old is None:
+        return new
+    print(f"stoker: {old_name} is deprecated; use {new_name}", file=sys.stderr)
+    return new if new is not None else old
 
 
 def claim(
@@ -69,10 +82,10 @@ def claim(
             "--mode", "-m", help="How the claim may be served", show_default="prefer_warm"
         ),
     ] = None,
-    timeout: Annotated[
+    timeout_s: Annotated[
         float | None,
         typer.Option(
-            "--timeout",
+            "--timeout-s",
             "-t",
             min=0,
             max=3600,
@@ -80,32 +93,48 @@ def claim(
             show_default="the pool's claim_timeout_s",
         ),
     ] = None,
-    lease: Annotated[
+    lease_s: Annotated[
         float | None, _lease_option("Lease length in seconds", "the pool's lease_s")
     ] = None,
-    config: Annotated[
+    ttl_s: Annotated[
+        float | None,
+        typer.Option(
+            "--ttl-s",
+            min=0,
+            max=86400,
+            help="Seconds the worker stays parked for the org after release",
+            show_default="the org's or pool's hot_idle_ttl",
+        ),
+    ] = None,
+    settings: Annotated[
         list[str] | None,
         typer.Option(
-            "--config",
-            "-c",
-            help="KEY=VALUE handed to the worker at activation (repeatable)",
+            "--set",
+            help="KEY=VALUE handed to the worker at activation (repeatable; the claim's config)",
             show_default=False,
         ),
     ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (the output anyway)")] = False,
+    old_timeout: Annotated[
+        float | None, typer.Option("--timeout", min=0, max=3600, hidden=True)
+    ] = None,
+    old_lease: OldLease = None,
 ) -> None:
     """Claim a worker and print the claim as JSON (release it with `stoker release ID`)."""
-    settings = _parse_config_items(config or [])
+    config = _parse_settings(settings or [])
+    timeout_s = renamed(timeout_s, old_timeout, "--timeout", "--timeout-s")
+    lease_s = renamed(lease_s, old_lease, "--lease", "--lease-s")
     with server(url, token) as client:
         info = client.create_claim(
             pool,
             org,
             mode=mode.value if mode is not None else None,
-            timeout_s=timeout,
-            lease_s=lease,
-            config=settings,
+            timeout_s=timeout_s,
+            lease_s=lease_s,
+            ttl_s=ttl_s,
+            config=config,
         )
     print_json(dict(info.raw))
 
@@ -204,13 +233,15 @@ def claims_show(claim_id: ClaimIdArgument, *, client: Client, as_json: bool) -> 
 @server_command(claims_app, "renew")
 def claims_renew(
     claim_id: ClaimIdArgument,
-    lease: Annotated[float | None, _lease_option("Lease in seconds from now", "its own")] = None,
+    lease_s: Annotated[float | None, _lease_option("Lease in seconds from now", "its own")] = None,
+    old_lease: OldLease = None,
     *,
     client: Client,
     as_json: bool,
 ) -> None:
     """Extend a claim's lease from now."""
-    _print_claim(client.renew(claim_id, lease), as_json)
+    lease_s = renamed(lease_s, old_lease, "--lease", "--lease-s")
+    _print_claim(client.renew(claim_id, lease_s), as_json)
 
 
 @claims_app.command("export")
@@ -241,8 +272,11 @@ def claims_export(
                 print(json.dumps(entry, separators=(",", ":")))
             return
         count = 0
-        with open(out, "w", encoding="utf-8") as file:
-            for entry in entries:
-                file.write(json.dumps(entry, separators=(",", ":")) + "\n")
-                count += 1
+        try:
+            with open(out, "w", encoding="utf-8") as file:
+                for entry in entries:
+                    file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+                    count += 1
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}")
         print(f"wrote {count} claims to {out}", file=sys.stderr)

@@ -3,7 +3,9 @@ masked."""
 
 from __future__ import annotations
 
+import re
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,7 +27,7 @@ def config_check(
             "--config",
             "-c",
             envvar="STOKER_CONFIG",
-            help="YAML config file, as `stoker serve -c` takes it",
+            help="YAML config file, as `stoker serve --config` takes it",
             dir_okay=False,
             show_default=False,
         ),
@@ -52,7 +54,11 @@ def config_check(
         # One `config error: <key>: <problem>` line per problem, as `serve` prints them.
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
-    effective = _masked(loaded.config.model_dump(mode="json"))
+    # The file's names (`store_options.schema`), as the documentation gives them.
+    # (A pod template's empty lists default to the domain's empty tuples: serialized as
+    # lists all the same, without pydantic's warning about the type on stderr.)
+    dumped = loaded.config.model_dump(mode="json", by_alias=True, warnings=False)
+    effective = _masked(dumped)
     if as_json:
         print_json(effective)
         return
@@ -61,27 +67,54 @@ def config_check(
     print(yaml.safe_dump(effective, sort_keys=False, allow_unicode=True), end="")
 
 
+#: Keys whose values are secrets, wherever they are (a URL's query string, a pool's env,
+#: a section of the config): passwords, secrets, tokens, keys, credentials.
+_SECRET_KEY = re.compile(r"pass|secret|token|key$|credential|auth", re.IGNORECASE)
+
+
 def _masked(config: dict[str, Any]) -> dict[str, Any]:
-    """The config's JSON form with the passwords of the store's and the tracing collector's
-    URLs, the API tokens and the activation key masked."""
-    config["store"] = _without_password(config["store"])
-    if config["tracing"]["endpoint"] is not None:
-        config["tracing"]["endpoint"] = _without_password(config["tracing"]["endpoint"])
+    """The config's JSON form (the file's key names) with every secret masked: the API
+    tokens, the activation key, the passwords of every URL (user info and query string)
+    and every value whose key looks like a secret."""
     api = config["api"]
     api["admin_tokens"] = [MASK for _ in api["admin_tokens"]]
     # Tokens are the keys of org_tokens: each becomes a numbered mask, to stay distinct.
     api["org_tokens"] = {
         f"{MASK}{n}": org for n, org in enumerate(api["org_tokens"].values(), start=1)
     }
-    if config["activation"]["key"] is not None:
-        config["activation"]["key"] = MASK
-    return config
+    masked: dict[str, Any] = _mask_tree(config, None)
+    return masked
 
 
-def _without_password(url: str) -> str:
-    """`url` with the password of its user info, if any, masked."""
+def _mask_tree(value: Any, key: str | None) -> Any:
+    """`value` with the secrets under it masked (`key`: the name it is found under)."""
+    if isinstance(value, dict):
+        return {k: _mask_tree(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mask_tree(v, key) for v in value]
+    if isinstance(value, str):
+        # A file that holds secrets is named, not masked (`admin_tokens_file`).
+        if key is not None and _SECRET_KEY.search(key) and not key.endswith("_file"):
+            return MASK
+        if "://" in value:
+            return _without_secrets(value)
+    return value
+
+
+def _without_secrets(url: str) -> str:
+    """`url` with the password of its user info and the secrets of its query string
+    (`password`, `sslpassword`, any `...token`, `...key`, ...) masked."""
     scheme, sep, rest = url.partition("://")
+    rest, hashmark, fragment = rest.partition("#")
+    rest, question, query = rest.partition("?")
     userinfo, at, host = rest.rpartition("@")
     if at and ":" in userinfo:
-        return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{MASK}@{host}"
-    return url
+        rest = f"{userinfo.split(':', 1)[0]}:{MASK}@{host}"
+    if question:
+        pairs = []
+        for pair in query.split("&"):
+            name, equals, _value = pair.partition("=")
+            secret = equals and _SECRET_KEY.search(urllib.parse.unquote_plus(name))
+            pairs.append(f"{name}={MASK}" if secret else pair)
+        rest = f"{rest}?{'&'.join(pairs)}"
+    return f"{scheme}{sep}{rest}{hashmark}{fragment}"

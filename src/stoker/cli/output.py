@@ -13,22 +13,34 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Annotated, Any, NoReturn, Protocol, TypeVar
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from stoker.sdk import Client, Retries, StokerError
 
+#: The server's URL and token: options of `stoker` itself (before the command, where the
+#: environment is read), of a group (`stoker rollout --url ...`) and of each command that
+#: talks to the server (after it); the one given nearest the command wins.
+DEFAULT_URL = "http://127.0.0.1:8080"
 UrlOption = Annotated[
     str | None,
     typer.Option(
-        "--url", envvar="STOKER_URL", help="Server URL", show_default="http://127.0.0.1:8080"
+        "--url",
+        help="Server URL (before the command too; $STOKER_URL)",
+        show_default=DEFAULT_URL,
     ),
 ]
 TokenOption = Annotated[
     str | None,
-    typer.Option("--token", envvar="STOKER_TOKEN", help="Bearer token", show_default=False),
+    typer.Option(
+        "--token", help="Bearer token (before the command too; $STOKER_TOKEN)", show_default=False
+    ),
 ]
+#: The `--url` and `--token` given before the command (`remember_server`): one command
+#: runs per process, and `stoker` itself sets them afresh at each.
+_given: dict[str, str] = {}
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print the server's JSON instead of a table")
 ]
@@ -45,6 +57,30 @@ def fail(message: str, code: int = 1) -> NoReturn:
     """End the command with `message` as one line on stderr and exit status `code`."""
     print(f"stoker: {message}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+def remember_server(url: str | None, token: str | None, *, first: bool = False) -> None:
+    """Keep the `--url` and `--token` given before a command (to `stoker`, `first`, or to
+    a group) for the commands under it; given again nearer the command, that one wins."""
+    if first:
+        _given.clear()
+    if url is not None:
+        _given["url"] = url
+    if token is not None:
+        _given["token"] = token
+
+
+def _server_url(url: str | None) -> str | None:
+    """`url` checked: an http(s) URL with a host, or None for the default."""
+    if not url:
+        return None
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        fail(f"--url: {url!r} is not a URL ({exc})", code=2)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        fail(f"--url: {url!r} is not a server URL such as {DEFAULT_URL}", code=2)
+    return url
 
 
 def check_input(model: str, body: Mapping[str, Any]) -> None:
@@ -70,8 +106,14 @@ def check_input(model: str, body: Mapping[str, Any]) -> None:
 def client_of(url: str | None, token: str | None) -> Client:
     """A client of the running server that sends each request once: a command says at
     once that the server does not answer (the SDK's retries, up to a claim's wait plus
-    30 s, are for applications)."""
-    return Client(url, token=token, retries=Retries(enabled=False))
+    30 s, are for applications). `url` and `token` not given to the command are those
+    given before it (`remember_server`)."""
+    url = _server_url(url if url is not None else _given.get("url"))
+    token = token if token is not None else _given.get("token")
+    try:
+        return Client(url, token=token, retries=Retries(enabled=False))
+    except (httpx.InvalidURL, ValueError) as exc:
+        fail(f"--url: {url!r} is not a server URL ({exc})", code=2)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """`pools` and `status`: the pools as tables, `status` fitted to the terminal and
 optionally refreshed in place; `pools show|set|drain` change a stored pool (admin token).
 
-`stoker pools [NAME]` lists the pools (or shows one): a first argument that names no
-subcommand is a pool's name (`_PoolsGroup`)."""
+`stoker pools list` (or `stoker pools`) lists the pools; `stoker pools NAME` shows one: a
+first argument that names no subcommand is a pool's name (`_PoolsGroup`)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ pools_app = typer.Typer(
     name="pools",
     cls=_PoolsGroup,
     invoke_without_command=True,
-    help="Pools: list (`stoker pools`), show, set and drain (docs/guides/rollouts.md).",
+    help="Pools: list (also `stoker pools`), show, set and drain (docs/guides/rollouts.md).",
 )
 
 NameArgument = Annotated[str, typer.Argument(help="The pool's name", show_default=False)]
@@ -68,6 +68,12 @@ def pools(
     if ctx.invoked_subcommand is None:
         with server(url, token) as client:
             _print_pools(client.url, client.pools(), as_json=as_json, one=False)
+
+
+@server_command(pools_app, "list")
+def pools_list(*, client: Client, as_json: bool) -> None:
+    """Pools with their settings, target, demand and workers by state (`stoker pools`)."""
+    _print_pools(client.url, client.pools(), as_json=as_json, one=False)
 
 
 @server_command(pools_app, "show")

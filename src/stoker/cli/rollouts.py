@@ -4,6 +4,7 @@ follow it (admin token; docs/guides/rollouts.md)."""
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from typing import Annotated, Any
 
@@ -16,6 +17,7 @@ from stoker.cli.output import (
     check_input,
     fail,
     print_json,
+    remember_server,
     server,
 )
 from stoker.sdk import Client, RolloutInfo
@@ -29,9 +31,10 @@ rollout_app = typer.Typer(
 
 
 @rollout_app.callback()
-def rollout(ctx: typer.Context, url: UrlOption = None, token: TokenOption = None) -> None:
-    """The server every rollout command talks to (--url, --token before the command)."""
-    ctx.obj = (url, token)
+def rollout(url: UrlOption = None, token: TokenOption = None) -> None:
+    """The server every rollout command talks to (--url, --token before or after the
+    command)."""
+    remember_server(url, token)
 
 
 PoolArgument = Annotated[str, typer.Argument(help="The pool's name", show_default=False)]
@@ -83,7 +86,6 @@ def _follow(client: Client, pool: str, first: RolloutInfo, interval: float) -> N
 
 @rollout_app.command("start")
 def start(
-    ctx: typer.Context,
     pool: PoolArgument,
     command: Annotated[
         str | None,
@@ -100,8 +102,9 @@ def start(
     steps: Annotated[
         str | None, typer.Option("--steps", help="The canary's steps, e.g. 10,50,100")
     ] = None,
-    step_interval: Annotated[
-        float | None, typer.Option("--step-interval", help="Seconds each step lasts at least")
+    step_interval_s: Annotated[
+        float | None,
+        typer.Option("--step-interval-s", min=0, help="Seconds each step lasts at least"),
     ] = None,
     max_failure_ratio: Annotated[
         float | None, typer.Option("--max-failure-ratio", help="Failures that roll back")
@@ -110,6 +113,11 @@ def start(
         bool, typer.Option("--replace", help="Switch every new claim at once, no canary")
     ] = False,
     as_json: JsonFlag = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+    old_step_interval: Annotated[
+        float | None, typer.Option("--step-interval", min=0, hidden=True)
+    ] = None,
 ) -> None:
     """Start rolling a new template of the pool out (the pool's default strategy unless
     --steps or --replace say otherwise); follow it with `status --watch`."""
@@ -131,10 +139,13 @@ def start(
         template["env"] = {key: value for key, _, value in pairs}
     if not template:
         fail("say what changes: --command, --image or --env", code=2)
-    strategy = _strategy(steps, step_interval, max_failure_ratio, replace)
+    if old_step_interval is not None:
+        print("stoker: --step-interval is deprecated; use --step-interval-s", file=sys.stderr)
+        step_interval_s = step_interval_s if step_interval_s is not None else old_step_interval
+    strategy = _strategy(steps, step_interval_s, max_failure_ratio, replace)
     if strategy is not None:
         check_input("strategy", strategy)
-    with server(*ctx.obj) as client:
+    with server(url, token) as client:
         _show(client.start_rollout(pool, template, strategy=strategy), as_json)
 
 
@@ -162,15 +173,16 @@ def _strategy(
 
 @rollout_app.command("status")
 def status(
-    ctx: typer.Context,
     pool: PoolArgument,
     rollout_id: IdArgument,
     watch: WatchOption = False,
     interval: IntervalOption = 2.0,
     as_json: JsonFlag = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
 ) -> None:
     """A rollout's state, step and share (--watch: each change, until it ends)."""
-    with server(*ctx.obj) as client:
+    with server(url, token) as client:
         current = client.rollout(pool, rollout_id)
         _show(current, as_json)
         if watch:
@@ -179,9 +191,13 @@ def status(
 
 def _action(verb: str, doc: str) -> None:
     def act(
-        ctx: typer.Context, pool: PoolArgument, rollout_id: IdArgument, as_json: JsonFlag = False
+        pool: PoolArgument,
+        rollout_id: IdArgument,
+        as_json: JsonFlag = False,
+        url: UrlOption = None,
+        token: TokenOption = None,
     ) -> None:
-        with server(*ctx.obj) as client:
+        with server(url, token) as client:
             _show(client.rollout(pool, rollout_id, verb), as_json)
 
     act.__doc__ = doc

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Annotated
 
 import typer
@@ -22,16 +23,26 @@ def worker_check(
         ),
     ],
     host: Annotated[str, typer.Option(help="Address the worker listens on")] = "127.0.0.1",
-    ready_timeout: Annotated[
-        float, typer.Option(help="Seconds the worker has to answer /healthz", min=0.1)
+    ready_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--ready-timeout-s", help="Seconds the worker has to answer /healthz", min=0.1
+        ),
     ] = 30.0,
     as_json: JsonFlag = False,
+    old_ready_timeout: Annotated[
+        float | None, typer.Option("--ready-timeout", min=0.1, hidden=True)
+    ] = None,
 ) -> None:
     """Start a worker as stoker would and check it against the worker protocol."""
     from stoker.worker_check import CannotStart, check_worker
 
+    if old_ready_timeout is not None:
+        print("stoker: --ready-timeout is deprecated; use --ready-timeout-s", file=sys.stderr)
+        ready_timeout_s = old_ready_timeout
+
     try:
-        report = check_worker(command, host=host, ready_timeout_s=ready_timeout)
+        report = check_worker(command, host=host, ready_timeout_s=ready_timeout_s)
     except CannotStart as exc:
         fail(str(exc))
     failed = sum(not row.passed for row in report.rows)

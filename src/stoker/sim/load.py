@@ -20,6 +20,12 @@ still needed, up to `retries` times: its demand is not lost.
 
 Every attempt and each session's time to a worker go to `LoadDriver.log`
 (`stoker.sim.sessions`): the per-claim log and `sessions.time_to_worker_s`.
+
+Given a `ClaimReplay` (`stoker.sim.claimlog`, a pool's recorded claims), the driver sends
+those claims instead, each at its recorded time with its org and mode, and holds each
+worker for the recorded time; the tenants' arrival processes do not run. The client's
+behaviour (lease, retries, back-off) is `REPLAY_CLIENT`'s: no retries, since a client's
+retries are claims of the log already.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from typing import Any, Protocol
 
 from stoker.domain.errors import CapacityError, ClaimConflict, OrgCapError, StokerError
 from stoker.domain.records import Claim, ClaimRequest
-from stoker.domain.states import ClaimState
+from stoker.domain.states import ClaimMode, ClaimState
 from stoker.ports.clock import Clock
+from stoker.sim.claimlog import ClaimReplay
 from stoker.sim.scenario import TenantGroup
 from stoker.sim.sessions import Attempt, SessionLog
 
@@ -130,6 +137,7 @@ class LoadDriver:
         seed: int,
         observer: SessionObserver | None = None,
         target_hot: int | None = None,
+        replay: ClaimReplay | None = None,
     ) -> None:
         if not targets:
             raise ValueError("the load driver needs at least one replica")
@@ -140,6 +148,7 @@ class LoadDriver:
         self._seed = seed
         self._observer = observer
         self._target_hot = target_hot
+        self._replay = replay
         self._t0 = 0.0
         self.stats = LoadStats()
         self.log = SessionLog()
@@ -156,6 +165,9 @@ class LoadDriver:
     def start(self) -> None:
         """Start every tenant's arrival process on the running loop (time 0 is now)."""
         self._t0 = self._clock.monotonic()
+        if self._replay is not None:
+            self._spawn(self._replayed(self._replay), "replay")
+            return
         index = 0
         for group in self._tenants:
             for org in group.org_names():
@@ -231,6 +243,31 @@ class LoadDriver:
                     f"session:{org}:{seq}",
                 )
                 seq += 1
+
+    async def _replayed(self, replay: ClaimReplay) -> None:
+        """Open a session at each recorded arrival, for the recorded org, mode and hold."""
+        clients = {mode: REPLAY_CLIENT.model_copy(update={"mode": mode}) for mode in ClaimMode}
+        orgs, lead = replay.orgs, replay.lead_s
+        for i, at in enumerate(replay.at_s):
+            delay = lead + at - self.now()
+            if delay > 0:
+                await self._clock.sleep(delay)
+            if self.stats.first_arrival_s is None:
+                self.stats.first_arrival_s = self.now()
+            self.stats.sessions += 1
+            number = self.stats.sessions
+            self.log.arrived(number, self.now())
+            self._spawn(
+                self._session(
+                    clients[replay.mode(i)],
+                    orgs[replay.org_index[i]],
+                    i,
+                    replay.hold_s[i],
+                    False,
+                    number,
+                ),
+                f"session:{number}",
+            )
 
     def _next_poisson(self, rng: random.Random, group: TenantGroup, after: float) -> float | None:
         """The next arrival after `after` by thinning (None once arrivals stop)."""
@@ -418,6 +455,10 @@ class LoadDriver:
                 # The lease still runs for its other half: the next renewal may succeed.
                 self.stats.renew_errors += 1
         return 0.0
+
+
+#: How a replayed claim's client behaves: the tenants' defaults, without retries.
+REPLAY_CLIENT = TenantGroup(name="recorded", retries=0)
 
 
 def retry_backoff_s(group: TenantGroup, failures: int, rng: random.Random) -> float:

@@ -5,6 +5,7 @@ caps and floors in force that the invariant checker holds the replicas to (`Limi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from stoker.domain.specs import (
     Timeouts,
 )
 from stoker.sim.baselines import derived_cap
-from stoker.sim.scenario import WORKER_PRIORITY_CLASS, Scenario
+from stoker.sim.scenario import WORKER_PRIORITY_CLASS, PoolConfig, Scenario
 
 
 def pool_spec(scenario: Scenario) -> PoolSpec:
@@ -55,8 +56,15 @@ def pool_spec(scenario: Scenario) -> PoolSpec:
             stop_grace_s=pool.stop_grace_s,
         ),
         headroom_nodes=pool.headroom_nodes,
-        demand=DemandSpec(forecast=not reactive, org_forecast=pool.org_forecast),
+        demand=_demand(pool, reactive=reactive),
     )
+
+
+def _demand(pool: PoolConfig, *, reactive: bool) -> DemandSpec:
+    spec = DemandSpec(forecast=not reactive, org_forecast=pool.org_forecast)
+    if pool.demand_quantile is not None:
+        spec = dataclasses.replace(spec, quantile=pool.demand_quantile)
+    return spec
 
 
 def org_specs(scenario: Scenario) -> list[OrgSpec]:

@@ -33,6 +33,7 @@ from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
 from stoker.ports.store import Store
 from stoker.sim import vloop
+from stoker.sim.claimlog import ClaimReplay
 from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
@@ -111,19 +112,21 @@ def run_scenario(
     short: bool = False,
     progress: ProgressCallback | None = None,
     jobs: int = 1,
+    replay: ClaimReplay | None = None,
 ) -> ScenarioResult:
     """Run `policies` (all of the scenario's by default), each from scratch.
 
-    `short` only labels the result (the scenario is loaded short by the caller).
+    `short` only labels the result (the scenario is loaded short by the caller). With a
+    `replay` (recorded claims), every policy faces those claims instead of the tenants'.
     """
     names = list(policies) if policies else [p.name for p in scenario.policies]
     views = [scenario.for_policy(name) for name in names]
     started = time.perf_counter()
     jobs = max(1, min(jobs, len(views)))
     if jobs == 1:
-        results = [run_policy(view, progress=progress) for view in views]
+        results = [run_policy(view, progress=progress, replay=replay) for view in views]
     else:
-        results = _run_forked(views, jobs, progress)
+        results = _run_forked(views, jobs, progress, replay)
     return ScenarioResult(
         scenario=scenario,
         short=short,
@@ -134,13 +137,17 @@ def run_scenario(
 
 
 def _run_forked(
-    views: list[Scenario], jobs: int, progress: ProgressCallback | None
+    views: list[Scenario],
+    jobs: int,
+    progress: ProgressCallback | None,
+    replay: ClaimReplay | None = None,
 ) -> list[PolicyResult]:
-    """Run policy views in `jobs` forked processes, relaying their progress."""
+    """Run policy views in `jobs` forked processes, relaying their progress (a replay
+    reaches them through the fork, not pickled once per view)."""
     context = multiprocessing.get_context("fork")
     reports: multiprocessing.Queue[tuple[str, float, float]] = context.Queue()
     # The pool forks its workers here, before the relay thread exists.
-    with context.Pool(jobs, initializer=_child_init, initargs=(reports,)) as pool:
+    with context.Pool(jobs, initializer=_child_init, initargs=(reports, replay)) as pool:
         pending = [pool.apply_async(_child_run, (view,)) for view in views]
         stop = threading.Event()
         relay = threading.Thread(target=_relay, args=(reports, progress, stop), daemon=True)
@@ -154,11 +161,15 @@ def _run_forked(
 
 
 _child_reports: multiprocessing.Queue[tuple[str, float, float]] | None = None
+_child_replay: ClaimReplay | None = None
 
 
-def _child_init(reports: multiprocessing.Queue[tuple[str, float, float]]) -> None:
-    global _child_reports
+def _child_init(
+    reports: multiprocessing.Queue[tuple[str, float, float]], replay: ClaimReplay | None
+) -> None:
+    global _child_reports, _child_replay
     _child_reports = reports
+    _child_replay = replay
 
 
 def _child_run(view: Scenario) -> PolicyResult:
@@ -168,7 +179,7 @@ def _child_run(view: Scenario) -> PolicyResult:
         if reports is not None:
             reports.put((name, done, total))
 
-    return run_policy(view, progress=report)
+    return run_policy(view, progress=report, replay=_child_replay)
 
 
 def _relay(
@@ -188,7 +199,12 @@ def _relay(
 # -- one policy ------------------------------------------------------------------------------
 
 
-def run_policy(view: Scenario, *, progress: ProgressCallback | None = None) -> PolicyResult:
+def run_policy(
+    view: Scenario,
+    *,
+    progress: ProgressCallback | None = None,
+    replay: ClaimReplay | None = None,
+) -> PolicyResult:
     """Run one policy view (`Scenario.for_policy`) on a fresh virtual-time loop.
 
     stoker's loggers are at WARNING meanwhile, and what they log goes to the result (a
@@ -208,7 +224,7 @@ def run_policy(view: Scenario, *, progress: ProgressCallback | None = None) -> P
     thresholds = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLDS[0], *GC_THRESHOLDS[1:])
     try:
-        result = loop.run_until_complete(_PolicyRun(view, progress, loop).run())
+        result = loop.run_until_complete(_PolicyRun(view, progress, loop, replay).run())
     finally:
         gc.set_threshold(*thresholds)
         _close(loop)
@@ -256,8 +272,10 @@ class _PolicyRun:
         view: Scenario,
         progress: ProgressCallback | None,
         loop: asyncio.AbstractEventLoop,
+        replay: ClaimReplay | None = None,
     ) -> None:
         self.view = view
+        self.replay = replay
         self.entry = view.policies[0]
         self.progress = progress
         # Bound to the run's loop: every part of the run reads it, hundreds of thousands
@@ -310,6 +328,7 @@ class _PolicyRun:
             seed=view.seed,
             observer=checker,
             target_hot=view.target_hot,
+            replay=self.replay,
         )
         driver.start()
         checker.start()

@@ -276,6 +276,8 @@ class PoolConfig(_Model):
     reuse: Reuse = Reuse.SAME_ORG
     #: stoker's per-org forecast (`demand.org_forecast`); false: the pool without it.
     org_forecast: bool = True
+    #: The warm pool's Poisson quantile (`demand.quantile`); None: stoker's default.
+    demand_quantile: float | None = Field(None, ge=0.5, le=0.9999)
     #: stoker's defaults (`PoolSpec`).
     lease_s: float = Field(60.0, gt=0)
     scale_down_delay_s: float = Field(60.0, ge=0)

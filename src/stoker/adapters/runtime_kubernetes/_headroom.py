@@ -8,12 +8,11 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightkube.utils.quantity import parse_quantity
-
 from stoker.adapters._logs import EventLog
 from stoker.adapters.runtime_kubernetes._informer import PodInformer
 from stoker.adapters.runtime_kubernetes._pods import placeholder_pods, valid_label_value
 from stoker.domain.errors import RuntimeFailure
+from stoker.domain.quantities import parse_quantity
 from stoker.domain.specs import PodTemplate, PoolSpec
 from stoker.ports.cluster import ClusterAPI, Conflict, Pod
 
@@ -106,7 +105,7 @@ class Headroom:
         fits = []
         for held, needed in zip(size, (template.cpu, template.memory), strict=True):
             have, need = parse_quantity(held), parse_quantity(needed)
-            if have is not None and need:
+            if need:
                 fits.append(int(have / need))
         return max(1, min(fits, default=1))
 

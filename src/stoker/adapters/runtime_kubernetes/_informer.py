@@ -81,8 +81,10 @@ class PodInformer:
         self.sync_timeout_s = sync_timeout_s
         #: Every pod of the fleet (workers and placeholders), by name.
         self._cache: dict[str, PodEntry] = {}
-        #: Names of the placeholder pods in `_cache` (headroom looks at these only).
-        self._placeholder_names: set[str] = set()
+        #: Names of the placeholder pods in `_cache` (headroom looks at these only), in the
+        #: order they were first seen: a set's order follows the string hash, which differs
+        #: from process to process, and headroom deletes and creates in this order.
+        self._placeholder_names: dict[str, None] = {}
         #: Where the watch resumes; None means list first.
         self._rv: str | None = None
         self._synced = asyncio.Event()
@@ -260,7 +262,7 @@ class PodInformer:
         if entry is None:
             entry = self._cache[view.name] = PodEntry(view)
             if view.placeholder is not None and view.worker_id is None:
-                self._placeholder_names.add(view.name)
+                self._placeholder_names[view.name] = None
         else:
             entry.view = view
         if not view.is_worker or entry.settled:
@@ -308,7 +310,7 @@ class PodInformer:
     def _forget(self, view: PodView) -> None:
         """A pod is gone from the cluster: drop it and report it if it was a live worker."""
         entry = self._cache.pop(view.name, None)
-        self._placeholder_names.discard(view.name)
+        self._placeholder_names.pop(view.name, None)
         stopped = self._stopping.pop(view.name, None) is not None
         if not view.is_worker or stopped:
             return

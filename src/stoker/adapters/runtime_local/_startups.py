@@ -39,6 +39,11 @@ class StartGate:
         #: (rank, order, worker id): rank 0 for urgent starts, then first come.
         self._queue: list[tuple[int, int, str]] = []
         self._waiting: dict[str, asyncio.Future[None]] = {}
+        #: Workers granted a slot whose `enter` has not returned yet (their spawn resumes on
+        #: the loop's next turn): a stop in that moment must still keep them from starting.
+        self._granted: set[str] = set()
+        #: Granted workers withdrawn before their `enter` returned.
+        self._revoked: set[str] = set()
         self._order = itertools.count()
         #: The most start-ups ever in progress at once (for tests and the status page).
         self.peak = 0
@@ -69,10 +74,18 @@ class StartGate:
         try:
             await waiter
         except asyncio.CancelledError:
+            self._granted.discard(worker_id)
+            self._revoked.discard(worker_id)
             if self._waiting.pop(worker_id, None) is None and worker_id in self._starting:
                 # Granted just as the caller was cancelled: hand the slot on.
                 self.leave(worker_id)
             raise
+        self._granted.discard(worker_id)
+        if worker_id in self._revoked:
+            # Withdrawn after the grant, before this spawn resumed: it must not start.
+            self._revoked.discard(worker_id)
+            self.leave(worker_id)
+            raise SpawnWithdrawn(f"worker {worker_id} was withdrawn before it started")
 
     def leave(self, worker_id: str) -> None:
         """`worker_id`'s start-up is over (ready, failed, stopped): the next one may start."""
@@ -82,7 +95,12 @@ class StartGate:
         self._grant()
 
     def withdraw(self, worker_id: str, why: str) -> bool:
-        """Take a queued spawn out of the queue; False when it is not queued."""
+        """Take a spawn that has not started out of the queue (or take back the slot it was
+        just granted); False when it is neither queued nor granted (it started already)."""
+        if worker_id in self._granted:
+            self._granted.discard(worker_id)
+            self._revoked.add(worker_id)
+            return True
         waiter = self._waiting.pop(worker_id, None)
         if waiter is None:
             return False
@@ -92,7 +110,7 @@ class StartGate:
 
     def close(self) -> None:
         """Withdraw every queued spawn (the runtime is closing)."""
-        for worker_id in list(self._waiting):
+        for worker_id in [*self._waiting, *self._granted]:
             self.withdraw(worker_id, "was withdrawn as the runtime closed")
 
     def _take(self, worker_id: str) -> None:
@@ -107,6 +125,7 @@ class StartGate:
             if waiter is None or waiter.done():
                 continue
             self._take(worker_id)
+            self._granted.add(worker_id)
             waiter.set_result(None)
 
 

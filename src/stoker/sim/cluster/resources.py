@@ -3,7 +3,8 @@
 CPU is kept in integer millicores and memory in integer bytes, so the scheduler's sums
 are exact and a simulation never depends on float rounding. `cpu_millis("500m")` and
 `memory_bytes("1Gi")` parse Kubernetes quantities the way the API server does, rounding
-up to the unit (a request of 0.0001 cores takes one millicore).
+up to the unit (a request of 0.0001 cores takes one millicore); the parser is the
+domain's (`stoker.domain.quantities`), shared with the Kubernetes runtime.
 
 The default catalogue is three AWS general-purpose, compute and memory families with
 their us-east-1 on-demand Linux list prices; allocatable capacity follows the formulas
@@ -14,57 +15,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
-from functools import lru_cache
 
 from stoker.domain.errors import ConfigError
+from stoker.domain.quantities import cpu_millis, memory_bytes, parse_quantity
 
 MIB = 1 << 20
 GIB = 1 << 30
 
-_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
-_DECIMAL: dict[str, Fraction] = {
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-}
-
-
-@lru_cache(maxsize=4096)
-def parse_quantity(text: str) -> Fraction:
-    """A Kubernetes quantity ("500m", "1.5Gi", "2", "1e3") as an exact fraction."""
-    value = text.strip()
-    for suffix in sorted((*_BINARY, *_DECIMAL), key=len, reverse=True):
-        if suffix and value.endswith(suffix):
-            number = value[: -len(suffix)]
-            scale = Fraction(_BINARY[suffix]) if suffix in _BINARY else Fraction(_DECIMAL[suffix])
-            break
-    else:
-        number, scale = value, Fraction(1)
-    try:
-        amount = Fraction(number)
-    except (ValueError, ZeroDivisionError):
-        raise ConfigError(f"invalid resource quantity {text!r}") from None
-    if amount < 0:
-        raise ConfigError(f"negative resource quantity {text!r}")
-    product: Fraction = amount * scale
-    return product
-
-
-def cpu_millis(text: str) -> int:
-    """CPU quantity in millicores, rounded up."""
-    return math.ceil(parse_quantity(text) * 1000)
-
-
-def memory_bytes(text: str) -> int:
-    """Memory quantity in bytes, rounded up."""
-    return math.ceil(parse_quantity(text))
+__all__ = [
+    "GIB",
+    "MIB",
+    "Allocatable",
+    "InstanceType",
+    "cpu_millis",
+    "memory_bytes",
+    "parse_quantity",
+]
 
 
 @dataclass(frozen=True, slots=True)

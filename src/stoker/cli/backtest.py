@@ -1,0 +1,513 @@
+"""`backtest`: a pool's recorded claims replayed through the simulator (`stoker.sim.backtest`)
+for its current settings and for candidates, or a search for the cheapest settings that
+meet a target."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from stoker.cli.output import JsonFlag, fail, make_console, print_json
+
+if TYPE_CHECKING:
+    from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
+    from stoker.sim.claimlog import ClaimReplay
+
+#: The settings of the pool's current run when nothing says otherwise.
+_GRAMMAR = "KEY=VALUE[,KEY=VALUE...]"
+
+
+def backtest(
+    from_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="A claim log (JSON lines, as `stoker claims export` writes)",
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            envvar="STOKER_URL",
+            help="Fetch the log, the pool's settings and spawn times from this server",
+            show_default=False,
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="STOKER_TOKEN", help="Bearer token", show_default=False),
+    ] = None,
+    since: Annotated[
+        str, typer.Option("--since", help="With --url: the log since (e.g. 7d, 12h)")
+    ] = "7d",
+    pool: Annotated[
+        str | None,
+        typer.Option("--pool", help="The pool (needed when the log holds several)"),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="Take the pool's current settings from this config file",
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None,
+    current: Annotated[
+        str | None,
+        typer.Option(
+            "--current",
+            metavar=_GRAMMAR,
+            help="The pool's current settings (over --config's or the server's)",
+            show_default=False,
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="A change to the current settings; every --set makes one candidate",
+            show_default=False,
+        ),
+    ] = None,
+    candidate: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--candidate",
+            "-c",
+            metavar=_GRAMMAR,
+            help="One candidate: changes to the current settings (repeatable)",
+            show_default=False,
+        ),
+    ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy",
+            "-p",
+            help="A candidate: the current settings under this simulator policy (repeatable)",
+            show_default=False,
+        ),
+    ] = None,
+    spawn_s: Annotated[
+        str | None,
+        typer.Option(
+            "--spawn-s",
+            metavar="P50[:P99]",
+            help="Spawn-to-ready seconds (default: the server's ledger, else 5:12)",
+            show_default=False,
+        ),
+    ] = None,
+    recommend: Annotated[
+        bool,
+        typer.Option("--recommend", help="Search for the cheapest settings that meet --target"),
+    ] = False,
+    target: Annotated[
+        str,
+        typer.Option(
+            "--target",
+            metavar="FIGURE=NUMBER",
+            help="cold_share, session_p99_ms or claim_p99_ms, at most NUMBER",
+        ),
+    ] = "cold_share=0.005",
+    search: Annotated[
+        str,
+        typer.Option(
+            "--search",
+            metavar="KEY[,KEY...]",
+            help="The settings --recommend varies",
+        ),
+    ] = "warm_target,demand.quantile,hot_idle_ttl,headroom_nodes",
+    seed: Annotated[int, typer.Option("--seed", help="Seed")] = 1,
+    jobs: Annotated[
+        int,
+        typer.Option("--jobs", "-j", min=0, help="Settings run at once (0: one per CPU)"),
+    ] = 0,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Directory for the report", file_okay=False),
+    ] = None,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay a pool's recorded claims through the simulator, for its current settings and
+    for candidates, and compare cold share, latency, idle worker-hours and cost.
+
+    Settings are KEY=VALUE: warm_target, max_workers, max_workers_per_org, hot_idle_ttl,
+    max_ttl, min_hot_idle, scale_down_delay, lease_s, claim_timeout_s, headroom_nodes,
+    demand.quantile, demand.org_forecast, and policy (a simulator policy kind). The
+    current settings always run (named "current"); all --set options together make one
+    candidate, each --candidate another, each --policy another.
+    """
+    from stoker.extras import missing_extra
+
+    problem = missing_extra("sim", "the backtest")
+    if problem is not None:
+        fail(problem)
+
+    from stoker.domain.errors import ConfigError
+    from stoker.sim.backtest import (
+        SEARCHED,
+        Backtest,
+        SpawnToReady,
+        all_figures,
+        parse_settings,
+        parse_target,
+        parse_value,
+        settings_text,
+    )
+
+    if (from_file is None) == (url is None):
+        fail("give the claim log: either --from FILE or --url URL", code=2)
+    try:
+        known: dict[str, Any] = {}
+        spawn: SpawnToReady | None = None
+        if from_file is not None:
+            from stoker.sim.claimlog import read_claim_log
+
+            replay = read_claim_log(from_file, pool)
+        else:
+            assert url is not None
+            replay, known, spawn = _from_server(url, token, since, pool)
+        intervals: dict[str, Any] = {}
+        if config is not None:
+            pool_settings, intervals = _config_settings(config, replay.pool)
+            known.update(pool_settings)
+        if current:
+            known.update(parse_settings(current))
+        if spawn_s is not None:
+            spawn = SpawnToReady.parse(spawn_s)
+        runs: list[tuple[str, dict[str, Any]]] = [("current", {})]
+        if set_:
+            changes: dict[str, Any] = {}
+            for item in set_:
+                key, sep, raw = item.partition("=")
+                if not sep:
+                    raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+                changes[key.strip()] = parse_value(key.strip(), raw.strip())
+            runs.append((settings_text(changes), changes))
+        for text in candidate or []:
+            changes = parse_settings(text)
+            if not changes:
+                raise ConfigError(f"--candidate {text!r}: expected {_GRAMMAR}")
+            runs.append((settings_text(changes), changes))
+        for name in policy or []:
+            runs.append((f"policy={name}", {"policy": parse_value("policy", name)}))
+        names = [name for name, _ in runs]
+        if len(set(names)) != len(names):
+            raise ConfigError("two candidates are the same settings")
+        goal = parse_target(target) if recommend else None
+        if recommend and len(runs) > 1:
+            raise ConfigError("--recommend searches from the current settings: no candidates")
+        keys = [k.strip() for k in search.split(",") if k.strip()]
+        for key in keys:
+            if key not in SEARCHED:
+                raise ConfigError(f"--search: cannot search {key!r}; one of {', '.join(SEARCHED)}")
+    except ConfigError as exc:
+        fail(str(exc).removeprefix("scenario backtest: "), code=2)
+    if len(replay) == 0:
+        fail("the claim log is empty")
+    workers = jobs or os.cpu_count() or 1
+    from stoker.cli.scaletest import _ScaletestProgress
+
+    bar = _ScaletestProgress(enabled=not no_progress and not as_json)
+    run = Backtest(
+        replay=replay,
+        current=known,
+        spawn=spawn or SpawnToReady(),
+        control_plane=intervals,
+        seed=seed,
+        jobs=workers,
+        progress=bar.update,
+    )
+    try:
+        if goal is not None:
+            from stoker.sim.backtest import recommend as run_search
+
+            try:
+                found = run_search(run, *goal, keys=keys)
+            finally:
+                bar.stop()
+            _print_recommendation(found, replay, known, as_json=as_json)
+            if found.settings is None or not found.confirmed_ok:
+                raise typer.Exit(1)
+            return
+        try:
+            result = run.run(runs)
+        except ConfigError as exc:
+            bar.stop()
+            fail(str(exc).removeprefix("scenario backtest: "), code=2)
+    finally:
+        bar.stop()
+    rows = all_figures(result)
+    if out is not None:
+        _write_report(result, rows, replay, out)
+    if as_json:
+        print_json(
+            {
+                "pool": replay.pool,
+                "claims": len(replay),
+                "span_s": replay.span_s,
+                "recorded_cold_share": replay.recorded_cold_share(),
+                "current": known,
+                "spawn_s": {"p50": run.spawn.p50_s, "p99": run.spawn.p99_s},
+                "runs": [
+                    {**f.as_dict(), "settings": s} for f, (_, s) in zip(rows, runs, strict=True)
+                ],
+                "wall_s": round(result.wall_s, 3),
+            }
+        )
+        return
+    _print_table(replay, rows)
+    print(
+        f"{len(replay):,} claims over {replay.span_s / 3600:.1f} h, {len(rows)} settings in "
+        f"{result.wall_s:.1f} s" + (f"; report in {out}" if out is not None else ""),
+        flush=True,
+    )
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+def _from_server(
+    url: str, token: str | None, since: str, pool: str | None
+) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady]:
+    """The log (`GET /v1/claims/log`, page after page), the pool's current settings
+    (`GET /v1/pools/{name}`) and its spawn-to-ready time (`GET /v1/pools/{name}/ledger`
+    when the server has it, else the default)."""
+    import httpx
+
+    from stoker.domain.errors import ConfigError
+    from stoker.sim.backtest import SpawnToReady
+    from stoker.sim.claimlog import build_replay, in_order, parse_entry
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=60.0) as client:
+            entries: list[Any] = []
+            params: dict[str, Any] = {"since": since, "limit": 10_000}
+            if pool:
+                params["pool"] = pool
+            while True:
+                answer = client.get("/v1/claims/log", params=params)
+                _raise_for(answer, "/v1/claims/log")
+                page = answer.json()
+                entries += page.get("entries", [])
+                if not page.get("next"):
+                    break
+                params["after"] = page["next"]
+            where = f"{url}/v1/claims/log"
+            claims = in_order(
+                (parse_entry(e, f"{where} entry {i}"), f"{where} entry {i}")
+                for i, e in enumerate(entries, start=1)
+            )
+            replay = build_replay(claims, pool)
+            info = client.get(f"/v1/pools/{replay.pool}")
+            _raise_for(info, f"/v1/pools/{replay.pool}")
+            settings = _pool_settings(info.json())
+            ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
+            spawn = _ledger_spawn(ledger.json()) if ledger.status_code == 200 else None
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot read from {url}: {exc}") from None
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
+    return replay, settings, spawn or SpawnToReady()
+
+
+def _raise_for(answer: Any, path: str) -> None:
+    from stoker.domain.errors import ConfigError
+
+    if answer.status_code != 200:
+        detail = ""
+        try:
+            detail = ": " + str(answer.json().get("detail", ""))
+        except ValueError:
+            pass
+        raise ConfigError(f"GET {path} answered {answer.status_code}{detail}")
+
+
+def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a pool's `GET /v1/pools/{name}` states (the others keep defaults)."""
+    names = {"warm_target": "warm_target", "cap": "max_workers"}
+    names.update({k: k for k in ("max_workers_per_org", "hot_idle_ttl", "headroom_nodes")})
+    return {key: body[field] for field, key in names.items() if body.get(field) is not None}
+
+
+def _ledger_spawn(body: Any) -> SpawnToReady | None:
+    """The ledger's spawn-to-ready time: its mean as the median, and the histogram's
+    bucket that holds the 99th percentile (its upper bound) as the p99."""
+    from stoker.sim.backtest import SpawnToReady
+
+    total = body.get("total") if isinstance(body, Mapping) else None
+    if not isinstance(total, Mapping) or not total.get("mean_ready_s"):
+        return None
+    mean = float(total["mean_ready_s"])
+    bounds = [float(b) for b in body.get("spawn_buckets") or []]
+    counts = [int(c) for c in total.get("ready_hist") or []]
+    p99 = mean
+    if bounds and sum(counts):
+        seen, need = 0, 0.99 * sum(counts)
+        for i, count in enumerate(counts):
+            seen += count
+            if seen >= need:
+                # The last bucket is open: twice its lower bound stands for it.
+                p99 = bounds[i] if i < len(bounds) else 2 * bounds[-1]
+                break
+    return SpawnToReady(mean, max(mean, p99))
+
+
+def _config_settings(path: Path, pool: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pool's settings in a stoker config file, and the replicas' intervals it sets."""
+    from stoker.config.convert import to_domain
+    from stoker.config.loading import load_config
+    from stoker.domain.errors import ConfigError
+
+    loaded = load_config(path, environ={}).config
+    intervals: dict[str, Any] = {
+        key: getattr(loaded.intervals, key)
+        for key in ("janitor_interval_s", "reaper_interval_s")
+        if key in loaded.intervals_given()
+    }
+    for spec in to_domain(loaded).pools:
+        if spec.name == pool:
+            return {
+                "warm_target": spec.warm_target,
+                "max_workers": spec.max_workers,
+                "max_workers_per_org": spec.max_workers_per_org,
+                "hot_idle_ttl": 60.0 if spec.hot_idle_ttl is None else spec.hot_idle_ttl,
+                "max_ttl": spec.max_ttl,
+                "min_hot_idle": spec.min_hot_idle,
+                "scale_down_delay": spec.scale_down_delay,
+                "lease_s": spec.lease_s,
+                "claim_timeout_s": spec.claim_timeout_s,
+                "headroom_nodes": spec.headroom_nodes,
+                "demand.quantile": spec.demand.quantile,
+            }, intervals
+    raise ConfigError(f"{path} has no pool {pool!r}")
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _cells(f: Figures) -> list[str]:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f} ms"
+
+    cold = "-" if f.cold_share is None else f"{f.cold_share:.2%}"
+    return [
+        cold,
+        f"{ms(f.claim_p50_ms)} / {ms(f.claim_p99_ms)}",
+        f"{ms(f.session_p50_ms)} / {ms(f.session_p99_ms)}",
+        str(f.failed),
+        f"{f.idle_worker_hours:,.1f}",
+        f"${f.cost_usd:,.2f}",
+    ]
+
+
+_HEADERS = (
+    "cold share",
+    "claim p50 / p99",
+    "session p50 / p99",
+    "failed",
+    "idle worker-h",
+    "cost",
+)
+
+
+def _table(title: str, rows: Sequence[Figures]) -> Table:
+    table = Table(title=title)
+    table.add_column("settings")
+    for header in _HEADERS:
+        table.add_column(header, justify="right")
+    for f in rows:
+        table.add_row(f.name, *_cells(f))
+    return table
+
+
+def _print_table(replay: ClaimReplay, rows: Sequence[Figures]) -> None:
+    recorded = replay.recorded_cold_share()
+    title = f"backtest {replay.pool}" + (
+        "" if recorded is None else f" (recorded cold share {recorded:.2%})"
+    )
+    make_console().print(_table(title, rows))
+
+
+def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
+    lines = [
+        f"# Backtest of pool {replay.pool}",
+        "",
+        f"{len(replay):,} recorded claims over {replay.span_s / 3600:.1f} h "
+        f"({replay.filled_holds} never bound, replayed with their org's median hold).",
+        "",
+        "| settings | " + " | ".join(_HEADERS) + " |",
+        "|---|" + "---:|" * len(_HEADERS),
+    ]
+    lines += [f"| {f.name} | " + " | ".join(_cells(f)) + " |" for f in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _write_report(result: Any, rows: Sequence[Figures], replay: ClaimReplay, out: Path) -> None:
+    from stoker.sim.report import write_report
+
+    try:
+        write_report(result, out)
+        (out / "backtest.md").write_text(_markdown(replay, rows), encoding="utf-8")
+        (out / "backtest.json").write_text(
+            json.dumps([f.as_dict() for f in rows], indent=2, sort_keys=True) + "\n",
+            encoding="utf-8",
+        )
+    except OSError as exc:
+        fail(f"cannot write the report to {out}: {exc}")
+
+
+def _print_recommendation(
+    found: Recommendation, replay: ClaimReplay, known: Mapping[str, Any], *, as_json: bool
+) -> None:
+    from stoker.sim.backtest import patch_line, settings_text
+
+    goal = f"{found.target} <= {found.bound:g}"
+    if found.settings is None or found.found is None:
+        if as_json:
+            print_json({"target": goal, "found": None, "tried": len(found.tried)})
+        print(f"stoker: no setting tried ({len(found.tried)}) meets {goal}", file=sys.stderr)
+        return
+    changes = {k: v for k, v in found.settings.items() if known.get(k) != v}
+    line, patch, rest = patch_line(replay.pool, changes)
+    if as_json:
+        print_json(
+            {
+                "target": goal,
+                "settings": found.settings,
+                "changes": changes,
+                "patch": patch,
+                "config_only": rest,
+                "found": found.found.as_dict(),
+                "confirmed": None if found.confirmed is None else found.confirmed.as_dict(),
+                "confirmed_ok": found.confirmed_ok,
+                "tried": len(found.tried),
+            }
+        )
+        return
+    rows = [found.found] + ([found.confirmed] if found.confirmed is not None else [])
+    make_console().print(_table(f"cheapest of {len(found.tried)} settings with {goal}", rows))
+    print(f"settings: {settings_text(found.settings) or '(the current ones)'}")
+    if patch:
+        print(line)
+        print(f"PATCH /v1/pools/{replay.pool} {json.dumps(patch, sort_keys=True)}")
+    if rest:
+        print(f"in the config file: {settings_text(rest)}")
+    if not changes:
+        print("the current settings are the cheapest found")
+    verdict = "meets" if found.confirmed_ok else "does NOT meet"
+    print(f"re-run at another seed {verdict} the target")

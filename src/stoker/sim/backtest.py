@@ -1,0 +1,462 @@
+"""The backtest: a pool's recorded claims replayed through the simulator, for its current
+settings and for candidates, and a search for the cheapest settings that meet a target.
+
+Each setting is one policy run of a scenario built here (`backtest_scenario`): the pool on
+a dedicated, consolidating node pool (as `diurnal`'s), the kubelet's start-up drawn from
+the pool's spawn-to-ready distribution (`SpawnToReady`), the load the recorded claims
+(`stoker.sim.claimlog`). Runs are independent: they go in parallel processes
+(`run_scenario(jobs=...)`), and the same log, settings and seed give the same figures.
+
+Settings are written `KEY=VALUE` (`parse_settings`, `SETTINGS`): the pool's keys in the
+words of its config file, plus `policy` (a simulator policy kind, e.g. `percent-headroom`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stoker.domain.errors import ConfigError
+from stoker.sim.claimlog import ClaimReplay
+from stoker.sim.policies import POLICY_KINDS
+from stoker.sim.runner import PolicyResult, ProgressCallback, ScenarioResult, run_scenario
+from stoker.sim.scenario import Scenario, scenario_from_mapping
+
+#: Setting key -> (the scenario pool's field, the value's type). `ttl` keys are seconds.
+SETTINGS: Mapping[str, tuple[str, type]] = {
+    "warm_target": ("warm_target", int),
+    "max_workers": ("max_workers", int),
+    "max_workers_per_org": ("max_workers_per_org", int),
+    "hot_idle_ttl": ("hot_idle_ttl_s", float),
+    "max_ttl": ("max_ttl_s", float),
+    "min_hot_idle": ("min_hot_idle", int),
+    "scale_down_delay": ("scale_down_delay_s", float),
+    "lease_s": ("lease_s", float),
+    "claim_timeout_s": ("claim_timeout_s", float),
+    "headroom_nodes": ("headroom_nodes", int),
+    "demand.quantile": ("demand_quantile", float),
+    "demand.org_forecast": ("org_forecast", bool),
+}
+#: Settings `PATCH /v1/pools/{name}` (`stoker pools set`) changes; the others are the
+#: config file's (or the pool's stored spec).
+PATCHABLE = (
+    "warm_target",
+    "max_workers",
+    "max_workers_per_org",
+    "hot_idle_ttl",
+    "max_ttl",
+    "min_hot_idle",
+    "scale_down_delay",
+    "lease_s",
+    "claim_timeout_s",
+)
+#: The policy kind a setting runs under unless it names one.
+DEFAULT_POLICY = "stoker"
+#: Targets `--recommend` knows: the figure and whether lower is better (all are).
+TARGETS = ("cold_share", "session_p99_ms", "claim_p99_ms")
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """`'warm_target=8,demand.quantile=0.99'` as {key: typed value}; ConfigError on an
+    unknown key or a bad value. `policy=NAME` picks the policy kind."""
+    settings: dict[str, Any] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, raw = part.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not raw:
+            raise ConfigError(f"setting {part!r}: expected KEY=VALUE")
+        settings[key] = parse_value(key, raw)
+    return settings
+
+
+def parse_value(key: str, raw: str) -> Any:
+    """One setting's value, typed; ConfigError naming the key."""
+    if key == "policy":
+        if raw not in POLICY_KINDS:
+            raise ConfigError(f"unknown policy {raw!r}; one of {', '.join(POLICY_KINDS)}")
+        return raw
+    if key not in SETTINGS:
+        known = ", ".join([*SETTINGS, "policy"])
+        raise ConfigError(f"unknown setting {key!r}; one of {known}")
+    kind = SETTINGS[key][1]
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(raw)
+            return raw.lower() == "true"
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"setting {key}: {raw!r} is not a {kind.__name__}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"setting {key}: {raw!r} is not a finite number")
+    return value
+
+
+def settings_text(settings: Mapping[str, Any]) -> str:
+    """Settings back in `KEY=VALUE,...` form (sorted; `policy` first)."""
+    keys = sorted(settings, key=lambda k: (k != "policy", k))
+    return ",".join(f"{k}={_fmt(settings[k])}" for k in keys)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class SpawnToReady:
+    """The pool's spawn-to-ready time, as a log-normal with this median and p99 (seconds):
+    the kubelet's container start, with the image already on every node."""
+
+    p50_s: float = 5.0
+    p99_s: float = 12.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.p50_s <= self.p99_s) or not math.isfinite(self.p99_s):
+            raise ConfigError(
+                f"spawn-to-ready: need 0 < p50 <= p99, got {self.p50_s:g} and {self.p99_s:g}"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> SpawnToReady:
+        """`P50` or `P50:P99` (seconds)."""
+        head, _, tail = text.partition(":")
+        try:
+            p50 = float(head)
+            p99 = float(tail) if tail else p50 * cls.p99_s / cls.p50_s
+        except ValueError:
+            raise ConfigError(f"--spawn-s {text!r}: expected P50 or P50:P99 seconds") from None
+        return cls(p50, p99)
+
+    def distribution(self) -> dict[str, Any]:
+        """The scenario's form: log-normal, sigma from the p99 (z = 2.326)."""
+        sigma = math.log(self.p99_s / self.p50_s) / 2.326
+        if sigma <= 0:
+            return {"kind": "constant", "value": self.p50_s}
+        return {"kind": "lognormal", "median": self.p50_s, "sigma": sigma}
+
+
+@dataclass
+class Backtest:
+    """What a backtest replays and against what."""
+
+    replay: ClaimReplay
+    #: The pool's current settings (`KEY: value`, keys of `SETTINGS`, maybe `policy`).
+    current: dict[str, Any] = field(default_factory=dict)
+    spawn: SpawnToReady = field(default_factory=SpawnToReady)
+    #: The replicas' intervals (`ControlPlaneConfig` keys) over the backtest's defaults:
+    #: the live fleet's janitor interval, read from its config.
+    control_plane: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1
+    jobs: int = 1
+    progress: ProgressCallback | None = None
+
+    def __post_init__(self) -> None:
+        self.replay.lead_s = LEAD_S
+
+    def scenario(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> Scenario:
+        """The scenario whose policies are `current` and the (name, changes) candidates."""
+        return backtest_scenario(
+            self.replay,
+            [(name, {**self.current, **changes}) for name, changes in candidates],
+            spawn=self.spawn,
+            seed=self.seed,
+            control_plane=self.control_plane,
+        )
+
+    def run(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> ScenarioResult:
+        """Replay the log once per candidate (in `jobs` processes)."""
+        return run_scenario(
+            self.scenario(candidates),
+            progress=self.progress,
+            jobs=self.jobs,
+            replay=self.replay,
+        )
+
+
+#: The scenario a backtest lays its pool, policies and spawn times into.
+BASE: Mapping[str, Any] = {
+    "name": "backtest",
+    "description": "a pool's recorded claims, replayed",
+    "sample_interval_s": 60,
+    "check_interval_s": 30,
+    "control_plane": {
+        "replicas": 1,
+        "lease_duration_s": 20,
+        "renew_deadline_s": 15,
+        "retry_period_s": 5,
+    },
+    "pool": {
+        "placeholder_cpu": "15",
+        "placeholder_memory": "56Gi",
+        "node_selector": {"stoker.dev/nodepool": "workers"},
+        "tolerations": [
+            {"key": "stoker.dev/workers", "operator": "Exists", "effect": "NoSchedule"}
+        ],
+    },
+    "cluster": {
+        "node_pools": [
+            {
+                "name": "workers",
+                "instance_types": ["m5.4xlarge"],
+                "labels": {"stoker.dev/nodepool": "workers"},
+                "taints": [{"key": "stoker.dev/workers", "effect": "NoSchedule"}],
+                "initial_nodes": {"m5.4xlarge": 2},
+            }
+        ],
+    },
+}
+#: Seconds the replay runs past the last arrival, so its claims are served and measured.
+TAIL_S = 120.0
+#: Seconds the pool runs before the first recorded arrival: it fills to its settings
+#: (the live pool was running when the log began). Costs count them too.
+LEAD_S = 300.0
+
+
+def backtest_scenario(
+    replay: ClaimReplay,
+    runs: Sequence[tuple[str, Mapping[str, Any]]],
+    *,
+    spawn: SpawnToReady,
+    seed: int,
+    control_plane: Mapping[str, Any] | None = None,
+) -> Scenario:
+    """The backtest's scenario: one policy per (name, settings); ConfigError on settings
+    the pool refuses (e.g. warm_target above max_workers)."""
+    policies = []
+    for name, settings in runs:
+        pool = {SETTINGS[k][0]: v for k, v in settings.items() if k != "policy"}
+        policy = settings.get("policy", DEFAULT_POLICY)
+        policies.append({"name": name, "policy": policy, "pool": pool})
+    data: dict[str, Any] = {
+        **BASE,
+        "seed": seed,
+        "epoch_s": math.floor(replay.start - replay.lead_s),
+        "duration_s": replay.lead_s + replay.span_s + TAIL_S,
+        "policies": policies,
+        "control_plane": {**BASE["control_plane"], **(control_plane or {})},
+        "pool": {**BASE["pool"], "name": replay.pool},
+        "cluster": {
+            **BASE["cluster"],
+            # The measured spawn-to-ready time is all of it: images are on the nodes
+            # and the process answers its readiness probe as it starts.
+            "kubelet": {
+                "image_pull": 0.0,
+                "image_pull_by_image": {},
+                "container_start": spawn.distribution(),
+                "ready_delay": 0.0,
+            },
+        },
+    }
+    try:
+        return scenario_from_mapping(data, source="backtest")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+# -- figures -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One setting's outcome on the log."""
+
+    name: str
+    cold_share: float | None
+    claim_p50_ms: float | None
+    claim_p99_ms: float | None
+    session_p50_ms: float | None
+    session_p99_ms: float | None
+    failed: int
+    idle_worker_hours: float
+    cost_usd: float
+
+    def meets(self, target: str, bound: float) -> bool:
+        """Whether the figure `target` is at most `bound` (None never meets it)."""
+        value = getattr(self, target)
+        return value is not None and value <= bound and self.failed == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def figures(result: PolicyResult, cpu_per_worker: float) -> Figures:
+    """The table's figures of one run."""
+    s = result.summary
+    claims = s["claims"]
+    latency = claims["latency_s"]["all"] or {}
+    waited = s["sessions"]["time_to_worker_s"] or {}
+    return Figures(
+        name=result.name,
+        cold_share=claims["cold_share"],
+        claim_p50_ms=_ms(latency.get("p50")),
+        claim_p99_ms=_ms(latency.get("p99")),
+        session_p50_ms=_ms(waited.get("p50")),
+        session_p99_ms=_ms(waited.get("p99")),
+        failed=sum(claims["failures"].values()),
+        idle_worker_hours=s["vcpu_hours"]["idle"] / cpu_per_worker,
+        cost_usd=s["nodes"]["cost_usd"],
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def all_figures(result: ScenarioResult) -> list[Figures]:
+    """Every run's figures, in the scenario's order."""
+    cpu = result.scenario.pool.cpu_cores
+    return [figures(p, cpu) for p in result.policies]
+
+
+# -- the search --------------------------------------------------------------------------------
+
+
+#: The values `--recommend` tries per setting (around the current one).
+WARM_TARGETS = (0, 1, 2, 4, 8, 16, 32)
+QUANTILES = (0.9, 0.99, 0.999, 0.9999)
+HOT_IDLE_TTLS = (30.0, 60.0, 300.0, 900.0)
+HEADROOM_NODES = (0, 1, 2)
+#: Rounds of the coordinate search at most.
+ROUNDS = 3
+
+
+@dataclass
+class Recommendation:
+    """The search's answer: the cheapest settings that met the target, and their re-run."""
+
+    target: str
+    bound: float
+    settings: dict[str, Any] | None
+    found: Figures | None
+    confirmed: Figures | None
+    tried: list[tuple[dict[str, Any], Figures]]
+
+    @property
+    def confirmed_ok(self) -> bool:
+        """The re-run (another seed) meets the target too."""
+        return self.confirmed is not None and self.confirmed.meets(self.target, self.bound)
+
+
+#: The settings `--recommend` searches, and the values it tries for each.
+SEARCHED: Mapping[str, Sequence[Any]] = {
+    "warm_target": WARM_TARGETS,
+    "demand.quantile": QUANTILES,
+    "hot_idle_ttl": HOT_IDLE_TTLS,
+    "headroom_nodes": HEADROOM_NODES,
+}
+
+
+def neighbours(
+    settings: Mapping[str, Any], keys: Sequence[str] = tuple(SEARCHED)
+) -> list[dict[str, Any]]:
+    """Settings that differ from `settings` in one searched key."""
+    out: list[dict[str, Any]] = []
+    for key in keys:
+        for value in SEARCHED[key]:
+            if settings.get(key) != value:
+                out.append({**settings, key: value})
+    return out
+
+
+def recommend(
+    backtest: Backtest,
+    target: str,
+    bound: float,
+    *,
+    keys: Sequence[str] = tuple(SEARCHED),
+    on_round: Callable[[int, list[Figures]], None] | None = None,
+) -> Recommendation:
+    """Coordinate search from the current settings: each round runs every one-key change
+    of the best settings so far (in parallel) and keeps the cheapest that meets the
+    target; it stops when a round finds nothing cheaper. The winner is re-run at another
+    seed to confirm it."""
+    if target not in TARGETS:
+        raise ConfigError(f"unknown target {target!r}; one of {', '.join(TARGETS)}")
+    for key in keys:
+        if key not in SEARCHED:
+            raise ConfigError(f"cannot search {key!r}; one of {', '.join(SEARCHED)}")
+    best: dict[str, Any] = dict(backtest.current)
+    first = backtest.run([("current", {})])
+    current = all_figures(first)[0]
+    tried: list[tuple[dict[str, Any], Figures]] = [(dict(best), current)]
+    best_figures = current if current.meets(target, bound) else None
+    seen = {settings_text(best)}
+    for round_number in range(1, ROUNDS + 1):
+        batch = [n for n in neighbours(best, keys) if settings_text(n) not in seen]
+        seen.update(settings_text(n) for n in batch)
+        if not batch:
+            break
+        named = [(settings_text(_changes(backtest.current, n)), {**n}) for n in batch]
+        found = all_figures(backtest.run(named))
+        tried += list(zip(batch, found, strict=True))
+        if on_round is not None:
+            on_round(round_number, found)
+        winners = [(f.cost_usd, i) for i, f in enumerate(found) if f.meets(target, bound)]
+        if not winners:
+            if best_figures is not None:
+                break
+            # Nothing meets it yet: go on from the change that came closest.
+            closest = min(range(len(found)), key=lambda i: _distance(found[i], target))
+            best = batch[closest]
+            continue
+        cost, index = min(winners)
+        if best_figures is not None and cost >= best_figures.cost_usd:
+            break
+        best, best_figures = batch[index], found[index]
+    if best_figures is None:
+        return Recommendation(target, bound, None, None, None, tried)
+    again = Backtest(
+        replay=backtest.replay,
+        current=best,
+        spawn=backtest.spawn,
+        control_plane=backtest.control_plane,
+        seed=backtest.seed + 1,
+        jobs=1,
+        progress=backtest.progress,
+    )
+    confirmed = all_figures(again.run([("confirm", {})]))[0]
+    return Recommendation(target, bound, best, best_figures, confirmed, tried)
+
+
+def _distance(f: Figures, target: str) -> tuple[int, float]:
+    value = getattr(f, target)
+    return (f.failed, math.inf if value is None else value)
+
+
+def _changes(current: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if current.get(k) != v}
+
+
+def parse_target(text: str) -> tuple[str, float]:
+    """`cold_share=0.005` as ("cold_share", 0.005); ConfigError otherwise."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or key not in TARGETS:
+        raise ConfigError(f"--target {text!r}: expected one of {', '.join(TARGETS)}=NUMBER")
+    try:
+        bound = float(raw)
+    except ValueError:
+        raise ConfigError(f"--target {text!r}: {raw.strip()!r} is not a number") from None
+    if not math.isfinite(bound) or bound < 0:
+        raise ConfigError(f"--target {text!r}: expected a number >= 0")
+    return key, bound
+
+
+def patch_line(
+    pool: str, settings: Mapping[str, Any]
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(`stoker pools set ...` line, PATCH JSON body, the settings only the config file
+    sets) for `settings`."""
+    patch = {k: v for k, v in settings.items() if k in PATCHABLE}
+    rest = {k: v for k, v in settings.items() if k not in PATCHABLE}
+    flags = " ".join(f"--{k.replace('_', '-')} {_fmt(v)}" for k, v in sorted(patch.items()))
+    return f"stoker pools set {pool} {flags}".rstrip(), patch, rest

@@ -1,0 +1,281 @@
+"""A pool's recorded claims (the claim log's JSON lines) as arrivals to replay.
+
+The format is fixed (`stoker claims export` writes it): one JSON object per line and
+claim, sorted by `at`, with exactly these keys:
+
+    {"at": 1700000000.25, "pool": "workers", "org": "acme", "mode": "prefer_warm",
+     "source": "warm", "wait_s": 0.012, "held_s": 412.5, "outcome": "released",
+     "revision": "r-1a2b"}
+
+`at` is the arrival (unix seconds); `source` is null for a claim that was never bound;
+`held_s` (bound to ended) is null while the claim is open or when it was never bound.
+
+A replay sends each claim at its recorded time (relative to the first) and holds the
+worker it gets for its recorded `held_s`. A claim that was never bound (no capacity, a
+cap, a failure) is replayed too, since under other settings it may be served; it holds
+for the median `held_s` of its org (of the whole log when its org has none, else
+`DEFAULT_HOLD_S`). A claim still open at the end of the log holds until the log's end.
+The simulator decides every claim's source anew.
+
+Held in flat arrays, not one object per claim: a week of a million claims is forked into
+every candidate's process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stoker.domain.errors import ConfigError
+from stoker.domain.states import ClaimMode
+
+#: The keys of one line, exactly.
+KEYS = frozenset({"at", "pool", "org", "mode", "source", "wait_s", "held_s", "outcome", "revision"})
+SOURCES = ("reuse", "warm", "cold")
+OUTCOMES = ("released", "expired", "failed", "no_capacity", "org_cap", "pool_cap", "open")
+#: A never-bound claim's hold when no claim of the log was ever held (seconds).
+DEFAULT_HOLD_S = 600.0
+_MODES = tuple(mode.value for mode in ClaimMode)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedClaim:
+    """One line of the claim log, validated."""
+
+    at: float
+    pool: str
+    org: str
+    mode: str
+    source: str | None
+    wait_s: float
+    held_s: float | None
+    outcome: str
+    revision: str | None
+
+
+def parse_line(text: str, where: str) -> RecordedClaim:
+    """One line of the log; ConfigError naming `where` (file:line) and the problem."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+    return parse_entry(data, where)
+
+
+def parse_entry(data: Any, where: str) -> RecordedClaim:
+    """One claim of the log as a decoded JSON object (a line, or an entry of
+    `GET /v1/claims/log`); ConfigError naming `where` and the problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    keys = set(data)
+    if keys != KEYS:
+        missing, unknown = sorted(KEYS - keys), sorted(keys - KEYS)
+        problem = f"missing {missing}" if missing else f"unknown keys {unknown}"
+        raise ConfigError(f"{where}: {problem}")
+    at = _number(data, "at", where)
+    wait = _number(data, "wait_s", where)
+    held = None if data["held_s"] is None else _number(data, "held_s", where)
+    for key in ("pool", "org"):
+        if not isinstance(data[key], str) or not data[key]:
+            raise ConfigError(f"{where}: {key} must be a non-empty string")
+    _one_of(data, "mode", _MODES, where)
+    if data["source"] is not None:
+        _one_of(data, "source", SOURCES, where)
+    _one_of(data, "outcome", OUTCOMES, where)
+    revision = data["revision"]
+    if revision is not None and not isinstance(revision, str):
+        raise ConfigError(f"{where}: revision must be a string or null")
+    if wait < 0 or (held is not None and held < 0):
+        raise ConfigError(f"{where}: wait_s and held_s cannot be negative")
+    return RecordedClaim(
+        at=at,
+        pool=data["pool"],
+        org=data["org"],
+        mode=data["mode"],
+        source=data["source"],
+        wait_s=wait,
+        held_s=held,
+        outcome=data["outcome"],
+        revision=revision,
+    )
+
+
+def _number(data: dict[str, Any], key: str, where: str) -> float:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _one_of(data: dict[str, Any], key: str, allowed: Sequence[str], where: str) -> None:
+    if data[key] not in allowed:
+        raise ConfigError(f"{where}: {key} {data[key]!r} is not one of {', '.join(allowed)}")
+
+
+def parse_lines(lines: Iterable[str], source: str) -> Iterator[RecordedClaim]:
+    """Every claim of the log's lines (blank lines skipped); ConfigError on a bad line or
+    a line out of order."""
+    parsed = (
+        (parse_line(text, f"{source}:{number}"), f"{source}:{number}")
+        for number, text in enumerate(lines, start=1)
+        if text.strip()
+    )
+    return in_order(parsed)
+
+
+def in_order(claims: Iterable[tuple[RecordedClaim, str]]) -> Iterator[RecordedClaim]:
+    """The claims, checked to be sorted by `at` (ConfigError naming where one is not)."""
+    last = -math.inf
+    for claim, where in claims:
+        if claim.at < last:
+            raise ConfigError(f"{where}: not sorted by at ({claim.at} < {last})")
+        last = claim.at
+        yield claim
+
+
+@dataclass
+class ClaimReplay:
+    """One pool's claims as the load driver replays them: arrival seconds since the first,
+    org, mode and hold, in arrival order (parallel arrays)."""
+
+    pool: str
+    #: Unix seconds of the first arrival (0.0 for an empty log).
+    start: float = 0.0
+    at_s: array[float] = field(default_factory=lambda: array("d"))
+    hold_s: array[float] = field(default_factory=lambda: array("d"))
+    org_index: array[int] = field(default_factory=lambda: array("I"))
+    mode_index: array[int] = field(default_factory=lambda: array("B"))
+    orgs: list[str] = field(default_factory=list)
+    #: What the live run saw: bound claims by source, and claims never bound.
+    recorded_sources: dict[str, int] = field(default_factory=dict)
+    recorded_unbound: int = 0
+    #: Never-bound claims replayed with their org's median hold.
+    filled_holds: int = 0
+    #: Seconds the replay waits before the first arrival (the pool fills meanwhile, as
+    #: the live pool was full when the log began).
+    lead_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.at_s)
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first arrival to the last."""
+        return self.at_s[-1] if self.at_s else 0.0
+
+    def mode(self, index: int) -> ClaimMode:
+        """Claim `index`'s mode."""
+        return ClaimMode(_MODES[self.mode_index[index]])
+
+    def recorded_cold_share(self) -> float | None:
+        """Cold claims over bound claims, as recorded (None: none was bound)."""
+        bound = sum(self.recorded_sources.values())
+        return self.recorded_sources.get("cold", 0) / bound if bound else None
+
+
+def build_replay(claims: Iterable[RecordedClaim], pool: str | None = None) -> ClaimReplay:
+    """The replay of one pool's claims (`pool`, or the log's only pool); ConfigError when
+    the log holds several pools and none is named, or none of the named one."""
+    chosen = list(claims)
+    pools = sorted({c.pool for c in chosen})
+    if pool is None:
+        if len(pools) > 1:
+            raise ConfigError(f"the log holds several pools ({', '.join(pools)}): name one")
+        pool = pools[0] if pools else "workers"
+    chosen = [c for c in chosen if c.pool == pool]
+    if not chosen:
+        raise ConfigError(f"the log holds no claim of pool {pool!r}")
+    end = chosen[-1].at
+    held: dict[str, list[float]] = {}
+    for c in chosen:
+        if c.held_s is not None:
+            held.setdefault(c.org, []).append(c.held_s)
+    every = [h for hs in held.values() for h in hs]
+    fallback = statistics.median(every) if every else DEFAULT_HOLD_S
+    medians = {org: statistics.median(hs) for org, hs in held.items()}
+    replay = ClaimReplay(pool=pool, start=chosen[0].at)
+    orgs: dict[str, int] = {}
+    sources: dict[str, int] = {}
+    for c in chosen:
+        if c.source is not None:
+            sources[c.source] = sources.get(c.source, 0) + 1
+        else:
+            replay.recorded_unbound += 1
+        if c.held_s is not None:
+            hold = c.held_s
+        elif c.outcome == "open" and c.source is not None:
+            hold = max(0.0, end - c.at)
+        else:
+            hold = medians.get(c.org, fallback)
+            replay.filled_holds += 1
+        replay.at_s.append(c.at - replay.start)
+        replay.hold_s.append(hold)
+        replay.org_index.append(orgs.setdefault(c.org, len(orgs)))
+        replay.mode_index.append(_MODES.index(c.mode))
+    replay.orgs = list(orgs)
+    replay.recorded_sources = dict(sorted(sources.items()))
+    return replay
+
+
+def read_claim_log(path: Path, pool: str | None = None) -> ClaimReplay:
+    """The replay of a JSON-lines claim log file; ConfigError (one line) on bad input."""
+    try:
+        with path.open(encoding="utf-8") as lines:
+            return build_replay(parse_lines(lines, str(path)), pool)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+
+
+def synthetic_claims(
+    count: int,
+    *,
+    span_s: float = 7 * 86_400.0,
+    orgs: int = 30,
+    mean_hold_s: float = 900.0,
+    start: float = 1_699_833_600.0,
+    pool: str = "workers",
+    seed: int = 1,
+) -> Iterator[dict[str, Any]]:
+    """`count` claim-log lines (as dicts) over `span_s`, arriving on a daily cycle (peak at
+    14:00, a ninth of it at night; weekends at a third), holds exponential: a stand-in for
+    an exported log (tests, benchmarks, trying the backtest without a server)."""
+    import random
+
+    rng = random.Random(seed)
+    # Thinning against the cycle's peak gives `count` arrivals in expectation; drawing
+    # uniform times and keeping them by the rate gives exactly `count` after sorting.
+    times: list[float] = []
+    while len(times) < count:
+        t = rng.uniform(0.0, span_s)
+        if rng.random() <= _weekly_rate(t):
+            times.append(t)
+    times.sort()
+    names = [f"org-{i:03d}" for i in range(orgs)]
+    for t in times:
+        hold = rng.expovariate(1 / mean_hold_s)
+        yield {
+            "at": round(start + t, 3),
+            "pool": pool,
+            "org": names[min(orgs - 1, int(rng.paretovariate(1.2)) - 1)],
+            "mode": "prefer_warm",
+            "source": "warm",
+            "wait_s": 0.02,
+            "held_s": round(hold, 3),
+            "outcome": "released",
+            "revision": "r-1",
+        }
+
+
+def _weekly_rate(t: float) -> float:
+    """Relative arrival rate at `t` seconds into the week (1.0 at a weekday's peak)."""
+    day, second = divmod(t, 86_400.0)
+    daily = (1 + 0.8 * math.cos(2 * math.pi * (second - 50_400.0) / 86_400.0)) / 1.8
+    return daily * (0.33 if day % 7 >= 5 else 1.0)

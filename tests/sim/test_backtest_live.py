@@ -1,0 +1,155 @@
+"""The backtest against a live run: a real `stoker serve` records claims, the backtest
+replays them, and the cold shares agree within `TOLERANCE`.
+
+The log is recorded as `stoker claims export` would write it: each claim's arrival (the
+client's send time), org, mode, source and wait from the answer, and its hold from the
+listing of ended claims (`GET /v1/claims?state=released`: created and ended times). The
+spawn-to-ready time handed to the backtest is the live run's own: the waits of its cold
+claims. The replicas' janitor interval is read from the same config file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from servers import DEMO, STOKER, Server, environment, kill_fleet, start_server
+
+#: |backtest cold share - live cold share| at most this (absolute). The simulator's pods
+#: are not the live run's local processes: a cold start there is the spawn-to-ready time
+#: drawn from a log-normal fitted to the live cold waits, and the control plane's first
+#: fill of the pool and its timer phases differ.
+TOLERANCE = 0.15
+ORGS = ("acme", "globex", "initech")
+#: Arrivals are unix seconds in the log; only their differences matter to a replay.
+EPOCH_S = 1_700_000_000.0
+CLAIMS = 45
+
+
+def _config(fleet: str) -> str:
+    pool = {"name": "demo", "command": DEMO, "warm_target": 1, "hot_idle_ttl": 2}
+    return (
+        f"store: sqlite:///./stoker.db\nfleet: {fleet}\napi: {{port: 0}}\n"
+        "intervals: {janitor_interval_s: 0.5, shutdown_grace_s: 5}\n"
+        f"pools:\n  - {json.dumps(pool)}\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    workdir = tmp_path_factory.mktemp("live")
+    srv = start_server(workdir, config=_config(fleet), args=["--stop-workers"])
+    try:
+        yield srv, workdir / "stoker.yaml"
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
+def _drive(url: str) -> list[dict[str, Any]]:
+    """Claims at random times (bursts of a few, pauses), each held 1-4 s, from 3 orgs."""
+    rng = random.Random(7)
+    sent: list[dict[str, Any]] = []
+    threads = []
+    lock = threading.Lock()
+
+    def session(org: str, hold: float) -> None:
+        at = EPOCH_S + time.perf_counter()
+        with httpx.Client(base_url=url, timeout=60) as client:
+            answer = client.post("/v1/claims", json={"pool": "demo", "org": org})
+            waited = EPOCH_S + time.perf_counter() - at
+            row: dict[str, Any] = {"at": at, "org": org, "wait_s": waited}
+            if answer.status_code == 201:
+                claim = answer.json()
+                row.update(id=claim["id"], source=claim["source"])
+                time.sleep(hold)
+                client.delete(f"/v1/claims/{claim['id']}")
+            else:
+                row.update(id=None, source=None)
+        with lock:
+            sent.append(row)
+
+    for i in range(CLAIMS):
+        # Bursts of three every so often: more than the warm pool holds.
+        time.sleep(rng.choice((0.1, 0.1, 0.3, 2.5)) if i % 3 else rng.uniform(2.0, 5.0))
+        thread = threading.Thread(
+            target=session, args=(rng.choice(ORGS), rng.uniform(1.0, 4.0)), daemon=True
+        )
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(120)
+    return sorted(sent, key=lambda r: r["at"])
+
+
+def _record(url: str, sent: list[dict[str, Any]], path: Path) -> None:
+    """The claim log, from what the clients saw and the server's listing of ended claims."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        listed = client.get("/v1/claims", params={"state": "released", "limit": 1000}).json()
+    ended = {c["id"]: c for c in listed["claims"]}
+    lines = []
+    for row in sent:
+        claim = ended.get(row["id"] or "")
+        held = None
+        if claim is not None and claim.get("ended_at"):
+            held = _seconds(claim["ended_at"]) - _seconds(claim["created_at"])
+        lines.append(
+            {
+                "at": row["at"],
+                "pool": "demo",
+                "org": row["org"],
+                "mode": "prefer_warm",
+                "source": row["source"] if claim is None else claim["source"],
+                "wait_s": row["wait_s"],
+                "held_s": held,
+                "outcome": "released" if held is not None else "no_capacity",
+                "revision": None,
+            }
+        )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def test_the_backtest_reproduces_a_live_runs_cold_share(
+    live: tuple[Server, Path], tmp_path: Path
+) -> None:
+    server, config = live
+    time.sleep(3)  # the warm pool fills, as the backtest's lead lets it
+    sent = _drive(server.url)
+    log = tmp_path / "claims.jsonl"
+    _record(server.url, sent, log)
+    bound = [r for r in sent if r["source"] is not None]
+    assert len(bound) == CLAIMS
+    cold_waits = sorted(r["wait_s"] for r in bound if r["source"] == "cold")
+    live_cold = len(cold_waits) / len(bound)
+    assert 0 < live_cold < 1, "the run must have some cold and some warm claims"
+    p50 = statistics.median(cold_waits)
+    p99 = max(cold_waits[-1], p50)
+    result = subprocess.run(
+        [STOKER, "backtest", "--from", str(log), "--config", str(config),
+         "--spawn-s", f"{p50:.3f}:{p99:.3f}", "--json", "--jobs", "1"],
+        capture_output=True, text=True, timeout=600, env=environment(), check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["recorded_cold_share"] == pytest.approx(live_cold)
+    replayed = body["runs"][0]["cold_share"]
+    print(f"cold share: live {live_cold:.3f}, backtest {replayed:.3f}")
+    assert abs(replayed - live_cold) <= TOLERANCE, (replayed, live_cold)
