@@ -10,7 +10,7 @@ LOCK := requirements/dev.lock
 COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
 	--generate-hashes --custom-compile-command 'make lock'
 
-.PHONY: install lock demo serve test test-e2e kube-e2e-binaries test-extras lint fmt bench docs clean
+.PHONY: install lock demo serve test test-e2e kube-e2e-binaries test-extras lint fmt bench docs docs-serve clean
 
 install: $(STAMP)
 
@@ -65,9 +65,18 @@ fmt: install
 bench: install
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
-# Regenerates the API reference (docs/api.md, docs/openapi.json) from the routes.
+# The documentation site (mkdocs.yml) into site/, in strict mode with every link checked.
+# First regenerates the API reference (docs/api.md, docs/openapi.json) from the routes;
+# the configuration, CLI and metrics references are generated during the build.
 docs: install
 	$(PY) -m stoker.api.reference docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean
+
+# The site on http://127.0.0.1:8000, rebuilt on every change (DOCS_ADDR=host:port).
+DOCS_ADDR ?= 127.0.0.1:8000
+docs-serve: install
+	$(PY) -m stoker.api.reference docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict --dev-addr $(DOCS_ADDR)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .nox
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .nox site

@@ -817,7 +817,8 @@ def test_a_bad_choice_is_said_without_the_parser_s_words() -> None:
 
 
 def test_url_and_token_work_before_the_command_and_after_it(server: Server) -> None:
-    # Before the command (as the README shows them) with no $STOKER_URL: no "No such option".
+    # Before the command (as docs/getting-started.md shows them) with no $STOKER_URL:
+    # no "No such option".
     before = run(["--url", server.url, "pools", "list", "--json"])
     assert before.returncode == 0, before.stderr
     assert [p["name"] for p in json.loads(before.stdout)["pools"]] == ["demo"]

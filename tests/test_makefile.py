@@ -43,6 +43,19 @@ def test_make_bench_runs_benchmarks_that_exist() -> None:
     assert unknown.returncode == 2 and "unknown benchmark(s) no-such-benchmark" in unknown.stderr
 
 
-def test_make_docs_writes_the_reference_into_docs() -> None:
-    [line] = recipe("docs")
-    assert line.endswith("-m stoker.api.reference docs")
+def test_make_docs_writes_the_reference_into_docs_then_builds_the_site_strict() -> None:
+    api, build = recipe("docs")
+    assert api.endswith("-m stoker.api.reference docs")
+    assert build.split()[-3:] == ["build", "--strict", "--clean"]
+    assert "/mkdocs " in build
+
+
+def test_make_docs_serve_serves_the_site() -> None:
+    api, serve = recipe("docs-serve")
+    assert api.endswith("-m stoker.api.reference docs")
+    assert "/mkdocs serve --strict" in serve
+
+
+def test_ci_builds_the_site() -> None:
+    steps = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert "make docs VENV=.venv-ci" in steps

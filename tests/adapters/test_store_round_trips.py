@@ -208,7 +208,7 @@ async def test_round_trips_per_claim_release_and_renewal(kind: str, tmp_path: Pa
             assert again.source is ClaimSource.REUSE
     assert counts == EXPECTED[kind]
     if kind == "postgres":
-        # The targets of the PostgreSQL claim path (see the README's "Several replicas").
+        # The targets of the PostgreSQL claim path (see docs/guides/replicas.md).
         assert counts["warm claim"] <= 3 and counts["reuse claim"] <= 3
         assert counts["release"] <= 2
 

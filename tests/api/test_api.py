@@ -1,4 +1,4 @@
-"""The HTTP API of the README ("HTTP API"): every route, every error status, auth and org isolation.
+"""The HTTP API (docs/api.md): every route, every error status, auth and org isolation.
 
 These tests call the ASGI app in-process through `httpx.ASGITransport`, on virtual time
 (looptime), with `MemoryRuntime` workers (tests/fakes.py) and the real SQLite store: the

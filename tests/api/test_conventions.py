@@ -1,4 +1,4 @@
-"""The API's conventions for what it is sent and what it answers (README, "Errors").
+"""The API's conventions for what it is sent and what it answers (docs/concepts/claims.md).
 
 JSON bodies only (415 otherwise), no key named twice (400), validation errors in stoker's
 own words, a 429 whose `Retry-After` follows from what the org holds, and one log line

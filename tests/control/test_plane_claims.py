@@ -1,7 +1,7 @@
 """The claim path, sessions and janitor of one replica, on virtual time (looptime).
 
 Workers are `MemoryRuntime` entries (see tests/fakes.py for why); the store is the real
-SQLite adapter. Every claim path (README, "HTTP API", and the lifecycle) is driven here; the
+SQLite adapter. Every claim path (docs/concepts/claims.md, and the lifecycle) is driven here; the
 same paths with real processes are in tests/test_integration_local.py.
 """
 

@@ -1,4 +1,4 @@
-"""The HTTP API (README, "HTTP API"): FastAPI app factory and the server that runs it."""
+"""The HTTP API (docs/concepts/claims.md): FastAPI app factory and the server that runs it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The HTTP API of the README ("HTTP API"): `create_app(plane, api_config)` builds it.
+"""The HTTP API (docs/concepts/claims.md, docs/api.md): `create_app(plane, api_config)` builds it.
 
 Every route is in the app's router, and the OpenAPI document describes them all. The claim
 routes (`stoker.api.claims`) are the path every session takes; they are `DirectRoute`s,

@@ -1,4 +1,4 @@
-"""Request and response bodies of the HTTP API (README, "HTTP API").
+"""Request and response bodies of the HTTP API (docs/concepts/claims.md).
 
 Request models forbid unknown fields and bound every value, so that no input can reach the
 control plane in a shape it does not expect. Response models document the answers in the

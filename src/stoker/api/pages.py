@@ -4,7 +4,7 @@ Every file is shipped in the package (`stoker/api/static/`): the dashboard's HTM
 script and style sheet, and the vendored Swagger UI and ReDoc bundles, so the pages
 work without network access. The pages themselves are public, as static files are:
 they hold no data. The dashboard asks for a token and sends it as a bearer header on
-each `/v1/` call it makes, where the API's usual rules apply (README, "Dashboard").
+each `/v1/` call it makes, where the API's usual rules apply (docs/getting-started.md).
 """
 
 from __future__ import annotations

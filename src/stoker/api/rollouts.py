@@ -1,5 +1,5 @@
 """The rollout routes (admin token only): start a pool's new revision, read a rollout,
-pause, resume, abort or promote it (README, "Rolling out a new worker").
+pause, resume, abort or promote it (docs/guides/rollouts.md).
 
 `POST /v1/pools/{name}/rollouts` takes the new template as fields laid over the pool's
 stable one (a process pool: `command`, `env`, `cwd`, `memory_mb`; a pod pool: the `pod:`

@@ -53,7 +53,7 @@ def loopback_only(host: str) -> bool:
 
 
 def check_exposure(api: ApiConfig) -> None:
-    """Refuse a non-loopback address without tokens (README, "HTTP API"), saying why."""
+    """Refuse a non-loopback address without tokens (docs/concepts/claims.md), saying why."""
     if api.has_tokens or loopback_only(api.host):
         return
     raise ConfigError(

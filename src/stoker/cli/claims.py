@@ -34,7 +34,7 @@ claims_app = typer.Typer(
 
 
 class Mode(StrEnum):
-    """Claim modes of `POST /v1/claims` (README, "HTTP API")."""
+    """Claim modes of `POST /v1/claims` (docs/concepts/claims.md)."""
 
     prefer_warm = "prefer_warm"
     require_warm = "require_warm"

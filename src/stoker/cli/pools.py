@@ -30,6 +30,8 @@ from stoker.cli.output import (
     server,
     server_command,
 )
+from stoker.domain.comments import field_description
+from stoker.domain.specs import PoolSpec
 from stoker.sdk import Client, PoolChanges, PoolInfo, StokerError
 
 #: Column order of the state counts in `stoker status`.
@@ -49,7 +51,7 @@ pools_app = typer.Typer(
     name="pools",
     cls=_PoolsGroup,
     invoke_without_command=True,
-    help='Pools: list (also `stoker pools`), show, set and drain (README, "Pools in the store").',
+    help="Pools: list (also `stoker pools`), show, set and drain (docs/guides/rollouts.md).",
 )
 
 NameArgument = Annotated[str, typer.Argument(help="The pool's name", show_default=False)]
@@ -80,24 +82,30 @@ def pools_show(name: NameArgument, *, client: Client, as_json: bool) -> None:
     _print_pools(client.url, [client.pool(name)], as_json=as_json, one=True)
 
 
+def _setting(name: str) -> Any:
+    """The option of the pool setting `name`: its help is the setting's own doc comment."""
+    about = field_description(PoolSpec, name)
+    return typer.Option(min=0, show_default=False, help=about)
+
+
 #: A count or a duration in seconds to set; left out, the setting keeps its value.
-Count = Annotated[int | None, typer.Option(min=0, show_default=False)]
-Seconds = Annotated[float | None, typer.Option(min=0, show_default=False)]
+Count = int | None
+Seconds = float | None
 
 
 @server_command(pools_app, "set")
 def pools_set(
     name: NameArgument,
-    warm_target: Count = None,
-    max_workers: Count = None,
-    max_workers_per_org: Count = None,
-    hot_idle_ttl: Seconds = None,
-    max_ttl: Seconds = None,
-    min_hot_idle: Count = None,
-    lease_s: Seconds = None,
-    claim_timeout_s: Seconds = None,
-    scale_down_delay: Seconds = None,
-    max_claim_s: Seconds = None,
+    warm_target: Annotated[Count, _setting("warm_target")] = None,
+    max_workers: Annotated[Count, _setting("max_workers")] = None,
+    max_workers_per_org: Annotated[Count, _setting("max_workers_per_org")] = None,
+    hot_idle_ttl: Annotated[Seconds, _setting("hot_idle_ttl")] = None,
+    max_ttl: Annotated[Seconds, _setting("max_ttl")] = None,
+    min_hot_idle: Annotated[Count, _setting("min_hot_idle")] = None,
+    lease_s: Annotated[Seconds, _setting("lease_s")] = None,
+    claim_timeout_s: Annotated[Seconds, _setting("claim_timeout_s")] = None,
+    scale_down_delay: Annotated[Seconds, _setting("scale_down_delay")] = None,
+    max_claim_s: Annotated[Seconds, _setting("max_claim_s")] = None,
     generation: Annotated[
         int | None,
         typer.Option(help="Change only if the pool is still at this generation", min=1),

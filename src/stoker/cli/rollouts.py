@@ -1,5 +1,5 @@
 """`rollout start|status|pause|resume|abort|promote`: roll a pool's new revision out and
-follow it (admin token; README, "Rolling out a new worker")."""
+follow it (admin token; docs/guides/rollouts.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ rollout_app = typer.Typer(
     name="rollout",
     no_args_is_help=True,
     help="Roll a pool's new revision out: start, status, pause, resume, abort, promote "
-    '(README, "Rolling out a new worker").',
+    "(docs/guides/rollouts.md).",
 )
 
 

@@ -107,7 +107,7 @@ else:
     SettingsChange = derived_section(
         "PoolPatch",
         _SettingsBase,
-        """The tunable settings to change (README, "Pools in the store"); those left out
+        """The tunable settings to change (docs/guides/rollouts.md); those left out
         keep their value, and so do those sent as null but for `hot_idle_ttl`, which null
         sets back to the default (60 s). Types and bounds are the config file's, strictly:
         `true` or `"3"` is not a number.""",

@@ -35,6 +35,7 @@ class StokerConfig(Section):
     #: `sqlite:///relative/path.db`, `sqlite:////absolute/path.db` or `postgresql://...`.
     store: str = "sqlite:///./stoker.db"
     store_options: PostgresOptions = Field(default_factory=PostgresOptions)
+    #: Where workers run: `kind: local` (processes of this machine) or `kind: kubernetes`.
     runtime: RuntimeConfig = Field(default_factory=LocalRuntimeConfig, discriminator="kind")
     #: The janitor's elector: a mapping, or the shorthand none | store | kubernetes | auto.
     leader_election: LeaderElectionConfig = Field(default_factory=LeaderElectionConfig)
@@ -52,7 +53,9 @@ class StokerConfig(Section):
     pools: list[PoolConfig] = Field(default_factory=default_pools, min_length=1)
     #: Per-org overrides: the fields of `OrgSpec`; a missing value falls back to the pool's.
     orgs: list[OrgSpec] = Field(default_factory=list)
+    #: Lowest level of the log lines written (case-insensitive).
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: `kv`: key=value lines; `json`: one JSON object per line.
     log_format: Literal["kv", "json"] = "kv"
 
     #: The keys of `intervals` the config names (`intervals_given`).

@@ -64,10 +64,15 @@ _RESERVED_ANNOTATIONS = frozenset({"karpenter.sh/do-not-disrupt"})
 class TolerationConfig(Section):
     """One toleration of a worker pod (Kubernetes' `tolerationSeconds` spelling accepted)."""
 
+    #: The taint key the toleration matches; null with `Exists` matches every taint.
     key: str | None = Field(None, min_length=1)
+    #: `Equal` matches the taint's value; `Exists` any value.
     operator: Literal["Equal", "Exists"] = "Equal"
+    #: The taint value to match (with `Equal`).
     value: str | None = None
+    #: The taint effect to match; null: every effect.
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    #: With `NoExecute`: how long the pod stays on a tainted node.
     toleration_seconds: int | None = Field(None, alias="tolerationSeconds", ge=0)
 
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, strict=True)
@@ -178,15 +183,22 @@ else:
 
 
 class RolloutConfig(Section):
-    """How a new template of the pool takes over (README, "Pools in the store"): a canary
+    """How a new template of the pool takes over (docs/guides/rollouts.md): a canary
     hands `steps` percent of new claims to it, one step per `step_interval_s`, and rolls
     back when its failures reach `max_failure_ratio`; `replace` switches at once."""
 
     model_config = ConfigDict(strict=True)
 
+    #: `canary` hands the new revision a growing share of new claims; `replace` switches at
+    #: once.
     kind: Literal["canary", "replace"] = "canary"
+    #: Percent of new claims the new revision gets, step by step (increasing, ending at
+    #: 100).
     steps: list[int] = Field(default_factory=lambda: list(DEFAULT_STEPS))
+    #: Seconds each step lasts before the next, while the new revision is healthy.
     step_interval_s: float = DEFAULT_STEP_INTERVAL_S
+    #: The share of the new revision's spawns and activations that fail at which the rollout
+    #: rolls back.
     max_failure_ratio: float = DEFAULT_MAX_FAILURE_RATIO
     #: Seconds a step may wait for the new revision's warm workers before the rollout pauses.
     hold_deadline_s: float = DEFAULT_HOLD_DEADLINE_S

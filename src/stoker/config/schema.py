@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from stoker.domain.comments import field_description
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -46,8 +48,8 @@ def spec_fields(
 ) -> dict[str, Any]:
     """Pydantic field definitions for the fields of `spec`, but those in `omit`.
 
-    Each keeps its annotation (with its bounds) and its default; `refine` replaces the
-    annotation of the fields it names.
+    Each keeps its annotation (with its bounds), its default and its doc comment (as the
+    field's description); `refine` replaces the annotation of the fields it names.
     """
     hints = typing.get_type_hints(spec, include_extras=True)
     refine = refine or {}
@@ -55,12 +57,13 @@ def spec_fields(
     for field in dataclasses.fields(spec):
         if field.name in omit:
             continue
+        about = field_description(spec, field.name)
         if field.default is not dataclasses.MISSING:
-            default = Field(field.default)
+            default = Field(field.default, description=about)
         elif field.default_factory is not dataclasses.MISSING:
-            default = Field(default_factory=field.default_factory)
+            default = Field(default_factory=field.default_factory, description=about)
         else:
-            default = Field()
+            default = Field(description=about)
         definitions[field.name] = (refine.get(field.name, hints[field.name]), default)
     return definitions
 

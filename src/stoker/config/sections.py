@@ -20,7 +20,9 @@ class PostgresOptions(Section):
     db_schema: str = Field(
         "stoker", alias="schema", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=63
     )
+    #: Connections each replica's pool keeps open to PostgreSQL.
     min_pool_size: int = Field(1, ge=0, le=1000)
+    #: Connections each replica's pool opens to PostgreSQL at most.
     max_pool_size: int = Field(10, ge=1, le=1000)
     #: Statements executed this often get prepared server-side; null disables preparing.
     prepare_threshold: int | None = Field(5, ge=0)
@@ -42,6 +44,7 @@ class PostgresOptions(Section):
 class LocalRuntimeConfig(Section):
     """Workers run as processes on this machine."""
 
+    #: `local`: workers are processes of this machine (the default).
     kind: Literal["local"] = "local"
     #: Memory the workers may use together; a pool with max_workers 0 is capped at
     #: budget / memory_mb. Null: half of this machine's memory.
@@ -60,13 +63,16 @@ class LocalRuntimeConfig(Section):
 class PlaceholderSize(Section):
     """Requests (= limits) of one headroom placeholder pod."""
 
+    #: CPU of one placeholder pod (a Kubernetes quantity: `500m`, `2`).
     cpu: Quantity
+    #: Memory of one placeholder pod (a Kubernetes quantity: `512Mi`, `4Gi`).
     memory: Quantity
 
 
 class KubernetesRuntimeConfig(Section):
     """Workers run as pods; every pool needs a `pod` template."""
 
+    #: `kubernetes`: workers are pods of a cluster.
     kind: Literal["kubernetes"]
     #: Namespace of the worker pods (and of the janitor Lease). Null: the pod's own
     #: namespace when stoker runs in a cluster, else "default".
@@ -77,6 +83,7 @@ class KubernetesRuntimeConfig(Section):
     context: str | None = Field(None, min_length=1)
     #: The API client's budget (token bucket); spawns are paced to it as well.
     qps: float = Field(50.0, gt=0, le=100_000)
+    #: Requests the API client may send at once above `qps` (the token bucket's size).
     burst: int = Field(100, ge=1, le=100_000)
     #: The informer lists and diffs this often, to catch what a dropped watch missed.
     resync_s: PositiveSeconds = 300.0
@@ -86,6 +93,7 @@ class KubernetesRuntimeConfig(Section):
     create_deadline_s: PositiveSeconds = Field(5.0, le=600)
     #: PriorityClass of headroom placeholders; required when a pool has headroom_nodes.
     placeholder_priority_class: DnsSubdomain | None = None
+    #: Image of the headroom placeholder pods (they only sleep).
     placeholder_image: str = Field("registry.k8s.io/pause:3.10", min_length=1)
     #: Null: each pool's placeholders are as large as its workers.
     placeholder_size: PlaceholderSize | None = None
@@ -105,11 +113,16 @@ ElectionKind = Literal["auto", "none", "store", "kubernetes"]
 class LeaderElectionConfig(Section):
     """Who runs the fleet-wide janitor; the timings are client-go's defaults."""
 
+    #: The elector: `store` (a lease row in the store), `kubernetes` (a Lease), `none` (this
+    #: replica always runs the janitor) or `auto` (`store` on PostgreSQL, `none` on SQLite).
     kind: ElectionKind = "auto"
     #: Null: "janitor" (a row of the store) or "<fleet>-janitor" (a Kubernetes Lease).
     lease_name: str | None = Field(None, min_length=1, max_length=253)
+    #: How long a leader's lease lasts without renewal before another replica may take it.
     lease_duration_s: PositiveSeconds = 15.0
+    #: A leader that has not renewed for this long steps down.
     renew_deadline_s: PositiveSeconds = 10.0
+    #: How often a replica tries to take or renew the lease.
     retry_period_s: PositiveSeconds = 2.0
 
     @model_validator(mode="after")
@@ -139,6 +152,7 @@ class LeaderElectionConfig(Section):
 class ApiConfig(Section):
     """The HTTP API: where it listens and who may call it."""
 
+    #: Address the API listens on; a non-loopback address needs tokens.
     host: str = Field("127.0.0.1", min_length=1)
     #: 0 picks a free port (the server prints the one it got).
     port: int = Field(8080, ge=0, le=65535)

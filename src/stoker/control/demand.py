@@ -1,7 +1,7 @@
 """Demand this replica publishes: cumulative misses, claims queued, and cumulative claims
 that wanted a neutral worker, per pool.
 
-The leader's janitor reads every replica's rows (README, "Metrics": `stoker_demand`), so
+The leader's janitor reads every replica's rows (docs/operations.md: `stoker_demand`), so
 the claims of every replica make the pool's demand rate. Publishing is coalesced per burst
 of misses; the claim counter rides along, and every pass publishes it too.
 """

@@ -1,7 +1,7 @@
 """The last hour of each pool's warm target, demand and workers (and each revision's share
 and workers, the rollout view's), sampled by this replica.
 
-The dashboard's chart reads it (README, "Dashboard"): kept on the server, a page opened
+The dashboard's chart reads it (docs/getting-started.md): kept on the server, a page opened
 now shows the hour before it, every viewer sees the same curve, and a reload loses
 nothing. One sample per pool every `PlaneSettings.pool_sample_s`, in a ring of one hour:
 at the default 10 s, 360 samples of a few integers per pool.

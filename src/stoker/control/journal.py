@@ -1,4 +1,4 @@
-"""This replica's recent events, kept in memory for the dashboard (README, "Dashboard").
+"""This replica's recent events, kept in memory for the dashboard (docs/getting-started.md).
 
 A bounded ring: spawns, retirements with their reasons, failures (spawns, activations,
 durable writes, passes) and rollouts' steps, holds, pauses and verdicts, newest last. It

@@ -109,7 +109,7 @@ _SIZING_GAUGES = (
 
 
 class Metrics:
-    """Every metric stoker exports; the README's metrics table documents each one."""
+    """Every metric stoker exports; docs/reference/metrics is generated from them."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

@@ -1,6 +1,5 @@
 """Verdicts from every replica: each replica's outcome counts of a rollout's revision go to
-the store in batches, and the leader's verdict sums them (README, "Rolling out a new
-worker").
+the store in batches, and the leader's verdict sums them (docs/guides/rollouts.md).
 
 A claim, a spawn or an activation only adds one to a counter in memory (`Rollouts.note`);
 every pass of this replica (the janitor's or the fallback reaper's) writes the counters

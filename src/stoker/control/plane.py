@@ -176,8 +176,8 @@ class ControlPlane:
         for pool in self.catalog.pools.values():
             self._log_cap(pool)
         logs.event("control_plane_started", instance=self.instance_id, runtime=self.runtime.kind)
-        # The first janitor pass adopts what a previous run left (README, "Running several
-        # replicas": reconcile the store and the runtime at start: adopt live, retire dead).
+        # The first janitor pass adopts what a previous run left (docs/guides/replicas.md:
+        # reconcile the store and the runtime at start: adopt live, retire dead).
         if self.elector.is_leader:
             await self._guarded("janitor", self.run_janitor_pass)
         self.reconciled = True

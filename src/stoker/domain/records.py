@@ -212,7 +212,7 @@ class LeaseRecord:
 
 @dataclass(frozen=True, slots=True)
 class ClaimRequest:
-    """What a client asks for (`POST /v1/claims`, README "HTTP API")."""
+    """What a client asks for (`POST /v1/claims`, docs/concepts/claims.md)."""
 
     pool: str
     org: str

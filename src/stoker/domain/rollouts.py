@@ -1,5 +1,4 @@
-"""Rollouts of a pool's new revision: their strategies and states (README, "Rolling out a
-new worker").
+"""Rollouts of a pool's new revision: their strategies and states (docs/guides/rollouts.md).
 
 A *canary* rollout hands a growing share of the pool's new claims to the new revision, one
 step at a time; a *replace* rollout switches every new claim at once (stoker's behaviour

@@ -1,4 +1,4 @@
-"""Pool and org specifications: what a platform engineer configures (README, "Configuration").
+"""Pool and org specifications: what a platform engineer configures (docs/guides/local.md).
 
 Each setting is declared here once: its type, its default, its bounds (`annotated_types`
 metadata, which the configuration's validation enforces) and its doc comment.
@@ -61,21 +61,31 @@ class ProcessTemplate:
 class PodTemplate:
     """A Kubernetes worker pod; requests equal limits so workers are never BestEffort."""
 
+    #: The worker container's image.
     image: Annotated[str, MinLen(1)]
     #: Replaces the image's entrypoint; empty keeps it.
     command: tuple[str, ...] = ()
+    #: Arguments of the command (or of the image's entrypoint).
     args: tuple[str, ...] = ()
+    #: Environment of the worker container.
     env: Mapping[str, str] = field(default_factory=dict)
     #: Requests and limits of the worker container: the Guaranteed QoS class.
     cpu: str = "1"
+    #: Memory of the worker container (requests = limits), a Kubernetes quantity.
     memory: str = "1Gi"
     #: The port the worker listens on (`{port}` in command, args and env).
     port: Annotated[int, Ge(1), Le(65535)] = 8080
+    #: Labels a node must have to run a worker.
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    #: Taints of nodes the workers tolerate.
     tolerations: tuple[Mapping[str, Any], ...] = ()
+    #: PriorityClass of the worker pods; null: the cluster's default.
     priority_class: str | None = None
+    #: ServiceAccount the worker pods run as; null: the namespace's default.
     service_account: str | None = None
+    #: Labels added to the worker pods (stoker's own are set by stoker).
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: Annotations added to the worker pods.
     annotations: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -86,13 +96,17 @@ RuntimeTemplate = ProcessTemplate | PodTemplate
 class Timeouts:
     """How long each in-flight state may last before the stuck sweep retires it (I4)."""
 
+    #: How long a worker may take from spawn to ready.
     spawn_s: PositiveSeconds = 120.0
     #: Kubernetes: how long a spawning pod may wait on the cluster (no node fits it yet,
     #: a node is on its way, its image is being pulled) before the stuck sweep retires it,
     #: instead of `spawn_s`; `spawn_s` counts again from its container's start.
     pending_s: PositiveSeconds = 600.0
+    #: How long a worker may stay reserved for a claim before activation starts.
     reserve_s: PositiveSeconds = 30.0
+    #: How long an activation may take.
     activation_s: PositiveSeconds = 30.0
+    #: How long a draining worker may take to stop before it is retired anyway.
     drain_s: PositiveSeconds = 120.0
     #: Grace between SIGTERM (or pod delete) and SIGKILL.
     stop_grace_s: Seconds = 10.0
@@ -104,8 +118,11 @@ class SpawnBackoff:
     n-th failure in a row no spawn starts for `min(max_s, initial_s * factor ** (n - 1))`
     seconds, then one spawn probes; the first worker that gets ready resets it."""
 
+    #: The pause after the first failed spawn.
     initial_s: PositiveSeconds = 1.0
+    #: The longest pause between probes.
     max_s: PositiveSeconds = 60.0
+    #: How much longer each pause is than the one before.
     factor: Annotated[float, Ge(1), Le(10)] = 2.0
 
 
@@ -119,8 +136,11 @@ class CostSpec:
     """What a pool's workers cost (docs/warmth.md): either per cpu-hour and GiB-hour of the
     template's resources, or a flat price per worker-hour. Currency is the operator's."""
 
+    #: Price of one cpu-hour of the template's resources (with `per_gib_hour`).
     per_cpu_hour: Price | None = None
+    #: Price of one GiB-hour of the template's memory (with `per_cpu_hour`).
     per_gib_hour: Price | None = None
+    #: A flat price per worker-hour, instead of the two above.
     per_worker_hour: Price | None = None
 
     def __post_init__(self) -> None:
@@ -153,6 +173,7 @@ class DemandSpec:
     stable_window_s: PositiveSeconds | None = None
     #: The short window whose rate wins while it is at least `panic_ratio` x the stable one.
     panic_window_s: PositiveSeconds = 30.0
+    #: How many times the stable rate the panic window's rate must reach to win.
     panic_ratio: Annotated[float, Ge(1), Le(100)] = 2.0
     #: Share of replacement times whose claims the warm pool covers (Poisson quantile).
     quantile: Annotated[float, Ge(0.5), Le(0.9999)] = 0.999
@@ -163,6 +184,7 @@ class DemandSpec:
     #: The forecast is set aside while the claims of the last `error_window_s` are off
     #: from it by more than this share (and by more than Poisson noise).
     forecast_error_bound: Annotated[float, Gt(0), Le(100)] = 0.5
+    #: The window over which the forecast's error is measured.
     error_window_s: PositiveSeconds = 900.0
     #: Learn the new-session rate of each of the pool's busiest orgs (docs/scaling.md): at
     #: a full pool, a parked worker whose org is unlikely to claim again before its TTL
@@ -210,7 +232,11 @@ class PoolSpec:
     max_ttl: Seconds = 0.0
     #: hot_idle workers an org keeps past their TTL.
     min_hot_idle: Annotated[int, Ge(0), Le(100_000)] = 0
+    #: On release, `same_org` parks the worker as hot_idle for its org's next session;
+    #: `never` retires it.
     reuse: Reuse = Reuse.SAME_ORG
+    #: `http`: workers implement the activation protocol (docs/worker-protocol.md); `none`:
+    #: they do not, and get no session token.
     activation: Activation = Activation.HTTP
     #: How long warm workers stay above target before the excess is retired.
     scale_down_delay: Seconds = 60.0
@@ -248,9 +274,13 @@ class PoolSpec:
 class OrgSpec:
     """Per-org overrides; `None` falls back to the pool's value."""
 
+    #: The org's name, as claims give it.
     name: Annotated[str, MinLen(1), MaxLen(128)]
+    #: The org's own TTL of a hot_idle worker.
     hot_idle_ttl: Seconds | None = None
+    #: hot_idle workers the org keeps past their TTL.
     min_hot_idle: Annotated[int, Ge(0)] | None = None
+    #: Live workers the org may hold in each pool at most (0: no cap).
     max_workers: Annotated[int, Ge(0)] | None = None
     #: The org's own `max_claim_s` (0: no limit for this org).
     max_claim_s: Seconds | None = None
@@ -288,6 +318,7 @@ class PlaneSettings:
     ledger_purge_batch: Annotated[int, Ge(1), Le(1_000_000)] = 10_000
     #: Spawns per second and burst: the runtime's API budget (client-go: QPS 50, burst 100).
     spawn_rate: Annotated[float, Gt(0), Le(100_000)] = 50.0
+    #: Spawns that may start at once above `spawn_rate` (the token bucket's size).
     spawn_burst: Annotated[int, Ge(1), Le(100_000)] = 100
     #: Deprecated: a pool's `demand.stable_window_s`. When set, the stable window of the
     #: pools that set none.

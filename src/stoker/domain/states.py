@@ -1,4 +1,5 @@
-"""Worker and claim states, and the one table of legal worker transitions (README, diagram).
+"""Worker and claim states, and the one table of legal worker transitions
+(docs/concepts/lifecycle.md).
 
 Every write of a worker's state is checked against `TRANSITIONS` by `check_transition`;
 the store adapters call it before they touch a row, so an illegal move never reaches disk.
@@ -92,7 +93,7 @@ class ClaimState(StrEnum):
 
 
 class ClaimMode(StrEnum):
-    """How a claim may be served (`mode` of `POST /v1/claims`, README "HTTP API")."""
+    """How a claim may be served (`mode` of `POST /v1/claims`, docs/concepts/claims.md)."""
 
     PREFER_WARM = "prefer_warm"
     REQUIRE_WARM = "require_warm"

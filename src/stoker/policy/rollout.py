@@ -4,7 +4,7 @@
 revision from it, routing splits new claims by its shares, the janitor retires by its
 roles, and the API and metrics show it. Nothing else derives a ramp.
 
-The rules (README, "Rolling out a new worker"; picchu #602, #614-#617, #648, whose bugs
+The rules (docs/guides/rollouts.md; picchu #602, #614-#617, #648, whose bugs
 each avoids):
 
 - a session never moves to another revision, so the ramping revision is sized from the

@@ -1,4 +1,4 @@
-"""`Client`: the synchronous client of the stoker API (README, "HTTP API").
+"""`Client`: the synchronous client of the stoker API (docs/concepts/claims.md).
 
 A session is a claim held for the duration of a `with` block::
 

@@ -186,7 +186,7 @@ class PoolInfo(Answer):
 
 @dataclass(frozen=True, slots=True)
 class RolloutInfo(Answer):
-    """A pool's rollout of a new revision (README, "Rolling out a new worker")."""
+    """A pool's rollout of a new revision (docs/guides/rollouts.md)."""
 
     id: str
     #: ramping, paused, promoted, rolled_back, aborted or superseded.

@@ -356,8 +356,8 @@ class ControlPlaneConfig(_Model):
     #: at 1 s.
     client_latency: OptionalDist = LogNormal(0.01, 0.6, cap=1.0)
     #: Each worker and claim write: log-normal, median 2 ms (capped at 200 ms), a commit on
-    #: PostgreSQL in the same zone (this README: 1.6 ms of database CPU per claim cycle on
-    #: 2 cores; an in-zone round trip is well under 1 ms). An assumption.
+    #: PostgreSQL in the same zone (measured: 1.6 ms of database CPU per claim cycle on 2
+    #: cores, docs/benchmarks/; an in-zone round trip is well under 1 ms). An assumption.
     store_write_latency: OptionalDist = LogNormal(0.002, 0.5, cap=0.2)
     #: client-go's conventional leader-election timings, stoker's defaults: 15 / 10 / 2 s.
     #: With them a second contender took the Lease 16.1 s after the holder's last renewal
