@@ -41,6 +41,7 @@ from stoker.domain.specs import (
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, Reuse, WorkerState
 from stoker.policy.demand import warm_for_rate
 from stoker.ports.clock import VirtualClock
+from stoker.ports.runtime import RuntimeObject
 
 pytestmark = pytest.mark.looptime
 
@@ -762,6 +763,29 @@ async def test_runtime_objects_without_a_live_row_are_stopped(tmp_path: Path) ->
         assert report.stranded_stopped == 2
         assert {gone.id, "w-stray"} <= set(h.runtime.stop_calls)
         assert {w.id for w in warm[1:]} <= h.runtime.alive()
+
+
+async def test_a_stranded_object_met_twice_is_stopped_once(tmp_path: Path) -> None:
+    """The pass's first read of the runtime may meet one worker id twice (a launcher that
+    forks before it execs the worker carries its labels too): it is stopped once."""
+    async with running(tmp_path, [pool(warm_target=1)]) as h:
+        h.runtime.procs["w-stray"] = FakeProcess("w-stray", "p")
+        listed = h.runtime.list_objects
+        reads = 0
+
+        async def stray_twice_at_first() -> list[RuntimeObject]:
+            nonlocal reads
+            reads += 1
+            objects = await listed()
+            strays = [o for o in objects if o.worker_id == "w-stray"]
+            return objects + strays if reads == 1 else objects
+
+        h.runtime.list_objects = stray_twice_at_first  # type: ignore[method-assign]
+        h.clock.advance(h.plane.settings.stranded_scan_s + 1)
+        report = await h.plane.run_janitor_pass()
+        assert reads >= 2
+        assert report.stranded_stopped == 1
+        assert h.runtime.stop_calls.count("w-stray") == 1
 
 
 async def test_rollout_retires_stale_warm_and_spawns_the_new_revision(tmp_path: Path) -> None:

@@ -293,11 +293,13 @@ class Janitor:
         if doomed:
             # The objects were read before this pass retired workers (whose stops are under
             # way): stop only what still runs and is not being stopped.
+            # Each running object once: an early read may have met a worker id twice (a
+            # launcher that forks before it execs the worker carries its labels too).
+            ids = {o.worker_id for o in doomed}
             try:
-                now = {o.worker_id: o for o in await self._runtime.list_objects()}
+                doomed = [o for o in await self._runtime.list_objects() if o.worker_id in ids]
             except RuntimeFailure:
                 return
-            doomed = [now[o.worker_id] for o in doomed if o.worker_id in now]
         for obj in doomed:
             if obj.stopping:
                 continue
