@@ -34,10 +34,15 @@ ORGS = ("acme", "globex", "initech")
 #: Arrivals are unix seconds in the log; only their differences matter to a replay.
 EPOCH_S = 1_700_000_000.0
 CLAIMS = 45
+#: How long a demo worker of the live run takes to get ready once started.
+START_DELAY_S = 1.0
 
 
 def _config(fleet: str) -> str:
-    pool = {"name": "demo", "command": DEMO, "warm_target": 1, "hot_idle_ttl": 2}
+    # Workers ready a second after they start: a burst outruns the refill on any machine,
+    # so the run has cold claims however fast this one is.
+    command = [*DEMO, "--start-delay", str(START_DELAY_S)]
+    pool = {"name": "demo", "command": command, "warm_target": 1, "hot_idle_ttl": 2}
     return (
         f"store: sqlite:///./stoker.db\nfleet: {fleet}\napi: {{port: 0}}\n"
         "intervals: {janitor_interval_s: 0.5, shutdown_grace_s: 5}\n"
