@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -300,8 +301,9 @@ async def test_stranded_process_without_a_row_is_stopped(
     clock = VirtualClock(epoch=None)
     async with plane_on(tmp_path / "s.db", fleet, clock) as plane:
         await eventually(lambda: _at_least(plane, 2))
+        # The interpreter itself, not a launcher that forks (a pyenv shim): one process.
         stray = await asyncio.create_subprocess_exec(
-            "python3",
+            sys.executable,
             "-c",
             "import time; time.sleep(600)",
             env={**os.environ, "STOKER_FLEET": fleet, "STOKER_WORKER_ID": "w-stray"},

@@ -129,9 +129,11 @@ def test_the_backtest_reproduces_a_live_runs_cold_share(
     assert len(bound) == CLAIMS
     cold_waits = sorted(r["wait_s"] for r in bound if r["source"] == "cold")
     live_cold = len(cold_waits) / len(bound)
-    assert 0 < live_cold < 1, "the run must have some cold and some warm claims"
-    p50 = statistics.median(cold_waits)
-    p99 = max(cold_waits[-1], p50)
+    assert live_cold < 1, "the run must have some warm claims"
+    # The live run's spawn-to-ready time: its cold claims' waits, or (a machine fast
+    # enough that none was cold) the workers' start delay.
+    p50 = statistics.median(cold_waits) if cold_waits else START_DELAY_S
+    p99 = max(cold_waits[-1], p50) if cold_waits else START_DELAY_S
     result = subprocess.run(
         [STOKER, "backtest", "--from", str(log), "--config", str(config),
          "--spawn-s", f"{p50:.3f}:{p99:.3f}", "--json", "--jobs", "1"],
