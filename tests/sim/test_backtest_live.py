@@ -145,3 +145,22 @@ def test_the_backtest_reproduces_a_live_runs_cold_share(
     replayed = body["runs"][0]["cold_share"]
     print(f"cold share: live {live_cold:.3f}, backtest {replayed:.3f}")
     assert abs(replayed - live_cold) <= TOLERANCE, (replayed, live_cold)
+
+
+def test_the_backtest_reads_a_servers_log_page_after_page(
+    live: tuple[Server, Path], tmp_path: Path
+) -> None:
+    """`stoker backtest --url` reads the whole log however many pages it takes: here the
+    live run's log, 7 entries a page, is the log `stoker claims export` wrote."""
+    from stoker.cli.backtest import _from_server
+
+    server, _ = live
+    exported = _export(server.url, tmp_path / "claims.jsonl")
+    assert len(exported) >= CLAIMS  # the run of the test before, or its own claims
+    replay, settings, _spawn = _from_server(server.url, None, "1h", "demo", page_size=7)
+    assert len(exported) > 7 * 3, "the log must span several pages"
+    assert len(replay) == len(exported)
+    arrivals = [replay.start + at for at in replay.at_s]
+    assert arrivals == pytest.approx(sorted(e["at"] for e in exported), abs=1e-3)
+    assert sorted(replay.orgs) == sorted({e["org"] for e in exported})
+    assert settings["warm_target"] == 1

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
     from stoker.sim.claimlog import ClaimReplay
 
+#: Claim-log entries asked for per page from a server (`GET /v1/claims/log`'s most).
+LOG_PAGE = 10_000
 #: The settings of the pool's current run when nothing says otherwise.
 _GRAMMAR = "KEY=VALUE[,KEY=VALUE...]"
 
@@ -280,7 +282,7 @@ def backtest(
 
 
 def _from_server(
-    url: str, token: str | None, since: str, pool: str | None
+    url: str, token: str | None, since: str, pool: str | None, *, page_size: int = LOG_PAGE
 ) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady]:
     """The log (`GET /v1/claims/log`, page after page), the pool's current settings
     (`GET /v1/pools/{name}`) and its spawn-to-ready time (`GET /v1/pools/{name}/ledger`
@@ -295,7 +297,7 @@ def _from_server(
     try:
         with httpx.Client(base_url=url, headers=headers, timeout=60.0) as client:
             entries: list[Any] = []
-            params: dict[str, Any] = {"since": since, "limit": 10_000}
+            params: dict[str, Any] = {"since": since, "limit": page_size}
             if pool:
                 params["pool"] = pool
             while True:
