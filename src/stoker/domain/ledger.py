@@ -27,6 +27,10 @@ TIME_STATES = ("warm", "hot", "hot_idle", "starting", "draining", "placeholder")
 SOURCES = ("reuse", "warm", "cold")
 #: How a claim in the log ended (or that it has not yet: `open`).
 OUTCOMES = ("released", "expired", "failed", "no_capacity", "org_cap", "pool_cap", "open")
+#: The keys of a claim's export form (`ClaimLogEntry.export`), exactly.
+EXPORT_KEYS = frozenset(
+    {"at", "pool", "org", "mode", "source", "wait_s", "held_s", "outcome", "revision"}
+)
 #: Default retention of the ledger and the claim log: 35 days.
 DEFAULT_RETENTION_S = 35 * 86400.0
 
@@ -204,6 +208,7 @@ INT_FIELDS = frozenset({"spawns", "ready", "claims_reuse", "claims_warm", "claim
 class ClaimLogEntry:
     """One claim as the log keeps it (docs/claim-log.md): no config, no token."""
 
+    #: The claim's id; read back from an export (which has no ids), where it was read.
     id: str
     at: float
     pool: str

@@ -33,33 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from stoker.domain.errors import ConfigError
+from stoker.domain.ledger import EXPORT_KEYS, OUTCOMES, SOURCES, ClaimLogEntry
 from stoker.domain.states import ClaimMode
 
 #: The keys of one line, exactly.
-KEYS = frozenset({"at", "pool", "org", "mode", "source", "wait_s", "held_s", "outcome", "revision"})
-SOURCES = ("reuse", "warm", "cold")
-OUTCOMES = ("released", "expired", "failed", "no_capacity", "org_cap", "pool_cap", "open")
+KEYS = EXPORT_KEYS
 #: A never-bound claim's hold when no claim of the log was ever held (seconds).
 DEFAULT_HOLD_S = 600.0
 _MODES = tuple(mode.value for mode in ClaimMode)
 
 
-@dataclass(frozen=True, slots=True)
-class RecordedClaim:
-    """One line of the claim log, validated."""
-
-    at: float
-    pool: str
-    org: str
-    mode: str
-    source: str | None
-    wait_s: float
-    held_s: float | None
-    outcome: str
-    revision: str | None
-
-
-def parse_line(text: str, where: str) -> RecordedClaim:
+def parse_line(text: str, where: str) -> ClaimLogEntry:
     """One line of the log; ConfigError naming `where` (file:line) and the problem."""
     try:
         data = json.loads(text)
@@ -68,7 +52,7 @@ def parse_line(text: str, where: str) -> RecordedClaim:
     return parse_entry(data, where)
 
 
-def parse_entry(data: Any, where: str) -> RecordedClaim:
+def parse_entry(data: Any, where: str) -> ClaimLogEntry:
     """One claim of the log as a decoded JSON object (a line, or an entry of
     `GET /v1/claims/log`); ConfigError naming `where` and the problem."""
     if not isinstance(data, dict):
@@ -93,7 +77,8 @@ def parse_entry(data: Any, where: str) -> RecordedClaim:
         raise ConfigError(f"{where}: revision must be a string or null")
     if wait < 0 or (held is not None and held < 0):
         raise ConfigError(f"{where}: wait_s and held_s cannot be negative")
-    return RecordedClaim(
+    return ClaimLogEntry(
+        id=where,
         at=at,
         pool=data["pool"],
         org=data["org"],
@@ -118,7 +103,7 @@ def _one_of(data: dict[str, Any], key: str, allowed: Sequence[str], where: str) 
         raise ConfigError(f"{where}: {key} {data[key]!r} is not one of {', '.join(allowed)}")
 
 
-def parse_lines(lines: Iterable[str], source: str) -> Iterator[RecordedClaim]:
+def parse_lines(lines: Iterable[str], source: str) -> Iterator[ClaimLogEntry]:
     """Every claim of the log's lines (blank lines skipped); ConfigError on a bad line or
     a line out of order."""
     parsed = (
@@ -129,7 +114,7 @@ def parse_lines(lines: Iterable[str], source: str) -> Iterator[RecordedClaim]:
     return in_order(parsed)
 
 
-def in_order(claims: Iterable[tuple[RecordedClaim, str]]) -> Iterator[RecordedClaim]:
+def in_order(claims: Iterable[tuple[ClaimLogEntry, str]]) -> Iterator[ClaimLogEntry]:
     """The claims, checked to be sorted by `at` (ConfigError naming where one is not)."""
     last = -math.inf
     for claim, where in claims:
@@ -179,7 +164,7 @@ class ClaimReplay:
         return self.recorded_sources.get("cold", 0) / bound if bound else None
 
 
-def build_replay(claims: Iterable[RecordedClaim], pool: str | None = None) -> ClaimReplay:
+def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> ClaimReplay:
     """The replay of one pool's claims (`pool`, or the log's only pool); ConfigError when
     the log holds several pools and none is named, or none of the named one."""
     chosen = list(claims)
