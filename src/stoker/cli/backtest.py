@@ -79,7 +79,7 @@ def backtest(
         typer.Option(
             "--set",
             metavar="KEY=VALUE",
-            help="A change to the current settings; every --set makes one candidate",
+            help="A change to the current settings; all --set together make one candidate",
             show_default=False,
         ),
     ] = None,
