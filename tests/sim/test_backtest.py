@@ -18,6 +18,7 @@ import pytest
 
 from servers import STOKER, environment
 from stoker.domain.errors import ConfigError
+from stoker.domain.specs import CostSpec
 from stoker.sim.backtest import Backtest, SpawnToReady, all_figures, recommend
 from stoker.sim.claimlog import read_claim_log, synthetic_claims
 
@@ -51,6 +52,36 @@ def test_warmth_lowers_the_cold_share_and_costs_idle_worker_hours(log: Path) -> 
     assert cold.session_p50_ms is not None and cold.session_p50_ms > 2000
     assert warm.session_p50_ms is not None and warm.session_p50_ms < 500
     assert cold.failed == warm.failed == 0
+
+
+def test_a_priced_pool_reads_its_replay_in_its_own_prices(log: Path) -> None:
+    """With the pool's prices, the figures price the run's own ledger (the control
+    plane's, as `GET /v1/pools/{name}/ledger` reads it): at $1 a worker-hour the cost is
+    the worker-hours the ledger counted, which the simulator's own sampling of the
+    cluster (every `sample_interval_s`) agrees with."""
+    replay = read_claim_log(log)
+    priced = Backtest(
+        replay=replay, current={"warm_target": 2}, jobs=1, cost=CostSpec(per_worker_hour=1.0)
+    )
+    result = priced.run([("current", {})])
+    (f,) = all_figures(result, priced.cost)
+    (unpriced,) = all_figures(result)
+    ledger = result.policies[0].summary["ledger"]
+    worker_s = sum(ledger[k] for k in ("warm_s", "hot_s", "hot_idle_s", "starting_s",
+                                       "draining_s", "placeholder_s"))  # fmt: skip
+    assert f.priced_cost == pytest.approx(worker_s / 3600)
+    assert f.cost == f.priced_cost and unpriced.priced_cost is None
+    assert unpriced.cost == unpriced.cost_usd > 0
+    # Warm workers wait between claims: an idle warm cost, part of the whole.
+    assert f.idle_warm_cost is not None and 0 < f.idle_warm_cost < f.priced_cost
+    vcpu = result.policies[0].summary["vcpu_hours"]
+    sampled = (vcpu["busy"] + vcpu["idle"]) / result.scenario.pool.cpu_cores
+    counted = (worker_s - ledger["placeholder_s"] - ledger["draining_s"]) / 3600
+    assert counted == pytest.approx(sampled, rel=0.1)
+    # Every bound claim of the replay is in the ledger, by its source.
+    claims = result.policies[0].summary["claims"]
+    bound = ledger["claims_reuse"] + ledger["claims_warm"] + ledger["claims_cold"]
+    assert bound == sum(claims["by_source"].values())
 
 
 def test_the_same_log_and_seed_give_the_same_figures_in_one_process_or_several(

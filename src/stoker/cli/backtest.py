@@ -17,6 +17,7 @@ from rich.table import Table
 from stoker.cli.output import JsonFlag, fail, make_console, print_json
 
 if TYPE_CHECKING:
+    from stoker.domain.specs import CostSpec
     from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
     from stoker.sim.claimlog import ClaimReplay
 
@@ -174,17 +175,19 @@ def backtest(
     try:
         known: dict[str, Any] = {}
         spawn: SpawnToReady | None = None
+        cost: CostSpec | None = None
         if from_file is not None:
             from stoker.sim.claimlog import read_claim_log
 
             replay = read_claim_log(from_file, pool)
         else:
             assert url is not None
-            replay, known, spawn = _from_server(url, token, since, pool)
+            replay, known, spawn, cost = _from_server(url, token, since, pool)
         intervals: dict[str, Any] = {}
         if config is not None:
-            pool_settings, intervals = _config_settings(config, replay.pool)
+            pool_settings, intervals, prices = _config_settings(config, replay.pool)
             known.update(pool_settings)
+            cost = prices or cost
         if current:
             known.update(parse_settings(current))
         if spawn_s is not None:
@@ -231,6 +234,7 @@ def backtest(
         seed=seed,
         jobs=workers,
         progress=bar.update,
+        cost=cost,
     )
     try:
         if goal is not None:
@@ -251,7 +255,7 @@ def backtest(
             fail(str(exc).removeprefix("scenario backtest: "), code=2)
     finally:
         bar.stop()
-    rows = all_figures(result)
+    rows = all_figures(result, cost)
     if out is not None:
         _write_report(result, rows, replay, out)
     if as_json:
@@ -283,10 +287,10 @@ def backtest(
 
 def _from_server(
     url: str, token: str | None, since: str, pool: str | None, *, page_size: int = LOG_PAGE
-) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady]:
+) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady, CostSpec | None]:
     """The log (`GET /v1/claims/log`, page after page), the pool's current settings
-    (`GET /v1/pools/{name}`) and its spawn-to-ready time (`GET /v1/pools/{name}/ledger`
-    when the server has it, else the default)."""
+    (`GET /v1/pools/{name}`), and its spawn-to-ready time and prices
+    (`GET /v1/pools/{name}/ledger` when the server has it, else the default and none)."""
     import httpx
 
     from stoker.domain.errors import ConfigError
@@ -318,12 +322,30 @@ def _from_server(
             _raise_for(info, f"/v1/pools/{replay.pool}")
             settings = _pool_settings(info.json())
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
-            spawn = _ledger_spawn(ledger.json()) if ledger.status_code == 200 else None
+            body = ledger.json() if ledger.status_code == 200 else None
+            spawn, cost = _ledger_spawn(body), _ledger_cost(body)
     except httpx.HTTPError as exc:
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
-    return replay, settings, spawn or SpawnToReady()
+    return replay, settings, spawn or SpawnToReady(), cost
+
+
+def _ledger_cost(body: Any) -> CostSpec | None:
+    """The pool's prices as its ledger states them (None: it has none)."""
+    from stoker.domain.specs import CostSpec
+
+    prices = body.get("cost") if isinstance(body, Mapping) else None
+    if not isinstance(prices, Mapping):
+        return None
+    given = {k: float(v) for k, v in prices.items() if v is not None and k in _PRICES}
+    try:
+        return CostSpec(**given) if given else None
+    except ValueError:
+        return None
+
+
+_PRICES = ("per_cpu_hour", "per_gib_hour", "per_worker_hour")
 
 
 def _raise_for(answer: Any, path: str) -> None:
@@ -368,8 +390,11 @@ def _ledger_spawn(body: Any) -> SpawnToReady | None:
     return SpawnToReady(mean, max(mean, p99))
 
 
-def _config_settings(path: Path, pool: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The pool's settings in a stoker config file, and the replicas' intervals it sets."""
+def _config_settings(
+    path: Path, pool: str
+) -> tuple[dict[str, Any], dict[str, Any], CostSpec | None]:
+    """The pool's settings in a stoker config file, the replicas' intervals it sets, and
+    the pool's prices (`cost`)."""
     from stoker.config.convert import to_domain
     from stoker.config.loading import load_config
     from stoker.domain.errors import ConfigError
@@ -382,19 +407,23 @@ def _config_settings(path: Path, pool: str) -> tuple[dict[str, Any], dict[str, A
     }
     for spec in to_domain(loaded).pools:
         if spec.name == pool:
-            return {
-                "warm_target": spec.warm_target,
-                "max_workers": spec.max_workers,
-                "max_workers_per_org": spec.max_workers_per_org,
-                "hot_idle_ttl": 60.0 if spec.hot_idle_ttl is None else spec.hot_idle_ttl,
-                "max_ttl": spec.max_ttl,
-                "min_hot_idle": spec.min_hot_idle,
-                "scale_down_delay": spec.scale_down_delay,
-                "lease_s": spec.lease_s,
-                "claim_timeout_s": spec.claim_timeout_s,
-                "headroom_nodes": spec.headroom_nodes,
-                "demand.quantile": spec.demand.quantile,
-            }, intervals
+            return (
+                {
+                    "warm_target": spec.warm_target,
+                    "max_workers": spec.max_workers,
+                    "max_workers_per_org": spec.max_workers_per_org,
+                    "hot_idle_ttl": 60.0 if spec.hot_idle_ttl is None else spec.hot_idle_ttl,
+                    "max_ttl": spec.max_ttl,
+                    "min_hot_idle": spec.min_hot_idle,
+                    "scale_down_delay": spec.scale_down_delay,
+                    "lease_s": spec.lease_s,
+                    "claim_timeout_s": spec.claim_timeout_s,
+                    "headroom_nodes": spec.headroom_nodes,
+                    "demand.quantile": spec.demand.quantile,
+                },
+                intervals,
+                spec.cost,
+            )
     raise ConfigError(f"{path} has no pool {pool!r}")
 
 
@@ -412,8 +441,14 @@ def _cells(f: Figures) -> list[str]:
         f"{ms(f.session_p50_ms)} / {ms(f.session_p99_ms)}",
         str(f.failed),
         f"{f.idle_worker_hours:,.1f}",
-        f"${f.cost_usd:,.2f}",
+        "-" if f.idle_warm_cost is None else _money(f.idle_warm_cost),
+        _money(f.cost),
     ]
+
+
+def _money(value: float) -> str:
+    # Short replays cost cents: four places below one unit of the currency.
+    return f"{value:,.2f}" if abs(value) >= 1 else f"{value:.4f}"
 
 
 _HEADERS = (
@@ -422,8 +457,15 @@ _HEADERS = (
     "session p50 / p99",
     "failed",
     "idle worker-h",
+    "idle warm cost",
     "cost",
 )
+#: What the cost column is, by whether the pool has prices.
+_COST_NOTE = {
+    True: "cost: all worker time at the pool's prices (its `cost`), headroom included",
+    False: "cost: the simulated nodes' (on-demand USD); give the pool a `cost` to price "
+    "its worker time instead",
+}
 
 
 def _table(title: str, rows: Sequence[Figures]) -> Table:
@@ -442,6 +484,7 @@ def _print_table(replay: ClaimReplay, rows: Sequence[Figures]) -> None:
         "" if recorded is None else f" (recorded cold share {recorded:.2%})"
     )
     make_console().print(_table(title, rows))
+    print(_COST_NOTE[any(f.priced_cost is not None for f in rows)])
 
 
 def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
@@ -455,6 +498,7 @@ def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
         "|---|" + "---:|" * len(_HEADERS),
     ]
     lines += [f"| {f.name} | " + " | ".join(_cells(f)) + " |" for f in rows]
+    lines += ["", _COST_NOTE[any(f.priced_cost is not None for f in rows)] + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -502,6 +546,7 @@ def _print_recommendation(
         return
     rows = [found.found] + ([found.confirmed] if found.confirmed is not None else [])
     make_console().print(_table(f"cheapest of {len(found.tried)} settings with {goal}", rows))
+    print(_COST_NOTE[any(f.priced_cost is not None for f in rows)])
     print(f"settings: {settings_text(found.settings) or '(the current ones)'}")
     if patch:
         print(line)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.domain.errors import ConfigError
+from stoker.domain.ledger import LedgerCounts, money
+from stoker.domain.specs import CostSpec
 from stoker.sim.claimlog import ClaimReplay
 from stoker.sim.policies import POLICY_KINDS
 from stoker.sim.runner import PolicyResult, ProgressCallback, ScenarioResult, run_scenario
@@ -157,6 +159,9 @@ class Backtest:
     seed: int = 1
     jobs: int = 1
     progress: ProgressCallback | None = None
+    #: The pool's prices (its config's `cost`): figures read in them, and `recommend`
+    #: compares by them. None: by the simulated nodes' cost.
+    cost: CostSpec | None = None
 
     def __post_init__(self) -> None:
         self.replay.lead_s = LEAD_S
@@ -179,6 +184,10 @@ class Backtest:
             jobs=self.jobs,
             replay=self.replay,
         )
+
+    def figures(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Figures]:
+        """Each candidate's figures (`run`), at the pool's prices when it has them."""
+        return all_figures(self.run(candidates), self.cost)
 
 
 #: The scenario a backtest lays its pool, policies and spawn times into.
@@ -276,7 +285,18 @@ class Figures:
     session_p99_ms: float | None
     failed: int
     idle_worker_hours: float
+    #: What the simulated cluster's nodes cost (on-demand prices of its instance types).
     cost_usd: float
+    #: All worker time (placeholders included) at the pool's own prices, and its idle warm
+    #: part, from the run's ledger (docs/warmth.md); None without prices.
+    priced_cost: float | None = None
+    idle_warm_cost: float | None = None
+
+    @property
+    def cost(self) -> float:
+        """The cost settings are compared by: at the pool's prices when it has them, else
+        the nodes'."""
+        return self.cost_usd if self.priced_cost is None else self.priced_cost
 
     def meets(self, target: str, bound: float) -> bool:
         """Whether the figure `target` is at most `bound` (None never meets it)."""
@@ -288,9 +308,10 @@ class Figures:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def figures(result: PolicyResult, cpu_per_worker: float) -> Figures:
-    """The table's figures of one run."""
+def figures(result: PolicyResult, cpu_per_worker: float, cost: CostSpec | None = None) -> Figures:
+    """The table's figures of one run; `cost` the pool's prices (None: none)."""
     s = result.summary
+    priced = money(LedgerCounts.from_parts(s["ledger"], {}), cost)
     claims = s["claims"]
     latency = claims["latency_s"]["all"] or {}
     waited = s["sessions"]["time_to_worker_s"] or {}
@@ -304,6 +325,8 @@ def figures(result: PolicyResult, cpu_per_worker: float) -> Figures:
         failed=sum(claims["failures"].values()),
         idle_worker_hours=s["vcpu_hours"]["idle"] / cpu_per_worker,
         cost_usd=s["nodes"]["cost_usd"],
+        priced_cost=priced["total_cost"],
+        idle_warm_cost=priced["idle_warm_cost"],
     )
 
 
@@ -311,10 +334,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def all_figures(result: ScenarioResult) -> list[Figures]:
-    """Every run's figures, in the scenario's order."""
+def all_figures(result: ScenarioResult, cost: CostSpec | None = None) -> list[Figures]:
+    """Every run's figures, in the scenario's order; `cost` the pool's prices."""
     cpu = result.scenario.pool.cpu_cores
-    return [figures(p, cpu) for p in result.policies]
+    return [figures(p, cpu, cost) for p in result.policies]
 
 
 # -- the search --------------------------------------------------------------------------------
@@ -385,8 +408,7 @@ def recommend(
         if key not in SEARCHED:
             raise ConfigError(f"cannot search {key!r}; one of {', '.join(SEARCHED)}")
     best: dict[str, Any] = dict(backtest.current)
-    first = backtest.run([("current", {})])
-    current = all_figures(first)[0]
+    current = backtest.figures([("current", {})])[0]
     tried: list[tuple[dict[str, Any], Figures]] = [(dict(best), current)]
     best_figures = current if current.meets(target, bound) else None
     seen = {settings_text(best)}
@@ -396,11 +418,11 @@ def recommend(
         if not batch:
             break
         named = [(settings_text(_changes(backtest.current, n)), {**n}) for n in batch]
-        found = all_figures(backtest.run(named))
+        found = backtest.figures(named)
         tried += list(zip(batch, found, strict=True))
         if on_round is not None:
             on_round(round_number, found)
-        winners = [(f.cost_usd, i) for i, f in enumerate(found) if f.meets(target, bound)]
+        winners = [(f.cost, i) for i, f in enumerate(found) if f.meets(target, bound)]
         if not winners:
             if best_figures is not None:
                 break
@@ -409,7 +431,7 @@ def recommend(
             best = batch[closest]
             continue
         cost, index = min(winners)
-        if best_figures is not None and cost >= best_figures.cost_usd:
+        if best_figures is not None and cost >= best_figures.cost:
             break
         best, best_figures = batch[index], found[index]
     if best_figures is None:
@@ -422,8 +444,9 @@ def recommend(
         seed=backtest.seed + 1,
         jobs=1,
         progress=backtest.progress,
+        cost=backtest.cost,
     )
-    confirmed = all_figures(again.run([("confirm", {})]))[0]
+    confirmed = again.figures([("confirm", {})])[0]
     return Recommendation(target, bound, best, best_figures, confirmed, tried)
 
 

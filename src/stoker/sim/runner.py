@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.adapters.sqlite import SqliteStore
+from stoker.domain.ledger import LedgerCounts
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import LoopClock
@@ -356,6 +357,7 @@ class _PolicyRun:
             await self._sample(cluster, store, replicas, driver)
             checker.check()
             summary = self._summary(cluster, store, replicas, driver, checker)
+            summary["ledger"] = await self._ledger(store, replicas)
             if rollout is not None:
                 summary["rollout"] = rollout.summary(driver.log.attempts)
         finally:
@@ -454,6 +456,19 @@ class _PolicyRun:
             self.no_leader_s += elapsed
 
     # -- the summary ---------------------------------------------------------------------------
+
+    async def _ledger(self, store: Store, replicas: PolicyReplicas) -> dict[str, float]:
+        """The pool's ledger over the whole run (docs/warmth.md), every replica's cells
+        summed: what the live fleet's `GET /v1/pools/{name}/ledger` would have said. Each
+        replica writes its last counts first, as a clean stop does."""
+        for plane in replicas.planes:
+            await plane.ledger.flush(store)
+        start = self.clock.now() - self.view.duration_s
+        rows = await store.read_ledger(self.pool.name, since=start, until=self.clock.now())
+        total = LedgerCounts()
+        for _, counts in rows:
+            total.merge(counts)
+        return total.scalars()
 
     def _summary(
         self,
