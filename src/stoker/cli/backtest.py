@@ -276,7 +276,7 @@ def backtest(
         return
     _print_table(replay, rows)
     print(
-        f"{len(replay):,} claims over {replay.span_s / 3600:.1f} h, {len(rows)} settings in "
+        f"{len(replay):,} claims over {_span(replay.span_s)}, {len(rows)} settings in "
         f"{result.wall_s:.1f} s" + (f"; report in {out}" if out is not None else ""),
         flush=True,
     )
@@ -446,6 +446,10 @@ def _cells(f: Figures) -> list[str]:
     ]
 
 
+def _span(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
 def _money(value: float) -> str:
     # Short replays cost cents: four places below one unit of the currency.
     return f"{value:,.2f}" if abs(value) >= 1 else f"{value:.4f}"
@@ -491,7 +495,7 @@ def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
     lines = [
         f"# Backtest of pool {replay.pool}",
         "",
-        f"{len(replay):,} recorded claims over {replay.span_s / 3600:.1f} h "
+        f"{len(replay):,} recorded claims over {_span(replay.span_s)} "
         f"({replay.filled_holds} never bound, replayed with their org's median hold).",
         "",
         "| settings | " + " | ".join(_HEADERS) + " |",
