@@ -116,27 +116,41 @@ def _export(url: str, path: Path) -> list[dict[str, Any]]:
     return entries
 
 
-def test_the_backtest_reproduces_a_live_runs_cold_share(
-    live: tuple[Server, Path], tmp_path: Path
-) -> None:
-    server, config = live
+@pytest.fixture(scope="module")
+def recorded(
+    live: tuple[Server, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict[str, Any]], Path]:
+    """The live run: what the clients saw, and the server's log of it, exported."""
+    server, _ = live
     time.sleep(3)  # the warm pool fills, as the backtest's lead lets it
     sent = _drive(server.url)
-    log = tmp_path / "claims.jsonl"
+    log = tmp_path_factory.mktemp("recorded") / "claims.jsonl"
     exported = _export(server.url, log)
     assert len(exported) == CLAIMS
-    bound = [r for r in sent if r["source"] is not None]
-    assert len(bound) == CLAIMS
+    return sent, log
+
+
+def _spawn_s(bound: list[dict[str, Any]]) -> str:
+    """The live run's spawn-to-ready time: its cold claims' waits, or (a machine fast
+    enough that none was cold) the workers' start delay."""
     cold_waits = sorted(r["wait_s"] for r in bound if r["source"] == "cold")
-    live_cold = len(cold_waits) / len(bound)
-    assert live_cold < 1, "the run must have some warm claims"
-    # The live run's spawn-to-ready time: its cold claims' waits, or (a machine fast
-    # enough that none was cold) the workers' start delay.
     p50 = statistics.median(cold_waits) if cold_waits else START_DELAY_S
     p99 = max(cold_waits[-1], p50) if cold_waits else START_DELAY_S
+    return f"{p50:.3f}:{p99:.3f}"
+
+
+def test_the_backtest_reproduces_a_live_runs_cold_share(
+    live: tuple[Server, Path], recorded: tuple[list[dict[str, Any]], Path]
+) -> None:
+    _, config = live
+    sent, log = recorded
+    bound = [r for r in sent if r["source"] is not None]
+    assert len(bound) == CLAIMS
+    live_cold = sum(r["source"] == "cold" for r in bound) / len(bound)
+    assert live_cold < 1, "the run must have some warm claims"
     result = subprocess.run(
         [STOKER, "backtest", "--from", str(log), "--config", str(config),
-         "--spawn-s", f"{p50:.3f}:{p99:.3f}", "--json", "--jobs", "1"],
+         "--spawn-s", _spawn_s(bound), "--json", "--jobs", "1"],
         capture_output=True, text=True, timeout=600, env=environment(), check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -147,8 +161,30 @@ def test_the_backtest_reproduces_a_live_runs_cold_share(
     assert abs(replayed - live_cold) <= TOLERANCE, (replayed, live_cold)
 
 
+def test_recommend_on_the_live_log_finds_settings_whose_rerun_meets_the_target(
+    live: tuple[Server, Path], recorded: tuple[list[dict[str, Any]], Path]
+) -> None:
+    """The live run's warm target of 1 leaves bursts cold; a search for a cold share of
+    at most 2 % (no cold claim of the 45) finds a warm target that meets it, confirmed by
+    a re-run at another seed."""
+    _, config = live
+    sent, log = recorded
+    bound = [r for r in sent if r["source"] is not None]
+    result = subprocess.run(
+        [STOKER, "backtest", "--from", str(log), "--config", str(config),
+         "--spawn-s", _spawn_s(bound), "--recommend", "--target", "cold_share=0.02",
+         "--search", "warm_target", "--json", "--jobs", "2"],
+        capture_output=True, text=True, timeout=900, env=environment(), check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    body = json.loads(result.stdout)
+    assert body["confirmed_ok"] is True
+    assert body["confirmed"]["cold_share"] <= 0.02
+    assert body["confirmed"]["failed"] == 0
+
+
 def test_the_backtest_reads_a_servers_log_page_after_page(
-    live: tuple[Server, Path], tmp_path: Path
+    live: tuple[Server, Path], recorded: tuple[list[dict[str, Any]], Path], tmp_path: Path
 ) -> None:
     """`stoker backtest --url` reads the whole log however many pages it takes: here the
     live run's log, 7 entries a page, is the log `stoker claims export` wrote."""
