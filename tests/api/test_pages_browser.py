@@ -21,7 +21,11 @@ from typing import Any
 import httpx
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import TimeoutException
+from selenium.common.exceptions import (
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -91,9 +95,16 @@ def browser() -> Iterator[WebDriver]:
 
 
 def wait_for(driver: WebDriver, what: str, condition: Any) -> Any:
-    """Poll `condition(driver)` until it is truthy (bounded by WAIT_S)."""
+    """Poll `condition(driver)` until it is truthy (bounded by WAIT_S). The dashboard
+    redraws its tables as fresh answers come: an element the condition found may be
+    replaced before it reads it (stale), and the next poll reads the new one."""
     try:
-        return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition)
+        return WebDriverWait(
+            driver,
+            WAIT_S,
+            poll_frequency=0.1,
+            ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+        ).until(condition)
     except TimeoutException:
         status = driver.find_elements(By.ID, "status")
         shown = status[0].text if status else driver.page_source[:2000]
@@ -112,7 +123,14 @@ def requested(driver: WebDriver, *, images: bool = True) -> list[str]:
 
 
 def cells(driver: WebDriver, selector: str) -> list[str]:
-    return [td.text for td in driver.find_elements(By.CSS_SELECTOR, selector + " td")]
+    """The texts of the cells under `selector`, read in one step in the page (a redraw
+    cannot replace them halfway)."""
+    texts = driver.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]), td => td.innerText.trim())",
+        selector + " td",
+    )
+    assert isinstance(texts, list)
+    return [str(t) for t in texts]
 
 
 def keep_screenshot(driver: WebDriver, tmp_path: Path, name: str) -> Path:
