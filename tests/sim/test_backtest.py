@@ -203,6 +203,9 @@ def test_an_exported_entry_reads_back_as_itself() -> None:
     assert back == dataclasses.replace(entry, id="log:1")
 
 
+# A week of janitor passes: about 30 CPU seconds per setting on a quiet machine; the
+# bound is only against a hang on a loaded one.
+@pytest.mark.timeout(1200)
 def test_a_synthetic_week_replays_every_claim(tmp_path: Path) -> None:
     """A week of recorded claims (weekdays on a daily cycle, weekends at a third): every
     claim is replayed and served, the current settings keep the cold share within the
