@@ -209,13 +209,17 @@ def test_an_exported_entry_reads_back_as_itself() -> None:
 def test_a_synthetic_week_replays_every_claim(tmp_path: Path) -> None:
     """A week of recorded claims (weekdays on a daily cycle, weekends at a third): every
     claim is replayed and served, the current settings keep the cold share within the
-    0.5 % a warm pool is for, and taking the warm pool away shows in the cold share."""
+    0.5 % a warm pool is for, and taking the warm pool away shows in the cold share and
+    in claims that found no worker in time."""
     claims = list(synthetic_claims(2000, span_s=7 * 86_400, orgs=10, mean_hold_s=600, seed=5))
     replay = read_claim_log(write_log(tmp_path / "week.jsonl", claims))
     assert replay.span_s > 6.9 * 86_400
     run = Backtest(replay=replay, current={"warm_target": 1}, jobs=2)
     current, none = all_figures(run.run([("current", {}), ("none", {"warm_target": 0})]))
-    assert current.failed == none.failed == 0
+    assert current.failed == 0
     assert current.cold_share is not None and current.cold_share <= 0.005
+    # Without a warm pool, nights empty the node pool: a claim then waits for a node, and
+    # some wait out the claim timeout.
     assert none.cold_share is not None and none.cold_share > 5 * current.cold_share
+    assert none.failed > 0
     assert current.session_p99_ms is not None and current.session_p99_ms < 200
