@@ -67,6 +67,9 @@ class OrgForecasts:
         #: on from there), None before any.
         stamps = [b.updated_at for org in self._orgs.values() for b in org.values()]
         self.last_hour: int | None = int(max(stamps) // HOUR_S) - 1 if stamps else None
+        #: `forecast_orgs`, kept until the next hour is learned: it changes only then, and
+        #: the janitor asks every pass.
+        self._ready: list[str] | None = None
 
     @property
     def tracked(self) -> int:
@@ -75,8 +78,10 @@ class OrgForecasts:
 
     def forecast_orgs(self) -> list[str]:
         """Tracked orgs with enough history for their forecast to be used, busiest first."""
-        ready = [org for org in self._orgs if self._hours(org) >= MIN_HOURS]
-        return sorted(ready, key=lambda org: (-self.volume(org), org))
+        if self._ready is None:
+            ready = [org for org in self._orgs if self._hours(org) >= MIN_HOURS]
+            self._ready = sorted(ready, key=lambda org: (-self.volume(org), org))
+        return list(self._ready)
 
     def volume(self, org: str) -> float:
         """The org's mean hourly claims over its buckets (0 when untracked)."""
@@ -98,6 +103,7 @@ class OrgForecasts:
         """Fold the claims each org made in hour `hour` in (orgs without claims learn a rate
         of 0), admitting and evicting orgs by volume."""
         self.last_hour = hour
+        self._ready = None
         dropped = self._admit(claims)
         bucket = day_bucket(hour * HOUR_S)
         changed = []
