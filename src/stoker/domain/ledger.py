@@ -154,14 +154,14 @@ class LedgerCounts:
 
     def merge(self, other: LedgerCounts) -> None:
         """Add `other`'s counts to these."""
-        for f in fields(self):
-            mine = getattr(self, f.name)
+        for name in _FIELDS:
+            mine = getattr(self, name)
             if isinstance(mine, list):
-                theirs = getattr(other, f.name)
+                theirs = getattr(other, name)
                 for i, n in enumerate(theirs[: len(mine)]):
                     mine[i] += n
             else:
-                setattr(self, f.name, mine + getattr(other, f.name))
+                setattr(self, name, mine + getattr(other, name))
 
     def copy(self) -> LedgerCounts:
         """An independent copy."""
@@ -171,7 +171,7 @@ class LedgerCounts:
 
     def scalars(self) -> dict[str, float]:
         """Every count but the histograms, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _HISTS}
+        return {name: getattr(self, name) for name in SCALAR_FIELDS}
 
     def hists(self) -> dict[str, list[int]]:
         """The histograms, by name."""
@@ -196,6 +196,8 @@ class LedgerCounts:
 _HISTS = ("ready_hist", "wait_hist")
 #: The scalar counts, in the store's column order.
 SCALAR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts) if f.name not in _HISTS)
+#: Every field, in order (looked up once: the janitor copies and merges cells every pass).
+_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts))
 #: The scalar counts that are whole numbers.
 INT_FIELDS = frozenset({"spawns", "ready", "claims_reuse", "claims_warm", "claims_cold", "failed"})
 
