@@ -70,6 +70,11 @@ class OrgForecasts:
         #: `forecast_orgs`, kept until the next hour is learned: it changes only then, and
         #: the janitor asks every pass.
         self._ready: list[str] | None = None
+        #: Each org's learned hours (the sum of its buckets' `seen`), kept as it learns:
+        #: every forecast of an org asks.
+        self._learned: dict[str, int] = {
+            org: sum(b.seen for b in buckets.values()) for org, buckets in self._orgs.items()
+        }
 
     @property
     def tracked(self) -> int:
@@ -91,7 +96,7 @@ class OrgForecasts:
         return HOUR_S * sum(b.mean for b in buckets.values()) / len(buckets)
 
     def _hours(self, org: str) -> int:
-        return sum(b.seen for b in self._orgs.get(org, {}).values())
+        return self._learned.get(org, 0)
 
     def due(self, now: float) -> int | None:
         """The closed hour to learn now (the one before the current), or None when it was
@@ -117,6 +122,7 @@ class OrgForecasts:
                 mean, var = folded(old.mean, old.var, rate)
                 new = OrgForecastBucket(self.pool, org, bucket, mean, var, old.seen + 1, now)
             buckets[bucket] = new
+            self._learned[org] = self._learned.get(org, 0) + new.seen - (old.seen if old else 0)
             changed.append(new)
         return Learned(buckets=changed, dropped=dropped)
 
@@ -136,8 +142,10 @@ class OrgForecasts:
                 if quietest is None or n <= ADMIT_FACTOR * self.volume(quietest):
                     break  # the rest are quieter still
                 del self._orgs[quietest]
+                del self._learned[quietest]
                 dropped.append(quietest)
             self._orgs[org] = {}
+            self._learned[org] = 0
             admitted.add(org)
         return dropped
 
