@@ -130,7 +130,8 @@ class LedgerCounts:
 
     def add_time(self, state: str, seconds: float, cpus: float, gib: float) -> None:
         """`seconds` of one worker in `state` (one of `TIME_STATES`)."""
-        setattr(self, f"{state}_s", getattr(self, f"{state}_s") + seconds)
+        name = _TIME_FIELD[state]
+        setattr(self, name, getattr(self, name) + seconds)
         if state != "placeholder":
             self.cpu_s += seconds * cpus
             self.gib_s += seconds * gib
@@ -194,6 +195,8 @@ class LedgerCounts:
 
 
 _HISTS = ("ready_hist", "wait_hist")
+#: Each time state's field (`add_time` runs for every open span at every flush).
+_TIME_FIELD = {state: f"{state}_s" for state in TIME_STATES}
 #: The scalar counts, in the store's column order.
 SCALAR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts) if f.name not in _HISTS)
 #: Every field, in order (looked up once: the janitor copies and merges cells every pass).
