@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +187,9 @@ class MemoryRuntime:
     def pinned(self, worker: Worker) -> bool | None:
         proc = self.procs.get(worker.id)
         return proc.busy if proc is not None and proc.alive else None
+
+    def unpinned(self) -> Collection[str]:
+        return {wid for wid, p in self.procs.items() if p.alive and not p.busy}
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         self.headroom_calls += 1

@@ -180,18 +180,23 @@ class RuntimeContract:
         self, harness: RuntimeHarness
     ) -> None:
         """A runtime with a do-not-disrupt mark shows what `set_busy` set (once its view
-        caught up); one without says None throughout. A ready worker has no progress to
+        caught up), and `unpinned` names the live workers without it; one without says
+        None throughout. A ready worker has no progress to
         tell, nor has a worker the runtime never saw."""
         runtime, recorder = await harness.start("cp-one")
         worker = await spawn_ready(runtime, recorder, harness.pool)
         before = runtime.pinned(worker)
         assert before in (False, None)
+        # `unpinned` names exactly the workers `pinned` calls False.
+        assert (worker.id in runtime.unpinned()) is (before is False)
         await runtime.set_busy(worker, True)
         await harness.settle()
         assert runtime.pinned(worker) is (None if before is None else True)
+        assert worker.id not in runtime.unpinned()
         await runtime.set_busy(worker, False)
         await harness.settle()
         assert runtime.pinned(worker) is before
+        assert (worker.id in runtime.unpinned()) is (before is False)
         assert runtime.progress(worker) is None
         assert runtime.progress(make_worker(harness.pool)) is None
         assert runtime.pinned(make_worker(harness.pool)) is None

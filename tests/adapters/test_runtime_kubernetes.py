@@ -649,6 +649,18 @@ async def test_set_busy_toggles_do_not_disrupt_and_skips_what_is_already_there()
     await server.close()
 
 
+def test_placeholder_slots_fit_workers_by_cpu_and_memory_and_follow_the_template() -> None:
+    """How many workers one placeholder holds: the smaller of the CPU and memory fits, 1
+    without a placeholder size; a template asking for more gets fewer (no stale answer)."""
+    sized, _ = make_runtime(server_for_test(), placeholder_size=("2", "1Gi"))
+    assert sized.placeholder_slots(pool()) == 4  # 2 / 500m CPU, 1Gi / 256Mi memory
+    assert sized.placeholder_slots(pool()) == 4
+    bigger = replace(TEMPLATE, cpu="1", memory="128Mi")
+    assert sized.placeholder_slots(pool(template=bigger)) == 2
+    plain, _ = make_runtime(server_for_test())
+    assert plain.placeholder_slots(pool()) == 1
+
+
 # -- the informer ----------------------------------------------------------------------------
 
 

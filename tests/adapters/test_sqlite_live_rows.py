@@ -135,3 +135,19 @@ def test_a_closed_copy_is_a_store_error(db: sqlite3.Connection) -> None:
     live.close()
     with pytest.raises(StoreError, match="not open"):
         live.count_live("p")
+
+
+def test_answers_kept_between_writes_follow_the_next_write(db: sqlite3.Connection) -> None:
+    """The counts and the owner filter answer from what they kept until a row changes."""
+    live = LiveRows()
+    live.watch(db)
+    insert(db, "a", S.HOT, org="acme", owner="cp-a")
+    assert live.select([S.HOT], not_owners=["cp-a"]) == []
+    before = live.state_counts()
+    assert live.state_counts() == before
+    insert(db, "bb", S.HOT, org="zeta", owner="cp-b")
+    assert [r[0] for r in live.select([S.HOT], not_owners=["cp-a"])] == ["bb"]
+    assert live.state_counts() == [StateCount("p", "r1", S.HOT, True, 2)]
+    db.execute("DELETE FROM workers WHERE id = 'bb'")
+    assert live.select([S.HOT], not_owners=["cp-a"]) == []
+    assert live.state_counts() == before

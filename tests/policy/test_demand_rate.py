@@ -248,3 +248,13 @@ def test_a_forecast_read_at_an_hour_centre_next_to_an_unknown_hour_is_that_hours
     assert outlook is not None and outlook.mean == pytest.approx(0.01)
     peak = forecaster.peak(MONDAY + 9 * HOUR_S, MONDAY + 10 * HOUR_S, 0.99)
     assert peak is not None and peak.mean == pytest.approx(0.01)
+
+
+def test_a_forecast_error_asked_twice_in_a_pass_answers_alike_and_sees_a_new_pass() -> None:
+    errors = ForecastError()
+    errors.add(10.0, 2, 1.0)
+    first = errors.relative(10.0, 900)
+    assert errors.relative(10.0, 900) == first == (1.0, 2.0, 1.0)
+    errors.add(10.0, 4, 1.0)  # another pass at the same time still counts
+    assert errors.relative(10.0, 900) == (2.0, 6.0, 2.0)
+    assert errors.relative(1000.0, 900) == (0.0, 0.0, 0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.domain.records import Worker
+from stoker.domain.records import OrgForecastBucket, Worker
 from stoker.domain.states import WorkerState
 from stoker.policy.forecast import HOUR_S
 from stoker.policy.org_forecast import MIN_HOURS, OrgForecasts, day_bucket, return_chance
@@ -114,3 +114,23 @@ def test_a_full_pool_frees_the_parked_workers_least_likely_to_be_claimed() -> No
     assert free(1) == ["w3"]
     assert free(5) == ["w3", "w2"]
     assert free(0) == []
+
+
+def test_learned_hours_kept_as_it_learns_match_the_buckets_after_reloading() -> None:
+    """The hours an org learned, kept as it goes, are what its stored buckets say: a new
+    leader reading them back forecasts the same orgs, the same way."""
+    f = OrgForecasts("p", most=2)
+    stored: dict[tuple[str, int], OrgForecastBucket] = {}
+    for hour in range(MONDAY, MONDAY + 25):
+        # On the second Monday hour a much busier newcomer evicts the quietest org.
+        claims = {"acme": 6, "zeta": 1} if hour < MONDAY + 24 else {"acme": 6, "omni": 40}
+        learned = f.learn(hour, claims, (hour + 1) * HOUR_S)
+        stored.update({(b.org, b.bucket): b for b in learned.buckets})
+        for org in learned.dropped:
+            stored = {k: b for k, b in stored.items() if k[0] != org}
+    assert f.forecast_orgs() == ["acme"]
+    again = OrgForecasts("p", most=2, buckets=stored.values())
+    assert again.forecast_orgs() == f.forecast_orgs()
+    t = (MONDAY + 26.5) * HOUR_S
+    assert again.at("acme", t, 0.99) == f.at("acme", t, 0.99)
+    assert again.at("omni", t, 0.99) is None

@@ -401,6 +401,30 @@ def test_the_virtual_loop_takes_callbacks_from_other_threads() -> None:
         loop.close()
 
 
+def test_a_callback_from_another_thread_lands_before_the_next_jump() -> None:
+    """With a timer an hour away, a callback handed in from another thread runs at the
+    time it came, not after the jump (the loop polls its pipe only when one came)."""
+    loop = vloop.new_event_loop()
+
+    async def main() -> tuple[float, float]:
+        landed: asyncio.Future[float] = loop.create_future()
+        later = asyncio.ensure_future(asyncio.sleep(3600))
+        await asyncio.sleep(5)
+        helper = threading.Thread(
+            target=lambda: loop.call_soon_threadsafe(lambda: landed.set_result(loop.time()))
+        )
+        helper.start()
+        helper.join()
+        at = await landed
+        await later
+        return at, loop.time()
+
+    try:
+        assert loop.run_until_complete(main()) == (5.0, 3600.0)
+    finally:
+        loop.close()
+
+
 def test_a_tick_runs_at_its_own_time_on_the_virtual_loop() -> None:
     """The loop reaches a tick through sums of floats that can fall one rounding step
     short; the timeline still reports the tick's exact time (a pass waiting for time to

@@ -67,6 +67,16 @@ class _Span:
     version: int
     cpus: float
     gib: float
+    #: The cell key of the hour last added to (a span adds to the same hour's cell at
+    #: every flush: one key made per hour, not per flush).
+    key: LedgerKey | None = None
+
+    def key_at(self, hour: int) -> LedgerKey:
+        """The span's cell key of `hour`."""
+        key = self.key
+        if key is None or key.hour != hour:
+            key = self.key = LedgerKey(self.pool, self.revision, self.org, hour)
+        return key
 
 
 class Ledger:
@@ -306,9 +316,7 @@ class Ledger:
         self, pool: str, revision: str, org: str, state: str, start: float, end: float, span: _Span
     ) -> None:
         for hour, seconds in split_hours(start, end):
-            self._cell_at(LedgerKey(pool, revision, org, hour)).add_time(
-                state, seconds, span.cpus, span.gib
-            )
+            self._cell_at(span.key_at(hour)).add_time(state, seconds, span.cpus, span.gib)
         self._meter("seconds", pool, state, end - start)
         if state in ("warm", "hot_idle"):
             kind = "warm" if state == "warm" else "parked"

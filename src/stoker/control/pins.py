@@ -66,7 +66,12 @@ class Pins:
         """Re-apply the pins of this replica's activated workers that the runtime shows
         without one; returns how many remain without (failed patches)."""
         stale: Counter[str] = Counter()
+        # Only a worker whose live object shows no pin can miss one: the runtime's index of
+        # those is read, not the runtime asked about every worker of the fleet each pass.
+        unpinned = self._runtime.unpinned()
         for worker in self._book.known_workers().values():
+            if worker.id not in unpinned:
+                continue
             if not wants_pin(worker) or worker.id in self._patching:
                 continue
             if self._runtime.pinned(worker) is not False:
@@ -82,6 +87,8 @@ class Pins:
                     stale[current.pool] += 1
             finally:
                 self._patching.discard(worker.id)
+            # The patch took time: pods changed meanwhile.
+            unpinned = self._runtime.unpinned()
         for pool in {*self._catalog.pools, *stale}:
             self._metrics.pins_out_of_date.labels(pool).set(stale[pool])
         return sum(stale.values())

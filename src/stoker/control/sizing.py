@@ -15,7 +15,6 @@ when an hour closes, so a new leader keeps what the last one learned.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from stoker.control import logs
@@ -27,6 +26,7 @@ from stoker.domain.errors import StoreError
 from stoker.domain.specs import PoolSpec
 from stoker.policy.demand import DemandLedger, Rate, RateWindow, SeenDemand, warm_for_rate
 from stoker.policy.forecast import Forecaster, ForecastError
+from stoker.policy.held import HeldMax
 from stoker.policy.scaling import PoolCounts, desired_warm, forecast_headroom
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import ReplicaStore
@@ -153,7 +153,7 @@ class PoolSizer:
         self._last_read: float | None = None
         #: The forecast headroom each pass wanted, over the hold: the headroom in force is
         #: their largest.
-        self._headroom_held: dict[str, deque[tuple[float, int]]] = {}
+        self._headroom_held: dict[str, HeldMax] = {}
         #: The last sizing of each pool.
         self.last: dict[str, Sizing] = {}
 
@@ -277,11 +277,8 @@ class PoolSizer:
             slots=self._runtime.placeholder_slots(pool),
             most=pool.headroom_nodes,
         )
-        held = self._headroom_held.setdefault(pool.name, deque())
-        held.append((now, wanted))
-        while held[0][0] < now - spec.headroom_hold_s:
-            held.popleft()
-        return max(v for _, v in held)
+        held = self._headroom_held.setdefault(pool.name, HeldMax())
+        return held.add(now, wanted, spec.headroom_hold_s)
 
     def _org_counts(self, pool: str) -> tuple[int, int]:
         """(orgs whose forecast is in use, orgs tracked) of `pool`."""

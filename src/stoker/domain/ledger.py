@@ -134,7 +134,8 @@ class LedgerCounts:
 
     def add_time(self, state: str, seconds: float, cpus: float, gib: float) -> None:
         """`seconds` of one worker in `state` (one of `TIME_STATES`)."""
-        setattr(self, f"{state}_s", getattr(self, f"{state}_s") + seconds)
+        name = _TIME_FIELD[state]
+        setattr(self, name, getattr(self, name) + seconds)
         if state != "placeholder":
             self.cpu_s += seconds * cpus
             self.gib_s += seconds * gib
@@ -158,14 +159,14 @@ class LedgerCounts:
 
     def merge(self, other: LedgerCounts) -> None:
         """Add `other`'s counts to these."""
-        for f in fields(self):
-            mine = getattr(self, f.name)
+        for name in _FIELDS:
+            mine = getattr(self, name)
             if isinstance(mine, list):
-                theirs = getattr(other, f.name)
+                theirs = getattr(other, name)
                 for i, n in enumerate(theirs[: len(mine)]):
                     mine[i] += n
             else:
-                setattr(self, f.name, mine + getattr(other, f.name))
+                setattr(self, name, mine + getattr(other, name))
 
     def copy(self) -> LedgerCounts:
         """An independent copy."""
@@ -175,7 +176,7 @@ class LedgerCounts:
 
     def scalars(self) -> dict[str, float]:
         """Every count but the histograms, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _HISTS}
+        return {name: getattr(self, name) for name in SCALAR_FIELDS}
 
     def hists(self) -> dict[str, list[int]]:
         """The histograms, by name."""
@@ -198,8 +199,12 @@ class LedgerCounts:
 
 
 _HISTS = ("ready_hist", "wait_hist")
+#: Each time state's field (`add_time` runs for every open span at every flush).
+_TIME_FIELD = {state: f"{state}_s" for state in TIME_STATES}
 #: The scalar counts, in the store's column order.
 SCALAR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts) if f.name not in _HISTS)
+#: Every field, in order (looked up once: the janitor copies and merges cells every pass).
+_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts))
 #: The scalar counts that are whole numbers.
 INT_FIELDS = frozenset({"spawns", "ready", "claims_reuse", "claims_warm", "claims_cold", "failed"})
 

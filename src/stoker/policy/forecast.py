@@ -177,18 +177,26 @@ class ForecastError:
 
     def __init__(self) -> None:
         self._passes: deque[tuple[float, int, float]] = deque()
+        #: The last answer of `relative` and what it was asked: a pass asks twice (the
+        #: error, then `beyond`), and the sums cover an hour of passes.
+        self._last: tuple[float, float, tuple[float, float, float]] | None = None
 
     def add(self, now: float, claims: int, expected: float) -> None:
         """One pass: the claims counted and what the forecast expected over the same time."""
         self._passes.append((now, claims, expected))
+        self._last = None
 
     def relative(self, now: float, window_s: float) -> tuple[float, float, float]:
         """(relative error, claims seen, claims expected) over the last `window_s`."""
+        if self._last is not None and self._last[:2] == (now, window_s):
+            return self._last[2]
         while self._passes and self._passes[0][0] <= now - window_s:
             self._passes.popleft()
         seen = float(sum(n for _, n, _ in self._passes))
         expected = sum(e for _, _, e in self._passes)
-        return (seen - expected) / max(expected, 1.0), seen, expected
+        answer = (seen - expected) / max(expected, 1.0), seen, expected
+        self._last = (now, window_s, answer)
+        return answer
 
     def beyond(self, now: float, window_s: float, bound: float) -> bool:
         """Whether the forecast is off by more than `bound` (relative) and by more than

@@ -67,6 +67,14 @@ class OrgForecasts:
         #: on from there), None before any.
         stamps = [b.updated_at for org in self._orgs.values() for b in org.values()]
         self.last_hour: int | None = int(max(stamps) // HOUR_S) - 1 if stamps else None
+        #: `forecast_orgs`, kept until the next hour is learned: it changes only then, and
+        #: the janitor asks every pass.
+        self._ready: list[str] | None = None
+        #: Each org's learned hours (the sum of its buckets' `seen`), kept as it learns:
+        #: every forecast of an org asks.
+        self._learned: dict[str, int] = {
+            org: sum(b.seen for b in buckets.values()) for org, buckets in self._orgs.items()
+        }
 
     @property
     def tracked(self) -> int:
@@ -75,8 +83,10 @@ class OrgForecasts:
 
     def forecast_orgs(self) -> list[str]:
         """Tracked orgs with enough history for their forecast to be used, busiest first."""
-        ready = [org for org in self._orgs if self._hours(org) >= MIN_HOURS]
-        return sorted(ready, key=lambda org: (-self.volume(org), org))
+        if self._ready is None:
+            ready = [org for org in self._orgs if self._hours(org) >= MIN_HOURS]
+            self._ready = sorted(ready, key=lambda org: (-self.volume(org), org))
+        return list(self._ready)
 
     def volume(self, org: str) -> float:
         """The org's mean hourly claims over its buckets (0 when untracked)."""
@@ -86,7 +96,7 @@ class OrgForecasts:
         return HOUR_S * sum(b.mean for b in buckets.values()) / len(buckets)
 
     def _hours(self, org: str) -> int:
-        return sum(b.seen for b in self._orgs.get(org, {}).values())
+        return self._learned.get(org, 0)
 
     def due(self, now: float) -> int | None:
         """The closed hour to learn now (the one before the current), or None when it was
@@ -98,6 +108,7 @@ class OrgForecasts:
         """Fold the claims each org made in hour `hour` in (orgs without claims learn a rate
         of 0), admitting and evicting orgs by volume."""
         self.last_hour = hour
+        self._ready = None
         dropped = self._admit(claims)
         bucket = day_bucket(hour * HOUR_S)
         changed = []
@@ -111,6 +122,7 @@ class OrgForecasts:
                 mean, var = folded(old.mean, old.var, rate)
                 new = OrgForecastBucket(self.pool, org, bucket, mean, var, old.seen + 1, now)
             buckets[bucket] = new
+            self._learned[org] = self._learned.get(org, 0) + new.seen - (old.seen if old else 0)
             changed.append(new)
         return Learned(buckets=changed, dropped=dropped)
 
@@ -130,8 +142,10 @@ class OrgForecasts:
                 if quietest is None or n <= ADMIT_FACTOR * self.volume(quietest):
                     break  # the rest are quieter still
                 del self._orgs[quietest]
+                del self._learned[quietest]
                 dropped.append(quietest)
             self._orgs[org] = {}
+            self._learned[org] = 0
             admitted.add(org)
         return dropped
 

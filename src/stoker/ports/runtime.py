@@ -8,7 +8,7 @@ events into fenced transitions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -106,6 +106,11 @@ class Runtime(Protocol):
     def pinned(self, worker: Worker) -> bool | None:
         """Whether the worker's object carries the not-to-be-disrupted mark, as last seen;
         None when the runtime has no such mark or does not see a live object."""
+        ...
+
+    def unpinned(self) -> Collection[str]:
+        """Ids of the workers whose live object was last seen without the mark: every
+        worker `pinned` calls False is among them (a pass looks at these, not the fleet)."""
         ...
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:

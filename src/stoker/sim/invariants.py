@@ -338,26 +338,38 @@ class InvariantChecker:
         self._check_warm()
 
     def _check_claims(self, wall: float) -> None:
+        # Every bound claim and hot worker is looked at, each check; only those that break
+        # a rule are sorted (into the order the rows were listed in), not the fleet.
         rows = self.rows
         per_worker = rows.claims_per_worker
         for worker_id in sorted(w for w, n in per_worker.items() if n > 1):
             self.violation("I1", worker_id, f"{per_worker[worker_id]} bound claims on one worker")
-        for worker in rows.in_states(WorkerState.HOT):
-            claim = rows.claims.get(worker.claim_id or "")
-            if claim is None or claim.worker_id != worker.id:
-                self.violation(
-                    "I1", worker.id, f"hot without its bound claim (claim_id {worker.claim_id})"
-                )
-        bound = rows.bound_claims()
-        for claim in bound:
-            holder = rows.workers.get(claim.worker_id)
+        claims = rows.claims
+        unbound = [
+            w
+            for w in rows.by_state.get(WorkerState.HOT, {}).values()
+            if (c := claims.get(w.claim_id or "")) is None or c.worker_id != w.id
+        ]
+        for worker in rows.workers_in_order(unbound):
+            self.violation(
+                "I1", worker.id, f"hot without its bound claim (claim_id {worker.claim_id})"
+            )
+        workers = rows.workers
+        astray = [
+            c
+            for c in claims.values()
+            if (holder := workers.get(c.worker_id)) is None
+            or holder.state is not WorkerState.HOT
+            or holder.claim_id != c.id
+        ]
+        for claim in rows.claims_in_order(astray):
+            holder = workers.get(claim.worker_id)
             if holder is not None and holder.state is WorkerState.HOT:
-                if holder.claim_id != claim.id:
-                    self.violation(
-                        "I1",
-                        claim.worker_id,
-                        f"claim {claim.id} is bound to a worker serving {holder.claim_id}",
-                    )
+                self.violation(
+                    "I1",
+                    claim.worker_id,
+                    f"claim {claim.id} is bound to a worker serving {holder.claim_id}",
+                )
                 continue
             if holder is not None:
                 state = holder.state.value
@@ -371,14 +383,14 @@ class InvariantChecker:
             )
         now = self._now()
         expired_before = wall - self.grace_s
-        for claim in bound:
-            if claim.expires_at < expired_before:
-                self.violation(
-                    "I3",
-                    claim.id,
-                    f"lease expired {wall - claim.expires_at:.0f}s ago (worker "
-                    f"{claim.worker_id}), beyond the {self.grace_s:.0f}s of two passes",
-                )
+        expired = [c for c in claims.values() if c.expires_at < expired_before]
+        for claim in rows.claims_in_order(expired):
+            self.violation(
+                "I3",
+                claim.id,
+                f"lease expired {wall - claim.expires_at:.0f}s ago (worker "
+                f"{claim.worker_id}), beyond the {self.grace_s:.0f}s of two passes",
+            )
         gone = [(w, t) for w, t in self._pod_gone.items() if now - t > self.grace_s]
         for worker_id, since in gone:
             held = self._held.get(worker_id)

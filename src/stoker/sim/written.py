@@ -76,14 +76,24 @@ class WrittenRows:
     def in_states(self, *states: WorkerState) -> list[Worker]:
         """Live workers in `states`, as an index on (state, pool, revision) lists them:
         by state, pool and revision, oldest row first."""
-        found = [w for state in states for w in self.by_state.get(state, {}).values()]
-        born = self.born
-        return sorted(found, key=lambda w: (w.state.value, w.pool, w.revision, born[w.id]))
+        return self.workers_in_order(
+            w for state in states for w in self.by_state.get(state, {}).values()
+        )
 
     def bound_claims(self) -> list[Claim]:
         """Bound claims by lease expiry, oldest row first among equals."""
+        return self.claims_in_order(self.claims.values())
+
+    def workers_in_order(self, workers: Iterable[Worker]) -> list[Worker]:
+        """`workers` in `in_states`' order: a check sorts the few it reports, not the
+        fleet it looks at."""
         born = self.born
-        return sorted(self.claims.values(), key=lambda c: (c.expires_at, born[c.id]))
+        return sorted(workers, key=lambda w: (w.state.value, w.pool, w.revision, born[w.id]))
+
+    def claims_in_order(self, claims: Iterable[Claim]) -> list[Claim]:
+        """`claims` in `bound_claims`' order."""
+        born = self.born
+        return sorted(claims, key=lambda c: (c.expires_at, born[c.id]))
 
     def still_bound(self, claim_id: str) -> bool:
         """Whether the claim is bound now."""

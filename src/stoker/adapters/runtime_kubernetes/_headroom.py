@@ -44,6 +44,9 @@ class Headroom:
         #: Placeholder pods by pool name, with the (template, count) they were made from
         #: (their digest is costly to compute on every pass).
         self._pods: dict[str, tuple[tuple[PodTemplate, int], list[Pod]]] = {}
+        #: `slots` by the placeholder's and a worker's (cpu, memory): exact fractions,
+        #: asked for by the janitor and the sizing every pass.
+        self._slots: dict[tuple[tuple[str, str], tuple[str, str]], int] = {}
 
     async def reconcile(self, pools: Sequence[PoolSpec]) -> None:
         """Create the placeholders `pools` want and delete the others (see the runtime's
@@ -102,12 +105,16 @@ class Headroom:
         size, template = self.placeholders.size, pool.template
         if size is None or not isinstance(template, PodTemplate):
             return 1
-        fits = []
-        for held, needed in zip(size, (template.cpu, template.memory), strict=True):
-            have, need = parse_quantity(held), parse_quantity(needed)
-            if need:
-                fits.append(int(have / need))
-        return max(1, min(fits, default=1))
+        asked = (template.cpu, template.memory)
+        slots = self._slots.get((size, asked))
+        if slots is None:
+            fits = []
+            for held, needed in zip(size, asked, strict=True):
+                have, need = parse_quantity(held), parse_quantity(needed)
+                if need:
+                    fits.append(int(have / need))
+            slots = self._slots[size, asked] = max(1, min(fits, default=1))
+        return slots
 
     def _placeholders(self, pool: PoolSpec, template: PodTemplate) -> list[Pod]:
         made_from = (template, pool.headroom_nodes)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from stoker.adapters._deadlines import DeadlinePassed, within
 from stoker.adapters._logs import EventLog
 from stoker.adapters.runtime_kubernetes._pods import PodView
+from stoker.adapters.runtime_kubernetes._unpinned import UnpinnedPods
 from stoker.domain.errors import RuntimeFailure
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ClusterAPI, Gone, Selector, WatchEvent, WatchEventType
@@ -85,6 +86,8 @@ class PodInformer:
         #: order they were first seen: a set's order follows the string hash, which differs
         #: from process to process, and headroom deletes and creates in this order.
         self._placeholder_names: dict[str, None] = {}
+        #: The live worker pods in `_cache` without a do-not-disrupt pin.
+        self.unpinned = UnpinnedPods()
         #: Where the watch resumes; None means list first.
         self._rv: str | None = None
         self._synced = asyncio.Event()
@@ -263,7 +266,9 @@ class PodInformer:
             entry = self._cache[view.name] = PodEntry(view)
             if view.placeholder is not None and view.worker_id is None:
                 self._placeholder_names[view.name] = None
+            self.unpinned.changed(None, view)
         else:
+            self.unpinned.changed(entry.view, view)
             entry.view = view
         if not view.is_worker or entry.settled:
             return
@@ -311,6 +316,8 @@ class PodInformer:
         """A pod is gone from the cluster: drop it and report it if it was a live worker."""
         entry = self._cache.pop(view.name, None)
         self._placeholder_names.pop(view.name, None)
+        if entry is not None:
+            self.unpinned.changed(entry.view, None)
         stopped = self._stopping.pop(view.name, None) is not None
         if not view.is_worker or stopped:
             return

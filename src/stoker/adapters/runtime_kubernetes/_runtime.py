@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from stoker.adapters._logs import EventLog
@@ -243,6 +243,11 @@ class KubernetesRuntime:
         if entry is None or not entry.view.alive or entry.view.worker_id != worker.id:
             return None
         return entry.view.do_not_disrupt == "true"
+
+    def unpinned(self) -> Collection[str]:
+        """Ids of the workers with a live cached pod without the pin (an index the
+        informer keeps, `UnpinnedPods`): the only ones `pinned` may call False."""
+        return self.informer.unpinned.workers()
 
     async def list_objects(self) -> list[RuntimeObject]:
         """Every worker pod of this fleet, from the informer's cache (no list call); a pod

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -387,6 +387,10 @@ class LocalProcessRuntime:
     def pinned(self, worker: Worker) -> bool | None:
         """None: a local process carries no such mark."""
         return None
+
+    def unpinned(self) -> Collection[str]:
+        """None of them: a local process carries no such mark."""
+        return ()
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""

@@ -59,6 +59,12 @@ class LiveRows:
         self._by_state: dict[str, dict[str, Row]] = {}
         self._counts: Counter[tuple[str, str, str, bool]] = Counter()
         self._org_counts: Counter[tuple[str, str]] = Counter()
+        #: Rows per (state, owner): a select that leaves out some owners (the janitor's
+        #: hot rows of dead replicas, most passes none) is answered without a scan.
+        self._owner_counts: Counter[tuple[str, str]] = Counter()
+        #: `state_counts` until a count changes (the janitor and the pool samples ask every
+        #: pass; a quiet fleet's counts stay the same for many).
+        self._state_counts: list[StateCount] | None = None
 
     def watch(self, db: sqlite3.Connection) -> None:
         """Install the triggers that hand every row `db` writes to this copy."""
@@ -106,7 +112,9 @@ class LiveRows:
 
     def _count(self, row: Row, n: int) -> None:
         """Add `n` to the counts `row` falls in."""
+        self._state_counts = None
         _bump(self._counts, _count_key(row), n)
+        _bump(self._owner_counts, (row[_STATE], row[_OWNER]), n)
         if row[_ORG] is not None:
             _bump(self._org_counts, (row[_POOL], row[_ORG]), n)
 
@@ -126,7 +134,8 @@ class LiveRows:
             raise StoreError(f"sqlite: {exc}") from exc
         self._rows = {row[0]: tuple(row) for row in loaded}
         self._by_state = {}
-        self._counts, self._org_counts = Counter(), Counter()
+        self._counts, self._org_counts, self._owner_counts = Counter(), Counter(), Counter()
+        self._state_counts = None
         for row in self._rows.values():
             self._by_state.setdefault(row[_STATE], {})[row[0]] = row
             self._count(row, 1)
@@ -171,10 +180,12 @@ class LiveRows:
     def state_counts(self) -> list[StateCount]:
         """Live workers grouped by pool, revision, state and binding."""
         self.rows()
-        return [
-            StateCount(pool, revision, WorkerState(state), bound, n)
-            for (pool, revision, state, bound), n in sorted(self._counts.items())
-        ]
+        if self._state_counts is None:
+            self._state_counts = [
+                StateCount(pool, revision, WorkerState(state), bound, n)
+                for (pool, revision, state, bound), n in sorted(self._counts.items())
+            ]
+        return list(self._state_counts)
 
     def select(
         self,
@@ -191,10 +202,17 @@ class LiveRows:
         `after`, a `(created_at, id)`, when given)."""
         self.rows()
         excluded = set(not_owners or ())
+        values = {s.value for s in states}
+        if excluded and not any(
+            n
+            for (state, of), n in self._owner_counts.items()
+            if state in values and of not in excluded
+        ):
+            return []
         rows = sorted(
             (
                 row
-                for state in {s.value for s in states}
+                for state in values
                 for row in self._by_state.get(state, {}).values()
                 if (pool is None or row[_POOL] == pool)
                 and (org is None or row[_ORG] == org)

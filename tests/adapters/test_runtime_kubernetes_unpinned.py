@@ -1,0 +1,63 @@
+"""The informer's index of live worker pods without a do-not-disrupt pin."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from stoker.adapters.runtime_kubernetes._pods import PodView
+from stoker.adapters.runtime_kubernetes._unpinned import UnpinnedPods
+
+
+def view(name: str, worker_id: str | None = None, **changes: object) -> PodView:
+    base = PodView(
+        name=name,
+        worker_id=worker_id,
+        pool="duck",
+        instance="cp-one",
+        placeholder=None,
+        phase="Running",
+        ready=True,
+        pod_ip="10.0.0.1",
+        port=8080,
+        reason=None,
+        terminating=False,
+        do_not_disrupt=None,
+        created_at=0.0,
+        resource_version="1",
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_a_live_worker_pod_without_the_pin_is_named_until_pinned() -> None:
+    index = UnpinnedPods()
+    pod = view("w-1", "w-1")
+    index.changed(None, pod)
+    assert set(index.workers()) == {"w-1"}
+    pinned = replace(pod, do_not_disrupt="true")
+    index.changed(pod, pinned)
+    assert set(index.workers()) == set()
+    index.changed(pinned, pod)
+    assert set(index.workers()) == {"w-1"}
+
+
+def test_a_pod_that_ends_or_is_forgotten_leaves_the_index() -> None:
+    index = UnpinnedPods()
+    a, b = view("w-1", "w-1"), view("w-2", "w-2")
+    index.changed(None, a)
+    index.changed(None, b)
+    index.changed(a, replace(a, terminating=True))
+    index.changed(b, None)
+    assert set(index.workers()) == set()
+
+
+def test_placeholders_are_never_named_and_two_pods_of_one_worker_count_apart() -> None:
+    index = UnpinnedPods()
+    index.changed(None, view("hold-1", None, placeholder="duck"))
+    assert set(index.workers()) == set()
+    old, new = view("w-1-a", "w-1"), view("w-1-b", "w-1")
+    index.changed(None, old)
+    index.changed(None, new)
+    index.changed(old, replace(old, phase="Failed"))
+    assert set(index.workers()) == {"w-1"}
+    index.changed(new, replace(new, do_not_disrupt="true"))
+    assert set(index.workers()) == set()
