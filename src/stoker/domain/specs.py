@@ -217,7 +217,8 @@ class PoolSpec:
     name: str
     template: RuntimeTemplate
     revision: str = ""
-    #: Kubernetes only: constant number of placeholder pods that keep spare nodes.
+    #: Kubernetes only: the most placeholder pods kept to hold spare nodes; the leader keeps
+    #: them only while they avoid cold starts (docs/scaling.md, "Node headroom").
     headroom_nodes: Annotated[int, Ge(0), Le(1000)] = 0
     #: Warm workers kept ready for claims, on top of the demand.
     warm_target: Annotated[int, Ge(0), Le(100_000)] = 0
