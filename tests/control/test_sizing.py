@@ -282,3 +282,11 @@ async def test_headroom_is_kept_while_claims_go_cold_and_falls_after_the_hold(
         await cp.run_janitor_pass()
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (0, "none")
+
+
+async def test_constant_headroom_is_kept_whatever_it_buys(tmp_path: Path) -> None:
+    spec = replace(pool(forecast=False, headroom="constant"), headroom_nodes=2)
+    async with plane(tmp_path, spec) as cp:
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "constant")

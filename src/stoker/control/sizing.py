@@ -29,6 +29,7 @@ from stoker.domain.specs import PoolSpec
 from stoker.policy.demand import DemandLedger, Rate, RateWindow, SeenDemand, warm_for_rate
 from stoker.policy.forecast import Forecaster, ForecastError
 from stoker.policy.scaling import (
+    HEADROOM_CONSTANT,
     Headroom,
     PoolCounts,
     desired_warm,
@@ -110,8 +111,9 @@ class SizingStatus:
     #: Headroom placeholders kept (at most `headroom_nodes`); null: the pool keeps none.
     headroom: int | None
     #: What decided them: `forecast` (growth within the node lead beyond the warm pool),
-    #: `cold` (the pool's claims went cold or queued within `demand.headroom_hold_s`) or
-    #: `none` (a placeholder would hold a node no claim waits for); null without headroom.
+    #: `cold` (the pool's claims went cold or queued within `demand.headroom_hold_s`),
+    #: `none` (a placeholder would hold a node no claim waits for) or `constant`
+    #: (`demand.headroom: constant`); null without headroom.
     headroom_reason: str | None = None
     #: Workers the forecast adds within the node lead beyond the live workers and the
     #: warm pool wanted now (negative: the warm pool absorbs it); null without a forecast.
@@ -304,6 +306,8 @@ class PoolSizer:
         if pool.headroom_nodes <= 0:
             return None
         spec = pool.demand
+        if spec.headroom == "constant":
+            return Headroom(pool.headroom_nodes, HEADROOM_CONSTANT, None)
         short = None
         if forecaster is not None:
             current = forecaster.at(now, spec.quantile)

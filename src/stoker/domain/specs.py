@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 
@@ -197,6 +197,10 @@ class DemandSpec:
     #: Kubernetes: forecast headroom falls only once it has been lower this long, so a
     #: spare node is not launched and consolidated away again within minutes.
     headroom_hold_s: Seconds = 1800.0
+    #: Kubernetes: `paying` keeps headroom placeholders only while they avoid cold starts
+    #: (the forecast's growth beyond the warm pool, or claims gone cold within the hold);
+    #: `constant` keeps the pool's `headroom_nodes` at all times.
+    headroom: Literal["paying", "constant"] = "paying"
 
     def stable_s(self, fallback: float | None) -> float:
         """The stable window in force: this pool's, else the deprecated setting, else 300 s."""

@@ -81,6 +81,8 @@ def retirements_due(
 
 #: Why a pool keeps the headroom placeholders it keeps (`SizingStatus.headroom_reason`).
 HEADROOM_NONE, HEADROOM_FORECAST, HEADROOM_COLD = "none", "forecast", "cold"
+#: `demand.headroom: constant`: the pool's `headroom_nodes`, whatever they buy.
+HEADROOM_CONSTANT = "constant"
 
 
 @dataclass(frozen=True, slots=True)
