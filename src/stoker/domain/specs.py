@@ -194,8 +194,8 @@ class DemandSpec:
     org_forecast_orgs: Annotated[int, Ge(1), Le(10_000)] = 64
     #: Kubernetes: how far ahead node headroom looks (a new node's launch and join time).
     node_lead_s: Seconds = 300.0
-    #: Kubernetes: forecast headroom falls only once it has been lower this long, so a
-    #: spare node is not launched and consolidated away again within minutes.
+    #: Kubernetes: headroom falls only once it has been lower this long, so a spare node is
+    #: not launched and consolidated away again within minutes, nor flapped pass by pass.
     headroom_hold_s: Seconds = 1800.0
     #: Kubernetes: `paying` keeps headroom placeholders only while they avoid cold starts
     #: (the forecast's growth beyond the warm pool, or claims gone cold within the hold);
