@@ -322,8 +322,9 @@ async def test_a_pool_shows_how_the_leader_sized_it(tmp_path: Path) -> None:
         sizing = (await api.http.get("/v1/pools/demo")).json()["sizing"]
         assert sizing["demand_rate"] > 0 and sizing["stable_rate"] > 0
         assert sizing["reactive_warm"] >= 1 and sizing["replace_s"] > sizing["ready_s"] > 0
-        # No history yet: no forecast, and so no forecast error or headroom of its own.
+        # No history yet: no forecast, and so no forecast error; no headroom (a process pool).
         assert sizing["forecast_rate"] is sizing["forecast_warm"] is sizing["headroom"] is None
+        assert sizing["headroom_reason"] is sizing["headroom_short"] is None
         assert sizing["policy"] in ("static", "reactive") and sizing["forecast_off"] is False
         metrics = (await api.http.get("/metrics")).text
         assert 'stoker_pool_demand_rate{pool="demo"}' in metrics

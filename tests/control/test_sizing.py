@@ -252,3 +252,41 @@ async def test_a_refill_after_a_burst_stays_at_what_the_rate_wants(tmp_path: Pat
         assert status.counts.get("spawning", 0) == 0
     finally:
         await cp.stop()
+
+
+async def test_headroom_is_kept_while_claims_go_cold_and_falls_after_the_hold(
+    tmp_path: Path,
+) -> None:
+    # No forecast: nothing says a placeholder buys anything until a claim goes cold.
+    clock = VirtualClock()
+    spec = replace(pool(forecast=False, headroom_hold_s=600.0), headroom_nodes=2)
+    async with plane(tmp_path, spec, clock=clock) as cp:
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None
+        assert (sizing.headroom, sizing.headroom_reason, sizing.headroom_short) == (0, "none", None)
+        # An empty warm pool: the claim spawns its own worker, a cold start.
+        assert await claim_and_release(cp, "acme") is ClaimSource.COLD
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "cold")
+        status = {s.name: s for s in await cp.pool_status()}["p"]
+        assert status.sizing is not None and status.sizing.headroom_reason == "cold"
+        # Held while the hold lasts, though no claim went cold since ...
+        clock.advance(300.0)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "cold")
+        # ... and none once it has passed.
+        clock.advance(400.0)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (0, "none")
+
+
+async def test_constant_headroom_is_kept_whatever_it_buys(tmp_path: Path) -> None:
+    spec = replace(pool(forecast=False, headroom="constant"), headroom_nodes=2)
+    async with plane(tmp_path, spec) as cp:
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "constant")

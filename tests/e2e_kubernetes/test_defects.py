@@ -68,7 +68,7 @@ def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
 ) -> None:
     assert kube.admin is not None
     stoker = start_stoker(
-        [pool(kube, warm_target=3, headroom_nodes=1)],
+        [pool(kube, warm_target=3, headroom_nodes=1, demand={"headroom": "constant"})],
         runtime={"placeholder_size": {"cpu": "100m", "memory": "16Mi"}},
         args=("--stop-workers",),
     )

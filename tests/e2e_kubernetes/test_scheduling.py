@@ -51,6 +51,8 @@ def test_workers_preempt_the_headroom_placeholder(
                 kube,
                 warm_target=0,
                 headroom_nodes=1,
+                # No claim goes cold here: only a constant headroom holds the node.
+                demand={"headroom": "constant"},
                 pod=pod_template(kube, cpu="1500m", memory="64Mi"),
             )
         ],

@@ -26,7 +26,13 @@ from stoker.policy.forecast import (
     buckets_of,
     hour_of_week,
 )
-from stoker.policy.scaling import forecast_headroom
+from stoker.policy.scaling import (
+    HEADROOM_COLD,
+    HEADROOM_FORECAST,
+    HEADROOM_NONE,
+    forecast_short,
+    paying_headroom,
+)
 
 #: 2024-01-01 00:00 UTC, a Monday.
 MONDAY = 1_704_067_200.0
@@ -226,14 +232,40 @@ def test_a_forecast_error_beyond_the_bound_is_flagged_and_noise_is_not() -> None
     assert not quiet.beyond(1.0, 900, 0.5)
 
 
-def test_forecast_headroom_follows_the_growth_and_stays_within_the_constant() -> None:
-    # Flat forecast: the live workers cover it, no placeholder.
-    assert forecast_headroom(busy=40, live=45, growth=1.0, warm_later=5, slots=7, most=2) == 0
-    # A morning ramp: 40 busy grow by a quarter within the lead time, and 6 warm then.
-    assert forecast_headroom(busy=40, live=45, growth=1.25, warm_later=6, slots=7, most=2) == 2
-    assert forecast_headroom(busy=40, live=45, growth=1.1, warm_later=6, slots=7, most=2) == 1
-    # Nothing forecast now (an empty hour) but something later: the constant.
-    assert forecast_headroom(busy=0, live=0, growth=None, warm_later=3, slots=7, most=2) == 2
+def test_forecast_short_is_the_growth_beyond_the_live_workers_and_the_warm_pool() -> None:
+    # Flat forecast: 40 busy and 5 warm stay so; the warm pool is all slack.
+    assert forecast_short(busy=40, live=45, warm=5, growth=1.0, warm_later=5) == -5
+    # A morning ramp: 40 busy grow by a tenth within the lead time; the 6 warm wanted now
+    # hand out those 4 claims while a node launches.
+    assert forecast_short(busy=40, live=46, warm=6, growth=1.1, warm_later=6) == pytest.approx(-2)
+    # A steep ramp: a quarter more within the lead time outruns the warm pool by 4.
+    assert forecast_short(busy=40, live=46, warm=6, growth=1.25, warm_later=6) == pytest.approx(4)
+    # Nothing forecast now (an empty hour): the busy workers as they are.
+    assert forecast_short(busy=0, live=0, warm=2, growth=None, warm_later=3) == 1
+
+
+def test_paying_headroom_holds_room_only_for_what_the_warm_pool_cannot_absorb() -> None:
+    none = paying_headroom(short=-5.0, cold=False, slots=7, most=2)
+    assert (none.placeholders, none.reason, none.short) == (0, HEADROOM_NONE, -5.0)
+    # Four workers short: one node-sized placeholder (room for 7) covers them.
+    one = paying_headroom(short=4.0, cold=False, slots=7, most=2)
+    assert (one.placeholders, one.reason) == (1, HEADROOM_FORECAST)
+    # Never more than the pool's headroom_nodes.
+    assert paying_headroom(short=40.0, cold=False, slots=7, most=2).placeholders == 2
+    assert paying_headroom(short=3.0, cold=False, slots=1, most=2).placeholders == 2
+
+
+def test_paying_headroom_without_a_forecast_follows_cold_claims() -> None:
+    # No forecast and no cold claim: nothing says a placeholder would buy anything.
+    idle = paying_headroom(short=None, cold=False, slots=7, most=2)
+    assert (idle.placeholders, idle.reason, idle.short) == (0, HEADROOM_NONE, None)
+    # Claims went cold: the whole headroom, with or without a forecast.
+    cold = paying_headroom(short=None, cold=True, slots=7, most=2)
+    assert (cold.placeholders, cold.reason) == (2, HEADROOM_COLD)
+    assert paying_headroom(short=-3.0, cold=True, slots=7, most=2).reason == HEADROOM_COLD
+    # The forecast already asks for all of it: the forecast decided.
+    assert paying_headroom(short=30.0, cold=True, slots=7, most=2).reason == HEADROOM_FORECAST
+    assert paying_headroom(short=None, cold=True, slots=7, most=0).placeholders == 0
 
 
 def test_a_forecast_read_at_an_hour_centre_next_to_an_unknown_hour_is_that_hours() -> None:

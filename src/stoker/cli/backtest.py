@@ -148,9 +148,9 @@ def backtest(
 
     Settings are KEY=VALUE: warm_target, max_workers, max_workers_per_org, hot_idle_ttl,
     max_ttl, min_hot_idle, scale_down_delay, lease_s, claim_timeout_s, headroom_nodes,
-    demand.quantile, demand.org_forecast, and policy (a simulator policy kind). The
-    current settings always run (named "current"); all --set options together make one
-    candidate, each --candidate another, each --policy another.
+    demand.quantile, demand.org_forecast, demand.headroom, and policy (a simulator policy
+    kind). The current settings always run (named "current"); all --set options together
+    make one candidate, each --candidate another, each --policy another.
     """
     from stoker.extras import missing_extra
 
@@ -420,6 +420,7 @@ def _config_settings(
                     "claim_timeout_s": spec.claim_timeout_s,
                     "headroom_nodes": spec.headroom_nodes,
                     "demand.quantile": spec.demand.quantile,
+                    "demand.headroom": spec.demand.headroom,
                 },
                 intervals,
                 spec.cost,

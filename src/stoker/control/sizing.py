@@ -15,6 +15,7 @@ when an hour closes, so a new leader keeps what the last one learned.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from stoker.control import logs
@@ -27,7 +28,14 @@ from stoker.domain.specs import PoolSpec
 from stoker.policy.demand import DemandLedger, Rate, RateWindow, SeenDemand, warm_for_rate
 from stoker.policy.forecast import Forecaster, ForecastError
 from stoker.policy.held import HeldMax
-from stoker.policy.scaling import PoolCounts, desired_warm, forecast_headroom
+from stoker.policy.scaling import (
+    HEADROOM_CONSTANT,
+    Headroom,
+    PoolCounts,
+    desired_warm,
+    forecast_short,
+    paying_headroom,
+)
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import ReplicaStore
 
@@ -64,8 +72,12 @@ class Sizing:
     #: Warm workers wanted beyond the static target, before the cap: what the rate or the
     #: forecast adds, plus the claims queued.
     demand: int
-    #: Headroom placeholders the forecast wants (None: the pool's constant).
+    #: Headroom placeholders kept (None: the pool keeps none), why (`none`, `forecast`,
+    #: `cold`), and the workers the forecast adds within the node lead beyond the live
+    #: workers and the warm pool (None: no forecast).
     headroom: int | None = None
+    headroom_reason: str | None = None
+    headroom_short: float | None = None
     #: Orgs whose learned rate is in use (enough history), and orgs tracked.
     org_forecasts: int = 0
     orgs_tracked: int = 0
@@ -96,8 +108,16 @@ class SizingStatus:
     forecast_off: bool
     #: Which estimate set the warm target: static (warm_target), reactive or forecast.
     policy: str
-    #: Headroom placeholders the forecast asks for; null: the pool's constant.
+    #: Headroom placeholders kept (at most `headroom_nodes`); null: the pool keeps none.
     headroom: int | None
+    #: What decided them: `forecast` (growth within the node lead beyond the warm pool),
+    #: `cold` (the pool's claims went cold or queued within `demand.headroom_hold_s`),
+    #: `none` (a placeholder would hold a node no claim waits for) or `constant`
+    #: (`demand.headroom: constant`); null without headroom.
+    headroom_reason: str | None = None
+    #: Workers the forecast adds within the node lead beyond the live workers and the
+    #: warm pool wanted now (negative: the warm pool absorbs it); null without a forecast.
+    headroom_short: float | None = None
     #: Orgs of the pool whose learned new-session rate is in use (a day of history), and
     #: orgs whose rate is being learned (at most `demand.org_forecast_orgs`).
     org_forecasts: int = 0
@@ -120,6 +140,8 @@ class SizingStatus:
             forecast_off=s.forecast_off,
             policy=s.policy,
             headroom=s.headroom,
+            headroom_reason=s.headroom_reason,
+            headroom_short=s.headroom_short,
             org_forecasts=s.org_forecasts,
             orgs_tracked=s.orgs_tracked,
         )
@@ -151,9 +173,9 @@ class PoolSizer:
         #: Seconds the last read covered (since the read before it).
         self._covered = 0.0
         self._last_read: float | None = None
-        #: The forecast headroom each pass wanted, over the hold: the headroom in force is
-        #: their largest.
-        self._headroom_held: dict[str, HeldMax] = {}
+        #: The headroom each pass wanted, over the hold: the headroom in force is their
+        #: largest (the latest of equals: what decided it).
+        self._headroom_held: dict[str, HeldMax[Headroom]] = {}
         #: The last sizing of each pool.
         self.last: dict[str, Sizing] = {}
 
@@ -234,8 +256,17 @@ class PoolSizer:
         else:
             policy = REACTIVE
         org_forecasts, orgs_tracked = self._org_counts(pool.name)
+        desired = desired_warm(base, seen.waiting, cap)
+        headroom = self._headroom(
+            pool,
+            counts,
+            forecaster if not off else None,
+            warm=desired,
+            cold=seen.misses > 0 or seen.waiting > 0,
+            now=now,
+        )
         sizing = Sizing(
-            desired=desired_warm(base, seen.waiting, cap),
+            desired=desired,
             waiting=seen.waiting,
             rate=rate,
             ready_s=ready_s,
@@ -248,7 +279,9 @@ class PoolSizer:
             policy=policy,
             base=base,
             demand=seen.waiting + base - pool.warm_target,
-            headroom=self._headroom(pool, counts, forecaster if not off else None, now),
+            headroom=headroom.placeholders if headroom is not None else None,
+            headroom_reason=headroom.reason if headroom is not None else None,
+            headroom_short=headroom.short if headroom is not None else None,
             org_forecasts=org_forecasts,
             orgs_tracked=orgs_tracked,
         )
@@ -257,28 +290,48 @@ class PoolSizer:
         return sizing
 
     def _headroom(
-        self, pool: PoolSpec, counts: PoolCounts, forecaster: Forecaster | None, now: float
-    ) -> int | None:
-        """Placeholders for the workers the forecast adds within the node lead time (None:
-        the pool's constant, as without a forecast)."""
-        if forecaster is None or pool.headroom_nodes <= 0:
+        self,
+        pool: PoolSpec,
+        counts: PoolCounts,
+        forecaster: Forecaster | None,
+        *,
+        warm: int,
+        cold: bool,
+        now: float,
+    ) -> Headroom | None:
+        """The placeholders that buy something (docs/scaling.md, "Node headroom"): room
+        for the growth the forecast expects within the node lead beyond the warm pool
+        (`warm` wanted now), or the pool's `headroom_nodes` while its claims go cold; the
+        largest of the last `headroom_hold_s`. None: the pool keeps no headroom."""
+        if pool.headroom_nodes <= 0:
             return None
         spec = pool.demand
-        current = forecaster.at(now, spec.quantile)
-        later = forecaster.peak(now, now + spec.node_lead_s, spec.quantile)
-        if current is None or later is None:
-            return None
-        replace_s = self._spawner.ready_s(pool) + self._settings.janitor_interval_s
-        wanted = forecast_headroom(
-            busy=counts.live - counts.warm - counts.spawning_neutral - counts.warm_stale,
-            live=counts.live,
-            growth=later.mean / current.mean if current.mean > 0 else None,
-            warm_later=warm_for_rate(later.upper, replace_s, spec.quantile),
+        if spec.headroom == "constant":
+            return Headroom(pool.headroom_nodes, HEADROOM_CONSTANT, None)
+        short = None
+        if forecaster is not None:
+            current = forecaster.at(now, spec.quantile)
+            later = forecaster.peak(now, now + spec.node_lead_s, spec.quantile)
+            if current is not None and later is not None:
+                replace_s = self._spawner.ready_s(pool) + self._settings.janitor_interval_s
+                short = forecast_short(
+                    busy=counts.live - counts.warm - counts.spawning_neutral - counts.warm_stale,
+                    live=counts.live,
+                    warm=warm,
+                    growth=later.mean / current.mean if current.mean > 0 else None,
+                    warm_later=warm_for_rate(later.upper, replace_s, spec.quantile),
+                )
+        wanted = paying_headroom(
+            short=short,
+            cold=cold,
             slots=self._runtime.placeholder_slots(pool),
             most=pool.headroom_nodes,
         )
-        held = self._headroom_held.setdefault(pool.name, HeldMax())
-        return held.add(now, wanted, spec.headroom_hold_s)
+        held = self._headroom_held.setdefault(
+            pool.name, HeldMax(key=lambda headroom: headroom.placeholders)
+        )
+        kept = held.add(now, wanted, spec.headroom_hold_s)
+        return dataclasses.replace(kept, short=short) if kept is not wanted else wanted
 
     def _org_counts(self, pool: str) -> tuple[int, int]:
         """(orgs whose forecast is in use, orgs tracked) of `pool`."""

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 
@@ -194,9 +194,13 @@ class DemandSpec:
     org_forecast_orgs: Annotated[int, Ge(1), Le(10_000)] = 64
     #: Kubernetes: how far ahead node headroom looks (a new node's launch and join time).
     node_lead_s: Seconds = 300.0
-    #: Kubernetes: forecast headroom falls only once it has been lower this long, so a
-    #: spare node is not launched and consolidated away again within minutes.
+    #: Kubernetes: headroom falls only once it has been lower this long, so a spare node is
+    #: not launched and consolidated away again within minutes, nor flapped pass by pass.
     headroom_hold_s: Seconds = 1800.0
+    #: Kubernetes: `paying` keeps headroom placeholders only while they avoid cold starts
+    #: (the forecast's growth beyond the warm pool, or claims gone cold within the hold);
+    #: `constant` keeps the pool's `headroom_nodes` at all times.
+    headroom: Literal["paying", "constant"] = "paying"
 
     def stable_s(self, fallback: float | None) -> float:
         """The stable window in force: this pool's, else the deprecated setting, else 300 s."""
@@ -217,7 +221,8 @@ class PoolSpec:
     name: str
     template: RuntimeTemplate
     revision: str = ""
-    #: Kubernetes only: constant number of placeholder pods that keep spare nodes.
+    #: Kubernetes only: the most placeholder pods kept to hold spare nodes; the leader keeps
+    #: them only while they avoid cold starts (docs/scaling.md, "Node headroom").
     headroom_nodes: Annotated[int, Ge(0), Le(1000)] = 0
     #: Warm workers kept ready for claims, on top of the demand.
     warm_target: Annotated[int, Ge(0), Le(100_000)] = 0

@@ -79,14 +79,48 @@ def retirements_due(
     return min(budget, stale + excess)
 
 
-def forecast_headroom(
-    *, busy: int, live: int, growth: float | None, warm_later: int, slots: int, most: int
-) -> int:
-    """Headroom placeholders (each room for `slots` workers; at most `most`) for the workers
-    the forecast adds within the node lead time: the busy workers grown by `growth` (the
-    forecast rate then over now; None: from nothing, so `most`) and the warm pool then,
-    beyond the workers live now."""
-    if growth is None:
-        return most
-    want = busy * growth + warm_later - live
-    return min(most, max(0, math.ceil(want / max(1, slots))))
+#: Why a pool keeps the headroom placeholders it keeps (`SizingStatus.headroom_reason`).
+HEADROOM_NONE, HEADROOM_FORECAST, HEADROOM_COLD = "none", "forecast", "cold"
+#: `demand.headroom: constant`: the pool's `headroom_nodes`, whatever they buy.
+HEADROOM_CONSTANT = "constant"
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """The placeholders one pass wants for a pool, and what decided them."""
+
+    #: Placeholders wanted (at most the pool's `headroom_nodes`).
+    placeholders: int
+    #: `forecast` (growth within the node lead beyond the warm pool), `cold` (claims went
+    #: cold or queued this pass) or `none` (neither: a placeholder would buy nothing).
+    reason: str
+    #: Workers the forecast adds within the node lead beyond the workers live now and the
+    #: warm pool (negative: the warm pool absorbs the growth); None without a forecast.
+    short: float | None
+
+
+def forecast_short(
+    *, busy: int, live: int, warm: int, growth: float | None, warm_later: int
+) -> float:
+    """Workers the forecast adds within the node lead that neither the workers live now nor
+    the warm pool cover: the busy workers grown by `growth` (the forecast rate then over
+    now; None: from nothing, so the busy workers as they are) and the warm pool wanted
+    then, beyond the `live` workers and the `warm` workers wanted now.
+
+    The warm pool is what hands out claims while a new node launches: refills that wait
+    for the node cost a cold start only once the growth has taken the whole of it."""
+    grown = busy * (growth if growth is not None else 1.0)
+    return grown + warm_later - live - warm
+
+
+def paying_headroom(*, short: float | None, cold: bool, slots: int, most: int) -> Headroom:
+    """The placeholders (each room for `slots` workers; at most `most`) that buy something:
+    room for the forecast's `short` workers, or all `most` while the pool's claims go cold
+    (`cold`: a miss or a queued claim this pass). Neither: none, as a placeholder would
+    only hold a node that no claim waits for."""
+    wanted = 0
+    if short is not None and short > 0:
+        wanted = min(most, math.ceil(short / max(1, slots)))
+    if cold and most > wanted:
+        return Headroom(most, HEADROOM_COLD, short)
+    return Headroom(wanted, HEADROOM_FORECAST if wanted else HEADROOM_NONE, short)

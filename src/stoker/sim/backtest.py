@@ -40,6 +40,7 @@ SETTINGS: Mapping[str, tuple[str, type]] = {
     "headroom_nodes": ("headroom_nodes", int),
     "demand.quantile": ("demand_quantile", float),
     "demand.org_forecast": ("org_forecast", bool),
+    "demand.headroom": ("headroom", str),
 }
 #: Settings `PATCH /v1/pools/{name}` (`stoker pools set`) changes; the others are the
 #: config file's (or the pool's stored spec).

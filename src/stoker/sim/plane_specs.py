@@ -61,7 +61,7 @@ def pool_spec(scenario: Scenario) -> PoolSpec:
 
 
 def _demand(pool: PoolConfig, *, reactive: bool) -> DemandSpec:
-    spec = DemandSpec(forecast=not reactive, org_forecast=pool.org_forecast)
+    spec = DemandSpec(forecast=not reactive, org_forecast=pool.org_forecast, headroom=pool.headroom)
     if pool.demand_quantile is not None:
         spec = dataclasses.replace(spec, quantile=pool.demand_quantile)
     return spec

@@ -278,6 +278,9 @@ class PoolConfig(_Model):
     org_forecast: bool = True
     #: The warm pool's Poisson quantile (`demand.quantile`); None: stoker's default.
     demand_quantile: float | None = Field(None, ge=0.5, le=0.9999)
+    #: stoker's `demand.headroom`: `paying` (placeholders only while they avoid cold
+    #: starts) or `constant` (`headroom_nodes` at all times).
+    headroom: Literal["paying", "constant"] = "paying"
     #: stoker's defaults (`PoolSpec`).
     lease_s: float = Field(60.0, gt=0)
     scale_down_delay_s: float = Field(60.0, ge=0)
