@@ -39,7 +39,14 @@ from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import ActivationRejected, RuntimeFailure
 from stoker.domain.records import ClaimRequest, Worker
-from stoker.domain.specs import PlaneSettings, PodTemplate, PoolSpec, ProcessTemplate, Timeouts
+from stoker.domain.specs import (
+    DemandSpec,
+    PlaneSettings,
+    PodTemplate,
+    PoolSpec,
+    ProcessTemplate,
+    Timeouts,
+)
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.activator import ActivationPayload
 from stoker.ports.clock import LoopClock
@@ -1348,7 +1355,8 @@ async def test_stop_workers_deletes_each_pod_once_and_the_placeholders(
     deletion is under way alone, and says nothing of them), and the leader's headroom
     placeholders are deleted too."""
     server = DeleteCounter()
-    spec = pool(warm_target=3, headroom_nodes=2)
+    # A constant headroom: placeholders from the first pass, whatever they buy.
+    spec = pool(warm_target=3, headroom_nodes=2, demand=DemandSpec(headroom="constant"))
     async with Kubelet(server), plane(tmp_path, server, spec=spec) as p:
         await asyncio.sleep(3)
         claim = await p.claim()
