@@ -465,12 +465,16 @@ _HEADERS = (
     "idle warm cost",
     "cost",
 )
-#: What the cost column is, by whether the pool has prices.
-_COST_NOTE = {
-    True: "cost: all worker time at the pool's prices (its `cost`), headroom included",
-    False: "cost: the simulated nodes' (on-demand USD); give the pool a `cost` to price "
-    "its worker time instead",
-}
+
+
+def _cost_note(rows: Sequence[Figures]) -> str:
+    """What the cost column is: the pool's prices when the figures have them."""
+    if any(f.priced_cost is not None for f in rows):
+        return "cost: all worker time at the pool's prices (its `cost`), headroom included"
+    return (
+        "cost: the simulated nodes' (on-demand USD); give the pool a `cost` to price "
+        "its worker time instead"
+    )
 
 
 def _table(title: str, rows: Sequence[Figures]) -> Table:
@@ -489,7 +493,7 @@ def _print_table(replay: ClaimReplay, rows: Sequence[Figures]) -> None:
         "" if recorded is None else f" (recorded cold share {recorded:.2%})"
     )
     make_console().print(_table(title, rows))
-    print(_COST_NOTE[any(f.priced_cost is not None for f in rows)])
+    print(_cost_note(rows))
 
 
 def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
@@ -503,7 +507,7 @@ def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
         "|---|" + "---:|" * len(_HEADERS),
     ]
     lines += [f"| {f.name} | " + " | ".join(_cells(f)) + " |" for f in rows]
-    lines += ["", _COST_NOTE[any(f.priced_cost is not None for f in rows)] + "."]
+    lines += ["", _cost_note(rows) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -551,7 +555,7 @@ def _print_recommendation(
         return
     rows = [found.found] + ([found.confirmed] if found.confirmed is not None else [])
     make_console().print(_table(f"cheapest of {len(found.tried)} settings with {goal}", rows))
-    print(_COST_NOTE[any(f.priced_cost is not None for f in rows)])
+    print(_cost_note(rows))
     print(f"settings: {settings_text(found.settings) or '(the current ones)'}")
     if patch:
         print(line)
