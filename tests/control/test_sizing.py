@@ -18,7 +18,8 @@ from fakes import FaultyStore, MemoryRuntime
 from stoker.adapters.runtime_local._startups import StartGate
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
-from stoker.domain.records import ClaimRequest, ForecastBucket, Worker
+from stoker.control.sizing import Sizing
+from stoker.domain.records import ClaimRequest, ForecastBucket, SpawnProgress, Worker
 from stoker.domain.specs import DemandSpec, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimSource, WorkerState
 from stoker.policy.demand import warm_for_rate
@@ -254,20 +255,72 @@ async def test_a_refill_after_a_burst_stays_at_what_the_rate_wants(tmp_path: Pat
         await cp.stop()
 
 
-async def test_headroom_is_kept_while_claims_go_cold_and_falls_after_the_hold(
+class NodelessRuntime(MemoryRuntime):
+    """`MemoryRuntime` whose spawns stay unready until `make_ready`, and say what the
+    Kubernetes runtime's progress would: `unschedulable` (no node fits them) while `full`,
+    else `starting` (a node took them). A fake: no scheduler or node is modelled, only
+    what the sizing reads of a spawn."""
+
+    def __init__(self) -> None:
+        super().__init__(auto_ready=False)
+        self.full = True
+
+    def progress(self, worker: Worker) -> SpawnProgress | None:
+        proc = self.procs.get(worker.id)
+        if proc is None or proc.ready or not proc.alive:
+            return None
+        if self.full:
+            return SpawnProgress("unschedulable", waiting=True, failure="no node fits it")
+        return SpawnProgress("starting", waiting=True)
+
+
+async def go_cold(cp: ControlPlane, runtime: NodelessRuntime) -> None:
+    """A claim on an empty warm pool: its own spawn waits (on a node while the runtime is
+    `full`) through a janitor pass; then the spawn gets ready and the claim is served."""
+    claim = asyncio.create_task(cp.claim(ClaimRequest(pool="p", org="acme", timeout_s=30)))
+    while not runtime.procs:
+        await asyncio.sleep(0.01)
+    await cp.run_janitor_pass()
+    for worker_id in list(runtime.procs):
+        runtime.make_ready(worker_id)
+    bound = await claim
+    assert bound.source is ClaimSource.COLD
+    await cp.release(bound.id)
+
+
+@asynccontextmanager
+async def nodeless_plane(
+    path: Path, spec: PoolSpec, clock: VirtualClock
+) -> AsyncIterator[tuple[ControlPlane, NodelessRuntime]]:
+    runtime = NodelessRuntime()
+    cp = ControlPlane(
+        store=SqliteStore(str(path / "stoker.db")),
+        runtime=runtime,
+        activator=runtime,
+        pools=[spec],
+        settings=PlaneSettings(),
+        clock=clock,
+    )
+    await cp.start(loops=False)
+    try:
+        yield cp, runtime
+    finally:
+        await cp.stop()
+
+
+async def test_headroom_is_kept_while_claims_wait_for_nodes_and_falls_after_the_hold(
     tmp_path: Path,
 ) -> None:
-    # No forecast: nothing says a placeholder buys anything until a claim goes cold.
+    # No forecast: nothing says a placeholder buys anything until a claim goes cold while
+    # its spawn waits for a node.
     clock = VirtualClock()
     spec = replace(pool(forecast=False, headroom_hold_s=600.0), headroom_nodes=2)
-    async with plane(tmp_path, spec, clock=clock) as cp:
+    async with nodeless_plane(tmp_path, spec, clock) as (cp, runtime):
         await cp.run_janitor_pass()
         sizing = cp.janitor.sizing("p")
         assert sizing is not None
         assert (sizing.headroom, sizing.headroom_reason, sizing.headroom_short) == (0, "none", None)
-        # An empty warm pool: the claim spawns its own worker, a cold start.
-        assert await claim_and_release(cp, "acme") is ClaimSource.COLD
-        await cp.run_janitor_pass()
+        await go_cold(cp, runtime)
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "cold")
         status = {s.name: s for s in await cp.pool_status()}["p"]
@@ -284,9 +337,75 @@ async def test_headroom_is_kept_while_claims_go_cold_and_falls_after_the_hold(
         assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (0, "none")
 
 
+async def test_a_cold_claim_whose_spawn_found_a_node_keeps_no_headroom(tmp_path: Path) -> None:
+    # The same cold claim, but a node had room for its spawn: a placeholder would not
+    # have made it any faster.
+    clock = VirtualClock()
+    spec = replace(pool(forecast=False), headroom_nodes=2)
+    async with nodeless_plane(tmp_path, spec, clock) as (cp, runtime):
+        runtime.full = False
+        await go_cold(cp, runtime)
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (0, "none")
+        assert sizing.rate.value > 0  # the claim was seen
+
+
 async def test_constant_headroom_is_kept_whatever_it_buys(tmp_path: Path) -> None:
     spec = replace(pool(forecast=False, headroom="constant"), headroom_nodes=2)
     async with plane(tmp_path, spec) as cp:
         await cp.run_janitor_pass()
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "constant")
+
+
+async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path) -> None:
+    # A learned forecast of 0.2 claims a second with a wide spread, every hour of the week.
+    clock = VirtualClock()
+    learned = [
+        ForecastBucket("p", level, bucket, 0.2, 0.01, 4, clock.now())
+        for level, count in (("week", 168), ("day", 48))
+        for bucket in range(count)
+    ]
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    await store.open()
+    await store.record_forecast(learned)
+    await store.close()
+    # An error bound that never sets the forecast aside: nobody claims but one.
+    spec = pool(forecast_error_bound=100.0, miss_hold_s=600.0)
+    async with nodeless_plane(tmp_path, spec, clock) as (cp, runtime):
+        runtime.full = False  # spawns find a node; they get ready when the test says
+
+        def mean_warm(sizing: Sizing) -> int:
+            return warm_for_rate(0.2, sizing.replace_s, QUANTILE)
+
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        # No claim has missed: the forecast's mean sizes the pool, not its upper quantile.
+        assert sizing is not None and sizing.policy == "forecast"
+        assert sizing.forecast_rate == pytest.approx(0.2)
+        assert sizing.desired == sizing.forecast_warm == mean_warm(sizing)
+        # None of the warm pool is ready yet: a claim waits through a pass.
+        claim = asyncio.create_task(cp.claim(ClaimRequest(pool="p", org="acme", timeout_s=30)))
+        await asyncio.sleep(0.05)
+        clock.advance(5.0)
+        await cp.run_janitor_pass()
+        for worker_id in list(runtime.procs):
+            runtime.make_ready(worker_id)
+        await cp.release((await claim).id)
+        sizing = cp.janitor.sizing("p")
+        # Guarded after the miss: the upper quantile, more warm workers.
+        assert sizing is not None and sizing.policy == "forecast"
+        assert sizing.forecast_rate is not None and sizing.forecast_rate > 0.2
+        # (The claim waiting then adds one to the target: `desired` = `base` + 1.)
+        assert sizing.forecast_warm is not None and sizing.waiting == 1
+        assert sizing.base == sizing.forecast_warm > mean_warm(sizing)
+        # Until `miss_hold_s` has passed without a miss.
+        clock.advance(300.0)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and sizing.desired > mean_warm(sizing)
+        clock.advance(305.0)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and sizing.forecast_rate == pytest.approx(0.2)
+        assert sizing.desired == mean_warm(sizing)

@@ -30,6 +30,7 @@ from stoker.policy.scaling import (
     HEADROOM_COLD,
     HEADROOM_FORECAST,
     HEADROOM_NONE,
+    Headroom,
     forecast_short,
     paying_headroom,
 )
@@ -244,28 +245,40 @@ def test_forecast_short_is_the_growth_beyond_the_live_workers_and_the_warm_pool(
     assert forecast_short(busy=0, live=0, warm=2, growth=None, warm_later=3) == 1
 
 
+def waiting(short: float | None, missed: bool, *, slots: int = 7, most: int = 2) -> Headroom:
+    """`paying_headroom` while a spawn of the pool waits for a node."""
+    return paying_headroom(short=short, missed=missed, node_waits=1, slots=slots, most=most)
+
+
 def test_paying_headroom_holds_room_only_for_what_the_warm_pool_cannot_absorb() -> None:
-    none = paying_headroom(short=-5.0, cold=False, slots=7, most=2)
+    none = waiting(-5.0, False)
     assert (none.placeholders, none.reason, none.short) == (0, HEADROOM_NONE, -5.0)
     # Four workers short: one node-sized placeholder (room for 7) covers them.
-    one = paying_headroom(short=4.0, cold=False, slots=7, most=2)
+    one = waiting(4.0, False)
     assert (one.placeholders, one.reason) == (1, HEADROOM_FORECAST)
     # Never more than the pool's headroom_nodes.
-    assert paying_headroom(short=40.0, cold=False, slots=7, most=2).placeholders == 2
-    assert paying_headroom(short=3.0, cold=False, slots=1, most=2).placeholders == 2
+    assert waiting(40.0, False).placeholders == 2
+    assert waiting(3.0, False, slots=1, most=2).placeholders == 2
 
 
-def test_paying_headroom_without_a_forecast_follows_cold_claims() -> None:
+def test_paying_headroom_without_a_forecast_follows_missed_claims() -> None:
     # No forecast and no cold claim: nothing says a placeholder would buy anything.
-    idle = paying_headroom(short=None, cold=False, slots=7, most=2)
+    idle = waiting(None, False)
     assert (idle.placeholders, idle.reason, idle.short) == (0, HEADROOM_NONE, None)
-    # Claims went cold: the whole headroom, with or without a forecast.
-    cold = paying_headroom(short=None, cold=True, slots=7, most=2)
+    # Claims went cold (and spawns wait for a node): the whole headroom, with or without a forecast.
+    cold = waiting(None, True)
     assert (cold.placeholders, cold.reason) == (2, HEADROOM_COLD)
-    assert paying_headroom(short=-3.0, cold=True, slots=7, most=2).reason == HEADROOM_COLD
+    assert waiting(-3.0, True).reason == HEADROOM_COLD
     # The forecast already asks for all of it: the forecast decided.
-    assert paying_headroom(short=30.0, cold=True, slots=7, most=2).reason == HEADROOM_FORECAST
-    assert paying_headroom(short=None, cold=True, slots=7, most=0).placeholders == 0
+    assert waiting(30.0, True).reason == HEADROOM_FORECAST
+    assert waiting(None, True, slots=7, most=0).placeholders == 0
+
+
+def test_paying_headroom_needs_a_spawn_that_waits_for_a_node() -> None:
+    # Claims went cold and the forecast is short, but every spawn found a node: a
+    # placeholder would have made none of them faster.
+    free = paying_headroom(short=4.0, missed=True, node_waits=0, slots=7, most=2)
+    assert (free.placeholders, free.reason, free.short) == (0, HEADROOM_NONE, 4.0)
 
 
 def test_a_forecast_read_at_an_hour_centre_next_to_an_unknown_hour_is_that_hours() -> None:

@@ -153,7 +153,7 @@ class Scaler:
         counts; None: this replica's), then each revision's spawns and scale-down."""
         name = pool.name
         cap = self._catalog.pool_cap(pool)
-        sizing, demand = await self._wanted(pool, counts, live[name], cap, world.now)
+        sizing, demand = await self._wanted(pool, counts, live[name], cap, world)
         plan = self._rollouts.plan(pool, counts, sizing, world.now, failures=failures)
         if plan.decision is not Decision.HOLD and not await self._decided(pool, plan, world.now):
             # Unwritten, the decision does not hold: act on the stored rollout.
@@ -191,10 +191,11 @@ class Scaler:
         revisions: dict[str, RevisionCounts],
         live: int,
         cap: int,
-        now: float,
+        world: World,
     ) -> tuple[PoolDemand, int]:
         """The pool's sizing inputs for the rollout plan, and its demand (beyond the static
         target) as the pool listing shows it."""
+        now = world.now
         if self._sizer is None:
             demand = await self._demand(pool.name, now) if self._demand else 0
             return PoolDemand(warm_target=pool.warm_target, demand=demand, cap=cap), demand
@@ -202,6 +203,7 @@ class Scaler:
             warm=sum(r.warm for r in revisions.values()),
             spawning_neutral=sum(r.spawning for r in revisions.values()),
             live=live,
+            node_waits=self._sizer.node_waits(pool, world.in_flight),
         )
         sized = self._sizer.size(pool, held, cap=cap, now=now)
         wanted = PoolDemand(

@@ -16,6 +16,8 @@ when an hour closes, so a new leader keeps what the last one learned.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from stoker.control import logs
@@ -24,7 +26,9 @@ from stoker.control.org_forecasts import OrgOutlook
 from stoker.control.shared import Shared
 from stoker.control.spawning import Spawner
 from stoker.domain.errors import StoreError
+from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec
+from stoker.domain.states import WorkerState
 from stoker.policy.demand import DemandLedger, Rate, RateWindow, SeenDemand, warm_for_rate
 from stoker.policy.forecast import Forecaster, ForecastError
 from stoker.policy.held import HeldMax
@@ -38,6 +42,9 @@ from stoker.policy.scaling import (
 )
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import ReplicaStore
+
+#: The spawn stages that wait for a node (`SpawnProgress.stage`).
+NODE_WAITS = frozenset({"unschedulable", "node_coming"})
 
 #: Which estimate set the warm target.
 STATIC, REACTIVE, FORECAST = "static", "reactive", "forecast"
@@ -57,8 +64,9 @@ class Sizing:
     replace_s: float
     #: Warm workers the reactive rate wants.
     reactive: int
-    #: The forecast rate's upper quantile over the next replacement time (claims per
-    #: second) and the warm workers it wants; None without history or with forecast off.
+    #: The forecast rate in use over the next replacement time (claims per second): its
+    #: upper quantile while guarded after a miss, else its mean; and the warm workers it
+    #: wants. None without history or with forecast off.
     forecast_rate: float | None
     forecast_warm: int | None
     #: Claims seen against the forecast over the error window, relative (None: no forecast).
@@ -98,8 +106,9 @@ class SizingStatus:
     replace_s: float
     #: Warm workers the reactive rate wants.
     reactive_warm: int
-    #: The forecast's new-session rate (upper quantile, per second) over the next
-    #: replacement time, and the warm workers it wants; null without a forecast.
+    #: The forecast's new-session rate in use (per second) over the next replacement time:
+    #: its upper quantile within `demand.miss_hold_s` of a claim that missed the warm
+    #: pool, else its mean; and the warm workers it wants; null without a forecast.
     forecast_rate: float | None
     forecast_warm: int | None
     #: Claims seen against the forecast over the error window, relative; null without one.
@@ -176,6 +185,8 @@ class PoolSizer:
         #: The headroom each pass wanted, over the hold: the headroom in force is their
         #: largest (the latest of equals: what decided it).
         self._headroom_held: dict[str, HeldMax[Headroom]] = {}
+        #: When each pool's claims last went cold or queued (a pass that saw a miss).
+        self._missed_at: dict[str, float] = {}
         #: The last sizing of each pool.
         self.last: dict[str, Sizing] = {}
 
@@ -234,6 +245,13 @@ class PoolSizer:
         outlook = None
         error: float | None = None
         off = False
+        missed = seen.misses > 0 or seen.waiting > 0
+        if missed:
+            self._missed_at[pool.name] = now
+        # Within `miss_hold_s` of a miss the pool is guarded: sized by the largest of the
+        # reactive rate and the forecast's upper quantile. Otherwise a forecast leads by its
+        # mean: the spread, and a window's noise, bought no warm claim lately.
+        guarded = now - self._missed_at.get(pool.name, -math.inf) <= spec.miss_hold_s
         if forecaster is not None and forecaster.has_history():
             errors = self._errors.setdefault(pool.name, ForecastError())
             now_rate = forecaster.at(now, spec.quantile)
@@ -243,15 +261,22 @@ class PoolSizer:
             off = errors.beyond(now, spec.error_window_s, spec.forecast_error_bound)
             if not off:
                 outlook = forecaster.peak(now, now + replace_s, spec.quantile)
-        forecast_warm = None
+        forecast_warm = forecast_rate = None
         if outlook is not None:
-            forecast_warm = warm_for_rate(outlook.upper, replace_s, spec.quantile)
-        base = max(pool.warm_target, reactive, forecast_warm or 0)
+            forecast_rate = outlook.upper if guarded else outlook.mean
+            forecast_warm = warm_for_rate(forecast_rate, replace_s, spec.quantile)
+        leads = forecast_warm is not None and not guarded
+        if leads:
+            # The reactive rate still counts while its panic window wins: a surge the
+            # forecast did not see.
+            base = max(pool.warm_target, forecast_warm or 0, reactive if rate.panicking else 0)
+        else:
+            base = max(pool.warm_target, reactive, forecast_warm or 0)
         if self._catalog.draining(pool.name):
             base = 0  # a draining pool hands out no claims: its warm workers retire
         if base == pool.warm_target:
             policy = STATIC
-        elif forecast_warm is not None and forecast_warm > reactive:
+        elif base == forecast_warm and (leads or base > reactive):
             policy = FORECAST
         else:
             policy = REACTIVE
@@ -262,7 +287,8 @@ class PoolSizer:
             counts,
             forecaster if not off else None,
             warm=desired,
-            cold=seen.misses > 0 or seen.waiting > 0,
+            guarded=guarded,
+            missed=missed,
             now=now,
         )
         sizing = Sizing(
@@ -272,7 +298,7 @@ class PoolSizer:
             ready_s=ready_s,
             replace_s=replace_s,
             reactive=reactive,
-            forecast_rate=outlook.upper if outlook else None,
+            forecast_rate=forecast_rate,
             forecast_warm=forecast_warm,
             forecast_error=error,
             forecast_off=off,
@@ -296,12 +322,14 @@ class PoolSizer:
         forecaster: Forecaster | None,
         *,
         warm: int,
-        cold: bool,
+        guarded: bool,
+        missed: bool,
         now: float,
     ) -> Headroom | None:
-        """The placeholders that buy something (docs/scaling.md, "Node headroom"): room
-        for the growth the forecast expects within the node lead beyond the warm pool
-        (`warm` wanted now), or the pool's `headroom_nodes` while its claims go cold; the
+        """The placeholders that buy something (docs/scaling.md, "Node headroom"), while
+        a spawn of the pool waits for a node: room for the growth the forecast expects
+        within the node lead beyond the warm pool (`warm` wanted now; its upper quantile
+        while `guarded`), or the pool's `headroom_nodes` when its claims `missed`; the
         largest of the last `headroom_hold_s`. None: the pool keeps no headroom."""
         if pool.headroom_nodes <= 0:
             return None
@@ -319,11 +347,14 @@ class PoolSizer:
                     live=counts.live,
                     warm=warm,
                     growth=later.mean / current.mean if current.mean > 0 else None,
-                    warm_later=warm_for_rate(later.upper, replace_s, spec.quantile),
+                    warm_later=warm_for_rate(
+                        later.upper if guarded else later.mean, replace_s, spec.quantile
+                    ),
                 )
         wanted = paying_headroom(
             short=short,
-            cold=cold,
+            missed=missed,
+            node_waits=counts.node_waits,
             slots=self._runtime.placeholder_slots(pool),
             most=pool.headroom_nodes,
         )
@@ -332,6 +363,18 @@ class PoolSizer:
         )
         kept = held.add(now, wanted, spec.headroom_hold_s)
         return dataclasses.replace(kept, short=short) if kept is not wanted else wanted
+
+    def node_waits(self, pool: PoolSpec, workers: Iterable[Worker]) -> int:
+        """How many of `pool`'s spawning `workers` wait for a node, as the runtime sees
+        them: none fits them, or a node is on its way (a preemption included)."""
+        return sum(
+            1
+            for w in workers
+            if w.pool == pool.name
+            and w.state is WorkerState.SPAWNING
+            and (progress := self._runtime.progress(w)) is not None
+            and progress.stage in NODE_WAITS
+        )
 
     def _org_counts(self, pool: str) -> tuple[int, int]:
         """(orgs whose forecast is in use, orgs tracked) of `pool`."""

@@ -192,6 +192,10 @@ class DemandSpec:
     org_forecast: bool = True
     #: Orgs whose rate is learned, at most (48 stored rows each); the busiest are kept.
     org_forecast_orgs: Annotated[int, Ge(1), Le(10_000)] = 64
+    #: After a claim missed the warm pool (went cold or queued), for this long the warm
+    #: target is the largest of the reactive rate's and the forecast's upper quantile's;
+    #: otherwise a forecast in use leads with its mean (docs/scaling.md).
+    miss_hold_s: Seconds = 1800.0
     #: Kubernetes: how far ahead node headroom looks (a new node's launch and join time).
     node_lead_s: Seconds = 300.0
     #: Kubernetes: headroom falls only once it has been lower this long, so a spare node is

@@ -28,6 +28,9 @@ class PoolCounts:
     live: int = 0
     #: Warm workers of older revisions, to be retired as the rollout proceeds.
     warm_stale: int = 0
+    #: Spawning workers of the pool that wait for a node (none fits them, or one is on its
+    #: way): what a headroom placeholder would have spared them.
+    node_waits: int = 0
 
 
 def effective_cap(max_workers: int, derived_cap: int) -> int:
@@ -113,14 +116,20 @@ def forecast_short(
     return grown + warm_later - live - warm
 
 
-def paying_headroom(*, short: float | None, cold: bool, slots: int, most: int) -> Headroom:
-    """The placeholders (each room for `slots` workers; at most `most`) that buy something:
-    room for the forecast's `short` workers, or all `most` while the pool's claims go cold
-    (`cold`: a miss or a queued claim this pass). Neither: none, as a placeholder would
-    only hold a node that no claim waits for."""
+def paying_headroom(
+    *, short: float | None, missed: bool, node_waits: int, slots: int, most: int
+) -> Headroom:
+    """The placeholders (each room for `slots` workers; at most `most`) that buy something.
+
+    A placeholder buys a spawn that does not wait for a node: with none of the pool's
+    spawns waiting for one (`node_waits`), none. Else room for the forecast's `short`
+    workers, or all `most` when the pool's claims went cold or queued this pass
+    (`missed`)."""
     wanted = 0
+    if node_waits <= 0:
+        return Headroom(0, HEADROOM_NONE, short)
     if short is not None and short > 0:
         wanted = min(most, math.ceil(short / max(1, slots)))
-    if cold and most > wanted:
+    if missed and most > wanted:
         return Headroom(most, HEADROOM_COLD, short)
     return Headroom(wanted, HEADROOM_FORECAST if wanted else HEADROOM_NONE, short)
