@@ -32,6 +32,7 @@ from stoker.control.stored_pools import StoredPools
 from stoker.control.world import Reach, World, WorldReader
 from stoker.domain.errors import RuntimeFailure, StoreError
 from stoker.domain.records import Worker
+from stoker.domain.specs import PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
 from stoker.policy.reaping import (
     expired_claims,
@@ -88,6 +89,9 @@ class Janitor:
             shared, store=store, runtime=runtime, spawner=spawner, publisher=publisher
         )
         self._pools = pools
+        #: Each pool given the forecast's headroom, by name: (the catalog's spec, the
+        #: headroom, the spec with it), made again only when either changes.
+        self._with_headroom: dict[str, tuple[PoolSpec, int, PoolSpec]] = {}
         #: This replica's outcome counts of rollouts, written every pass.
         self._outcomes = OutcomeCounts(shared, store=store)
         self._scaler = Scaler(
@@ -365,7 +369,7 @@ class Janitor:
         for name, pool in self._catalog.pools.items():
             sizing = self.sizing(name)
             if sizing is not None and sizing.headroom is not None:
-                pool = dataclasses.replace(pool, headroom_nodes=sizing.headroom)
+                pool = self._pool_with_headroom(pool, sizing.headroom)
             pools.append(pool)
         if self._ledger is not None:
             for pool in pools:
@@ -379,6 +383,16 @@ class Janitor:
             # One call places every pool's placeholders: which pool broke it is unknown,
             # and the rest of the pass goes on.
             logs.event("headroom_failed", error=describe(exc), level=logs.ERROR)
+
+    def _pool_with_headroom(self, pool: PoolSpec, headroom: int) -> PoolSpec:
+        """`pool` with `headroom_nodes` = `headroom` (the same spec as last pass when
+        neither changed: a spec is immutable, and checked again when made)."""
+        kept = self._with_headroom.get(pool.name)
+        if kept is not None and kept[0] is pool and kept[1] == headroom:
+            return kept[2]
+        with_headroom = dataclasses.replace(pool, headroom_nodes=headroom)
+        self._with_headroom[pool.name] = (pool, headroom, with_headroom)
+        return with_headroom
 
     def _gauges(self, world: World) -> None:
         by: dict[tuple[str, str], int] = defaultdict(int)

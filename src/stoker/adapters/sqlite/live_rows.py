@@ -2,10 +2,12 @@
 
 The janitor lists and counts the live fleet every pass, and every spawn slot and warm
 reservation counts the live workers of its pool and org inside its write transaction:
-these answers come from memory. Temporary triggers hand every row the store's connection
-writes to `put` and `drop`; another connection's commit changes SQLite's `data_version`,
-and a write SQLite undid (after its triggers ran) calls `forget`: either way the next read
-loads the rows again.
+these answers come from memory, and so does the row a write reads by id before its
+compare-and-set. Temporary triggers hand every row the store's connection writes to `put`
+and `drop`; another connection's commit changes SQLite's `data_version`, and a write
+SQLite undid (after its triggers ran) calls `forget`: either way the next read loads the
+rows again. A private in-memory database (`:memory:`, the simulator's) has no other
+connection: its rows, once read, skip the `data_version` check.
 
 Rows are tuples in `WORKER_COLUMNS` order, as `SELECT {WORKER_SELECT}` returns them.
 """
@@ -51,7 +53,10 @@ class LiveRows:
     """Live worker rows by id and by state, with counts per (pool, revision, state, bound)
     and per (pool, org) of the bound ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, private: bool = False) -> None:
+        """`private`: the database is the connection's own (`:memory:`): no other
+        connection can change it, so the rows once read need no `data_version` check."""
+        self._private = private
         self._db: sqlite3.Connection | None = None
         #: None until read, and after SQLite undid a write.
         self._rows: dict[str, Row] | None = None
@@ -120,6 +125,8 @@ class LiveRows:
 
     def rows(self) -> dict[str, Row]:
         """Every live worker row by id, loaded again if another connection committed."""
+        if self._private and self._rows is not None:
+            return self._rows
         db = self._db
         if db is None:
             raise StoreError("store is not open")
@@ -143,6 +150,10 @@ class LiveRows:
         return self._rows
 
     # -- answers ------------------------------------------------------------------------
+
+    def row(self, worker_id: str) -> Row | None:
+        """The live row of `worker_id`; None when it is retired or unknown."""
+        return self.rows().get(worker_id)
 
     def count_live(self, pool: str, org: str | None = None) -> int:
         """Live workers of `pool` (bound to `org` if given).

@@ -68,9 +68,9 @@ class SqliteStore(WorkerRows, ReplicaRows, LedgerRows, SqlitePoolHooks, PoolRows
         batch (shared by every store of the process unless given)."""
         self.path = path
         self._busy_timeout_s = busy_timeout_s
-        self._live = LiveRows()
-        self._decoded = DecodedRows()
         file = None if path in ("", ":memory:") else os.path.realpath(path)
+        self._live = LiveRows(private=file is None)
+        self._decoded = DecodedRows()
         self._writes = GroupCommit(
             file, on_undo=self._live.forget, batches=batches, lock_wait_s=busy_timeout_s
         )

@@ -86,7 +86,12 @@ class WorkerRows:
     _decoded: DecodedRows
 
     def _get(self, db: sqlite3.Connection, worker_id: str) -> Worker | None:
-        row = db.execute(_WORKER_BY_ID, (worker_id,)).fetchone()
+        """One worker as this connection sees it: a live one from the live rows (which
+        hold this connection's writes, and are read again once another connection
+        committed), a retired one from the table."""
+        row = self._live.row(worker_id)
+        if row is None:
+            row = db.execute(_WORKER_BY_ID, (worker_id,)).fetchone()
         return self._decoded.worker(row) if row else None
 
     def _cas(
@@ -282,9 +287,12 @@ class WorkerRows:
         return claim_from_row(rows[0]) if rows else None
 
     async def get_worker(self, worker_id: str) -> Worker | None:
-        """One worker row."""
-        rows = self._writes.read(_WORKER_BY_ID, (worker_id,))
-        return self._decoded.worker(rows[0]) if rows else None
+        """One worker row (a live one from the live rows)."""
+        row = self._live.row(worker_id)
+        if row is None:
+            rows = self._writes.read(_WORKER_BY_ID, (worker_id,))
+            row = rows[0] if rows else None
+        return self._decoded.worker(row) if row else None
 
     async def list_workers(self, **query: Unpack[WorkerQuery]) -> list[Worker]:
         """Rows matching every filter, oldest first (live states: from the live rows)."""
