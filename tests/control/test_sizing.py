@@ -36,9 +36,14 @@ def pool(**demand: object) -> PoolSpec:
 
 @asynccontextmanager
 async def plane(
-    path: Path, spec: PoolSpec, *, ready_delay: float = 0.2, clock: VirtualClock | None = None
+    path: Path,
+    spec: PoolSpec,
+    *,
+    ready_delay: float = 0.2,
+    clock: VirtualClock | None = None,
+    runtime: MemoryRuntime | None = None,
 ) -> AsyncIterator[ControlPlane]:
-    runtime = MemoryRuntime(ready_delay=ready_delay)
+    runtime = runtime or MemoryRuntime(ready_delay=ready_delay)
     cp = ControlPlane(
         store=FaultyStore(SqliteStore(str(path / "stoker.db"))),
         runtime=runtime,
@@ -293,19 +298,8 @@ async def nodeless_plane(
     path: Path, spec: PoolSpec, clock: VirtualClock
 ) -> AsyncIterator[tuple[ControlPlane, NodelessRuntime]]:
     runtime = NodelessRuntime()
-    cp = ControlPlane(
-        store=SqliteStore(str(path / "stoker.db")),
-        runtime=runtime,
-        activator=runtime,
-        pools=[spec],
-        settings=PlaneSettings(),
-        clock=clock,
-    )
-    await cp.start(loops=False)
-    try:
+    async with plane(path, spec, clock=clock, runtime=runtime) as cp:
         yield cp, runtime
-    finally:
-        await cp.stop()
 
 
 async def test_headroom_is_kept_while_claims_wait_for_nodes_and_falls_after_the_hold(
