@@ -87,6 +87,9 @@ class MemoryRuntime:
         #: Activations a real worker would refuse; a correct control plane never sends one.
         self.fencing_violations: list[str] = []
         self.headroom_calls = 0
+        #: Worker id -> node, for tests of packing; a worker with none set is on no node
+        #: (as a local runtime's are).
+        self.nodes: dict[str, str] = {}
 
     def subscribe(self, listener: RuntimeListener) -> None:
         self.listener = listener
@@ -190,6 +193,15 @@ class MemoryRuntime:
 
     def unpinned(self) -> Collection[str]:
         return {wid for wid, p in self.procs.items() if p.alive and not p.busy}
+
+    def node_sessions(self, worker: Worker) -> int | None:
+        node = self.nodes.get(worker.id)
+        proc = self.procs.get(worker.id)
+        if node is None or proc is None or not proc.alive:
+            return None
+        return sum(
+            1 for wid, p in self.procs.items() if p.alive and p.busy and self.nodes.get(wid) == node
+        )
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         self.headroom_calls += 1

@@ -1053,6 +1053,41 @@ async def test_do_not_disrupt_follows_the_worker_state(tmp_path: Path) -> None:
     await server.close()
 
 
+async def test_claims_gather_on_the_node_whose_pods_are_pinned(tmp_path: Path) -> None:
+    """The runtime counts the pinned pods on each node from its informer; a claim takes
+    the warm worker on the node that holds the most sessions, so the second claim lands
+    beside the first instead of on the next node of the queue (the fake kubelet places
+    pods on three nodes in turn)."""
+    server = server_for_test()
+    async with Kubelet(server), plane(tmp_path, server, spec=pool(warm_target=6)) as p:
+        await asyncio.sleep(3)
+        first = await p.claim("a")
+        await asyncio.sleep(1)  # the pin reaches the informer
+        node = (await pod_of(server, first.worker_id)).node_name
+        beside = [
+            row.id
+            for row in await p.rows(S.WARM)
+            if (await pod_of(server, row.id)).node_name == node
+        ]
+        assert len(beside) == 1
+        first_row = await p.plane.store.get_worker(first.worker_id)
+        assert first_row is not None and p.runtime.node_sessions(first_row) == 1
+        second = await p.claim("b")
+        assert second.worker_id == beside[0]
+        await asyncio.sleep(1)
+        assert p.runtime.node_sessions(first_row) == 2
+        # Released, both park pinned; once one loses its pin (a parked worker retired),
+        # the node counts only the other.
+        for claim in (first, second):
+            await p.plane.release(claim.id)
+        parked = await p.plane.store.get_worker(first.worker_id)
+        assert parked is not None
+        await p.runtime.set_busy(parked, False)
+        await asyncio.sleep(1)
+        assert p.runtime.node_sessions(parked) == 1
+    await server.close()
+
+
 async def test_a_pin_lost_in_an_api_outage_is_restored_by_the_next_pass(
     tmp_path: Path,
 ) -> None:

@@ -1,11 +1,12 @@
-"""The informer's index of live worker pods without a do-not-disrupt pin."""
+"""The informer's indexes of the worker pods' do-not-disrupt pins: the live pods without
+one, and the pinned pods counted by node."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from stoker.adapters.runtime_kubernetes._pods import PodView
-from stoker.adapters.runtime_kubernetes._unpinned import UnpinnedPods
+from stoker.adapters.runtime_kubernetes._unpinned import PinnedByNode, UnpinnedPods
 
 
 def view(name: str, worker_id: str | None = None, **changes: object) -> PodView:
@@ -61,3 +62,29 @@ def test_placeholders_are_never_named_and_two_pods_of_one_worker_count_apart() -
     assert set(index.workers()) == {"w-1"}
     index.changed(new, replace(new, do_not_disrupt="true"))
     assert set(index.workers()) == set()
+
+
+def test_pinned_pods_are_counted_on_their_node_while_alive_and_pinned() -> None:
+    index = PinnedByNode()
+    a = view("w-1", "w-1", node_name="n-1", do_not_disrupt="true")
+    b = view("w-2", "w-2", node_name="n-1")
+    index.changed(None, a)
+    index.changed(None, b)
+    index.changed(None, view("hold-1", None, placeholder="duck", node_name="n-1"))
+    assert (index.on("n-1"), index.on("n-2")) == (1, 0)
+    pinned_b = replace(b, do_not_disrupt="true")
+    index.changed(b, pinned_b)
+    assert index.on("n-1") == 2
+    index.changed(pinned_b, replace(pinned_b, terminating=True))
+    index.changed(a, None)
+    assert index.on("n-1") == 0
+
+
+def test_a_pinned_pod_counts_once_it_has_a_node() -> None:
+    index = PinnedByNode()
+    pending = view("w-1", "w-1", do_not_disrupt="true", phase="Pending", ready=False)
+    index.changed(None, pending)
+    assert index.on("n-1") == 0
+    running = replace(pending, node_name="n-1", phase="Running", ready=True)
+    index.changed(pending, running)
+    assert index.on("n-1") == 1

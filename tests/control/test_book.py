@@ -40,8 +40,11 @@ class NoReads:
         raise AssertionError(f"the book read the store: {name}")
 
 
-def book() -> Book:
-    return Book(reader=NoReads(), instance_id=ME)
+def book(sessions: dict[str, int] | None = None) -> Book:
+    """A book; with `sessions` (worker id -> sessions on its node), on a runtime with nodes."""
+    if sessions is None:
+        return Book(reader=NoReads(), instance_id=ME)
+    return Book(reader=NoReads(), instance_id=ME, node_sessions=lambda w: sessions.get(w.id))
 
 
 def worker(wid: str, state: WorkerState = S.WARM, **kw: Any) -> Worker:
@@ -144,6 +147,34 @@ def test_ready_queue_skips_stale_entries_and_workers_in_flight() -> None:
     b.clear_in_flight("w3")
     b.clear_in_flight("w4")
     assert b.in_flight() == frozenset()
+
+
+def test_a_claim_takes_the_warm_worker_whose_node_holds_the_most_sessions() -> None:
+    sessions = {"w1": 0, "w2": 3, "w3": 1, "w4": 3}  # w5: on no node the runtime sees
+    b = book(sessions)
+    for wid in ("w1", "w2", "w3", "w4", "w5"):
+        w = worker(wid)
+        b.remember(w)
+        b.offer_warm(w)
+    b.mark_in_flight("w2")  # being handed out: passed over, and out of the queue
+    b.remember(worker("w1", S.RESERVED, org="acme"))  # taken meanwhile: stale
+    taken = [b.pop(S.WARM, "p", "", "r1") for _ in range(4)]
+    # Most sessions first (a node the runtime does not see counts as none); the worker
+    # in flight and the one taken meanwhile are passed over.
+    assert [w.id if w else None for w in taken] == ["w4", "w3", "w5", None]
+
+
+def test_a_tie_of_sessions_keeps_the_queue_order() -> None:
+    b = book({"w1": 2, "w2": 2, "w3": 2})
+    for wid in ("w3", "w1", "w2"):
+        w = worker(wid)
+        b.remember(w)
+        b.offer_warm(w)
+    assert [b.pop(S.WARM, "p", "", "r1") for _ in range(3)] == [
+        worker("w3"),
+        worker("w1"),
+        worker("w2"),
+    ]
 
 
 def test_a_warm_worker_put_back_is_picked_first() -> None:

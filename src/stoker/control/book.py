@@ -3,10 +3,16 @@
 It holds the last persisted record of every worker this replica owns (and the claim each
 hot one serves, as bound here), the ready queue of
 each pool revision and the hot_idle queue of each pool and org (fed by runtime events and
-releases, so a claim picks in O(1)), the in-flight set (workers being handed out right
+releases), the in-flight set (workers being handed out right
 now, which the sweeps leave alone), the runtime facts not persisted yet and the
 background tasks; the claims waiting for a worker or a slot, and the cold spawns they
 wait on, are its part `waiting`.
+
+A claim takes from the ready queue the warm worker whose node holds the most sessions
+(the runtime's `node_sessions`; the first queued on a tie, and always the first on a
+runtime without nodes): sessions are pinned against disruption, so gathering them on
+fewer nodes leaves others with only warm workers, which the cluster can give back.
+Scale-down ranks its victims the other way (`sessions_beside`).
 
 The store is the authority and the book only a hint: a stale queue entry costs one missed
 CAS, never a double assignment. Nothing here writes the store; the parts that do (through
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Container, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Container, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -85,10 +91,18 @@ class Pending(Generic[_Fact]):
 class Book(WaitingClaims):
     """This replica's memory of its workers, queues, waiters and background tasks."""
 
-    def __init__(self, *, reader: StoreReader, instance_id: str) -> None:
+    def __init__(
+        self,
+        *,
+        reader: StoreReader,
+        instance_id: str,
+        node_sessions: Callable[[Worker], int | None] | None = None,
+    ) -> None:
+        """`node_sessions` is the runtime's count of the sessions on a worker's node."""
         super().__init__()
         self._reader = reader
         self.instance_id = instance_id
+        self._node_sessions = node_sessions
         self._known: dict[str, Worker] = {}
         #: The claims this replica bound, by id, while their worker is known hot with them:
         #: a release or renewal here needs no read of what never changes in a claim.
@@ -238,24 +252,61 @@ class Book(WaitingClaims):
         and not being handed out, marked in flight (the caller clears it once its
         reservation is decided); None when the queue ran dry. A `warm` worker comes from
         the revision's ready queue, a `hot_idle` one from those `org` parked."""
-        queues = self._ready if state is WorkerState.WARM else self._hot_idle
-        key = (pool, revision) if state is WorkerState.WARM else (pool, org)
+        warm = state is WorkerState.WARM
+        queues = self._ready if warm else self._hot_idle
+        key = (pool, revision) if warm else (pool, org)
         queue = queues.get(key)
         found = None
-        while queue:
+        if queue and warm and self._node_sessions is not None:
+            found = self._packed(queue, revision, also)
+        while queue and found is None:
             known = self._known.get(queue.popitem(last=False)[0])
-            if (
-                known is not None
-                and known.state is state
-                and (known.revision == revision or known.revision in also)
-                and known.id not in self._in_flight
-            ):
-                self._in_flight.add(known.id)
+            if self._takeable(known, state, revision, also):
                 found = known
-                break
         if queue is not None and not queue:
             del queues[key]
+        if found is not None:
+            self._in_flight.add(found.id)
         return found
+
+    def _takeable(
+        self, known: Worker | None, state: WorkerState, revision: str, also: Container[str]
+    ) -> bool:
+        """Whether a queued worker is still known in `state` at `revision` (or one of
+        `also`) and not being handed out."""
+        return (
+            known is not None
+            and known.state is state
+            and (known.revision == revision or known.revision in also)
+            and known.id not in self._in_flight
+        )
+
+    def _packed(
+        self, queue: OrderedDict[str, None], revision: str, also: Container[str]
+    ) -> Worker | None:
+        """Out of a ready queue: the takeable worker whose node holds the most sessions
+        (the first queued on a tie), and the stale entries it passed."""
+        best: Worker | None = None
+        most = -1
+        stale: list[str] = []
+        for worker_id in queue:
+            known = self._known.get(worker_id)
+            if known is None or not self._takeable(known, WorkerState.WARM, revision, also):
+                stale.append(worker_id)
+                continue
+            held = self.sessions_beside(known)
+            if held > most:
+                best, most = known, held
+        for worker_id in stale:
+            del queue[worker_id]
+        if best is not None:
+            del queue[best.id]
+        return best
+
+    def sessions_beside(self, worker: Worker) -> int:
+        """The sessions on the worker's node as the runtime last saw it (0 when unknown)."""
+        held = self._node_sessions(worker) if self._node_sessions is not None else None
+        return held or 0
 
     def heard_worker(self, worker: Worker) -> None:
         """The store's feed announced a worker row: another replica's worker that became

@@ -103,7 +103,9 @@ class ControlPlane:
         seeds = {p.name: p for p in pools}
         self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
         self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
-        self.book = Book(reader=store, instance_id=self.instance_id)
+        self.book = Book(
+            reader=store, instance_id=self.instance_id, node_sessions=runtime.node_sessions
+        )
         #: Recent events and the last hour of each pool, for the dashboard.
         self.journal = Journal(self.clock.now)
         #: Each pool's rollout plan (routing, reuse and sizing by revision).

@@ -272,9 +272,13 @@ class Scaler:
             now=now,
             scale_down_delay=pool.scale_down_delay,
         )
-        # Oldest first: a deterministic choice, so two janitors acting on the same snapshot
-        # pick the same victims and the second CAS misses.
-        for w in sorted(workers, key=lambda w: (w.created_at, w.id))[:due]:
+        # Those on the nodes with the fewest sessions first, so that the cluster can give
+        # back nodes that hold no session; then oldest first. Deterministic for a view of
+        # the cluster, so two janitors acting on the same snapshot mostly pick the same
+        # victims and the second CAS misses.
+        book = self._book
+        ranked = sorted(workers, key=lambda w: (book.sessions_beside(w), w.created_at, w.id))
+        for w in ranked[:due]:
             if await self._retirer.retire(w, RetireReason.EXCESS):
                 report.count(RetireReason.EXCESS)
 

@@ -113,6 +113,14 @@ class Runtime(Protocol):
         worker `pinned` calls False is among them (a pass looks at these, not the fleet)."""
         ...
 
+    def node_sessions(self, worker: Worker) -> int | None:
+        """How many sessions (workers with the not-to-be-disrupted mark) the node of the
+        worker's object holds, as last seen; None when the runtime has no nodes or does
+        not see the worker's object on one. Claims take the warm worker whose node holds
+        the most and scale-down retires those whose node holds the fewest, so sessions
+        gather on fewer nodes and the cluster can give back the nodes that hold none."""
+        ...
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Keep each pool's `headroom_nodes` placeholders (cluster runtimes; leader only)."""
         ...

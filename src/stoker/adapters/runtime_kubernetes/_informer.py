@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from stoker.adapters._deadlines import DeadlinePassed, within
 from stoker.adapters._logs import EventLog
 from stoker.adapters.runtime_kubernetes._pods import PodView
-from stoker.adapters.runtime_kubernetes._unpinned import UnpinnedPods
+from stoker.adapters.runtime_kubernetes._unpinned import PinnedByNode, UnpinnedPods
 from stoker.domain.errors import RuntimeFailure
 from stoker.ports.clock import Clock
 from stoker.ports.cluster import ClusterAPI, Gone, Selector, WatchEvent, WatchEventType
@@ -88,6 +88,8 @@ class PodInformer:
         self._placeholder_names: dict[str, None] = {}
         #: The live worker pods in `_cache` without a do-not-disrupt pin.
         self.unpinned = UnpinnedPods()
+        #: The live pinned worker pods in `_cache`, counted by node.
+        self.pinned_by_node = PinnedByNode()
         #: Where the watch resumes; None means list first.
         self._rv: str | None = None
         self._synced = asyncio.Event()
@@ -267,8 +269,10 @@ class PodInformer:
             if view.placeholder is not None and view.worker_id is None:
                 self._placeholder_names[view.name] = None
             self.unpinned.changed(None, view)
+            self.pinned_by_node.changed(None, view)
         else:
             self.unpinned.changed(entry.view, view)
+            self.pinned_by_node.changed(entry.view, view)
             entry.view = view
         if not view.is_worker or entry.settled:
             return
@@ -318,6 +322,7 @@ class PodInformer:
         self._placeholder_names.pop(view.name, None)
         if entry is not None:
             self.unpinned.changed(entry.view, None)
+            self.pinned_by_node.changed(entry.view, None)
         stopped = self._stopping.pop(view.name, None) is not None
         if not view.is_worker or stopped:
             return

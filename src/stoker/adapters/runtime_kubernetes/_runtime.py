@@ -249,6 +249,18 @@ class KubernetesRuntime:
         informer keeps, `UnpinnedPods`): the only ones `pinned` may call False."""
         return self.informer.unpinned.workers()
 
+    def node_sessions(self, worker: Worker) -> int | None:
+        """How many live pinned worker pods (sessions) the node of the worker's cached pod
+        holds, the worker's own included; None when no live pod of the worker is cached
+        on a node."""
+        entry = self.informer.entry(pod_name(worker))
+        if entry is None or entry.view.worker_id != worker.id:
+            return None
+        view = entry.view
+        if not view.alive or view.node_name is None:
+            return None
+        return self.informer.pinned_by_node.on(view.node_name)
+
     async def list_objects(self) -> list[RuntimeObject]:
         """Every worker pod of this fleet, from the informer's cache (no list call); a pod
         this runtime deleted, or that is terminating, is `stopping`."""

@@ -392,6 +392,10 @@ class LocalProcessRuntime:
         """None of them: a local process carries no such mark."""
         return ()
 
+    def node_sessions(self, worker: Worker) -> int | None:
+        """None: local processes share one machine, with no nodes to give back."""
+        return None
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""
         return None
