@@ -195,6 +195,19 @@ def test_env_json_that_does_not_parse(tmp_path: Path) -> None:
     assert line.startswith("config error: STOKER_POOLS: not valid JSON")
 
 
+def test_a_key_yaml_reads_as_another_type_is_named_as_written(tmp_path: Path) -> None:
+    # Found by the config fuzz: `false:` was named `[0]`, the name of a list's first item.
+    lines = errors_of(tmp_path, "false: 1\napi: {1.5: x, on: 2}\n")
+    assert lines == [
+        "config error: false: a key must be a string; quote it",
+        "config error: api.1.5: a key must be a string; quote it",
+        "config error: api.true: a key must be a string; quote it",
+    ]
+    # A token that YAML reads as a number is still never printed.
+    [line] = errors_of(tmp_path, "api:\n  org_tokens: {12345678901234567890: acme}\n")
+    assert line == "config error: api.org_tokens.<token>: a key must be a string; quote it"
+
+
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot read .*missing.yaml: No such file"):
         load_config(tmp_path / "missing.yaml", {})

@@ -56,6 +56,12 @@ def load_config(
         data = _read_yaml(Path(path))
         source = str(path)
     env_keys = _apply_env(data, environ)
+    # Checked once the overrides replaced what they replace (their JSON has text keys).
+    problems = [
+        _line(loc, "a key must be a string; quote it", {}) for loc in _keys_not_strings(data)
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
         # Lenient: a `STOKER_*` override is text, so `"5"` is read as 5 here (and YAML's
         # `true` as 1); the API's JSON is held to the models' strict types.
@@ -86,6 +92,27 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config error: {path}: the top level must be a mapping of keys")
     return data
+
+
+def _keys_not_strings(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Where YAML read a key as something else than text (`on:` is true, `1:` a number):
+    pydantic would name such a key like a list index, or not at all."""
+    found: list[tuple[Any, ...]] = []
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if not isinstance(key, str):
+                # As the file spells it: `true`, `null`, `1`.
+                found.append((*at, json.dumps(key) if _is_scalar(key) else repr(key)))
+            else:
+                found += _keys_not_strings(child, (*at, key))
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            found += _keys_not_strings(child, (*at, i))
+    return found
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
 
 
 def _reason(exc: BaseException) -> str:
