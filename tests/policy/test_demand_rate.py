@@ -31,6 +31,8 @@ from stoker.policy.scaling import (
     HEADROOM_FORECAST,
     HEADROOM_NONE,
     Headroom,
+    PoolCounts,
+    claims_wait_for_nodes,
     forecast_short,
     paying_headroom,
 )
@@ -245,20 +247,37 @@ def test_forecast_short_is_the_growth_beyond_the_live_workers_and_the_warm_pool(
     assert forecast_short(busy=0, live=0, warm=2, growth=None, warm_later=3) == 1
 
 
-def waiting(short: float | None, missed: bool, *, slots: int = 7, most: int = 2) -> Headroom:
-    """`paying_headroom` while a spawn of the pool waits for a node."""
-    return paying_headroom(short=short, missed=missed, node_waits=1, slots=slots, most=most)
+def waiting(
+    short: float | None, missed: bool, *, slots: int = 7, most: int = 2, node_waits: int = 1
+) -> Headroom:
+    """`paying_headroom` while `node_waits` spawns of the pool wait for a node."""
+    return paying_headroom(
+        short=short, missed=missed, node_waits=node_waits, slots=slots, most=most
+    )
 
 
 def test_paying_headroom_holds_room_only_for_what_the_warm_pool_cannot_absorb() -> None:
     none = waiting(-5.0, False)
     assert (none.placeholders, none.reason, none.short) == (0, HEADROOM_NONE, -5.0)
-    # Four workers short: one node-sized placeholder (room for 7) covers them.
-    one = waiting(4.0, False)
+    # Ten workers short, one spawn waiting: the node launched for it has room for 6 more
+    # (node-sized placeholders make room for 7); one placeholder covers the other 4.
+    one = waiting(10.0, False)
     assert (one.placeholders, one.reason) == (1, HEADROOM_FORECAST)
     # Never more than the pool's headroom_nodes.
     assert waiting(40.0, False).placeholders == 2
     assert waiting(3.0, False, slots=1, most=2).placeholders == 2
+
+
+def test_paying_headroom_counts_the_room_on_the_nodes_already_coming() -> None:
+    # Four short, one spawn waiting: the node coming for it takes all four.
+    coming = waiting(4.0, False)
+    assert (coming.placeholders, coming.reason, coming.short) == (0, HEADROOM_NONE, 4.0)
+    # Seven spawns fill the node coming for them: the four need a placeholder's node.
+    assert waiting(4.0, False, node_waits=7).placeholders == 1
+    # Eight spawns: two nodes coming, 6 slots free on the second.
+    assert waiting(4.0, False, node_waits=8).placeholders == 0
+    # Worker-sized placeholders say nothing of a node's size: no room is counted.
+    assert waiting(2.0, False, slots=1).placeholders == 2
 
 
 def test_paying_headroom_without_a_forecast_follows_missed_claims() -> None:
@@ -272,6 +291,18 @@ def test_paying_headroom_without_a_forecast_follows_missed_claims() -> None:
     # The forecast already asks for all of it: the forecast decided.
     assert waiting(30.0, True).reason == HEADROOM_FORECAST
     assert waiting(None, True, slots=7, most=0).placeholders == 0
+
+
+def test_claims_queued_behind_spawns_on_nodes_do_not_wait_for_a_node() -> None:
+    # Three warm spawns, one waiting for a node: two claims queued are served by the two
+    # a node took; a third waits for the node, and so does a cold claim's spawn.
+    counts = PoolCounts(spawning_neutral=3, node_waits=1)
+    assert not claims_wait_for_nodes(misses=0, waiting=2, counts=counts)
+    assert claims_wait_for_nodes(misses=0, waiting=3, counts=counts)
+    assert claims_wait_for_nodes(misses=1, waiting=0, counts=counts)
+    # No warm spawn on a node: any claim queued waits for one.
+    assert claims_wait_for_nodes(misses=0, waiting=1, counts=PoolCounts(node_waits=2))
+    assert not claims_wait_for_nodes(misses=0, waiting=0, counts=PoolCounts(node_waits=2))
 
 
 def test_paying_headroom_needs_a_spawn_that_waits_for_a_node() -> None:

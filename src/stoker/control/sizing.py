@@ -36,6 +36,7 @@ from stoker.policy.scaling import (
     HEADROOM_CONSTANT,
     Headroom,
     PoolCounts,
+    claims_wait_for_nodes,
     desired_warm,
     forecast_short,
     paying_headroom,
@@ -288,7 +289,7 @@ class PoolSizer:
             forecaster if not off else None,
             warm=desired,
             guarded=guarded,
-            missed=missed,
+            missed=claims_wait_for_nodes(misses=seen.misses, waiting=seen.waiting, counts=counts),
             now=now,
         )
         sizing = Sizing(
