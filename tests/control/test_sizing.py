@@ -403,3 +403,40 @@ async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path)
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and sizing.forecast_rate == pytest.approx(0.2)
         assert sizing.desired == mean_warm(sizing)
+
+
+@pytest.mark.looptime
+async def test_a_rate_beyond_the_forecasts_spread_sizes_the_pool_without_a_miss(
+    tmp_path: Path,
+) -> None:
+    # A learned forecast of 0.01 claims a second, with almost no spread.
+    clock = VirtualClock()
+    learned = [
+        ForecastBucket("p", level, bucket, 0.01, 0.0001, 4, clock.now())
+        for level, count in (("week", 168), ("day", 48))
+        for bucket in range(count)
+    ]
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    await store.open()
+    await store.record_forecast(learned)
+    await store.close()
+    # The panic window never wins (its ratio is out of reach), and the error bound never
+    # sets the forecast aside.
+    demand = DemandSpec(forecast_error_bound=100.0, panic_ratio=100.0)
+    spec = PoolSpec(name="p", template=TEMPLATE, warm_target=1, demand=demand)
+    async with plane(tmp_path, spec, clock=clock) as cp:
+        await cp.run_janitor_pass()
+        await asyncio.sleep(1)  # the warm worker gets ready
+        # A new org every 2 s, each served warm by the pool the passes refill: no miss, at
+        # a steady 0.5 claims a second, fifty times what the forecast expects.
+        for i in range(60):
+            assert await claim_and_release(cp, f"o{i}") is ClaimSource.WARM
+            clock.advance(2.0)
+            await cp.run_janitor_pass()
+            await asyncio.sleep(1)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and not sizing.rate.panicking
+        assert sizing.forecast_warm is not None and sizing.reactive > sizing.forecast_warm
+        # Not a window's noise around the forecast: the rate sizes the pool.
+        assert (sizing.policy, sizing.base) == ("reactive", sizing.reactive)
