@@ -208,6 +208,17 @@ def test_a_key_yaml_reads_as_another_type_is_named_as_written(tmp_path: Path) ->
     assert line == "config error: api.org_tokens.<token>: a key must be a string; quote it"
 
 
+def test_a_line_break_in_a_key_or_a_variable_stays_on_its_line(tmp_path: Path) -> None:
+    # Found by the config fuzz: a key or variable with `\r` split its error line in two.
+    [line] = errors_of(tmp_path, 'api: {"a\\rb": 1}\n')
+    assert line == "config error: api.'a\\rb': unknown key"
+    text = "api: {admin_tokens: [aaaaaaaaaaaaaaaa1]}\n"
+    [line] = errors_of(tmp_path, text, {"STOKER_API__ADMIN_TOKENS__\r": "x"})
+    assert line == "config error: 'STOKER_API__ADMIN_TOKENS__\\r': no item '\\r' to override"
+    [line] = errors_of(tmp_path, "{}\n", {"STOKER_API__X\x1eY": "1"})
+    assert line == "config error: api.'x\\x1ey': unknown key (from 'STOKER_API__X\\x1eY')"
+
+
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot read .*missing.yaml: No such file"):
         load_config(tmp_path / "missing.yaml", {})

@@ -134,6 +134,8 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
         if path[0] not in top or not all(path):
             continue
         raw = environ[name]
+        # A control character in the name would break the message's one line.
+        name = _printable(name)
         value: Any = raw
         if raw.strip().startswith(("[", "{")):
             try:
@@ -146,6 +148,12 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
         _set_path(data, path, value, name)
         applied[path] = name
     return applied
+
+
+def _printable(text: str) -> str:
+    """`text`, quoted when it holds a control character: a line break in it would split
+    the message's one line per problem."""
+    return text if text.isprintable() else repr(text)
 
 
 #: Keys that accept a string shorthand for a mapping: the key the string stands for.
@@ -163,25 +171,30 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str
         if isinstance(target, list):
             if not key.isdigit() or int(key) >= len(target):
                 raise ConfigError(
-                    f"config error: {name}: {'.'.join(path[:i])} has no item {key} "
+                    f"config error: {name}: {_printable('.'.join(path[:i]))} has no item "
+                    f"{_printable(key)} "
                     f"(it has {len(target)})"
                 )
             target = target[int(key)]
             continue
         if not isinstance(target, dict):
-            raise ConfigError(f"config error: {name}: {'.'.join(path[:i])} is not a mapping")
+            raise ConfigError(
+                f"config error: {name}: {_printable('.'.join(path[:i]))} is not a mapping"
+            )
         if key not in target or target[key] is None:
             target[key] = [] if nxt.isdigit() else {}
         target = target[key]
     last = path[-1]
     if isinstance(target, list):
         if not last.isdigit() or int(last) >= len(target):
-            raise ConfigError(f"config error: {name}: no item {last} to override")
+            raise ConfigError(f"config error: {name}: no item {_printable(last)} to override")
         target[int(last)] = value
     elif isinstance(target, dict):
         target[last] = value
     else:
-        raise ConfigError(f"config error: {name}: {'.'.join(path[:-1])} is not a mapping")
+        raise ConfigError(
+            f"config error: {name}: {_printable('.'.join(path[:-1]))} is not a mapping"
+        )
 
 
 _MESSAGES = {
@@ -247,21 +260,30 @@ def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str])
 
 def _line(loc: tuple[Any, ...], message: str, env_keys: Mapping[tuple[str, ...], str]) -> str:
     """`config error: <key>: <message>`, naming the variable when one set the key."""
-    at = _redact(loc)
+    at = _key_path(loc)
     source = _env_source(at, env_keys)
     suffix = f" (from {source})" if source else ""
-    return f"config error: {dotted(at) or '(top level)'}: {message}{suffix}"
+    return f"config error: {dotted(_redact(at)) or '(top level)'}: {message}{suffix}"
+
+
+def _key_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Drop pydantic's union tag (`runtime.kubernetes.qps` is the key `runtime.qps`)."""
+    return tuple(
+        part
+        for i, part in enumerate(loc)
+        if not (part == "[key]" or (i == 1 and loc[0] == "runtime" and part in RUNTIME_KINDS))
+    )
 
 
 def _redact(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Never print a token: a key under `org_tokens` is one. Drop pydantic's union tag
-    (`runtime.kubernetes.qps` is the key `runtime.qps`)."""
+    """Never print a token: a key under `org_tokens` is one. Quote a key that is not
+    printable: a line break in it would split the message's one line per problem."""
     out: list[Any] = []
     for i, part in enumerate(loc):
         if i > 0 and loc[i - 1] == "org_tokens" and isinstance(part, str):
             out.append("<token>")
-        elif part == "[key]" or (i == 1 and loc[0] == "runtime" and part in RUNTIME_KINDS):
-            continue
+        elif isinstance(part, str):
+            out.append(_printable(part))
         else:
             out.append(part)
     return tuple(out)
