@@ -195,6 +195,15 @@ def test_env_json_that_does_not_parse(tmp_path: Path) -> None:
     assert line.startswith("config error: STOKER_POOLS: not valid JSON")
 
 
+def test_an_env_index_in_other_digits_is_an_index_or_an_error(tmp_path: Path) -> None:
+    # Found by the config fuzz: `²` passed isdigit() and int() raised a bare ValueError.
+    [line] = errors_of(tmp_path, "{}\n", {"STOKER_POOLS__²__WARM_TARGET": "1"})
+    assert line == "config error: STOKER_POOLS__²__WARM_TARGET: pools has no item ² (it has 1)"
+    arabic_zero = "STOKER_POOLS__\u0660__WARM_TARGET"
+    [line] = errors_of(tmp_path, "{}\n", {arabic_zero: "-1"})
+    assert line == f"config error: pools[0].warm_target: must be >= 0 (from {arabic_zero})"
+
+
 def test_a_key_yaml_reads_as_another_type_is_named_as_written(tmp_path: Path) -> None:
     # Found by the config fuzz: `false:` was named `[0]`, the name of a list's first item.
     lines = errors_of(tmp_path, "false: 1\napi: {1.5: x, on: 2}\n")

@@ -130,7 +130,10 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX):
             continue
-        path = tuple(name[len(ENV_PREFIX) :].lower().split("__"))
+        # An index in any digits (`٣`) as the one pydantic names (`3`).
+        path = tuple(
+            str(int(k)) if k.isdecimal() else k for k in name[len(ENV_PREFIX) :].lower().split("__")
+        )
         if path[0] not in top or not all(path):
             continue
         raw = environ[name]
@@ -169,7 +172,7 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str
             # `leader_election: store` in the file, STOKER_LEADER_ELECTION__LEASE_NAME set.
             target[key] = {shorthand: target[key]}
         if isinstance(target, list):
-            if not key.isdigit() or int(key) >= len(target):
+            if not key.isdecimal() or int(key) >= len(target):
                 raise ConfigError(
                     f"config error: {name}: {_printable('.'.join(path[:i]))} has no item "
                     f"{_printable(key)} "
@@ -182,11 +185,11 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str
                 f"config error: {name}: {_printable('.'.join(path[:i]))} is not a mapping"
             )
         if key not in target or target[key] is None:
-            target[key] = [] if nxt.isdigit() else {}
+            target[key] = [] if nxt.isdecimal() else {}
         target = target[key]
     last = path[-1]
     if isinstance(target, list):
-        if not last.isdigit() or int(last) >= len(target):
+        if not last.isdecimal() or int(last) >= len(target):
             raise ConfigError(f"config error: {name}: no item {_printable(last)} to override")
         target[int(last)] = value
     elif isinstance(target, dict):
