@@ -228,6 +228,12 @@ def test_a_line_break_in_a_key_or_a_variable_stays_on_its_line(tmp_path: Path) -
     assert line == "config error: api.'x\\x1ey': unknown key (from 'STOKER_API__X\\x1eY')"
 
 
+def test_a_key_an_override_makes_names_the_variable(tmp_path: Path) -> None:
+    # Found by the config fuzz: the variable was named only for the key it set itself.
+    [line] = errors_of(tmp_path, "{}\n", {"STOKER_API__PROT__X": "80"})
+    assert line == "config error: api.prot: unknown key (from STOKER_API__PROT__X)"
+
+
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot read .*missing.yaml: No such file"):
         load_config(tmp_path / "missing.yaml", {})

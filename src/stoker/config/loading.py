@@ -55,10 +55,11 @@ def load_config(
     if path is not None:
         data = _read_yaml(Path(path))
         source = str(path)
-    env_keys = _apply_env(data, environ)
+    env_keys, made = _apply_env(data, environ)
     # Checked once the overrides replaced what they replace (their JSON has text keys).
     problems = [
-        _line(loc, "a key must be a string; quote it", {}) for loc in _keys_not_strings(data)
+        _line(loc, "a key must be a string; quote it", _NO_SOURCES)
+        for loc in _keys_not_strings(data)
     ]
     if problems:
         raise ConfigError("\n".join(problems))
@@ -67,7 +68,7 @@ def load_config(
         # `true` as 1); the API's JSON is held to the models' strict types.
         config = StokerConfig.model_validate(data, strict=False)
     except ValidationError as exc:
-        raise ConfigError("\n".join(format_errors(exc, env_keys))) from None
+        raise ConfigError("\n".join(format_errors(exc, env_keys, made))) from None
     # The domain objects run their own checks; surface them as config errors now.
     to_domain(config)
     return LoadedConfig(config, source, tuple(sorted(set(env_keys.values()))))
@@ -119,14 +120,18 @@ def _reason(exc: BaseException) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
-def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
-    """Merge `STOKER_*` overrides into `data`; returns the key paths they set, by variable.
+def _apply_env(
+    data: dict[str, Any], environ: Mapping[str, str]
+) -> tuple[dict[tuple[str, ...], str], dict[tuple[str, ...], str]]:
+    """Merge `STOKER_*` overrides into `data`; returns the key paths they set, and the
+    mappings they made on the way (`STOKER_API__PROT__X` makes `api.prot`), by variable.
 
     Only variables whose first segment names a top-level key count: `STOKER_URL` and
     `STOKER_TOKEN` belong to the client commands, not to the server's config.
     """
     top = set(StokerConfig.model_fields)
     applied: dict[tuple[str, ...], str] = {}
+    made: dict[tuple[str, ...], str] = {}
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX):
             continue
@@ -148,9 +153,10 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
         if path[0] == "pools" and len(path) > 1 and "pools" not in data:
             # Indexing the default pools: materialise them first.
             data["pools"] = [p.model_dump(mode="json", by_alias=True) for p in default_pools()]
-        _set_path(data, path, value, name)
+        for key in _set_path(data, path, value, name):
+            made.setdefault(key, name)
         applied[path] = name
-    return applied
+    return applied, made
 
 
 def _printable(text: str) -> str:
@@ -163,7 +169,11 @@ def _printable(text: str) -> str:
 _SHORTHANDS: dict[tuple[str, ...], str] = {("leader_election",): "kind"}
 
 
-def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str) -> None:
+def _set_path(
+    data: dict[str, Any], path: tuple[str, ...], value: Any, name: str
+) -> list[tuple[str, ...]]:
+    """Set `path` to `value`; returns the paths of the mappings and lists it made."""
+    made: list[tuple[str, ...]] = []
     target: Any = data
     for i, key in enumerate(path[:-1]):
         nxt = path[i + 1]
@@ -186,6 +196,7 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str
             )
         if key not in target or target[key] is None:
             target[key] = [] if nxt.isdecimal() else {}
+            made.append(path[: i + 1])
         target = target[key]
     last = path[-1]
     if isinstance(target, list):
@@ -198,6 +209,7 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, name: str
         raise ConfigError(
             f"config error: {name}: {_printable('.'.join(path[:-1]))} is not a mapping"
         )
+    return made
 
 
 _MESSAGES = {
@@ -225,8 +237,14 @@ _MESSAGES = {
 }
 
 
-def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str]) -> list[str]:
-    """One `config error: <key>: <problem>` line per pydantic error."""
+def format_errors(
+    exc: ValidationError,
+    env_keys: Mapping[tuple[str, ...], str],
+    made: Mapping[tuple[str, ...], str] | None = None,
+) -> list[str]:
+    """One `config error: <key>: <problem>` line per pydantic error; `env_keys` are the
+    key paths overrides set and `made` the mappings they made, by variable."""
+    sources = _Sources(env_keys, made or {})
     lines = []
     for error in exc.errors(include_input=False, include_url=False):
         ctx = error.get("ctx") or {}
@@ -234,7 +252,7 @@ def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str])
         if isinstance(cause, ConfigProblems):
             # Problems that span keys: one line each, under the key each one names.
             for loc, problem in cause.problems:
-                lines.append(_line((*error["loc"], *loc), problem, env_keys))
+                lines.append(_line((*error["loc"], *loc), problem, sources))
             continue
         kind = error["type"]
         if kind in _MESSAGES:
@@ -257,14 +275,26 @@ def format_errors(exc: ValidationError, env_keys: Mapping[tuple[str, ...], str])
         renamed = RENAMED_FIELDS.get(str(error["loc"][-1])) if error["loc"] else None
         if kind == "extra_forbidden" and renamed is not None:
             message += f" (a process's command line is `{renamed}`)"
-        lines.append(_line(tuple(error["loc"]), message, env_keys))
+        lines.append(_line(tuple(error["loc"]), message, sources))
     return lines
 
 
-def _line(loc: tuple[Any, ...], message: str, env_keys: Mapping[tuple[str, ...], str]) -> str:
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    """Which variable set a key: `set` names it for its key and every key under it, `made`
+    for a mapping an override made on its way only (the error of an unknown key)."""
+
+    set: Mapping[tuple[str, ...], str]
+    made: Mapping[tuple[str, ...], str]
+
+
+_NO_SOURCES = _Sources({}, {})
+
+
+def _line(loc: tuple[Any, ...], message: str, sources: _Sources) -> str:
     """`config error: <key>: <message>`, naming the variable when one set the key."""
     at = _key_path(loc)
-    source = _env_source(at, env_keys)
+    source = _env_source(at, sources)
     suffix = f" (from {source})" if source else ""
     return f"config error: {dotted(_redact(at)) or '(top level)'}: {message}{suffix}"
 
@@ -292,10 +322,10 @@ def _redact(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _env_source(loc: tuple[Any, ...], env_keys: Mapping[tuple[str, ...], str]) -> str | None:
+def _env_source(loc: tuple[Any, ...], sources: _Sources) -> str | None:
     parts = tuple(str(p) for p in loc)
     best: tuple[str, ...] | None = None
-    for path in env_keys:
+    for path in sources.set:
         if parts[: len(path)] == path and (best is None or len(path) > len(best)):
             best = path
-    return env_keys[best] if best is not None else None
+    return sources.set[best] if best is not None else sources.made.get(parts)
