@@ -158,7 +158,10 @@ def test_a_wrong_key_or_value_names_the_key(tmp_path: Path, text: str, expected:
 
 def test_unknown_runtime_kind(tmp_path: Path) -> None:
     [line] = errors_of(tmp_path, "runtime: {kind: nomad}\n")
-    assert line == "config error: runtime: unknown kind 'nomad'; supported: kubernetes, local"
+    assert line == "config error: runtime.kind: unknown kind 'nomad'; supported: kubernetes, local"
+    # Found by the config fuzz: under `runtime`, the variable that set the kind went unnamed.
+    [line] = errors_of(tmp_path, "{}\n", {"STOKER_RUNTIME__KIND": "nomad"})
+    assert line.endswith("supported: kubernetes, local (from STOKER_RUNTIME__KIND)")
 
 
 def test_short_tokens_are_rejected_without_printing_them(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 from stoker.config.activation import ActivationConfig
 from stoker.config.names import LABEL_VALUE_RULE, is_label_value
 from stoker.config.pools import PoolConfig, default_pools
-from stoker.config.problems import raise_problems
+from stoker.config.problems import ConfigProblems, raise_problems
 from stoker.config.rules import election_problems, pool_problems
 from stoker.config.schema import Section
 from stoker.config.sections import (
@@ -79,9 +79,9 @@ class StokerConfig(Section):
             return value
         kind = value.get("kind", "local")
         if not isinstance(kind, str) or kind not in RUNTIME_KINDS:
-            raise ValueError(
-                f"unknown kind {kind!r}; supported: {', '.join(sorted(RUNTIME_KINDS))}"
-            )
+            # Under `runtime.kind`: the key to change (and the variable that set it).
+            supported = ", ".join(sorted(RUNTIME_KINDS))
+            raise ConfigProblems([(("kind",), f"unknown kind {kind!r}; supported: {supported}")])
         # `kind` may be left out for the local runtime; the union is told apart by it.
         return {**value, "kind": kind}
 
