@@ -32,7 +32,7 @@ from stoker.policy.scaling import (
     HEADROOM_NONE,
     Headroom,
     PoolCounts,
-    claims_wait_for_nodes,
+    claims_waiting_for_nodes,
     forecast_short,
     paying_headroom,
 )
@@ -248,67 +248,80 @@ def test_forecast_short_is_the_growth_beyond_the_live_workers_and_the_warm_pool(
 
 
 def waiting(
-    short: float | None, missed: bool, *, slots: int = 7, most: int = 2, node_waits: int = 1
+    short: float | None,
+    stranded: int = 0,
+    *,
+    slots: int = 7,
+    most: int = 2,
+    node_waits: int = 1,
 ) -> Headroom:
     """`paying_headroom` while `node_waits` spawns of the pool wait for a node."""
     return paying_headroom(
-        short=short, missed=missed, node_waits=node_waits, slots=slots, most=most
+        short=short, stranded=stranded, node_waits=node_waits, slots=slots, most=most
     )
 
 
 def test_paying_headroom_holds_room_only_for_what_the_warm_pool_cannot_absorb() -> None:
-    none = waiting(-5.0, False)
+    none = waiting(-5.0)
     assert (none.placeholders, none.reason, none.short) == (0, HEADROOM_NONE, -5.0)
     # Ten workers short, one spawn waiting: the node launched for it has room for 6 more
     # (node-sized placeholders make room for 7); one placeholder covers the other 4.
-    one = waiting(10.0, False)
+    one = waiting(10.0)
     assert (one.placeholders, one.reason) == (1, HEADROOM_FORECAST)
     # Never more than the pool's headroom_nodes.
-    assert waiting(40.0, False).placeholders == 2
-    assert waiting(3.0, False, slots=1, most=2).placeholders == 2
+    assert waiting(40.0).placeholders == 2
+    assert waiting(3.0, slots=1, most=2).placeholders == 2
 
 
 def test_paying_headroom_counts_the_room_on_the_nodes_already_coming() -> None:
     # Four short, one spawn waiting: the node coming for it takes all four.
-    coming = waiting(4.0, False)
+    coming = waiting(4.0)
     assert (coming.placeholders, coming.reason, coming.short) == (0, HEADROOM_NONE, 4.0)
     # Seven spawns fill the node coming for them: the four need a placeholder's node.
-    assert waiting(4.0, False, node_waits=7).placeholders == 1
+    assert waiting(4.0, node_waits=7).placeholders == 1
     # Eight spawns: two nodes coming, 6 slots free on the second.
-    assert waiting(4.0, False, node_waits=8).placeholders == 0
+    assert waiting(4.0, node_waits=8).placeholders == 0
     # Worker-sized placeholders say nothing of a node's size: no room is counted.
-    assert waiting(2.0, False, slots=1).placeholders == 2
+    assert waiting(2.0, slots=1).placeholders == 2
 
 
-def test_paying_headroom_without_a_forecast_follows_missed_claims() -> None:
-    # No forecast and no cold claim: nothing says a placeholder would buy anything.
-    idle = waiting(None, False)
+def test_paying_headroom_without_a_forecast_follows_claims_that_waited_for_nodes() -> None:
+    # No forecast and no claim waited for a node: nothing says a placeholder buys anything.
+    idle = waiting(None)
     assert (idle.placeholders, idle.reason, idle.short) == (0, HEADROOM_NONE, None)
-    # Claims went cold (and spawns wait for a node): the whole headroom, with or without a forecast.
-    cold = waiting(None, True)
-    assert (cold.placeholders, cold.reason) == (2, HEADROOM_COLD)
-    assert waiting(-3.0, True).reason == HEADROOM_COLD
-    # The forecast already asks for all of it: the forecast decided.
-    assert waiting(30.0, True).reason == HEADROOM_FORECAST
-    assert waiting(None, True, slots=7, most=0).placeholders == 0
+    # Nine claims waited for a node while one spawn did: the node coming for it takes 6
+    # of the next ones, a placeholder's node the other 3.
+    cold = waiting(None, 9)
+    assert (cold.placeholders, cold.reason) == (1, HEADROOM_COLD)
+    assert waiting(-3.0, 9).reason == HEADROOM_COLD
+    # One claim waited: the room coming takes the next one (the old rule kept both).
+    assert waiting(None, 1).placeholders == 0
+    # A burst: as many as the pool's headroom_nodes allow.
+    assert waiting(None, 30, node_waits=20).placeholders == 2
+    # Worker-sized placeholders: one for each claim that waited, up to the most.
+    assert waiting(None, 1, slots=1).placeholders == 1
+    # The forecast asks for more: the forecast decided.
+    assert waiting(30.0, 9).reason == HEADROOM_FORECAST
+    assert waiting(None, 30, most=0).placeholders == 0
 
 
 def test_claims_queued_behind_spawns_on_nodes_do_not_wait_for_a_node() -> None:
     # Three warm spawns, one waiting for a node: two claims queued are served by the two
     # a node took; a third waits for the node, and so does a cold claim's spawn.
     counts = PoolCounts(spawning_neutral=3, node_waits=1)
-    assert not claims_wait_for_nodes(misses=0, waiting=2, counts=counts)
-    assert claims_wait_for_nodes(misses=0, waiting=3, counts=counts)
-    assert claims_wait_for_nodes(misses=1, waiting=0, counts=counts)
-    # No warm spawn on a node: any claim queued waits for one.
-    assert claims_wait_for_nodes(misses=0, waiting=1, counts=PoolCounts(node_waits=2))
-    assert not claims_wait_for_nodes(misses=0, waiting=0, counts=PoolCounts(node_waits=2))
+    assert claims_waiting_for_nodes(misses=0, waiting=2, counts=counts) == 0
+    assert claims_waiting_for_nodes(misses=0, waiting=3, counts=counts) == 1
+    # A claim that missed is queued too: counted once.
+    assert claims_waiting_for_nodes(misses=1, waiting=3, counts=counts) == 1
+    assert claims_waiting_for_nodes(misses=2, waiting=0, counts=counts) == 2
+    # No warm spawn on a node: every claim queued waits for one.
+    assert claims_waiting_for_nodes(misses=0, waiting=2, counts=PoolCounts(node_waits=2)) == 2
 
 
 def test_paying_headroom_needs_a_spawn_that_waits_for_a_node() -> None:
     # Claims went cold and the forecast is short, but every spawn found a node: a
     # placeholder would have made none of them faster.
-    free = paying_headroom(short=4.0, missed=True, node_waits=0, slots=7, most=2)
+    free = paying_headroom(short=4.0, stranded=9, node_waits=0, slots=7, most=2)
     assert (free.placeholders, free.reason, free.short) == (0, HEADROOM_NONE, 4.0)
 
 

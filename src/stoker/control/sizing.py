@@ -36,7 +36,7 @@ from stoker.policy.scaling import (
     HEADROOM_CONSTANT,
     Headroom,
     PoolCounts,
-    claims_wait_for_nodes,
+    claims_waiting_for_nodes,
     desired_warm,
     forecast_short,
     paying_headroom,
@@ -293,7 +293,9 @@ class PoolSizer:
             forecaster if not off else None,
             warm=desired,
             guarded=guarded,
-            missed=claims_wait_for_nodes(misses=seen.misses, waiting=seen.waiting, counts=counts),
+            stranded=claims_waiting_for_nodes(
+                misses=seen.misses, waiting=seen.waiting, counts=counts
+            ),
             now=now,
         )
         sizing = Sizing(
@@ -328,14 +330,15 @@ class PoolSizer:
         *,
         warm: int,
         guarded: bool,
-        missed: bool,
+        stranded: int,
         now: float,
     ) -> Headroom | None:
         """The placeholders that buy something (docs/scaling.md, "Node headroom"), while
         a spawn of the pool waits for a node: room for the growth the forecast expects
         within the node lead beyond the warm pool (`warm` wanted now; its upper quantile
-        while `guarded`), or the pool's `headroom_nodes` when its claims `missed`; the
-        largest of the last `headroom_hold_s`. None: the pool keeps no headroom."""
+        while `guarded`), or for the `stranded` claims that waited for a node, beyond the
+        room already coming; the largest of the last `headroom_hold_s`. None: the pool
+        keeps no headroom."""
         if pool.headroom_nodes <= 0:
             return None
         spec = pool.demand
@@ -358,7 +361,7 @@ class PoolSizer:
                 )
         wanted = paying_headroom(
             short=short,
-            missed=missed,
+            stranded=stranded,
             node_waits=counts.node_waits,
             slots=self._runtime.placeholder_slots(pool),
             most=pool.headroom_nodes,

@@ -116,38 +116,43 @@ def forecast_short(
     return grown + warm_later - live - warm
 
 
-def claims_wait_for_nodes(*, misses: int, waiting: int, counts: PoolCounts) -> bool:
-    """Whether the pass's claims may wait for a node, which a placeholder would spare: a
-    claim that missed the warm pool (its cold spawn may wait for one), or claims queued
-    beyond the warm spawns a node has taken already (those are served first)."""
+def claims_waiting_for_nodes(*, misses: int, waiting: int, counts: PoolCounts) -> int:
+    """How many of the pass's claims may wait for a node, which a placeholder would have
+    spared: those that missed the warm pool since the last pass (each cold spawn may wait
+    for one), or those queued now beyond the warm spawns a node has taken already (those
+    serve the first ones within seconds), whichever are more: a claim that missed is
+    queued too until its spawn or a warm worker serves it."""
     on_nodes = max(0, counts.spawning_neutral - counts.node_waits)
-    return misses > 0 or waiting > on_nodes
+    return max(misses, waiting - on_nodes, 0)
 
 
 def paying_headroom(
-    *, short: float | None, missed: bool, node_waits: int, slots: int, most: int
+    *, short: float | None, stranded: int, node_waits: int, slots: int, most: int
 ) -> Headroom:
     """The placeholders (each room for `slots` workers; at most `most`) that buy something.
 
     A placeholder buys a spawn that does not wait for a node: with none of the pool's
     spawns waiting for one (`node_waits`), none. Else room for the forecast's `short`
-    workers beyond the room already coming, or all `most` when the pool's claims went
-    cold or queued this pass (`missed`).
+    workers, or for as many claims as this pass saw wait for a node (`stranded`: the
+    next ones of a burst nobody forecast), whichever is more, beyond the room already
+    coming.
 
     The room already coming: the node autoscaler launches nodes for the spawns that wait,
     and what those spawns leave free on them (`slots` per node, for node-sized
-    placeholders; none counted for smaller ones) takes the forecast's growth as well as a
-    placeholder's node would. A
-    placeholder launched on top of them costs far more than its own time: the extra node
-    takes sessions as soon as it stands, and a node holding a session is not consolidated
-    until the last one ends."""
-    wanted = 0
+    placeholders; none counted for smaller ones) takes the next workers as soon as a
+    placeholder's node would. A placeholder launched on top of them costs far more than
+    its own time: the extra node takes sessions as soon as it stands, and a node holding
+    a session is not consolidated until the last one ends."""
     if node_waits <= 0:
         return Headroom(0, HEADROOM_NONE, short)
-    if short is not None and short > 0:
-        width = max(1, slots)
-        coming = math.ceil(node_waits / width) * width - node_waits
-        wanted = min(most, math.ceil(max(0.0, short - coming) / width))
-    if missed and most > wanted:
-        return Headroom(most, HEADROOM_COLD, short)
+    width = max(1, slots)
+    coming = math.ceil(node_waits / width) * width - node_waits
+
+    def placeholders(workers: float) -> int:
+        return min(most, math.ceil(max(0.0, workers - coming) / width))
+
+    wanted = placeholders(short) if short is not None and short > 0 else 0
+    cold = placeholders(stranded)
+    if cold > wanted:
+        return Headroom(cold, HEADROOM_COLD, short)
     return Headroom(wanted, HEADROOM_FORECAST if wanted else HEADROOM_NONE, short)
