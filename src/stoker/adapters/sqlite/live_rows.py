@@ -17,6 +17,7 @@ from __future__ import annotations
 import sqlite3
 from collections import Counter
 from collections.abc import Collection
+from operator import itemgetter
 from typing import Any
 
 from stoker.adapters._rows import LIVE_SQL, WORKER_COLUMNS, WORKER_SELECT
@@ -34,8 +35,9 @@ _RETIRED = WorkerState.RETIRED.value
 _WARM, _SPAWNING = WorkerState.WARM.value, WorkerState.SPAWNING.value
 
 
-def _oldest_first(row: Row) -> tuple[Any, Any]:
-    return row[_CREATED], row[0]
+#: A row's `(created_at, id)`: listings run oldest first (a C-level key: the janitor and
+#: the ledger sort the fleet's rows with it every pass).
+_oldest_first = itemgetter(_CREATED, 0)
 
 
 def _count_key(row: Row) -> tuple[str, str, str, bool]:
@@ -220,19 +222,19 @@ class LiveRows:
             if state in values and of not in excluded
         ):
             return []
-        rows = sorted(
-            (
-                row
-                for state in values
-                for row in self._by_state.get(state, {}).values()
-                if (pool is None or row[_POOL] == pool)
-                and (org is None or row[_ORG] == org)
-                and (owner is None or row[_OWNER] == owner)
-                and row[_OWNER] not in excluded
-                and (after is None or _oldest_first(row) > after)
-            ),
-            key=_oldest_first,
-        )
+        rows = [row for state in values for row in self._by_state.get(state, {}).values()]
+        # Only the filters given are applied (most listings give one or none).
+        if pool is not None:
+            rows = [row for row in rows if row[_POOL] == pool]
+        if org is not None:
+            rows = [row for row in rows if row[_ORG] == org]
+        if owner is not None:
+            rows = [row for row in rows if row[_OWNER] == owner]
+        if excluded:
+            rows = [row for row in rows if row[_OWNER] not in excluded]
+        if after is not None:
+            rows = [row for row in rows if _oldest_first(row) > after]
+        rows.sort(key=_oldest_first)
         if limit is not None:
             rows = rows[: max(0, int(limit))]
         return rows
