@@ -45,9 +45,12 @@ def _count_key(row: Row) -> tuple[str, str, str, bool]:
 
 
 def _bump(counter: Counter[Any], key: Any, n: int) -> None:
-    """Add `n` to `counter[key]`, dropping the key when it reaches zero."""
-    counter[key] += n
-    if not counter[key]:
+    """Add `n` to `counter[key]`, dropping the key when it reaches zero (one look-up
+    each way: every write of a row moves its counts twice)."""
+    left = counter.get(key, 0) + n
+    if left:
+        counter[key] = left
+    else:
         del counter[key]
 
 
