@@ -4,19 +4,46 @@ Most rows read pass after pass are the same as last time: a `Worker` (or `Instan
 immutable, so the one decoded then serves every reader now, and decoding its JSON again is
 saved. A live worker's row comes from the live rows in memory as the same tuple until it
 changes: that tuple is recognised by its id and identity, without hashing its twenty
-columns (the janitor, the ledger and every write read the fleet's rows this way).
+columns (the janitor, the ledger and every write read the fleet's rows this way). And a
+compare-and-set's own record of the row it wrote serves as that row's decoding when every
+value it wrote reads back as itself (`reads_back`): the claim's next step, and the next
+pass, read the row without decoding it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stoker.adapters._rows import instance_from_row, worker_from_row
+from stoker.adapters._schema import WORKERS, Kind
 from stoker.domain.records import Instance, Worker
+from stoker.domain.states import WorkerState
 
 #: Decoded worker rows kept at most (then the memo starts afresh).
 WORKERS_MAX = 20_000
+
+#: The Python type a value of each kind of column reads back as (`worker_from_row`); a
+#: JSON object reads back as a copy, sorted, so it never counts as read back.
+_READS_AS: Mapping[Kind, type] = {Kind.TEXT: str, Kind.INT: int, Kind.REAL: float, Kind.FLAG: bool}
+_WORKER_COLUMNS = {column.name: column for column in WORKERS.columns}
+#: The fields every compare-and-set writes, besides its changes.
+_MOVED = ("epoch", "version", "updated_at")
+
+
+def reads_back(name: str, value: Any) -> bool:
+    """Whether `value`, written to the worker column `name`, reads back as the very same
+    value of the same type: None where NULL is allowed, an exact `str`, `int` or `bool`,
+    a `float` SQLite keeps (not NaN, which it stores as NULL, nor -0.0, which it reads
+    back as 0.0)."""
+    column = _WORKER_COLUMNS[name]
+    if value is None:
+        return column.nullable
+    kind = _READS_AS.get(column.kind)
+    if kind is None or type(value) is not kind:
+        return False
+    return kind is not float or (value == value and (value != 0.0 or math.copysign(1.0, value) > 0))
 
 
 class DecodedRows:
@@ -44,6 +71,21 @@ class DecodedRows:
             worker = self._workers[row] = worker_from_row(row)
         self._by_id[row[0]] = (row, worker)
         return worker
+
+    def written(self, row: tuple[Any, ...], worker: Worker, changes: Mapping[str, Any]) -> None:
+        """A compare-and-set wrote `row` (as the live rows hold it) and made `worker` of it:
+        from the row it moved (a decoded one, or one taken here), the state, `_MOVED` and
+        `changes` written. Taken as the row's decoding when all of those read back as
+        written; else the row is decoded when it is read."""
+        if type(worker.state) is not WorkerState or not all(
+            reads_back(name, getattr(worker, name)) for name in _MOVED
+        ):
+            return
+        if not all(reads_back(name, value) for name, value in changes.items()):
+            return
+        if len(self._by_id) >= self._workers_max:
+            self._by_id.clear()
+        self._by_id[row[0]] = (row, worker)
 
     def instances(self, rows: Sequence[tuple[Any, ...]]) -> list[Instance]:
         """`instance_from_row` of each row; only a changed row's JSON is decoded again."""

@@ -154,6 +154,11 @@ class LiveRows:
         self._data_version = data_version
         return self._rows
 
+    def held(self, worker_id: str) -> Row | None:
+        """The live row of `worker_id` as held now, without looking for other connections'
+        commits: for a write that has just put it (None when not live, or not read yet)."""
+        return None if self._rows is None else self._rows.get(worker_id)
+
     # -- answers ------------------------------------------------------------------------
 
     def row(self, worker_id: str) -> Row | None:

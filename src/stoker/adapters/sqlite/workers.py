@@ -88,7 +88,7 @@ def _moved(
     bump_epoch: bool = False,
 ) -> tuple[Worker, dict[str, Any]]:
     """`current` moved to `to` at `now` with its version bumped, and the checked field
-    changes of the move (no I/O: `_write_move` writes it)."""
+    changes of the move (no I/O: `WorkerRows._write_move` writes it)."""
     checked = checked_changes(current, to, changes)
     new = current.evolve(
         state=to,
@@ -98,21 +98,6 @@ def _moved(
         **checked,
     )
     return new, checked
-
-
-def _write_move(
-    db: sqlite3.Connection, current: Worker, new: Worker, changes: Mapping[str, Any]
-) -> Worker | None:
-    """Compare-and-set `current`'s row (by its version) to `new`: its state, epoch,
-    version, `updated_at` and the `changes`; None when the row moved meanwhile."""
-    sets = ["state = ?", "epoch = ?", "version = ?", "updated_at = ?"]
-    params: list[Any] = [new.state.value, new.epoch, new.version, new.updated_at]
-    for name, value in changes.items():
-        sets.append(f"{name} = ?")
-        params.append(column_value(name, value))
-    params += [current.id, current.version]
-    cur = db.execute(f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND version = ?", params)
-    return new if cur.rowcount == 1 else None
 
 
 class WorkerRows:
@@ -145,7 +130,30 @@ class WorkerRows:
         """Apply a checked transition to `current` (already read in this transaction),
         bumping its version."""
         new, changes = _moved(current, to=to, now=now, changes=changes, bump_epoch=bump_epoch)
-        return _write_move(db, current, new, changes)
+        return self._write_move(db, current, new, changes)
+
+    def _write_move(
+        self, db: sqlite3.Connection, current: Worker, new: Worker, changes: Mapping[str, Any]
+    ) -> Worker | None:
+        """Compare-and-set `current`'s row (by its version) to `new`: its state, epoch,
+        version, `updated_at` and the `changes`; None when the row moved meanwhile. The
+        row the trigger put in the live rows is known to decode as `new` (when what was
+        written reads back as written: `DecodedRows.written`)."""
+        sets = ["state = ?", "epoch = ?", "version = ?", "updated_at = ?"]
+        params: list[Any] = [new.state.value, new.epoch, new.version, new.updated_at]
+        for name, value in changes.items():
+            sets.append(f"{name} = ?")
+            params.append(column_value(name, value))
+        params += [current.id, current.version]
+        cur = db.execute(
+            f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND version = ?", params
+        )
+        if cur.rowcount != 1:
+            return None
+        row = self._live.held(new.id)
+        if row is not None:
+            self._decoded.written(row, new, changes)
+        return new
 
     async def reserve_spawn_slots(
         self, req: SpawnRequest, ids: Sequence[str], now: float
@@ -211,7 +219,7 @@ class WorkerRows:
                 reserved, to=WorkerState.ACTIVATING, now=now, changes=_ACTIVATED
             )
             changes |= activating
-        worker = _write_move(db, current, reserved, changes)
+        worker = self._write_move(db, current, reserved, changes)
         return ReserveResult(worker, parked=current.state is WorkerState.HOT_IDLE)
 
     async def reserve(
