@@ -72,6 +72,16 @@ class DecodedRows:
         self._by_id[row[0]] = (row, worker)
         return worker
 
+    def workers(self, rows: Sequence[tuple[Any, ...]]) -> list[Worker]:
+        """`worker` of each row, in one loop (a listing of the live fleet: each row is the
+        live rows' own object, found by its id)."""
+        by_id, decode = self._by_id, self.worker
+        out = []
+        for row in rows:
+            known = by_id.get(row[0])
+            out.append(known[1] if known is not None and known[0] is row else decode(row))
+        return out
+
     def written(self, row: tuple[Any, ...], worker: Worker, changes: Mapping[str, Any]) -> None:
         """A compare-and-set wrote `row` (as the live rows hold it) and made `worker` of it:
         from the row it moved (a decoded one, or one taken here), the state, `_MOVED` and

@@ -347,7 +347,7 @@ class WorkerRows:
             if limit is not None:
                 sql += f" LIMIT {int(limit)}"
             rows = self._writes.read(sql, params)
-        return [self._decoded.worker(r) for r in rows]
+        return self._decoded.workers(rows)
 
     async def count_workers(self) -> list[StateCount]:
         """Live workers grouped by pool, revision, state and binding (from the live rows)."""
