@@ -27,23 +27,28 @@ WORKERS_MAX = 20_000
 #: The Python type a value of each kind of column reads back as (`worker_from_row`); a
 #: JSON object reads back as a copy, sorted, so it never counts as read back.
 _READS_AS: Mapping[Kind, type] = {Kind.TEXT: str, Kind.INT: int, Kind.REAL: float, Kind.FLAG: bool}
-_WORKER_COLUMNS = {column.name: column for column in WORKERS.columns}
-#: The fields every compare-and-set writes, besides its changes.
-_MOVED = ("epoch", "version", "updated_at")
+#: Each worker column: the type its values read back as (None: none does), and whether
+#: it may be NULL.
+_WORKER_COLUMNS: Mapping[str, tuple[type | None, bool]] = {
+    column.name: (_READS_AS.get(column.kind), column.nullable) for column in WORKERS.columns
+}
 
 
 def reads_back(name: str, value: Any) -> bool:
     """Whether `value`, written to the worker column `name`, reads back as the very same
     value of the same type: None where NULL is allowed, an exact `str`, `int` or `bool`,
-    a `float` SQLite keeps (not NaN, which it stores as NULL, nor -0.0, which it reads
-    back as 0.0)."""
-    column = _WORKER_COLUMNS[name]
+    a `float` SQLite keeps (`keeps_float`)."""
+    kind, nullable = _WORKER_COLUMNS[name]
     if value is None:
-        return column.nullable
-    kind = _READS_AS.get(column.kind)
-    if kind is None or type(value) is not kind:
+        return nullable
+    if type(value) is not kind:
         return False
-    return kind is not float or (value == value and (value != 0.0 or math.copysign(1.0, value) > 0))
+    return not isinstance(value, float) or keeps_float(value)
+
+
+def keeps_float(value: float) -> bool:
+    """Not NaN (SQLite stores it as NULL), nor -0.0 (read back as 0.0)."""
+    return value == value and (value != 0.0 or math.copysign(1.0, value) > 0)
 
 
 class DecodedRows:
@@ -84,15 +89,20 @@ class DecodedRows:
 
     def written(self, row: tuple[Any, ...], worker: Worker, changes: Mapping[str, Any]) -> None:
         """A compare-and-set wrote `row` (as the live rows hold it) and made `worker` of it:
-        from the row it moved (a decoded one, or one taken here), the state, `_MOVED` and
-        `changes` written. Taken as the row's decoding when all of those read back as
-        written; else the row is decoded when it is read."""
-        if type(worker.state) is not WorkerState or not all(
-            reads_back(name, getattr(worker, name)) for name in _MOVED
+        from the row it moved (a decoded one, or one taken here), the state, epoch, version,
+        `updated_at` and `changes` written. Taken as the row's decoding when all of those
+        read back as written; else the row is decoded when it is read."""
+        if (
+            type(worker.state) is not WorkerState
+            or type(worker.epoch) is not int
+            or type(worker.version) is not int
+            or type(worker.updated_at) is not float
+            or not keeps_float(worker.updated_at)
         ):
             return
-        if not all(reads_back(name, value) for name, value in changes.items()):
-            return
+        for name, value in changes.items():
+            if not reads_back(name, value):
+                return
         if len(self._by_id) >= self._workers_max:
             self._by_id.clear()
         self._by_id[row[0]] = (row, worker)
