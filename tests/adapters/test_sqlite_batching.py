@@ -199,6 +199,40 @@ async def test_a_private_memory_database_commits_each_write_at_once() -> None:
     writes.db.close()
 
 
+async def test_a_single_write_to_a_private_database_runs_without_begin_and_commit() -> None:
+    """One statement is atomic on its own: no BEGIN or COMMIT. A failed one is a
+    StoreError and reported undone (its triggers may have run), as in a transaction."""
+    undone: list[str] = []
+    writes = GroupCommit(None, on_undo=lambda: undone.append("undo"), batches=OpenBatches())
+    writes.db = sqlite3.connect(":memory:", isolation_level=None)
+    writes.db.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
+    statements = traced(writes)
+    async with writes.single_write() as db:
+        db.execute("INSERT INTO t (k, v) VALUES ('a', 1)")
+    assert statements == ["INSERT INTO t (k, v) VALUES ('a', 1)"]
+    with pytest.raises(StoreError, match="UNIQUE"):
+        async with writes.single_write() as db:
+            db.execute("INSERT INTO t (k, v) VALUES ('a', 2)")
+    assert undone == ["undo"]
+    assert writes.db.execute("SELECT k, v FROM t").fetchall() == [("a", 1)]
+    assert not writes.db.in_transaction
+    writes.db.close()
+
+
+async def test_a_single_write_to_a_file_goes_with_the_open_batch(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    async with commits(path, batches=OpenBatches()) as (writes, _):
+        statements = traced(writes)
+
+        async def single(key: str) -> None:
+            async with writes.single_write() as db:
+                db.execute("INSERT INTO t (k, v) VALUES (?, 1)", (key,))
+
+        await asyncio.gather(single("a"), put(writes, "b"))
+        assert statements.count("BEGIN IMMEDIATE") == statements.count("COMMIT") == 1
+        assert on_disk(path) == {"a": 1, "b": 1}
+
+
 @pytest.mark.parametrize(
     "use",
     [lambda w: w.conn, lambda w: w.read("SELECT 1"), lambda w: w.tx_now().__enter__()],

@@ -151,3 +151,25 @@ def test_answers_kept_between_writes_follow_the_next_write(db: sqlite3.Connectio
     db.execute("DELETE FROM workers WHERE id = 'bb'")
     assert live.select([S.HOT], not_owners=["cp-a"]) == []
     assert live.state_counts() == before
+
+
+def test_listings_stay_oldest_first_whatever_order_rows_arrive_in(
+    db: sqlite3.Connection,
+) -> None:
+    """Rows put out of creation order (an older row after a newer one; a row whose
+    `created_at` a raw write moved), listed whole (walked in order) or by a few states
+    (gathered and sorted): oldest first either way, as the table orders them."""
+    live = LiveRows()
+    live.watch(db)
+    insert(db, "w333", S.WARM)
+    assert live.select(LIVE) == truth(db)
+    insert(db, "w1", S.HOT, org="acme")  # older than the row already last
+    insert(db, "w4444", S.WARM)
+    insert(db, "w22", S.SPAWNING)
+    assert live.select(LIVE) == truth(db)
+    db.execute("UPDATE workers SET created_at = 9.0 WHERE id = 'w1'")
+    db.execute("UPDATE workers SET state = 'hot_idle' WHERE id = 'w22'")
+    assert live.select(LIVE) == truth(db)
+    assert [r[0] for r in live.select([S.WARM, S.HOT_IDLE])] == ["w22", "w333", "w4444"]
+    assert [r[0] for r in live.select([S.HOT])] == ["w1"]
+    assert [r[0] for r in live.select(LIVE, after=(4.0, "w333"))] == ["w4444", "w1"]

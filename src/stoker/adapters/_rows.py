@@ -253,8 +253,25 @@ _READ: dict[Kind, Callable[[Any], Any]] = {
 }
 
 
+def _enum_reader(enum: EnumMeta) -> Callable[[Any], Any]:
+    """`enum(value)` by a look-up of its members' values (an enum's call runs two Python
+    frames, for every state, source and mode of every row read); anything else, an
+    unknown value included, goes to the enum itself."""
+    members = {member.value: member for member in enum}  # type: ignore[var-annotated]
+
+    def read(value: Any) -> Any:
+        try:
+            return members[value]
+        except (KeyError, TypeError):
+            return enum(value)
+
+    return read
+
+
 def _decoder(column: Column, own: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
     read = own or _READ[column.kind]
+    if isinstance(read, EnumMeta):
+        read = _enum_reader(read)
     if column.nullable and read is not _same:
         return lambda value: None if value is None else read(value)
     return read

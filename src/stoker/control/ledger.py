@@ -219,8 +219,8 @@ class Ledger:
         if mine is not None:
             self._reconcile(mine, now)
             await self._close_gone(store, {w.id for w in mine}, now)
-        for worker_id in list(self._open):
-            self._carry(worker_id, now)
+        for span in list(self._open.values()):
+            self._carry_span(span, now)
         for pool in list(self._placeholders):
             self._accrue_placeholders(pool, now)
         self._publish_metrics()
@@ -292,7 +292,9 @@ class Ledger:
             del self._open[worker_id]
 
     def _carry(self, worker_id: str, until: float) -> None:
-        span = self._open[worker_id]
+        self._carry_span(self._open[worker_id], until)
+
+    def _carry_span(self, span: _Span, until: float) -> None:
         if until <= span.since:
             return
         self._add_time(span.pool, span.revision, span.org, span.state, span.since, until, span)
@@ -315,8 +317,13 @@ class Ledger:
     def _add_time(
         self, pool: str, revision: str, org: str, state: str, start: float, end: float, span: _Span
     ) -> None:
-        for hour, seconds in split_hours(start, end):
-            self._cell_at(span.key_at(hour)).add_time(state, seconds, span.cpus, span.gib)
+        hour = hour_of(start)
+        if end <= hour + HOUR_S:
+            # Within one hour (nearly every flush's carry): `split_hours`' one piece.
+            self._cell_at(span.key_at(hour)).add_time(state, end - start, span.cpus, span.gib)
+        else:
+            for hour, seconds in split_hours(start, end):
+                self._cell_at(span.key_at(hour)).add_time(state, seconds, span.cpus, span.gib)
         self._meter("seconds", pool, state, end - start)
         if state in ("warm", "hot_idle"):
             kind = "warm" if state == "warm" else "parked"

@@ -14,7 +14,7 @@ that pin would expose a live session.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from stoker.control import logs
 from stoker.control.shared import Shared
@@ -69,6 +69,25 @@ class Pins:
         # Only a worker whose live object shows no pin can miss one: the runtime's index of
         # those is read, not the runtime asked about every worker of the fleet each pass.
         unpinned = self._runtime.unpinned()
+        if any(self._misses_pin(self._book.known(worker_id)) for worker_id in unpinned):
+            await self._repin(unpinned, stale)
+        for pool in {*self._catalog.pools, *stale}:
+            self._metrics.pins_out_of_date.labels(pool).set(stale[pool])
+        return sum(stale.values())
+
+    def _misses_pin(self, worker: Worker | None) -> bool:
+        """Whether `worker` (known to this replica) wants a pin its pod lacks, and no patch
+        of it runs."""
+        return (
+            worker is not None
+            and bool(wants_pin(worker))
+            and worker.id not in self._patching
+            and self._runtime.pinned(worker) is False
+        )
+
+    async def _repin(self, unpinned: Collection[str], stale: Counter[str]) -> None:
+        """Pin the known workers missing one, in the book's order (most passes find none
+        among the few unpinned pods, and never come here: the fleet is not walked)."""
         for worker in self._book.known_workers().values():
             if worker.id not in unpinned:
                 continue
@@ -89,9 +108,6 @@ class Pins:
                 self._patching.discard(worker.id)
             # The patch took time: pods changed meanwhile.
             unpinned = self._runtime.unpinned()
-        for pool in {*self._catalog.pools, *stale}:
-            self._metrics.pins_out_of_date.labels(pool).set(stale[pool])
-        return sum(stale.values())
 
     async def unpin_neutral(self, warm: Iterable[Worker]) -> int:
         """Remove the pin from warm workers (of any replica, as the store listed them)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sqlite3
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from operator import itemgetter
 from typing import Any
 
 from stoker.adapters._rows import LIVE_SQL, WORKER_COLUMNS, WORKER_SELECT
@@ -34,8 +35,9 @@ _RETIRED = WorkerState.RETIRED.value
 _WARM, _SPAWNING = WorkerState.WARM.value, WorkerState.SPAWNING.value
 
 
-def _oldest_first(row: Row) -> tuple[Any, Any]:
-    return row[_CREATED], row[0]
+#: A row's `(created_at, id)`: listings run oldest first (a C-level key: the janitor and
+#: the ledger sort the fleet's rows with it every pass).
+_oldest_first = itemgetter(_CREATED, 0)
 
 
 def _count_key(row: Row) -> tuple[str, str, str, bool]:
@@ -43,9 +45,12 @@ def _count_key(row: Row) -> tuple[str, str, str, bool]:
 
 
 def _bump(counter: Counter[Any], key: Any, n: int) -> None:
-    """Add `n` to `counter[key]`, dropping the key when it reaches zero."""
-    counter[key] += n
-    if not counter[key]:
+    """Add `n` to `counter[key]`, dropping the key when it reaches zero (one look-up
+    each way: every write of a row moves its counts twice)."""
+    left = counter.get(key, 0) + n
+    if left:
+        counter[key] = left
+    else:
         del counter[key]
 
 
@@ -58,8 +63,13 @@ class LiveRows:
         connection can change it, so the rows once read need no `data_version` check."""
         self._private = private
         self._db: sqlite3.Connection | None = None
-        #: None until read, and after SQLite undid a write.
+        #: None until read, and after SQLite undid a write. Kept oldest first (by
+        #: `(created_at, id)`, which a write never changes) while `_ordered`: a new row goes
+        #: last, a written one stays where it is.
         self._rows: dict[str, Row] | None = None
+        self._ordered = True
+        #: The `(created_at, id)` of the newest row put last.
+        self._newest: tuple[Any, Any] | None = None
         self._data_version = -1
         self._by_state: dict[str, dict[str, Row]] = {}
         self._counts: Counter[tuple[str, str, str, bool]] = Counter()
@@ -98,13 +108,29 @@ class LiveRows:
 
     def put(self, *row: Any) -> None:
         """Trigger: a row was inserted or updated."""
-        if self._rows is None:
+        rows = self._rows
+        if rows is None:
             return
-        self.drop(row[0])
-        if row[_STATE] != _RETIRED:
-            self._rows[row[0]] = row
-            self._by_state.setdefault(row[_STATE], {})[row[0]] = row
-            self._count(row, 1)
+        worker_id = row[0]
+        old = rows.get(worker_id)
+        if old is not None:
+            self._by_state.get(old[_STATE], {}).pop(worker_id, None)
+            self._count(old, -1)
+        if row[_STATE] == _RETIRED:
+            if old is not None:
+                del rows[worker_id]
+            return
+        if old is None:
+            key = _oldest_first(row)
+            if self._newest is not None and key < self._newest:
+                self._ordered = False  # older than a row already last: sorted when listed
+            else:
+                self._newest = key
+        elif old[_CREATED] != row[_CREATED]:
+            self._ordered = False
+        rows[worker_id] = row
+        self._by_state.setdefault(row[_STATE], {})[worker_id] = row
+        self._count(row, 1)
 
     def drop(self, worker_id: str) -> None:
         """Trigger: a row was deleted (or is about to be replaced)."""
@@ -139,14 +165,27 @@ class LiveRows:
             ).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"sqlite: {exc}") from exc
-        self._rows = {row[0]: tuple(row) for row in loaded}
+        rows = self._keep_ordered(tuple(row) for row in loaded)
         self._by_state = {}
         self._counts, self._org_counts, self._owner_counts = Counter(), Counter(), Counter()
         self._state_counts = None
-        for row in self._rows.values():
+        for row in rows.values():
             self._by_state.setdefault(row[_STATE], {})[row[0]] = row
             self._count(row, 1)
         self._data_version = data_version
+        return rows
+
+    def held(self, worker_id: str) -> Row | None:
+        """The live row of `worker_id` as held now, without looking for other connections'
+        commits: for a write that has just put it (None when not live, or not read yet)."""
+        return None if self._rows is None else self._rows.get(worker_id)
+
+    def _keep_ordered(self, rows: Iterable[Row]) -> dict[str, Row]:
+        """Hold `rows`, oldest first; returns them by id."""
+        ordered = sorted(rows, key=_oldest_first)
+        self._rows = {row[0]: row for row in ordered}
+        self._ordered = True
+        self._newest = _oldest_first(ordered[-1]) if ordered else None
         return self._rows
 
     # -- answers ------------------------------------------------------------------------
@@ -211,7 +250,7 @@ class LiveRows:
     ) -> list[Row]:
         """The live rows in `states` matching every filter given, oldest first (after
         `after`, a `(created_at, id)`, when given)."""
-        self.rows()
+        live = self.rows()
         excluded = set(not_owners or ())
         values = {s.value for s in states}
         if excluded and not any(
@@ -220,19 +259,29 @@ class LiveRows:
             if state in values and of not in excluded
         ):
             return []
-        rows = sorted(
-            (
-                row
-                for state in values
-                for row in self._by_state.get(state, {}).values()
-                if (pool is None or row[_POOL] == pool)
-                and (org is None or row[_ORG] == org)
-                and (owner is None or row[_OWNER] == owner)
-                and row[_OWNER] not in excluded
-                and (after is None or _oldest_first(row) > after)
-            ),
-            key=_oldest_first,
-        )
+        by_state = self._by_state
+        # Most of the fleet (the ledger's and the stranded objects' listings): walked in
+        # the rows' order; a few states (the janitor's idle rows): gathered, then sorted.
+        walk = 2 * sum(len(by_state.get(state, ())) for state in values) >= len(live)
+        if walk:
+            if not self._ordered:
+                live = self._keep_ordered(live.values())
+            rows = [row for row in live.values() if row[_STATE] in values]
+        else:
+            rows = [row for state in values for row in by_state.get(state, {}).values()]
+        # Only the filters given are applied (most listings give one or none).
+        if pool is not None:
+            rows = [row for row in rows if row[_POOL] == pool]
+        if org is not None:
+            rows = [row for row in rows if row[_ORG] == org]
+        if owner is not None:
+            rows = [row for row in rows if row[_OWNER] == owner]
+        if excluded:
+            rows = [row for row in rows if row[_OWNER] not in excluded]
+        if after is not None:
+            rows = [row for row in rows if _oldest_first(row) > after]
+        if not walk:
+            rows.sort(key=_oldest_first)
         if limit is not None:
             rows = rows[: max(0, int(limit))]
         return rows

@@ -3,7 +3,9 @@ compare-and-set.
 
 Each write reads the row and writes it back in one transaction of the group commit (see
 `batching`), with no `await` between its statements: the writes of one process never
-interleave, and other processes wait for the write lock. The checks shared with PostgreSQL
+interleave, and other processes wait for the write lock. A write of one statement (a
+transition, a reservation) on a private in-memory database needs no BEGIN and COMMIT
+(`GroupCommit.single_write`). The checks shared with PostgreSQL
 (the transition table, the org rule, caps) come from `_rows`.
 """
 
@@ -77,6 +79,27 @@ _FILTERS = ListingFilters(
 )
 
 
+def _moved(
+    current: Worker,
+    *,
+    to: WorkerState,
+    now: float,
+    changes: Mapping[str, Any],
+    bump_epoch: bool = False,
+) -> tuple[Worker, dict[str, Any]]:
+    """`current` moved to `to` at `now` with its version bumped, and the checked field
+    changes of the move (no I/O: `WorkerRows._write_move` writes it)."""
+    checked = checked_changes(current, to, changes)
+    new = current.evolve(
+        state=to,
+        epoch=current.epoch + 1 if bump_epoch else current.epoch,
+        version=current.version + 1,
+        updated_at=now,
+        **checked,
+    )
+    return new, checked
+
+
 class WorkerRows:
     """Spawn slots, transitions, reservations, binding and ending claims, renewals; the
     reads of workers (live ones from memory) and claims."""
@@ -106,16 +129,18 @@ class WorkerRows:
     ) -> Worker | None:
         """Apply a checked transition to `current` (already read in this transaction),
         bumping its version."""
-        changes = checked_changes(current, to, changes)
-        new = current.evolve(
-            state=to,
-            epoch=current.epoch + 1 if bump_epoch else current.epoch,
-            version=current.version + 1,
-            updated_at=now,
-            **changes,
-        )
+        new, changes = _moved(current, to=to, now=now, changes=changes, bump_epoch=bump_epoch)
+        return self._write_move(db, current, new, changes)
+
+    def _write_move(
+        self, db: sqlite3.Connection, current: Worker, new: Worker, changes: Mapping[str, Any]
+    ) -> Worker | None:
+        """Compare-and-set `current`'s row (by its version) to `new`: its state, epoch,
+        version, `updated_at` and the `changes`; None when the row moved meanwhile. The
+        row the trigger put in the live rows is known to decode as `new` (when what was
+        written reads back as written: `DecodedRows.written`)."""
         sets = ["state = ?", "epoch = ?", "version = ?", "updated_at = ?"]
-        params: list[Any] = [to.value, new.epoch, new.version, now]
+        params: list[Any] = [new.state.value, new.epoch, new.version, new.updated_at]
         for name, value in changes.items():
             sets.append(f"{name} = ?")
             params.append(column_value(name, value))
@@ -123,7 +148,12 @@ class WorkerRows:
         cur = db.execute(
             f"UPDATE workers SET {', '.join(sets)} WHERE id = ? AND version = ?", params
         )
-        return new if cur.rowcount == 1 else None
+        if cur.rowcount != 1:
+            return None
+        row = self._live.held(new.id)
+        if row is not None:
+            self._decoded.written(row, new, changes)
+        return new
 
     async def reserve_spawn_slots(
         self, req: SpawnRequest, ids: Sequence[str], now: float
@@ -156,7 +186,7 @@ class WorkerRows:
         to, changes = move["to"], move.get("changes") or {}
         # Illegal moves and unknown fields raise even when the row would not match.
         check_move(move["expect"], to, changes)
-        async with self._writes.tx() as db:
+        async with self._writes.single_write() as db:
             current = self._get(db, worker_id)
             if current is None or not fenced(current, move):
                 return None
@@ -175,26 +205,30 @@ class WorkerRows:
             and self._live.count_live(current.pool, org) >= org_cap
         ):
             return ReserveResult(None, at_org_cap=True)
-        worker = self._cas(
-            db,
+        reserved, changes = _moved(
             current,
             to=WorkerState.RESERVED,
             now=now,
             bump_epoch=True,
             changes={"org": org, "owner": by["owner"], "heartbeat_at": now},
         )
-        if worker is not None and by.get("activate", False):
-            # On to activating in the same transaction: one write less per claim.
-            worker = self._cas(db, worker, to=WorkerState.ACTIVATING, now=now, changes=_ACTIVATED)
+        if by.get("activate", False):
+            # On to activating in the same statement: the row as the two moves, each checked
+            # and each bumping the version, leave it; one write less per claim.
+            reserved, activating = _moved(
+                reserved, to=WorkerState.ACTIVATING, now=now, changes=_ACTIVATED
+            )
+            changes |= activating
+        worker = self._write_move(db, current, reserved, changes)
         return ReserveResult(worker, parked=current.state is WorkerState.HOT_IDLE)
 
     async def reserve(
         self, worker_id: str, *, now: float, **by: Unpack[FencedReservation]
     ) -> ReserveResult:
         """CAS one warm or hot_idle worker to reserved for `org` (with `activate`, on to
-        activating in the same transaction)."""
+        activating in the same statement)."""
         check_reservable(by["expect"])
-        async with self._writes.tx() as db:
+        async with self._writes.single_write() as db:
             current = self._get(db, worker_id)
             if current is None or not fenced(current, by):
                 return ReserveResult(None)
@@ -216,7 +250,7 @@ class WorkerRows:
             sql, params = _PICK_HOT_IDLE, (*params, org)
         else:
             sql = _PICK_WARM
-        async with self._writes.tx() as db:
+        async with self._writes.single_write() as db:
             row = db.execute(sql, params).fetchone()
             if row is None:
                 return ReserveResult(None)
@@ -313,7 +347,7 @@ class WorkerRows:
             if limit is not None:
                 sql += f" LIMIT {int(limit)}"
             rows = self._writes.read(sql, params)
-        return [self._decoded.worker(r) for r in rows]
+        return self._decoded.workers(rows)
 
     async def count_workers(self) -> list[StateCount]:
         """Live workers grouped by pool, revision, state and binding (from the live rows)."""
