@@ -219,6 +219,9 @@ class LifecycleMachine(RuleBasedStateMachine):
                 assert now - w.updated_at <= TIMEOUTS.spawn_s + 1, f"{w.id} stuck {w.state}"
         # I6: the warm target is kept where the cap leaves room. A pass that retires a
         # stuck row frees its slot after that pass's scaling step, hence one more pass.
+        # A pool backing off before it probes with one spawn; that spawn's readiness
+        # ends the back-off after the pass, and the next pass refills the rest.
+        backing_off = {spec.name for spec in POOLS if self.plane.spawner.trouble(spec)}
         reports.append(self.run(self.plane.run_janitor_pass()))
         self.settle()
         workers = self.run(self.store.list_workers(states=LIVE))
@@ -232,7 +235,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             capped = spec.name in reports[-1].capped
             # A pool whose spawns failed backs off, then probes one spawn at a time until
             # a worker gets ready (crash-loop back-off): it refills after that.
-            failing = self.plane.spawner.trouble(spec) is not None
+            failing = spec.name in backing_off or self.plane.spawner.trouble(spec) is not None
             assert capped or failing or ready >= spec.warm_target, (
                 spec.name,
                 ready,
