@@ -263,18 +263,14 @@ class PoolSizer:
             if not off:
                 outlook = forecaster.peak(now, now + replace_s, spec.quantile)
         forecast_warm = forecast_rate = None
-        beyond_spread = False
         if outlook is not None:
             forecast_rate = outlook.upper if guarded else outlook.mean
             forecast_warm = warm_for_rate(forecast_rate, replace_s, spec.quantile)
-            beyond_spread = reactive > warm_for_rate(outlook.upper, replace_s, spec.quantile)
         leads = forecast_warm is not None and not guarded
         if leads:
-            # The reactive rate still counts while its panic window wins (a surge), or
-            # above what even the forecast's upper quantile wants: demand the forecast
-            # did not see, not a window's noise around what it did.
-            surge = rate.panicking or beyond_spread
-            base = max(pool.warm_target, forecast_warm or 0, reactive if surge else 0)
+            # The reactive rate still counts while its panic window wins: a surge the
+            # forecast did not see.
+            base = max(pool.warm_target, forecast_warm or 0, reactive if rate.panicking else 0)
         else:
             base = max(pool.warm_target, reactive, forecast_warm or 0)
         if self._catalog.draining(pool.name):
