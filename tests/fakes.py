@@ -72,6 +72,8 @@ class MemoryRuntime:
     docstring). `procs` may be shared by a second instance: a restarted runtime."""
 
     kind = "memory"
+    #: Packing tests place workers on `nodes`.
+    has_nodes = True
 
     def __init__(self, *, auto_ready: bool = True, ready_delay: float = 0.0, cap: int = 0) -> None:
         self.auto_ready = auto_ready

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from test_plane_claims import Harness, pool, running
 
-from fakes import FakeProcess
+from fakes import FakeProcess, MemoryRuntime
+from stoker.domain.records import Worker
 from stoker.domain.states import WorkerState
 
 pytestmark = pytest.mark.looptime
@@ -51,6 +52,37 @@ async def test_claims_take_warm_workers_on_the_nodes_with_the_most_sessions(
         assert (await h.claim("y")).worker_id == on_b
         # Only node c has warm workers left: the next claim lands there.
         assert (await h.claim("z")).worker_id in rest
+
+
+class NodelessRuntime(MemoryRuntime):
+    """A runtime without nodes (as a local one) that would still count sessions if asked:
+    the plane must not ask it."""
+
+    has_nodes = False
+
+    def __init__(self) -> None:
+        super().__init__(ready_delay=0.2)
+        self.asked: list[str] = []
+
+    def node_sessions(self, worker: Worker) -> int | None:
+        self.asked.append(worker.id)
+        return super().node_sessions(worker)
+
+
+async def test_claims_on_a_runtime_without_nodes_walk_no_queue(tmp_path: Path) -> None:
+    runtime = NodelessRuntime()
+    async with running(tmp_path, [pool(warm_target=4, scale_down_delay=1)], runtime=runtime) as h:
+        warm = await oldest_first(h)
+        h.runtime.nodes.update(dict.fromkeys(warm, "a"))
+        session_on(h, "a")
+        bound = {(await h.claim(org)).worker_id for org in ("x", "y")}
+        assert bound <= set(warm) and len(bound) == 2
+        h.plane.catalog.update_pool(pool(warm_target=0, scale_down_delay=1))
+        await h.tick()
+        h.clock.advance(2)
+        await h.tick()
+        assert len(await h.workers(S.WARM)) < 4  # scale-down ran
+        assert runtime.asked == []
 
 
 async def test_scale_down_retires_warm_workers_on_the_emptiest_nodes_first(

@@ -10,8 +10,9 @@ wait on, are its part `waiting`.
 
 A claim takes from the ready queue the warm worker whose node holds the most sessions
 (the runtime's `node_sessions`; the first queued on a tie, and always the first on a
-runtime without nodes): sessions are pinned against disruption, so gathering them on
-fewer nodes leaves others with only warm workers, which the cluster can give back.
+runtime without nodes, whose book walks no queue): sessions are pinned against
+disruption, so gathering them on fewer nodes leaves others with only warm workers, which
+the cluster can give back.
 Scale-down ranks its victims the other way (`sessions_beside`).
 
 The store is the authority and the book only a hint: a stale queue entry costs one missed
@@ -98,7 +99,8 @@ class Book(WaitingClaims):
         instance_id: str,
         node_sessions: Callable[[Worker], int | None] | None = None,
     ) -> None:
-        """`node_sessions` is the runtime's count of the sessions on a worker's node."""
+        """`node_sessions` is the runtime's count of the sessions on a worker's node; None
+        for a runtime without nodes (claims take the first queued)."""
         super().__init__()
         self._reader = reader
         self.instance_id = instance_id

@@ -104,7 +104,9 @@ class ControlPlane:
         self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
         self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
         self.book = Book(
-            reader=store, instance_id=self.instance_id, node_sessions=runtime.node_sessions
+            reader=store,
+            instance_id=self.instance_id,
+            node_sessions=runtime.node_sessions if runtime.has_nodes else None,
         )
         #: Recent events and the last hour of each pool, for the dashboard.
         self.journal = Journal(self.clock.now)

@@ -58,6 +58,10 @@ class Runtime(Protocol):
 
     #: "local" or "kubernetes".
     kind: str
+    #: Whether workers run on nodes the cluster can give back, so that `node_sessions`
+    #: answers: claims then choose among the warm workers by it (a walk of the ready
+    #: queue); without nodes they take the first queued.
+    has_nodes: bool
 
     def subscribe(self, listener: RuntimeListener) -> None:
         """Route events to `listener` (one listener per runtime)."""

@@ -46,6 +46,7 @@ class KubernetesRuntime:
     """
 
     kind = "kubernetes"
+    has_nodes = True
 
     def __init__(
         self,

@@ -74,6 +74,7 @@ class LocalProcessRuntime:
     """
 
     kind = "local"
+    has_nodes = False
 
     def __init__(
         self,
