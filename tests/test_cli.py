@@ -424,8 +424,8 @@ def test_config_check_exits_1_with_the_config_errors(tmp_path: Path) -> None:
     result = run(["config", "check", "-c", str(tmp_path / "bad.yaml")])
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "config error: api.prot: unknown key",
-        "config error: pools[0].warm_target: must be >= 0",
+        f"config error: api.prot: unknown key (from {tmp_path / 'bad.yaml'})",
+        f"config error: pools[0].warm_target: must be >= 0 (from {tmp_path / 'bad.yaml'})",
     ]
     public = run(
         ["config", "check", "-c", str(tmp_path / "bad.yaml")],
@@ -562,8 +562,9 @@ def test_serve_rejects_a_bad_config_naming_the_key(tmp_path: Path) -> None:
     result = run(["serve", "-c", str(tmp_path / "bad.yaml")])
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert "config error: api.prot: unknown key" in lines
-    assert "config error: pools[0].warm_target: must be >= 0" in lines
+    bad = tmp_path / "bad.yaml"
+    assert f"config error: api.prot: unknown key (from {bad})" in lines
+    assert f"config error: pools[0].warm_target: must be >= 0 (from {bad})" in lines
     assert "Traceback" not in result.stderr
     missing = run(["serve", "-c", str(tmp_path / "missing.yaml")])
     assert missing.returncode != 0 and "Traceback" not in missing.stderr

@@ -381,11 +381,12 @@ NOT_OURS = re.compile(r"Traceback|File \"|errors\.pydantic\.dev|validation error
 
 
 def assert_config_error(
-    case: Case, exc: ConfigError, file: Path, *, names_variable: bool = True
+    case: Case, exc: ConfigError, file: Path, *, names_source: bool = True
 ) -> None:
     """One `config error: <where>: <problem>` line per problem, naming a key of the config,
-    the file or the variable; no traceback text, no secret. `names_variable`: a key an
-    override set is followed by `(from <variable>)`."""
+    the file or the variable; no traceback text, no secret. `names_source`: a key an
+    override set is followed by `(from <variable>)`, and one the file holds (and no
+    override set) by `(from <file>)`."""
     message = str(exc)
     lines = message.splitlines()
     assert lines, case
@@ -394,11 +395,16 @@ def assert_config_error(
         where, sep, problem = line[len("config error: ") :].partition(": ")
         assert sep and problem.strip(), (case, line)
         assert names_a_key(where, case, file), (case, line)
+        if not names_source:
+            continue
         # A key the file wrote as a number is the file's fault, though an override may
         # name the same path as text (`0:` in the file, `STOKER_ACTIVATION__0`).
-        about_the_files_key = problem.startswith(KEY_NOT_TEXT)
-        if names_variable and overridden(where, case) and not about_the_files_key:
+        if problem.startswith(KEY_NOT_TEXT):
+            assert line.endswith(f" (from {file})"), (case, line)
+        elif overridden(where, case):
             assert re.search(r" \(from .*STOKER_.+\)$", line), (case, line)
+        elif where in {as_written(case.doc, p) for p in key_paths(case.doc)}:
+            assert line.endswith(f" (from {file})"), (case, line)
     assert not NOT_OURS.search(message), (case, message)
     for secret in secrets_in(case):
         assert secret not in message, (case, message)
@@ -422,7 +428,10 @@ def names_a_key(where: str, case: Case, file: Path) -> bool:
 
 def overridden(where: str, case: Case) -> bool:
     """True when `where` is a key an override set, made or holds in its value."""
-    in_file = {as_written(case.doc, p) for p in key_paths(case.doc)}
+    # An override makes the mapping on its way where the file holds none, or null.
+    in_file = {
+        as_written(case.doc, p) for p in key_paths(case.doc) if _get(case.doc, p) is not None
+    }
     for name in case.env:
         path: tuple[Any, ...] = tuple(name[len("STOKER_") :].lower().split("__"))
         if path[0] not in StokerConfig.model_fields or not all(path):
@@ -495,7 +504,7 @@ def load_or_say_why(case: Case, tmp_path: Path) -> None:
     except ConfigError as exc:
         # The server's checks (`check_exposure`, the token files) see the config, not
         # where its values came from.
-        assert_config_error(case, exc, path, names_variable=False)
+        assert_config_error(case, exc, path, names_source=False)
 
 
 FUZZ = settings(
