@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from stoker.config.changes import RENAMED_FIELDS
 from stoker.config.convert import to_domain
 from stoker.config.models import StokerConfig
 from stoker.config.pools import default_pools
-from stoker.config.problems import ConfigProblems, dotted
+from stoker.config.problems import ConfigKeyError, ConfigProblems, dotted
 from stoker.config.sections import RUNTIME_KINDS
 from stoker.domain.errors import ConfigError
 
@@ -34,12 +35,27 @@ ENV_PREFIX = "STOKER_"
 
 @dataclass(frozen=True, slots=True)
 class LoadedConfig:
-    """A validated config and where it came from (for the server's start-up line)."""
+    """A validated config and where it came from (for the server's start-up line), and
+    where each of its keys was set (for the checks run after loading)."""
 
     config: StokerConfig
     source: str
     #: Environment variables that overrode keys.
     overrides: tuple[str, ...] = ()
+    #: Where each key was set (`checking`).
+    sources: _Sources = field(default_factory=lambda: _Sources({}, {}), repr=False)
+
+    @contextmanager
+    def checking(self) -> Iterator[None]:
+        """Around the checks run on the loaded config (`serve`, `config check`): the
+        `ConfigKeyError` one raises names where its key was set, as the loader's lines do."""
+        try:
+            yield
+        except ConfigKeyError as exc:
+            source = self.sources.of(exc.loc)
+            if source is None:
+                raise
+            raise ConfigError(f"{exc} (from {_printable(source)})") from None
 
 
 def load_config(
@@ -68,17 +84,19 @@ def load_config(
     ]
     if problems:
         raise ConfigError("\n".join(problems))
+    sources = _Sources(env_keys, made, file, in_file)
     try:
         # Lenient: a `STOKER_*` override is text, so `"5"` is read as 5 here (and YAML's
         # `true` as 1); the API's JSON is held to the models' strict types.
         config = StokerConfig.model_validate(data, strict=False)
     except ValidationError as exc:
-        sources = _Sources(env_keys, made, file, in_file)
         raise ConfigError("\n".join(_format_errors(exc, sources))) from None
-    # The domain objects run their own checks; surface them as config errors now.
-    to_domain(config)
     source = file if file is not None else "built-in defaults"
-    return LoadedConfig(config, source, tuple(sorted(set(env_keys.values()))))
+    loaded = LoadedConfig(config, source, tuple(sorted(set(env_keys.values()))), sources)
+    with loaded.checking():
+        # The domain objects run their own checks; surface them as config errors now.
+        to_domain(config)
+    return loaded
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
