@@ -211,6 +211,35 @@ def test_errors_from_the_file_name_the_file(tmp_path: Path) -> None:
     assert line == "config error: api.1: a key must be a string; quote it (from stoker.yaml)"
 
 
+def test_a_rollout_error_names_its_own_key(tmp_path: Path) -> None:
+    text = (
+        "pools:\n"
+        "  - {name: a, command: [x], rollout: {steps: [10, 5, 100]}}\n"
+        "  - {name: b, command: [x], rollout: {steps: [0, 50, 101]}}\n"
+        "  - {name: c, command: [x], rollout: {steps: []}}\n"
+        "  - {name: d, command: [x], rollout: {step_interval_s: 0, max_failure_ratio: 2}}\n"
+        "  - {name: e, command: [x], rollout: {kind: replace, hold_deadline_s: 5}}\n"
+    )
+    assert errors_of(tmp_path, text) == [
+        "config error: pools[0].rollout.steps[1]: must exceed the step before (10) "
+        "(from stoker.yaml)",
+        "config error: pools[1].rollout.steps[0]: must lie within 1-100 percent (from stoker.yaml)",
+        "config error: pools[1].rollout.steps[2]: must lie within 1-100 percent (from stoker.yaml)",
+        "config error: pools[2].rollout.steps: a canary needs at least one step (from stoker.yaml)",
+        "config error: pools[3].rollout.step_interval_s: must be > 0 and at most a day "
+        "(from stoker.yaml)",
+        "config error: pools[3].rollout.max_failure_ratio: must be > 0 and at most 1 "
+        "(from stoker.yaml)",
+        "config error: pools[4].rollout.hold_deadline_s: is for a canary rollout only "
+        "(from stoker.yaml)",
+    ]
+    env = {"STOKER_POOLS__0__ROLLOUT__STEPS": "[50, 50]"}
+    assert errors_of(tmp_path, "{}\n", env) == [
+        "config error: pools[0].rollout.steps[1]: must exceed the step before (50) "
+        "(from STOKER_POOLS__0__ROLLOUT__STEPS)"
+    ]
+
+
 def test_errors_from_the_environment_name_the_variable(tmp_path: Path) -> None:
     lines = errors_of(tmp_path, "{}\n", {"STOKER_API__PORT": "-3"})
     assert lines == ["config error: api.port: must be >= 0 (from STOKER_API__PORT)"]

@@ -395,6 +395,10 @@ def assert_config_error(case: Case, exc: ConfigError, file: Path) -> None:
         # A line of a token file is named after the key that names the file.
         where = re.sub(r"^(api\.(admin|org)_tokens_file) \(.*\) line \d+$", r"\1", where)
         assert names_a_key(where, case, file), (case, line)
+        # A rollout's problems are named by their own keys (`pools[0].rollout.steps[1]`):
+        # the section itself only when it is not a mapping.
+        if re.fullmatch(r"pools\[\d+\]\.rollout", where):
+            assert problem.startswith("must be a mapping"), (case, line)
         # A key the file wrote as a number is the file's fault, though an override may
         # name the same path as text (`0:` in the file, `STOKER_ACTIVATION__0`).
         if problem.startswith(KEY_NOT_TEXT):
