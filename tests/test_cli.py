@@ -382,7 +382,9 @@ def test_pools_set_and_rollout_start_check_with_the_server_s_models(server: Serv
     many = run(["pools", "set", "demo", "--warm-target", "100001"], url=server.url)
     assert one_line_error(many, 2) == "stoker: warm_target: must be at most 100000"
     steps = run(["rollout", "start", "demo", "--env", "V=2", "--steps", "50,10"], url=server.url)
-    assert "steps must increase" in one_line_error(steps, 2)
+    assert one_line_error(steps, 2) == (
+        "stoker: strategy: steps[1]: must exceed the step before (50)"
+    )
     after = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
     assert after["generation"] == before["generation"] and after["rollout"] is None
 
@@ -424,8 +426,8 @@ def test_config_check_exits_1_with_the_config_errors(tmp_path: Path) -> None:
     result = run(["config", "check", "-c", str(tmp_path / "bad.yaml")])
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "config error: api.prot: unknown key",
-        "config error: pools[0].warm_target: must be >= 0",
+        f"config error: api.prot: unknown key (from {tmp_path / 'bad.yaml'})",
+        f"config error: pools[0].warm_target: must be >= 0 (from {tmp_path / 'bad.yaml'})",
     ]
     public = run(
         ["config", "check", "-c", str(tmp_path / "bad.yaml")],
@@ -555,6 +557,31 @@ def test_bad_arguments_are_one_line_and_status_2(args: list[str]) -> None:
     one_line_error(run(args, url="http://127.0.0.1:9"), 2)
 
 
+def test_config_check_names_where_a_checked_key_was_set(tmp_path: Path) -> None:
+    # The checks after loading (exposure, token files) name the file or the variable too.
+    config = tmp_path / "stoker.yaml"
+    config.write_text(f"api: {{admin_tokens_file: {tmp_path / 'missing'}}}\n")
+    result = run(["config", "check", "-c", str(config)])
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"config error: api.admin_tokens_file: cannot read '{tmp_path / 'missing'}': No such "
+        f"file or directory (from {config})"
+    ]
+    result = run(
+        ["config", "check", "-c", str(config)],
+        STOKER_API__ADMIN_TOKENS_FILE=str(tmp_path / "other"),
+    )
+    assert result.stderr.strip().splitlines() == [
+        f"config error: api.admin_tokens_file: cannot read '{tmp_path / 'other'}': No such "
+        "file or directory (from STOKER_API__ADMIN_TOKENS_FILE)"
+    ]
+    config.write_text("api: {host: 0.0.0.0}\n")
+    result = run(["config", "check", "-c", str(config)])
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("config error: api.host: '0.0.0.0' is reachable from other machines")
+    assert line.endswith(f"or listen on 127.0.0.1 (from {config})")
+
+
 def test_serve_rejects_a_bad_config_naming_the_key(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text(
         "api: {prot: 80}\npools:\n  - {name: p, command: [x], warm_target: -1}\n"
@@ -562,8 +589,9 @@ def test_serve_rejects_a_bad_config_naming_the_key(tmp_path: Path) -> None:
     result = run(["serve", "-c", str(tmp_path / "bad.yaml")])
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert "config error: api.prot: unknown key" in lines
-    assert "config error: pools[0].warm_target: must be >= 0" in lines
+    bad = tmp_path / "bad.yaml"
+    assert f"config error: api.prot: unknown key (from {bad})" in lines
+    assert f"config error: pools[0].warm_target: must be >= 0 (from {bad})" in lines
     assert "Traceback" not in result.stderr
     missing = run(["serve", "-c", str(tmp_path / "missing.yaml")])
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
@@ -584,6 +612,7 @@ def test_serve_names_the_key_when_kubernetes_credentials_do_not_load(tmp_path: P
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("config error: runtime.kubeconfig: cannot load the Kubernetes")
     assert f"{tmp_path}/missing" in line
+    assert line.endswith(f" (from {tmp_path / 'k8s.yaml'})")
     assert "listening" not in result.stdout
 
 
@@ -601,6 +630,7 @@ def test_serve_refuses_a_public_address_without_tokens(tmp_path: Path) -> None:
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("config error: api.host: '0.0.0.0' is reachable from other machines")
     assert "no tokens are configured" in line
+    assert line.endswith(" (from STOKER_API__HOST)")
     assert not (tmp_path / "stoker.db").exists()
 
 
@@ -645,6 +675,8 @@ def test_serve_with_a_store_it_cannot_open_says_why(
     assert result.returncode == 1
     assert says in result.stderr and "no/such/dir" in result.stderr
     assert "Traceback" not in result.stderr
+    if says.startswith("config error: "):
+        assert result.stderr.strip().endswith(" (from STOKER_STORE)")
 
 
 def settled(url: str, fleet: str) -> bool:

@@ -30,7 +30,13 @@ from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
-from stoker.config import KubernetesRuntimeConfig, StokerConfig, load_activation_key, to_domain
+from stoker.config import (
+    ConfigKeyError,
+    KubernetesRuntimeConfig,
+    StokerConfig,
+    load_activation_key,
+    to_domain,
+)
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
 from stoker.control.rollouts import Planner
@@ -182,9 +188,8 @@ def build_cluster(
         if runtime.context is not None and runtime.context in cause:
             key = "context"
         where = runtime.kubeconfig or "in-cluster service account, $KUBECONFIG or ~/.kube/config"
-        raise ConfigError(
-            f"config error: runtime.{key}: cannot load the Kubernetes credentials "
-            f"({where}): {cause}"
+        raise ConfigKeyError(
+            ("runtime", key), f"cannot load the Kubernetes credentials ({where}): {cause}"
         ) from None
     return LightkubeCluster(
         namespace=namespace,

@@ -52,7 +52,12 @@ def test_tokens_come_from_the_config_and_both_files(tmp_path: Path) -> None:
         ("short\n", "", "admin_tokens_file ({admins}) line 1: a token must be 16 to 512"),
         ("", f"acme\n{ACME}\n", "org_tokens_file ({orgs}) line 1: expected '<org> <token>'"),
         ("", f"acme {ACME}\nglobex {ACME}\n", "org_tokens_file ({orgs}) line 2: repeats"),
-        (f"{ADMIN_A}\n", f"acme {ADMIN_A}\n", "both an admin and an org token"),
+        (f"{ADMIN_A}\n{ADMIN_A}\n", "", "admin_tokens_file ({admins}) line 2: repeats"),
+        (
+            f"{ADMIN_A}\n",
+            f"acme {ADMIN_A}\n",
+            "org_tokens_file ({orgs}) line 1: a token is both an admin and an org token",
+        ),
         (None, "", "admin_tokens_file: cannot read"),
     ],
 )
@@ -166,5 +171,5 @@ def test_serve_refuses_a_missing_token_file(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"config error: api.admin_tokens_file: cannot read '{tmp_path / 'missing'}': "
-        "No such file or directory"
+        "No such file or directory (from stoker.yaml)"
     ]

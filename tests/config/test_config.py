@@ -31,9 +31,11 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def errors_of(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> list[str]:
+    """The error lines of `text` as a config file, the file named `stoker.yaml`."""
+    path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, text), env or {})
-    return str(info.value).splitlines()
+        load_config(path, env or {})
+    return str(info.value).replace(str(path), "stoker.yaml").splitlines()
 
 
 def test_defaults_are_the_embedded_ones() -> None:
@@ -153,12 +155,15 @@ def test_org_tokens_accept_the_list_form(tmp_path: Path) -> None:
     ],
 )
 def test_a_wrong_key_or_value_names_the_key(tmp_path: Path, text: str, expected: str) -> None:
-    assert expected in errors_of(tmp_path, text)
+    assert f"{expected} (from stoker.yaml)" in errors_of(tmp_path, text)
 
 
 def test_unknown_runtime_kind(tmp_path: Path) -> None:
     [line] = errors_of(tmp_path, "runtime: {kind: nomad}\n")
-    assert line == "config error: runtime.kind: unknown kind 'nomad'; supported: kubernetes, local"
+    assert line == (
+        "config error: runtime.kind: unknown kind 'nomad'; supported: kubernetes, local "
+        "(from stoker.yaml)"
+    )
     # Found by the config fuzz: under `runtime`, the variable that set the kind went unnamed.
     [line] = errors_of(tmp_path, "{}\n", {"STOKER_RUNTIME__KIND": "nomad"})
     assert line.endswith("supported: kubernetes, local (from STOKER_RUNTIME__KIND)")
@@ -167,10 +172,14 @@ def test_unknown_runtime_kind(tmp_path: Path) -> None:
 def test_short_tokens_are_rejected_without_printing_them(tmp_path: Path) -> None:
     lines = errors_of(tmp_path, "api:\n  org_tokens: {short: acme}\n")
     assert lines == [
-        "config error: api.org_tokens.<token>: string should have at least 16 characters"
+        "config error: api.org_tokens.<token>: string should have at least 16 characters "
+        "(from stoker.yaml)"
     ]
     lines = errors_of(tmp_path, "api:\n  admin_tokens: [tiny]\n")
-    assert lines == ["config error: api.admin_tokens[0]: string should have at least 16 characters"]
+    assert lines == [
+        "config error: api.admin_tokens[0]: string should have at least 16 characters "
+        "(from stoker.yaml)"
+    ]
 
 
 def test_a_token_may_not_be_admin_and_org(tmp_path: Path) -> None:
@@ -178,7 +187,57 @@ def test_a_token_may_not_be_admin_and_org(tmp_path: Path) -> None:
         "api:\n  admin_tokens: [same-token-0123456789]\n  org_tokens: {same-token-0123456789: a}\n"
     )
     [line] = errors_of(tmp_path, text)
-    assert line == "config error: api: a token is both an admin token and an org token"
+    assert line == (
+        "config error: api: a token is both an admin token and an org token (from stoker.yaml)"
+    )
+
+
+def test_errors_from_the_file_name_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "api: {port: -1}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {"STOKER_INTERVALS__JANITOR_INTERVAL_S": "0"})
+    assert str(info.value).splitlines() == [
+        f"config error: api.port: must be >= 0 (from {path})",
+        "config error: intervals.janitor_interval_s: must be > 0 "
+        "(from STOKER_INTERVALS__JANITOR_INTERVAL_S)",
+    ]
+    # A problem that spans sections, and a key YAML reads as a number, are the file's too.
+    [line] = errors_of(tmp_path, "pools:\n  - {name: p, pod: {image: x}}\n")
+    assert line == (
+        "config error: pools[0].pod: needs runtime.kind kubernetes; the local runtime runs a "
+        "command (from stoker.yaml)"
+    )
+    [line] = errors_of(tmp_path, "api: {1: x}\n")
+    assert line == "config error: api.1: a key must be a string; quote it (from stoker.yaml)"
+
+
+def test_a_rollout_error_names_its_own_key(tmp_path: Path) -> None:
+    text = (
+        "pools:\n"
+        "  - {name: a, command: [x], rollout: {steps: [10, 5, 100]}}\n"
+        "  - {name: b, command: [x], rollout: {steps: [0, 50, 101]}}\n"
+        "  - {name: c, command: [x], rollout: {steps: []}}\n"
+        "  - {name: d, command: [x], rollout: {step_interval_s: 0, max_failure_ratio: 2}}\n"
+        "  - {name: e, command: [x], rollout: {kind: replace, hold_deadline_s: 5}}\n"
+    )
+    assert errors_of(tmp_path, text) == [
+        "config error: pools[0].rollout.steps[1]: must exceed the step before (10) "
+        "(from stoker.yaml)",
+        "config error: pools[1].rollout.steps[0]: must lie within 1-100 percent (from stoker.yaml)",
+        "config error: pools[1].rollout.steps[2]: must lie within 1-100 percent (from stoker.yaml)",
+        "config error: pools[2].rollout.steps: a canary needs at least one step (from stoker.yaml)",
+        "config error: pools[3].rollout.step_interval_s: must be > 0 and at most a day "
+        "(from stoker.yaml)",
+        "config error: pools[3].rollout.max_failure_ratio: must be > 0 and at most 1 "
+        "(from stoker.yaml)",
+        "config error: pools[4].rollout.hold_deadline_s: is for a canary rollout only "
+        "(from stoker.yaml)",
+    ]
+    env = {"STOKER_POOLS__0__ROLLOUT__STEPS": "[50, 50]"}
+    assert errors_of(tmp_path, "{}\n", env) == [
+        "config error: pools[0].rollout.steps[1]: must exceed the step before (50) "
+        "(from STOKER_POOLS__0__ROLLOUT__STEPS)"
+    ]
 
 
 def test_errors_from_the_environment_name_the_variable(tmp_path: Path) -> None:
@@ -211,19 +270,21 @@ def test_a_key_yaml_reads_as_another_type_is_named_as_written(tmp_path: Path) ->
     # Found by the config fuzz: `false:` was named `[0]`, the name of a list's first item.
     lines = errors_of(tmp_path, "false: 1\napi: {1.5: x, on: 2}\n")
     assert lines == [
-        "config error: false: a key must be a string; quote it",
-        "config error: api.1.5: a key must be a string; quote it",
-        "config error: api.true: a key must be a string; quote it",
+        "config error: false: a key must be a string; quote it (from stoker.yaml)",
+        "config error: api.1.5: a key must be a string; quote it (from stoker.yaml)",
+        "config error: api.true: a key must be a string; quote it (from stoker.yaml)",
     ]
     # A token that YAML reads as a number is still never printed.
     [line] = errors_of(tmp_path, "api:\n  org_tokens: {12345678901234567890: acme}\n")
-    assert line == "config error: api.org_tokens.<token>: a key must be a string; quote it"
+    assert line == (
+        "config error: api.org_tokens.<token>: a key must be a string; quote it (from stoker.yaml)"
+    )
 
 
 def test_a_line_break_in_a_key_or_a_variable_stays_on_its_line(tmp_path: Path) -> None:
     # Found by the config fuzz: a key or variable with `\r` split its error line in two.
     [line] = errors_of(tmp_path, 'api: {"a\\rb": 1}\n')
-    assert line == "config error: api.'a\\rb': unknown key"
+    assert line == "config error: api.'a\\rb': unknown key (from stoker.yaml)"
     text = "api: {admin_tokens: [aaaaaaaaaaaaaaaa1]}\n"
     [line] = errors_of(tmp_path, text, {"STOKER_API__ADMIN_TOKENS__\r": "x"})
     assert line == "config error: 'STOKER_API__ADMIN_TOKENS__\\r': no item '\\r' to override"
@@ -694,7 +755,7 @@ def test_kubernetes_lease_name_follows_the_fleet() -> None:
 def test_kubernetes_and_election_errors_name_the_key(
     tmp_path: Path, text: str, expected: list[str]
 ) -> None:
-    assert errors_of(tmp_path, text) == expected
+    assert errors_of(tmp_path, text) == [f"{line} (from stoker.yaml)" for line in expected]
 
 
 def test_cross_section_errors_from_the_environment_name_the_variable(tmp_path: Path) -> None:

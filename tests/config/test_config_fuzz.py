@@ -380,12 +380,11 @@ KEY_NOT_TEXT = "a key must be a string"
 NOT_OURS = re.compile(r"Traceback|File \"|errors\.pydantic\.dev|validation errors? for |\bat 0x")
 
 
-def assert_config_error(
-    case: Case, exc: ConfigError, file: Path, *, names_variable: bool = True
-) -> None:
+def assert_config_error(case: Case, exc: ConfigError, file: Path) -> None:
     """One `config error: <where>: <problem>` line per problem, naming a key of the config,
-    the file or the variable; no traceback text, no secret. `names_variable`: a key an
-    override set is followed by `(from <variable>)`."""
+    the file or the variable; no traceback text, no secret. A key an override set is
+    followed by `(from <variable>)`, and one the file holds (and no override set) by
+    `(from <file>)`."""
     message = str(exc)
     lines = message.splitlines()
     assert lines, case
@@ -393,12 +392,21 @@ def assert_config_error(
         assert line.startswith("config error: "), (case, message)
         where, sep, problem = line[len("config error: ") :].partition(": ")
         assert sep and problem.strip(), (case, line)
+        # A line of a token file is named after the key that names the file.
+        where = re.sub(r"^(api\.(admin|org)_tokens_file) \(.*\) line \d+$", r"\1", where)
         assert names_a_key(where, case, file), (case, line)
+        # A rollout's problems are named by their own keys (`pools[0].rollout.steps[1]`):
+        # the section itself only when it is not a mapping.
+        if re.fullmatch(r"pools\[\d+\]\.rollout", where):
+            assert problem.startswith("must be a mapping"), (case, line)
         # A key the file wrote as a number is the file's fault, though an override may
         # name the same path as text (`0:` in the file, `STOKER_ACTIVATION__0`).
-        about_the_files_key = problem.startswith(KEY_NOT_TEXT)
-        if names_variable and overridden(where, case) and not about_the_files_key:
+        if problem.startswith(KEY_NOT_TEXT):
+            assert line.endswith(f" (from {file})"), (case, line)
+        elif overridden(where, case):
             assert re.search(r" \(from .*STOKER_.+\)$", line), (case, line)
+        elif where in {as_written(case.doc, p) for p in key_paths(case.doc)}:
+            assert line.endswith(f" (from {file})"), (case, line)
     assert not NOT_OURS.search(message), (case, message)
     for secret in secrets_in(case):
         assert secret not in message, (case, message)
@@ -422,7 +430,10 @@ def names_a_key(where: str, case: Case, file: Path) -> bool:
 
 def overridden(where: str, case: Case) -> bool:
     """True when `where` is a key an override set, made or holds in its value."""
-    in_file = {as_written(case.doc, p) for p in key_paths(case.doc)}
+    # An override makes the mapping on its way where the file holds none, or null.
+    in_file = {
+        as_written(case.doc, p) for p in key_paths(case.doc) if _get(case.doc, p) is not None
+    }
     for name in case.env:
         path: tuple[Any, ...] = tuple(name[len("STOKER_") :].lower().split("__"))
         if path[0] not in StokerConfig.model_fields or not all(path):
@@ -491,11 +502,11 @@ def load_or_say_why(case: Case, tmp_path: Path) -> None:
         assert_config_error(case, exc, path)
         return
     try:
-        after_loading(loaded.config)
+        # As `serve` and `config check` run the checks: naming where the key was set.
+        with loaded.checking():
+            after_loading(loaded.config)
     except ConfigError as exc:
-        # The server's checks (`check_exposure`, the token files) see the config, not
-        # where its values came from.
-        assert_config_error(case, exc, path, names_variable=False)
+        assert_config_error(case, exc, path)
 
 
 FUZZ = settings(
@@ -563,6 +574,57 @@ def test_a_numeric_key_in_the_file_is_named_though_an_override_names_its_path(
 @given(case=mutated(env_only=True))
 def test_bad_overrides_load_or_name_the_variable(case: Case, tmp_path: Path) -> None:
     load_or_say_why(case, tmp_path)
+
+
+#: The token files the checks after loading may be given, by name: missing, a directory, a
+#: bad line, or good ones.
+TOKEN_FILES = {"missing": None, "directory": "", "bad": "short\n", "admins": "a" * 20 + "\n"}
+TOKEN_FILES["orgs"] = "acme " + "o" * 20 + "\n"
+
+
+@st.composite
+def checked_keys(draw: st.DrawFn) -> tuple[str, dict[str, Any], dict[str, str | None]]:
+    """A base document, and the keys the checks after loading read (`api.host`, the token
+    files): each left alone, or set in the file (`None` in the third item) or by a
+    variable."""
+    base, doc = draw(st.sampled_from(BASES))
+    doc = copy.deepcopy(doc)
+    if draw(st.booleans()):
+        # Without tokens, an address reachable from other machines is refused.
+        doc["api"]["admin_tokens"], doc["api"]["org_tokens"] = [], {}
+    keys: dict[str, str | None] = {}
+    for key, values in (
+        ("host", ["0.0.0.0", "127.0.0.1"]),
+        ("admin_tokens_file", list(TOKEN_FILES)),
+        ("org_tokens_file", list(TOKEN_FILES)),
+    ):
+        value = draw(st.sampled_from([None, *values]))
+        if value is None:
+            continue
+        doc["api"][key] = value
+        keys[key] = draw(st.sampled_from([None, f"STOKER_API__{key.upper()}"]))
+    return base, doc, keys
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES_RUN // 4))
+@given(drawn=checked_keys())
+def test_the_checks_after_loading_name_where_the_key_was_set(
+    drawn: tuple[str, dict[str, Any], dict[str, str | None]], tmp_path: Path
+) -> None:
+    base, doc, keys = drawn
+    for name, text in TOKEN_FILES.items():
+        file = tmp_path / name
+        if text == "" and not file.is_dir():
+            file.mkdir()
+        elif text:
+            file.write_text(text, encoding="utf-8")
+    env: dict[str, str] = {}
+    for key, variable in keys.items():
+        if key.endswith("_file"):
+            doc["api"][key] = str(tmp_path / doc["api"][key])
+        if variable is not None:
+            env[variable] = doc["api"].pop(key)
+    load_or_say_why(Case(base, doc, env, (f"checked keys {keys}",)), tmp_path)
 
 
 def run_config_check(path: Path, env: dict[str, str]) -> tuple[int, str, str]:

@@ -24,8 +24,8 @@ import uvicorn
 
 from stoker.api.app import StokerApp
 from stoker.api.connections import ClientLimits, bounded_protocol
-from stoker.config import ApiConfig
-from stoker.domain.errors import ConfigError, StokerError
+from stoker.config import ApiConfig, ConfigKeyError
+from stoker.domain.errors import StokerError
 
 logger = logging.getLogger("stoker.api")
 
@@ -56,11 +56,11 @@ def check_exposure(api: ApiConfig) -> None:
     """Refuse a non-loopback address without tokens (docs/concepts/claims.md), saying why."""
     if api.has_tokens or loopback_only(api.host):
         return
-    raise ConfigError(
-        f"config error: api.host: {api.host!r} is reachable from other machines, and no "
-        "tokens are configured; set api.admin_tokens or api.org_tokens (for example "
-        "STOKER_API__ADMIN_TOKENS=<a random token of 16+ characters>), or listen on "
-        "127.0.0.1"
+    raise ConfigKeyError(
+        ("api", "host"),
+        f"{api.host!r} is reachable from other machines, and no tokens are configured; set "
+        "api.admin_tokens or api.org_tokens (for example STOKER_API__ADMIN_TOKENS=<a random "
+        "token of 16+ characters>), or listen on 127.0.0.1",
     )
 
 

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from stoker.config import ApiConfig
+from stoker.config import ApiConfig, ConfigKeyError
 from stoker.domain.errors import ConfigError, Forbidden
 
 logger = logging.getLogger("stoker.api")
@@ -104,46 +104,64 @@ class TokenTable:
 
     def _read(self) -> dict[bytes, Principal]:
         api = self._api
-        admins = list(api.admin_tokens)
+        admins = set(api.admin_tokens)
         orgs = dict(api.org_tokens)
         if api.admin_tokens_file is not None:
-            for where, line in _lines(api.admin_tokens_file, "api.admin_tokens_file"):
-                admins.append(_token(where, line))
-        if api.org_tokens_file is not None:
-            for where, line in _lines(api.org_tokens_file, "api.org_tokens_file"):
-                org, _, token = line.partition(" ")
-                if not token.strip():
-                    raise ConfigError(f"config error: {where}: expected '<org> <token>'")
-                token = _token(where, token.strip())
-                if len(org) > 128:
-                    raise ConfigError(f"config error: {where}: an org name is 1 to 128 characters")
+            for line in _lines(api.admin_tokens_file, "admin_tokens_file"):
+                token = _token(line, line.text)
+                if token in admins:
+                    raise line.problem("repeats a token")
                 if token in orgs:
-                    raise ConfigError(f"config error: {where}: repeats a token")
+                    raise line.problem("a token is both an admin and an org token")
+                admins.add(token)
+        if api.org_tokens_file is not None:
+            for line in _lines(api.org_tokens_file, "org_tokens_file"):
+                org, _, token = line.text.partition(" ")
+                if not token.strip():
+                    raise line.problem("expected '<org> <token>'")
+                token = _token(line, token.strip())
+                if len(org) > 128:
+                    raise line.problem("an org name is 1 to 128 characters")
+                if token in orgs:
+                    raise line.problem("repeats a token")
+                if token in admins:
+                    raise line.problem("a token is both an admin and an org token")
                 orgs[token] = org
-        if len(set(admins)) != len(admins):
-            raise ConfigError("config error: api: admin tokens repeat a token")
-        if set(admins) & set(orgs):
-            raise ConfigError("config error: api: a token is both an admin and an org token")
         table = {t.encode(): Principal(admin=True) for t in admins}
         table.update({t.encode(): Principal(admin=False, org=o) for t, o in orgs.items()})
         return table
 
 
-def _lines(path: str, key: str) -> list[tuple[str, str]]:
-    """The meaningful lines of a token file, each with where it is (`key` (path) line N)."""
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """A meaningful line of the token file that `api.<key>` names."""
+
+    key: str
+    path: str
+    number: int
+    text: str
+
+    def problem(self, problem: str) -> ConfigKeyError:
+        """The config error of this line: `api.<key> (<path>) line <n>: <problem>`."""
+        where = f"api.{self.key} ({self.path}) line {self.number}"
+        return ConfigKeyError(("api", self.key), problem, where=where)
+
+
+def _lines(path: str, key: str) -> list[_Line]:
+    """The meaningful lines of the token file `api.<key>` names."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not readable"
-        raise ConfigError(f"config error: {key}: cannot read {path!r}: {reason}") from None
+        raise ConfigKeyError(("api", key), f"cannot read {path!r}: {reason}") from None
     return [
-        (f"{key} ({path}) line {n}", line.strip())
+        _Line(key, path, n, line.strip())
         for n, line in enumerate(text.splitlines(), 1)
         if line.strip() and not line.lstrip().startswith("#")
     ]
 
 
-def _token(where: str, token: str) -> str:
+def _token(line: _Line, token: str) -> str:
     if _TOKEN.fullmatch(token) is None:
-        raise ConfigError(f"config error: {where}: {_TOKEN_RULE}")
+        raise line.problem(_TOKEN_RULE)
     return token

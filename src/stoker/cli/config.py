@@ -46,10 +46,11 @@ def config_check(
 
     try:
         loaded = load_config(config_file)
-        check_exposure(loaded.config.api)
-        TokenTable(loaded.config.api)
-        # A part the config names whose extra is missing stops `serve` as it would.
-        check_extras(loaded.config)
+        with loaded.checking():
+            check_exposure(loaded.config.api)
+            TokenTable(loaded.config.api)
+            # A part the config names whose extra is missing stops `serve` as it would.
+            check_extras(loaded.config)
     except ConfigError as exc:
         # One `config error: <key>: <problem>` line per problem, as `serve` prints them.
         print(str(exc), file=sys.stderr)

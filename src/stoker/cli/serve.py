@@ -57,8 +57,9 @@ def serve(
     try:
         loaded = load_config(config_file)
         config = loaded.config
-        check_exposure(config.api)
-        tokens = TokenTable(config.api)
+        with loaded.checking():
+            check_exposure(config.api)
+            tokens = TokenTable(config.api)
     except ConfigError as exc:
         # Already one `config error: <key>: <problem>` line per problem.
         print(str(exc), file=sys.stderr)
@@ -70,7 +71,8 @@ def serve(
         fail(str(exc))
     url = bound_url(sock)
     try:
-        plane = build_control_plane(config)
+        with loaded.checking():
+            plane = build_control_plane(config)
     except ConfigError as exc:
         # Kubernetes credentials are only read here: still a config error, in one line.
         sock.close()

@@ -32,7 +32,7 @@ from stoker.config.loading import ENV_PREFIX, LoadedConfig, format_errors, load_
 from stoker.config.models import StokerConfig
 from stoker.config.names import LABEL_VALUE_RULE, is_label_value
 from stoker.config.pools import DEMO_COMMAND, PodConfig, PoolConfig, TolerationConfig
-from stoker.config.problems import ConfigProblems
+from stoker.config.problems import ConfigKeyError, ConfigProblems
 from stoker.config.sections import (
     RUNTIME_KINDS,
     ApiConfig,
@@ -52,6 +52,7 @@ __all__ = [
     "RUNTIME_KINDS",
     "ActivationConfig",
     "ApiConfig",
+    "ConfigKeyError",
     "ConfigProblems",
     "DomainConfig",
     "KubernetesRuntimeConfig",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 
+from stoker.config.problems import ConfigKeyError
 from stoker.config.schema import Section
 from stoker.domain.activation import MIN_KEY_BYTES, ActivationKey
 from stoker.domain.errors import ConfigError
@@ -69,10 +70,11 @@ def load_activation_key(section: ActivationConfig, *, sqlite_path: str | None) -
             return ActivationKey(secrets.token_hex(32).encode())
         path = sqlite_path + KEY_FILE_SUFFIX
     if path is None:
-        raise ConfigError(
-            "config error: activation.key_file: replicas sharing a PostgreSQL store must "
-            "share one activation key: set activation.key_file (a file, created if missing) "
-            "or STOKER_ACTIVATION__KEY (at least 32 characters, e.g. `openssl rand -hex 32`)"
+        raise ConfigKeyError(
+            ("activation", "key_file"),
+            "replicas sharing a PostgreSQL store must share one activation key: set "
+            "activation.key_file (a file, created if missing) or STOKER_ACTIVATION__KEY (at "
+            "least 32 characters, e.g. `openssl rand -hex 32`)",
         )
     try:
         return ActivationKey(read_or_create_key(Path(path)))
@@ -81,8 +83,8 @@ def load_activation_key(section: ActivationConfig, *, sqlite_path: str | None) -
             raise
         # The default file: its problem is the store's path, which is what to change.
         reason = str(exc).split(": ", 2)[-1]
-        raise ConfigError(
-            f"config error: store: the activation key next to the SQLite file: {reason}"
+        raise ConfigKeyError(
+            ("store",), f"the activation key next to the SQLite file: {reason}"
         ) from None
 
 
@@ -107,8 +109,8 @@ def read_or_create_key(path: Path) -> bytes:
         with contextlib.suppress(FileExistsError):
             os.link(temporary, path)
     except OSError as exc:
-        raise ConfigError(
-            f"config error: activation.key_file: cannot create {path}: {exc.strerror or exc}"
+        raise ConfigKeyError(
+            ("activation", "key_file"), f"cannot create {path}: {exc.strerror or exc}"
         ) from None
     finally:
         with contextlib.suppress(OSError):
@@ -123,12 +125,12 @@ def _read_key(path: Path) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise ConfigError(
-            f"config error: activation.key_file: cannot read {path}: {exc.strerror or exc}"
+        raise ConfigKeyError(
+            ("activation", "key_file"), f"cannot read {path}: {exc.strerror or exc}"
         ) from None
     if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(
-            f"config error: activation.key_file: {path} holds {len(key)} bytes; "
-            f"an activation key needs at least {MIN_KEY_BYTES}"
+        raise ConfigKeyError(
+            ("activation", "key_file"),
+            f"{path} holds {len(key)} bytes; an activation key needs at least {MIN_KEY_BYTES}",
         )
     return key

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from stoker.config.changes import template_of
 from stoker.config.models import StokerConfig
 from stoker.config.pools import PoolConfig, ProcessConfig
+from stoker.config.problems import ConfigKeyError
 from stoker.config.schema import spec_values
 from stoker.config.sections import KubernetesRuntimeConfig
 from stoker.domain.errors import ConfigError
@@ -35,7 +36,7 @@ class DomainConfig:
 def to_domain(config: StokerConfig) -> DomainConfig:
     """Convert the validated config into `PoolSpec`, `OrgSpec` and `PlaneSettings`.
 
-    Raises `ConfigError` when a domain object rejects a value (naming the pool).
+    Raises `ConfigKeyError` when a domain object rejects a value (naming the pool).
     """
     pools = []
     for i, pool in enumerate(config.pools):
@@ -44,7 +45,7 @@ def to_domain(config: StokerConfig) -> DomainConfig:
             settings = spec_values(pool, PoolSpec, omit={"name", "template", "revision"})
             pools.append(PoolSpec(name=pool.name, template=template, **settings))
         except ConfigError as exc:
-            raise ConfigError(f"config error: pools[{i}]: {exc}") from None
+            raise ConfigKeyError(("pools", i), str(exc)) from None
     return DomainConfig(
         pools=pools,
         orgs=list(config.orgs),
@@ -64,7 +65,7 @@ def _template(i: int, pool: PoolConfig) -> RuntimeTemplate:
         model = ProcessConfig.model_validate({"command": pool.command, **process}, strict=False)
         return template_of(model)
     # Only a config built without validation (model_construct) gets here.
-    raise ConfigError(f"config error: pools[{i}]: needs a command or a pod")
+    raise ConfigKeyError(("pools", i), "needs a command or a pod")
 
 
 def plane_settings(config: StokerConfig) -> PlaneSettings:

@@ -4,15 +4,17 @@ the key.
 `load_config(path)` reads the file (or nothing: every key has an embedded default), applies
 the environment overrides (`STOKER_API__PORT=9000`, `STOKER_STORE=postgresql://...`; `__`
 separates nested keys, a number indexes a list: `STOKER_POOLS__0__WARM_TARGET=5`) and
-validates the result. Every problem is one `config error: <key>: <problem>` line.
+validates the result. Every problem is one `config error: <key>: <problem>` line, ending
+with where the key was set: `(from STOKER_API__PORT)`, else `(from <the file>)`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from stoker.config.changes import RENAMED_FIELDS
 from stoker.config.convert import to_domain
 from stoker.config.models import StokerConfig
 from stoker.config.pools import default_pools
-from stoker.config.problems import ConfigProblems, dotted
+from stoker.config.problems import ConfigKeyError, ConfigProblems, dotted
 from stoker.config.sections import RUNTIME_KINDS
 from stoker.domain.errors import ConfigError
 
@@ -33,12 +35,27 @@ ENV_PREFIX = "STOKER_"
 
 @dataclass(frozen=True, slots=True)
 class LoadedConfig:
-    """A validated config and where it came from (for the server's start-up line)."""
+    """A validated config and where it came from (for the server's start-up line), and
+    where each of its keys was set (for the checks run after loading)."""
 
     config: StokerConfig
     source: str
     #: Environment variables that overrode keys.
     overrides: tuple[str, ...] = ()
+    #: Where each key was set (`checking`).
+    sources: _Sources = field(default_factory=lambda: _Sources({}, {}), repr=False)
+
+    @contextmanager
+    def checking(self) -> Iterator[None]:
+        """Around the checks run on the loaded config (`serve`, `config check`): the
+        `ConfigKeyError` one raises names where its key was set, as the loader's lines do."""
+        try:
+            yield
+        except ConfigKeyError as exc:
+            source = self.sources.of(exc.loc)
+            if source is None:
+                raise
+            raise ConfigError(f"{exc} (from {_printable(source)})") from None
 
 
 def load_config(
@@ -51,27 +68,35 @@ def load_config(
     """
     environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
-    source = "built-in defaults"
+    file: str | None = None
     if path is not None:
         data = _read_yaml(Path(path))
-        source = str(path)
+        file = str(path)
+    # The file's own keys, before the overrides replace any.
+    in_file = frozenset(_key_paths(data)) if file is not None else frozenset()
     env_keys, made = _apply_env(data, environ)
-    # Checked once the overrides replaced what they replace (their JSON has text keys).
+    # Checked once the overrides replaced what they replace (their JSON has text keys): such
+    # a key is the file's, though a variable may name its path as text (`STOKER_API__1`).
+    in_the_file = _Sources({}, {}, file, in_file)
     problems = [
-        _line(loc, "a key must be a string; quote it", _NO_SOURCES)
+        _line(loc, "a key must be a string; quote it", in_the_file)
         for loc in _keys_not_strings(data)
     ]
     if problems:
         raise ConfigError("\n".join(problems))
+    sources = _Sources(env_keys, made, file, in_file)
     try:
         # Lenient: a `STOKER_*` override is text, so `"5"` is read as 5 here (and YAML's
         # `true` as 1); the API's JSON is held to the models' strict types.
         config = StokerConfig.model_validate(data, strict=False)
     except ValidationError as exc:
-        raise ConfigError("\n".join(format_errors(exc, env_keys, made))) from None
-    # The domain objects run their own checks; surface them as config errors now.
-    to_domain(config)
-    return LoadedConfig(config, source, tuple(sorted(set(env_keys.values()))))
+        raise ConfigError("\n".join(_format_errors(exc, sources))) from None
+    source = file if file is not None else "built-in defaults"
+    loaded = LoadedConfig(config, source, tuple(sorted(set(env_keys.values()))), sources)
+    with loaded.checking():
+        # The domain objects run their own checks; surface them as config errors now.
+        to_domain(config)
+    return loaded
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -102,14 +127,31 @@ def _keys_not_strings(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, .
     if isinstance(value, dict):
         for key, child in value.items():
             if not isinstance(key, str):
-                # As the file spells it: `true`, `null`, `1`.
-                found.append((*at, json.dumps(key) if _is_scalar(key) else repr(key)))
+                found.append((*at, _as_written(key)))
             else:
                 found += _keys_not_strings(child, (*at, key))
     elif isinstance(value, list):
         for i, child in enumerate(value):
             found += _keys_not_strings(child, (*at, i))
     return found
+
+
+def _key_paths(value: Any, at: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every key path of a document, `()` first, as `_Sources` spells them (an index as
+    text, a key YAML read as another type as written)."""
+    yield at
+    items: Any = ()
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    for key, child in items:
+        yield from _key_paths(child, (*at, key if isinstance(key, str) else _as_written(key)))
+
+
+def _as_written(key: Any) -> str:
+    """A key YAML read as something else than text, as the file spells it: `true`, `1`."""
+    return json.dumps(key) if _is_scalar(key) else repr(key)
 
 
 def _is_scalar(value: Any) -> bool:
@@ -244,7 +286,10 @@ def format_errors(
 ) -> list[str]:
     """One `config error: <key>: <problem>` line per pydantic error; `env_keys` are the
     key paths overrides set and `made` the mappings they made, by variable."""
-    sources = _Sources(env_keys, made or {})
+    return _format_errors(exc, _Sources(env_keys, made or {}))
+
+
+def _format_errors(exc: ValidationError, sources: _Sources) -> list[str]:
     lines = []
     for error in exc.errors(include_input=False, include_url=False):
         ctx = error.get("ctx") or {}
@@ -281,21 +326,37 @@ def format_errors(
 
 @dataclass(frozen=True, slots=True)
 class _Sources:
-    """Which variable set a key: `set` names it for its key and every key under it, `made`
-    for a mapping an override made on its way only (the error of an unknown key)."""
+    """Where a key was set. By a variable: `set` names it for its key and every key under
+    it, `made` for a mapping an override made on its way only (the error of an unknown
+    key). Else by `file`, when the file holds the key or the mapping it is missing from
+    (`in_file`, the file's key paths); else by the built-in defaults."""
 
     set: Mapping[tuple[str, ...], str]
     made: Mapping[tuple[str, ...], str]
+    file: str | None = None
+    in_file: frozenset[tuple[str, ...]] = frozenset()
 
-
-_NO_SOURCES = _Sources({}, {})
+    def of(self, loc: tuple[Any, ...]) -> str | None:
+        """The variable or the file that set the key at `loc`; None: the defaults."""
+        parts = tuple(str(p) for p in loc)
+        best: tuple[str, ...] | None = None
+        for path in self.set:
+            if parts[: len(path)] == path and (best is None or len(path) > len(best)):
+                best = path
+        if best is not None:
+            return self.set[best]
+        if parts in self.made:
+            return self.made[parts]
+        if self.file is not None and (parts in self.in_file or parts[:-1] in self.in_file):
+            return self.file
+        return None
 
 
 def _line(loc: tuple[Any, ...], message: str, sources: _Sources) -> str:
-    """`config error: <key>: <message>`, naming the variable when one set the key."""
+    """`config error: <key>: <message>`, naming the variable or the file that set the key."""
     at = _key_path(loc)
-    source = _env_source(at, sources)
-    suffix = f" (from {source})" if source else ""
+    source = sources.of(at)
+    suffix = f" (from {_printable(source)})" if source else ""
     return f"config error: {dotted(_redact(at)) or '(top level)'}: {message}{suffix}"
 
 
@@ -320,12 +381,3 @@ def _redact(loc: tuple[Any, ...]) -> tuple[Any, ...]:
         else:
             out.append(part)
     return tuple(out)
-
-
-def _env_source(loc: tuple[Any, ...], sources: _Sources) -> str | None:
-    parts = tuple(str(p) for p in loc)
-    best: tuple[str, ...] | None = None
-    for path in sources.set:
-        if parts[: len(path)] == path and (best is None or len(path) > len(best)):
-            best = path
-    return sources.set[best] if best is not None else sources.made.get(parts)

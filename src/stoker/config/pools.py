@@ -31,13 +31,13 @@ from stoker.config.names import (
 )
 from stoker.config.problems import Loc, raise_problems
 from stoker.config.schema import DerivedSection, Section, derived_section, spec_fields
-from stoker.domain.errors import InvalidRequest
 from stoker.domain.rollouts import (
     DEFAULT_HOLD_DEADLINE_S,
     DEFAULT_MAX_FAILURE_RATIO,
     DEFAULT_STEP_INTERVAL_S,
     DEFAULT_STEPS,
     Strategy,
+    canary_problems,
     strategy_from,
 )
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate
@@ -205,13 +205,16 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _valid(self) -> RolloutConfig:
-        canary_keys = sorted(self.model_fields_set - {"kind"})
-        if self.kind == "replace" and canary_keys:
-            raise ValueError(f"a replace rollout takes no {', '.join(canary_keys)}")
-        try:
-            self.strategy()
-        except InvalidRequest as exc:
-            raise ValueError(str(exc)) from None
+        # Each problem under its own key (`steps[1]`), not under the rollout's.
+        if self.kind == "replace":
+            canary_keys = sorted(self.model_fields_set - {"kind"})
+            raise_problems([((key,), "is for a canary rollout only") for key in canary_keys])
+        else:
+            raise_problems(
+                canary_problems(
+                    self.steps, self.step_interval_s, self.max_failure_ratio, self.hold_deadline_s
+                )
+            )
         return self
 
     def strategy(self) -> Strategy:

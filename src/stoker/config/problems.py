@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from stoker.domain.errors import ConfigError
+
 #: Where a problem lies: config keys and list indexes, like pydantic's error locations.
 Loc = tuple[str | int, ...]
 
@@ -19,6 +21,16 @@ class ConfigProblems(ValueError):
     def __init__(self, problems: Sequence[tuple[Loc, str]]) -> None:
         self.problems = tuple(problems)
         super().__init__("; ".join(f"{dotted(loc)}: {message}" for loc, message in problems))
+
+
+class ConfigKeyError(ConfigError):
+    """A problem with one key of a loaded config, found by a check run after loading: one
+    `config error: <key>: <problem>` line (`where`: the key as the line names it, when it
+    says more than the key). `LoadedConfig.checking` adds where the key was set."""
+
+    def __init__(self, loc: Loc, problem: str, *, where: str | None = None) -> None:
+        self.loc = loc
+        super().__init__(f"config error: {where or dotted(loc)}: {problem}")
 
 
 def raise_problems(problems: Sequence[tuple[Loc, str]]) -> None:

@@ -62,18 +62,13 @@ class CanaryStrategy:
     hold_deadline_s: float = DEFAULT_HOLD_DEADLINE_S
 
     def __post_init__(self) -> None:
-        if not self.steps:
-            raise InvalidRequest("a canary needs at least one step")
-        if any(not 1 <= s <= 100 for s in self.steps):
-            raise InvalidRequest(f"steps must lie within 1-100 percent, got {list(self.steps)}")
-        if any(b <= a for a, b in zip(self.steps, self.steps[1:], strict=False)):
-            raise InvalidRequest(f"steps must increase, got {list(self.steps)}")
-        if not 0 < self.step_interval_s <= 86_400:
-            raise InvalidRequest("step_interval_s must be > 0 and at most a day")
-        if not 0 < self.max_failure_ratio <= 1:
-            raise InvalidRequest("max_failure_ratio must be > 0 and at most 1")
-        if not 0 < self.hold_deadline_s <= 86_400:
-            raise InvalidRequest("hold_deadline_s must be > 0 and at most a day")
+        problems = canary_problems(
+            self.steps, self.step_interval_s, self.max_failure_ratio, self.hold_deadline_s
+        )
+        if problems:
+            key, problem = problems[0]
+            name = "".join(f"[{k}]" if isinstance(k, int) else k for k in key)
+            raise InvalidRequest(f"{name}: {problem}")
 
     @property
     def kind(self) -> StrategyKind:
@@ -83,6 +78,29 @@ class CanaryStrategy:
     def share(self, step: int) -> float:
         """The share (0-1) of new claims the new revision gets at `step` (an index)."""
         return self.steps[min(max(step, 0), len(self.steps) - 1)] / 100
+
+
+def canary_problems(
+    steps: Sequence[int], step_interval_s: float, max_failure_ratio: float, hold_deadline_s: float
+) -> list[tuple[tuple[str | int, ...], str]]:
+    """What is wrong with a canary's settings, each problem under its key (`("steps", 1)`
+    for the second step); empty when nothing is."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    if not steps:
+        problems.append((("steps",), "a canary needs at least one step"))
+    for i, step in enumerate(steps):
+        if not 1 <= step <= 100:
+            problems.append((("steps", i), "must lie within 1-100 percent"))
+        elif i > 0 and step <= steps[i - 1]:
+            problems.append((("steps", i), f"must exceed the step before ({steps[i - 1]})"))
+    for name, value, most, said in (
+        ("step_interval_s", step_interval_s, 86_400, "a day"),
+        ("max_failure_ratio", max_failure_ratio, 1, "1"),
+        ("hold_deadline_s", hold_deadline_s, 86_400, "a day"),
+    ):
+        if not 0 < value <= most:
+            problems.append(((name,), f"must be > 0 and at most {said}"))
+    return problems
 
 
 @dataclass(frozen=True, slots=True)
