@@ -270,6 +270,7 @@ def build_runtime(
         placeholder_priority_class=runtime.placeholder_priority_class,
         placeholder_image=runtime.placeholder_image,
         placeholder_size=(size.cpu, size.memory) if size is not None else None,
+        prefer_session_nodes=runtime.prefer_session_nodes,
     )
 
 

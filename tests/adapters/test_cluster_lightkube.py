@@ -41,6 +41,7 @@ from stoker.ports.cluster import (
     Lease,
     Pod,
     PodSpec,
+    PreferredNodes,
     Throttled,
     Toleration,
     Waiting,
@@ -316,6 +317,10 @@ async def test_create_pod_sends_the_whole_spec(
                 ),
             ),
             node_selector={"pool": "workers"},
+            preferred_nodes=(
+                PreferredNodes(100, ("node-a",)),
+                PreferredNodes(34, ("node-b", "node-c")),
+            ),
             tolerations=(Toleration(key="dedicated", value="workers", effect="NoSchedule"),),
             priority_class_name="stoker-workers",
             service_account_name="worker",
@@ -352,6 +357,21 @@ async def test_create_pod_sends_the_whole_spec(
             }
         ],
         "nodeSelector": {"pool": "workers"},
+        "affinity": {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": weight,
+                        "preference": {
+                            "matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}
+                            ]
+                        },
+                    }
+                    for weight, nodes in [(100, ["node-a"]), (34, ["node-b", "node-c"])]
+                ]
+            }
+        },
         "tolerations": [
             {"key": "dedicated", "operator": "Equal", "value": "workers", "effect": "NoSchedule"}
         ],
@@ -362,6 +382,9 @@ async def test_create_pod_sends_the_whole_spec(
     }
     assert (sent["apiVersion"], sent["kind"]) == ("v1", "Pod")
     assert set(sent) == {"apiVersion", "kind", "metadata", "spec"}
+    # Read back, the preferred nodes are the ones sent.
+    read = await cluster.get_pod("w-1")
+    assert read is not None and read.spec.preferred_nodes == pod.spec.preferred_nodes
 
 
 async def test_list_and_watch_send_the_label_selector(

@@ -60,6 +60,7 @@ from stoker.ports.cluster import (
     PodList,
     PodPhase,
     PodSpec,
+    PreferredNodes,
     Selector,
     Waiting,
     WatchEvent,
@@ -952,6 +953,7 @@ async def plane(
     *,
     instance_id: str = "cp-one",
     spec: PoolSpec | None = None,
+    prefer_session_nodes: bool = False,
 ) -> AsyncIterator[Plane]:
     """A control plane on the Kubernetes runtime and the fake cluster (SQLite store)."""
     clock = LoopClock(epoch=EPOCH)
@@ -963,6 +965,7 @@ async def plane(
         instance_id=instance_id,
         activation_key=TEST_ACTIVATION_KEY,
         placeholder_priority_class="stoker-placeholder",
+        prefer_session_nodes=prefer_session_nodes,
     )
     control = ControlPlane(
         store=SqliteStore(str(tmp_path / "stoker.db")),
@@ -1085,6 +1088,47 @@ async def test_claims_gather_on_the_node_whose_pods_are_pinned(tmp_path: Path) -
         await p.runtime.set_busy(parked, False)
         await asyncio.sleep(1)
         assert p.runtime.node_sessions(parked) == 1
+    await server.close()
+
+
+async def test_a_new_worker_prefers_the_nodes_that_hold_sessions(tmp_path: Path) -> None:
+    """With `prefer_session_nodes`, a spawn asks the scheduler for the nodes that hold the
+    most sessions (preferred node affinity on the hostname); with no session anywhere it
+    prefers none. The fake API
+    server keeps the spec (the real kube-scheduler's answer to it is tested in
+    tests/e2e_kubernetes/test_scheduling.py)."""
+    server = server_for_test()
+    spec = pool(warm_target=2)
+    async with Kubelet(server), plane(tmp_path, server, spec=spec, prefer_session_nodes=True) as p:
+        await asyncio.sleep(3)
+        before = {pod.name: pod for pod in (await server.list_pods({})).items}
+        assert len(before) == 2
+        assert all(not pod.spec.preferred_nodes for pod in before.values())
+        first = await p.claim("a")
+        await asyncio.sleep(1)  # the pin reaches the informer
+        node = (await pod_of(server, first.worker_id)).node_name
+        assert node is not None
+        seen = set(before) | {pod.name for pod in (await server.list_pods({})).items}
+        p.plane.catalog.update_pool(pool(warm_target=4))
+        await p.tick()
+        new = [pod for pod in (await server.list_pods({})).items if pod.name not in seen]
+        assert len(new) == 3  # the claimed worker's refill, and two more
+        for pod in new:
+            assert pod.spec.preferred_nodes == (PreferredNodes(100, (node,)),)
+    await server.close()
+
+
+async def test_without_the_setting_new_workers_prefer_no_node(tmp_path: Path) -> None:
+    server = server_for_test()
+    async with Kubelet(server), plane(tmp_path, server, spec=pool(warm_target=2)) as p:
+        await asyncio.sleep(3)
+        await p.claim("a")
+        await asyncio.sleep(1)  # the pin reaches the informer
+        p.plane.catalog.update_pool(pool(warm_target=4))
+        await p.tick()
+        pods = (await server.list_pods({})).items
+        assert len(pods) == 5
+        assert all(not pod.spec.preferred_nodes for pod in pods)
     await server.close()
 
 

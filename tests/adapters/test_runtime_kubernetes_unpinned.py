@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stoker.adapters.runtime_kubernetes._pods import PodView
+from stoker.adapters.runtime_kubernetes._pods import PodView, preferred_nodes
 from stoker.adapters.runtime_kubernetes._unpinned import PinnedByNode, UnpinnedPods
+from stoker.ports.cluster import PreferredNodes
 
 
 def view(name: str, worker_id: str | None = None, **changes: object) -> PodView:
@@ -88,3 +89,26 @@ def test_a_pinned_pod_counts_once_it_has_a_node() -> None:
     running = replace(pending, node_name="n-1", phase="Running", ready=True)
     index.changed(pending, running)
     assert index.on("n-1") == 1
+
+
+def test_the_nodes_with_the_most_sessions_come_first() -> None:
+    index = PinnedByNode()
+    for number, node in enumerate(["n-1", "n-2", "n-2", "n-3", "n-2", "n-3"]):
+        index.changed(
+            None, view(f"w-{number}", f"w-{number}", node_name=node, do_not_disrupt="true")
+        )
+    assert index.most(2) == [("n-2", 3), ("n-3", 2)]
+    assert index.most(16) == [("n-2", 3), ("n-3", 2), ("n-1", 1)]
+    assert PinnedByNode().most(16) == []
+
+
+def test_preferred_nodes_weigh_each_node_by_its_share_of_the_most_sessions() -> None:
+    terms = preferred_nodes([("n-1", 6), ("n-2", 3), ("n-3", 3), ("n-4", 1), ("n-5", 0)])
+    assert terms == (
+        PreferredNodes(100, ("n-1",)),
+        PreferredNodes(50, ("n-2", "n-3")),
+        PreferredNodes(17, ("n-4",)),
+    )
+    # One session beside 300 still counts (weights are 1-100); no session: no preference.
+    assert preferred_nodes([("n-1", 300), ("n-2", 1)])[-1] == PreferredNodes(1, ("n-2",))
+    assert preferred_nodes([]) == preferred_nodes([("n-1", 0)]) == ()

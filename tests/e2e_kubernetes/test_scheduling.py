@@ -19,6 +19,7 @@ from kube_control_plane import NODE_NAMES, ControlPlane, until
 pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(180)]
 
 PLACEHOLDER = "stoker.dev/placeholder"
+PIN = "karpenter.sh/do-not-disrupt"
 
 
 def fleet_pods(kube: ControlPlane, fleet: str, extra: str = "") -> list[dict[str, Any]]:
@@ -186,3 +187,63 @@ def test_a_pod_still_pulling_its_image_is_not_recreated(
     assert len(creates) == 2, [e.name for e in creates]
     retired = stoker.workers(pool="duck", state="retired")
     assert retired == []
+
+
+def test_new_workers_are_scheduled_beside_the_sessions(
+    kube: ControlPlane, start_stoker: StartStoker, fleet: str
+) -> None:
+    """kube-scheduler's default profile spreads pods (LeastAllocated): without a preference,
+    new workers would go to the two empty nodes (checked by hand with the preference off).
+    With `prefer_session_nodes`, spawned while a session runs, they prefer its node
+    (preferred node affinity on the hostname), so their sessions gather there and the
+    other nodes stay empty for the node autoscaler to take back."""
+    stoker = start_stoker([pool(kube, warm_target=1)], runtime={"prefer_session_nodes": True})
+    until(lambda: stoker.pool()["counts"]["warm"] == 1, 60, "one warm worker")
+    response = stoker.claim("org-a")
+    assert response.status_code == 201, response.text
+    session = response.json()["worker"]["id"]
+    assert kube.admin is not None
+
+    def pinned_node() -> str | None:
+        pod = kube.admin.pod(session) if kube.admin is not None else None
+        meta = (pod or {}).get("metadata", {})
+        if (meta.get("annotations") or {}).get(PIN) != "true":
+            return None
+        return str((pod or {}).get("spec", {}).get("nodeName") or "") or None
+
+    node = until(pinned_node, 20, "the session's pod pinned on a node")
+
+    # The refill spawned at the claim may have gone out before the pin was seen; wait for
+    # it (and any the claim's demand asked for), then ask for two more workers: they are
+    # spawned with the session's node known.
+    def settled() -> int | None:
+        counts = stoker.pool()["counts"]
+        return counts["warm"] if counts["warm"] >= 1 and not counts["spawning"] else None
+
+    warm = until(settled, 60, "the refill warm")
+    before = {p["metadata"]["name"] for p in fleet_pods(kube, fleet, "stoker.dev/worker-id")}
+    patched = stoker.http.patch("/v1/pools/duck", json={"warm_target": warm + 2})
+    assert patched.status_code == 200
+    until(lambda: stoker.pool()["counts"]["warm"] >= warm + 2, 60, "two more warm workers")
+    new = [
+        p
+        for p in fleet_pods(kube, fleet, "stoker.dev/worker-id")
+        if p["metadata"]["name"] not in before
+    ]
+    assert len(new) >= 2
+    for pod in new:
+        terms = pod["spec"]["affinity"]["nodeAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert terms == [
+            {
+                "weight": 100,
+                "preference": {
+                    "matchExpressions": [
+                        {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+                    ]
+                },
+            }
+        ]
+    assert {pod["spec"]["nodeName"] for pod in new} == {node}
+    stoker.stop()

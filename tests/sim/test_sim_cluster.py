@@ -24,6 +24,7 @@ import pytest
 
 from stoker.ports.clock import LoopClock
 from stoker.ports.cluster import (
+    LABEL_HOSTNAME,
     ClusterUnavailable,
     Conflict,
     Container,
@@ -31,6 +32,7 @@ from stoker.ports.cluster import (
     Pod,
     PodPhase,
     PodSpec,
+    PreferredNodes,
     Toleration,
 )
 from stoker.sim.cluster import SimCluster
@@ -40,7 +42,7 @@ from stoker.sim.cluster.config import SimClusterConfig
 from stoker.sim.cluster.disruption import EvictionVerdict
 from stoker.sim.cluster.distributions import Bucket, Buckets, Constant
 from stoker.sim.cluster.kubelet import KubeletConfig
-from stoker.sim.cluster.model import DO_NOT_DISRUPT, LABEL_HOSTNAME
+from stoker.sim.cluster.model import DO_NOT_DISRUPT
 from stoker.sim.cluster.resources import INSTANCE_TYPES_BY_NAME
 from stoker.sim.cluster.scheduler import SchedulerConfig
 from stoker.sim.cluster.specs import Archetype, NodePoolConfig, Shape, Taint, WorkloadKind
@@ -98,8 +100,10 @@ def pod(
     annotations: dict[str, str] | None = None,
     grace_s: int | None = None,
     node: str | None = None,
+    preferred: tuple[PreferredNodes, ...] = (),
 ) -> Pod:
-    """A worker-like pod; `node` pins it to a node by hostname."""
+    """A worker-like pod; `node` pins it to a node by hostname, `preferred` are its
+    preferred nodes."""
     return Pod(
         name=name,
         labels=labels or {"stoker.dev/pool": "p"},
@@ -109,6 +113,7 @@ def pod(
             priority_class_name=priority_class,
             termination_grace_period_s=grace_s,
             node_selector={LABEL_HOSTNAME: node} if node else {},
+            preferred_nodes=preferred,
         ),
     )
 
@@ -187,6 +192,33 @@ async def test_the_scheduler_packs_the_most_allocated_node_that_fits(
     # a, b, c fill the first node to 3000m of 3795m; d (2 cores) no longer fits there;
     # e (500m) fits the 795m left, the fullest candidate.
     assert [node_of(cluster, name) for name in "abcde"] == [first, first, first, second, first]
+
+
+async def test_a_preferred_node_wins_over_a_fuller_one_while_it_has_room(
+    make_cluster: MakeCluster,
+) -> None:
+    """Preferred node affinity outweighs MostAllocated (kube-scheduler's two scores, each
+    0-100 with weight 1): the pod goes to the preferred node that fits, the heavier
+    preference first, and to the fullest node when none of them fits."""
+    cluster = await make_cluster(node_pools=(pool(initial_nodes={"m5.xlarge": 3}),))
+    first, second, third = names(cluster)
+    await cluster.api.create_pod(pod("full", cpu="3", node=first))
+    await cluster.api.create_pod(pod("some", cpu="1", node=second))
+    await until(cluster, lambda: cluster.snapshot().binds_total == 2)
+    near = (PreferredNodes(100, (first,)), PreferredNodes(50, (third,)))
+    # The first (100) has no room for 1 core: the third (50) beats the fuller second.
+    await cluster.api.create_pod(pod("a", cpu="1", preferred=near))
+    await until(cluster, lambda: cluster.snapshot().binds_total == 3)
+    assert node_of(cluster, "a") == third
+    # 500m fits the first: the heaviest preference wins.
+    await cluster.api.create_pod(pod("b", cpu="500m", preferred=near))
+    await until(cluster, lambda: cluster.snapshot().binds_total == 4)
+    assert node_of(cluster, "b") == first
+    # A preference for nodes the cluster does not have changes nothing: the fullest
+    # node with room (the second, with 1 core of 3.8) takes it.
+    await cluster.api.create_pod(pod("c", cpu="2", preferred=(PreferredNodes(100, ("gone",)),)))
+    await until(cluster, lambda: cluster.snapshot().binds_total == 5)
+    assert node_of(cluster, "c") == second
 
 
 async def test_binds_are_limited_to_the_configured_rate(make_cluster: MakeCluster) -> None:

@@ -35,6 +35,7 @@ from lightkube.types import PatchType
 from stoker.domain.errors import ConfigError
 from stoker.ports.clock import Clock, TokenBucket
 from stoker.ports.cluster import (
+    LABEL_HOSTNAME,
     ClusterError,
     ClusterUnavailable,
     Condition,
@@ -47,6 +48,7 @@ from stoker.ports.cluster import (
     PodList,
     PodPhase,
     PodSpec,
+    PreferredNodes,
     Selector,
     Toleration,
     Waiting,
@@ -181,6 +183,7 @@ def _pod_to_k8s(pod: Pod, namespace: str) -> K8sPod:
         spec=k8s.PodSpec(
             containers=[_container_to_k8s(container) for container in spec.containers],
             nodeSelector=dict(spec.node_selector) or None,
+            affinity=_affinity_to_k8s(spec.preferred_nodes),
             tolerations=tolerations or None,
             priorityClassName=spec.priority_class_name,
             serviceAccountName=spec.service_account_name,
@@ -188,6 +191,39 @@ def _pod_to_k8s(pod: Pod, namespace: str) -> K8sPod:
             terminationGracePeriodSeconds=spec.termination_grace_period_s,
         ),
     )
+
+
+def _affinity_to_k8s(preferred: Sequence[PreferredNodes]) -> k8s.Affinity | None:
+    if not preferred:
+        return None
+    terms = [
+        k8s.PreferredSchedulingTerm(
+            weight=term.weight,
+            preference=k8s.NodeSelectorTerm(
+                matchExpressions=[
+                    k8s.NodeSelectorRequirement(
+                        key=LABEL_HOSTNAME, operator="In", values=list(term.hostnames)
+                    )
+                ]
+            ),
+        )
+        for term in preferred
+    ]
+    return k8s.Affinity(
+        nodeAffinity=k8s.NodeAffinity(preferredDuringSchedulingIgnoredDuringExecution=terms)
+    )
+
+
+def _preferred_from_k8s(affinity: k8s.Affinity | None) -> tuple[PreferredNodes, ...]:
+    """The hostname terms of a pod's preferred node affinity (others are not stoker's)."""
+    node_affinity = affinity.nodeAffinity if affinity else None
+    terms = node_affinity.preferredDuringSchedulingIgnoredDuringExecution if node_affinity else None
+    found = []
+    for term in terms or ():
+        for match in term.preference.matchExpressions or ():
+            if match.key == LABEL_HOSTNAME and match.operator == "In":
+                found.append(PreferredNodes(term.weight, tuple(match.values or ())))
+    return tuple(found)
 
 
 def _container_from_k8s(container: k8s.Container) -> Container:
@@ -240,6 +276,7 @@ def _pod_from_k8s(obj: K8sPod) -> Pod:
         spec=PodSpec(
             containers=tuple(_container_from_k8s(c) for c in (spec.containers if spec else ())),
             node_selector=dict((spec.nodeSelector if spec else None) or {}),
+            preferred_nodes=_preferred_from_k8s(spec.affinity if spec else None),
             tolerations=tuple(
                 Toleration(
                     key=t.key,

@@ -97,6 +97,11 @@ class KubernetesRuntimeConfig(Section):
     placeholder_image: str = Field("registry.k8s.io/pause:3.10", min_length=1)
     #: Null: each pool's placeholders are as large as its workers.
     placeholder_size: PlaceholderSize | None = None
+    #: New worker pods prefer the nodes that hold the most sessions (preferred node
+    #: affinity on `kubernetes.io/hostname`, which must be the node's name), so sessions
+    #: gather and the node autoscaler can take the other nodes back. Fewer nodes mean
+    #: less spare room: keep `headroom_nodes` for the spawns that then wait for a node.
+    prefer_session_nodes: bool = False
 
 
 RuntimeConfig = LocalRuntimeConfig | KubernetesRuntimeConfig

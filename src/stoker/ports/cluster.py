@@ -73,6 +73,20 @@ class Toleration:
     toleration_seconds: int | None = None
 
 
+#: The node label that names a node (its hostname; the node's name on most clusters).
+LABEL_HOSTNAME = "kubernetes.io/hostname"
+
+
+@dataclass(frozen=True, slots=True)
+class PreferredNodes:
+    """One term of a pod's preferred node affinity
+    (`affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[]`): the
+    nodes whose `kubernetes.io/hostname` is one of `hostnames` score `weight` (1-100)."""
+
+    weight: int
+    hostnames: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PodSpec:
     """What stoker asks of a worker pod.
@@ -85,6 +99,8 @@ class PodSpec:
     containers: tuple[Container, ...]
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
+    #: Nodes the scheduler should prefer, where they fit (a preference, never a filter).
+    preferred_nodes: tuple[PreferredNodes, ...] = ()
     priority_class_name: str | None = None
     service_account_name: str | None = None
     restart_policy: str = "Never"

@@ -278,6 +278,7 @@ class _ReplicaParts:
             resync_s=scenario.control_plane.resync_s,
             placeholder_priority_class=PLACEHOLDER_PRIORITY_CLASS,
             placeholder_size=placeholder_size,
+            prefer_session_nodes=scenario.control_plane.prefer_session_nodes,
         )
         runtime = runtime_for(entry, inner, clock=self._clock)
         self._replicas.runtimes.append(runtime)

@@ -371,6 +371,8 @@ class ControlPlaneConfig(_Model):
     retry_period_s: float = Field(2.0, gt=0)
     #: The Kubernetes runtime's informer resync: 5 minutes (its default).
     resync_s: float = Field(300.0, gt=0)
+    #: The runtime's `prefer_session_nodes` (off, its default).
+    prefer_session_nodes: bool = False
     #: duckgres: stranded pods older than 2 minutes are cleaned up.
     stranded_grace_s: float = Field(120.0, ge=0)
     #: The label value every worker pod carries (`stoker.dev/fleet`).

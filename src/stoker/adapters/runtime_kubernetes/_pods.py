@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from stoker.ports.cluster import (
     Pod,
     PodPhase,
     PodSpec,
+    PreferredNodes,
     Toleration,
     Waiting,
 )
@@ -232,8 +233,10 @@ def worker_pod(
     instance_id: str,
     grace_s: float,
     activation_key: ActivationKey,
+    beside: Sequence[tuple[str, int]] = (),
 ) -> Pod:
-    """The pod of `worker`, labelled for `fleet` and the replica `instance_id`.
+    """The pod of `worker`, labelled for `fleet` and the replica `instance_id`, preferring
+    the nodes in `beside` (node, sessions it holds; `preferred_nodes`).
 
     Its environment holds the worker's activation secret, derived from `activation_key`:
     one value per pod, no Secret object per worker; the fleet key stays with the
@@ -280,12 +283,35 @@ def worker_pod(
                 ),
             ),
             node_selector=dict(template.node_selector),
+            preferred_nodes=preferred_nodes(beside),
             tolerations=tolerations(template.tolerations),
             priority_class_name=template.priority_class,
             service_account_name=template.service_account,
             restart_policy="Never",
             termination_grace_period_s=math.ceil(grace_s),
         ),
+    )
+
+
+def preferred_nodes(beside: Sequence[tuple[str, int]]) -> tuple[PreferredNodes, ...]:
+    """A new worker's preferred nodes: those holding sessions, weighted by how many (the
+    most 100, the others their share of it, at least 1), equal weights in one term.
+
+    Sessions pin their node against disruption, so a node goes back only once its last
+    session has ended. A warm worker spawned where sessions already are takes its own
+    session there; one spawned on the emptiest node (kube-scheduler's default spreads)
+    keeps that node for as long as its session lasts.
+    """
+    top = max((held for _, held in beside), default=0)
+    if top <= 0:
+        return ()
+    by_weight: dict[int, list[str]] = {}
+    for node, held in beside:
+        if held > 0:
+            by_weight.setdefault(max(1, round(100 * held / top)), []).append(node)
+    return tuple(
+        PreferredNodes(weight, tuple(nodes))
+        for weight, nodes in sorted(by_weight.items(), reverse=True)
     )
 
 

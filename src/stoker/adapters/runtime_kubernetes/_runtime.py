@@ -30,6 +30,8 @@ _log = EventLog("stoker.runtime.kubernetes")
 
 #: How long `adopt` and `list_objects` wait for the informer's first list.
 SYNC_TIMEOUT_S = 60.0
+#: A new worker pod prefers at most this many nodes: those holding the most sessions.
+PREFERRED_NODES = 16
 
 
 class KubernetesRuntime:
@@ -62,7 +64,10 @@ class KubernetesRuntime:
         placeholder_size: tuple[str, str] | None = None,
         stop_grace_s: float | None = None,
         sync_timeout_s: float = SYNC_TIMEOUT_S,
+        prefer_session_nodes: bool = False,
     ) -> None:
+        """With `prefer_session_nodes`, a new worker pod prefers the nodes that hold the
+        most sessions (`preferred_nodes`)."""
         if not valid_label_value(fleet) or not fleet:
             raise ValueError(f"fleet {fleet!r} is not a valid Kubernetes label value")
         if not valid_label_value(instance_id) or not instance_id:
@@ -74,6 +79,7 @@ class KubernetesRuntime:
         self.cluster = cluster
         self.clock = clock
         self.fleet = fleet
+        self._preferred_nodes = PREFERRED_NODES if prefer_session_nodes else 0
         self.instance_id = instance_id
         self.stop_grace_s = stop_grace_s
         self._key = activation_key
@@ -140,6 +146,9 @@ class KubernetesRuntime:
             instance_id=self.instance_id,
             grace_s=self._grace(pool.timeouts.stop_grace_s),
             activation_key=self._key,
+            beside=self.informer.pinned_by_node.most(self._preferred_nodes)
+            if self._preferred_nodes
+            else (),
         )
         try:
             await self.cluster.create_pod(pod)

@@ -78,3 +78,8 @@ class PinnedByNode:
     def on(self, node: str) -> int:
         """Live pinned worker pods on `node`."""
         return self._pinned.get(node, 0)
+
+    def most(self, count: int) -> list[tuple[str, int]]:
+        """The (at most `count`) nodes with the most live pinned worker pods, and how
+        many each holds, most first."""
+        return self._pinned.most_common(count)

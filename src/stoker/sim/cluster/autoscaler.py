@@ -36,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from stoker.ports.cluster import LABEL_HOSTNAME
 from stoker.sim.cluster.freeindex import Capacity, FreeIndex, best_fit
 from stoker.sim.cluster.model import (
-    LABEL_HOSTNAME,
     LABEL_INSTANCE_TYPE,
     NodePool,
     NodeState,

@@ -149,6 +149,7 @@ class PodMirror:
             node_filter=node_filter,
             workload=workload,
             created_t=self.timeline.now(),
+            preferred=_preferred(spec),
         )
         pods[pod.name] = sim
         self.phases[sim.phase] += 1
@@ -274,3 +275,12 @@ class PodMirror:
             known = (tuple(admitted), residual)
             self._eligibility[key] = known
         return known
+
+
+def _preferred(spec: PodSpec) -> dict[str, int]:
+    """Hostname -> the summed weights of the preferred node affinity's terms naming it."""
+    preferred: dict[str, int] = {}
+    for term in spec.preferred_nodes:
+        for hostname in term.hostnames:
+            preferred[hostname] = preferred.get(hostname, 0) + term.weight
+    return preferred

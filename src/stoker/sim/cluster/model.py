@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
-from stoker.ports.cluster import Container, PodPhase, PodSpec, Toleration
+from stoker.ports.cluster import LABEL_HOSTNAME, Container, PodPhase, PodSpec, Toleration
 from stoker.sim.cluster.apiserver import FakeApiServer
 from stoker.sim.cluster.freeindex import Capacity, FreeIndex
 from stoker.sim.cluster.resources import Allocatable, InstanceType, cpu_millis, memory_bytes
@@ -38,7 +38,6 @@ DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
 WORKLOAD_LABEL = "sim.stoker.dev/workload"
 #: Well-known node labels.
 LABEL_INSTANCE_TYPE = "node.kubernetes.io/instance-type"
-LABEL_HOSTNAME = "kubernetes.io/hostname"
 LABEL_NODEPOOL = "karpenter.sh/nodepool"
 #: Reason written on a pod that fits no node (the PodScheduled condition's reason).
 UNSCHEDULABLE = "Unschedulable"
@@ -84,6 +83,9 @@ class SimPod:
     node_filter: tuple[tuple[str, str], ...]
     workload: Workload | None
     created_t: float
+    #: Its preferred node affinity: hostname (a node's name here) -> the weights of the
+    #: terms naming it.
+    preferred: Mapping[str, int] = field(default_factory=dict)
     namespace: str = field(init=False)
     #: Whether the pod pins its node (`blocks_disruption`).
     dnd: bool = field(init=False)

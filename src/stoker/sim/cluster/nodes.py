@@ -14,8 +14,8 @@ import random
 from collections.abc import Iterator
 from typing import Protocol
 
+from stoker.ports.cluster import LABEL_HOSTNAME
 from stoker.sim.cluster.model import (
-    LABEL_HOSTNAME,
     LABEL_INSTANCE_TYPE,
     NodePool,
     NodeState,

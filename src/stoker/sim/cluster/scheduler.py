@@ -35,7 +35,7 @@ every larger pod of that shape at once. Preemption does not weigh PodDisruptionB
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -58,6 +58,11 @@ class SchedulerConfig:
     unschedulable_flush_s: float = 300.0
     #: `most_allocated` (bin-packing) or `least_allocated` (kube-scheduler's default).
     scoring: str = "most_allocated"
+    #: The preferred node affinity's score at its most, on the resource score's scale
+    #: (0 to 2): kube-scheduler's NodeAffinity and resource scores are each 0 to 100
+    #: with weight 1, so a node of the highest preferred weight gains as much as the
+    #: whole resource score's range.
+    node_affinity_weight: float = 2.0
     #: Added to a node's score (0 to 2) when it holds the pod's images already.
     image_locality_weight: float = 0.0
 
@@ -124,8 +129,11 @@ class Scheduler:
         config: SchedulerConfig,
         timeline: Timeline,
         on_unschedulable: Callable[[SimPod], None],
+        nodes: Mapping[str, SimNode] | None = None,
     ) -> None:
+        """`nodes` (name -> node) finds the nodes a pod's preferred node affinity names."""
         self.config = config
+        self._nodes: Mapping[str, SimNode] = {} if nodes is None else nodes
         self.counters = SchedulerCounters()
         self._timeline = timeline
         self._on_unschedulable = on_unschedulable
@@ -215,14 +223,27 @@ class Scheduler:
         spread = config.scoring == "least_allocated"
         weight = config.image_locality_weight
 
+        preferred = self._preferred(pod) if pod.preferred else {}
+        # kube-scheduler normalises the NodeAffinity score by its highest among the
+        # feasible nodes.
+        top = max(preferred.values(), default=0)
+        affinity = config.node_affinity_weight / top if top else 0.0
+
         def score(node: SimNode, cpu: int, mem: int) -> float:
             value = least_allocated(node, cpu, mem) if spread else most_allocated(node, cpu, mem)
             if weight and pod.images and all(image in node.images for image in pod.images):
                 value += weight
+            if affinity:
+                value += affinity * preferred.get(node, 0)
             return value
 
         best: SimNode | None = None
         best_score = -1.0
+        # Scored beside the sample below: a preferred node need not be among its tightest.
+        for near in preferred:
+            value = score(near, pod.cpu, pod.mem)
+            if value > best_score:
+                best, best_score = near, value
         for pool in pod.pools:
             node = best_fit(
                 pool.index,
@@ -238,6 +259,24 @@ class Scheduler:
                 if value > best_score:
                     best, best_score = node, value
         return best
+
+    def _preferred(self, pod: SimPod) -> dict[SimNode, int]:
+        """The schedulable nodes the pod's preferred node affinity names that fit it now,
+        with their weights (a node's hostname is its name here)."""
+        found: dict[SimNode, int] = {}
+        for hostname, weight in pod.preferred.items():
+            node = self._nodes.get(hostname)
+            if (
+                node is not None
+                and node.index is not None
+                and node.pool in pod.pools
+                and node.free_cpu >= pod.cpu
+                and node.free_mem >= pod.mem
+                and node.free_pods >= 1
+                and all(node.labels.get(k) == v for k, v in pod.node_filter)
+            ):
+                found[node] = weight
+        return found
 
     # -- the pass --------------------------------------------------------------------------
 

@@ -93,7 +93,10 @@ class SimCluster:
         )
         self.budgets = DisruptionBudgets()
         self.scheduler = Scheduler(
-            config=config.scheduler, timeline=self.timeline, on_unschedulable=self._unschedulable
+            config=config.scheduler,
+            timeline=self.timeline,
+            on_unschedulable=self._unschedulable,
+            nodes=self.fleet.by_name,
         )
         self.kubelet = Kubelet(config=config.kubelet, timeline=self.timeline, rng=rng)
         autoscaling = AutoscalerParts(config.autoscaler, self.fleet, self.scheduler, self.timeline)
