@@ -223,3 +223,24 @@ def test_a_synthetic_week_replays_every_claim(tmp_path: Path) -> None:
     assert none.cold_share is not None and none.cold_share > 5 * current.cold_share
     assert none.failed > 0
     assert current.session_p99_ms is not None and current.session_p99_ms < 200
+
+
+def test_a_config_that_gathers_sessions_replays_with_it(log: Path, tmp_path: Path) -> None:
+    """The live runtime's `prefer_session_nodes` is part of what the replay runs (the
+    simulated replicas' runtime prefers the same nodes), as the janitor's interval is."""
+    from stoker.cli.backtest import _config_settings
+
+    text = (Path(__file__).parents[2] / "examples" / "kubernetes.yaml").read_text()
+    shipped = tmp_path / "shipped.yaml"
+    shipped.write_text(text)
+    gathered = tmp_path / "gathered.yaml"
+    gathered.write_text(
+        text.replace(
+            "  kind: kubernetes\n", "  kind: kubernetes\n  prefer_session_nodes: true\n", 1
+        )
+    )
+    assert "prefer_session_nodes" not in _config_settings(shipped, "duck")[1]
+    intervals = _config_settings(gathered, "duck")[1]
+    assert intervals["prefer_session_nodes"] is True
+    backtest = Backtest(replay=read_claim_log(log), control_plane=intervals)
+    assert backtest.scenario([("current", {})]).control_plane.prefer_session_nodes

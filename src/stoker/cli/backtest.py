@@ -393,8 +393,8 @@ def _ledger_spawn(body: Any) -> SpawnToReady | None:
 def _config_settings(
     path: Path, pool: str
 ) -> tuple[dict[str, Any], dict[str, Any], CostSpec | None]:
-    """The pool's settings in a stoker config file, the replicas' intervals it sets, and
-    the pool's prices (`cost`)."""
+    """The pool's settings in a stoker config file, the replicas' intervals it sets (and
+    the Kubernetes runtime's `prefer_session_nodes`), and the pool's prices (`cost`)."""
     from stoker.config.convert import to_domain
     from stoker.config.loading import load_config
     from stoker.domain.errors import ConfigError
@@ -405,6 +405,8 @@ def _config_settings(
         for key in ("janitor_interval_s", "reaper_interval_s")
         if key in loaded.intervals_given()
     }
+    if getattr(loaded.runtime, "prefer_session_nodes", False):
+        intervals["prefer_session_nodes"] = True
     for spec in to_domain(loaded).pools:
         if spec.name == pool:
             return (
