@@ -218,3 +218,24 @@ def test_a_scenario_with_a_wrong_key_names_the_key(tmp_path: Path) -> None:
     assert result.exit_code != 0
     assert "pool.warm_targt: unknown key" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name", ["diurnal", "weekly"])
+def test_the_gathered_benchmark_scenarios_are_the_shipped_ones_with_the_preference(
+    name: str,
+) -> None:
+    """benchmarks/scenarios/NAME-gathered.yaml is the shipped scenario with only the
+    runtime's `prefer_session_nodes` turned on (and its own name)."""
+    path = Path(__file__).parents[2] / "benchmarks" / "scenarios" / f"{name}-gathered.yaml"
+    gathered, shipped = load_scenario(str(path)), load_scenario(name)
+    assert gathered.control_plane.prefer_session_nodes
+    assert not shipped.control_plane.prefer_session_nodes
+    same = gathered.model_copy(
+        update={
+            "name": shipped.name,
+            "control_plane": gathered.control_plane.model_copy(
+                update={"prefer_session_nodes": False}
+            ),
+        }
+    )
+    assert same == shipped
