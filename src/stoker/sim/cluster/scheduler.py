@@ -12,7 +12,8 @@ What it keeps from kube-scheduler:
   feasible nodes — the `score_candidates` tightest in free CPU — as kube-scheduler scores
   a percentage of nodes on large clusters instead of all of them; or `LeastAllocated`,
   kube-scheduler's default, on the emptiest; either plus an `ImageLocality`-like bonus
-  for a node that holds the pod's images already;
+  for a node that holds the pod's images already, and the `NodeAffinity` score of a
+  pod's preferred nodes (by hostname; scored even when not in the sample);
 - pods that fit nowhere are marked `Unschedulable` (the reason the node autoscaler acts
   on) and parked until capacity appears (a node becomes Ready, a pod leaves a node) or
   the periodic flush after `unschedulable_flush_s` (kube-scheduler's
