@@ -397,6 +397,7 @@ def _config_settings(
     the Kubernetes runtime's `prefer_session_nodes`), and the pool's prices (`cost`)."""
     from stoker.config.convert import to_domain
     from stoker.config.loading import load_config
+    from stoker.config.sections import KubernetesRuntimeConfig
     from stoker.domain.errors import ConfigError
 
     loaded = load_config(path, environ={}).config
@@ -405,7 +406,7 @@ def _config_settings(
         for key in ("janitor_interval_s", "reaper_interval_s")
         if key in loaded.intervals_given()
     }
-    if getattr(loaded.runtime, "prefer_session_nodes", False):
+    if isinstance(loaded.runtime, KubernetesRuntimeConfig) and loaded.runtime.prefer_session_nodes:
         intervals["prefer_session_nodes"] = True
     for spec in to_domain(loaded).pools:
         if spec.name == pool:

@@ -146,9 +146,7 @@ class KubernetesRuntime:
             instance_id=self.instance_id,
             grace_s=self._grace(pool.timeouts.stop_grace_s),
             activation_key=self._key,
-            beside=self.informer.pinned_by_node.most(self._preferred_nodes)
-            if self._preferred_nodes
-            else (),
+            beside=self.informer.pinned_by_node.most(self._preferred_nodes),
         )
         try:
             await self.cluster.create_pod(pod)

@@ -130,11 +130,11 @@ class Scheduler:
         config: SchedulerConfig,
         timeline: Timeline,
         on_unschedulable: Callable[[SimPod], None],
-        nodes: Mapping[str, SimNode] | None = None,
+        nodes: Mapping[str, SimNode],
     ) -> None:
         """`nodes` (name -> node) finds the nodes a pod's preferred node affinity names."""
         self.config = config
-        self._nodes: Mapping[str, SimNode] = {} if nodes is None else nodes
+        self._nodes = nodes
         self.counters = SchedulerCounters()
         self._timeline = timeline
         self._on_unschedulable = on_unschedulable
