@@ -342,8 +342,10 @@ STOPS_DURING_SPAWNS = 50
 async def test_a_stop_during_spawns_leaves_no_process(tmp_path: Path, fleet: str) -> None:
     """A worker process that outlived its plane's stop was a leak: a spawn granted a
     start-up slot (not yet resumed) when the stop retired its row started its process
-    afterwards, for a retired row. Stopped at every moment of its spawns, no plane leaves
-    a process behind."""
+    afterwards, for a retired row. Another: a spawn recorded its ref while the workers
+    listed before it retired, so its retirement missed its fence, and the last sweep's
+    /proc scan, run an instant after that spawn's `exec`, read its environment empty.
+    Stopped at every moment of its spawns, no plane leaves a process behind."""
     rng = random.Random(7)
     for i in range(STOPS_DURING_SPAWNS):
         clock = VirtualClock(epoch=None)

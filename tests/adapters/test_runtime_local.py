@@ -22,6 +22,7 @@ import pytest
 from fakes import TEST_ACTIVATION_KEY
 from runtime_contract import EVENT_TIMEOUT_S, Recorder, RuntimeContract
 from stoker.adapters.runtime_local import LocalProcessRuntime
+from stoker.adapters.runtime_local import _runtime as runtime_module
 from stoker.domain.errors import RuntimeFailure, SpawnWithdrawn
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, Timeouts
@@ -398,6 +399,25 @@ async def test_list_objects_finds_exactly_this_fleets_processes(
 
     await ours.stop(mine[0], grace_s=5.0)
     assert [obj.worker_id for obj in await ours.list_objects()] == [mine[1].id]
+
+
+async def test_list_objects_names_the_processes_it_started_that_the_scan_missed(
+    make_runtime: MakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For an instant after `exec` a new process's environment reads empty, so a scan of
+    /proc right after a spawn misses it (seen on a loaded machine: a shutdown's last sweep
+    left a process running). The scan is made to miss here; the listing still names every
+    process the runtime started, as the scan would."""
+    rt, recorder = await make_runtime()
+    mine = [await spawn_ready(rt, recorder) for _ in range(2)]
+    scanned = {obj.worker_id: obj for obj in await rt.list_objects()}
+
+    monkeypatch.setattr(runtime_module, "scan_fleet", lambda _fleet, _own: [])
+    assert {obj.worker_id: obj for obj in await rt.list_objects()} == scanned
+    assert set(scanned) == {w.id for w in mine}
+
+    await rt.stop(mine[0], grace_s=5.0)
+    assert [obj.worker_id for obj in await rt.list_objects()] == [mine[1].id]
 
 
 async def test_worker_output_goes_to_the_log_dir(make_runtime: MakeRuntime, tmp_path: Path) -> None:

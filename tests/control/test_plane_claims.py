@@ -42,6 +42,7 @@ from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, Reuse, Work
 from stoker.policy.demand import warm_for_rate
 from stoker.ports.clock import VirtualClock
 from stoker.ports.runtime import RuntimeObject
+from stoker.ports.store import fence
 
 pytestmark = pytest.mark.looptime
 
@@ -851,6 +852,45 @@ async def test_stop_workers_retires_everything(tmp_path: Path) -> None:
         await h.claim()
         await h.plane.stop(stop_workers=True)
         assert h.runtime.alive() == set()
+
+
+async def test_stop_workers_retires_workers_that_moved_on_since_its_listing(
+    tmp_path: Path,
+) -> None:
+    """A shutdown lists its workers, then retires them one at a time; meanwhile a spawn
+    may record its process's ref or a worker get ready (a write to its row), and the
+    listed row misses its fence. That worker was left live in the store, and on a loaded
+    machine its process running (the last sweep's /proc scan can miss a process just
+    started). It is read again and retired as it now is."""
+    async with running(tmp_path) as h:
+        listed_rows = h.store.inner.list_workers
+
+        async def listing_a_step_behind(**query: Any) -> list[Worker]:
+            listed = await listed_rows(**query)
+            if query.get("owner") == h.plane.instance_id:
+                for worker in listed:
+                    # A write that keeps the state (as a spawn's ref does) bumps the version.
+                    moved = await h.store.inner.transition(
+                        worker.id, **fence(worker), to=worker.state, now=h.clock.now()
+                    )
+                    assert moved is not None and moved.version > worker.version
+            return listed
+
+        h.store.inner.list_workers = listing_a_step_behind  # type: ignore[method-assign]
+        warm = {w.id for w in await h.workers(S.WARM)}
+        assert len(warm) == 2
+        await h.plane.stop(stop_workers=True)
+        assert h.runtime.alive() == set()
+
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    await store.open()
+    try:
+        for worker_id in warm:
+            row = await store.get_worker(worker_id)
+            assert row is not None
+            assert (row.state, row.reason) == (S.RETIRED, "shutdown")
+    finally:
+        await store.close()
 
 
 # -- the fallback reaper, while nobody leads -------------------------------------------------

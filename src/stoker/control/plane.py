@@ -49,7 +49,7 @@ from stoker.domain.errors import (
     StoreError,
     Unavailable,
 )
-from stoker.domain.records import Claim, ClaimRequest
+from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.rollouts import Strategy
 from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
 from stoker.domain.states import LIVE, RetireReason, WorkerState
@@ -60,6 +60,10 @@ from stoker.ports.elector import Elector, SoleLeader
 from stoker.ports.runtime import Runtime
 from stoker.ports.store import Store, WorkerFeed
 from stoker.ports.tracer import NO_TRACER, Tracer
+
+#: How many times a shutdown reads a worker again whose retirement missed its fence (the
+#: row moved on since the listing); each read sees every write made until then.
+SHUTDOWN_REREADS = 3
 
 
 class ControlPlane:
@@ -282,17 +286,40 @@ class ControlPlane:
             logs.event("shutdown_store_failed", error=str(exc), level=logs.WARNING)
             workers = []
         for worker in workers:
-            failed_before = self.lifecycle.last_store_failure
-            if worker.state is WorkerState.HOT and worker.claim_id:
-                await self.retirer.fail_session(worker, RetireReason.SHUTDOWN)
-            else:
-                await self.retirer.retire(worker, RetireReason.SHUTDOWN)
-            if self.lifecycle.last_store_failure is not failed_before:
+            if not await self._retire_at_shutdown(worker):
                 # A write failed: the store is failing, the rest go without it.
                 logs.event("shutdown_store_failed", worker=worker.id, level=logs.WARNING)
                 break
         await self.book.wait_background(self.settings.shutdown_grace_s)
         await self.retirer.stop_leftovers(self.instance_id)
+
+    async def _retire_at_shutdown(self, worker: Worker) -> bool:
+        """Retire one of this replica's workers as listed; False when the store failed.
+
+        The listing may be a step behind: a spawn records its process's ref, a worker gets
+        ready, while the workers before it retire. Such a write misses its fence, and the
+        worker is read again and retired as it now is (a spawn's ref is what stops it).
+        """
+        for _ in range(SHUTDOWN_REREADS + 1):
+            failed_before = self.lifecycle.last_store_failure
+            if worker.state is WorkerState.HOT and worker.claim_id:
+                done = await self.retirer.fail_session(worker, RetireReason.SHUTDOWN)
+            else:
+                done = await self.retirer.retire(worker, RetireReason.SHUTDOWN)
+            if self.lifecycle.last_store_failure is not failed_before:
+                return False
+            if done:
+                return True
+            try:
+                fresh = await self.store.get_worker(worker.id)
+            except StoreError:
+                return False
+            if fresh is None or fresh.state not in LIVE or fresh.owner != self.instance_id:
+                return True  # retired or taken over meanwhile
+            if (fresh.state, fresh.version) == (worker.state, worker.version):
+                return True  # nothing to retry: its retirement is under way or remembered
+            worker = fresh
+        return True
 
     async def _remove_headroom(self) -> None:
         """Delete the fleet's headroom placeholders (a leader's `--stop-workers`): they hold

@@ -203,6 +203,7 @@ class LocalProcessRuntime:
             start_time=start_time,
             pidfd=pidfd,
             ready=False,
+            endpoint=endpoint,
         )
         self._watches.add(watch)
         watch.poller = asyncio.create_task(
@@ -354,27 +355,42 @@ class LocalProcessRuntime:
         return True
 
     async def list_objects(self) -> list[RuntimeObject]:
-        """Every live process labelled with this fleet (read from /proc in a thread)."""
+        """Every live process labelled with this fleet (read from /proc in a thread), and
+        every live process this runtime watches.
+
+        The second part is not redundant: for an instant after `exec` (and longer on a
+        loaded machine) a new process's environment reads empty, so a scan that runs just
+        after a spawn misses it, and the shutdown's last sweep would leave it running.
+        """
         found = await asyncio.to_thread(scan_fleet, self.fleet, os.getpid())
         objects = []
         for pid, created, env in found:
             watch = self._watches.get(pid)
-            endpoint = env.get(LABEL_ENDPOINT)
-            ref: dict[str, Any] = {"pid": pid, "start_time": created}
-            if endpoint:
-                ref["endpoint"] = endpoint
             objects.append(
-                RuntimeObject(
-                    worker_id=env[LABEL_WORKER_ID],
-                    pool=env.get(LABEL_POOL, ""),
-                    ref=ref,
-                    created_at=created,
-                    alive=True,
+                _listed(
+                    env[LABEL_WORKER_ID],
+                    env.get(LABEL_POOL, ""),
+                    pid,
+                    created,
+                    endpoint=env.get(LABEL_ENDPOINT),
                     ready=watch is not None and watch.ready,
-                    endpoint=endpoint,
                     instance=env.get(LABEL_INSTANCE),
                 )
             )
+        scanned = {pid for pid, _created, _env in found}
+        for watch in self._watches.live():
+            if watch.pid not in scanned:
+                objects.append(
+                    _listed(
+                        watch.worker_id,
+                        watch.pool,
+                        watch.pid,
+                        watch.start_time,
+                        endpoint=watch.endpoint,
+                        ready=watch.ready,
+                        instance=self.instance_id,
+                    )
+                )
         return objects
 
     async def set_busy(self, worker: Worker, busy: bool) -> None:
@@ -404,6 +420,32 @@ class LocalProcessRuntime:
     def placeholder_slots(self, pool: PoolSpec) -> int:
         """1: there are no placeholders on one machine."""
         return 1
+
+
+def _listed(
+    worker_id: str,
+    pool: str,
+    pid: int,
+    created: float,
+    *,
+    endpoint: str | None,
+    ready: bool,
+    instance: str | None,
+) -> RuntimeObject:
+    """The runtime object of a live worker process."""
+    ref: dict[str, Any] = {"pid": pid, "start_time": created}
+    if endpoint:
+        ref["endpoint"] = endpoint
+    return RuntimeObject(
+        worker_id=worker_id,
+        pool=pool,
+        ref=ref,
+        created_at=created,
+        alive=True,
+        ready=ready,
+        endpoint=endpoint,
+        instance=instance,
+    )
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

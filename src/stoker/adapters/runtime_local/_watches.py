@@ -33,6 +33,8 @@ class ProcessWatch:
     ready: bool
     #: Set when the runtime ends the process on purpose: its exit is not a loss.
     stopping: bool = False
+    #: Where it listens, when this runtime started it (an adopted one's is in its row).
+    endpoint: str | None = None
     exited: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     poller: asyncio.Task[None] | None = None
 
@@ -59,6 +61,10 @@ class ProcessWatches:
     def get(self, pid: int) -> ProcessWatch | None:
         """The watch of `pid`, if any."""
         return self._by_pid.get(pid)
+
+    def live(self) -> list[ProcessWatch]:
+        """The watched processes that have not ended."""
+        return [w for w in self._by_pid.values() if not w.exited.is_set()]
 
     def find(self, worker_id: str) -> ProcessWatch | None:
         """The watch of a worker by id (rare: only when a stop comes without a ref)."""
