@@ -309,6 +309,9 @@ async def test_stranded_process_without_a_row_is_stopped(
             env={**os.environ, "STOKER_FLEET": fleet, "STOKER_WORKER_ID": "w-stray"},
             start_new_session=True,
         )
+        # An instant after `exec` (longer on a loaded machine) its environment reads
+        # empty: a pass then would not see it yet (the next one would).
+        await eventually(lambda: _labelled(stray.pid, fleet))
         clock.advance(PlaneSettings().stranded_grace_s + 1)
         report = await plane.run_janitor_pass()
         # Only the stray: the pool's own workers have rows (the pass's log says why not).
@@ -318,6 +321,13 @@ async def test_stranded_process_without_a_row_is_stopped(
         assert len(stopped) == 1 and "worker=w-stray" in stopped[0], stopped
         async with asyncio.timeout(15):
             assert await stray.wait() != 0
+
+
+async def _labelled(pid: int, fleet: str) -> bool:
+    try:
+        return psutil.Process(pid).environ().get("STOKER_FLEET") == fleet
+    except psutil.Error:
+        return False
 
 
 async def _at_least(plane: ControlPlane, n: int) -> bool:
