@@ -140,7 +140,7 @@ def test_org_tokens_accept_the_list_form(tmp_path: Path) -> None:
         ),
         (
             "pools:\n  - {name: p, command: [x]}\n  - {name: p, command: [y]}\n",
-            "config error: (top level): pools: name 'p' appears twice",
+            "config error: pools[1].name: duplicate pool name 'p' (also pools[0])",
         ),
         ("store: mysql://x\n", "config error: store: must start with sqlite:/// or postgresql://"),
         ("log_format: xml\n", "config error: log_format: input should be 'kv' or 'json'"),
@@ -156,6 +156,22 @@ def test_org_tokens_accept_the_list_form(tmp_path: Path) -> None:
 )
 def test_a_wrong_key_or_value_names_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert f"{expected} (from stoker.yaml)" in errors_of(tmp_path, text)
+
+
+def test_a_duplicate_name_is_reported_at_the_later_item(tmp_path: Path) -> None:
+    text = (
+        "pools:\n  - {name: a, command: [x]}\n  - {name: b, command: [x]}\n"
+        "  - {name: a, command: [y]}\norgs:\n  - {name: acme}\n  - {name: acme}\n"
+    )
+    assert errors_of(tmp_path, text) == [
+        "config error: pools[2].name: duplicate pool name 'a' (also pools[0]) (from stoker.yaml)",
+        "config error: orgs[1].name: duplicate org name 'acme' (also orgs[0]) (from stoker.yaml)",
+    ]
+    # Made a duplicate by an override: the variable that set the name is named.
+    two = "pools:\n  - {name: a, command: [x]}\n  - {name: b, command: [x]}\n"
+    [line] = errors_of(tmp_path, two, {"STOKER_POOLS__1__NAME": "a"})
+    assert line.startswith("config error: pools[1].name: duplicate pool name 'a' (also pools[0])")
+    assert line.endswith("(from STOKER_POOLS__1__NAME)")
 
 
 def test_unknown_runtime_kind(tmp_path: Path) -> None:

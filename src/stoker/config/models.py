@@ -14,7 +14,7 @@ from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 from stoker.config.activation import ActivationConfig
 from stoker.config.names import LABEL_VALUE_RULE, is_label_value
 from stoker.config.pools import PoolConfig, default_pools
-from stoker.config.problems import ConfigProblems, raise_problems
+from stoker.config.problems import ConfigProblems, Loc, raise_problems
 from stoker.config.rules import election_problems, pool_problems
 from stoker.config.schema import Section
 from stoker.config.sections import (
@@ -128,15 +128,22 @@ class StokerConfig(Section):
 
     @model_validator(mode="after")
     def _unique_names(self) -> StokerConfig:
-        for section, names in (
-            ("pools", [p.name for p in self.pools]),
-            ("orgs", [o.name for o in self.orgs]),
+        problems: list[tuple[Loc, str]] = []
+        for section, what, names in (
+            ("pools", "pool", [p.name for p in self.pools]),
+            ("orgs", "org", [o.name for o in self.orgs]),
         ):
-            seen: set[str] = set()
-            for name in names:
-                if name in seen:
-                    raise ValueError(f"{section}: name {name!r} appears twice")
-                seen.add(name)
+            first: dict[str, int] = {}
+            for i, name in enumerate(names):
+                if name in first:
+                    # Under the later item's name: the one to rename.
+                    also = f"{section}[{first[name]}]"
+                    problems.append(
+                        ((section, i, "name"), f"duplicate {what} name {name!r} (also {also})")
+                    )
+                else:
+                    first[name] = i
+        raise_problems(problems)
         return self
 
     @model_validator(mode="after")
