@@ -190,7 +190,7 @@ async def test_unknown_strategy_keys_are_a_422(tmp_path: Path) -> None:
         for strategy, field in (
             ({"kind": "canary", "step": [10, 100]}, "step"),
             ({"kind": "canary", "steps": [10, 100], "interval": 5}, "interval"),
-            ({"kind": "replace", "steps": [10, 100]}, "strategy"),
+            ({"kind": "replace", "steps": [10, 100]}, "strategy.steps"),
             ({"kind": "canary", "steps": [True, 100]}, "steps.0"),
             ({"kind": "canary", "steps": ["10", 100]}, "steps.0"),
             ({"kind": "canary", "step_interval_s": "60"}, "step_interval_s"),
@@ -202,6 +202,31 @@ async def test_unknown_strategy_keys_are_a_422(tmp_path: Path) -> None:
                 headers=AS_ADMIN,
             )
             refused(response, 422, field)
+        assert await api.plane.store.list_rollouts() == []
+
+
+async def test_a_strategy_problem_is_located_at_its_own_key(tmp_path: Path) -> None:
+    async with running(tmp_path, api=TOKENS) as api:
+        for strategy, loc, detail in (
+            (
+                {"kind": "canary", "steps": [50, 10]},
+                ["body", "strategy", "steps", 1],
+                "strategy.steps.1: must exceed the step before (50)",
+            ),
+            (
+                {"kind": "replace", "step_interval_s": 5},
+                ["body", "strategy", "step_interval_s"],
+                "strategy.step_interval_s: is for a canary rollout only",
+            ),
+        ):
+            response = await api.http.post(
+                ROLLOUTS,
+                json={"template": {"env": {"V": "2"}}, "strategy": strategy},
+                headers=AS_ADMIN,
+            )
+            problem = refused(response, 422)
+            assert problem["detail"] == detail
+            assert [e["loc"] for e in problem["errors"]] == [loc]
         assert await api.plane.store.list_rollouts() == []
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from stoker.config.problems import ConfigProblems
 from stoker.domain import errors
 from stoker.domain.pools import InvalidSettings, SameTemplate, StaleGeneration
 
@@ -193,7 +194,7 @@ async def handle_http_error(request: Request, exc: Exception) -> Response:
 async def handle_validation_error(request: Request, exc: Exception) -> Response:
     """Exception handler for request validation: 400 for broken JSON, else 422."""
     assert isinstance(exc, RequestValidationError)
-    raw = exc.errors()
+    raw = _each_problem(exc.errors())
     if any(e.get("type") == "json_invalid" for e in raw):
         return problem_response(400, "malformed-request", "the body is not valid JSON")
     return problem_response(
@@ -209,6 +210,20 @@ async def handle_validation_error(request: Request, exc: Exception) -> Response:
             for e in raw[:20]
         ],
     )
+
+
+def _each_problem(raw: Sequence[Any]) -> list[Any]:
+    """`raw`, with the problems a model raised together (`ConfigProblems`: a rollout
+    strategy's) each at its own field (`strategy.steps.1`), as the other errors are."""
+    out: list[Any] = []
+    for error in raw:
+        cause = (error.get("ctx") or {}).get("error")
+        if not isinstance(cause, ConfigProblems):
+            out.append(error)
+            continue
+        for loc, message in cause.problems:
+            out.append({**error, "loc": (*error.get("loc", ()), *loc), "ctx": {"error": message}})
+    return out
 
 
 def _summary(raw: Sequence[Any]) -> str:
