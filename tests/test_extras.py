@@ -103,7 +103,7 @@ def test_a_postgres_store_without_psycopg_is_a_config_error(
         )
     ).config
     block(monkeypatch, "psycopg_pool")
-    message = "config error: the postgres store needs the 'postgres' extra: " + (
+    message = "config error: store: the postgres store needs the 'postgres' extra: " + (
         "pip install 'stoker[postgres]'"
     )
     with pytest.raises(ConfigError) as built:
@@ -127,7 +127,7 @@ def test_a_kubernetes_runtime_without_lightkube_is_a_config_error(
     with pytest.raises(ConfigError) as built:
         build_control_plane(config)
     assert str(built.value) == (
-        "config error: the kubernetes runtime needs the 'kubernetes' extra: "
+        "config error: runtime.kind: the kubernetes runtime needs the 'kubernetes' extra: "
         "pip install 'stoker[kubernetes]'"
     )
 
@@ -142,8 +142,8 @@ def test_serve_on_postgres_without_psycopg_is_one_line(tmp_path: Path) -> None:
     result = stoker_without(["psycopg", "psycopg_pool"], ["serve", "-c", str(config)], tmp_path)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "config error: the postgres store needs the 'postgres' extra: "
-        "pip install 'stoker[postgres]'"
+        "config error: store: the postgres store needs the 'postgres' extra: "
+        f"pip install 'stoker[postgres]' (from {config})"
     ]
     assert "listening" not in result.stdout
 

@@ -74,15 +74,16 @@ Closer = Callable[[], Awaitable[None]]
 
 
 def check_extras(config: StokerConfig) -> None:
-    """Raise `ConfigError` naming the extra to install when a part that `config` names
-    needs one that is missing (before anything is built: no traceback from an import)."""
+    """Raise `ConfigKeyError` naming the extra to install, under the key that selected the
+    part, when a part that `config` names needs one that is missing (before anything is
+    built: no traceback from an import)."""
     if config.is_postgres:
-        _require("postgres", "the postgres store")
+        _require("postgres", "the postgres store", ("store",))
     # The Kubernetes Lease elector needs the Kubernetes runtime (the config says so).
     if isinstance(config.runtime, KubernetesRuntimeConfig):
-        _require("kubernetes", "the kubernetes runtime")
+        _require("kubernetes", "the kubernetes runtime", ("runtime", "kind"))
     if config.tracing.mode(os.environ) == "on":
-        _require("tracing", "tracing.enabled")
+        _require("tracing", "tracing", ("tracing", "enabled"))
 
 
 def build_tracer(config: StokerConfig, environ: Mapping[str, str] | None = None) -> Tracer:
@@ -98,7 +99,7 @@ def build_tracer(config: StokerConfig, environ: Mapping[str, str] | None = None)
     if mode == "off":
         return NO_TRACER
     if mode == "on":
-        _require("tracing", "tracing.enabled")
+        _require("tracing", "tracing", ("tracing", "enabled"))
     else:
         problem = missing_extra("tracing", "tracing (implied by an OTEL_EXPORTER_OTLP_* endpoint)")
         if problem is not None:
@@ -115,10 +116,12 @@ def build_tracer(config: StokerConfig, environ: Mapping[str, str] | None = None)
     )
 
 
-def _require(extra: str, feature: str) -> None:
+def _require(extra: str, feature: str, loc: tuple[str, ...]) -> None:
+    """`ConfigKeyError` under `loc`, the key that selected `feature`, when `extra` is
+    missing: `LoadedConfig.checking` adds where that key was set."""
     problem = missing_extra(extra, feature)
     if problem is not None:
-        raise ConfigError(f"config error: {problem}")
+        raise ConfigKeyError(loc, problem)
 
 
 def build_store(config: StokerConfig) -> Store:
@@ -127,7 +130,7 @@ def build_store(config: StokerConfig) -> Store:
     Raises `ConfigError` naming the `postgres` extra when psycopg is not installed.
     """
     if config.is_postgres:
-        _require("postgres", "the postgres store")
+        _require("postgres", "the postgres store", ("store",))
         # Imported here: psycopg is heavy, and most servers run on SQLite.
         from stoker.adapters.postgres import PostgresStore
 
@@ -171,7 +174,7 @@ def build_cluster(
     Raises `ConfigError` naming `runtime.kubeconfig` (or `runtime.context`) when the
     credentials cannot be loaded, or the `kubernetes` extra when lightkube is missing.
     """
-    _require("kubernetes", "the kubernetes runtime")
+    _require("kubernetes", "the kubernetes runtime", ("runtime", "kind"))
     # Imported here: a local server never needs the Kubernetes client.
     from stoker.adapters.cluster_lightkube import LightkubeCluster
 

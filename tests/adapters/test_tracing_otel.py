@@ -185,7 +185,8 @@ def test_tracing_enabled_without_the_extra_names_it(
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
     cfg = config(tmp_path, "f", tracing={"enabled": True})
     message = (
-        "config error: tracing.enabled needs the 'tracing' extra: pip install 'stoker[tracing]'"
+        "config error: tracing.enabled: tracing needs the 'tracing' extra: "
+        "pip install 'stoker[tracing]'"
     )
     with pytest.raises(ConfigError) as checked:
         check_extras(cfg)
@@ -237,7 +238,8 @@ def test_serve_with_tracing_enabled_without_the_extra_is_one_line(tmp_path: Path
     )
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "config error: tracing.enabled needs the 'tracing' extra: pip install 'stoker[tracing]'"
+        "config error: tracing.enabled: tracing needs the 'tracing' extra: "
+        "pip install 'stoker[tracing]' (from stoker.yaml)"
     ]
 
 
@@ -339,7 +341,8 @@ def test_config_check_names_the_missing_extra_and_masks_the_collector_s_password
     missing = check(without_sdk(tmp_path))
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines() == [
-        "config error: tracing.enabled needs the 'tracing' extra: pip install 'stoker[tracing]'"
+        "config error: tracing.enabled: tracing needs the 'tracing' extra: "
+        "pip install 'stoker[tracing]' (from stoker.yaml)"
     ]
     shown = check(environment())
     assert shown.returncode == 0, shown.stderr
