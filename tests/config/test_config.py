@@ -775,15 +775,41 @@ def test_kubernetes_and_election_errors_name_the_key(
 
 
 def test_cross_section_errors_from_the_environment_name_the_variable(tmp_path: Path) -> None:
+    # The key to change was left to its default: the variable that made it wrong is named.
     lines = errors_of(tmp_path, "{}\n", {"STOKER_LEADER_ELECTION__RENEW_DEADLINE_S": "16"})
     assert lines == [
-        "config error: leader_election.lease_duration_s: must exceed renew_deadline_s (16)",
+        "config error: leader_election.lease_duration_s: must exceed renew_deadline_s (16) "
+        "(from STOKER_LEADER_ELECTION__RENEW_DEADLINE_S)",
     ]
     lines = errors_of(tmp_path, "{}\n", {"STOKER_POOLS__0__HEADROOM_NODES": "1"})
     assert lines == [
         "config error: pools[0].headroom_nodes: needs runtime.kind kubernetes (placeholder "
         "pods hold spare nodes) (from STOKER_POOLS__0__HEADROOM_NODES)"
     ]
+
+
+def test_a_rule_across_sections_names_the_override_that_broke_a_defaulted_key(
+    tmp_path: Path,
+) -> None:
+    kind = {"STOKER_RUNTIME__KIND": "kubernetes"}
+    # `pools` is the built-in one: the variable that set the runtime is named, not the file.
+    [line] = errors_of(tmp_path, "api: {port: 8080}\n", kind)
+    assert line == (
+        "config error: pools: required with runtime.kind kubernetes (the built-in demo pool "
+        "runs a local process): give each pool a pod (from STOKER_RUNTIME__KIND)"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(None, kind)
+    assert str(info.value).endswith("give each pool a pod (from STOKER_RUNTIME__KIND)")
+    [line] = errors_of(tmp_path, K8S, {"STOKER_POOLS__0__HEADROOM_NODES": "1"})
+    assert line.startswith("config error: runtime.placeholder_priority_class: required when")
+    assert line.endswith(" (from STOKER_POOLS__0__HEADROOM_NODES)")
+    [line] = errors_of(tmp_path, "leader_election: kubernetes\n" + K8S, {"STOKER_FLEET": "B_F"})
+    assert line.startswith("config error: leader_election.lease_name: 'B_F-janitor' is not")
+    assert line.endswith(" (from STOKER_FLEET)")
+    # Set in the file, the file is named.
+    [line] = errors_of(tmp_path, "leader_election: {renew_deadline_s: 16}\n")
+    assert line.endswith("must exceed renew_deadline_s (16) (from stoker.yaml)")
 
 
 def test_the_derived_fleet_is_a_label_value(tmp_path: Path) -> None:

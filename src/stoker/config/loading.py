@@ -296,8 +296,17 @@ def _format_errors(exc: ValidationError, sources: _Sources) -> list[str]:
         cause = ctx.get("error")
         if isinstance(cause, ConfigProblems):
             # Problems that span keys: one line each, under the key each one names.
+            at = tuple(error["loc"])
             for loc, problem in cause.problems:
-                lines.append(_line((*error["loc"], *loc), problem, sources))
+                because = cause.because.get(loc)
+                lines.append(
+                    _line(
+                        (*at, *loc),
+                        problem,
+                        sources,
+                        because=None if because is None else (*at, *because),
+                    )
+                )
             continue
         kind = error["type"]
         if kind in _MESSAGES:
@@ -337,7 +346,16 @@ class _Sources:
     in_file: frozenset[tuple[str, ...]] = frozenset()
 
     def of(self, loc: tuple[Any, ...]) -> str | None:
-        """The variable or the file that set the key at `loc`; None: the defaults."""
+        """The variable or the file that set the key at `loc`, or the file that holds the
+        mapping it is missing from; None: the defaults."""
+        parts = tuple(str(p) for p in loc)
+        source = self.set_by(loc)
+        if source is None and self.file is not None and parts[:-1] in self.in_file:
+            return self.file
+        return source
+
+    def set_by(self, loc: tuple[Any, ...]) -> str | None:
+        """The variable or the file that set the key at `loc` itself; None: its default."""
         parts = tuple(str(p) for p in loc)
         best: tuple[str, ...] | None = None
         for path in self.set:
@@ -347,15 +365,24 @@ class _Sources:
             return self.set[best]
         if parts in self.made:
             return self.made[parts]
-        if self.file is not None and (parts in self.in_file or parts[:-1] in self.in_file):
+        if self.file is not None and parts in self.in_file:
             return self.file
         return None
 
 
-def _line(loc: tuple[Any, ...], message: str, sources: _Sources) -> str:
-    """`config error: <key>: <message>`, naming the variable or the file that set the key."""
+def _line(
+    loc: tuple[Any, ...],
+    message: str,
+    sources: _Sources,
+    *,
+    because: tuple[Any, ...] | None = None,
+) -> str:
+    """`config error: <key>: <message>`, naming the variable or the file that set the key;
+    for a key left to its default, the one that set `because`, the key that made it wrong."""
     at = _key_path(loc)
     source = sources.of(at)
+    if because is not None and sources.set_by(at) is None:
+        source = sources.of(_key_path(because)) or source
     suffix = f" (from {_printable(source)})" if source else ""
     return f"config error: {dotted(_redact(at)) or '(top level)'}: {message}{suffix}"
 

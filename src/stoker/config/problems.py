@@ -9,18 +9,24 @@ from stoker.domain.errors import ConfigError
 
 #: Where a problem lies: config keys and list indexes, like pydantic's error locations.
 Loc = tuple[str | int, ...]
+#: A problem under the key to change, and optionally the key whose value makes it one.
+Problem = tuple[Loc, str] | tuple[Loc, str, Loc]
 
 
 class ConfigProblems(ValueError):
     """Problems that span keys or sections, each reported under the key to change.
 
     Raised from a model validator; `format_errors` prints one line per problem, at the
-    validator's location plus the problem's own, instead of one line at the model.
+    validator's location plus the problem's own, instead of one line at the model. A
+    problem's key left to its default is named by where the key that made it one was set
+    (`because`).
     """
 
-    def __init__(self, problems: Sequence[tuple[Loc, str]]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("; ".join(f"{dotted(loc)}: {message}" for loc, message in problems))
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = tuple((p[0], p[1]) for p in problems)
+        #: The key whose value makes a problem one, by the problem's location.
+        self.because: dict[Loc, Loc] = {p[0]: p[2] for p in problems if len(p) == 3}
+        super().__init__("; ".join(f"{dotted(loc)}: {message}" for loc, message in self.problems))
 
 
 class ConfigKeyError(ConfigError):
@@ -33,7 +39,7 @@ class ConfigKeyError(ConfigError):
         super().__init__(f"config error: {where or dotted(loc)}: {problem}")
 
 
-def raise_problems(problems: Sequence[tuple[Loc, str]]) -> None:
+def raise_problems(problems: Sequence[Problem]) -> None:
     """Raise `ConfigProblems` when there is any problem."""
     if problems:
         raise ConfigProblems(problems)

@@ -15,10 +15,13 @@ from stoker.config.names import (
     is_label_value,
 )
 from stoker.config.pools import PoolConfig
-from stoker.config.problems import Loc
+from stoker.config.problems import Loc, Problem
 from stoker.config.sections import KubernetesRuntimeConfig, RuntimeConfig
 
-Problems = list[tuple[Loc, str]]
+#: A rule's problems; one that another key's value makes names that key third.
+Problems = list[Problem]
+#: The key that decides what a pool's template must be.
+_RUNTIME_KIND: Loc = ("runtime", "kind")
 
 #: Settings of a local process, and what to set instead with pods.
 _LOCAL_ONLY = (
@@ -42,10 +45,12 @@ def pool_problems(
                 ("pools",),
                 "required with runtime.kind kubernetes (the built-in demo pool runs a "
                 "local process): give each pool a pod",
+                _RUNTIME_KIND,
             )
         ]
     problems: Problems = []
     headroom: list[str] = []
+    headroom_keys: list[Loc] = []
     for i, pool in enumerate(pools):
         at: Loc = ("pools", i)
         problems += _template_problems(at, pool, kubernetes=kubernetes)
@@ -60,6 +65,7 @@ def pool_problems(
                     problems.append(((*at, key), f"is for the local runtime only ({hint})"))
             if pool.headroom_nodes > 0:
                 headroom.append(pool.name)
+                headroom_keys.append((*at, "headroom_nodes"))
         elif pool.headroom_nodes > 0:
             problems.append(
                 (
@@ -77,6 +83,7 @@ def pool_problems(
                 ("runtime", "placeholder_priority_class"),
                 f"required when a pool has headroom_nodes > 0 ({', '.join(headroom)}): "
                 "without a class below the workers', no worker could preempt a placeholder",
+                headroom_keys[0],
             )
         )
     return problems
@@ -88,7 +95,7 @@ def _template_problems(at: Loc, pool: PoolConfig, *, kubernetes: bool) -> Proble
         return [(at, "set command (runtime.kind local) or pod (runtime.kind kubernetes), not both")]
     if kubernetes and pool.pod is None:
         if pool.command is None:
-            return [((*at, "pod"), "required")]
+            return [((*at, "pod"), "required", _RUNTIME_KIND)]
         return [
             (
                 (*at, "command"),
@@ -125,6 +132,7 @@ def election_problems(
             (
                 ("leader_election", "lease_name"),
                 f"{lease_name!r} is not {DNS_SUBDOMAIN_RULE}{suffix}",
+                ("leader_election", "lease_name") if lease_name_given else ("fleet",),
             )
         ]
     return []

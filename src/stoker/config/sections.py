@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from stoker.config.names import DnsLabel, DnsSubdomain, OrgName, Quantity, Token
-from stoker.config.problems import Loc, raise_problems
+from stoker.config.problems import Problem, raise_problems
 from stoker.config.schema import Section
 from stoker.domain.specs import PositiveSeconds
 
@@ -134,12 +134,13 @@ class LeaderElectionConfig(Section):
     def _timings(self) -> LeaderElectionConfig:
         # A leader steps down at the renew deadline, before its lease can expire for the
         # others, and retries often enough to renew more than once before that deadline.
-        problems: list[tuple[Loc, str]] = []
+        problems: list[Problem] = []
         if not self.lease_duration_s > self.renew_deadline_s:
             problems.append(
                 (
                     ("lease_duration_s",),
                     f"must exceed renew_deadline_s ({self.renew_deadline_s:g})",
+                    ("renew_deadline_s",),
                 )
             )
         if not self.renew_deadline_s > 1.2 * self.retry_period_s:
@@ -148,6 +149,7 @@ class LeaderElectionConfig(Section):
                     ("renew_deadline_s",),
                     f"must exceed 1.2 x retry_period_s ({self.retry_period_s:g}), "
                     f"i.e. {1.2 * self.retry_period_s:g}",
+                    ("retry_period_s",),
                 )
             )
         raise_problems(problems)
