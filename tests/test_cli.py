@@ -383,7 +383,7 @@ def test_pools_set_and_rollout_start_check_with_the_server_s_models(server: Serv
     assert one_line_error(many, 2) == "stoker: warm_target: must be at most 100000"
     steps = run(["rollout", "start", "demo", "--env", "V=2", "--steps", "50,10"], url=server.url)
     assert one_line_error(steps, 2) == (
-        "stoker: strategy: steps[1]: must exceed the step before (50)"
+        "stoker: strategy.steps.1: must exceed the step before (50)"
     )
     after = json.loads(run(["pools", "show", "demo", "--json"], url=server.url).stdout)
     assert after["generation"] == before["generation"] and after["rollout"] is None

@@ -194,7 +194,7 @@ async def handle_http_error(request: Request, exc: Exception) -> Response:
 async def handle_validation_error(request: Request, exc: Exception) -> Response:
     """Exception handler for request validation: 400 for broken JSON, else 422."""
     assert isinstance(exc, RequestValidationError)
-    raw = _each_problem(exc.errors())
+    raw = each_problem(exc.errors())
     if any(e.get("type") == "json_invalid" for e in raw):
         return problem_response(400, "malformed-request", "the body is not valid JSON")
     return problem_response(
@@ -212,7 +212,7 @@ async def handle_validation_error(request: Request, exc: Exception) -> Response:
     )
 
 
-def _each_problem(raw: Sequence[Any]) -> list[Any]:
+def each_problem(raw: Sequence[Any]) -> list[Any]:
     """`raw`, with the problems a model raised together (`ConfigProblems`: a rollout
     strategy's) each at its own field (`strategy.steps.1`), as the other errors are."""
     out: list[Any] = []

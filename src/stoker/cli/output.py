@@ -90,16 +90,21 @@ def check_input(model: str, body: Mapping[str, Any]) -> None:
     # Imported here: the server's models are for the commands that change a pool only.
     from pydantic import BaseModel, ValidationError
 
-    from stoker.api.problems import plain_message
+    from stoker.api.problems import each_problem, plain_message
     from stoker.config.changes import SettingsChange
     from stoker.config.pools import RolloutConfig
 
-    models: dict[str, type[BaseModel]] = {"settings": SettingsChange, "strategy": RolloutConfig}
+    # Each model, and where the server's request body holds it.
+    models: dict[str, tuple[type[BaseModel], tuple[str, ...]]] = {
+        "settings": (SettingsChange, ()),
+        "strategy": (RolloutConfig, ("strategy",)),
+    }
+    checked, within = models[model]
     try:
-        models[model].model_validate(dict(body))
+        checked.model_validate(dict(body))
     except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        at = ".".join(str(p) for p in error["loc"])
+        error = each_problem(exc.errors(include_url=False))[0]
+        at = ".".join(str(p) for p in (*within, *error["loc"]))
         fail(f"{at or model}: {plain_message(error)}", code=2)
 
 
