@@ -9,12 +9,15 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from test_sizing import claim_and_release, plane, pool
 
 from stoker.adapters.sqlite import SqliteStore
 from stoker.domain.records import ClaimRequest, OrgForecastBucket
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import VirtualClock
+
+pytestmark = pytest.mark.looptime
 
 
 async def seed(path: Path, now: float, rates: dict[str, float]) -> None:

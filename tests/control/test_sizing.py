@@ -25,6 +25,8 @@ from stoker.domain.states import ClaimSource, WorkerState
 from stoker.policy.demand import warm_for_rate
 from stoker.ports.clock import VirtualClock
 
+pytestmark = pytest.mark.looptime
+
 TEMPLATE = ProcessTemplate(argv=("worker", "{port}"))
 #: The pools here size their warm pool to the default quantile.
 QUANTILE = DemandSpec().quantile
@@ -205,7 +207,6 @@ class GatedRuntime(MemoryRuntime):
         super().make_ready(worker_id)
 
 
-@pytest.mark.looptime
 async def test_a_refill_after_a_burst_stays_at_what_the_rate_wants(tmp_path: Path) -> None:
     # The claim-burst geometry at an eighth: a pool of 40 (cap 80) fills through a start-up
     # bound of one at a time, 2 s each, so its last spawns waited ~80 s in the queue; then

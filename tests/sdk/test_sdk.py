@@ -24,6 +24,7 @@ from stoker.sdk import (
     InvalidRequest,
     NotFound,
     OrgCapError,
+    Retries,
     ServerUnreachable,
     StaleGeneration,
     StokerError,
@@ -176,8 +177,10 @@ def test_no_capacity_raises_with_the_reason(admin: Client) -> None:
 
 
 def test_an_unreachable_server_raises_server_unreachable() -> None:
+    # Retried (a refused connection may be a restart) until the deadline: 1 s here, not
+    # the default 30 s (`Retries.delay` is tested on its own).
     with (
-        Client("http://127.0.0.1:9", timeout=2) as client,
+        Client("http://127.0.0.1:9", timeout=2, retries=Retries(deadline_s=1.0)) as client,
         pytest.raises(ServerUnreachable) as unreachable,
     ):
         client.pools()
@@ -249,8 +252,12 @@ def test_an_admin_changes_and_drains_a_pool(admin: Client, acme: Client) -> None
         with pytest.raises(StaleGeneration):
             admin.update_pool("tiny", lease_s=30, generation=before.generation)
         assert admin.drain_pool("tiny").draining is True
-        with pytest.raises(Unavailable, match="draining"):
-            acme.create_claim("tiny", "acme", timeout_s=1)
+        # A 503 is retried until the call's deadline: 1 s here, not the default 30 s.
+        with (
+            Client(acme.url, token=ACME, retries=Retries(deadline_s=1.0)) as hurried,
+            pytest.raises(Unavailable, match="draining"),
+        ):
+            hurried.create_claim("tiny", "acme", timeout_s=1)
     finally:
         admin.drain_pool("tiny", draining=False)
         admin.update_pool("tiny", lease_s=60)
