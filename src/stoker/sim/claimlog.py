@@ -35,6 +35,7 @@ from typing import Any
 from stoker.domain.errors import ConfigError
 from stoker.domain.ledger import EXPORT_KEYS, OUTCOMES, SOURCES, ClaimLogEntry
 from stoker.domain.states import ClaimMode
+from stoker.sim.scenario import MAX_RUN_S
 
 #: The keys of one line, exactly.
 KEYS = EXPORT_KEYS
@@ -176,6 +177,13 @@ def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> Cl
     chosen = [c for c in chosen if c.pool == pool]
     if not chosen:
         raise ConfigError(f"the log holds no claim of pool {pool!r}")
+    span = chosen[-1].at - chosen[0].at
+    if span > MAX_RUN_S:
+        raise ConfigError(
+            f"the claims of pool {pool!r} span {span / 86_400:,.0f} days; a replay covers at "
+            f"most {MAX_RUN_S / 86_400:.0f} (export a shorter window: `stoker claims export "
+            "--since 30d`)"
+        )
     end = chosen[-1].at
     held: dict[str, list[float]] = {}
     for c in chosen:

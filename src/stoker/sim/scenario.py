@@ -94,6 +94,10 @@ __all__ = [
 SCENARIO_DIRS = (Path("scenarios"), Path(__file__).resolve().parent / "scenarios")
 
 _HOUR = 3600.0
+#: The longest run the simulator takes (a scenario's duration, a replayed log's span): a
+#: year. Beyond it is a typo (milliseconds for seconds, a stray digit), and a run of it
+#: would go on for days of wall time.
+MAX_RUN_S = 366 * 24 * _HOUR
 
 
 def _distribution(value: Any) -> Distribution:
@@ -452,7 +456,7 @@ class Scenario(_Model):
 
     name: str = Field(min_length=1)
     description: str = ""
-    duration_s: float = Field(gt=0)
+    duration_s: float = Field(gt=0, le=MAX_RUN_S)
     #: Same seed, same summary.json, byte for byte.
     seed: int = 1
     #: The wall-clock time (UTC seconds) the run starts at: 2023-11-14T22:13:20Z by default.
@@ -556,14 +560,21 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
 
 
 def _first_problem(exc: ValidationError) -> str:
+    """Every problem of `exc`, on one line."""
     problems = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
+        where = ".".join(_key(part) for part in error["loc"])
+        message = " ".join(error["msg"].removeprefix("Value error, ").split())
         if error["type"] == "extra_forbidden":
             message = "unknown key"
         problems.append(f"{where}: {message}" if where else message)
     return "; ".join(problems)
+
+
+def _key(part: str | int) -> str:
+    """A key as written, quoted when it is empty or holds spaces or control characters."""
+    text = str(part)
+    return text if text and text.isprintable() and " " not in text else repr(text)
 
 
 def scenario_names() -> list[str]:

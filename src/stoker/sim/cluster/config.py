@@ -305,13 +305,21 @@ def _profile(value: Any) -> DemandProfile:
         return _build(DiurnalProfile, data, "background.target")
     if kind == "steps":
         steps = tuple(
-            (_scalar("float", s[0], "step"), _scalar("float", s[1], "step"))
-            for s in _list(data.pop("steps", ()), "background.target.steps")
+            _step(s, f"background.target.steps[{i}]")
+            for i, s in enumerate(_list(data.pop("steps", ()), "background.target.steps"))
         )
         if data:
             raise ConfigError(f"background.target: unknown keys {sorted(data)}")
         return StepProfile(tuple(sorted(steps)))
     raise ConfigError("background.target: a number or {kind: constant|diurnal|steps, ...}")
+
+
+def _step(value: Any, where: str) -> tuple[float, float]:
+    """One `[at_s, target]` step of a stepped profile."""
+    pair = _list(value, where)
+    if len(pair) != 2:
+        raise ConfigError(f"{where}: expected [at_s, target], got {value!r}")
+    return _scalar("float", pair[0], where), _scalar("float", pair[1], where)
 
 
 def _archetype(value: Any) -> Archetype:

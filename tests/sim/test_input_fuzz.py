@@ -1,0 +1,222 @@
+"""The simulator's two input files, fed generated bad input: a scenario (`stoker scaletest
+FILE`) and a claim log (`stoker backtest --from FILE`). Whatever the file, the reader
+returns what a run can go on with, or raises `ConfigError` (one line, which the commands
+print with status 1 or 2); never another exception.
+
+Scenarios start from the ones stoker ships; a mutation replaces the value at any key path,
+adds an unknown key at any level or deletes a key. Claim logs start from lines
+`stoker claims export` writes; a mutation replaces a field's value, deletes or adds a
+field, or puts a line out of order or out of JSON.
+
+`STOKER_INPUT_FUZZ_EXAMPLES` sets the number of generated files of each kind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stoker.domain.errors import ConfigError
+from stoker.sim.claimlog import read_claim_log, synthetic_claims
+from stoker.sim.scenario import MAX_RUN_S, SCENARIO_DIRS, Scenario, load_scenario
+
+EXAMPLES = int(os.environ.get("STOKER_INPUT_FUZZ_EXAMPLES", "300"))
+SHIPPED = sorted((SCENARIO_DIRS[-1]).glob("*.yaml"))
+BASES = [yaml.safe_load(path.read_text()) for path in SHIPPED]
+
+#: Values that broke readers before, or could.
+ODD_VALUES: list[Any] = [
+    None, True, False, 0, -1, 1, 2**63, -(2**63), 1e309, -1e309, math.nan, 0.0, -0.0,
+    1e-320, 1e12, 3.5, "", " ", "x", "nan", "inf", "-1", "1e12", "ünïcödé", "\x00",
+    "x" * 300, [], [1], ["x"], {}, {"k": "v"}, {"at_s": 1}, [{"name": "t"}],
+]  # fmt: skip
+
+values = st.recursive(
+    st.one_of(
+        st.sampled_from(ODD_VALUES),
+        st.integers(),
+        st.floats(),
+        st.text(max_size=10),
+    ),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path in `node` (mapping keys and list indexes), the root excluded."""
+    found: list[tuple[Any, ...]] = []
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
+    for key, child in items:
+        found.append((*prefix, key))
+        found += _paths(child, (*prefix, key))
+    return found
+
+
+def _parent(doc: Any, path: tuple[Any, ...]) -> Any:
+    for key in path[:-1]:
+        doc = doc[key]
+    return doc
+
+
+@st.composite
+def mutated_scenarios(draw: st.DrawFn) -> Any:
+    doc = json.loads(json.dumps(draw(st.sampled_from(BASES))))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(doc)
+        kind = draw(st.sampled_from(["replace", "replace", "delete", "add", "root"]))
+        if kind == "root" or not paths:
+            doc = draw(values) if draw(st.integers(0, 9)) == 0 else doc
+            continue
+        path = draw(st.sampled_from(paths))
+        parent = _parent(doc, path)
+        if kind == "replace":
+            parent[path[-1]] = draw(values)
+        elif kind == "delete":
+            del parent[path[-1]]
+        elif isinstance(parent, dict):
+            parent[draw(st.text(max_size=8))] = draw(values)
+        if not isinstance(doc, dict | list):
+            break
+    return doc
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(doc=mutated_scenarios(), short=st.booleans())
+def test_a_mutated_scenario_loads_or_says_why_in_one_line(doc: Any, short: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "scenario.yaml"
+        try:
+            path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+        except (ValueError, yaml.YAMLError):
+            return  # not a document YAML can hold (NaN keys and the like)
+        refused: str | None = None
+        try:
+            scenario = load_scenario(str(path), short=short)
+        except ConfigError as exc:
+            refused = str(exc)
+    if refused is not None:
+        assert refused.startswith("scenario ") and "\n" not in refused, refused
+        return
+    assert isinstance(scenario, Scenario)
+    assert 0 < scenario.duration_s <= MAX_RUN_S
+    for policy in scenario.policies:
+        # What a run does first with each policy: its parameters as its kind's model.
+        policy.typed_params()
+
+
+GOOD_LINES = list(synthetic_claims(6, span_s=3600.0, orgs=3, seed=4))
+FIELDS = list(GOOD_LINES[0])
+
+
+@st.composite
+def mutated_logs(draw: st.DrawFn) -> list[str]:
+    lines: list[Any] = [dict(line) for line in GOOD_LINES]
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(lines) - 1))
+        kind = draw(
+            st.sampled_from(["replace", "replace", "replace", "delete", "add", "swap", "raw"])
+        )
+        line = lines[i]
+        if not isinstance(line, dict):
+            continue
+        if kind == "replace":
+            line[draw(st.sampled_from(FIELDS))] = draw(values)
+        elif kind == "delete":
+            line.pop(draw(st.sampled_from(FIELDS)), None)
+        elif kind == "add":
+            line[draw(st.text(max_size=8))] = draw(values)
+        elif kind == "swap":
+            j = draw(st.integers(0, len(lines) - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+        else:
+            lines[i] = draw(
+                st.one_of(st.text(max_size=20), st.sampled_from(["{", "[]", "null", "{}"]))
+            )
+    return [json.dumps(line) if isinstance(line, dict) else line for line in lines]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lines=mutated_logs())
+def test_a_mutated_claim_log_reads_or_says_why_in_one_line(lines: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "claims.jsonl"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogatepass")
+        refused: str | None = None
+        try:
+            replay = read_claim_log(path)
+        except ConfigError as exc:
+            refused = str(exc)
+    if refused is not None:
+        assert "\n" not in refused, refused
+        return
+    # What a replay runs on: finite, ordered arrivals within a year, finite holds.
+    assert len(replay) > 0
+    assert all(math.isfinite(t) for t in replay.at_s)
+    assert list(replay.at_s) == sorted(replay.at_s)
+    assert 0 <= replay.span_s <= MAX_RUN_S
+    assert all(math.isfinite(h) and h >= 0 for h in replay.hold_s)
+    assert all(org for org in replay.orgs)
+
+
+# -- what the fuzz found, kept as cases ------------------------------------------------------
+
+
+def _load(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_scenario(str(path))
+    return str(refused.value)
+
+
+def test_a_step_of_a_stepped_background_that_is_not_a_pair_is_named(tmp_path: Path) -> None:
+    # It raised IndexError.
+    message = _load(
+        tmp_path,
+        "name: x\nduration_s: 60\npolicies: [stoker]\n"
+        "cluster: {background: {target: {kind: steps, steps: [[0]]}}}\n",
+    )
+    assert "background.target.steps[0]: expected [at_s, target], got [0]" in message
+
+
+def test_an_unknown_key_that_holds_a_newline_is_quoted_on_one_line(tmp_path: Path) -> None:
+    message = _load(tmp_path, 'name: x\nduration_s: 60\npolicies: [stoker]\n"\\n": 1\n')
+    assert message.endswith(": '\\n': unknown key") and "\n" not in message
+
+
+def test_a_run_longer_than_a_year_is_refused(tmp_path: Path) -> None:
+    # Milliseconds for seconds: a run of 31 years, which would have gone on for days.
+    message = _load(tmp_path, "name: x\nduration_s: 1e12\npolicies: [stoker]\n")
+    assert "duration_s" in message and str(int(MAX_RUN_S)) in message
+
+
+def test_a_claim_log_spanning_more_than_a_year_is_refused(tmp_path: Path) -> None:
+    # Two claims 95 years apart: the replay ran until killed.
+    first, second = (dict(line) for line in GOOD_LINES[:2])
+    second["at"] = first["at"] + 3e9
+    path = tmp_path / "claims.jsonl"
+    path.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    with pytest.raises(ConfigError, match=r"span 34,722 days; a replay covers at most 366"):
+        read_claim_log(path)
