@@ -13,6 +13,7 @@ field, or puts a line out of order or out of JSON.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -42,7 +43,8 @@ ODD_VALUES: list[Any] = [
 
 values = st.recursive(
     st.one_of(
-        st.sampled_from(ODD_VALUES),
+        # A fresh copy each time: one list drawn twice into a document would alias.
+        st.sampled_from(ODD_VALUES).map(copy.deepcopy),
         st.integers(),
         st.floats(),
         st.text(max_size=10),
@@ -220,3 +222,13 @@ def test_a_claim_log_spanning_more_than_a_year_is_refused(tmp_path: Path) -> Non
     path.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
     with pytest.raises(ConfigError, match=r"span 34,722 days; a replay covers at most 366"):
         read_claim_log(path)
+
+
+def test_lease_timings_the_elector_refuses_are_refused_at_load(tmp_path: Path) -> None:
+    # They loaded, and the run then raised ValueError building the replicas' electors.
+    message = _load(
+        tmp_path,
+        "name: x\nduration_s: 60\npolicies: [stoker]\n"
+        "control_plane: {lease_duration_s: 15, renew_deadline_s: 15}\n",
+    )
+    assert "control_plane: lease_duration_s (15) must exceed renew_deadline_s (15)" in message
