@@ -74,6 +74,23 @@ class _Timeout(Exception):
     """A backend call outlived the time the elector could wait for it."""
 
 
+def check_timings(lease_duration_s: float, renew_deadline_s: float, retry_period_s: float) -> None:
+    """Raise ValueError unless the timings keep client-go's rule: the deadline leaves room
+    for a few retries, and a leader steps down before its lease can expire for the others."""
+    if not retry_period_s > 0:
+        raise ValueError(f"retry_period_s ({retry_period_s:g}) must be > 0")
+    if not renew_deadline_s > 1.2 * retry_period_s:
+        raise ValueError(
+            f"renew_deadline_s ({renew_deadline_s:g}) must exceed 1.2 x retry_period_s "
+            f"({retry_period_s:g}), i.e. {1.2 * retry_period_s:g}"
+        )
+    if not lease_duration_s > renew_deadline_s:
+        raise ValueError(
+            f"lease_duration_s ({lease_duration_s:g}) must exceed "
+            f"renew_deadline_s ({renew_deadline_s:g})"
+        )
+
+
 class LeaseElector:
     """Leader election on a `LeaseBackend`; implements `stoker.ports.elector.Elector`.
 
@@ -93,20 +110,7 @@ class LeaseElector:
         on_started_leading: StartedLeading | None = None,
         on_stopped_leading: StoppedLeading | None = None,
     ) -> None:
-        # client-go's rule: the deadline leaves room for a few retries, and a leader steps
-        # down before its lease can expire for the others.
-        if not retry_period_s > 0:
-            raise ValueError(f"retry_period_s ({retry_period_s}) must be > 0")
-        if not renew_deadline_s > 1.2 * retry_period_s:
-            raise ValueError(
-                f"renew_deadline_s ({renew_deadline_s}) must exceed 1.2 x retry_period_s "
-                f"({retry_period_s}), i.e. {1.2 * retry_period_s:g}"
-            )
-        if not lease_duration_s > renew_deadline_s:
-            raise ValueError(
-                f"lease_duration_s ({lease_duration_s}) must exceed "
-                f"renew_deadline_s ({renew_deadline_s})"
-            )
+        check_timings(lease_duration_s, renew_deadline_s, retry_period_s)
         if not identity:
             raise ValueError("identity must not be empty")
         self._backend = backend

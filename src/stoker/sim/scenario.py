@@ -48,6 +48,7 @@ from pydantic import (
     model_validator,
 )
 
+from stoker.adapters._election import check_timings
 from stoker.domain.errors import ConfigError
 from stoker.domain.states import ClaimMode, Reuse
 from stoker.sim.cluster.config import SimClusterConfig
@@ -384,19 +385,8 @@ class ControlPlaneConfig(_Model):
 
     @model_validator(mode="after")
     def _election_timings(self) -> ControlPlaneConfig:
-        # The elector's rule (a leader steps down before its lease can expire for the
-        # others, and retries more than once before that), checked here so that a
-        # scenario that loads also runs.
-        if not self.renew_deadline_s > 1.2 * self.retry_period_s:
-            raise ValueError(
-                f"renew_deadline_s ({self.renew_deadline_s:g}) must exceed 1.2 x "
-                f"retry_period_s ({self.retry_period_s:g})"
-            )
-        if not self.lease_duration_s > self.renew_deadline_s:
-            raise ValueError(
-                f"lease_duration_s ({self.lease_duration_s:g}) must exceed renew_deadline_s "
-                f"({self.renew_deadline_s:g})"
-            )
+        # The elector's own rule, checked here so that a scenario that loads also runs.
+        check_timings(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
         return self
 
 
