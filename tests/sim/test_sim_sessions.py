@@ -166,3 +166,27 @@ def test_per_day_figures_split_claims_sessions_and_cost_by_run_day() -> None:
     assert first["waited_ge_claim_timeout"] == 1
     assert second["time_to_worker_s"] is None
     assert (first["cost_usd"], second["cost_usd"]) == (10.0, 6.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_rate_that_falls_to_zero_for_good_ends_the_tenants_arrivals() -> None:
+    # A burst of factor 0 that outlasts the run: the arrival search drew candidates past
+    # the run's end, without ever yielding, and the run hung.
+    scenario = scenario_from_mapping(
+        {
+            **TINY,
+            "tenants": [
+                {
+                    "name": "t",
+                    "arrival": {
+                        "rate_per_h": 360,
+                        "bursts": [{"at_s": 60, "duration_s": 1e300, "factor": 0}],
+                    },
+                    "duration": 1,
+                }
+            ],
+        }
+    )
+    run = run_scenario(scenario).policies[0]
+    assert run.summary["sessions"]["started"] > 0
+    assert run.attempts and max(a.start_s for a in run.attempts) < 60

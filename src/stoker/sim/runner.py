@@ -330,6 +330,7 @@ class _PolicyRun:
             observer=checker,
             target_hot=view.target_hot,
             replay=self.replay,
+            until_s=view.duration_s,
         )
         driver.start()
         checker.start()
