@@ -232,3 +232,37 @@ def test_lease_timings_the_elector_refuses_are_refused_at_load(tmp_path: Path) -
         "control_plane: {lease_duration_s: 15, renew_deadline_s: 15}\n",
     )
     assert "control_plane: lease_duration_s (15) must exceed renew_deadline_s (15)" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Each would have been built (a billion org names) or run for days.
+        ("tenants: [{name: t, count: 100000000}]", "tenants.0.count: Input should be less"),
+        (
+            "tenants: [{name: t, count: 1000, arrival: {rate_per_h: 1.0e+9}}]",
+            "tenants: up to 16,666,666,667 arrivals over the run",
+        ),
+        (
+            "tenants: [{name: t, arrival: {rate_per_h: 1,"
+            " bursts: [{at_s: 0, duration_s: 1, factor: 1.0e+12}]}}]",
+            "arrivals over the run",
+        ),
+        ("sample_interval_s: 1.0e-6", "sample_interval_s: 1e-06 s is 60,000,000 rounds"),
+        ("control_plane: {janitor_interval_s: 1.0e-6}", "control_plane.janitor_interval_s: "),
+        ("pool: {warm_target: 1000000000}", "pool.warm_target: Input should be less"),
+        (
+            "cluster: {node_pools: [{name: w, initial_nodes: {m5.large: 1000000}}]}",
+            "cluster.node_pools: 1,000,000 initial nodes; at most 5,000",
+        ),
+        (
+            "cluster: {background: {target: 1.0e+9}}",
+            "cluster.background.target: 1,000,000,000 cores; at most 500,000",
+        ),
+    ],
+)
+def test_sizes_no_run_could_finish_are_refused_at_load(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    message = _load(tmp_path, f"name: x\nduration_s: 60\npolicies: [stoker]\n{text}\n")
+    assert expected in message and "\n" not in message, message

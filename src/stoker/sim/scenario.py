@@ -99,6 +99,23 @@ _HOUR = 3600.0
 #: year. Beyond it is a typo (milliseconds for seconds, a stray digit), and a run of it
 #: would go on for days of wall time.
 MAX_RUN_S = 366 * 24 * _HOUR
+#: Kubernetes' largest tested cluster ("Considerations for large clusters"): 5,000 nodes
+#: and 150,000 pods. A simulated cluster, pool or headroom beyond them is a typo.
+MAX_NODES = 5_000
+MAX_PODS = 150_000
+#: The background's largest target: 5,000 nodes of 100 cores.
+MAX_BACKGROUND_CORES = 500_000.0
+#: Control-plane replicas (duckgres ran 6).
+MAX_REPLICAS = 100
+#: Tenants (orgs) of one scenario.
+MAX_ORGS = 100_000
+#: Sessions one run may open, and candidates its arrival search may draw (each tenant's
+#: peak rate over the run: `count x rate_per_h x (1 + daily amplitude) x burst factors`).
+#: Twenty times a week of a million claims; a run of them would take days.
+MAX_ARRIVALS = 20_000_000
+#: Rounds of one periodic activity over a run (samples, checks, passes, renewals...):
+#: ten million, a sample every 3 s for a year.
+MAX_ROUNDS = 10_000_000
 
 
 def _distribution(value: Any) -> Distribution:
@@ -221,7 +238,7 @@ class TenantGroup(_Model):
     (just `name` when `count` is 1)."""
 
     name: str = Field(min_length=1)
-    count: int = Field(1, ge=1)
+    count: int = Field(1, ge=1, le=MAX_ORGS)
     arrival: Arrival = Arrival()
     #: How long a session holds its worker. Exponential, mean 10 minutes: an assumption
     #: (interactive query sessions; duckgres' hot-idle TTLs are minutes).
@@ -270,14 +287,14 @@ class PoolConfig(_Model):
     #: put more of them on a node, which is what a fleet simulation exercises).
     cpu: str = "2"
     memory: str = "4Gi"
-    warm_target: int = Field(0, ge=0)
+    warm_target: int = Field(0, ge=0, le=MAX_PODS)
     #: 0 = unbounded: in cluster mode the cluster bounds the fleet (duckgres #597).
-    max_workers: int = Field(0, ge=0)
-    max_workers_per_org: int = Field(0, ge=0)
+    max_workers: int = Field(0, ge=0, le=MAX_PODS)
+    max_workers_per_org: int = Field(0, ge=0, le=MAX_PODS)
     #: stoker's and duckgres' built-in hot_idle TTL: 60 s.
     hot_idle_ttl_s: float | None = 60.0
     max_ttl_s: float = Field(0.0, ge=0)
-    min_hot_idle: int = Field(0, ge=0)
+    min_hot_idle: int = Field(0, ge=0, le=MAX_PODS)
     reuse: Reuse = Reuse.SAME_ORG
     #: stoker's per-org forecast (`demand.org_forecast`); false: the pool without it.
     org_forecast: bool = True
@@ -292,7 +309,7 @@ class PoolConfig(_Model):
     #: duckgres' acquire budget, `DUCKGRES_WORKER_QUEUE_TIMEOUT` 60 s.
     claim_timeout_s: float = Field(60.0, ge=0)
     #: Constant node-sized placeholders, a constant (duckgres #820); 0 turns headroom off.
-    headroom_nodes: int = Field(0, ge=0)
+    headroom_nodes: int = Field(0, ge=0, le=MAX_NODES)
     #: Size of one placeholder: None = the worker's size. A node-sized placeholder holds
     #: a whole spare node (e.g. 15 cores / 56 GiB of an m5.4xlarge).
     placeholder_cpu: str | None = None
@@ -342,7 +359,7 @@ class ControlPlaneConfig(_Model):
     """The replicas and their intervals (realistic settings, not test ones)."""
 
     #: Several replicas share one store and elect one janitor (duckgres ran 6, #820).
-    replicas: int = Field(3, ge=1)
+    replicas: int = Field(3, ge=1, le=MAX_REPLICAS)
     #: duckgres' janitor tick: 5 s.
     janitor_interval_s: float = Field(5.0, gt=0)
     #: duckgres' per-replica fallback hot-idle reaper: every minute.
@@ -455,6 +472,19 @@ class PolicyEntry(_Model):
         return POLICY_PARAMS[self.policy].model_validate(self.params)
 
 
+def _arrivals(group: TenantGroup, duration_s: float) -> float:
+    """An upper bound of the sessions `group` opens in a run of `duration_s`, and of the
+    candidates its arrival search draws: its peak rate over its active span, plus the
+    sessions it opens at once."""
+    arrival = group.arrival
+    end = duration_s if arrival.stop_s is None else min(arrival.stop_s, duration_s)
+    span = end - arrival.start_s
+    drawn = arrival.max_rate() * span if span > 0 else 0.0
+    batches = arrival.initial if arrival.start_s < duration_s else 0
+    batches += sum(burst.sessions for burst in arrival.bursts if burst.at_s < duration_s)
+    return group.count * (drawn + batches)
+
+
 # -- the scenario ----------------------------------------------------------------------------
 
 
@@ -501,6 +531,58 @@ class Scenario(_Model):
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+    @model_validator(mode="after")
+    def _sizes(self) -> Scenario:
+        # Sizes a run could not finish with, refused before they are built (`_whole`
+        # lists every org): a typo's stray digits should not cost days of wall time.
+        if (orgs := sum(group.count for group in self.tenants)) > MAX_ORGS:
+            raise ValueError(f"tenants: {orgs:,} orgs; a scenario has at most {MAX_ORGS:,}")
+        arrivals = sum(_arrivals(group, self.duration_s) for group in self.tenants)
+        if arrivals > MAX_ARRIVALS:
+            raise ValueError(
+                f"tenants: up to {arrivals:,.0f} arrivals over the run (each group's count "
+                "x peak rate x duration, and its initial and burst sessions); a run opens "
+                f"at most {MAX_ARRIVALS:,}"
+            )
+        cluster = self.cluster_config()
+        for key, interval in self._intervals(cluster):
+            if self.duration_s / interval > MAX_ROUNDS:
+                raise ValueError(
+                    f"{key}: {interval:g} s is {self.duration_s / interval:,.0f} rounds over "
+                    f"the run's {self.duration_s:g} s; at most {MAX_ROUNDS:,} "
+                    f"(at least {self.duration_s / MAX_ROUNDS:.3g} s)"
+                )
+        nodes = sum(sum(pool.initial_nodes.values()) for pool in cluster.node_pools)
+        if nodes > MAX_NODES:
+            raise ValueError(f"cluster.node_pools: {nodes:,} initial nodes; at most {MAX_NODES:,}")
+        if (cores := cluster.background.target.peak()) > MAX_BACKGROUND_CORES:
+            raise ValueError(
+                f"cluster.background.target: {cores:,.0f} cores; at most "
+                f"{MAX_BACKGROUND_CORES:,.0f}"
+            )
+        return self
+
+    def _intervals(self, cluster: SimClusterConfig) -> list[tuple[str, float]]:
+        """Every periodic activity's interval, by the key that sets it."""
+        plane = self.control_plane
+        found = [
+            ("sample_interval_s", self.sample_interval_s),
+            ("check_interval_s", self.check_interval_s),
+            ("control_plane.janitor_interval_s", plane.janitor_interval_s),
+            ("control_plane.reaper_interval_s", plane.reaper_interval_s),
+            ("control_plane.instance_heartbeat_s", plane.instance_heartbeat_s),
+            ("control_plane.retry_period_s", plane.retry_period_s),
+            ("control_plane.resync_s", plane.resync_s),
+            ("cluster.autoscaler.consolidation_interval_s",
+             cluster.autoscaler.consolidation_interval_s),
+            ("cluster.background.reconcile_interval_s", cluster.background.reconcile_interval_s),
+        ]  # fmt: skip
+        for entry in self.policies:
+            params = entry.typed_params()
+            if isinstance(params, KnativeKpaParams):
+                found.append((f"policies.{entry.name}.params.scrape_s", params.scrape_s))
+        return found
 
     @model_validator(mode="after")
     def _whole(self) -> Scenario:

@@ -124,6 +124,10 @@ class DemandProfile(Protocol):
         """The target at `t` seconds after the simulation started."""
         ...
 
+    def peak(self) -> float:
+        """The largest target at any time."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ConstantProfile:
@@ -133,6 +137,10 @@ class ConstantProfile:
 
     def at(self, t: float) -> float:
         """`cores`."""
+        return self.cores
+
+    def peak(self) -> float:
+        """The largest target."""
         return self.cores
 
 
@@ -150,6 +158,10 @@ class DiurnalProfile:
         phase = 2 * math.pi * (t - self.peak_s) / self.period_s
         return self.low + (self.high - self.low) * (1 + math.cos(phase)) / 2
 
+    def peak(self) -> float:
+        """The largest target."""
+        return max(self.low, self.high)
+
 
 @dataclass(frozen=True, slots=True)
 class StepProfile:
@@ -165,6 +177,10 @@ class StepProfile:
                 break
             value = cores
         return value
+
+    def peak(self) -> float:
+        """The largest target."""
+        return max((cores for _, cores in self.steps), default=0.0)
 
 
 @dataclass(frozen=True)
