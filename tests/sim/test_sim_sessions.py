@@ -190,3 +190,16 @@ def test_a_rate_that_falls_to_zero_for_good_ends_the_tenants_arrivals() -> None:
     run = run_scenario(scenario).policies[0]
     assert run.summary["sessions"]["started"] > 0
     assert run.attempts and max(a.start_s for a in run.attempts) < 60
+
+
+def test_the_claim_log_and_the_pass_log_end_with_the_run() -> None:
+    # 30 tenants arrive at 60 s and most still wait for a worker when the run ends at
+    # 120 s. claims.jsonl held 19 failed attempts more than summary.json: they ended
+    # after the run, while the runner read the ledger and stopped the replicas.
+    scenario = load_scenario("cold-ramp", short=True).model_copy(update={"duration_s": 120.0})
+    run = run_scenario(scenario.for_policy("static-target")).policies[0]
+    assert run.summary["sessions"]["still_trying"] > 0
+    assert len(run.attempts) == run.summary["claims"]["attempts"] > 0
+    assert max(a.end_s for a in run.attempts) <= scenario.duration_s
+    assert max(row[0] for row in run.passes.rows) <= scenario.duration_s
+    assert max(row["t_s"] for row in run.samples) <= scenario.duration_s

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stoker.adapters.sqlite import SqliteStore
@@ -358,9 +358,23 @@ class _PolicyRun:
             await self._sample(cluster, store, replicas, driver)
             checker.check()
             summary = self._summary(cluster, store, replicas, driver, checker)
+            # What the run did by its end: reading the ledger below takes store round
+            # trips, during which sessions (and the sampler and checker) go on.
+            ended = PolicyResult(
+                name=self.entry.name,
+                kind=self.entry.policy,
+                summary=summary,
+                samples=list(self.samples),
+                latencies={k: list(v) for k, v in sorted(driver.stats.latencies.items())},
+                violations=list(checker.violations),
+                virtual_s=view.duration_s,
+                wall_s=0.0,
+                attempts=list(driver.log.attempts),
+                passes=replace(self.passes, rows=list(self.passes.rows)),
+            )
             summary["ledger"] = await self._ledger(store, replicas)
             if rollout is not None:
-                summary["rollout"] = rollout.summary(driver.log.attempts)
+                summary["rollout"] = rollout.summary(ended.attempts)
         finally:
             for task in (sampler, passes, *self.tasks):
                 task.cancel()
@@ -371,18 +385,7 @@ class _PolicyRun:
                 await plane.stop()
             await cluster.stop()
             await store.close()
-        return PolicyResult(
-            name=self.entry.name,
-            kind=self.entry.policy,
-            summary=summary,
-            samples=self.samples,
-            latencies={k: list(v) for k, v in sorted(driver.stats.latencies.items())},
-            violations=list(checker.violations),
-            virtual_s=view.duration_s,
-            wall_s=0.0,
-            attempts=driver.log.attempts,
-            passes=self.passes,
-        )
+        return ended
 
     async def _drive(self, cluster: SimCluster, driver: LoadDriver) -> None:
         """Let the run go on for the scenario's duration, reporting progress."""
