@@ -8,7 +8,11 @@ adds an unknown key at any level or deletes a key. Claim logs start from lines
 `stoker claims export` writes; a mutation replaces a field's value, deletes or adds a
 field, or puts a line out of order or out of JSON.
 
-`STOKER_INPUT_FUZZ_EXAMPLES` sets the number of generated files of each kind.
+A scenario that loads must also run: some of the mutated scenarios, cut to a couple of
+minutes and to sizes a test can afford, run one of their policies to the end.
+
+`STOKER_INPUT_FUZZ_EXAMPLES` sets the number of generated files of each kind;
+`STOKER_INPUT_FUZZ_RUNS` the number of scenarios run.
 """
 
 from __future__ import annotations
@@ -23,14 +27,23 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 from stoker.domain.errors import ConfigError
 from stoker.sim.claimlog import read_claim_log, synthetic_claims
-from stoker.sim.scenario import MAX_RUN_S, SCENARIO_DIRS, Scenario, load_scenario
+from stoker.sim.runner import run_scenario
+from stoker.sim.scenario import (
+    MAX_RUN_S,
+    SCENARIO_DIRS,
+    Scenario,
+    _arrivals,
+    load_scenario,
+    scenario_from_mapping,
+)
 
 EXAMPLES = int(os.environ.get("STOKER_INPUT_FUZZ_EXAMPLES", "300"))
+RUNS = int(os.environ.get("STOKER_INPUT_FUZZ_RUNS", "20"))
 SHIPPED = sorted((SCENARIO_DIRS[-1]).glob("*.yaml"))
 BASES = [yaml.safe_load(path.read_text()) for path in SHIPPED]
 
@@ -126,6 +139,56 @@ def test_a_mutated_scenario_loads_or_says_why_in_one_line(doc: Any, short: bool)
     for policy in scenario.policies:
         # What a run does first with each policy: its parameters as its kind's model.
         policy.typed_params()
+
+
+#: How long a generated scenario runs: long enough for spawns, claims, leases and passes.
+RUN_S = 120.0
+
+
+def _affordable(scenario: Scenario) -> bool:
+    """Sizes a test can run in seconds (the loader's own bounds are for days)."""
+    cluster = scenario.cluster_config()
+    pool, plane = scenario.pool, scenario.control_plane
+    intervals = [interval for _, interval in scenario._intervals(cluster)]
+    return (
+        sum(_arrivals(group, scenario.duration_s) for group in scenario.tenants) <= 2_000
+        and sum(group.count for group in scenario.tenants) <= 200
+        and max(pool.warm_target, pool.min_hot_idle, pool.headroom_nodes) <= 100
+        and plane.replicas <= 6
+        and min(intervals) >= 0.5
+        and cluster.tick_s >= 0.01
+        and sum(sum(p.initial_nodes.values()) for p in cluster.node_pools) <= 100
+        and cluster.background.target.peak() <= 5_000
+    )
+
+
+@settings(
+    max_examples=RUNS,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(doc=mutated_scenarios(), short=st.booleans(), pick=st.integers(0, 99))
+def test_a_mutated_scenario_that_loads_also_runs(doc: Any, short: bool, pick: int) -> None:
+    assume(isinstance(doc, dict))
+    doc = {**doc, "duration_s": RUN_S}
+    if isinstance(doc.get("short"), dict):
+        doc["short"] = {**doc["short"], "duration_s": RUN_S}
+    try:
+        scenario = scenario_from_mapping(doc, short=short)
+    except ConfigError:
+        assume(False)
+    assume(_affordable(scenario))
+    entry = scenario.policies[pick % len(scenario.policies)]
+    view = scenario.for_policy(entry.name)
+    assume(_affordable(view))
+    note(yaml.safe_dump(view.model_dump(mode="json"), allow_unicode=True))
+    run = run_scenario(view, jobs=1).policies[0]
+    # It ran to the end, and its figures agree with each other.
+    sessions, claims = run.summary["sessions"], run.summary["claims"]
+    assert (sessions["time_to_worker_s"] or {"count": 0})["count"] == sessions["started"]
+    assert sessions["without_worker"] == sessions["lost"] + sessions["still_trying"]
+    assert len(run.attempts) == claims["attempts"]
+    assert sum(a.outcome == "bound" for a in run.attempts) == claims["bound"]
 
 
 GOOD_LINES = list(synthetic_claims(6, span_s=3600.0, orgs=3, seed=4))
