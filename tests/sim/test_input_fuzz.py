@@ -8,11 +8,12 @@ adds an unknown key at any level or deletes a key. Claim logs start from lines
 `stoker claims export` writes; a mutation replaces a field's value, deletes or adds a
 field, or puts a line out of order or out of JSON.
 
-A scenario that loads must also run: some of the mutated scenarios, cut to a couple of
-minutes and to sizes a test can afford, run one of their policies to the end.
+A scenario that loads must also run, and a claim log that reads must replay: some of the
+mutated scenarios, cut to a couple of minutes and to sizes a test can afford, run one of
+their policies to the end; well-formed logs of odd shapes replay in a backtest.
 
 `STOKER_INPUT_FUZZ_EXAMPLES` sets the number of generated files of each kind;
-`STOKER_INPUT_FUZZ_RUNS` the number of scenarios run.
+`STOKER_INPUT_FUZZ_RUNS` the number of scenarios run, and of claim logs replayed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 from stoker.domain.errors import ConfigError
+from stoker.domain.ledger import OUTCOMES, SOURCES
+from stoker.domain.states import ClaimMode
+from stoker.sim.backtest import Backtest, all_figures
 from stoker.sim.claimlog import read_claim_log, synthetic_claims
 from stoker.sim.runner import run_scenario
 from stoker.sim.scenario import (
@@ -243,6 +247,49 @@ def test_a_mutated_claim_log_reads_or_says_why_in_one_line(lines: list[str]) -> 
     assert 0 <= replay.span_s <= MAX_RUN_S
     assert all(math.isfinite(h) and h >= 0 for h in replay.hold_s)
     assert all(org for org in replay.orgs)
+
+
+@st.composite
+def odd_logs(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Well-formed claim logs of odd shapes: arrivals in one instant or spread over two
+    hours, holds from 0 to days, one org or many, every mode, source and outcome."""
+    start = 1_700_000_000.0
+    offsets = st.sampled_from([0.0, 0.0, 1e-3, 1.0, 7200.0]) | st.floats(0, 7200)
+    holds = st.sampled_from([0.0, 1e-3, 1.0, 600.0, 86_400.0, 1e7]) | st.floats(0, 1e5)
+    line = st.fixed_dictionaries(
+        {
+            "at": offsets.map(lambda offset: start + offset),
+            "pool": st.just("workers"),
+            "org": st.sampled_from(["a", "b"]) | st.text(min_size=1, max_size=8),
+            "mode": st.sampled_from([mode.value for mode in ClaimMode]),
+            "source": st.sampled_from([None, *SOURCES]),
+            "wait_s": st.sampled_from([0.0, 0.02, 60.0]),
+            "held_s": holds,
+            "outcome": st.sampled_from(OUTCOMES),
+            "revision": st.just("r-1"),
+        }
+    )
+    return sorted(draw(st.lists(line, min_size=1, max_size=40)), key=lambda line: line["at"])
+
+
+@settings(max_examples=RUNS, deadline=None, suppress_health_check=list(HealthCheck))
+@given(lines=odd_logs())
+def test_an_odd_claim_log_replays_to_figures_that_agree(lines: list[dict[str, Any]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "claims.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+        try:
+            replay = read_claim_log(path)
+        except ConfigError:
+            assume(False)
+    result = Backtest(replay=replay).run([("current", {})])
+    run = result.policies[0]
+    assert run.summary["sessions"]["started"] == len(replay)
+    assert len(run.attempts) == run.summary["claims"]["attempts"]
+    (figures,) = all_figures(result)
+    assert figures.cold_share is None or 0 <= figures.cold_share <= 1
+    assert figures.failed >= 0
+    assert math.isfinite(figures.cost_usd) and figures.cost_usd >= 0
 
 
 # -- what the fuzz found, kept as cases ------------------------------------------------------
