@@ -220,6 +220,38 @@ def test_a_scenario_with_a_wrong_key_names_the_key(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            "pool: {lease_s: 0.5}",
+            "policy 'stoker': pool 'workers': lease_s must be >= 1",
+        ),
+        (
+            "rollout: {at_s: 60, steps: [50, 10]}",
+            "policy 'stoker': rollout.steps[1]: must exceed the step before (50)",
+        ),
+        (
+            "rollout: {at_s: 60, step_interval_s: 100000}",
+            "policy 'stoker': rollout.step_interval_s: must be > 0 and at most a day",
+        ),
+    ],
+)
+def test_a_scenario_the_control_plane_refuses_fails_before_it_runs(
+    tmp_path: Path, section: str, message: str
+) -> None:
+    """The scenario file takes these, the control plane does not: the run used to end in
+    `unexpected error` (lease_s), or run without its rollout (the canary's steps)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"name: bad\nduration_s: 120\npolicies: [stoker]\n{section}\n")
+    out = tmp_path / "r"
+    result = CliRunner().invoke(app, ["scaletest", str(bad), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 1
+    assert f"stoker: scenario bad: {message}" in result.output
+    assert "unexpected error" not in result.output
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", ["diurnal", "weekly"])
 def test_the_gathered_benchmark_scenarios_are_the_shipped_ones_with_the_preference(
     name: str,

@@ -87,6 +87,9 @@ def scaletest(
         result = run_scenario(
             loaded, policies=names, short=short, progress=bar.update, jobs=workers
         )
+    except ConfigError as exc:
+        bar.stop()
+        fail(str(exc))
     finally:
         bar.stop()
     try:

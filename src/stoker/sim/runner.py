@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stoker.adapters.sqlite import SqliteStore
+from stoker.domain.errors import ConfigError, InvalidRequest
 from stoker.domain.ledger import LedgerCounts
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
@@ -39,9 +40,9 @@ from stoker.sim.cluster import ClusterSnapshot, SimCluster
 from stoker.sim.invariants import InvariantChecker, Violation, count_by
 from stoker.sim.load import LoadDriver
 from stoker.sim.passlog import PassLog
-from stoker.sim.plane_specs import Limits, pool_spec
+from stoker.sim.plane_specs import Limits, org_specs, plane_settings, pool_spec
 from stoker.sim.replicas import PolicyReplicas, build_replicas
-from stoker.sim.rollout import RolloutRun
+from stoker.sim.rollout import RolloutRun, strategy_for
 from stoker.sim.scenario import Scenario
 from stoker.sim.sessions import Attempt, quantiles
 
@@ -122,6 +123,8 @@ def run_scenario(
     """
     names = list(policies) if policies else [p.name for p in scenario.policies]
     views = [scenario.for_policy(name) for name in names]
+    for view in views:
+        check_view(view)
     started = time.perf_counter()
     jobs = max(1, min(jobs, len(views)))
     if jobs == 1:
@@ -135,6 +138,25 @@ def run_scenario(
         wall_s=time.perf_counter() - started,
         jobs=jobs,
     )
+
+
+def check_view(view: Scenario) -> None:
+    """Build the control plane's specs of a policy view before any run: a setting the
+    scenario takes but the control plane refuses (a pool's `lease_s` under a second, a
+    canary's steps out of order) is a ConfigError naming it, not a failure half-way
+    through a run, nor a rollout that never starts."""
+    where = f"scenario {view.name}: policy {view.policies[0].name!r}"
+    try:
+        pool_spec(view)
+        org_specs(view)
+        plane_settings(view)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if view.rollout is not None:
+        try:
+            strategy_for(view.policies[0], view.rollout)
+        except InvalidRequest as exc:
+            raise ConfigError(f"{where}: rollout.{exc}") from None
 
 
 def _run_forked(
