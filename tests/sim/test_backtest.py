@@ -108,6 +108,17 @@ def test_recommend_finds_the_cheapest_warm_target_that_meets_the_target(log: Pat
     assert found.settings["warm_target"] > 0
 
 
+def test_recommend_tries_no_warm_target_above_the_pools_cap(tmp_path: Path) -> None:
+    """A capped pool's search skips the warm targets its cap refuses (it used to end in
+    `unexpected error` at the first warm target above the cap)."""
+    path = write_log(tmp_path / "log.jsonl", list(synthetic_claims(6, span_s=120, orgs=2)))
+    run = Backtest(replay=read_claim_log(path), current={"max_workers": 2}, jobs=1)
+    found = recommend(run, "cold_share", 1.0, keys=("warm_target",))
+    targets = sorted(s.get("warm_target", 0) for s, _ in found.tried)
+    # The current settings (no warm target), then 0, 1 and 2 of WARM_TARGETS.
+    assert targets == [0, 0, 1, 2]
+
+
 def test_a_log_of_several_pools_needs_one_named(tmp_path: Path) -> None:
     claims = list(synthetic_claims(4, span_s=60, pool="a"))
     claims += [dict(c, pool="b", at=c["at"] + 100) for c in claims]
@@ -161,6 +172,11 @@ GOOD = json.dumps(next(synthetic_claims(1)))
         ([GOOD], ("--policy", "magic"), "unknown policy 'magic'"),
         ([GOOD], ("--recommend", "--target", "cost=1"), "--target 'cost=1'"),
         ([GOOD], ("--spawn-s", "9:3"), "need 0 < p50 <= p99"),
+        (
+            [GOOD],
+            ("--recommend", "--current", "max_workers=2,warm_target=3"),
+            "warm_target 3 exceeds max_workers",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -242,6 +242,9 @@ def backtest(
 
             try:
                 found = run_search(run, *goal, keys=keys)
+            except ConfigError as exc:
+                bar.stop()
+                fail(str(exc).removeprefix("scenario backtest: "), code=2)
             finally:
                 bar.stop()
             _print_recommendation(found, replay, known, as_json=as_json)

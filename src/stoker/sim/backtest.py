@@ -186,6 +186,14 @@ class Backtest:
             replay=self.replay,
         )
 
+    def accepts(self, settings: Mapping[str, Any]) -> bool:
+        """Whether the pool takes `settings` (e.g. no warm target above its cap)."""
+        try:
+            backtest_scenario(self.replay, [("check", settings)], spawn=self.spawn, seed=self.seed)
+        except ConfigError:
+            return False
+        return True
+
     def figures(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Figures]:
         """Each candidate's figures (`run`), at the pool's prices when it has them."""
         return all_figures(self.run(candidates), self.cost)
@@ -414,7 +422,11 @@ def recommend(
     best_figures = current if current.meets(target, bound) else None
     seen = {settings_text(best)}
     for round_number in range(1, ROUNDS + 1):
-        batch = [n for n in neighbours(best, keys) if settings_text(n) not in seen]
+        batch = [
+            n
+            for n in neighbours(best, keys)
+            if settings_text(n) not in seen and backtest.accepts(n)
+        ]
         seen.update(settings_text(n) for n in batch)
         if not batch:
             break
