@@ -168,7 +168,11 @@ GOOD = json.dumps(next(synthetic_claims(1)))
         ([GOOD.replace('"prefer_warm"', '"eager"')], (), "mode 'eager' is not one of"),
         ([GOOD], ("--set", "warm_targt=8"), "unknown setting 'warm_targt'"),
         ([GOOD], ("--set", "warm_target=eight"), "warm_target: 'eight' is not a int"),
-        ([GOOD], ("--candidate", "demand.quantile=2"), "demand_quantile"),
+        ([GOOD], ("--candidate", "demand.quantile=2"), "demand.quantile: '2': the pool refuses"),
+        # Values the config file and the API refuse; the replay used to take them.
+        ([GOOD], ("--set", "hot_idle_ttl=-5"), "hot_idle_ttl: '-5': the pool refuses it"),
+        ([GOOD], ("--candidate", "claim_timeout_s=7200"), "less than or equal to 3600"),
+        ([GOOD], ("--current", "headroom_nodes=1001"), "headroom_nodes: '1001'"),
         ([GOOD], ("--policy", "magic"), "unknown policy 'magic'"),
         ([GOOD], ("--recommend", "--target", "cost=1"), "--target 'cost=1'"),
         ([GOOD], ("--spawn-s", "9:3"), "need 0 < p50 <= p99"),

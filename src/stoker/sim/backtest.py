@@ -16,11 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from typing import Any, get_type_hints
+
+from pydantic import TypeAdapter, ValidationError
 
 from stoker.domain.errors import ConfigError
 from stoker.domain.ledger import LedgerCounts, money
-from stoker.domain.specs import CostSpec
+from stoker.domain.specs import CostSpec, DemandSpec, PoolSpec
 from stoker.sim.claimlog import ClaimReplay
 from stoker.sim.policies import POLICY_KINDS
 from stoker.sim.runner import PolicyResult, ProgressCallback, ScenarioResult, run_scenario
@@ -96,7 +99,22 @@ def parse_value(key: str, raw: str) -> Any:
         raise ConfigError(f"setting {key}: {raw!r} is not a {kind.__name__}") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"setting {key}: {raw!r} is not a finite number")
+    try:
+        _pool_field(key).validate_python(value)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"]
+        raise ConfigError(f"setting {key}: {raw!r}: the pool refuses it ({message})") from None
     return value
+
+
+@cache
+def _pool_field(key: str) -> TypeAdapter[Any]:
+    """The type, with its bounds, that the pool's own spec gives setting `key` (PoolSpec's
+    field of that name, or DemandSpec's for `demand.*`): what the config file and the API
+    refuse, a backtest refuses too."""
+    spec, _, name = key.rpartition(".")
+    hints = get_type_hints(DemandSpec if spec == "demand" else PoolSpec, include_extras=True)
+    return TypeAdapter(hints[name])
 
 
 def settings_text(settings: Mapping[str, Any]) -> str:
