@@ -196,6 +196,12 @@ def test_bad_input_is_one_line_and_exit_2(
     assert says in error[0]
 
 
+def test_a_malformed_url_is_one_line_and_exit_2() -> None:
+    result = _cli("--url", "http://[::1", "--no-progress")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr == "stoker: cannot read from http://[::1: Invalid port: ':1'\n"
+
+
 def test_the_command_prints_the_table_and_writes_the_report(log: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     result = _cli(

@@ -327,7 +327,8 @@ def _from_server(
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
             body = ledger.json() if ledger.status_code == 200 else None
             spawn, cost = _ledger_spawn(body), _ledger_cost(body)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        # InvalidURL is no HTTPError: a malformed --url (`http://[::1`) is the user's.
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
