@@ -9,6 +9,7 @@ by `benchmarks/scaletest.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cache
 from pathlib import Path
@@ -180,6 +181,19 @@ def test_the_report_holds_the_summary_the_timeseries_the_plots_and_the_markdown(
     report = (tmp_path / "report.md").read_text()
     assert "| stoker |" in report
     assert "| static-target |" in report
+
+
+def test_a_report_written_over_another_keeps_none_of_its_warnings(tmp_path: Path) -> None:
+    result = _short("cold-ramp")
+    assert any(p.log_lines for p in result.policies)
+    write_report(result, tmp_path)
+    assert (tmp_path / "warnings.log").is_file()
+    quiet = dataclasses.replace(
+        result, policies=[dataclasses.replace(p, log_lines=[]) for p in result.policies]
+    )
+    written = write_report(quiet, tmp_path)
+    assert not (tmp_path / "warnings.log").exists()
+    assert all(p.name != "warnings.log" for p in written)
 
 
 def test_scaletest_command_writes_the_report_and_prints_the_table(tmp_path: Path) -> None:

@@ -419,4 +419,7 @@ def write_report(result: ScenarioResult, out: Path) -> list[Path]:
     if lines:
         (out / "warnings.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
         written.append(out / "warnings.log")
+    else:
+        # A report written over an earlier one must not keep that run's warnings.
+        (out / "warnings.log").unlink(missing_ok=True)
     return written
