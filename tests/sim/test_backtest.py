@@ -175,6 +175,7 @@ GOOD = json.dumps(next(synthetic_claims(1)))
         ([GOOD], ("--current", "headroom_nodes=1001"), "headroom_nodes: '1001'"),
         ([GOOD], ("--policy", "magic"), "unknown policy 'magic'"),
         ([GOOD], ("--recommend", "--target", "cost=1"), "--target 'cost=1'"),
+        ([GOOD], ("--recommend", "--out", "report"), "--out writes the report of the settings"),
         ([GOOD], ("--spawn-s", "9:3"), "need 0 < p50 <= p99"),
         (
             [GOOD],

@@ -214,6 +214,12 @@ def backtest(
         goal = parse_target(target) if recommend else None
         if recommend and len(runs) > 1:
             raise ConfigError("--recommend searches from the current settings: no candidates")
+        if recommend and out is not None:
+            # The search keeps each replay's figures, not its report: nothing to write.
+            raise ConfigError(
+                "--out writes the report of the settings given; --recommend prints the ones "
+                "it finds (replay them with --set to write their report)"
+            )
         keys = [k.strip() for k in search.split(",") if k.strip()]
         for key in keys:
             if key not in SEARCHED:
