@@ -119,6 +119,16 @@ def test_recommend_tries_no_warm_target_above_the_pools_cap(tmp_path: Path) -> N
     assert targets == [0, 0, 1, 2]
 
 
+def test_a_log_from_the_first_minutes_of_1970_replays(tmp_path: Path) -> None:
+    """Arrivals less than the lead (5 minutes) after 1970 began: the replay's clock
+    starts at 1970 (it used to be refused as `epoch_s` below 0)."""
+    claims = [dict(c, at=c["at"] - 1_699_833_600.0) for c in synthetic_claims(3, span_s=60)]
+    run = Backtest(replay=read_claim_log(write_log(tmp_path / "log.jsonl", claims)), jobs=1)
+    assert run.scenario([("current", {})]).epoch_s == 0
+    [current] = run.run([("current", {})]).policies
+    assert current.summary["claims"]["attempts"] == 3
+
+
 def test_a_log_of_several_pools_needs_one_named(tmp_path: Path) -> None:
     claims = list(synthetic_claims(4, span_s=60, pool="a"))
     claims += [dict(c, pool="b", at=c["at"] + 100) for c in claims]
@@ -166,6 +176,11 @@ GOOD = json.dumps(next(synthetic_claims(1)))
         ([GOOD, "{not json"], (), "claims.jsonl:2: not JSON"),
         ([GOOD, GOOD.replace('"org"', '"tenant"')], (), "claims.jsonl:2: missing ['org']"),
         ([GOOD.replace('"prefer_warm"', '"eager"')], (), "mode 'eager' is not one of"),
+        (
+            [json.dumps({**json.loads(GOOD), "at": 1e300})],
+            (),
+            "claims.jsonl:1: at must be unix seconds from 1970 to 9999, not 1e+300",
+        ),
         ([GOOD], ("--set", "warm_targt=8"), "unknown setting 'warm_targt'"),
         ([GOOD], ("--set", "warm_target=eight"), "warm_target: 'eight' is not a int"),
         ([GOOD], ("--candidate", "demand.quantile=2"), "demand.quantile: '2': the pool refuses"),

@@ -274,7 +274,8 @@ def backtest_scenario(
     data: dict[str, Any] = {
         **BASE,
         "seed": seed,
-        "epoch_s": math.floor(replay.start - replay.lead_s),
+        # A log from the first minutes of 1970 starts its lead at 1970 (no earlier epoch).
+        "epoch_s": max(0, math.floor(replay.start - replay.lead_s)),
         "duration_s": replay.lead_s + replay.span_s + TAIL_S,
         "policies": policies,
         "control_plane": {**BASE["control_plane"], **(control_plane or {})},

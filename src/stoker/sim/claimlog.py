@@ -41,6 +41,9 @@ from stoker.sim.scenario import MAX_RUN_S
 KEYS = EXPORT_KEYS
 #: A never-bound claim's hold when no claim of the log was ever held (seconds).
 DEFAULT_HOLD_S = 600.0
+#: The latest arrival a log may hold: 9999-12-31T23:59:59Z, the last second a date can
+#: name (the store keeps times as dates and integers).
+LATEST_AT = 253_402_300_799.0
 _MODES = tuple(mode.value for mode in ClaimMode)
 
 
@@ -64,6 +67,8 @@ def parse_entry(data: Any, where: str) -> ClaimLogEntry:
         problem = f"missing {missing}" if missing else f"unknown keys {unknown}"
         raise ConfigError(f"{where}: {problem}")
     at = _number(data, "at", where)
+    if not 0 <= at <= LATEST_AT:
+        raise ConfigError(f"{where}: at must be unix seconds from 1970 to 9999, not {at!r}")
     wait = _number(data, "wait_s", where)
     held = None if data["held_s"] is None else _number(data, "held_s", where)
     for key in ("pool", "org"):
