@@ -120,6 +120,17 @@ def test_the_retry_back_off_doubles_up_to_its_cap_with_equal_jitter() -> None:
             assert base / 2 <= retry_backoff_s(group, failures, rng) <= base
 
 
+def test_the_retry_back_off_stays_at_its_cap_after_a_thousand_failures() -> None:
+    """2.0 ** 1024 leaves a float's range: a session failing that often (retries 2,000,
+    a long outage) used to end the run in `unexpected error: ... session failed`."""
+    group = TenantGroup(name="t", retry_backoff_s=5, retry_backoff_factor=2, retry_backoff_max_s=30)
+    rng = random.Random(1)
+    for failures in (1023, 1024, 5000, 10**9):
+        assert 15 <= retry_backoff_s(group, failures, rng) <= 30
+    none = TenantGroup(name="t", retry_backoff_s=0, retry_backoff_factor=2)
+    assert retry_backoff_s(none, 5000, rng) == 0.0
+
+
 def test_the_report_writes_the_claim_log_and_the_pass_log(tmp_path: Path) -> None:
     result = _tiny()
     write_report(result, tmp_path)

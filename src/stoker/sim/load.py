@@ -506,6 +506,11 @@ REPLAY_CLIENT = TenantGroup(name="recorded", retries=0)
 def retry_backoff_s(group: TenantGroup, failures: int, rng: random.Random) -> float:
     """The back-off after failed attempt number `failures` (0-based): exponential, capped,
     with equal jitter (half of it fixed, half uniform)."""
-    base = group.retry_backoff_s * group.retry_backoff_factor**failures
+    try:
+        growth = group.retry_backoff_factor**failures
+    except OverflowError:
+        # A thousand doublings leave a float's range, long after the cap was reached.
+        growth = math.inf
+    base = group.retry_backoff_s * growth if group.retry_backoff_s else 0.0
     capped = min(base, group.retry_backoff_max_s)
     return capped / 2 + rng.uniform(0, capped / 2)
