@@ -286,3 +286,29 @@ def test_a_config_that_gathers_sessions_replays_with_it(log: Path, tmp_path: Pat
     assert intervals["prefer_session_nodes"] is True
     backtest = Backtest(replay=read_claim_log(log), control_plane=intervals)
     assert backtest.scenario([("current", {})]).control_plane.prefer_session_nodes
+
+
+def test_per_resource_prices_apply_to_the_live_pools_workers(log: Path, tmp_path: Path) -> None:
+    """The replay's workers are the simulator's pods (2 CPUs, 4 GiB); a pool of 1-CPU,
+    1-GiB pods priced per CPU-hour used to cost twice what the same price per worker-hour
+    did. The config's template (or the server's ledger) gives the live pool's size."""
+    from stoker.cli.backtest import _config_settings, _ledger_sizes
+
+    config = tmp_path / "stoker.yaml"
+    config.write_text(
+        "runtime: {kind: kubernetes}\npools:\n  - name: workers\n"
+        "    pod: {image: registry.example/w:1, cpu: '1', memory: 1Gi}\n"
+        "    cost: {per_cpu_hour: 1.0, per_gib_hour: 0.0}\n"
+    )
+    _, _, prices, sizes = _config_settings(config, "workers")
+    assert sizes == (1.0, 1.0)
+    result = Backtest(replay=read_claim_log(log), current={"warm_target": 2}, jobs=1).run(
+        [("current", {})]
+    )
+    (by_cpu,) = all_figures(result, prices, sizes)
+    (by_worker,) = all_figures(result, CostSpec(per_worker_hour=1.0))
+    assert by_cpu.priced_cost == pytest.approx(by_worker.priced_cost)
+    assert by_cpu.idle_warm_cost == pytest.approx(by_worker.idle_warm_cost)
+    # The same from a live ledger: resource-seconds over worker-seconds.
+    total = {"warm_s": 30.0, "hot_s": 10.0, "cpu_s": 20.0, "gib_s": 80.0}
+    assert _ledger_sizes({"total": total}) == (0.5, 2.0)

@@ -176,18 +176,20 @@ def backtest(
         known: dict[str, Any] = {}
         spawn: SpawnToReady | None = None
         cost: CostSpec | None = None
+        resources: tuple[float, float] | None = None
         if from_file is not None:
             from stoker.sim.claimlog import read_claim_log
 
             replay = read_claim_log(from_file, pool)
         else:
             assert url is not None
-            replay, known, spawn, cost = _from_server(url, token, since, pool)
+            replay, known, spawn, cost, resources = _from_server(url, token, since, pool)
         intervals: dict[str, Any] = {}
         if config is not None:
-            pool_settings, intervals, prices = _config_settings(config, replay.pool)
+            pool_settings, intervals, prices, sizes = _config_settings(config, replay.pool)
             known.update(pool_settings)
-            cost = prices or cost
+            if prices is not None:
+                cost, resources = prices, sizes
         if current:
             known.update(parse_settings(current))
         if spawn_s is not None:
@@ -241,6 +243,7 @@ def backtest(
         jobs=workers,
         progress=bar.update,
         cost=cost,
+        resources=resources,
     )
     try:
         if goal is not None:
@@ -264,7 +267,7 @@ def backtest(
             fail(str(exc).removeprefix("scenario backtest: "), code=2)
     finally:
         bar.stop()
-    rows = all_figures(result, cost)
+    rows = all_figures(result, cost, resources)
     if out is not None:
         _write_report(result, rows, replay, out)
     if as_json:
@@ -296,9 +299,9 @@ def backtest(
 
 def _from_server(
     url: str, token: str | None, since: str, pool: str | None, *, page_size: int = LOG_PAGE
-) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady, CostSpec | None]:
+) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady, CostSpec | None, tuple[float, float] | None]:
     """The log (`GET /v1/claims/log`, page after page), the pool's current settings
-    (`GET /v1/pools/{name}`), and its spawn-to-ready time and prices
+    (`GET /v1/pools/{name}`), and its spawn-to-ready time, prices and resources per worker
     (`GET /v1/pools/{name}/ledger` when the server has it, else the default and none)."""
     import httpx
 
@@ -332,13 +335,13 @@ def _from_server(
             settings = _pool_settings(info.json())
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
             body = ledger.json() if ledger.status_code == 200 else None
-            spawn, cost = _ledger_spawn(body), _ledger_cost(body)
+            spawn, cost, resources = _ledger_spawn(body), _ledger_cost(body), _ledger_sizes(body)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         # InvalidURL is no HTTPError: a malformed --url (`http://[::1`) is the user's.
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
-    return replay, settings, spawn or SpawnToReady(), cost
+    return replay, settings, spawn or SpawnToReady(), cost, resources
 
 
 def _ledger_cost(body: Any) -> CostSpec | None:
@@ -356,6 +359,21 @@ def _ledger_cost(body: Any) -> CostSpec | None:
 
 
 _PRICES = ("per_cpu_hour", "per_gib_hour", "per_worker_hour")
+_WORKER_SECONDS = ("warm_s", "hot_s", "hot_idle_s", "starting_s", "draining_s")
+
+
+def _ledger_sizes(body: Any) -> tuple[float, float] | None:
+    """The pool's (CPUs, GiB) per worker as its ledger counted them: resource-seconds
+    over worker-seconds (None: no worker time in the window)."""
+    total = body.get("total") if isinstance(body, Mapping) else None
+    if not isinstance(total, Mapping):
+        return None
+    try:
+        worker_s = sum(float(total.get(k) or 0.0) for k in _WORKER_SECONDS)
+        cpu_s, gib_s = float(total.get("cpu_s") or 0.0), float(total.get("gib_s") or 0.0)
+    except (TypeError, ValueError):
+        return None
+    return (cpu_s / worker_s, gib_s / worker_s) if worker_s > 0 else None
 
 
 def _raise_for(answer: Any, path: str) -> None:
@@ -402,13 +420,15 @@ def _ledger_spawn(body: Any) -> SpawnToReady | None:
 
 def _config_settings(
     path: Path, pool: str
-) -> tuple[dict[str, Any], dict[str, Any], CostSpec | None]:
+) -> tuple[dict[str, Any], dict[str, Any], CostSpec | None, tuple[float, float]]:
     """The pool's settings in a stoker config file, the replicas' intervals it sets (and
-    the Kubernetes runtime's `prefer_session_nodes`), and the pool's prices (`cost`)."""
+    the Kubernetes runtime's `prefer_session_nodes`), the pool's prices (`cost`) and its
+    (CPUs, GiB) per worker, which per-resource prices apply to."""
     from stoker.config.convert import to_domain
     from stoker.config.loading import load_config
     from stoker.config.sections import KubernetesRuntimeConfig
     from stoker.domain.errors import ConfigError
+    from stoker.domain.ledger import resources_of
 
     loaded = load_config(path, environ={}).config
     intervals: dict[str, Any] = {
@@ -437,6 +457,7 @@ def _config_settings(
                 },
                 intervals,
                 spec.cost,
+                resources_of(spec.template),
             )
     raise ConfigError(f"{path} has no pool {pool!r}")
 

@@ -181,6 +181,9 @@ class Backtest:
     #: The pool's prices (its config's `cost`): figures read in them, and `recommend`
     #: compares by them. None: by the simulated nodes' cost.
     cost: CostSpec | None = None
+    #: The live pool's (CPUs, GiB) per worker (`stoker.domain.ledger.resources_of` of its
+    #: template), which per-resource prices apply to; None: the simulated workers'.
+    resources: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         self.replay.lead_s = LEAD_S
@@ -214,7 +217,7 @@ class Backtest:
 
     def figures(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Figures]:
         """Each candidate's figures (`run`), at the pool's prices when it has them."""
-        return all_figures(self.run(candidates), self.cost)
+        return all_figures(self.run(candidates), self.cost, self.resources)
 
 
 #: The scenario a backtest lays its pool, policies and spawn times into.
@@ -336,10 +339,19 @@ class Figures:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def figures(result: PolicyResult, cpu_per_worker: float, cost: CostSpec | None = None) -> Figures:
-    """The table's figures of one run; `cost` the pool's prices (None: none)."""
+def figures(
+    result: PolicyResult,
+    cpu_per_worker: float,
+    cost: CostSpec | None = None,
+    resources: tuple[float, float] | None = None,
+) -> Figures:
+    """The table's figures of one run; `cost` the pool's prices (None: none), per CPU and
+    GiB of `resources` per worker (None: the simulated workers')."""
     s = result.summary
-    priced = money(LedgerCounts.from_parts(s["ledger"], {}), cost)
+    counts = LedgerCounts.from_parts(s["ledger"], {})
+    if resources is not None:
+        counts = _resized(counts, resources)
+    priced = money(counts, cost)
     claims = s["claims"]
     latency = claims["latency_s"]["all"] or {}
     waited = s["sessions"]["time_to_worker_s"] or {}
@@ -358,14 +370,31 @@ def figures(result: PolicyResult, cpu_per_worker: float, cost: CostSpec | None =
     )
 
 
+def _resized(counts: LedgerCounts, resources: tuple[float, float]) -> LedgerCounts:
+    """`counts` with the resource-seconds of workers of `resources` (CPUs, GiB): the
+    replay's workers are the simulator's pods (`PoolConfig`'s 2 CPUs and 4 GiB), whose
+    resource-seconds would price another pool's."""
+    cpus, gib = resources
+    worker_s = counts.warm_s + counts.hot_s + counts.hot_idle_s + counts.starting_s
+    worker_s += counts.draining_s
+    out = counts.copy()
+    out.cpu_s, out.gib_s = worker_s * cpus, worker_s * gib
+    return out
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def all_figures(result: ScenarioResult, cost: CostSpec | None = None) -> list[Figures]:
-    """Every run's figures, in the scenario's order; `cost` the pool's prices."""
+def all_figures(
+    result: ScenarioResult,
+    cost: CostSpec | None = None,
+    resources: tuple[float, float] | None = None,
+) -> list[Figures]:
+    """Every run's figures, in the scenario's order; `cost` the pool's prices, for
+    workers of `resources` (CPUs, GiB; None: the simulated workers')."""
     cpu = result.scenario.pool.cpu_cores
-    return [figures(p, cpu, cost) for p in result.policies]
+    return [figures(p, cpu, cost, resources) for p in result.policies]
 
 
 # -- the search --------------------------------------------------------------------------------
@@ -477,6 +506,7 @@ def recommend(
         jobs=1,
         progress=backtest.progress,
         cost=backtest.cost,
+        resources=backtest.resources,
     )
     confirmed = again.figures([("confirm", {})])[0]
     return Recommendation(target, bound, best, best_figures, confirmed, tried)
