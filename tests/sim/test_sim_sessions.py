@@ -112,6 +112,26 @@ def test_unserved_sessions_count_with_the_time_they_waited_as_a_lower_bound() ->
     assert summary["still_trying"] == 1
 
 
+def test_a_session_reaches_its_own_claim_timeout_not_the_pools() -> None:
+    """A tenant's `claim_timeout_s` is when its client sees an attempt fail: a session
+    of a 120 s tenant served after 70 s did not reach it, one of a 10 s tenant served
+    after 20 s did (both used to be held to the pool's 60 s)."""
+    log = SessionLog()
+    log.arrived(1, 0.0, timeout_s=120.0)
+    log.arrived(2, 0.0, timeout_s=10.0)
+    log.arrived(3, 0.0)
+    log.bound(1, 70.0)
+    log.bound(2, 20.0)
+    log.bound(3, 65.0)
+    assert log.summary(100.0, claim_timeout_s=60.0)["waited_ge_claim_timeout"] == 2
+    attempts = [
+        Attempt(session, "o", 0, 0, 0.0, end, "bound", "cold", 0.0)
+        for session, end in ((1, 70.0), (2, 20.0), (3, 65.0))
+    ]
+    [day] = per_day(attempts, [], duration_s=100.0, claim_timeout_s=60.0, timeouts=log.timeouts)
+    assert day["waited_ge_claim_timeout"] == 2
+
+
 def test_the_retry_back_off_doubles_up_to_its_cap_with_equal_jitter() -> None:
     group = TenantGroup(name="t", retry_backoff_s=5, retry_backoff_factor=2, retry_backoff_max_s=30)
     rng = random.Random(1)

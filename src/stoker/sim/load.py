@@ -247,7 +247,7 @@ class LoadDriver:
                     self.stats.first_arrival_s = self.now()
                 self.stats.sessions += 1
                 number = self.stats.sessions
-                self.log.arrived(number, self.now())
+                self.log.arrived(number, self.now(), group.claim_timeout_s)
                 self._spawn(
                     self._session(group, org, index + seq, duration, abandon, number),
                     f"session:{org}:{seq}",

@@ -91,7 +91,13 @@ def _days(result: ScenarioResult, p: PolicyResult) -> dict[str, Any]:
     if duration <= DAY_S:
         return {}
     timeout = p.summary["sessions"]["claim_timeout_s"]
-    days = per_day(p.attempts, p.samples, duration_s=duration, claim_timeout_s=timeout)
+    days = per_day(
+        p.attempts,
+        p.samples,
+        duration_s=duration,
+        claim_timeout_s=timeout,
+        timeouts=p.claim_timeouts,
+    )
     return {"days": days}
 
 

@@ -82,6 +82,8 @@ class PolicyResult:
     #: Every claim attempt (claims.jsonl) and the janitor's passes (passes.csv).
     attempts: list[Attempt] = field(default_factory=list)
     passes: PassLog = field(default_factory=PassLog)
+    #: The claim timeout of each session whose tenant sets its own (others: the pool's).
+    claim_timeouts: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -393,6 +395,7 @@ class _PolicyRun:
                 wall_s=0.0,
                 attempts=list(driver.log.attempts),
                 passes=replace(self.passes, rows=list(self.passes.rows)),
+                claim_timeouts=dict(driver.log.timeouts),
             )
             summary["ledger"] = await self._ledger(store, replicas)
             if rollout is not None:

@@ -10,14 +10,15 @@ log, `claims.jsonl` in the report) and one time-to-worker per session:
   trying, and one still trying when the run ends with the time it has waited so far:
   both are lower bounds, so the quantiles are never flattered by leaving them out.
 
-`waited_ge_claim_timeout` counts sessions whose time to a worker reached the claim
-timeout (the point at which a client would have seen its first attempt fail).
+`waited_ge_claim_timeout` counts sessions whose time to a worker reached their claim
+timeout (the point at which a client would have seen its first attempt fail): the
+tenant's own `claim_timeout_s` when it sets one, else the pool's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,10 +92,14 @@ class SessionLog:
     gave_up_after_s: dict[int, float] = field(default_factory=dict)
     #: Arrival time of sessions still without a worker and still trying.
     trying_since_s: dict[int, float] = field(default_factory=dict)
+    #: The claim timeout of each session whose client sets its own (others: the pool's).
+    timeouts: dict[int, float] = field(default_factory=dict)
 
-    def arrived(self, session: int, now: float) -> None:
-        """A session opened and starts claiming."""
+    def arrived(self, session: int, now: float, timeout_s: float | None = None) -> None:
+        """A session opened and starts claiming, with its own claim timeout if it has one."""
         self.trying_since_s[session] = now
+        if timeout_s is not None:
+            self.timeouts[session] = timeout_s
 
     def bound(self, session: int, now: float) -> None:
         """The session got a worker."""
@@ -106,17 +111,24 @@ class SessionLog:
 
     def times_to_worker(self, now: float) -> list[float]:
         """Every session's time to a worker (lower bounds for the unserved ones)."""
-        waiting = [now - since for since in self.trying_since_s.values()]
-        return [*self.bound_after_s.values(), *self.gave_up_after_s.values(), *waiting]
+        return list(self._by_session(now).values())
+
+    def _by_session(self, now: float) -> dict[int, float]:
+        waiting = {session: now - since for session, since in self.trying_since_s.items()}
+        return {**self.bound_after_s, **self.gave_up_after_s, **waiting}
 
     def summary(self, now: float, claim_timeout_s: float) -> dict[str, Any]:
-        """`sessions.time_to_worker_s` and its companions for summary.json."""
-        times = self.times_to_worker(now)
+        """`sessions.time_to_worker_s` and its companions for summary.json;
+        `claim_timeout_s` the pool's."""
+        times = self._by_session(now)
         retried = {a.session for a in self.attempts if a.attempt > 0}
+        waited = sum(
+            1 for session, t in times.items() if t >= self.timeouts.get(session, claim_timeout_s)
+        )
         return {
-            "time_to_worker_s": quantiles(times),
+            "time_to_worker_s": quantiles(times.values()),
             "claim_timeout_s": claim_timeout_s,
-            "waited_ge_claim_timeout": sum(1 for t in times if t >= claim_timeout_s),
+            "waited_ge_claim_timeout": waited,
             "without_worker": len(self.gave_up_after_s) + len(self.trying_since_s),
             "still_trying": len(self.trying_since_s),
             "retried": len(retried),
@@ -132,10 +144,12 @@ def per_day(
     *,
     duration_s: float,
     claim_timeout_s: float,
+    timeouts: Mapping[int, float] | None = None,
 ) -> list[dict[str, Any]]:
     """The run's figures day by day (run days of 24 h from the start; a last partial
     day counts too): claims bound and cold, failed attempts, the time to a worker of the
-    sessions that arrived that day, and the node cost accrued that day."""
+    sessions that arrived that day, and the node cost accrued that day. `timeouts`: the
+    claim timeout of each session that sets its own (others: `claim_timeout_s`)."""
     days = max(1, math.ceil(duration_s / DAY_S - 1e-9))
     bound = [0] * days
     cold = [0] * days
@@ -152,9 +166,12 @@ def per_day(
             failed[day] += 1
         first.setdefault(a.session, a.start_s)
     waits: list[list[float]] = [[] for _ in range(days)]
+    reached = [0] * days
     for session, start in first.items():
         end = served.get(session, duration_s)
-        waits[min(days - 1, int(start // DAY_S))].append(end - start)
+        day = min(days - 1, int(start // DAY_S))
+        waits[day].append(end - start)
+        reached[day] += end - start >= (timeouts or {}).get(session, claim_timeout_s)
     cost = [0.0] * (days + 1)
     for row in samples:
         day = min(days, math.ceil(row["t_s"] / DAY_S - 1e-9))
@@ -169,7 +186,7 @@ def per_day(
             "cold_share": cold[day] / bound[day] if bound[day] else None,
             "failed_attempts": failed[day],
             "time_to_worker_s": quantiles(waits[day]),
-            "waited_ge_claim_timeout": sum(1 for w in waits[day] if w >= claim_timeout_s),
+            "waited_ge_claim_timeout": reached[day],
             "cost_usd": cost[day + 1] - cost[day],
         }
         for day in range(days)
