@@ -312,3 +312,16 @@ def test_per_resource_prices_apply_to_the_live_pools_workers(log: Path, tmp_path
     # The same from a live ledger: resource-seconds over worker-seconds.
     total = {"warm_s": 30.0, "hot_s": 10.0, "cpu_s": 20.0, "gib_s": 80.0}
     assert _ledger_sizes({"total": total}) == (0.5, 2.0)
+
+
+def test_a_claim_still_waiting_when_the_replay_ends_counts_as_failed(tmp_path: Path) -> None:
+    """Five claims at once against a pool of one worker whose claims wait up to an hour:
+    four never get a worker before the replay's tail ends. They used to count as neither
+    failed nor cold, so the setting "met" any cold-share target."""
+    claims = [dict(c, at=1_700_000_000.0) for c in synthetic_claims(5, span_s=60, orgs=5)]
+    replay = read_claim_log(write_log(tmp_path / "log.jsonl", claims))
+    current = {"warm_target": 1, "max_workers": 1, "claim_timeout_s": 3600.0}
+    run = Backtest(replay=replay, current=current, jobs=1)
+    [f] = run.figures([("current", {})])
+    assert f.failed == 4
+    assert not f.meets("cold_share", 1.0)
