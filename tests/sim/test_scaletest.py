@@ -249,6 +249,11 @@ def test_a_scenario_with_a_wrong_key_names_the_key(tmp_path: Path) -> None:
             "rollout: {at_s: 60, step_interval_s: 100000}",
             "policy 'stoker': rollout.step_interval_s: must be > 0 and at most a day",
         ),
+        (
+            "rollout: {at_s: 60, image: 'registry.sim.example/worker:1'}",
+            "policy 'stoker': rollout.image: the pool runs 'registry.sim.example/worker:1' "
+            "already: nothing to roll out",
+        ),
     ],
 )
 def test_a_scenario_the_control_plane_refuses_fails_before_it_runs(

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from stoker.sim.report import markdown, rollout_rows
-from stoker.sim.runner import ScenarioResult, run_scenario
-from stoker.sim.scenario import load_scenario
+from stoker.sim.runner import ScenarioResult, run_policy, run_scenario
+from stoker.sim.scenario import load_scenario, scenario_from_mapping
 
 
 @cache
@@ -118,3 +118,20 @@ def test_the_report_shows_the_rollouts_side_by_side() -> None:
     assert set(rows) == {"stoker", "replace", "canary-pool-default"}
     assert rows["stoker"]["outcome"] == "promoted"
     assert "## Rollout" in markdown(result)
+
+
+def test_a_rollout_that_cannot_start_fails_the_run_instead_of_vanishing() -> None:
+    """A rollout to the image the pool runs already is refused by the control plane; the
+    run used to go on without it and report no rollout at all (exit 0). `run_scenario`
+    refuses it before it runs; a policy run whose rollout fails raises."""
+    view = scenario_from_mapping(
+        {
+            "name": "same-image",
+            "duration_s": 120,
+            "policies": ["stoker"],
+            "control_plane": {"replicas": 1},
+            "rollout": {"at_s": 30, "image": "registry.sim.example/worker:1"},
+        }
+    )
+    with pytest.raises(RuntimeError, match=r"a part of the run failed: .*nothing to roll out"):
+        run_policy(view.for_policy("stoker"))

@@ -159,6 +159,11 @@ def check_view(view: Scenario) -> None:
             strategy_for(view.policies[0], view.rollout)
         except InvalidRequest as exc:
             raise ConfigError(f"{where}: rollout.{exc}") from None
+        if view.rollout.image == view.pool.image:
+            raise ConfigError(
+                f"{where}: rollout.image: the pool runs {view.pool.image!r} already: "
+                "nothing to roll out"
+            )
 
 
 def _run_forked(
@@ -420,8 +425,16 @@ class _PolicyRun:
             await asyncio.sleep(min(step, left))
             cluster.raise_if_failed()
             driver.raise_if_failed()
+            self._raise_if_a_task_failed()
             if self.progress is not None:
                 self.progress(self.entry.name, min(self.now(), total), total)
+
+    def _raise_if_a_task_failed(self) -> None:
+        """Re-raise the error of a part of the run that ended with one (the rollout, the
+        KPA): its figures would be missing from the summary without a word."""
+        for task in self.tasks:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                raise RuntimeError(f"a part of the run failed: {exc}") from exc
 
     # -- the timeseries ------------------------------------------------------------------------
 
