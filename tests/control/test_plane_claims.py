@@ -1007,3 +1007,25 @@ async def test_a_spawn_retired_while_it_waited_for_its_turn_never_starts(
         await asyncio.sleep(10)  # the bucket would have let both go by now
         assert runtime.spawn_calls == 1
         assert runtime.alive() == set()
+
+
+async def test_a_zero_timeout_takes_a_free_worker_without_waiting(tmp_path: Path) -> None:
+    """`timeout_s: 0` waits for nothing: a parked or warm worker free now is taken, and a
+    claim that finds none is refused at once."""
+    async with running(tmp_path, [pool(warm_target=1, max_workers=2)]) as h:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        warm = await h.claim(timeout_s=0)
+        assert warm.source is ClaimSource.WARM and warm.state is ClaimState.BOUND
+        await h.plane.release(warm.id)
+        reused = await h.claim(timeout_s=0)
+        assert reused.source is ClaimSource.REUSE and reused.worker_id == warm.worker_id
+        assert loop.time() - started < 1
+        # Nothing free for globex now: refused at once, and no spawn is started for a
+        # claim that could never wait for it.
+        spawns = h.runtime.spawn_calls
+        for mode in ClaimMode:
+            with pytest.raises(CapacityError):
+                await h.claim("globex", timeout_s=0, mode=mode)
+        assert loop.time() - started < 1
+        assert h.runtime.spawn_calls == spawns

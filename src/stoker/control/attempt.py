@@ -49,6 +49,11 @@ class Attempt:
         its own spawn)."""
         return self.req.mode is not ClaimMode.COLD
 
+    @property
+    def waits(self) -> bool:
+        """Whether it may wait for a worker at all (a timeout of 0 does not)."""
+        return self.deadline > self.started
+
     def gone(self) -> bool:
         """True once the requester gave up (a method, so checks are never narrowed away)."""
         return self.abandoned

@@ -91,7 +91,9 @@ class Claims:
         self._in_flight += 1
         self._book.spawn_task(self._serve(attempt), f"claim:{req.org}")
         try:
-            async with asyncio.timeout(timeout):
+            # A claim that waits for nothing (timeout 0) still looks once for a parked or
+            # warm worker: its requester waits for that one look (and the activation).
+            async with asyncio.timeout(timeout or None):
                 return await asyncio.shield(attempt.result)
         except TimeoutError:
             if attempt.result.done() and not attempt.result.exception():
@@ -170,8 +172,11 @@ class Claims:
 
     async def _serve(self, a: Attempt) -> None:
         """Try until bound, abandoned or past the deadline; then settle the future."""
+        first = True
         try:
-            while not a.gone() and a.left(self._clock.monotonic()):
+            # The first pass runs even at the deadline: a zero timeout looks, never waits.
+            while not a.gone() and (first or a.left(self._clock.monotonic())):
+                first = False
                 with self._tracer.span("stoker.reserve") as span:
                     picked = await self._acquire(a)
                     span.set("stoker.reserve.source", picked[1].value if picked else "none")
@@ -264,6 +269,10 @@ class Claims:
                 return None
         if spawning:
             await self._wait_for_spawn(a)
+            return None
+        if not a.waits:
+            # A claim that waits for nothing (timeout 0) could never take a spawn: it
+            # starts none, nor waits for a start-up slot or a back-off on its way.
             return None
         return await self._spawn_for(a)
 
