@@ -323,7 +323,7 @@ def parse_time(text: str, now: float) -> float:
     `7d`, `90m`). ValueError for anything else."""
     value = text.strip()
     if value and value[-1] in _UNITS and len(value) <= 16:
-        amount = float(value[:-1])
+        amount = _number(value[:-1], text)
         if (
             not math.isfinite(amount)
             or amount < 0
@@ -333,10 +333,29 @@ def parse_time(text: str, now: float) -> float:
         return now - amount * _UNITS[value[-1]]
     if len(value) > 32:
         raise ValueError("too long for a time")
-    at = float(value)
+    at = _number(value, text)
     if not math.isfinite(at) or not 0 <= at <= 1e11:
         raise ValueError(f"not a time: {text!r}")
     return at
+
+
+def _number(value: str, text: str) -> float:
+    """`value` as a float; ValueError naming the whole `text` (float's own message would
+    name a part of it, `'bogu'` of `'bogus'`)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"expected unix seconds or a duration such as 24h or 7d, got {text!r}"
+        ) from None
+
+
+def _named(name: str, text: str, now: float) -> float:
+    """`parse_time`, its ValueError prefixed with the parameter's name."""
+    try:
+        return parse_time(text, now)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def window(
@@ -345,8 +364,8 @@ def window(
     """[since, until) from their texts (`parse_time`): until defaults to now, since to
     `default_s` before until. ValueError when since is not before until or the window is
     longer than `MAX_WINDOW_S`."""
-    end = parse_time(until, now) if until else now
-    start = parse_time(since, now) if since else end - default_s
+    end = _named("until", until, now) if until else now
+    start = _named("since", since, now) if since else end - default_s
     if start >= end:
         raise ValueError("since must be before until")
     if end - start > MAX_WINDOW_S:
