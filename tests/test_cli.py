@@ -301,6 +301,9 @@ def test_listings_with_all_fetch_page_after_page(server: Server) -> None:
         for what in ("workers", "claims"):
             one = json.loads(run([what, "list", "-n", "1", "--json"], url=server.url).stdout)
             assert len(one[what]) == 1
+            # The table of one page says that it is one, not that it lists them all.
+            table = run([what, "list", "-n", "1"], url=server.url).stdout
+            assert "more may follow" in " ".join(table.split())
             paged = run([what, "list", "--all", "-n", "1", "--json"], url=server.url)
             assert paged.returncode == 0, paged.stderr
             rows = json.loads(paged.stdout)[what]

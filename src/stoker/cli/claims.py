@@ -213,7 +213,10 @@ def claims_list(
     else:
         claims = client.claims(state=state.value, limit=limit)
     what = f"{state.value} claims"
-    print_listing("claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=as_json, what=what)
+    page = None if every else limit
+    print_listing(
+        "claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=as_json, what=what, page=page
+    )
 
 
 def _print_claim(info: ClaimInfo, as_json: bool) -> None:

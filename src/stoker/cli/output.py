@@ -200,14 +200,20 @@ def print_listing(
     *,
     as_json: bool,
     what: str | None = None,
+    page: int | None = None,
 ) -> None:
     """A listing of `answers`: the server's JSON (`{name: [...]}`), or a table titled with
     their number and `what` they are (`name` by default) of `columns`, with the `row` of
-    each answer, its long cells folded."""
+    each answer, its long cells folded. `page` is the size of the one page asked for (None:
+    every page was fetched); a full page says that more may follow, as the server's `next`
+    would."""
     if as_json:
         print_json({name: [dict(a.raw) for a in answers]})
         return
-    table = Table(title=f"{len(answers)} {what or name}", title_justify="left")
+    title = f"{len(answers)} {what or name}"
+    if page is not None and len(answers) >= page:
+        title += " (a full page: more may follow; --all lists every one)"
+    table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column, overflow="fold")
     for answer in answers:

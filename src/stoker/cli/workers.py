@@ -47,7 +47,8 @@ def workers_list(
     """Workers, oldest first: the live ones, or those in `--state`."""
     filters = WorkerFilters(pool=pool, state=state.value if state else None, org=org, limit=limit)
     workers = list(client.iter_workers(**filters)) if every else client.workers(**filters)
-    print_listing("workers", workers, _WORKER_COLUMNS, _worker_row, as_json=as_json)
+    page = None if every else limit
+    print_listing("workers", workers, _WORKER_COLUMNS, _worker_row, as_json=as_json, page=page)
 
 
 _WORKER_COLUMNS = ("id", "pool", "state", "org", "claim", "revision", "created", "reason")
