@@ -342,6 +342,36 @@ async def test_a_failure_is_logged_by_what_its_requester_was_told(store: Store) 
     assert [e.outcome for e in log] == ["pool_cap", "no_capacity", "failed"]
 
 
+async def test_a_requester_that_left_is_logged_failed_not_refused(tmp_path: Path) -> None:
+    """A claim whose requester was cancelled while it waited (it disconnected, or the
+    server's shutdown grace ended: the API then answers 503 shutting_down) was told no
+    capacity refusal: `failed`; one whose timeout ran out at the pool cap: `pool_cap`."""
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    runtime = MemoryRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=1, max_workers=1)
+    plane = ControlPlane(store=store, runtime=runtime, activator=runtime, pools=[pool], clock=clock)
+    await plane.start(loops=False)
+    try:
+        await asyncio.sleep(1.0)
+        held = await plane.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+        left = asyncio.create_task(plane.claim(ClaimRequest(pool="p", org="globex", timeout_s=30)))
+        await asyncio.sleep(1.0)
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        with pytest.raises(CapacityError):
+            await plane.claim(ClaimRequest(pool="p", org="initech", timeout_s=2.0))
+        await asyncio.sleep(1.0)
+        await plane.ledger.flush(store)
+        log = await store.read_claim_log(since=0, until=clock.now() + 1)
+        outcomes = {e.org: e.outcome for e in log}
+        assert outcomes == {"acme": "open", "globex": "failed", "initech": "pool_cap"}
+        assert held.state is ClaimState.BOUND
+    finally:
+        await plane.stop()
+
+
 async def test_a_running_plane_accounts_for_every_second_of_every_worker(tmp_path: Path) -> None:
     """The real claim path, passes and readiness events: whatever the workers did, the sum
     of the ledger's states is each worker's whole life (from its row), and every claim is

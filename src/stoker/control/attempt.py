@@ -25,6 +25,9 @@ class Attempt:
     deadline: float
     result: asyncio.Future[Claim]
     abandoned: bool = False
+    #: The requester was cancelled (it disconnected, or the shutdown grace ended) rather
+    #: than answered with its timeout: it was told no capacity refusal.
+    cancelled: bool = False
     #: Why the last try found nothing, reported if the deadline passes.
     blocked_by: MissReason | None = None
     missed: bool = False
@@ -73,7 +76,9 @@ class Attempt:
         self.spawn_ready = (worker_id, ready)
         self.wake()
 
-    def abandon(self) -> None:
-        """The requester gave up: whatever the attempt holds goes back."""
+    def abandon(self, *, cancelled: bool = False) -> None:
+        """The requester gave up (`cancelled`: it was cancelled, not timed out): whatever
+        the attempt holds goes back."""
         self.abandoned = True
+        self.cancelled = cancelled
         self.wake()

@@ -101,7 +101,7 @@ class Claims:
             attempt.abandon()
             raise self._timeout_error(attempt) from None
         except asyncio.CancelledError:
-            attempt.abandon()
+            attempt.abandon(cancelled=True)
             if attempt.result.done() and not attempt.result.exception():
                 # Bound just as the requester left: give the worker back at once.
                 claim_id = attempt.result.result().id
@@ -207,8 +207,14 @@ class Claims:
                 a.result.set_exception(exc)
         finally:
             if not a.result.done():
-                # A requester that gave up was answered (and counted) where it gave up.
-                a.result.set_exception(self._timeout_error(a, count=not a.abandoned))
+                # A requester that gave up was answered (and counted) where it gave up; one
+                # cancelled (it disconnected, or the shutdown grace ended) was told no
+                # capacity refusal, so the claim log says `failed` (docs/claim-log.md).
+                a.result.set_exception(
+                    Unavailable("the claim's requester left as it waited")
+                    if a.cancelled
+                    else self._timeout_error(a, count=not a.abandoned)
+                )
                 if a.blocked_by is not MissReason.ORG_CAP:
                     self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM)
                     self._rollouts.note(a.pool.name, a.pool.revision, Outcome.CLAIM_ERROR)
