@@ -414,6 +414,29 @@ async def test_credentials_that_cannot_load_are_a_config_error(
     assert cause in line
 
 
+@pytest.mark.parametrize(
+    ("content", "cause"),
+    [
+        ("just-a-hostname\n", "AttributeError"),
+        ("[1, 2]\n", "AttributeError"),
+        ("clusters: [\n", "ParserError: while parsing a flow node"),
+    ],
+)
+async def test_a_kubeconfig_that_is_no_kubeconfig_is_a_config_error(
+    tmp_path: Path, content: str, cause: str
+) -> None:
+    """A file that is not a kubeconfig's mapping (an operator pointed at the wrong file)
+    or not YAML at all: one config error line naming the key, not an unexpected error."""
+    wrong = tmp_path / "wrong"
+    wrong.write_text(content)
+    config = kubernetes_config(tmp_path, wrong)
+    with pytest.raises(ConfigError) as info:
+        build_control_plane(config)
+    [line] = str(info.value).splitlines()
+    assert line.startswith("config error: runtime.kubeconfig: cannot load the Kubernetes")
+    assert cause in line
+
+
 def test_the_namespace_is_configured_or_the_pods_own(tmp_path: Path) -> None:
     account = tmp_path / "namespace"
     runtime = KubernetesRuntimeConfig(kind="kubernetes")

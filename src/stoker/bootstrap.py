@@ -182,11 +182,21 @@ def build_cluster(
         client = LightkubeCluster.build_client(
             kubeconfig=runtime.kubeconfig, context=runtime.context, namespace=namespace
         )
-    except (ConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
+    except (
+        ConfigError,
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,  # a file that is no mapping (a scalar or a list)
+        yaml.YAMLError,
+    ) as exc:
         if isinstance(exc, ConfigError):
             cause = str(exc.__cause__ or exc)
         else:
             cause = f"{type(exc).__name__}: {exc}"
+        # One line, as every config error is (a YAML error spans several).
+        cause = " ".join(cause.split())
         key = "kubeconfig"
         if runtime.context is not None and runtime.context in cause:
             key = "context"
