@@ -152,6 +152,20 @@ def test_org_tokens_accept_the_list_form(tmp_path: Path) -> None:
             "pools:\n  - {name: p, command: [x], reuse: sometimes}\n",
             "config error: pools[0].reuse: input should be 'same_org' or 'never'",
         ),
+        # An endpoint the OTLP exporter could not use fails here, not when serve starts.
+        (
+            "tracing: {endpoint: 'http://[::1'}\n",
+            "config error: tracing.endpoint: 'http://[::1' is not a URL: Invalid IPv6 URL",
+        ),
+        (
+            "tracing: {endpoint: 'http://collector:otlp'}\n",
+            "config error: tracing.endpoint: 'http://collector:otlp' is not a URL: Port could "
+            "not be cast to integer value as 'otlp'",
+        ),
+        (
+            "tracing: {endpoint: 'https://'}\n",
+            "config error: tracing.endpoint: 'https://' names no host",
+        ),
     ],
 )
 def test_a_wrong_key_or_value_names_the_key(tmp_path: Path, text: str, expected: str) -> None:

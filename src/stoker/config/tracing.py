@@ -15,9 +15,10 @@ one of the endpoint variables is set (and `OTEL_SDK_DISABLED` is not `true`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from stoker.config.schema import Section
 
@@ -28,6 +29,25 @@ ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_
 TracingMode = Literal["off", "on", "implied"]
 
 
+def _collector_url(value: str) -> str:
+    """`value` if it is an http(s) URL naming a host (the exporter would fail to start on
+    `http://[::1`, or send nowhere with `http://`)."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (read for its ValueError on a port that is no number)
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not a URL: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"{value!r} names no host")
+    return value
+
+
+#: An OTLP/HTTP collector's URL.
+CollectorUrl = Annotated[
+    str, Field(min_length=1, pattern=r"^https?://"), AfterValidator(_collector_url)
+]
+
+
 class TracingConfig(Section):
     """OpenTelemetry tracing of claims; see the module's doc for the OTEL_* fallbacks."""
 
@@ -35,7 +55,7 @@ class TracingConfig(Section):
     enabled: bool | None = None
     #: The OTLP/HTTP collector, e.g. `http://otel-collector:4318` (`/v1/traces` is
     #: added unless the URL has a path); null: the OTEL_* variables, else localhost:4318.
-    endpoint: str | None = Field(None, min_length=1, pattern=r"^https?://")
+    endpoint: CollectorUrl | None = None
     #: The `service.name` of the spans; null: `OTEL_SERVICE_NAME`, else "stoker".
     service_name: str | None = Field(None, min_length=1, max_length=256)
     #: The share of the traces this server starts that are recorded (a trace an incoming
