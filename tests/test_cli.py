@@ -451,6 +451,22 @@ def test_status_stays_readable_at_80_columns(server: Server) -> None:
     assert "updated" in lines[0]
 
 
+def test_status_keeps_every_header_and_pool_in_a_narrow_terminal(server: Server) -> None:
+    """Narrower than the workers-by-state table (a split pane), the states go in more
+    tables, each led by the pool: no header is cut and no row loses its pool."""
+    result = run(["status"], url=server.url, COLUMNS="50")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 50 for line in lines), result.stdout
+    assert "…" not in result.stdout
+    tables = [line for line in lines if line.startswith("pool")]
+    assert len(tables) >= 3
+    headers = " ".join(tables)
+    for column in ("spawning", "warm", "reserved", "activating", "hot", "hot_idle", "draining"):
+        assert f" {column} " in f"{headers} "
+    assert sum(line.startswith("demo ") for line in lines) == len(tables)
+
+
 def test_status_json(server: Server) -> None:
     result = run(["status", "--json"], url=server.url)
     assert result.returncode == 0, result.stderr

@@ -278,7 +278,8 @@ def _revisions_table(pool: PoolInfo) -> Table:
 
 def _status_tables(pools: Sequence[PoolInfo], width: int) -> list[Table]:
     """The pools as one table, or as two (targets; workers by state) when one would not
-    fit in `width` columns: a header is never cut short."""
+    fit in `width` columns, and more, each led by the pool, when those would not either: a
+    header is never cut short and no row loses its pool."""
     targets = ("target", "desired", "demand", "cap")
     rows = [
         (
@@ -298,15 +299,29 @@ def _status_tables(pools: Sequence[PoolInfo], width: int) -> list[Table]:
         return [_pool_table(None, headers, rows)]
     split = 1 + len(targets)
     compact = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
-    return [
-        _pool_table(None, headers[:split], [r[:split] for r in rows], **compact),
-        _pool_table(
-            "workers by state",
-            (headers[0], *headers[split:]),
-            [(r[0], *r[split:]) for r in rows],
-            **compact,
-        ),
-    ]
+    tables = []
+    for title, columns in (
+        (None, range(1, split)),
+        ("workers by state", range(split, len(headers))),
+    ):
+        # Each table led by the pool, in as many tables as the width needs (a compact
+        # table's columns are a space either side and a rule apart).
+        groups: list[list[int]] = [[]]
+        for i in columns:
+            group = groups[-1]
+            if group and sum(cells[j] for j in (0, *group, i)) + 3 * (len(group) + 1) > width:
+                groups.append(group := [])
+            group.append(i)
+        for n, group in enumerate(groups):
+            tables.append(
+                _pool_table(
+                    title if n == 0 else None,
+                    (headers[0], *(headers[i] for i in group)),
+                    [(r[0], *(r[i] for i in group)) for r in rows],
+                    **compact,
+                )
+            )
+    return tables
 
 
 def _pool_table(
