@@ -369,6 +369,11 @@ def test_lease_timings_the_elector_refuses_are_refused_at_load(tmp_path: Path) -
             "cluster: {background: {target: 1.0e+9}}",
             "cluster.background.target: 1,000,000,000 cores; at most 500,000",
         ),
+        # It ended in OverflowError; a lease under a second renewed every 0.1 s (the API
+        # refuses such a claim).
+        ("epoch_s: 1.0e+300", "epoch_s: the run would end after 9999-12-31"),
+        ("tenants: [{name: t, lease_s: 0.2}]", "tenants.0.lease_s: Input should be greater"),
+        ("pool: {lease_s: 0.5}", "pool.lease_s: Input should be greater"),
     ],
 )
 def test_sizes_no_run_could_finish_are_refused_at_load(

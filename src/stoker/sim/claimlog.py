@@ -35,15 +35,14 @@ from typing import Any
 from stoker.domain.errors import ConfigError
 from stoker.domain.ledger import EXPORT_KEYS, OUTCOMES, SOURCES, ClaimLogEntry
 from stoker.domain.states import ClaimMode
-from stoker.sim.scenario import MAX_RUN_S
+from stoker.sim.scenario import LATEST_S, MAX_RUN_S
 
 #: The keys of one line, exactly.
 KEYS = EXPORT_KEYS
 #: A never-bound claim's hold when no claim of the log was ever held (seconds).
 DEFAULT_HOLD_S = 600.0
-#: The latest arrival a log may hold: 9999-12-31T23:59:59Z, the last second a date can
-#: name (the store keeps times as dates and integers).
-LATEST_AT = 253_402_300_799.0
+#: The latest arrival a log may hold (the simulator's latest second).
+LATEST_AT = LATEST_S
 _MODES = tuple(mode.value for mode in ClaimMode)
 
 

@@ -99,6 +99,9 @@ _HOUR = 3600.0
 #: year. Beyond it is a typo (milliseconds for seconds, a stray digit), and a run of it
 #: would go on for days of wall time.
 MAX_RUN_S = 366 * 24 * _HOUR
+#: The latest wall-clock second a run may reach: 9999-12-31T23:59:59Z, the last second a
+#: date can name (the store keeps times as dates and integers).
+LATEST_S = 253_402_300_799.0
 #: Kubernetes' largest tested cluster ("Considerations for large clusters"): 5,000 nodes
 #: and 150,000 pods. A simulated cluster, pool or headroom beyond them is a typo.
 MAX_NODES = 5_000
@@ -246,7 +249,8 @@ class TenantGroup(_Model):
     mode: ClaimMode = ClaimMode.PREFER_WARM
     #: The lease each claim asks for; the client renews at half of it. 10 minutes, an
     #: assumption that keeps renewals (one store write each) a small share of the work.
-    lease_s: float = Field(600.0, gt=0)
+    #: 1 s to a day, as the API takes a claim's lease.
+    lease_s: float = Field(600.0, ge=1, le=86_400)
     #: The claim's own hot_idle TTL (None: the org's, then the pool's, then 60 s).
     ttl_s: float | None = None
     #: How long a claim may wait for a worker (None: the pool's `claim_timeout_s`).
@@ -304,7 +308,7 @@ class PoolConfig(_Model):
     #: starts) or `constant` (`headroom_nodes` at all times).
     headroom: Literal["paying", "constant"] = "paying"
     #: stoker's defaults (`PoolSpec`).
-    lease_s: float = Field(60.0, gt=0)
+    lease_s: float = Field(60.0, ge=1, le=86_400)
     scale_down_delay_s: float = Field(60.0, ge=0)
     #: duckgres' acquire budget, `DUCKGRES_WORKER_QUEUE_TIMEOUT` 60 s.
     claim_timeout_s: float = Field(60.0, ge=0)
@@ -536,6 +540,11 @@ class Scenario(_Model):
     def _sizes(self) -> Scenario:
         # Sizes a run could not finish with, refused before they are built (`_whole`
         # lists every org): a typo's stray digits should not cost days of wall time.
+        if self.epoch_s + self.duration_s > LATEST_S:
+            raise ValueError(
+                f"epoch_s: the run would end after 9999-12-31 (epoch_s + duration_s > "
+                f"{LATEST_S:.0f})"
+            )
         if (orgs := sum(group.count for group in self.tenants)) > MAX_ORGS:
             raise ValueError(f"tenants: {orgs:,} orgs; a scenario has at most {MAX_ORGS:,}")
         arrivals = sum(_arrivals(group, self.duration_s) for group in self.tenants)
