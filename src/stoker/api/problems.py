@@ -143,7 +143,7 @@ def from_domain(exc: errors.StokerError) -> Response:
         # Retry-After takes whole seconds; round up so a client never retries too early.
         seconds = max(1, math.ceil(exc.retry_after))
         headers["Retry-After"] = str(seconds)
-        extra["retry_after"] = exc.retry_after
+        extra["retry_after"] = round(exc.retry_after, 3)
     elif status == 503:
         extra["reason"] = reason_of(exc)
     elif isinstance(exc, errors.Unauthorized):
