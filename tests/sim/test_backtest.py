@@ -245,8 +245,10 @@ def test_an_exported_entry_reads_back_as_itself() -> None:
     assert back == dataclasses.replace(entry, id="log:1")
 
 
-# A week of janitor passes: about 30 CPU seconds per setting on a quiet machine; the
-# bound is only against a hang on a loaded one.
+# A week of janitor passes: the replicas pass every 15 s (a fleet's own
+# `janitor_interval_s`, which a backtest reads from its config), a third of the default's
+# passes: 0.68 of the CPU time (146 s against 215 s for both settings on a slow day). The
+# bound is only against a hang on a loaded machine.
 @pytest.mark.timeout(1200)
 def test_a_synthetic_week_replays_every_claim(tmp_path: Path) -> None:
     """A week of recorded claims (weekdays on a daily cycle, weekends at a third): every
@@ -256,7 +258,12 @@ def test_a_synthetic_week_replays_every_claim(tmp_path: Path) -> None:
     claims = list(synthetic_claims(2000, span_s=7 * 86_400, orgs=10, mean_hold_s=600, seed=5))
     replay = read_claim_log(write_log(tmp_path / "week.jsonl", claims))
     assert replay.span_s > 6.9 * 86_400
-    run = Backtest(replay=replay, current={"warm_target": 1}, jobs=2)
+    run = Backtest(
+        replay=replay,
+        current={"warm_target": 1},
+        control_plane={"janitor_interval_s": 15},
+        jobs=2,
+    )
     current, none = all_figures(run.run([("current", {}), ("none", {"warm_target": 0})]))
     assert current.failed == 0
     assert current.cold_share is not None and current.cold_share <= 0.005
