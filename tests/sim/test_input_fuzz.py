@@ -41,7 +41,6 @@ from stoker.sim.scenario import (
     MAX_RUN_S,
     SCENARIO_DIRS,
     Scenario,
-    _arrivals,
     load_scenario,
     scenario_from_mapping,
 )
@@ -153,9 +152,9 @@ def _affordable(scenario: Scenario) -> bool:
     """Sizes a test can run in seconds (the loader's own bounds are for days)."""
     cluster = scenario.cluster_config()
     pool, plane = scenario.pool, scenario.control_plane
-    intervals = [interval for _, interval in scenario._intervals(cluster)]
+    intervals = [interval for _, interval in scenario.periodic_intervals(cluster)]
     return (
-        sum(_arrivals(group, scenario.duration_s) for group in scenario.tenants) <= 2_000
+        sum(group.arrival_bound(scenario.duration_s) for group in scenario.tenants) <= 2_000
         and sum(group.count for group in scenario.tenants) <= 200
         and max(pool.warm_target, pool.min_hot_idle, pool.headroom_nodes) <= 100
         and plane.replicas <= 6

@@ -144,9 +144,9 @@ def run_scenario(
 
 def check_view(view: Scenario) -> None:
     """Build the control plane's specs of a policy view before any run: a setting the
-    scenario takes but the control plane refuses (a pool's `lease_s` under a second, a
-    canary's steps out of order) is a ConfigError naming it, not a failure half-way
-    through a run, nor a rollout that never starts."""
+    scenario takes but the control plane refuses (a canary's steps out of order, a step
+    interval over a day) is a ConfigError naming it, not a failure half-way through a run,
+    nor a rollout that never starts."""
     where = f"scenario {view.name}: policy {view.policies[0].name!r}"
     try:
         pool_spec(view)

@@ -278,6 +278,18 @@ class TenantGroup(_Model):
         width = max(3, len(str(self.count - 1)))
         return [f"{self.name}-{i:0{width}d}" for i in range(self.count)]
 
+    def arrival_bound(self, duration_s: float) -> float:
+        """An upper bound of the sessions this group opens in a run of `duration_s`, and of
+        the candidates its arrival search draws: its peak rate over its active span, plus
+        the sessions it opens at once."""
+        arrival = self.arrival
+        end = duration_s if arrival.stop_s is None else min(arrival.stop_s, duration_s)
+        span = end - arrival.start_s
+        drawn = arrival.max_rate() * span if span > 0 else 0.0
+        batches = arrival.initial if arrival.start_s < duration_s else 0
+        batches += sum(burst.sessions for burst in arrival.bursts if burst.at_s < duration_s)
+        return self.count * (drawn + batches)
+
 
 # -- the control plane ---------------------------------------------------------------------
 
@@ -476,19 +488,6 @@ class PolicyEntry(_Model):
         return POLICY_PARAMS[self.policy].model_validate(self.params)
 
 
-def _arrivals(group: TenantGroup, duration_s: float) -> float:
-    """An upper bound of the sessions `group` opens in a run of `duration_s`, and of the
-    candidates its arrival search draws: its peak rate over its active span, plus the
-    sessions it opens at once."""
-    arrival = group.arrival
-    end = duration_s if arrival.stop_s is None else min(arrival.stop_s, duration_s)
-    span = end - arrival.start_s
-    drawn = arrival.max_rate() * span if span > 0 else 0.0
-    batches = arrival.initial if arrival.start_s < duration_s else 0
-    batches += sum(burst.sessions for burst in arrival.bursts if burst.at_s < duration_s)
-    return group.count * (drawn + batches)
-
-
 # -- the scenario ----------------------------------------------------------------------------
 
 
@@ -547,7 +546,7 @@ class Scenario(_Model):
             )
         if (orgs := sum(group.count for group in self.tenants)) > MAX_ORGS:
             raise ValueError(f"tenants: {orgs:,} orgs; a scenario has at most {MAX_ORGS:,}")
-        arrivals = sum(_arrivals(group, self.duration_s) for group in self.tenants)
+        arrivals = sum(group.arrival_bound(self.duration_s) for group in self.tenants)
         if arrivals > MAX_ARRIVALS:
             raise ValueError(
                 f"tenants: up to {arrivals:,.0f} arrivals over the run (each group's count "
@@ -555,7 +554,7 @@ class Scenario(_Model):
                 f"at most {MAX_ARRIVALS:,}"
             )
         cluster = self.cluster_config()
-        for key, interval in self._intervals(cluster):
+        for key, interval in self.periodic_intervals(cluster):
             if self.duration_s / interval > MAX_ROUNDS:
                 raise ValueError(
                     f"{key}: {interval:g} s is {self.duration_s / interval:,.0f} rounds over "
@@ -572,7 +571,7 @@ class Scenario(_Model):
             )
         return self
 
-    def _intervals(self, cluster: SimClusterConfig) -> list[tuple[str, float]]:
+    def periodic_intervals(self, cluster: SimClusterConfig) -> list[tuple[str, float]]:
         """Every periodic activity's interval, by the key that sets it."""
         plane = self.control_plane
         found = [
