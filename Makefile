@@ -45,7 +45,7 @@ test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # Every extra on its own (noxfile.py): the wheel and sdist built and checked, each extra
-# installed into a fresh virtualenv (pip, its cache) and running what it is for.
+# installed into a fresh virtualenv (uv, its cache) and running what it is for.
 test-extras: install
 	$(VENV)/bin/nox $(NOX_ARGS)
 

@@ -6,8 +6,10 @@ virtual environment per extra, each running the commands that extra is for.
     make test-extras         # the same, from the project's virtualenv
 
 The test suite runs with every extra installed, so it cannot see a module that only a
-missing extra brings; these sessions can. Each environment is new, and pip installs the
+missing extra brings; these sessions can. Each environment is new, and uv installs the
 wheel with its dependencies (from its cache when warm): nothing of the lock is reused.
+(uv resolves the wheel's metadata as pip does, in a second instead of half a minute per
+environment; `make test-extras NOX_ARGS="--default-venv-backend venv"` uses pip.)
 PostgreSQL's session needs a server (`STOKER_TEST_POSTGRES_URL`, by default
 postgresql://postgres@127.0.0.1:5432/test).
 """
@@ -56,7 +58,7 @@ DEMO_POOL = (
 )
 
 nox.options.sessions = ["dist", "extra"]
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
 
 
