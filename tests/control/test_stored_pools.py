@@ -69,6 +69,26 @@ async def test_a_pool_the_store_lacks_is_created(
     assert seed_lines(caplog) == ["event=pool_seeded pool=demo generation=1 settings=created"]
 
 
+async def test_a_stored_pool_the_file_no_longer_names_is_a_warning_until_drained(
+    replica: Replica, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool removed from the file stays in the store and is served (the store is the
+    truth): the replica says so at start, once, and stops saying it once it is drained."""
+    a = await seeded(replica(spec()))
+    caplog.set_level(logging.INFO, "stoker")
+    other = PoolSpec(name="other", template=V1)
+    b = await seeded(replica(other))
+    assert "demo" in b.catalog.pools
+    (line,) = [r for r in caplog.records if "pool_not_in_config" in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert "pool=demo" in line.getMessage() and "stoker pools drain demo" in line.getMessage()
+    stored = await a.get("demo")
+    await a.store.update_pool(replace(stored, draining=True), now=0.0)
+    caplog.clear()
+    await seeded(replica(other))
+    assert not [r for r in caplog.records if "pool_not_in_config" in r.getMessage()]
+
+
 async def test_a_changed_file_updates_settings_a_file_wrote(
     replica: Replica, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -101,11 +101,24 @@ class StoredPools:
     # -- seed and refresh -----------------------------------------------------------------
 
     async def seed(self) -> None:
-        """Seed the store from the config file's pools, then load the catalog."""
+        """Seed the store from the config file's pools, then load the catalog; a stored
+        pool the file does not name, still served, is logged as a warning."""
         for spec in self._seeds.values():
             strategy = self._strategies.get(spec.name) or CanaryStrategy()
             await self._seed_one(spec, strategy)
         await self.refresh(force=True)
+        for name in sorted(set(self.catalog.pools) - set(self._seeds)):
+            stored = self.catalog.stored(name)
+            if stored is not None and not stored.draining:
+                # The store is the truth (another replica's file, or the API, may have
+                # made it): removing a pool from one file neither stops nor deletes it.
+                logs.event(
+                    "pool_not_in_config",
+                    pool=name,
+                    served="yes",
+                    hint=f"stoker pools drain {name} stops its new claims",
+                    level=logs.WARNING,
+                )
 
     async def _seed_one(self, spec: PoolSpec, strategy: Strategy) -> None:
         now = self._clock.now()
