@@ -268,6 +268,34 @@ def test_a_scenario_the_control_plane_refuses_fails_before_it_runs(
     assert not out.exists()
 
 
+def test_a_report_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--out` under a file: said at once, where it was said after minutes of running."""
+    import stoker.sim.runner
+
+    ran: list[object] = []
+    monkeypatch.setattr(stoker.sim.runner, "run_scenario", lambda *a, **k: ran.append(a))
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "r"
+    args = ["scaletest", "cold-ramp", "--short", "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and not ran
+    assert f"cannot write the report to {out}" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_report_directory_check_leaves_what_it_found(tmp_path: Path) -> None:
+    """The check makes what it needs to write and removes what it made."""
+    from stoker.sim.report import check_out
+
+    check_out(tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    check_out(tmp_path / "kept")
+    assert (tmp_path / "kept").is_dir() and list((tmp_path / "kept").iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["diurnal", "weekly"])
 def test_the_gathered_benchmark_scenarios_are_the_shipped_ones_with_the_preference(
     name: str,

@@ -66,7 +66,13 @@ def scaletest(
         fail(problem)
 
     from stoker.domain.errors import ConfigError
-    from stoker.sim.report import ROLLOUT_COLUMNS, headlines, rollout_rows, write_report
+    from stoker.sim.report import (
+        ROLLOUT_COLUMNS,
+        check_out,
+        headlines,
+        rollout_rows,
+        write_report,
+    )
     from stoker.sim.runner import run_scenario
     from stoker.sim.scenario import load_scenario
 
@@ -79,6 +85,10 @@ def scaletest(
             loaded.policy(name)
     except ConfigError as exc:
         fail(str(exc))
+    try:
+        check_out(out)
+    except OSError as exc:
+        fail(f"cannot write the report to {out}: {exc}")
     # Policies are independent runs: all at once by default. Runs of about one length
     # then end together, where rounds of one per CPU leave the last alone on one core
     # (weekly's five policies on two cores: four, then one). At most two per CPU beyond

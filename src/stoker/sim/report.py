@@ -17,9 +17,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,6 +404,25 @@ def _pairs(mapping: dict[str, Any]) -> str:
 
 
 # -- everything ----------------------------------------------------------------------------
+
+
+def check_out(out: Path) -> None:
+    """Before a run of minutes, OSError when its report could not be written to `out`:
+    the directory is made and a file written in it and deleted; the directories this
+    made are removed again (a refused run leaves nothing)."""
+    made = []
+    missing = out
+    while not missing.exists() and missing != missing.parent:
+        made.append(missing)
+        missing = missing.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    finally:
+        for directory in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def write_report(result: ScenarioResult, out: Path) -> list[Path]:
