@@ -135,3 +135,23 @@ def test_a_rollout_that_cannot_start_fails_the_run_instead_of_vanishing() -> Non
     )
     with pytest.raises(RuntimeError, match=r"a part of the run failed: .*nothing to roll out"):
         run_policy(view.for_policy("stoker"))
+
+
+@pytest.mark.parametrize("part", ["_sample_every", "passes"])
+def test_a_sampler_or_pass_log_that_fails_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """The timeseries' sampler and the pass log run as tasks of their own: one that ended
+    with an error left the summary without its samples or passes, and the run exit 0."""
+    import stoker.sim.runner as runner
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("the part broke")
+
+    if part == "passes":
+        monkeypatch.setattr(runner.PassLog, "run", broken)
+    else:
+        monkeypatch.setattr(runner._PolicyRun, "_sample_every", broken)
+    view = scenario_from_mapping({"name": "broken", "duration_s": 120, "policies": ["stoker"]})
+    with pytest.raises(RuntimeError, match=r"a part of the run failed: the part broke"):
+        run_policy(view.for_policy("stoker"))

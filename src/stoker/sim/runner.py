@@ -320,6 +320,8 @@ class _PolicyRun:
         self.integrals: Counter[str] = Counter()
         self.passes = PassLog()
         self.tasks: list[asyncio.Future[None]] = []
+        #: The sampler's and the pass log's tasks, while the run goes on.
+        self._background: tuple[asyncio.Future[None], ...] = ()
 
     def now(self) -> float:
         """Seconds since the run started (the loop starts at 0)."""
@@ -382,6 +384,7 @@ class _PolicyRun:
                 driver=driver,
             )
         )
+        self._background = (sampler, passes)
         try:
             await self._drive(cluster, driver)
             await self._sample(cluster, store, replicas, driver)
@@ -431,8 +434,9 @@ class _PolicyRun:
 
     def _raise_if_a_task_failed(self) -> None:
         """Re-raise the error of a part of the run that ended with one (the rollout, the
-        KPA): its figures would be missing from the summary without a word."""
-        for task in self.tasks:
+        KPA, the sampler, the pass log): its figures would be missing from the summary
+        without a word."""
+        for task in (*self.tasks, *self._background):
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
                 raise RuntimeError(f"a part of the run failed: {exc}") from exc
 
