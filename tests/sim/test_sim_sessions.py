@@ -132,6 +132,27 @@ def test_a_session_reaches_its_own_claim_timeout_not_the_pools() -> None:
     assert day["waited_ge_claim_timeout"] == 2
 
 
+def test_a_zero_claim_timeout_is_reached_by_the_sessions_not_served_at_once() -> None:
+    """A claim timeout of 0 takes a free worker or fails at once: every session "waited
+    at least 0 s", and all of them were counted as having reached it."""
+    log = SessionLog()
+    for session in (1, 2, 3):
+        log.arrived(session, 0.0, timeout_s=0.0)
+    log.bound(1, 0.0)
+    log.bound(2, 5.0)
+    attempts = [
+        Attempt(1, "o", 0, 0, 0.0, 0.0, "bound", "warm", 0.0),
+        Attempt(2, "o", 0, 0, 0.0, 0.0, "pool_cap", None, 5.0),
+        Attempt(2, "o", 1, 0, 5.0, 5.0, "bound", "warm", 0.0),
+        Attempt(3, "o", 0, 0, 0.0, 0.0, "pool_cap", None, 0.0),
+    ]
+    log.attempts.extend(attempts)
+    log.gave_up(3, 0.0)
+    assert log.summary(10.0, claim_timeout_s=60.0)["waited_ge_claim_timeout"] == 2
+    [day] = per_day(attempts, [], duration_s=10.0, claim_timeout_s=60.0, timeouts=log.timeouts)
+    assert day["waited_ge_claim_timeout"] == 2
+
+
 def test_the_retry_back_off_doubles_up_to_its_cap_with_equal_jitter() -> None:
     group = TenantGroup(name="t", retry_backoff_s=5, retry_backoff_factor=2, retry_backoff_max_s=30)
     rng = random.Random(1)

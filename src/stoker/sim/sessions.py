@@ -12,7 +12,8 @@ log, `claims.jsonl` in the report) and one time-to-worker per session:
 
 `waited_ge_claim_timeout` counts sessions whose time to a worker reached their claim
 timeout (the point at which a client would have seen its first attempt fail): the
-tenant's own `claim_timeout_s` when it sets one, else the pool's.
+tenant's own `claim_timeout_s` when it sets one, else the pool's. A timeout of 0 (take a
+free worker at once, or fail) is reached by the sessions whose first attempt did not bind.
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ class SessionLog:
         `claim_timeout_s` the pool's."""
         times = self._by_session(now)
         retried = {a.session for a in self.attempts if a.attempt > 0}
+        at_once = bound_at_once(self.attempts)
         waited = sum(
-            1 for session, t in times.items() if t >= self.timeouts.get(session, claim_timeout_s)
+            reached_timeout(t, self.timeouts.get(session, claim_timeout_s), session in at_once)
+            for session, t in times.items()
         )
         return {
             "time_to_worker_s": quantiles(times.values()),
@@ -133,6 +136,20 @@ class SessionLog:
             "still_trying": len(self.trying_since_s),
             "retried": len(retried),
         }
+
+
+def bound_at_once(attempts: Iterable[Attempt]) -> set[int]:
+    """The sessions whose first attempt bound a worker."""
+    return {a.session for a in attempts if a.attempt == 0 and a.outcome == "bound"}
+
+
+def reached_timeout(waited_s: float, timeout_s: float, bound_at_once: bool) -> bool:
+    """Whether a session that waited `waited_s` for a worker reached its claim timeout;
+    a timeout of 0 is reached by every session its first attempt did not serve (each
+    waited at least 0 s)."""
+    if timeout_s > 0:
+        return waited_s >= timeout_s
+    return not bound_at_once
 
 
 DAY_S = 86_400.0
@@ -167,11 +184,13 @@ def per_day(
         first.setdefault(a.session, a.start_s)
     waits: list[list[float]] = [[] for _ in range(days)]
     reached = [0] * days
+    at_once = bound_at_once(attempts)
     for session, start in first.items():
         end = served.get(session, duration_s)
         day = min(days - 1, int(start // DAY_S))
         waits[day].append(end - start)
-        reached[day] += end - start >= (timeouts or {}).get(session, claim_timeout_s)
+        timeout = (timeouts or {}).get(session, claim_timeout_s)
+        reached[day] += reached_timeout(end - start, timeout, session in at_once)
     cost = [0.0] * (days + 1)
     for row in samples:
         day = min(days, math.ceil(row["t_s"] / DAY_S - 1e-9))
