@@ -143,13 +143,14 @@ def test_a_sampler_or_pass_log_that_fails_fails_the_run(
 ) -> None:
     """The timeseries' sampler and the pass log run as tasks of their own: one that ended
     with an error left the summary without its samples or passes, and the run exit 0."""
+    import stoker.sim.passlog as passlog
     import stoker.sim.runner as runner
 
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise ValueError("the part broke")
 
     if part == "passes":
-        monkeypatch.setattr(runner.PassLog, "run", broken)
+        monkeypatch.setattr(passlog.PassLog, "run", broken)
     else:
         monkeypatch.setattr(runner._PolicyRun, "_sample_every", broken)
     view = scenario_from_mapping({"name": "broken", "duration_s": 120, "policies": ["stoker"]})
