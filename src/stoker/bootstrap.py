@@ -69,6 +69,9 @@ ELECTOR_BURST = 10
 #: Ready a moment before its server listens.
 POD_ACTIVATION_RETRY_S = 0.2
 
+#: Seconds `config check --connect` waits for the store to answer.
+CONNECT_TIMEOUT_S = 10
+
 #: Run at the end of `ControlPlane.stop`: closes what the plane's adapters do not own.
 Closer = Callable[[], Awaitable[None]]
 
@@ -167,9 +170,10 @@ def build_cluster(
     qps: float,
     burst: int,
     create_deadline_s: float | None = None,
+    max_retries: int = 5,
 ) -> LightkubeCluster:
     """A lightkube cluster client for `runtime`'s credentials; nothing is sent until used;
-    pod creates stop retrying after `create_deadline_s`.
+    pod creates stop retrying after `create_deadline_s`, other requests after `max_retries`.
 
     Raises `ConfigError` naming `runtime.kubeconfig` (or `runtime.context`) when the
     credentials cannot be loaded, or the `kubernetes` extra when lightkube is missing.
@@ -210,8 +214,106 @@ def build_cluster(
         qps=qps,
         burst=burst,
         create_deadline_s=create_deadline_s,
+        max_retries=max_retries,
         client=client,
     )
+
+
+class ConnectError(ConfigError):
+    """A part the config names did not answer as `serve` needs: one `connect error: <key>:
+    <problem>` line."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        super().__init__(f"connect error: {key}: {problem}")
+
+
+async def check_connections(config: StokerConfig) -> list[str]:
+    """Reach what `config` names with its credentials, changing nothing: the store, and
+    on Kubernetes the API server, asked whether these credentials may do what stoker does
+    in its namespace. One line per part that answered; `ConnectError` naming the key of
+    the first part that did not (unreachable, refused credentials, missing access)."""
+    said = [await _check_postgres(config) if config.is_postgres else _check_sqlite(config)]
+    runtime = config.runtime
+    if isinstance(runtime, KubernetesRuntimeConfig):
+        said.append(await _check_kubernetes(config, runtime))
+    return said
+
+
+def _check_sqlite(config: StokerConfig) -> str:
+    path = config.sqlite_path()
+    if path == ":memory:":
+        return "store: SQLite in memory (nothing to reach)"
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ConnectError("store", f"the SQLite file's folder {folder} does not exist")
+    state = "exists" if Path(path).exists() else "is created at the first serve"
+    return f"store: SQLite file {path} ({state})"
+
+
+async def _check_postgres(config: StokerConfig) -> str:
+    _require("postgres", "the postgres store", ("store",))
+    import psycopg
+
+    schema = config.store_options.db_schema
+    try:
+        async with await psycopg.AsyncConnection.connect(
+            config.store, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True
+        ) as conn:
+            cursor = await conn.execute(
+                "SELECT current_setting('server_version'), current_user,"
+                " EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %s),"
+                " CASE WHEN EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %s)"
+                "  THEN has_schema_privilege(%s, 'USAGE,CREATE')"
+                "  ELSE has_database_privilege(current_database(), 'CREATE') END",
+                (schema, schema, schema),
+            )
+            version, user, exists, allowed = await cursor.fetchone() or (None,) * 4
+    except psycopg.Error as exc:
+        cause = " ".join(str(exc).split())
+        raise ConnectError("store", f"cannot connect to PostgreSQL: {cause}") from None
+    if not allowed:
+        needs = "USAGE and CREATE on the schema" if exists else "CREATE on the database"
+        raise ConnectError(
+            "store_options.schema",
+            f"PostgreSQL user {user} lacks {needs} (schema {schema!r}; serve creates its tables)",
+        )
+    where = "exists" if exists else "is created at the first serve"
+    return f"store: PostgreSQL {version} as {user}; schema {schema!r} {where}"
+
+
+async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConfig) -> str:
+    from stoker.adapters.cluster_lightkube import LEASE_ACCESS, POD_ACCESS
+    from stoker.ports.cluster import ClusterError
+
+    namespace = kubernetes_namespace(runtime)
+    cluster = build_cluster(
+        runtime,
+        clock=LoopClock(),
+        namespace=namespace,
+        qps=runtime.qps,
+        burst=runtime.burst,
+        max_retries=1,
+    )
+    wanted = [*POD_ACCESS, *(LEASE_ACCESS if config.elector_kind() == "kubernetes" else ())]
+    try:
+        refused = await cluster.denied(wanted)
+    except ClusterError as exc:
+        cause = " ".join(str(exc).split())
+        raise ConnectError(
+            "runtime.kubeconfig", f"the Kubernetes API did not answer as expected: {cause}"
+        ) from None
+    finally:
+        await cluster.close()
+    if refused:
+        named = ", ".join(f"{verb} {resource}" for _, resource, verb in refused)
+        raise ConnectError(
+            "runtime.namespace",
+            f"these credentials may not {named} in namespace {namespace!r}"
+            " (deploy/kubernetes/base/rbac.yaml's Role grants what stoker needs)",
+        )
+    granted = " and ".join(sorted({resource for _, resource, _ in wanted}))
+    return f"runtime: Kubernetes namespace {namespace!r}: may do what stoker does to {granted}"
 
 
 def build_activation_key(config: StokerConfig) -> ActivationKey:

@@ -26,8 +26,10 @@ import httpx2
 import lightkube
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.models import core_v1 as k8s
+from lightkube.models.authorization_v1 import ResourceAttributes, SelfSubjectAccessReviewSpec
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.authorization_v1 import SelfSubjectAccessReview
 from lightkube.resources.coordination_v1 import Lease as K8sLease
 from lightkube.resources.core_v1 import Pod as K8sPod
 from lightkube.types import PatchType
@@ -67,6 +69,15 @@ _Object = TypeVar("_Object", K8sPod, K8sLease)
 FIELD_MANAGER = "stoker"
 
 _EVENT_TYPES = {kind.value: kind for kind in WatchEventType}
+
+#: What stoker does in its namespace, as (API group, resource, verb): the runtime's pods and
+#: the Kubernetes elector's leases; deploy/kubernetes/base/rbac.yaml grants exactly these.
+POD_ACCESS = tuple(
+    ("", "pods", verb) for verb in ("create", "delete", "get", "list", "patch", "watch")
+)
+LEASE_ACCESS = tuple(
+    ("coordination.k8s.io", "leases", verb) for verb in ("create", "get", "update")
+)
 
 # Backoff doubles per attempt up to this ceiling, so a long outage is polled, not hammered.
 _MAX_BACKOFF_S = 30.0
@@ -479,6 +490,26 @@ class LightkubeCluster:
                 delay,
             )
             await self._clock.sleep(delay)
+
+    async def denied(self, wanted: Sequence[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+        """Of `wanted` (API group, resource, verb), what these credentials may not do in the
+        namespace: each asked of the API server as a SelfSubjectAccessReview, which stores
+        nothing. A 401 (the credentials are refused) raises."""
+        refused = []
+        for group, resource, verb in wanted:
+            attributes = ResourceAttributes(
+                group=group, resource=resource, verb=verb, namespace=self._namespace
+            )
+            review = SelfSubjectAccessReview(
+                spec=SelfSubjectAccessReviewSpec(resourceAttributes=attributes)
+            )
+            answer = await self._request(
+                f"review access to {verb} {resource}",
+                lambda review=review: self._client.create(review),  # type: ignore[misc]
+            )
+            if answer.status is None or not answer.status.allowed:
+                refused.append((group, resource, verb))
+        return refused
 
     async def create_pod(self, pod: Pod) -> Pod:
         """POST the pod; `Conflict` if the name exists; `ClusterUnavailable` once retries

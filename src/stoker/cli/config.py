@@ -33,14 +33,29 @@ def config_check(
         ),
     ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML")] = False,
+    connect: Annotated[
+        bool,
+        typer.Option(
+            "--connect",
+            help="Also reach the store and the Kubernetes API with the config's credentials "
+            "and check what stoker needs there (changes nothing)",
+        ),
+    ] = False,
 ) -> None:
     """Validate a config file (with the `STOKER_*` overrides) as `serve` would, and print
-    the effective config with its secrets masked; exit 1 with the errors otherwise."""
+    the effective config with its secrets masked; exit 1 with the errors otherwise.
+
+    With `--connect`, also reach the store (PostgreSQL: connect, the schema's privileges)
+    and, for the Kubernetes runtime, the API server (may these credentials create, delete,
+    get, list, patch and watch pods, and the leader election's leases, in the namespace?),
+    saying on stderr what answered; exit 1 with a `connect error` line otherwise."""
+    import asyncio
+
     import yaml
 
     from stoker.api.server import check_exposure
     from stoker.api.tokens import TokenTable
-    from stoker.bootstrap import check_extras
+    from stoker.bootstrap import check_connections, check_extras
     from stoker.config import load_config
     from stoker.domain.errors import ConfigError
 
@@ -55,6 +70,13 @@ def config_check(
         # One `config error: <key>: <problem>` line per problem, as `serve` prints them.
         print(str(exc), file=sys.stderr)
         raise typer.Exit(1) from None
+    if connect:
+        try:
+            for line in asyncio.run(check_connections(loaded.config)):
+                print(f"connected: {line}", file=sys.stderr)
+        except ConfigError as exc:
+            print(str(exc), file=sys.stderr)
+            raise typer.Exit(1) from None
     # The file's names (`store_options.schema`), as the documentation gives them.
     # (A pod template's empty lists default to the domain's empty tuples: serialized as
     # lists all the same, without pydantic's warning about the type on stderr.)
