@@ -30,6 +30,7 @@ from stoker.domain.records import (
     Instance,
     LeaseRecord,
     OrgForecastBucket,
+    PoolSizingRecord,
     Worker,
 )
 from stoker.domain.specs import PoolSpec
@@ -400,6 +401,15 @@ class FaultyStore:
     async def purge(self, *, before: float) -> int:
         self._maybe_fail("purge")
         return await self.inner.purge(before=before)
+
+    # The leader's published sizing passes through unfailed too: a write more per pass
+    # drawing from the sequence (or taking `fail_next`) would move the faults tests aim.
+
+    async def record_sizing(self, sizings: Sequence[PoolSizingRecord]) -> None:
+        await self.inner.record_sizing(sizings)
+
+    async def read_sizing(self) -> list[PoolSizingRecord]:
+        return await self.inner.read_sizing()
 
     # Stored pools pass through unfailed: the faults here are those of the claim path and
     # the janitor, and a pool write drawing from the same random sequence would move them.

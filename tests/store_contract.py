@@ -32,6 +32,7 @@ from stoker.domain.records import (
     ForecastBucket,
     LeaseRecord,
     OrgForecastBucket,
+    PoolSizingRecord,
     Worker,
     token_digest,
 )
@@ -1885,6 +1886,40 @@ class StoreContract(PoolContract):
             DemandRecord("p", "cp-b", 0, 0, T0 + 1, 2),
             DemandRecord("q", "cp-b", 1, 0, T0 + 1, 0),
         ]
+
+    async def test_each_pools_sizing_is_replaced_by_whichever_replica_wrote_last(
+        self, store: Store, make_store: MakeStore
+    ) -> None:
+        """The leader publishes its sizings; a new leader's replace them; every replica
+        reads the same rows."""
+        other = await make_store()
+        assert await store.read_sizing() == []
+        terms = {
+            "demand_rate": 0.25,
+            "panicking": False,
+            "forecast_rate": None,
+            "policy": "reactive",
+            "headroom": 2,
+        }
+        p = PoolSizingRecord("p", "cp-a", T0, 5, 3, terms, "the step's interval")
+        q = PoolSizingRecord("q", "cp-a", T0, 2, 0)
+        await store.record_sizing([q, p])
+        await store.record_sizing([])
+        assert await other.read_sizing() == [p, q]
+        # A new leader's pass: its rows replace the old leader's, whatever they held.
+        p2 = PoolSizingRecord("p", "cp-b", T0 + 2, 1, -1, {"policy": "static"}, "")
+        await other.record_sizing([p2])
+        assert await store.read_sizing() == [p2, q]
+        assert await other.read_sizing() == [p2, q]
+
+    async def test_the_purge_deletes_sizings_published_before_its_horizon(
+        self, store: Store
+    ) -> None:
+        old = PoolSizingRecord("p", "cp-a", T0, 5, 3)
+        young = PoolSizingRecord("q", "cp-a", T0 + 10, 2, 0)
+        await store.record_sizing([old, young])
+        assert await store.purge(before=T0 + 5) == 1
+        assert await store.read_sizing() == [young]
 
     async def test_forecast_buckets_round_trip_and_are_replaced_by_key(self, store: Store) -> None:
         """What one leader learned is what the next one reads (a restart, a failover)."""

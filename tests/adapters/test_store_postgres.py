@@ -35,7 +35,13 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
 from stoker.domain.errors import ClaimKeyTaken, StoreError
-from stoker.domain.records import Claim, OrgForecastBucket, Worker, token_digest
+from stoker.domain.records import (
+    Claim,
+    OrgForecastBucket,
+    PoolSizingRecord,
+    Worker,
+    token_digest,
+)
 from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import ReserveResult, SpawnRequest
 from store_contract import (
@@ -774,7 +780,7 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 13
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 14
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
@@ -792,9 +798,27 @@ async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
     await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 13
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 14
     await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
     assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
+
+
+async def test_a_schema_of_version_13_gains_the_published_sizing(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    store = make_pg()
+    await store.open()
+    await store.close()
+    s = f'"{schema}"'
+    # What version 13 left behind: no pool_sizing table, version 14 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 14")
+    await sql(postgres_url, f"DROP TABLE {s}.pool_sizing")
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 14
+    sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
+    await upgraded.record_sizing([sized])
+    assert await upgraded.read_sizing() == [sized]
 
 
 async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(

@@ -24,7 +24,14 @@ from stoker.adapters._schema import (
 )
 from stoker.adapters.sqlite import SqliteStore
 from stoker.adapters.sqlite.schema import UPGRADES
-from stoker.domain.records import Claim, ForecastBucket, OrgForecastBucket, Worker, token_digest
+from stoker.domain.records import (
+    Claim,
+    ForecastBucket,
+    OrgForecastBucket,
+    PoolSizingRecord,
+    Worker,
+    token_digest,
+)
 from stoker.domain.states import WorkerState
 from store_contract import T0, spawn_req
 
@@ -172,7 +179,7 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 13
+        assert await upgraded.schema_version() == LATEST == 14
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
@@ -194,8 +201,29 @@ async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 13
+        assert await upgraded.schema_version() == LATEST == 14
         await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
         assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
+    finally:
+        await upgraded.close()
+
+
+async def test_a_database_of_version_13_gains_the_published_sizing(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 13 left behind: no pool_sizing table, version 14 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 14")
+    db.execute("DROP TABLE pool_sizing")
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 14
+        sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
+        await upgraded.record_sizing([sized])
+        assert await upgraded.read_sizing() == [sized]
     finally:
         await upgraded.close()

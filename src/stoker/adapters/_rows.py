@@ -19,6 +19,7 @@ from stoker.adapters._schema import (
     INSTANCES,
     LEASES,
     ORG_FORECAST,
+    POOL_SIZING,
     WORKERS,
     Column,
     Kind,
@@ -31,6 +32,7 @@ from stoker.domain.records import (
     Instance,
     LeaseRecord,
     OrgForecastBucket,
+    PoolSizingRecord,
     Worker,
     token_digest,
 )
@@ -304,6 +306,10 @@ demand_from_row = RecordRows(DemandRecord, DEMAND).from_row
 lease_from_row = RecordRows(LeaseRecord, LEASES).from_row
 #: An `OrgForecastBucket` from a row of `org_forecast_select`, and back.
 ORG_FORECAST_ROWS = RecordRows(OrgForecastBucket, ORG_FORECAST)
+#: A `PoolSizingRecord` from a row of `POOL_SIZING`, and back.
+POOL_SIZING_ROWS = RecordRows(PoolSizingRecord, POOL_SIZING)
+#: Every pool's published sizing, in `POOL_SIZING`'s column order, by pool.
+POOL_SIZING_SELECT = f"SELECT {', '.join(POOL_SIZING.names)} FROM {{table}} ORDER BY pool"
 
 
 # -- write checks ----------------------------------------------------------------------------

@@ -229,6 +229,20 @@ CLAIM_LOG = Table(
         *_text("revision", nullable=True),
     ),
 )
+#: Each pool's last sizing, as the leading replica's janitor published it after its pass
+#: (`control.published_sizing`): one row per pool, replaced by every pass of the leader.
+POOL_SIZING = Table(
+    "pool_sizing",
+    (
+        *_text("pool", "instance"),
+        *_real("sized_at"),
+        Column("desired_warm", Kind.INT32),
+        Column("demand", Kind.INT32),
+        Column("sizing", Kind.JSON, has_default=True),
+        *_text("rollout_waits", nullable=True),
+    ),
+    key=("pool",),
+)
 #: The stored pools' tables as the version that added them made them.
 FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
@@ -244,13 +258,14 @@ TABLES = (
     ROLLOUT_OUTCOMES,
     LEDGER,
     CLAIM_LOG,
+    POOL_SIZING,
 )
 
 
 def before_rate(table: Table) -> Table | None:
     """A table as it was before demand became a rate: the demand table without its claim
     counter, no forecast tables (None); the others unchanged (for the upgrade tests)."""
-    if table in (FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES, LEDGER, CLAIM_LOG):
+    if table in (FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES, LEDGER, CLAIM_LOG, POOL_SIZING):
         return None
     if table is DEMAND:
         return Table(

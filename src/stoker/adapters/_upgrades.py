@@ -17,6 +17,7 @@ from stoker.adapters._schema import (
     FORECAST,
     LEDGER,
     ORG_FORECAST,
+    POOL_SIZING,
     POOLS,
     ROLLOUT_OUTCOMES,
     TABLES,
@@ -88,3 +89,8 @@ class TableChanges:
     def ledger(self) -> list[str]:
         """The ledger and the claim log (docs/warmth.md, docs/claim-log.md)."""
         return self.create(LEDGER, CLAIM_LOG)
+
+    @property
+    def pool_sizing(self) -> list[str]:
+        """Each pool's last sizing as the leader published it: every replica shows it."""
+        return self.create(POOL_SIZING)

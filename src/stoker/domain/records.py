@@ -163,6 +163,26 @@ class DemandRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSizingRecord:
+    """How the leading replica's janitor last sized one pool, as it published it after its
+    pass (`control.published_sizing`): what every replica's pool listing shows. One row per
+    pool, replaced by each pass of whichever replica leads."""
+
+    pool: str
+    #: The replica whose janitor sized the pool, and when (its clock, at the pass).
+    instance: str
+    sized_at: float
+    desired_warm: int
+    #: Warm workers wanted beyond the static target.
+    demand: int
+    #: The terms of the sizing (the fields of `control.sizing.SizingStatus`); empty when the
+    #: janitor sized the pool without them (a simulator's baseline).
+    sizing: Mapping[str, Any] = field(default_factory=dict)
+    #: Why the pool's rollout under way waits ("": it does not); None without a rollout.
+    rollout_waits: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ForecastBucket:
     """One bucket of a pool's learned new-session rate (`policy.forecast`): the rate's
     exponentially weighted mean and variance (claims per second) in one hour of the week

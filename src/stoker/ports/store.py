@@ -10,9 +10,9 @@ unchanged on virtual time.
 
 The port has sides: `StoreReader` (gets, lists, counts), `StoreWriter` (every write of a
 worker or a claim, held by the lifecycle alone) and `ReplicaStore` (the reader plus what a
-replica writes about itself: registration, leases, demand, purge; and the writes of stored
-pools, each a compare-and-set on the pool's generation). `Store` is all of them,
-what an adapter implements.
+replica writes about itself: registration, leases, demand, the leader's sizing of each
+pool, purge; and the writes of stored pools, each a compare-and-set on the pool's
+generation). `Store` is all of them, what an adapter implements.
 
 Adapters: `stoker.adapters.sqlite` and `stoker.adapters.postgres`; both pass the contract
 suite in `tests/store_contract.py`.
@@ -33,6 +33,7 @@ from stoker.domain.records import (
     Instance,
     LeaseRecord,
     OrgForecastBucket,
+    PoolSizingRecord,
     Worker,
 )
 from stoker.domain.specs import RuntimeTemplate
@@ -254,6 +255,10 @@ class StoreReader(Protocol):
         """Every replica's last published demand."""
         ...
 
+    async def read_sizing(self) -> list[PoolSizingRecord]:
+        """Each pool's sizing as the leader last published it, by pool."""
+        ...
+
     # -- stored pools (`stoker.domain.pools`) -------------------------------------------------
 
     async def list_pools(self) -> list[StoredPool]:
@@ -376,7 +381,8 @@ class StoreWriter(Protocol):
 
 class ReplicaStore(StoreReader, Protocol):
     """What a replica's own loops write besides workers and claims: its connection,
-    its registration and heartbeat, leases, demand rows and the history purge."""
+    its registration and heartbeat, leases, demand rows, the leader's sizing of each pool
+    and the history purge."""
 
     async def open(self) -> None:
         """Connect and apply pending schema migrations (safe from several replicas at once)."""
@@ -436,6 +442,12 @@ class ReplicaStore(StoreReader, Protocol):
         The leader's janitor reads every replica's rows, so the claims of any replica
         make the pool's demand rate (`stoker.policy.demand`).
         """
+        ...
+
+    async def record_sizing(self, sizings: Sequence[PoolSizingRecord]) -> None:
+        """Publish the leader's last sizing of each pool in `sizings`, in one write: each
+        replaces the pool's row, whoever wrote it (every replica's pool listing reads them,
+        `read_sizing`)."""
         ...
 
     async def record_outcomes(
@@ -531,7 +543,7 @@ class ReplicaStore(StoreReader, Protocol):
     async def purge(self, *, before: float) -> int:
         """Delete history older than `before`: retired workers, ended claims, the rows of
         stopped or expired replicas and their demand, the outcome counts of rollouts that
-        ended. Returns the rows deleted."""
+        ended, pools' sizings published before it. Returns the rows deleted."""
         ...
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from stoker.adapters._rows import (
     ORG_FORECAST_ROWS,
+    POOL_SIZING_ROWS,
+    POOL_SIZING_SELECT,
     claims_by_org_select,
     demand_from_row,
     demand_row,
@@ -26,6 +28,7 @@ from stoker.domain.records import (
     Instance,
     LeaseRecord,
     OrgForecastBucket,
+    PoolSizingRecord,
 )
 from stoker.ports.store import DemandCounts
 
@@ -164,6 +167,29 @@ class ReplicaRows:
         )
         return [demand_from_row(row) for row in rows]
 
+    async def record_sizing(self, sizings: Sequence[PoolSizingRecord]) -> None:
+        """Insert or replace each pool's published sizing in one statement."""
+        if not sizings:
+            return
+        rows = [POOL_SIZING_ROWS.to_row(s) for s in sorted(sizings, key=lambda s: s.pool)]
+        async with self._db.connection() as conn:
+            await conn.execute(
+                f"INSERT INTO {self._names.pool_sizing} "
+                "(pool, instance, sized_at, desired_warm, demand, sizing, rollout_waits) "
+                "SELECT * FROM unnest(%s::text[], %s::text[], %s::double precision[], "
+                "%s::int[], %s::int[], %s::jsonb[], %s::text[]) "
+                "ON CONFLICT (pool) DO UPDATE SET instance = EXCLUDED.instance, "
+                "sized_at = EXCLUDED.sized_at, desired_warm = EXCLUDED.desired_warm, "
+                "demand = EXCLUDED.demand, sizing = EXCLUDED.sizing, "
+                "rollout_waits = EXCLUDED.rollout_waits",
+                tuple(list(column) for column in zip(*rows, strict=True)),
+            )
+
+    async def read_sizing(self) -> list[PoolSizingRecord]:
+        """Every pool's published sizing."""
+        rows = await self._db.all(POOL_SIZING_SELECT.format(table=self._names.pool_sizing))
+        return [POOL_SIZING_ROWS.from_row(row) for row in rows]
+
     async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
         """Insert or replace forecast buckets in one statement."""
         if not buckets:
@@ -272,6 +298,7 @@ class ReplicaRows:
                 f"DELETE FROM {n.instances} WHERE state <> 'active' AND heartbeat_at < %s",
                 f"DELETE FROM {n.rollout_outcomes} WHERE rollout IN (SELECT id FROM "
                 f"{n.rollouts} WHERE ended_at IS NOT NULL AND ended_at < %s)",
+                f"DELETE FROM {n.pool_sizing} WHERE sized_at < %s",
             ):
                 cur = await conn.execute(sql, (before,))
                 deleted += cur.rowcount

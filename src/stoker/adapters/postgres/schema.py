@@ -36,6 +36,7 @@ class Names:
         self.rollout_outcomes = f"{s}.rollout_outcomes"
         self.ledger = f"{s}.ledger"
         self.claim_log = f"{s}.claim_log"
+        self.pool_sizing = f"{s}.pool_sizing"
         self.versions = f"{s}.schema_migrations"
         #: The channel of the workers' change feed (`feed`), one per schema.
         self.channel = f"stoker_workers_{schema}"[:63]
@@ -139,6 +140,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (11, tables.org_forecast),
         (12, tables.rollout_outcomes),
         (13, [*tables.ledger, *ledger_indexes(s)]),
+        (14, tables.pool_sizing),
     ]
 
 

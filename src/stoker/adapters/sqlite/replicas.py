@@ -9,6 +9,8 @@ from typing import Any
 
 from stoker.adapters._rows import (
     ORG_FORECAST_ROWS,
+    POOL_SIZING_ROWS,
+    POOL_SIZING_SELECT,
     claims_by_org_select,
     demand_from_row,
     demand_row,
@@ -17,12 +19,18 @@ from stoker.adapters._rows import (
     lease_from_row,
     org_forecast_select,
 )
-from stoker.adapters._schema import FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES, Table
+from stoker.adapters._schema import FORECAST, ORG_FORECAST, POOL_SIZING, ROLLOUT_OUTCOMES, Table
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.adapters.sqlite.decoded import DecodedRows
 from stoker.adapters.sqlite.ownership import FileIdentity
 from stoker.domain import records
-from stoker.domain.records import DemandRecord, ForecastBucket, Instance, LeaseRecord
+from stoker.domain.records import (
+    DemandRecord,
+    ForecastBucket,
+    Instance,
+    LeaseRecord,
+    PoolSizingRecord,
+)
 from stoker.ports.store import DemandCounts
 
 
@@ -170,6 +178,18 @@ class ReplicaRows:
         )
         return [demand_from_row(row) for row in rows]
 
+    async def record_sizing(self, sizings: Sequence[PoolSizingRecord]) -> None:
+        """Insert or replace each pool's published sizing, in one write."""
+        if not sizings:
+            return
+        async with self._writes.tx() as db:
+            db.executemany(_upsert(POOL_SIZING), [POOL_SIZING_ROWS.to_row(s) for s in sizings])
+
+    async def read_sizing(self) -> list[PoolSizingRecord]:
+        """Every pool's published sizing."""
+        rows = self._writes.read(POOL_SIZING_SELECT.format(table="pool_sizing"))
+        return [POOL_SIZING_ROWS.from_row(row) for row in rows]
+
     async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:
         """Insert or replace forecast buckets."""
         if not buckets:
@@ -253,4 +273,5 @@ class ReplicaRows:
                 "WHERE ended_at IS NOT NULL AND ended_at < ?)",
                 (before,),
             ).rowcount
+            deleted += db.execute("DELETE FROM pool_sizing WHERE sized_at < ?", (before,)).rowcount
             return int(deleted)

@@ -85,6 +85,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (11, _TABLES.org_forecast),
     (12, _TABLES.rollout_outcomes),
     (13, [*_TABLES.ledger, *LEDGER_INDEXES]),
+    (14, _TABLES.pool_sizing),
 ]
 
 
