@@ -350,6 +350,18 @@ class Fleet:
         workers: list[dict[str, Any]] = response.json()["workers"]
         return workers
 
+    def sized_alike(self, by: Replica, among: list[Replica]) -> bool:
+        """Whether every replica of `among` shows each pool as `by` last sized it, one
+        publication (`GET /v1/pools`: figures, who sized it and when)."""
+        shown = [
+            [
+                (p["name"], p["desired_warm"], p["demand"], p["sized_by"], p["sized_at"])
+                for p in self.http.get(r.url + "/v1/pools").json()["pools"]
+            ]
+            for r in among
+        ]
+        return all(s == shown[0] for s in shown) and {p[3] for p in shown[0]} == {by.instance}
+
     def worker(self, replica: Replica, worker_id: str) -> dict[str, Any] | None:
         """One worker by id, live or retired."""
         for query in ({}, {"state": "retired"}):
@@ -519,6 +531,8 @@ def test_a_killed_leader_is_replaced_and_its_workers_are_adopted(
     session = fleet.claim(leader, "acme", lease_s=120)
     fleet.release(leader, fleet.claim(leader, "globex")["id"])
     assert wait_until(at_target, 30), fleet.workers(survivors[0])
+    # Every replica shows the leader's sizing of each pool, not its own memory's.
+    assert wait_until(lambda: fleet.sized_alike(leader, fleet.replicas), 5, 0.05)
     warm = {w["id"] for w in owned("warm")}
     (hot,) = owned("hot")
     (parked,) = owned("hot_idle")
@@ -591,6 +605,7 @@ def test_a_killed_leader_is_replaced_and_its_workers_are_adopted(
         10,
     )
     assert not [w for w in fleet.workers(new_leader) if w["owner"] == dead]
+    assert wait_until(lambda: fleet.sized_alike(new_leader, survivors), 5, 0.05)
 
     # Restarted on its port, the replica is a new instance and follows.
     fleet.start(leader)

@@ -22,6 +22,7 @@ from stoker.control.events import RuntimeEvents
 from stoker.control.faults import PassFaults, describe
 from stoker.control.outcomes import OutcomeCounts
 from stoker.control.pins import Pins
+from stoker.control.published_sizing import publish, sizing_record
 from stoker.control.retiring import Retirer, ghost
 from stoker.control.scaler import DemandSource, PassReport, Scaler
 from stoker.control.sessions import Sessions
@@ -113,7 +114,8 @@ class Janitor:
 
     @property
     def desired(self) -> dict[str, int]:
-        """Desired warm per pool, as the last pass decided it (shown by `GET /v1/pools`)."""
+        """Desired warm per pool, as this replica's last pass decided it (published after
+        the pass for every replica's `GET /v1/pools`)."""
         return self._scaler.desired
 
     @property
@@ -151,6 +153,7 @@ class Janitor:
         if self.reach is Reach.FLEET:
             await self._adopt_orphans(world, report)
             await self._scaler.scale(world, report)
+            await self._publish_sizing(world.now)
             await self._sweep_stuck(world, report)
             if self._pins is not None:
                 # Busy workers' pins are each replica's (`Pins.reconcile`); a neutral
@@ -333,6 +336,36 @@ class Janitor:
                 action="stop" if self.stop_unseen else "keep (stoker serve --stop-stranded)",
                 level=logs.WARNING,
             )
+
+    async def _publish_sizing(self, now: float) -> None:
+        """What this pass decided of each pool, in one write, for every replica's pool
+        listing (`control.published_sizing`); a pool whose step failed before it was sized
+        keeps its older row, which ages."""
+        scaler = self._scaler
+        records = [
+            sizing_record(
+                name,
+                instance=self._book.instance_id,
+                sized_at=now,
+                desired_warm=scaler.desired[name],
+                demand=scaler.demand.get(name, 0),
+                sized=self.sizing(name),
+                rollout_waits=self._rollout_waits(name),
+            )
+            for name in self._catalog.pools
+            if scaler.decided_at.get(name) == now
+        ]
+        if records:
+            await publish(self._store, records)
+
+    def _rollout_waits(self, pool: str) -> str | None:
+        """Why the pool's active rollout waits, as this pass planned it ("": it does not);
+        None without one."""
+        plan = self._rollouts.plans.get(pool)
+        ramp = self._catalog.rollout(pool)
+        if plan is None or plan.ramp is None or ramp is None or not ramp.active:
+            return None
+        return plan.waits
 
     async def _purge(self, now: float) -> None:
         """Delete old history now and then, so the store stays small over months."""

@@ -489,5 +489,9 @@ class ControlPlane:
         """Targets, demand and counts by state of every pool."""
         self._check_running()
         return await pool_statuses(
-            self.store, self.catalog, self.spawner, self.janitor, self.rollouts
+            self.store,
+            self.catalog,
+            self.spawner,
+            now=self.clock.now(),
+            janitor_interval_s=self.settings.janitor_interval_s,
         )

@@ -114,9 +114,13 @@ class Scaler:
         self._book, self._catalog, self._metrics = shared.book, shared.catalog, shared.metrics
         self._rollouts = shared.rollouts
         self._excess_since: dict[tuple[str, str], float] = {}
-        #: What the last pass decided per pool (shown by `GET /v1/pools`).
+        #: What the last pass decided per pool (the janitor publishes it for every
+        #: replica's `GET /v1/pools`, `control.published_sizing`).
         self.desired: dict[str, int] = {}
         self.demand: dict[str, int] = {}
+        #: When the pass that decided each pool's figures began (a pool whose step fails
+        #: keeps its older figures, and their time).
+        self.decided_at: dict[str, float] = {}
 
     async def scale(self, world: World, report: PassReport) -> None:
         """Spawn towards each revision's warm target; retire what the plan does not want."""
@@ -160,6 +164,7 @@ class Scaler:
             plan = self._rollouts.plan(pool, counts, sizing, world.now, decide=False)
         desired = sum(p.warm_target for p in plan.revisions.values() if p.role in SERVING)
         self.desired[name], self.demand[name] = desired, demand
+        self.decided_at[name] = world.now
         self._metrics.demand.labels(name).set(demand)
         self._metrics.warm_desired.labels(name).set(desired)
         self._metrics.pool_cap.labels(name).set(cap)

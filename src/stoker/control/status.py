@@ -1,6 +1,7 @@
 """What a replica shows of its pools: `GET /v1/pools`, `stoker status` and the samples of
-the dashboard's charts, read off the catalog, the store's counts, the spawner's trouble,
-the janitor's last sizing and the rollout plan."""
+the dashboard's charts, read off the catalog, the store's counts, the spawner's trouble and
+the leader's last sizing as published in the store (`control.published_sizing`): every
+replica shows the same figures, whichever leads."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from dataclasses import dataclass
 
 from stoker.control.catalog import Catalog
 from stoker.control.history import History, PoolSample, RevisionSample
-from stoker.control.janitor import Janitor
-from stoker.control.rollouts import Rollouts
+from stoker.control.published_sizing import read_shown
 from stoker.control.sizing import SizingStatus
 from stoker.control.spawning import Spawner
 from stoker.control.stored_pools import revision_shares
@@ -27,6 +27,9 @@ class PoolStatus:
     name: str
     revision: str
     warm_target: int
+    #: Warm workers the leader's last janitor pass wants, and how many of them beyond
+    #: `warm_target` (as published to the store: the same on every replica);
+    #: `warm_target` and 0 before any replica sized the pool.
     desired_warm: int
     demand: int
     cap: int
@@ -39,39 +42,49 @@ class PoolStatus:
     spawn_failures: int = 0
     #: The last of those failures, as the runtime reported it.
     last_spawn_error: str | None = None
-    #: How the last janitor pass sized the pool; null on a replica that does not lead.
+    #: How the leader's last janitor pass sized the pool, as it published it to the store
+    #: (the same on every replica); null before any replica sized it.
     sizing: SizingStatus | None = None
-    #: Why the pool's rollout under way waits, as the last janitor pass planned it ("": it
-    #: does not); null without a rollout or on a replica that does not lead.
+    #: Why the pool's rollout under way waits, as the leader's last janitor pass planned it
+    #: ("": it does not); null without a rollout.
     rollout_waits: str | None = None
+    #: The replica whose janitor sized the pool (the leader then), and when (seconds since
+    #: the Unix epoch); null before any replica sized it.
+    sized_by: str | None = None
+    sized_at: float | None = None
+    #: Seconds since that pass, by this replica's clock.
+    sizing_age_s: float | None = None
+    #: True when the sizing is older than three janitor intervals: no replica sizes the pool
+    #: now (none leads, or the leader's passes fail), and `desired_warm`, `demand`,
+    #: `sizing` and `rollout_waits` are the last figures published, not current ones.
+    sizing_stale: bool = False
 
 
 async def pool_statuses(
     store: StoreReader,
     catalog: Catalog,
     spawner: Spawner,
-    janitor: Janitor,
-    rollouts: Rollouts | None = None,
+    *,
+    now: float,
+    janitor_interval_s: float,
 ) -> list[PoolStatus]:
-    """Targets, demand and counts by state of every pool."""
+    """Targets, demand and counts by state of every pool at `now`, sized as the leader last
+    published it (stale after three `janitor_interval_s`)."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for c in await store.count_workers():
         counts[c.pool][c.state.value] += c.count
+    sizings = await read_shown(store, catalog, now=now, janitor_interval_s=janitor_interval_s)
     out = []
     for name, pool in catalog.pools.items():
-        plan = rollouts.plans.get(name) if rollouts is not None else None
-        ramp = catalog.rollout(name)
-        waits = None
-        if plan is not None and plan.ramp is not None and ramp is not None and ramp.active:
-            waits = plan.waits
+        sized = sizings[name]
         trouble = spawner.trouble(pool)
         out.append(
             PoolStatus(
                 name=name,
                 revision=pool.revision,
                 warm_target=pool.warm_target,
-                desired_warm=janitor.desired.get(name, pool.warm_target),
-                demand=janitor.demand.get(name, 0),
+                desired_warm=sized.desired_warm,
+                demand=sized.demand,
                 cap=_cap(catalog, pool),
                 max_workers_per_org=pool.max_workers_per_org,
                 reuse=pool.reuse.value,
@@ -79,8 +92,12 @@ async def pool_statuses(
                 spawn_failing=trouble is not None,
                 spawn_failures=trouble.failures if trouble else 0,
                 last_spawn_error=trouble.last_error if trouble else None,
-                sizing=SizingStatus.of(sized) if (sized := janitor.sizing(name)) else None,
-                rollout_waits=waits,
+                sizing=sized.sizing,
+                rollout_waits=sized.rollout_waits,
+                sized_by=sized.sized_by,
+                sized_at=sized.sized_at,
+                sizing_age_s=sized.age_s,
+                sizing_stale=sized.stale,
             )
         )
     return out

@@ -1,0 +1,212 @@
+"""The leader's sizing as every replica shows it: two replicas on one store (SQLite, and
+PostgreSQL), one leading, their `GET /v1/pools` over HTTP (the app in process).
+
+Loops off: the test runs the leader's janitor passes itself and moves the replicas' one
+virtual clock with `advance` (no sleeping; PostgreSQL's I/O is real).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from test_plane_claims import pool
+
+from fakes import MemoryRuntime
+from stoker.adapters.postgres import PostgresStore
+from stoker.adapters.sqlite import SqliteStore
+from stoker.api import create_app
+from stoker.config import ApiConfig
+from stoker.control.plane import ControlPlane
+from stoker.control.published_sizing import STALE_PASSES, shown, status_of
+from stoker.control.sizing import SizingStatus
+from stoker.domain.records import PoolSizingRecord
+from stoker.domain.specs import PlaneSettings
+from stoker.ports.clock import VirtualClock
+from stoker.ports.elector import SoleLeader
+from stoker.ports.store import Store
+
+SETTINGS = PlaneSettings()
+#: Claims queued on a third replica: the leader sizes the pool above its static target.
+QUEUED = 3
+
+
+class Standby:
+    """The elector of a replica that does not lead (another one holds the lease) until a
+    test makes it lead."""
+
+    def __init__(self) -> None:
+        self.is_leader = False
+        self.epoch = 0
+
+    async def run(self) -> None:
+        """Nothing to contend for here."""
+
+    async def resign(self) -> None:
+        """Nothing to give up."""
+
+
+class Replica:
+    """One plane and an HTTP client for its API."""
+
+    def __init__(self, plane: ControlPlane, http: httpx.AsyncClient) -> None:
+        self.plane, self.http = plane, http
+
+    async def pool(self) -> dict[str, Any]:
+        """`GET /v1/pools/p`, and the same pool in `GET /v1/pools`: one body."""
+        one = await self.http.get("/v1/pools/p")
+        assert one.status_code == 200, one.text
+        listed = await self.http.get("/v1/pools")
+        assert listed.status_code == 200, listed.text
+        (item,) = [p for p in listed.json()["pools"] if p["name"] == "p"]
+        body: dict[str, Any] = one.json()
+        # Apart from the age, which grows between the two requests.
+        assert {**item, "sizing_age_s": None} == {**body, "sizing_age_s": None}
+        return body
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[Store]]:
+    """Two stores on one database, a SQLite file or a fresh PostgreSQL schema (dropped
+    after), both opened before either replica starts (a replica's writes in flight never
+    meet the other store's migration)."""
+    schema = f"stoker_test_{uuid.uuid4().hex[:12]}"
+    url = ""
+    made: list[Store]
+    if request.param == "sqlite":
+        made = [SqliteStore(str(tmp_path / "stoker.db")) for _ in range(2)]
+    else:
+        url = request.getfixturevalue("postgres_url")
+        made = [PostgresStore(url, schema=schema) for _ in range(2)]
+    try:
+        for store in made:
+            await store.open()
+        yield made
+    finally:
+        for store in made:
+            await store.close()
+        if url:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@asynccontextmanager
+async def replica(store: Store, clock: VirtualClock, *, leads: bool) -> AsyncIterator[Replica]:
+    """A started replica on `store` (loops off), the leader or a standby."""
+    runtime = MemoryRuntime()
+    plane = ControlPlane(
+        store=store,
+        runtime=runtime,
+        activator=runtime,
+        pools=[pool(warm_target=1)],
+        settings=SETTINGS,
+        clock=clock,
+        elector=SoleLeader() if leads else Standby(),
+    )
+    app = create_app(plane, ApiConfig(), manage_plane=False)
+    await plane.start(loops=False)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://stoker") as http:
+            yield Replica(plane, http)
+    finally:
+        await plane.stop()
+
+
+async def test_a_replica_that_does_not_lead_shows_the_leaders_sizing(
+    stores: list[Store],
+) -> None:
+    clock = VirtualClock()
+    async with (
+        replica(stores[0], clock, leads=True) as leader,
+        replica(stores[1], clock, leads=False) as standby,
+    ):
+        store = leader.plane.store
+        await store.record_demand("cp-elsewhere", {"p": (0, QUEUED, 0)}, now=clock.now())
+        await leader.plane.run_janitor_pass()
+        janitor = leader.plane.janitor
+        assert janitor.desired["p"] == 1 + QUEUED and janitor.demand["p"] == QUEUED
+
+        shown = await standby.pool()
+        assert (shown["desired_warm"], shown["demand"]) == (1 + QUEUED, QUEUED)
+        assert shown["sizing"] is not None and shown["sizing"]["policy"] == "static"
+        assert shown["sized_by"] == leader.plane.instance_id
+        assert shown["sizing_stale"] is False and shown["sizing_age_s"] < 1
+        # Both replicas answer alike (behind a load balancer, request after request).
+        mine = await leader.pool()
+        assert {**mine, "sizing_age_s": 0} == {**shown, "sizing_age_s": 0}
+        assert mine["sizing"] == shown["sizing"]
+
+        # The dashboard's samples on the standby carry the same figures.
+        await standby.plane.sample_pools()
+        sample = standby.plane.history.samples()["p"][-1]
+        assert (sample.desired_warm, sample.demand) == (1 + QUEUED, QUEUED)
+
+
+async def test_a_sizing_nobody_renews_shows_as_stale_until_a_new_leader_sizes(
+    stores: list[Store],
+) -> None:
+    clock = VirtualClock()
+    async with (
+        replica(stores[0], clock, leads=True) as leader,
+        replica(stores[1], clock, leads=False) as standby,
+    ):
+        await leader.plane.store.record_demand(
+            "cp-elsewhere", {"p": (0, QUEUED, 0)}, now=clock.now()
+        )
+        await leader.plane.run_janitor_pass()
+        interval = SETTINGS.janitor_interval_s
+        clock.advance(STALE_PASSES * interval - 0.5)
+        assert (await standby.pool())["sizing_stale"] is False
+        # The leader is gone: no pass for longer than the stale horizon.
+        clock.advance(1.0)
+        stale = await standby.pool()
+        assert stale["sizing_stale"] is True
+        assert stale["sizing_age_s"] >= STALE_PASSES * interval
+        assert stale["sized_by"] == leader.plane.instance_id
+        # The figures are the last ones published, marked as such, not the static target.
+        assert (stale["desired_warm"], stale["demand"]) == (1 + QUEUED, QUEUED)
+        # The standby takes the lease over: its pass publishes, and both show it, fresh.
+        standby.plane.elector.is_leader = True  # type: ignore[misc]
+        await standby.plane.run_janitor_pass()
+        for r in (standby, leader):
+            now = await r.pool()
+            assert now["sized_by"] == standby.plane.instance_id
+            assert now["sizing_stale"] is False and now["sizing"] is not None
+
+
+async def test_a_pool_nobody_has_sized_shows_its_static_target(
+    stores: list[Store],
+) -> None:
+    async with replica(stores[1], VirtualClock(), leads=False) as standby:
+        shown = await standby.pool()
+        assert (shown["desired_warm"], shown["demand"], shown["sizing"]) == (1, 0, None)
+        assert shown["sized_by"] is None and shown["sizing_age_s"] is None
+        assert shown["sizing_stale"] is False
+
+
+def test_a_sizing_turns_stale_after_three_janitor_intervals() -> None:
+    record = PoolSizingRecord("p", "cp-a", 100.0, 4, 3, {}, "waits")
+    fresh = shown(record, now=106.0, janitor_interval_s=2.0, rollout_active=True)
+    assert (fresh.age_s, fresh.stale, fresh.rollout_waits) == (6.0, False, "waits")
+    late = shown(record, now=106.5, janitor_interval_s=2.0, rollout_active=False)
+    assert (late.age_s, late.stale, late.rollout_waits) == (6.5, True, None)
+    assert (late.desired_warm, late.demand, late.sized_by) == (4, 3, "cp-a")
+    # A clock behind the leader's shows no negative age.
+    assert shown(record, now=99.0, janitor_interval_s=2.0, rollout_active=False).age_s == 0
+
+
+def test_terms_of_another_version_show_what_this_one_reads() -> None:
+    terms = dataclasses.asdict(
+        SizingStatus(0.5, 0.4, 0.5, True, 3.0, 5.0, 4, None, None, None, False, "reactive", None)
+    )
+    assert status_of({**terms, "a_later_field": 1}) == SizingStatus(**terms)
+    assert status_of({}) is None
+    assert status_of({"policy": "static"}) is None  # written by a version that lacks fields
