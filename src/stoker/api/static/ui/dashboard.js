@@ -90,6 +90,12 @@
         c.reserved, c.activating, c.hot, c.hot_idle, c.draining]) {
         cell(tr, v === undefined ? 0 : v, "num");
       }
+      if (p.sizing_stale) {
+        // No replica has sized the pool for three janitor intervals: the last figures.
+        const desired = tr.children[3];
+        desired.textContent += " (stale " + duration(p.sizing_age_s) + ")";
+        desired.title = "as " + p.sized_by + " last sized it; no replica sizes the pool now";
+      }
       const spawns = p.spawn_failing
         ? "failing ×" + p.spawn_failures + (p.last_spawn_error ? ": " + p.last_spawn_error : "")
         : "ok";
