@@ -32,7 +32,8 @@ from stoker.ports.store import ReplicaStore, StoreReader
 STALE_PASSES = 3
 
 #: The fields of a `SizingStatus`, the keys of a record's `sizing`.
-_STATUS_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingStatus))
+_STATUS_NAMES = tuple(f.name for f in dataclasses.fields(SizingStatus))
+_STATUS_FIELDS = frozenset(_STATUS_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,12 @@ def sizing_record(
     rollout_waits: str | None,
 ) -> PoolSizingRecord:
     """The row the leader publishes of one pool's sizing."""
-    terms = dataclasses.asdict(SizingStatus.of(sized)) if sized is not None else {}
+    # Every field is a number, a string, a bool or None: a shallow copy is the whole
+    # record (`dataclasses.asdict` copies recursively, a tenth of a pass's cost here).
+    terms = {}
+    if sized is not None:
+        status = SizingStatus.of(sized)
+        terms = {name: getattr(status, name) for name in _STATUS_NAMES}
     return PoolSizingRecord(
         pool=pool,
         instance=instance,
