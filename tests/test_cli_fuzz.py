@@ -1,6 +1,6 @@
 """Every command of `stoker`, driven with generated bad arguments: whatever the input, the
-command ends with a status and lines of its own (`stoker: ...`, `config error: ...` or
-the usage), never a traceback and never an unexpected error.
+command ends with a status and lines of its own (`stoker: ...`, `config error: ...`,
+`connect error: ...` or the usage), never a traceback and never an unexpected error.
 
 The commands run in this process (`stoker.cli.main`), against a server address where
 nothing listens, so that each input takes milliseconds. Inputs that would make a command
@@ -154,7 +154,8 @@ def assert_clean(argv: list[str], code: int, out: str, err: str) -> None:
     assert lines, (argv, code)
     # The usage (a group without its command), or lines of stoker's own.
     if not lines[0].startswith("Usage:"):
-        assert all(line.startswith(("stoker: ", "config error: ")) for line in lines), (argv, err)
+        own = ("stoker: ", "config error: ", "connect error: ")
+        assert all(line.startswith(own) for line in lines), (argv, err)
 
 
 @settings(
