@@ -279,7 +279,7 @@ def test_workers_list_with_filters(server: Server) -> None:
         [worker] = hot["workers"]
         assert worker["id"] == claim["worker"]["id"] and worker["claim_id"] == claim["id"]
         other = run(["workers", "list", "--pool", "nope", "--json"], url=server.url)
-        assert json.loads(other.stdout) == {"workers": []}
+        assert json.loads(other.stdout) == {"workers": [], "next": None}
         table = run(["workers", "list", "-s", "hot", "-o", "umbrella"], url=server.url)
         assert "1 workers" in table.stdout and claim["id"] in table.stdout
     finally:
@@ -300,13 +300,24 @@ def test_listings_with_all_fetch_page_after_page(server: Server) -> None:
         }
         for what in ("workers", "claims"):
             one = json.loads(run([what, "list", "-n", "1", "--json"], url=server.url).stdout)
-            assert len(one[what]) == 1
-            # The table of one page says that it is one, not that it lists them all.
-            table = run([what, "list", "-n", "1"], url=server.url).stdout
-            assert "more may follow" in " ".join(table.split())
+            assert len(one[what]) == 1 and one["next"]
+            # A script pages by hand: each page's `next` is the `--after` of the page after.
+            ids, after = [one[what][0]["id"]], one["next"]
+            while after is not None:
+                args = [what, "list", "-n", "1", "--after", after, "--json"]
+                page = json.loads(run(args, url=server.url).stdout)
+                ids += [row["id"] for row in page[what]]
+                after = page["next"]
+            assert mine[what] <= set(ids) and len(ids) == len(set(ids))
+            # The table of one page says that it is one, and how to ask for the next.
+            table = " ".join(run([what, "list", "-n", "1"], url=server.url).stdout.split())
+            assert "more may follow; --after=" in table
             paged = run([what, "list", "--all", "-n", "1", "--json"], url=server.url)
             assert paged.returncode == 0, paged.stderr
-            rows = json.loads(paged.stdout)[what]
+            every = json.loads(paged.stdout)
+            # Every page was fetched: nothing follows.
+            assert every["next"] is None
+            rows = every[what]
             ids = [row["id"] for row in rows]
             assert mine[what] <= set(ids) and len(ids) == len(set(ids))
             # Oldest first (shown to the millisecond, so ties by id are not checked).

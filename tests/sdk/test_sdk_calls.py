@@ -183,6 +183,24 @@ def paging_server() -> Callable[[httpx.Request], httpx.Response]:
     return handle
 
 
+async def test_one_page_carries_the_cursor_of_the_next() -> None:
+    # A caller paging by hand gets each page as a list, with the `after` of the next one.
+    url = "http://stoker.test:8080/"
+    with Client(url, transport=httpx.MockTransport(paging_server())) as client:
+        first = client.claims(state="released", limit=1)
+        assert isinstance(first, list) and first.next == "1"
+        second = client.claims(state="released", limit=1, after=first.next)
+        assert [c.id for c in second] == ["claims-1"] and second.next == "2"
+        last = client.workers(limit=1, after="2")
+        assert [w.id for w in last] == ["workers-2"] and last.next is None
+        # Still the list it was: equal to one, and copied as one.
+        assert last == list(last) and [*last] == list(last)
+    async with AsyncClient(url, transport=httpx.MockTransport(paging_server())) as aclient:
+        page = await aclient.workers(pool="demo", limit=1)
+        assert [w.id for w in page] == ["workers-0"] and page.next == "1"
+        assert (await aclient.claims(after=page.next)).next == "2"
+
+
 async def test_both_clients_iterate_over_every_page() -> None:
     url = "http://stoker.test:8080/"
     with Client(url, transport=httpx.MockTransport(paging_server())) as client:

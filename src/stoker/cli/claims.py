@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stoker.cli.output import (
+    AfterOption,
     AllOption,
     LimitOption,
     TokenOption,
@@ -26,7 +27,7 @@ from stoker.cli.output import (
     server_command,
     when,
 )
-from stoker.sdk import ClaimInfo, Client
+from stoker.sdk import ClaimFilters, ClaimInfo, Client, Listing
 
 claims_app = typer.Typer(
     name="claims", help="Claims on the server (admin token).", no_args_is_help=True
@@ -203,19 +204,18 @@ def claims_list(
     ] = ClaimStateChoice.bound,
     limit: LimitOption = 1000,
     every: AllOption = False,
+    after: AfterOption = None,
     *,
     client: Client,
     as_json: bool,
 ) -> None:
-    """Claims in a state (the open ones by default), oldest first."""
-    if every:
-        claims = list(client.iter_claims(state=state.value, limit=limit))
-    else:
-        claims = client.claims(state=state.value, limit=limit)
+    """Claims in a state (the open ones by default), oldest first: one page, or with
+    `--all` every one. A full page's `next` (in `--json`) is the `--after` of the next."""
+    filters = ClaimFilters(state=state.value, limit=limit, after=after)
+    claims = Listing(client.iter_claims(**filters)) if every else client.claims(**filters)
     what = f"{state.value} claims"
-    page = None if every else limit
     print_listing(
-        "claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=as_json, what=what, page=page
+        "claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=as_json, what=what, more=claims.next
     )
 
 

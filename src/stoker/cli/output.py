@@ -51,6 +51,14 @@ LimitOption = Annotated[
 AllOption = Annotated[
     bool, typer.Option("--all", help="Every row, fetched --limit at a time (page after page)")
 ]
+AfterOption = Annotated[
+    str | None,
+    typer.Option(
+        "--after",
+        help="The rows after a previous page: its `next` (in --json, or its title)",
+        show_default=False,
+    ),
+]
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -200,19 +208,19 @@ def print_listing(
     *,
     as_json: bool,
     what: str | None = None,
-    page: int | None = None,
+    more: str | None = None,
 ) -> None:
-    """A listing of `answers`: the server's JSON (`{name: [...]}`), or a table titled with
-    their number and `what` they are (`name` by default) of `columns`, with the `row` of
-    each answer, its long cells folded. `page` is the size of the one page asked for (None:
-    every page was fetched); a full page says that more may follow, as the server's `next`
-    would."""
+    """A listing of `answers`: the server's JSON (`{name: [...], "next": more}`), or a table
+    titled with their number and `what` they are (`name` by default) of `columns`, with the
+    `row` of each answer, its long cells folded. `more` is the server's `next`, the cursor
+    of the page after this one (None: the listing ended here, or every page was fetched);
+    the table's title says how to ask for that page."""
     if as_json:
-        print_json({name: [dict(a.raw) for a in answers]})
+        print_json({name: [dict(a.raw) for a in answers], "next": more})
         return
     title = f"{len(answers)} {what or name}"
-    if page is not None and len(answers) >= page:
-        title += " (a full page: more may follow; --all lists every one)"
+    if more is not None:
+        title += f" (a full page: more may follow; --after={more} lists them, --all every one)"
     table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column, overflow="fold")

@@ -8,8 +8,15 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from stoker.cli.output import AllOption, LimitOption, print_listing, server_command, when
-from stoker.sdk import Client, WorkerFilters, WorkerInfo
+from stoker.cli.output import (
+    AfterOption,
+    AllOption,
+    LimitOption,
+    print_listing,
+    server_command,
+    when,
+)
+from stoker.sdk import Client, Listing, WorkerFilters, WorkerInfo
 
 workers_app = typer.Typer(
     name="workers", help="Workers on the server (admin token).", no_args_is_help=True
@@ -40,15 +47,19 @@ def workers_list(
     org: Annotated[str | None, typer.Option("--org", "-o", help="Only this org")] = None,
     limit: LimitOption = 1000,
     every: AllOption = False,
+    after: AfterOption = None,
     *,
     client: Client,
     as_json: bool,
 ) -> None:
-    """Workers, oldest first: the live ones, or those in `--state`."""
-    filters = WorkerFilters(pool=pool, state=state.value if state else None, org=org, limit=limit)
-    workers = list(client.iter_workers(**filters)) if every else client.workers(**filters)
-    page = None if every else limit
-    print_listing("workers", workers, _WORKER_COLUMNS, _worker_row, as_json=as_json, page=page)
+    """Workers, oldest first: the live ones, or those in `--state`; one page, or with
+    `--all` every one. A full page's `next` (in `--json`) is the `--after` of the next."""
+    state_ = state.value if state else None
+    filters = WorkerFilters(pool=pool, state=state_, org=org, limit=limit, after=after)
+    workers = Listing(client.iter_workers(**filters)) if every else client.workers(**filters)
+    print_listing(
+        "workers", workers, _WORKER_COLUMNS, _worker_row, as_json=as_json, more=workers.next
+    )
 
 
 _WORKER_COLUMNS = ("id", "pool", "state", "org", "claim", "revision", "created", "reason")

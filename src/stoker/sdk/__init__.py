@@ -28,7 +28,7 @@ from stoker.sdk._errors import (
     Unavailable,
     error_from_response,
 )
-from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo, WorkerRef
+from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo, WorkerRef
 from stoker.sdk._retry import Retries
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "Client",
     "Forbidden",
     "InvalidRequest",
+    "Listing",
     "NotFound",
     "OrgCapError",
     "PoolChanges",

@@ -25,13 +25,12 @@ from stoker.sdk._calls import (
     Call,
     ClaimFilters,
     ClaimOptions,
-    Page,
     PoolChanges,
     TemplateChanges,
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
-from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo
+from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo
 from stoker.sdk._session import OnLost, SessionState
 
 T = TypeVar("T")
@@ -114,9 +113,10 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         call = self._calls.create_claim(pool, org, options)
         return AsyncClaim(self, call, renew, on_lost)
 
-    async def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
+    async def claims(self, **filters: Unpack[ClaimFilters]) -> Listing[ClaimInfo]:
         """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`);
-        one page of at most `limit`."""
+        one page of at most `limit`, a list whose `next` is the `after` of the page after
+        it (None at the end; see `Listing`)."""
         return await self._send(self._calls.claims(filters))
 
     def iter_claims(self, **filters: Unpack[ClaimFilters]) -> AsyncIterator[ClaimInfo]:
@@ -208,9 +208,10 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         `generation`, `StaleGeneration` when the pool has moved past it)."""
         return await self._send(self._calls.rollout(pool, rollout_id, action, generation))
 
-    async def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
+    async def workers(self, **filters: Unpack[WorkerFilters]) -> Listing[WorkerInfo]:
         """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`); one
-        page of at most `limit`."""
+        page of at most `limit`, a list whose `next` is the `after` of the page after it
+        (None at the end; see `Listing`)."""
         return await self._send(self._calls.workers(filters))
 
     def iter_workers(self, **filters: Unpack[WorkerFilters]) -> AsyncIterator[WorkerInfo]:
@@ -219,15 +220,15 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         return self._pages(self._calls.worker_pages(filters), filters.get("after"))
 
     async def _pages(
-        self, page: Callable[[str | None], Call[Page[T]]], after: str | None
+        self, page: Callable[[str | None], Call[Listing[T]]], after: str | None
     ) -> AsyncIterator[T]:
         """The items of `page(after)`, then of each page after it (`async for`)."""
         got = await self._send(page(after))
-        for item in got.items:
+        for item in got:
             yield item
         while got.next is not None:
             got = await self._send(page(got.next))
-            for item in got.items:
+            for item in got:
                 yield item
 
     async def ready(self) -> bool:

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from stoker.sdk._errors import InvalidRequest, ServerUnreachable, StokerError, error_from_response
-from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo
+from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo
 from stoker.sdk._retry import Retries
 
 T = TypeVar("T")
@@ -63,7 +63,7 @@ class WorkerFilters(TypedDict, total=False):
     org: str | None
     #: The most rows in the answer (a page of `iter_workers`).
     limit: int | None
-    #: The rows after the last of a previous page (its `next`, see `Page`).
+    #: The rows after the last of a previous page (its `next`, see `Listing`).
     after: str | None
 
 
@@ -75,7 +75,7 @@ class ClaimFilters(TypedDict, total=False):
     state: str | None
     #: The most claims in the answer (a page of `iter_claims`).
     limit: int | None
-    #: The claims after the last of a previous page (its `next`, see `Page`).
+    #: The claims after the last of a previous page (its `next`, see `Listing`).
     after: str | None
 
 
@@ -122,15 +122,6 @@ _CLAIM_OPTIONS = tuple(ClaimOptions.__annotations__)
 _POOL_CHANGES = tuple(PoolChanges.__annotations__)
 _WORKER_FILTERS = tuple(WorkerFilters.__annotations__)
 _CLAIM_FILTERS = tuple(ClaimFilters.__annotations__)
-
-
-@dataclass(frozen=True, slots=True)
-class Page(Generic[T]):
-    """One page of a listing (oldest first) and the `after` of the page after it: None
-    when this page was not full, so the listing ended here."""
-
-    items: list[T]
-    next: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,13 +223,15 @@ class Calls:
             wait_s=wait,
         )
 
-    def claims(self, filters: ClaimFilters) -> Call[list[ClaimInfo]]:
-        """`GET /v1/claims` with the filters that are set."""
+    def claims(self, filters: ClaimFilters) -> Call[Listing[ClaimInfo]]:
+        """`GET /v1/claims` with the filters that are set: one page, with its `next`."""
         params = _given(filters, _CLAIM_FILTERS, "claim filter")
-        return Call("GET", "/v1/claims", self._default_timeout, _claims, params=params)
+        return Call("GET", "/v1/claims", self._default_timeout, _claim_page, params=params)
 
-    def claim_pages(self, filters: ClaimFilters) -> Callable[[str | None], Call[Page[ClaimInfo]]]:
-        """For each `after`, `GET /v1/claims` with the filters set, read as a `Page`."""
+    def claim_pages(
+        self, filters: ClaimFilters
+    ) -> Callable[[str | None], Call[Listing[ClaimInfo]]]:
+        """For each `after`, `GET /v1/claims` with the filters set, read as a `Listing`."""
         params = _given(filters, _CLAIM_FILTERS, "claim filter")
         return lambda after: Call(
             "GET", "/v1/claims", self._default_timeout, _claim_page, params=_after(params, after)
@@ -330,8 +323,8 @@ class Calls:
 
     def claim_log_pages(
         self, *, since: str | None, until: str | None, pool: str | None, limit: int
-    ) -> Callable[[str | None], Call[Page[dict[str, Any]]]]:
-        """For each `after`, `GET /v1/claims/log` (docs/claim-log.md), read as a `Page` of
+    ) -> Callable[[str | None], Call[Listing[dict[str, Any]]]]:
+        """For each `after`, `GET /v1/claims/log` (docs/claim-log.md), read as a `Listing` of
         entries in the export form."""
         given = (("since", since), ("until", until), ("pool", pool))
         params: dict[str, Any] = {k: v for k, v in given if v}
@@ -340,15 +333,15 @@ class Calls:
             "GET", "/v1/claims/log", self._default_timeout, _log_page, params=_after(params, after)
         )
 
-    def workers(self, filters: WorkerFilters) -> Call[list[WorkerInfo]]:
-        """`GET /v1/workers` with the filters that are set."""
+    def workers(self, filters: WorkerFilters) -> Call[Listing[WorkerInfo]]:
+        """`GET /v1/workers` with the filters that are set: one page, with its `next`."""
         params = _given(filters, _WORKER_FILTERS, "worker filter")
-        return Call("GET", "/v1/workers", self._default_timeout, _workers, params=params)
+        return Call("GET", "/v1/workers", self._default_timeout, _worker_page, params=params)
 
     def worker_pages(
         self, filters: WorkerFilters
-    ) -> Callable[[str | None], Call[Page[WorkerInfo]]]:
-        """For each `after`, `GET /v1/workers` with the filters set, read as a `Page`."""
+    ) -> Callable[[str | None], Call[Listing[WorkerInfo]]]:
+        """For each `after`, `GET /v1/workers` with the filters set, read as a `Listing`."""
         params = _given(filters, _WORKER_FILTERS, "worker filter")
         return lambda after: Call(
             "GET", "/v1/workers", self._default_timeout, _worker_page, params=_after(params, after)
@@ -446,20 +439,20 @@ def _workers(body: Any) -> list[WorkerInfo]:
     return [WorkerInfo.from_json(w) for w in body["workers"]]
 
 
-def _claim_page(body: Any) -> Page[ClaimInfo]:
-    return Page(_claims(body), body.get("next"))
+def _claim_page(body: Any) -> Listing[ClaimInfo]:
+    return Listing(_claims(body), body.get("next"))
 
 
-def _worker_page(body: Any) -> Page[WorkerInfo]:
-    return Page(_workers(body), body.get("next"))
+def _worker_page(body: Any) -> Listing[WorkerInfo]:
+    return Listing(_workers(body), body.get("next"))
 
 
 def _as_dict(body: Any) -> dict[str, Any]:
     return dict(body)
 
 
-def _log_page(body: Any) -> Page[dict[str, Any]]:
-    return Page([dict(e) for e in body["entries"]], body.get("next"))
+def _log_page(body: Any) -> Listing[dict[str, Any]]:
+    return Listing([dict(e) for e in body["entries"]], body.get("next"))
 
 
 def _after(params: Mapping[str, Any], after: str | None) -> dict[str, Any]:

@@ -28,13 +28,12 @@ from stoker.sdk._calls import (
     Call,
     ClaimFilters,
     ClaimOptions,
-    Page,
     PoolChanges,
     TemplateChanges,
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
-from stoker.sdk._models import ClaimInfo, PoolInfo, RolloutInfo, WorkerInfo
+from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo
 from stoker.sdk._retry import now
 from stoker.sdk._session import OnLost, SessionState
 
@@ -114,9 +113,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         claim = self.create_claim(pool, org, **options)
         return Session(self, claim, renew, on_lost)
 
-    def claims(self, **filters: Unpack[ClaimFilters]) -> list[ClaimInfo]:
+    def claims(self, **filters: Unpack[ClaimFilters]) -> Listing[ClaimInfo]:
         """Claims (admin token): the open ones, or those in `state` (see `ClaimFilters`);
-        one page of at most `limit`."""
+        one page of at most `limit`, a list whose `next` is the `after` of the page after
+        it (None at the end; see `Listing`)."""
         return self._send(self._calls.claims(filters))
 
     def iter_claims(self, **filters: Unpack[ClaimFilters]) -> Iterator[ClaimInfo]:
@@ -208,9 +208,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         `generation`, `StaleGeneration` when the pool has moved past it)."""
         return self._send(self._calls.rollout(pool, rollout_id, action, generation))
 
-    def workers(self, **filters: Unpack[WorkerFilters]) -> list[WorkerInfo]:
+    def workers(self, **filters: Unpack[WorkerFilters]) -> Listing[WorkerInfo]:
         """Workers (admin token): live ones, or those in `state` (see `WorkerFilters`); one
-        page of at most `limit`."""
+        page of at most `limit`, a list whose `next` is the `after` of the page after it
+        (None at the end; see `Listing`)."""
         return self._send(self._calls.workers(filters))
 
     def iter_workers(self, **filters: Unpack[WorkerFilters]) -> Iterator[WorkerInfo]:
@@ -218,11 +219,13 @@ class Client(BaseClient[httpx.BaseTransport]):
         time as the iteration goes on."""
         return self._pages(self._calls.worker_pages(filters), filters.get("after"))
 
-    def _pages(self, page: Callable[[str | None], Call[Page[T]]], after: str | None) -> Iterator[T]:
+    def _pages(
+        self, page: Callable[[str | None], Call[Listing[T]]], after: str | None
+    ) -> Iterator[T]:
         """The items of `page(after)`, then of each page after it."""
         while True:
             got = self._send(page(after))
-            yield from got.items
+            yield from got
             if got.next is None:
                 return
             after = got.next

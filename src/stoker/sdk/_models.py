@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime
 from typing import Any, Self, TypeVar
@@ -227,3 +227,18 @@ class WorkerInfo(Answer):
     idle_since: datetime | None
     ttl_s: float | None
     reason: str | None
+
+
+class Listing(list[T]):
+    """One page of a listing, oldest first: a list of its rows that also carries `next`,
+    the API's cursor of the page after it. Pass it as `after` (`client.claims(after=...)`)
+    for that page; None when this page was not full, so the listing ended here (a full
+    last page has a `next` whose page is empty)."""
+
+    def __init__(self, rows: Iterable[T] = (), next: str | None = None) -> None:
+        super().__init__(rows)
+        #: The `after` of the page after this one; None once the listing ended.
+        self.next = next
+
+    def __repr__(self) -> str:
+        return f"Listing({list.__repr__(self)}, next={self.next!r})"
