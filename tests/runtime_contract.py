@@ -34,6 +34,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str, str]] = []
+        #: How each lost worker ended, as the runtime said (`worker_lost`'s detail).
+        self.details: dict[str, str | None] = {}
         self._ready: dict[str, asyncio.Future[str]] = defaultdict(self._future)
         self._lost: dict[str, asyncio.Future[str]] = defaultdict(self._future)
 
@@ -46,8 +48,9 @@ class Recorder:
         if not self._ready[worker_id].done():
             self._ready[worker_id].set_result(endpoint)
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
+    def worker_lost(self, worker_id: str, reason: str, detail: str | None = None) -> None:
         self.events.append(("lost", worker_id, reason))
+        self.details[worker_id] = detail
         if not self._lost[worker_id].done():
             self._lost[worker_id].set_result(reason)
 

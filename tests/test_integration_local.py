@@ -28,10 +28,12 @@ from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
+from stoker.domain.errors import CapacityError
 from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimSource, ClaimState, WorkerState
 from stoker.ports.clock import VirtualClock
+from stoker.worker import SECRET_ENV
 
 pytestmark = pytest.mark.processes
 
@@ -201,6 +203,29 @@ async def test_a_template_with_a_number_in_its_env_fails_its_spawns_at_once(
         assert "not int" in (status.last_spawn_error or "")
 
 
+async def test_a_worker_that_exits_before_ready_says_how_in_the_pool_and_the_claim(
+    tmp_path: Path, fleet: str, no_leftovers: None
+) -> None:
+    """A worker command that exits at once: the pool's `last_spawn_error` and the 503 of
+    a claim that found no worker say how it ended (its exit code), not only the runtime's
+    log, and never what it printed (here, its activation secret)."""
+    code = f"import os, sys; print(os.environ[{SECRET_ENV!r}], file=sys.stderr); sys.exit(3)"
+    exits = ProcessTemplate(argv=(sys.executable, "-c", code), memory_mb=32)
+    # The virtual clock never ends the back-off: the pool stays failing as it first failed.
+    async with plane_on(tmp_path / "s.db", fleet, VirtualClock(), template=exits) as plane:
+        await eventually(lambda: _spawn_failing(plane))
+        [status] = await plane.pool_status()
+        error = status.last_spawn_error or ""
+        assert error.endswith("spawn_failure before ready: exited with code 3"), error
+        with pytest.raises(CapacityError) as refused:
+            await plane.claim(ClaimRequest(pool="demo", org="acme", timeout_s=0.2))
+        assert refused.value.reason == "spawn_failing"
+        assert "exited with code 3" in str(refused.value)
+        failed = await plane.store.list_workers(states=[S.RETIRED])
+        secrets = [TEST_ACTIVATION_KEY.worker_secret(w.id) for w in failed]
+        assert secrets and not any(s in error + str(refused.value) for s in secrets)
+
+
 async def test_killed_worker_process_is_replaced_to_target(
     tmp_path: Path, fleet: str, no_leftovers: None
 ) -> None:
@@ -328,6 +353,10 @@ async def _labelled(pid: int, fleet: str) -> bool:
         return psutil.Process(pid).environ().get("STOKER_FLEET") == fleet
     except psutil.Error:
         return False
+
+
+async def _spawn_failing(plane: ControlPlane) -> bool:
+    return any(status.spawn_failing for status in await plane.pool_status())
 
 
 async def _at_least(plane: ControlPlane, n: int) -> bool:

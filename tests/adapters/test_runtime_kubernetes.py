@@ -132,7 +132,7 @@ class Events:
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         self.ready.append((worker_id, endpoint))
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
+    def worker_lost(self, worker_id: str, reason: str, detail: str | None = None) -> None:
         self.lost.append((worker_id, reason))
 
     def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:

@@ -285,25 +285,47 @@ async def test_an_external_kill_is_reported_lost_exactly_once(
 
 
 @pytest.mark.parametrize(
-    ("argv", "within_s"),
+    ("argv", "how"),
     [
         # Never listens: killed when the spawn timeout passes.
-        (("{python}", "-c", "import time; time.sleep(60)"), 3.0),
-        # Exits at once: reported as soon as it is gone.
-        (("{python}", "-c", "raise SystemExit(3)"), 3.0),
+        (
+            ("{python}", "-c", "import time; time.sleep(60)"),
+            "not ready within 0.5s (/healthz never answered 200)",
+        ),
+        # Exits at once: reported as soon as it is gone, with its exit code.
+        (("{python}", "-c", "raise SystemExit(3)"), "exited with code 3"),
+        # Ended by a signal before it listened.
+        (("{python}", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"), None),
     ],
 )
 async def test_a_worker_that_never_becomes_ready_is_a_spawn_failure(
-    runtime: tuple[LocalProcessRuntime, Recorder], argv: tuple[str, ...], within_s: float
+    runtime: tuple[LocalProcessRuntime, Recorder], argv: tuple[str, ...], how: str | None
 ) -> None:
     rt, recorder = runtime
     worker = make_worker()
     ref = await rt.spawn(worker, make_pool(argv, spawn_s=0.5))
     with exit_watch(ref["pid"]) as exited:
-        assert await recorder.lost(worker.id, timeout=within_s) == "spawn_failure"
+        assert await recorder.lost(worker.id, timeout=3.0) == "spawn_failure"
         await asyncio.wait_for(exited.wait(), EVENT_TIMEOUT_S)
     await asyncio.sleep(0.1)
     assert recorder.of(worker.id) == [("lost", "spawn_failure")]
+    # How it ended, for the pool's `last_spawn_error`.
+    assert recorder.details[worker.id] == (how or "killed by SIGTERM")
+
+
+async def test_a_failed_spawn_names_its_log_never_its_output(
+    make_runtime: MakeRuntime, tmp_path: Path
+) -> None:
+    rt, recorder = await make_runtime(log_dir=str(tmp_path / "logs"))
+    worker = make_worker()
+    code = f"import os, sys; print(os.environ[{SECRET_ENV!r}], file=sys.stderr); sys.exit(2)"
+    await rt.spawn(worker, make_pool(("{python}", "-c", code)))
+    assert await recorder.lost(worker.id) == "spawn_failure"
+    said = recorder.details[worker.id]
+    assert said == f"exited with code 2; its output: {worker.id}.log in runtime.log_dir"
+    # The output is in the log, for the operator; the secret it printed is nowhere else.
+    secret = TEST_ACTIVATION_KEY.worker_secret(worker.id)
+    assert secret in (tmp_path / "logs" / f"{worker.id}.log").read_text()
 
 
 async def test_stopping_a_spawning_worker_reports_nothing(

@@ -26,6 +26,8 @@ class RuntimeEvents:
         self._retirer = retirer
         self._spawner = spawner
         self._reader = reader
+        #: How each lost worker whose loss is not yet settled ended, when the runtime said.
+        self._details: dict[str, str] = {}
 
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         """Runtime event: the worker answers its readiness probe."""
@@ -45,12 +47,15 @@ class RuntimeEvents:
         self._book.ready.note(worker_id, endpoint)
         self._book.spawn_task(self.settle_ready(worker_id), f"ready:{worker_id}")
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
-        """Runtime event: the worker's process or pod is gone."""
+    def worker_lost(self, worker_id: str, reason: str, detail: str | None = None) -> None:
+        """Runtime event: the worker's process or pod is gone (`detail`: how, when the
+        runtime can tell; the cause a failed spawn shows)."""
         known = self._book.known(worker_id)
+        if detail:
+            self._details[worker_id] = detail
         self._book.resolve_lost(
             worker_id,
-            RuntimeFailure(f"worker {worker_id} {reason} before ready"),
+            RuntimeFailure(_lost_before_ready(worker_id, reason, detail)),
             pool=known.pool if known is not None else "",
         )
         self._book.lost.note(worker_id, reason)
@@ -115,21 +120,33 @@ class RuntimeEvents:
         except StoreError:
             return
         if worker is None or worker.state is WorkerState.RETIRED:
-            self._book.lost.settled(worker_id)
+            self._lost_settled(worker_id)
             return
         why = RetireReason.EVICTED if reason == "evicted" else RetireReason.LOST
         if worker.state is WorkerState.HOT and worker.claim_id:
             # Never silently swapped (I6): the session fails with a clear reason, in the
             # same write that drains the worker. A failed write is retried next pass.
             if await self._retirer.fail_session(worker, why):
-                self._book.lost.settled(worker_id)
+                self._lost_settled(worker_id)
             return
         if worker.state is WorkerState.SPAWNING:
             why = RetireReason.SPAWN_FAILURE
             self._metrics.spawn_failures.labels(worker.pool, reason).inc()
+            detail = self._details.get(worker_id)
             self._spawner.spawn_failed(
-                worker.pool, worker.revision, f"worker {worker_id} {reason} before ready"
+                worker.pool, worker.revision, _lost_before_ready(worker_id, reason, detail)
             )
         stop = worker.state is not WorkerState.DRAINING
         if await self._retirer.retire(worker, why, stop=stop):
-            self._book.lost.settled(worker_id)
+            self._lost_settled(worker_id)
+
+    def _lost_settled(self, worker_id: str) -> None:
+        """The loss is in the store: forget it."""
+        self._book.lost.settled(worker_id)
+        self._details.pop(worker_id, None)
+
+
+def _lost_before_ready(worker_id: str, reason: str, detail: str | None) -> str:
+    """What a worker lost before it got ready failed with, and how, when known."""
+    lost = f"worker {worker_id} {reason} before ready"
+    return f"{lost}: {detail}" if detail else lost

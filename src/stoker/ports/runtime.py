@@ -42,8 +42,11 @@ class RuntimeListener(Protocol):
         """The worker answers its readiness probe at `endpoint`."""
         ...
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
-        """The worker's process or pod is gone (`lost`, `evicted`, `spawn_failure`, ...)."""
+    def worker_lost(self, worker_id: str, reason: str, detail: str | None = None) -> None:
+        """The worker's process or pod is gone (`lost`, `evicted`, `spawn_failure`, ...).
+        `detail`, when the runtime can tell, says how (`exited with code 3`, `not ready
+        within 10s`): shown in the API as the cause of a failed spawn, so it never holds
+        the worker's output, its environment or its command line."""
         ...
 
     def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:

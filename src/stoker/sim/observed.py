@@ -198,12 +198,12 @@ class ObservedRuntime:
         if self._listener is not None:
             self._listener.worker_ready(worker_id, endpoint)
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
+    def worker_lost(self, worker_id: str, reason: str, detail: str | None = None) -> None:
         """Tell the pool manager."""
         self._spawned_at.pop(worker_id, None)
         self._settled(worker_id)
         if self._listener is not None:
-            self._listener.worker_lost(worker_id, reason)
+            self._listener.worker_lost(worker_id, reason, detail)
 
     def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
         """Tell the pool manager."""

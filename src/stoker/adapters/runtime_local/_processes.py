@@ -131,12 +131,26 @@ def is_same_process(pid: int, start_time: float) -> bool:
     return True
 
 
-def reap(pid: int) -> None:
-    """Collect the exit status of our own child; a non-child is reaped by its parent."""
+def reap(pid: int) -> int | None:
+    """Collect the exit status of our own child: its exit code, or minus the signal that
+    ended it. None for a non-child (its parent reaps it) or a child still running."""
     try:
-        os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return
+        return None
+    return os.waitstatus_to_exitcode(status) if done else None
+
+
+def how_it_ended(returncode: int | None) -> str:
+    """An ended process's exit in words (`exited with code 3`, `killed by SIGSEGV`)."""
+    if returncode is None:
+        return "exited"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
 
 
 def kill_quietly(pid: int) -> None:

@@ -22,6 +22,7 @@ from stoker.adapters.runtime_local._processes import (
     LABEL_WORKER_ID,
     authority,
     free_port,
+    how_it_ended,
     identity,
     is_sleeping,
     kill_quietly,
@@ -238,7 +239,9 @@ class LocalProcessRuntime:
         if ready is None or watch.exited.is_set() or watch.stopping:
             return
         if not ready:
-            self._fail_spawn(watch, f"not ready within {timeout_s}s")
+            self._fail_spawn(
+                watch, f"not ready within {timeout_s:g}s (/healthz never answered 200)"
+            )
             return
         watch.ready = True
         self._restore_priority(watch)
@@ -272,24 +275,33 @@ class LocalProcessRuntime:
         """Kill a process that never became ready and report `spawn_failure` once."""
         watch.stopping = True
         watch.send(signal.SIGKILL)
-        self._report_lost(watch, "spawn_failure", "worker_spawn_failed", error=why)
+        self._report_lost(watch, "spawn_failure", "worker_spawn_failed", why, error=why)
 
     def _on_exit(self, watch: ProcessWatch) -> None:
         """A watched process ended: a loss unless this runtime ended it."""
+        ended = how_it_ended(watch.returncode)
         if watch.stopping:
             _log("worker_exited", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
             return
         reason = "lost" if watch.ready else "spawn_failure"
-        self._report_lost(watch, reason, "worker_lost", pid=watch.pid, reason=reason)
+        self._report_lost(
+            watch, reason, "worker_lost", ended, pid=watch.pid, reason=reason, ended=ended
+        )
 
-    def _report_lost(self, watch: ProcessWatch, reason: str, event: str, /, **fields: Any) -> None:
-        """Log a loss as `event` (a warning) and tell the listener `worker_lost(reason)`.
+    def _report_lost(
+        self, watch: ProcessWatch, reason: str, event: str, how: str, /, **fields: Any
+    ) -> None:
+        """Log a loss as `event` (a warning) and tell the listener `worker_lost(reason)`,
+        with `how` it ended (an exit code, a timeout: never the worker's output) and, when
+        its output is kept, where to read it.
 
         The parameters are positional-only so that `reason` can also be a field of the line.
         """
         _log(event, level=logging.WARNING, worker=watch.worker_id, pool=watch.pool, **fields)
+        if self.log_dir is not None:
+            how += f"; its output: {watch.worker_id}.log in runtime.log_dir"
         if self._listener is not None:
-            self._listener.worker_lost(watch.worker_id, reason)
+            self._listener.worker_lost(watch.worker_id, reason, how)
 
     # -- stop, adoption, listing ------------------------------------------------------------
 

@@ -36,6 +36,9 @@ class ProcessWatch:
     #: Where it listens, when this runtime started it (an adopted one's is in its row).
     endpoint: str | None = None
     exited: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: Once exited: its exit code, or minus the signal that ended it (None: not our
+    #: child, as an adopted worker, so its status is its parent's to read).
+    returncode: int | None = None
     poller: asyncio.Task[None] | None = None
 
     def send(self, signum: signal.Signals) -> bool:
@@ -135,6 +138,6 @@ class ProcessWatches:
         if watch.exited.is_set():
             return
         self.remove(watch)
-        reap(watch.pid)
+        watch.returncode = reap(watch.pid)
         watch.exited.set()
         self._on_exit(watch)
