@@ -28,7 +28,7 @@ from stoker.adapters._election import ElectorOptions
 from stoker.adapters._logs import kv_line
 from stoker.adapters.activator_http import HttpActivator
 from stoker.adapters.elector_store import StoreLeaseElector
-from stoker.adapters.runtime_local import LocalProcessRuntime
+from stoker.adapters.runtime_local import LocalProcessRuntime, LogRetention
 from stoker.adapters.sqlite import SqliteStore
 from stoker.config import (
     ConfigKeyError,
@@ -361,6 +361,7 @@ def build_runtime(
             **identity,
             memory_budget_mb=runtime.memory_budget_mb,
             log_dir=runtime.log_dir,
+            log_retention=LogRetention(keep=runtime.log_keep, keep_s=runtime.log_keep_s),
             start_limit=runtime.start_limit,
             start_nice=runtime.start_nice,
             probe_session=activator.session if isinstance(activator, HttpActivator) else None,

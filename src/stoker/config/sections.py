@@ -49,8 +49,17 @@ class LocalRuntimeConfig(Section):
     #: Memory the workers may use together; a pool with max_workers 0 is capped at
     #: budget / memory_mb. Null: half of this machine's memory.
     memory_budget_mb: int | None = Field(None, ge=1)
-    #: Directory for one log file per worker; null discards worker output.
+    #: Directory for one log file per worker (`<worker id>.log`); null discards worker
+    #: output. The logs of ended workers are deleted by `log_keep` and `log_keep_s`.
     log_dir: str | None = None
+    #: The logs of this many ended workers are kept in `log_dir`, the most recently ended,
+    #: and as many again of workers that failed to start (so that ended sessions never
+    #: push out the log a pool's `last_spawn_error` names). Null: no bound by number.
+    log_keep: int | None = Field(100, ge=1, le=1_000_000)
+    #: An ended worker's log is deleted this long after the worker ended (checked every
+    #: minute; a file of an earlier run counts from when it was last written). Null: no
+    #: bound by age. A live worker's log is never deleted.
+    log_keep_s: PositiveSeconds | None = Field(7 * 86400.0, ge=60)
     #: Workers starting at once at most (fork until ready); more wait in a queue, cold
     #: spawns first, their spawn timeout not yet running. Null: one per core.
     start_limit: int | None = Field(None, ge=1, le=10_000)

@@ -7,9 +7,9 @@ environment (`STOKER_FLEET`, `STOKER_WORKER_ID`, `STOKER_POOL`, `STOKER_INSTANCE
 is how `list_objects` finds stranded ones.
 
 The parts: `_processes` starts a worker and names it safely (pid *and* start time),
-`_watches` watches exits through pidfds, `_readiness` probes `/healthz`, and `_runtime`
-is the `Runtime` port on top of them. Activation is not here: the HTTP activator speaks
-to local workers and pods alike.
+`_watches` watches exits through pidfds, `_readiness` probes `/healthz`, `_retention`
+deletes the logs of ended workers, and `_runtime` is the `Runtime` port on top of them.
+Activation is not here: the HTTP activator speaks to local workers and pods alike.
 """
 
 from stoker.adapters.runtime_local._processes import (
@@ -20,6 +20,7 @@ from stoker.adapters.runtime_local._processes import (
     LABEL_WORKER_ID,
     free_port,
 )
+from stoker.adapters.runtime_local._retention import LogRetention
 from stoker.adapters.runtime_local._runtime import LocalProcessRuntime
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "LABEL_POOL",
     "LABEL_WORKER_ID",
     "LocalProcessRuntime",
+    "LogRetention",
     "free_port",
 ]

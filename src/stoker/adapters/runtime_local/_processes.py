@@ -183,6 +183,23 @@ def scan_fleet(fleet: str, own_pid: int) -> list[tuple[int, float, dict[str, str
     return found
 
 
+def scan_workers(own_pid: int) -> set[str]:
+    """The worker ids of every live process labelled as a worker, of any fleet."""
+    found = set()
+    for pid in psutil.pids():
+        if pid == own_pid:
+            continue
+        try:
+            process = psutil.Process(pid)
+            worker_id = process.environ().get(LABEL_WORKER_ID)
+            if worker_id is None or process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.add(worker_id)
+        except psutil.Error:
+            continue
+    return found
+
+
 def lower_priority(pid: int, steps: int) -> None:
     """Make a process `steps` nicer than this one (no error when it cannot be done).
 

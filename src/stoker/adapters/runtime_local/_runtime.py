@@ -35,6 +35,7 @@ from stoker.adapters.runtime_local._processes import (
     worker_environment,
 )
 from stoker.adapters.runtime_local._readiness import probe_client, probe_until_ready
+from stoker.adapters.runtime_local._retention import LogRetention, WorkerLogs
 from stoker.adapters.runtime_local._startups import StartGate, default_start_limit
 from stoker.adapters.runtime_local._watches import ProcessWatch, ProcessWatches
 from stoker.domain.activation import ActivationKey
@@ -59,7 +60,8 @@ class LocalProcessRuntime:
     """Runs workers as local processes; implements the `Runtime` port.
 
     `memory_budget_mb` (default: half the machine) over a worker's `memory_mb` is a pool's
-    cap when its `max_workers` is 0. Worker output goes to `<log_dir>/<worker id>.log`.
+    cap when its `max_workers` is 0. Worker output goes to `<log_dir>/<worker id>.log`;
+    the logs of ended workers are deleted by `log_retention` (see `WorkerLogs`).
     Readiness is probed every `ready_poll_s`; workers listen on `host`. `probe_session`,
     when given, opens the HTTP session the probes use (the HTTP activator's: a worker's
     first activation then reuses the connection its last probe left open, as activations
@@ -91,6 +93,7 @@ class LocalProcessRuntime:
         probe_session: Callable[[], aiohttp.ClientSession] | None = None,
         start_limit: int | None = None,
         start_nice: int = 10,
+        log_retention: LogRetention | None = None,
     ) -> None:
         self.clock = clock
         self.fleet = fleet
@@ -101,6 +104,9 @@ class LocalProcessRuntime:
             memory_budget_mb = psutil.virtual_memory().total // (2 * 1024 * 1024)
         self.memory_budget_mb = memory_budget_mb
         self.log_dir = log_dir
+        #: The ended workers' logs, and their deletion (None: no logs are written).
+        self.logs = WorkerLogs(log_dir, log_retention or LogRetention(), clock) if log_dir else None
+        self._pruner: asyncio.Task[None] | None = None
         self.ready_poll_s = ready_poll_s
         self.host = host
         self._listener: RuntimeListener | None = None
@@ -120,14 +126,22 @@ class LocalProcessRuntime:
         self._listener = listener
 
     async def start(self) -> None:
-        """Open the HTTP client of the readiness probes."""
+        """Open the HTTP client of the readiness probes; start deleting the logs of ended
+        workers that `log_retention` no longer keeps."""
         if self._client is None:
             self._client = self._open_session()
+        if self.logs is not None and self._pruner is None:
+            self._pruner = asyncio.create_task(self.logs.run(self._watched), name="prune-logs")
+            self._pruner.add_done_callback(_log_failure)
 
     async def close(self) -> None:
         """Stop probing and watching; the worker processes keep running, to be adopted.
         Spawns still queued for a start-up slot are withdrawn (nothing was started)."""
         self.startups.close()
+        pruner, self._pruner = self._pruner, None
+        if pruner is not None:
+            pruner.cancel()
+            await asyncio.gather(pruner, return_exceptions=True)
         await self._watches.close()
         client, self._client = self._client, None
         if client is not None and self._owns_session:
@@ -273,6 +287,8 @@ class LocalProcessRuntime:
 
     def _fail_spawn(self, watch: ProcessWatch, why: str) -> None:
         """Kill a process that never became ready and report `spawn_failure` once."""
+        if self.logs is not None:
+            self.logs.ended(watch.worker_id, failed=True)
         watch.stopping = True
         watch.send(signal.SIGKILL)
         self._report_lost(watch, "spawn_failure", "worker_spawn_failed", why, error=why)
@@ -280,6 +296,8 @@ class LocalProcessRuntime:
     def _on_exit(self, watch: ProcessWatch) -> None:
         """A watched process ended: a loss unless this runtime ended it."""
         ended = how_it_ended(watch.returncode)
+        if self.logs is not None:
+            self.logs.ended(watch.worker_id, failed=not (watch.ready or watch.stopping))
         if watch.stopping:
             _log("worker_exited", worker=watch.worker_id, pool=watch.pool, pid=watch.pid)
             return
@@ -302,6 +320,15 @@ class LocalProcessRuntime:
             how += f"; its output: {watch.worker_id}.log in runtime.log_dir"
         if self._listener is not None:
             self._listener.worker_lost(watch.worker_id, reason, how)
+
+    def _watched(self) -> list[str]:
+        """The workers whose processes this runtime watches and that have not ended."""
+        return [watch.worker_id for watch in self._watches.live()]
+
+    async def prune_logs(self) -> list[str]:
+        """Delete the ended workers' logs that `log_retention` no longer keeps now (the
+        runtime does every `PRUNE_INTERVAL_S`); returns their worker ids."""
+        return await self.logs.prune(self._watched) if self.logs is not None else []
 
     # -- stop, adoption, listing ------------------------------------------------------------
 
@@ -329,6 +356,8 @@ class LocalProcessRuntime:
             watch = self._watches.open(worker.id, worker.pool, pid, start_time)
             if watch is None:
                 _log("worker_already_gone", worker=worker.id, pid=pid)
+                if self.logs is not None:
+                    self.logs.ended(worker.id)
                 return
             watch.stopping = True
             self._watches.add(watch)
