@@ -143,6 +143,31 @@ def test_status_shows_pools_by_state(server: Server) -> None:
     assert row.split("│")[2].strip() == "1"
 
 
+def test_status_and_pools_say_why_a_pools_spawns_fail(tmp_path: Path) -> None:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    exits = {
+        "name": "exits",
+        "command": ["{python}", "-c", "raise SystemExit(3)"],
+        "warm_target": 1,
+    }
+    text = config(fleet) + f"  - {json.dumps({**exits, 'claim_timeout_s': 1})}\n"
+    srv = start_server(tmp_path, config=text, args=["--stop-workers"])
+    try:
+        said = "spawns failing"
+        assert wait_until(lambda: said in run(["status"], url=srv.url).stdout, timeout=20)
+        for args in (["status"], ["pools"], ["pools", "exits"]):
+            shown = " ".join(run(args, url=srv.url).stdout.split())
+            assert "pool exits: spawns failing (" in shown, (args, shown)
+            assert "before ready: exited with code 3" in shown
+            assert "pool demo:" not in shown
+        # The claim that finds no worker says it too.
+        refused = one_line_error(run(["claim", "-p", "exits", "-o", "acme"], url=srv.url), 1)
+        assert "503" in refused and "exited with code 3" in refused
+    finally:
+        srv.stop()
+        kill_fleet(fleet)
+
+
 def ctrl_c_as_in_a_terminal() -> None:
     """In the child before exec: SIGINT at its default. A shell runs a background job
     with SIGINT ignored, and Python then never raises KeyboardInterrupt: a test suite

@@ -259,8 +259,23 @@ def _print_pools(url: str, found: Sequence[PoolInfo], *, as_json: bool, one: boo
         )
     console = make_console()
     console.print(table)
+    for line in _spawn_trouble(found):
+        console.print(line)
     if one and found[0].revisions:
         console.print(_revisions_table(found[0]))
+
+
+def _spawn_trouble(pools: Sequence[PoolInfo]) -> list[Text]:
+    """A line for each pool whose spawns fail: how many in a row, and how the last did."""
+    return [
+        Text(
+            f"pool {p.name}: spawns failing ({p.spawn_failures} in a row); "
+            f"last error: {p.last_spawn_error or '-'}",
+            style="yellow",
+        )
+        for p in pools
+        if p.spawn_failing
+    ]
 
 
 def _revisions_table(pool: PoolInfo) -> Table:
@@ -359,7 +374,8 @@ class _StatusView:
     def render(self, interval: float) -> Group:
         """The tables, and the error line while the server does not answer."""
         headline = Text(f"stoker at {self.client.url} · updated {self.updated}", style="italic")
-        parts: list[Any] = [headline, *_status_tables(self.pools or [], self.width)]
+        pools = self.pools or []
+        parts: list[Any] = [headline, *_status_tables(pools, self.width), *_spawn_trouble(pools)]
         if self.error is not None:
             parts.append(Text(f"{self.error} (retrying every {interval:g} s)", style="bold red"))
         return Group(*parts)
