@@ -365,6 +365,9 @@ class FaultyStore:
     async def read_ledger(self, pool: str, **kw: Any) -> Any:
         return await self.inner.read_ledger(pool, **kw)
 
+    async def ledger_written_at(self, instance_id: str) -> float | None:
+        return await self.inner.ledger_written_at(instance_id)
+
     async def record_claim_log(self, arrivals: Any, endings: Any) -> None:
         self._maybe_fail("record_claim_log")
         await self.inner.record_claim_log(arrivals, endings)

@@ -286,6 +286,32 @@ async def test_restarted_control_plane_adopts_live_workers(
         await eventually(lambda: _claim_in(plane, again.id, ClaimState.FAILED))
 
 
+async def test_a_session_held_across_a_graceful_restart_counts_its_whole_hold(
+    tmp_path: Path, fleet: str, no_leftovers: None
+) -> None:
+    """The worker processes outlive a clean stop and the next start adopts them: the
+    ledger's hot time of the claim held across the restart is its hold in the claim log,
+    the seconds between the stop and the adoption included."""
+    clock = VirtualClock(epoch=None)
+    db = tmp_path / "s.db"
+    async with plane_on(db, fleet, clock, stop_workers=False) as plane:
+        await eventually(lambda: _at_least(plane, 2))
+        session = await plane.claim(ClaimRequest(pool="demo", org="acme"))
+        clock.advance(20)
+    clock.advance(9)  # the restart
+    async with plane_on(db, fleet, clock) as plane:
+        assert (await get_worker(plane, session.worker_id)).owner == plane.instance_id
+        clock.advance(30)
+        await plane.release(session.id)
+        await plane.run_reaper_pass()
+        now = clock.now()
+        hot = sum(c.hot_s for _, c in await plane.store.read_ledger("demo", since=0, until=now))
+        (logged,) = await plane.store.read_claim_log(since=0, until=now + 1)
+        assert logged.id == session.id and logged.held_s is not None
+        assert logged.held_s == pytest.approx(59.0, abs=2.0)
+        assert hot == pytest.approx(logged.held_s, abs=0.05)
+
+
 async def test_a_crashed_control_planes_workers_are_adopted_after_expiry(
     tmp_path: Path, fleet: str, no_leftovers: None
 ) -> None:

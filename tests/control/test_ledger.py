@@ -37,7 +37,7 @@ from stoker.domain.ledger import (
     summed,
 )
 from stoker.domain.records import Claim, ClaimRequest, Worker
-from stoker.domain.specs import CostSpec, PoolSpec, ProcessTemplate
+from stoker.domain.specs import CostSpec, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
 from stoker.ports.clock import VirtualClock
 from stoker.ports.store import SpawnRequest, Store
@@ -446,3 +446,105 @@ async def test_moves_another_replica_wrote_are_placed_at_their_write(store: Stor
     assert total.warm_s == pytest.approx(45 + 45)
     # x drains from the leader's write on; y's time ends at its retirement.
     assert total.draining_s == pytest.approx(50)
+
+
+async def test_a_graceful_restart_loses_no_second_of_an_adopted_workers_time(
+    tmp_path: Path,
+) -> None:
+    """A claim held across a clean stop and the next start (which adopts the running
+    workers): the ledger's hot time is the claim's hold, and the sum of every state is each
+    worker's whole life, the seconds between the stop and the adoption included."""
+    db = str(tmp_path / "stoker.db")
+    runtime = MemoryRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=1)
+
+    def plane() -> ControlPlane:
+        return ControlPlane(
+            store=SqliteStore(db), runtime=runtime, activator=runtime, pools=[pool], clock=clock
+        )
+
+    first = plane()
+    await first.start(loops=False)
+    await asyncio.sleep(1.0)
+    t0 = clock.now()
+    claim = await first.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+    await asyncio.sleep(20.0)
+    await first.stop()
+    await asyncio.sleep(9.0)  # the restart
+    second = plane()
+    await second.start(loops=False)
+    try:
+        hot = await second.store.get_worker(claim.worker_id)
+        assert hot is not None and hot.owner == second.instance_id and hot.state is S.HOT
+        await asyncio.sleep(30.0)
+        await second.release(claim.id)
+        await asyncio.sleep(2.0)
+        await second.run_reaper_pass()
+        now = clock.now()
+        total = LedgerCounts()
+        for _, counts in await second.store.read_ledger("p", since=t0 - HOUR_S, until=now + 1):
+            total.merge(counts)
+        (logged,) = await second.store.read_claim_log(since=0, until=now + 1)
+        assert logged.held_s == pytest.approx(59.0, abs=0.01)
+        assert total.hot_s == pytest.approx(logged.held_s, abs=0.01)
+        workers = await second.store.list_workers()
+        lived = sum((w.updated_at if w.state is S.RETIRED else now) - w.created_at for w in workers)
+        counted = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
+        assert counted + total.draining_s == pytest.approx(lived, abs=1e-6)
+    finally:
+        await second.stop()
+
+
+async def test_after_a_crash_the_adopter_counts_from_the_last_ledger_write(
+    tmp_path: Path,
+) -> None:
+    """A replica killed outright after a flush: the worker was not moved since, so its
+    adopter counts it from that flush on, through the expiry wait, and nothing is lost."""
+    db = str(tmp_path / "stoker.db")
+    runtime = MemoryRuntime(ready_delay=0.2)
+    clock = VirtualClock()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=1)
+
+    def plane() -> ControlPlane:
+        return ControlPlane(
+            store=SqliteStore(db), runtime=runtime, activator=runtime, pools=[pool], clock=clock
+        )
+
+    crashed = plane()
+    await crashed.start(loops=False)
+    await asyncio.sleep(1.0)
+    claim = await crashed.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0))
+    await asyncio.sleep(20.0)
+    await crashed.run_reaper_pass()
+    await asyncio.sleep(5.0)
+    await crashed.store.close()  # no clean stop: the instance row stays active
+    survivor = plane()
+    await survivor.start(loops=False)
+    try:
+        await asyncio.sleep(PlaneSettings().instance_expiry_s + 1)
+        await survivor.run_janitor_pass()
+        hot = await survivor.store.get_worker(claim.worker_id)
+        assert hot is not None and hot.owner == survivor.instance_id
+        await asyncio.sleep(10.0)
+        await survivor.release(claim.id)
+        await survivor.run_reaper_pass()
+        now = clock.now()
+        total = LedgerCounts()
+        for _, counts in await survivor.store.read_ledger("p", since=0, until=now + 1):
+            total.merge(counts)
+        (logged,) = await survivor.store.read_claim_log(since=0, until=now + 1)
+        assert logged.held_s is not None and logged.held_s > 35 + PlaneSettings().instance_expiry_s
+        assert total.hot_s == pytest.approx(logged.held_s, abs=0.01)
+    finally:
+        await survivor.stop()
+
+
+async def test_a_replicas_last_ledger_write_is_read_back(store: Store) -> None:
+    assert await store.ledger_written_at(ME) is None
+    key = LedgerKey("p", POOL.revision, "acme", hour_of(1_700_000_000.0))
+    cells = {key: LedgerCounts(hot_s=5.0)}
+    await store.record_ledger(ME, cells, now=1_700_000_010.0)
+    await store.record_ledger(ME, cells, now=1_700_000_020.0)
+    await store.record_ledger("replica-2", cells, now=1_700_000_030.0)
+    assert await store.ledger_written_at(ME) == pytest.approx(1_700_000_020.0)

@@ -11,6 +11,11 @@ or this replica adopted is placed by the row's `updated_at`, its last write. Spa
 split at hour boundaries exactly. Placeholder time is the leader's: the headroom it keeps
 between its passes, in worker slots.
 
+An adopted worker's time before its adoption is its previous owner's up to that owner's last
+ledger write (a clean stop writes one at its very end), and the adopter's from there: a
+graceful restart loses no second. A replica killed outright loses what it counted since its
+last write, unless the worker was not moved since: then the adopter counts it from there.
+
 A claim adds one to a count and appends one compact row in memory (no I/O); a flush
 writes the cells that changed (cumulative per replica, so a failed write loses nothing)
 and the log rows gathered since the last one.
@@ -102,6 +107,9 @@ class Ledger:
         self._idle_cost = metrics.ledger_idle_cost
         self._avoided = metrics.ledger_cold_start_avoided
         self._ready_mean: dict[str, tuple[int, float]] = {}
+        #: Adopted workers' rows as their previous owner left them, and the adoption's time:
+        #: the time between is counted at the next flush.
+        self._gaps: list[tuple[Worker, float]] = []
         #: Metric increments gathered in memory and added at each flush (no metric call on
         #: the claim path): (series, labels) -> amount.
         self._metered: dict[tuple[str, str, str], float] = {}
@@ -115,6 +123,18 @@ class Ledger:
             self._cell(worker.pool, worker.revision, worker.org or "", at).spawns += 1
         self._close(worker.id, at)
         self._open_span(worker, at)
+
+    def adopted(self, previous: Worker, worker: Worker) -> None:
+        """This replica adopted `worker`; `previous` is its row as the previous owner left it.
+
+        The previous owner counted the worker up to its last ledger write; the time from there
+        (or from the row's last write, if later) to the adoption is counted at the next flush,
+        which reads that write's time. From the adoption on the worker is this replica's
+        (an adoption keeps the state: no move tells of it).
+        """
+        self._gaps.append((previous, worker.updated_at))
+        self._close(worker.id, worker.updated_at)
+        self._open_span(worker, worker.updated_at)
 
     def spawn_ready(self, worker: Worker, seconds: float) -> None:
         """A spawn of this replica answered its readiness probe `seconds` after it started."""
@@ -211,6 +231,8 @@ class Ledger:
         """Carry open spans up to now, reconcile with the store's rows of this replica, and
         write the cells that changed and the log rows gathered (a failure keeps them)."""
         now = self._clock.now()
+        if self._gaps:
+            await self._count_gaps(store)
         try:
             mine = await store.list_workers(owner=self._instance_id, states=LIVE)
         except StoreError as exc:
@@ -225,6 +247,29 @@ class Ledger:
             self._accrue_placeholders(pool, now)
         self._publish_metrics()
         await self._write(store, now)
+
+    async def _count_gaps(self, store: ReplicaStore) -> None:
+        """Count adopted workers' time from their previous owner's last ledger write (or the
+        row's last write, if later) up to the adoption, in the state the row was left in."""
+        written: dict[str, float | None] = {}
+        gaps, self._gaps = self._gaps, []
+        for index, (previous, adopted_at) in enumerate(gaps):
+            owner = previous.owner or ""
+            if owner not in written:
+                try:
+                    written[owner] = await store.ledger_written_at(owner)
+                except StoreError as exc:
+                    logs.event("ledger_read_failed", error=str(exc), level=logs.WARNING)
+                    self._gaps = gaps[index:]
+                    return
+            state = _TIME_STATE.get(previous.state)
+            start = max(previous.updated_at, written[owner] or 0.0)
+            if state is None or adopted_at <= start:
+                continue
+            cpus, gib = self._resources_of(previous.pool, previous.revision)
+            org = previous.org or ""
+            gap = _Span(previous.pool, previous.revision, org, state, start, 0, cpus, gib)
+            self._carry_span(gap, adopted_at)
 
     def _reconcile(self, rows: list[Worker], now: float) -> None:
         for row in rows:

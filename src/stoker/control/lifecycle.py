@@ -66,6 +66,8 @@ class Lifecycle:
         #: claim ended: the ledger's hooks (`control.ledger`), in memory only.
         self.on_moved: Callable[[WorkerState | None, Worker], None] | None = None
         self.on_claim_ended: Callable[[Claim], None] | None = None
+        #: Told of every adoption (the row as the previous owner left it, the row written).
+        self.on_adopted: Callable[[Worker, Worker], None] | None = None
 
     def _persist_failed(self, label: str, exc: StoreError) -> None:
         self.last_store_failure = (self.clock.monotonic(), str(exc))
@@ -334,7 +336,10 @@ class Lifecycle:
 
     async def adopt(self, worker: Worker, owner: str) -> Worker | None:
         """Take over a worker of an expired replica in its current state."""
-        return await self.move(worker, worker.state, owner=owner)
+        adopted = await self.move(worker, worker.state, owner=owner)
+        if adopted is not None and self.on_adopted is not None:
+            self.on_adopted(worker, adopted)
+        return adopted
 
     async def heartbeat(self, worker: Worker) -> Worker | None:
         """Re-stamp `heartbeat_at` of an activating worker (keeps the stuck sweep away).

@@ -133,6 +133,7 @@ class ControlPlane:
         )
         self.lifecycle.on_moved = self.ledger.moved
         self.lifecycle.on_claim_ended = self.ledger.claim_ended
+        self.lifecycle.on_adopted = self.ledger.adopted
         shared = Shared(
             book=self.book,
             lifecycle=self.lifecycle,

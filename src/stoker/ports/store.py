@@ -514,6 +514,11 @@ class ReplicaStore(StoreReader, Protocol):
         `since`, unsummed (one per cell and replica), by hour."""
         ...
 
+    async def ledger_written_at(self, instance_id: str) -> float | None:
+        """When replica `instance_id` last wrote its ledger cells (the `now` of that write;
+        every span it had open is counted up to there), or None if it never did."""
+        ...
+
     async def record_claim_log(
         self, arrivals: Sequence[ClaimLogEntry], endings: Sequence[ClaimEnding]
     ) -> None:

@@ -67,6 +67,14 @@ class LedgerRows:
         )
         return [ledger_from_row(row) for row in rows]
 
+    async def ledger_written_at(self, instance_id: str) -> float | None:
+        """The latest write time of the replica's cells."""
+        row = await self._db.one(
+            f"SELECT max(updated_at) FROM {self._names.ledger} WHERE instance = %s",
+            (instance_id,),
+        )
+        return None if row is None or row[0] is None else float(row[0])
+
     async def record_claim_log(
         self, arrivals: Sequence[ClaimLogEntry], endings: Sequence[ClaimEnding]
     ) -> None:

@@ -66,6 +66,13 @@ class LedgerRows:
         )
         return [ledger_from_row(row) for row in rows]
 
+    async def ledger_written_at(self, instance_id: str) -> float | None:
+        """The latest write time of the replica's cells."""
+        rows = self._writes.read(
+            "SELECT max(updated_at) FROM ledger WHERE instance = ?", (instance_id,)
+        )
+        return None if not rows or rows[0][0] is None else float(rows[0][0])
+
     async def record_claim_log(
         self, arrivals: Sequence[ClaimLogEntry], endings: Sequence[ClaimEnding]
     ) -> None:
