@@ -921,6 +921,14 @@ def test_url_and_token_work_before_the_command_and_after_it(server: Server) -> N
     assert given.returncode == 0, given.stderr
 
 
+def test_backtest_reads_the_server_given_before_the_command(server: Server) -> None:
+    # A pool the log has no claim of: the answer says the server's log was read.
+    before = run(["--url", server.url, "backtest", "--pool", "nosuch", "--no-progress"])
+    assert "no claim of pool 'nosuch'" in one_line_error(before, 2)
+    from_env = run(["backtest", "--pool", "nosuch", "--no-progress"], url=server.url)
+    assert "no claim of pool 'nosuch'" in one_line_error(from_env, 2)
+
+
 def test_every_list_is_noun_list(server: Server) -> None:
     for noun in ("pools", "claims", "workers"):
         listed = run([noun, "list", "--json"], url=server.url)

@@ -332,3 +332,59 @@ def test_a_claim_still_waiting_when_the_replay_ends_counts_as_failed(tmp_path: P
     [f] = run.figures([("current", {})])
     assert f.failed == 4
     assert not f.meets("cold_share", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "reads"),
+    [
+        (["--url", "http://a:1", "--token", "t-1", "backtest"], {}, ("http://a:1", "t-1")),
+        (["backtest"], {"STOKER_URL": "http://b:2", "STOKER_TOKEN": "t-2"}, ("http://b:2", "t-2")),
+        # Nearest the command wins, as for every command that talks to a server.
+        (
+            ["--url", "http://a:1", "--token", "t-1", "backtest", "--url", "http://c:3"],
+            {},
+            ("http://c:3", "t-1"),
+        ),
+        (["backtest", "--token", "t-4"], {"STOKER_URL": "http://b:2"}, ("http://b:2", "t-4")),
+    ],
+)
+def test_the_server_given_before_the_command_is_the_one_read(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str], reads: tuple[str, str]
+) -> None:
+    """`stoker --url URL backtest` (and $STOKER_URL, $STOKER_TOKEN) reads that server, as
+    `stoker --url URL rollout start` talks to it."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    asked: list[tuple[str, str | None]] = []
+
+    def from_server(url: str, token: str | None, *_: Any, **__: Any) -> Any:
+        asked.append((url, token))
+        raise ConfigError("read")
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    for name in ("STOKER_URL", "STOKER_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(app, [*args, "--no-progress"], env=env)
+    assert asked == [reads], result.output
+    assert result.exit_code == 2
+
+
+def test_a_log_file_is_read_whatever_server_is_given_before(
+    monkeypatch: pytest.MonkeyPatch, log: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the server was read")
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    args = ["--url", "http://a:1", "backtest", "--from", str(log), "--current", "x=1"]
+    result = CliRunner().invoke(app, args, env={"STOKER_URL": "http://b:2"})
+    assert "unknown setting 'x'" in result.output
+    assert result.exit_code == 2
+    both = CliRunner().invoke(app, ["backtest", "--from", str(log), "--url", "http://a:1"])
+    assert "not both" in both.output and both.exit_code == 2

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from stoker.cli.output import JsonFlag, fail, make_console, print_json
+from stoker.cli.output import JsonFlag, fail, given_server, make_console, print_json
 
 if TYPE_CHECKING:
     from stoker.domain.specs import CostSpec
@@ -41,13 +41,20 @@ def backtest(
         str | None,
         typer.Option(
             "--url",
-            help="Fetch the log, the pool's settings and spawn times from this server",
+            help=(
+                "Fetch the log, the pool's settings and spawn times from this server "
+                "(before the command too; $STOKER_URL; not with --from)"
+            ),
             show_default=False,
         ),
     ] = None,
     token: Annotated[
         str | None,
-        typer.Option("--token", envvar="STOKER_TOKEN", help="Bearer token", show_default=False),
+        typer.Option(
+            "--token",
+            help="Bearer token (before the command too; $STOKER_TOKEN)",
+            show_default=False,
+        ),
     ] = None,
     since: Annotated[
         str, typer.Option("--since", help="With --url: the log since (e.g. 7d, 12h)")
@@ -170,8 +177,14 @@ def backtest(
         settings_text,
     )
 
-    if (from_file is None) == (url is None):
-        fail("give the claim log: either --from FILE or --url URL", code=2)
+    if from_file is not None and url is not None:
+        fail("give the claim log: either --from FILE or --url URL, not both", code=2)
+    if from_file is None:
+        # The server given before the command (`stoker --url URL backtest`, $STOKER_URL),
+        # as every command that talks to one takes it.
+        url, token = given_server(url, token)
+        if url is None:
+            fail("give the claim log: either --from FILE or --url URL", code=2)
     try:
         known: dict[str, Any] = {}
         spawn: SpawnToReady | None = None

@@ -78,6 +78,15 @@ def remember_server(url: str | None, token: str | None, *, first: bool = False) 
         _given["token"] = token
 
 
+def given_server(url: str | None, token: str | None) -> tuple[str | None, str | None]:
+    """`url` and `token` as given to a command, else as given before it (to `stoker` or
+    a group, or `$STOKER_URL` and `$STOKER_TOKEN`); None for what nothing gave."""
+    return (
+        url if url is not None else _given.get("url"),
+        token if token is not None else _given.get("token"),
+    )
+
+
 def _server_url(url: str | None) -> str | None:
     """`url` checked: an http(s) URL with a host, or None for the default."""
     if not url:
@@ -121,8 +130,8 @@ def client_of(url: str | None, token: str | None) -> Client:
     once that the server does not answer (the SDK's retries, up to a claim's wait plus
     30 s, are for applications). `url` and `token` not given to the command are those
     given before it (`remember_server`)."""
-    url = _server_url(url if url is not None else _given.get("url"))
-    token = token if token is not None else _given.get("token")
+    given, token = given_server(url, token)
+    url = _server_url(given)
     try:
         return Client(url, token=token, retries=Retries(enabled=False))
     except (httpx.InvalidURL, ValueError) as exc:
