@@ -388,3 +388,68 @@ def test_a_log_file_is_read_whatever_server_is_given_before(
     assert result.exit_code == 2
     both = CliRunner().invoke(app, ["backtest", "--from", str(log), "--url", "http://a:1"])
     assert "not both" in both.output and both.exit_code == 2
+
+
+def _burst(tmp_path: Path, count: int) -> Path:
+    """`count` claims at once, of as many orgs, each held a minute."""
+    claims = [
+        dict(c, at=1_700_000_000.0, org=f"org-{i}", held_s=60.0)
+        for i, c in enumerate(synthetic_claims(count, span_s=60, orgs=count))
+    ]
+    return write_log(tmp_path / "burst.jsonl", claims)
+
+
+LOCAL_POOL = (
+    "pools:\n  - name: workers\n    command: [worker, '{port}']\n    memory_mb: 512\n"
+    "    warm_target: 1\n    claim_timeout_s: 3600\n"
+)
+
+
+def _backtest_json(args: list[str]) -> dict[str, Any]:
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    result = CliRunner().invoke(app, ["backtest", *args, "--json", "--no-progress", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    body: dict[str, Any] = json.loads(result.stdout)
+    return body
+
+
+def test_a_local_pools_memory_cap_is_replayed(tmp_path: Path) -> None:
+    """A local pool with `max_workers: 0` is capped at the memory budget over a worker's
+    `memory_mb` (2048 / 512: 4 workers); the replay of 6 claims at once used to run it
+    unbounded and serve them all."""
+    config = tmp_path / "stoker.yaml"
+    config.write_text("runtime: {kind: local, memory_budget_mb: 2048}\n" + LOCAL_POOL)
+    body = _backtest_json(["--from", str(_burst(tmp_path, 6)), "-c", str(config)])
+    assert body["current"]["max_workers"] == 4
+    assert body["cap"] == {
+        "max_workers": 4,
+        "source": f"derived in {config}: runtime.memory_budget_mb 2048 / memory_mb 512",
+    }
+    # Two wait for a worker the whole replay.
+    assert body["runs"][0]["failed"] == 2
+
+
+def test_the_servers_cap_stands_over_a_config_that_derives_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With --url and -c, the cap the server reports (derived on its own machine) is the
+    one replayed, not the config's `max_workers: 0`; a config's own `max_workers` wins."""
+    replay = read_claim_log(_burst(tmp_path, 3))
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        return replay, {"warm_target": 1, "max_workers": 3}, SpawnToReady(), None, None
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    config = tmp_path / "stoker.yaml"
+    config.write_text(LOCAL_POOL)
+    body = _backtest_json(["--url", "http://live:8080", "-c", str(config)])
+    assert body["current"]["max_workers"] == 3
+    assert body["cap"]["source"] == "the server's cap, GET http://live:8080/v1/pools/workers"
+    config.write_text(LOCAL_POOL + "    max_workers: 2\n")
+    body = _backtest_json(["--url", "http://live:8080", "-c", str(config)])
+    assert body["cap"] == {"max_workers": 2, "source": f"max_workers in {config}"}
+    body = _backtest_json(["--url", "http://live:8080", "--current", "max_workers=5"])
+    assert body["cap"] == {"max_workers": 5, "source": "--current"}

@@ -190,6 +190,8 @@ def backtest(
         spawn: SpawnToReady | None = None
         cost: CostSpec | None = None
         resources: tuple[float, float] | None = None
+        #: Where the pool cap replayed (`max_workers`) comes from, for the report.
+        cap_source = "no server, --config or --current max_workers gives one"
         if from_file is not None:
             from stoker.sim.claimlog import read_claim_log
 
@@ -197,14 +199,26 @@ def backtest(
         else:
             assert url is not None
             replay, known, spawn, cost, resources = _from_server(url, token, since, pool)
+            if "max_workers" in known:
+                cap_source = f"the server's cap, GET {url}/v1/pools/{replay.pool}"
         intervals: dict[str, Any] = {}
         if config is not None:
             pool_settings, intervals, prices, sizes = _config_settings(config, replay.pool)
+            config_cap, config_source = _config_cap(config, replay.pool)
+            if "max_workers" in known and pool_settings["max_workers"] == 0:
+                # The live server's cap in force, derived on its own machine, over one
+                # derived here.
+                pool_settings["max_workers"] = known["max_workers"]
+            else:
+                pool_settings["max_workers"], cap_source = config_cap, config_source
             known.update(pool_settings)
             if prices is not None:
                 cost, resources = prices, sizes
         if current:
-            known.update(parse_settings(current))
+            given = parse_settings(current)
+            if "max_workers" in given:
+                cap_source = "--current"
+            known.update(given)
         if spawn_s is not None:
             spawn = SpawnToReady.parse(spawn_s)
         runs: list[tuple[str, dict[str, Any]]] = [("current", {})]
@@ -272,7 +286,8 @@ def backtest(
                 fail(str(exc).removeprefix("scenario backtest: "), code=2)
             finally:
                 bar.stop()
-            _print_recommendation(found, replay, known, as_json=as_json)
+            cap = {"max_workers": known.get("max_workers", 0), "source": cap_source}
+            _print_recommendation(found, replay, known, cap, as_json=as_json)
             if found.settings is None or not found.confirmed_ok:
                 raise typer.Exit(1)
             return
@@ -284,8 +299,9 @@ def backtest(
     finally:
         bar.stop()
     rows = all_figures(result, cost, resources)
+    cap_line = _cap_line(known.get("max_workers", 0), cap_source)
     if out is not None:
-        _write_report(result, rows, replay, out)
+        _write_report(result, rows, replay, out, cap_line)
     if as_json:
         print_json(
             {
@@ -294,6 +310,7 @@ def backtest(
                 "span_s": replay.span_s,
                 "recorded_cold_share": replay.recorded_cold_share(),
                 "current": known,
+                "cap": {"max_workers": known.get("max_workers", 0), "source": cap_source},
                 "spawn_s": {"p50": run.spawn.p50_s, "p99": run.spawn.p99_s},
                 "runs": [
                     {**f.as_dict(), "settings": s} for f, (_, s) in zip(rows, runs, strict=True)
@@ -303,6 +320,7 @@ def backtest(
         )
         return
     _print_table(replay, rows)
+    print(cap_line)
     print(
         f"{len(replay):,} claims over {_span(replay.span_s)}, {len(rows)} settings in "
         f"{result.wall_s:.1f} s" + (f"; report in {out}" if out is not None else ""),
@@ -478,6 +496,41 @@ def _config_settings(
     raise ConfigError(f"{path} has no pool {pool!r}")
 
 
+def _config_cap(path: Path, pool: str) -> tuple[int, str]:
+    """The pool cap the fleet of the config file at `path` runs `pool` with, and where it
+    comes from: its `max_workers`, else (local processes) the memory budget over a worker's
+    `memory_mb`, as the local runtime derives it, else none (0: unbounded)."""
+    from stoker.config.convert import to_domain
+    from stoker.config.loading import load_config
+    from stoker.config.sections import LocalRuntimeConfig
+    from stoker.domain.specs import ProcessTemplate
+
+    loaded = load_config(path, environ={}).config
+    spec = next(p for p in to_domain(loaded).pools if p.name == pool)
+    if spec.max_workers > 0:
+        return spec.max_workers, f"max_workers in {path}"
+    runtime, template = loaded.runtime, spec.template
+    if not isinstance(runtime, LocalRuntimeConfig) or not isinstance(template, ProcessTemplate):
+        return 0, f"max_workers 0 in {path}: unbounded"
+    budget = runtime.memory_budget_mb
+    if budget is None:
+        import psutil
+
+        # The local runtime's default: half the machine (this one: give the live one's
+        # with --current max_workers=N when it differs).
+        budget = psutil.virtual_memory().total // (2 * 1024 * 1024)
+        where = f"half of this machine's memory, {budget} MB"
+    else:
+        where = f"runtime.memory_budget_mb {budget}"
+    cap = max(1, budget // max(1, template.memory_mb))
+    return cap, f"derived in {path}: {where} / memory_mb {template.memory_mb}"
+
+
+def _cap_line(cap: int, source: str) -> str:
+    """The report's line on the pool cap the current settings replayed."""
+    return f"pool cap: {cap or 'unbounded'} ({source})"
+
+
 # -- output ----------------------------------------------------------------------------------
 
 
@@ -561,12 +614,16 @@ def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_report(result: Any, rows: Sequence[Figures], replay: ClaimReplay, out: Path) -> None:
+def _write_report(
+    result: Any, rows: Sequence[Figures], replay: ClaimReplay, out: Path, cap_line: str
+) -> None:
     from stoker.sim.report import write_report
 
     try:
         write_report(result, out)
-        (out / "backtest.md").write_text(_markdown(replay, rows), encoding="utf-8")
+        (out / "backtest.md").write_text(
+            _markdown(replay, rows) + "\n" + cap_line + ".\n", encoding="utf-8"
+        )
         (out / "backtest.json").write_text(
             json.dumps([f.as_dict() for f in rows], indent=2, sort_keys=True) + "\n",
             encoding="utf-8",
@@ -576,14 +633,19 @@ def _write_report(result: Any, rows: Sequence[Figures], replay: ClaimReplay, out
 
 
 def _print_recommendation(
-    found: Recommendation, replay: ClaimReplay, known: Mapping[str, Any], *, as_json: bool
+    found: Recommendation,
+    replay: ClaimReplay,
+    known: Mapping[str, Any],
+    cap: Mapping[str, Any],
+    *,
+    as_json: bool,
 ) -> None:
     from stoker.sim.backtest import patch_line, settings_text
 
     goal = f"{found.target} <= {found.bound:g}"
     if found.settings is None or found.found is None:
         if as_json:
-            print_json({"target": goal, "found": None, "tried": len(found.tried)})
+            print_json({"target": goal, "found": None, "tried": len(found.tried), "cap": cap})
         print(f"stoker: no setting tried ({len(found.tried)}) meets {goal}", file=sys.stderr)
         return
     changes = {k: v for k, v in found.settings.items() if known.get(k) != v}
@@ -600,6 +662,7 @@ def _print_recommendation(
                 "confirmed": None if found.confirmed is None else found.confirmed.as_dict(),
                 "confirmed_ok": found.confirmed_ok,
                 "tried": len(found.tried),
+                "cap": cap,
             }
         )
         return
@@ -607,6 +670,7 @@ def _print_recommendation(
     make_console().print(_table(f"cheapest of {len(found.tried)} settings with {goal}", rows))
     print(_cost_note(rows))
     print(f"settings: {settings_text(found.settings) or '(the current ones)'}")
+    print(_cap_line(cap["max_workers"], cap["source"]))
     if patch:
         print(line)
         print(f"PATCH /v1/pools/{replay.pool} {json.dumps(patch, sort_keys=True)}")
