@@ -34,6 +34,28 @@ async def test_a_pool_shows_its_generation_and_revisions(tmp_path: Path) -> None
         assert revision["counts"]["spawning"] + revision["counts"]["warm"] == 2
 
 
+async def test_a_pool_shows_the_per_org_overrides_its_claims_get(tmp_path: Path) -> None:
+    orgs = [
+        {"name": "acme", "max_workers": 2, "hot_idle_ttl": 30},
+        {"name": "globex", "max_claim_s": 600},
+        {"name": "initech"},
+    ]
+    async with running(tmp_path, api=TOKENS, orgs=orgs) as api:
+        response = await api.http.get("/v1/pools/demo", headers=AS_ADMIN)
+        assert response.status_code == 200, response.text
+        assert response.json()["org_overrides"] == {
+            "acme": {"max_workers": 2, "hot_idle_ttl": 30},
+            "globex": {"max_claim_s": 600},
+        }
+        listed = await api.http.get("/v1/pools", headers=AS_ADMIN)
+        assert listed.json()["pools"][0]["org_overrides"]["acme"]["max_workers"] == 2
+        # An org's token sees its own overrides, never another org's (nor its name).
+        for path in ("/v1/pools/demo", "/v1/pools"):
+            seen = (await api.http.get(path, headers=AS_ACME)).json()
+            detail = seen["pools"][0] if "pools" in seen else seen
+            assert detail["org_overrides"] == {"acme": {"max_workers": 2, "hot_idle_ttl": 30}}
+
+
 async def test_patch_changes_the_settings_the_plane_serves(tmp_path: Path) -> None:
     async with running(tmp_path, api=TOKENS) as api:
         response = await api.http.patch(

@@ -440,7 +440,7 @@ def test_the_servers_cap_stands_over_a_config_that_derives_one(
     replay = read_claim_log(_burst(tmp_path, 3))
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1, "max_workers": 3}, SpawnToReady(), None, None
+        return replay, {"warm_target": 1, "max_workers": 3}, SpawnToReady(), None, None, {}
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     config = tmp_path / "stoker.yaml"
@@ -453,3 +453,101 @@ def test_the_servers_cap_stands_over_a_config_that_derives_one(
     assert body["cap"] == {"max_workers": 2, "source": f"max_workers in {config}"}
     body = _backtest_json(["--url", "http://live:8080", "--current", "max_workers=5"])
     assert body["cap"] == {"max_workers": 5, "source": "--current"}
+
+
+def test_per_org_overrides_are_replayed(tmp_path: Path) -> None:
+    """acme may hold one worker (its own `max_workers`), globex parks for 5 s (its own
+    `hot_idle_ttl`): three claims of acme at once get one worker, the others wait for it,
+    where a replay without the overrides served all three at once."""
+    claims = [
+        dict(c, at=1_700_000_000.0 + i * 0.1, org="acme", held_s=60.0)
+        for i, c in enumerate(synthetic_claims(3, span_s=60, orgs=1))
+    ]
+    replay = read_claim_log(write_log(tmp_path / "log.jsonl", claims))
+    orgs: dict[str, dict[str, Any]] = {
+        "acme": {"max_workers": 1},
+        "globex": {"hot_idle_ttl": 5.0},
+        "idle": {},
+    }
+    current = {"warm_target": 3}
+    run = Backtest(replay=replay, current=current, jobs=1, orgs=orgs)
+    (tenant,) = run.scenario([("current", {})]).tenants
+    assert (tenant.name, tenant.max_workers) == ("acme", 1)
+    [capped] = run.figures([("current", {})])
+    [free] = Backtest(replay=replay, current=current, jobs=1).figures([("current", {})])
+    # Held a minute each: the second gets acme's worker after it, the third waits out
+    # the claim timeout.
+    assert capped.failed == 1 and capped.session_p50_ms is not None
+    assert capped.session_p50_ms > 50_000
+    assert free.failed == 0 and free.session_p99_ms is not None
+    assert free.session_p99_ms < 1_000
+
+
+def test_the_configs_and_the_servers_org_overrides_reach_the_replay(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """From -c (its `orgs:`) and from the server (`org_overrides` of GET /v1/pools/{name}),
+    the file's over the server's; an override the simulator has no setting for
+    (`max_claim_s`) is named on stderr and in the output, never dropped silently."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    log = _burst(tmp_path, 3)  # org-0, org-1, org-2
+    config = tmp_path / "stoker.yaml"
+    config.write_text(
+        LOCAL_POOL
+        + "orgs:\n  - {name: org-0, max_workers: 1, max_claim_s: 600}\n"
+        + "  - {name: org-1, hot_idle_ttl: 5}\n  - {name: absent, max_workers: 1}\n"
+    )
+    args = ["backtest", "--from", str(log), "-c", str(config), "--json", "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["org_overrides"] == {
+        "replayed": {"org-0": {"max_workers": 1}, "org-1": {"hot_idle_ttl": 5.0}},
+        "not_replayed": {"org-0": {"max_claim_s": 600.0}},
+        "source": f"orgs: in {config}",
+    }
+    assert "per-org overrides not replayed" in result.stderr
+    assert "org-0 max_claim_s=600" in result.stderr
+    text = CliRunner().invoke(app, [*args[:-2], "--no-progress"])
+    assert "per-org overrides replayed (orgs: in" in text.stdout
+    assert "org-0 max_workers=1; org-1 hot_idle_ttl=5" in text.stdout
+
+    replay = read_claim_log(log)
+    stated = {"org-2": {"min_hot_idle": 1}, "org-0": {"max_workers": 3}}
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        return replay, {"warm_target": 1, "max_workers": 4}, SpawnToReady(), None, None, stated
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    body = _backtest_json(["--url", "http://live:8080"])
+    assert body["org_overrides"]["replayed"] == stated | {"org-0": {"max_workers": 3}}
+    assert body["org_overrides"]["source"] == (
+        "the server's org_overrides, GET http://live:8080/v1/pools/workers"
+    )
+    body = _backtest_json(["--url", "http://live:8080", "-c", str(config)])
+    assert body["org_overrides"]["replayed"] == {
+        "org-0": {"max_workers": 1},
+        "org-1": {"hot_idle_ttl": 5.0},
+        "org-2": {"min_hot_idle": 1},
+    }
+
+
+def test_a_server_that_states_no_org_overrides_is_said(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    replay = read_claim_log(_burst(tmp_path, 2))
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        return replay, {"warm_target": 1}, SpawnToReady(), None, None, None
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    result = CliRunner().invoke(app, ["backtest", "--url", "http://old:1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "the server does not state its per-org overrides" in result.stderr

@@ -193,7 +193,7 @@ def test_the_backtest_reads_a_servers_log_page_after_page(
     server, _ = live
     exported = _export(server.url, tmp_path / "claims.jsonl")
     assert len(exported) >= CLAIMS  # the run of the test before, or its own claims
-    replay, settings, _spawn, _cost, _sizes = _from_server(
+    replay, settings, _spawn, _cost, _sizes, _orgs = _from_server(
         server.url, None, "1h", "demo", page_size=7
     )
     assert len(exported) > 7 * 3, "the log must span several pages"

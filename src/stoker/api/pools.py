@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Path, Request
@@ -22,12 +23,14 @@ from starlette.responses import Response
 from stoker.api.asgi import principal_of
 from stoker.api.models import PoolOut
 from stoker.api.problems import openapi_responses
+from stoker.api.tokens import ANONYMOUS_ADMIN, Principal
 from stoker.config.changes import SettingsChange
 from stoker.control.plane import ControlPlane
 from stoker.control.stored_pools import revision_shares
 from stoker.domain.errors import InvalidRequest, NotFound
 from stoker.domain.pools import GENERATION_MAX, TUNABLE_SETTINGS, Rollout
 from stoker.domain.rollouts import strategy_json
+from stoker.domain.specs import OrgSpec
 from stoker.domain.states import LIVE
 
 PoolName = Annotated[str, Path(max_length=128)]
@@ -77,6 +80,10 @@ class PoolDetail(PoolOut):
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     rollout: RolloutOut | None = None
     revisions: list[RevisionOut] = dataclasses.field(default_factory=list)
+    #: The per-org overrides (the config's `orgs:`) its claims get, by org: the settings
+    #: each org sets (`max_workers`, `hot_idle_ttl`, `min_hot_idle`, `max_claim_s`). An
+    #: org's token sees its own only.
+    org_overrides: dict[str, dict[str, int | float]] = dataclasses.field(default_factory=dict)
 
 
 #: `PATCH /v1/pools/{name}`: the config's settings model, strict (`true` is no count).
@@ -101,12 +108,18 @@ def expected_generation(if_match: str | None, body: int | None = None) -> int | 
     return value
 
 
-async def pool_details(plane: ControlPlane) -> list[PoolDetail]:
-    """Every pool's status, stored generation and settings, rollout and revisions."""
+async def pool_details(
+    plane: ControlPlane, viewer: Principal = ANONYMOUS_ADMIN
+) -> list[PoolDetail]:
+    """Every pool's status, stored generation and settings, rollout and revisions, and the
+    per-org overrides: all of them for an admin, an org's own for an org's token."""
     statuses = await plane.pool_status()
     counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: {s.value: 0 for s in LIVE})
     for c in await plane.store.count_workers():
         counts[c.pool, c.revision][c.state.value] += c.count
+    overrides = org_overrides(
+        o for o in plane.catalog.orgs.values() if viewer.admin or o.name == viewer.org
+    )
     details = []
     for status in statuses:
         name = status.name
@@ -126,14 +139,23 @@ async def pool_details(plane: ControlPlane) -> list[PoolDetail]:
                 settings={k: getattr(stored.spec, k) for k in TUNABLE_SETTINGS} if stored else {},
                 rollout=RolloutOut.of(rollout) if rollout else None,
                 revisions=revisions,
+                org_overrides=overrides,
             )
         )
     return details
 
 
-async def pool_detail(plane: ControlPlane, name: str) -> PoolDetail:
-    """One pool's detail; NotFound for a pool the replica does not serve."""
-    for detail in await pool_details(plane):
+def org_overrides(orgs: Iterable[OrgSpec]) -> dict[str, dict[str, int | float]]:
+    """Each org that sets any override, with the settings it sets."""
+    return {org.name: given for org in orgs if (given := org.overrides())}
+
+
+async def pool_detail(
+    plane: ControlPlane, name: str, viewer: Principal = ANONYMOUS_ADMIN
+) -> PoolDetail:
+    """One pool's detail (as `viewer` sees it); NotFound for a pool the replica does not
+    serve."""
+    for detail in await pool_details(plane, viewer):
         if detail.name == name:
             return detail
     raise NotFound(f"unknown pool {name!r}")
@@ -180,7 +202,9 @@ def add_pool_routes(app: FastAPI, plane: ControlPlane) -> None:
     async def list_pools(request: Request) -> Response:
         """Every pool as `GET /v1/pools/{name}` shows it."""
         return Response(
-            PoolList(pools=await pool_details(plane)).model_dump_json(),
+            PoolList(
+                pools=await pool_details(plane, principal_of(request.scope))
+            ).model_dump_json(),
             media_type="application/json",
         )
 
@@ -188,7 +212,7 @@ def add_pool_routes(app: FastAPI, plane: ControlPlane) -> None:
     async def get_pool(request: Request, name: PoolName) -> Response:
         """One pool with its targets, demand, cap, workers by state, stored generation
         (also its `ETag`), active rollout and revisions."""
-        return _answer(await pool_detail(plane, name))
+        return _answer(await pool_detail(plane, name, principal_of(request.scope)))
 
     @app.patch("/v1/pools/{name}", **_doc("update_pool", "Change a pool (admin)", *_WRITE))
     async def update_pool(

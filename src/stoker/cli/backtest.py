@@ -190,6 +190,10 @@ def backtest(
         spawn: SpawnToReady | None = None
         cost: CostSpec | None = None
         resources: tuple[float, float] | None = None
+        #: The per-org overrides in force (org -> the settings it sets itself), and where
+        #: they come from; None: no source states them.
+        orgs: dict[str, dict[str, Any]] = {}
+        orgs_source: str | None = None
         #: Where the pool cap replayed (`max_workers`) comes from, for the report.
         cap_source = "no server, --config or --current max_workers gives one"
         if from_file is not None:
@@ -198,7 +202,12 @@ def backtest(
             replay = read_claim_log(from_file, pool)
         else:
             assert url is not None
-            replay, known, spawn, cost, resources = _from_server(url, token, since, pool)
+            replay, known, spawn, cost, resources, stated = _from_server(url, token, since, pool)
+            if stated is not None:
+                orgs, orgs_source = (
+                    stated,
+                    f"the server's org_overrides, GET {url}/v1/pools/{replay.pool}",
+                )
             if "max_workers" in known:
                 cap_source = f"the server's cap, GET {url}/v1/pools/{replay.pool}"
         intervals: dict[str, Any] = {}
@@ -214,6 +223,9 @@ def backtest(
             known.update(pool_settings)
             if prices is not None:
                 cost, resources = prices, sizes
+            # The file's `orgs:` over the server's, org by org (as its pool settings).
+            orgs.update(_config_orgs(config))
+            orgs_source = f"orgs: in {config}" + (f" over {orgs_source}" if orgs_source else "")
         if current:
             given = parse_settings(current)
             if "max_workers" in given:
@@ -264,8 +276,17 @@ def backtest(
     from stoker.cli.scaletest import _ScaletestProgress
 
     bar = _ScaletestProgress(enabled=not no_progress and not as_json)
+    _warn_orgs(replay, orgs, orgs_source, from_server=url is not None)
+    # What the current settings replayed beyond their KEY=VALUEs, for every output.
+    facts = {
+        "cap": {"max_workers": known.get("max_workers", 0), "source": cap_source},
+        "org_overrides": _orgs_json(replay, orgs, orgs_source),
+    }
+    notes = [_cap_line(known.get("max_workers", 0), cap_source)]
+    notes += [line for line in [_orgs_line(replay, orgs, orgs_source)] if line]
     run = Backtest(
         replay=replay,
+        orgs=orgs,
         current=known,
         spawn=spawn or SpawnToReady(),
         control_plane=intervals,
@@ -286,8 +307,7 @@ def backtest(
                 fail(str(exc).removeprefix("scenario backtest: "), code=2)
             finally:
                 bar.stop()
-            cap = {"max_workers": known.get("max_workers", 0), "source": cap_source}
-            _print_recommendation(found, replay, known, cap, as_json=as_json)
+            _print_recommendation(found, replay, known, facts, notes, as_json=as_json)
             if found.settings is None or not found.confirmed_ok:
                 raise typer.Exit(1)
             return
@@ -299,9 +319,8 @@ def backtest(
     finally:
         bar.stop()
     rows = all_figures(result, cost, resources)
-    cap_line = _cap_line(known.get("max_workers", 0), cap_source)
     if out is not None:
-        _write_report(result, rows, replay, out, cap_line)
+        _write_report(result, rows, replay, out, notes)
     if as_json:
         print_json(
             {
@@ -310,7 +329,7 @@ def backtest(
                 "span_s": replay.span_s,
                 "recorded_cold_share": replay.recorded_cold_share(),
                 "current": known,
-                "cap": {"max_workers": known.get("max_workers", 0), "source": cap_source},
+                **facts,
                 "spawn_s": {"p50": run.spawn.p50_s, "p99": run.spawn.p99_s},
                 "runs": [
                     {**f.as_dict(), "settings": s} for f, (_, s) in zip(rows, runs, strict=True)
@@ -320,7 +339,7 @@ def backtest(
         )
         return
     _print_table(replay, rows)
-    print(cap_line)
+    print("\n".join(notes))
     print(
         f"{len(replay):,} claims over {_span(replay.span_s)}, {len(rows)} settings in "
         f"{result.wall_s:.1f} s" + (f"; report in {out}" if out is not None else ""),
@@ -333,10 +352,18 @@ def backtest(
 
 def _from_server(
     url: str, token: str | None, since: str, pool: str | None, *, page_size: int = LOG_PAGE
-) -> tuple[ClaimReplay, dict[str, Any], SpawnToReady, CostSpec | None, tuple[float, float] | None]:
-    """The log (`GET /v1/claims/log`, page after page), the pool's current settings
-    (`GET /v1/pools/{name}`), and its spawn-to-ready time, prices and resources per worker
-    (`GET /v1/pools/{name}/ledger` when the server has it, else the default and none)."""
+) -> tuple[
+    ClaimReplay,
+    dict[str, Any],
+    SpawnToReady,
+    CostSpec | None,
+    tuple[float, float] | None,
+    dict[str, dict[str, Any]] | None,
+]:
+    """The log (`GET /v1/claims/log`, page after page), the pool's current settings and
+    per-org overrides (`GET /v1/pools/{name}`; None: the server states none), and its
+    spawn-to-ready time, prices and resources per worker (`GET /v1/pools/{name}/ledger`
+    when the server has it, else the default and none)."""
     import httpx
 
     from stoker.domain.errors import ConfigError
@@ -367,6 +394,7 @@ def _from_server(
             info = client.get(f"/v1/pools/{replay.pool}")
             _raise_for(info, f"/v1/pools/{replay.pool}")
             settings = _pool_settings(info.json())
+            stated = _org_overrides(info.json())
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
             body = ledger.json() if ledger.status_code == 200 else None
             spawn, cost, resources = _ledger_spawn(body), _ledger_cost(body), _ledger_sizes(body)
@@ -375,7 +403,7 @@ def _from_server(
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
-    return replay, settings, spawn or SpawnToReady(), cost, resources
+    return replay, settings, spawn or SpawnToReady(), cost, resources, stated
 
 
 def _ledger_cost(body: Any) -> CostSpec | None:
@@ -408,6 +436,15 @@ def _ledger_sizes(body: Any) -> tuple[float, float] | None:
     except (TypeError, ValueError):
         return None
     return (cpu_s / worker_s, gib_s / worker_s) if worker_s > 0 else None
+
+
+def _org_overrides(body: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The per-org overrides a pool's `GET /v1/pools/{name}` states (None: a server that
+    states none, from before it did)."""
+    stated = body.get("org_overrides")
+    if not isinstance(stated, Mapping):
+        return None
+    return {str(org): dict(given) for org, given in stated.items() if isinstance(given, Mapping)}
 
 
 def _raise_for(answer: Any, path: str) -> None:
@@ -526,6 +563,75 @@ def _config_cap(path: Path, pool: str) -> tuple[int, str]:
     return cap, f"derived in {path}: {where} / memory_mb {template.memory_mb}"
 
 
+def _config_orgs(path: Path) -> dict[str, dict[str, Any]]:
+    """The per-org overrides of the config file at `path` (its `orgs:`), by org."""
+    from stoker.config.convert import to_domain
+    from stoker.config.loading import load_config
+
+    loaded = load_config(path, environ={}).config
+    return {o.name: given for o in to_domain(loaded).orgs if (given := o.overrides())}
+
+
+def _warn_orgs(
+    replay: ClaimReplay,
+    orgs: Mapping[str, Mapping[str, Any]],
+    source: str | None,
+    *,
+    from_server: bool,
+) -> None:
+    """Say on stderr which per-org overrides the replay cannot run, and when no source
+    states them at all (a server from before `org_overrides`, and no -c)."""
+    from stoker.sim.backtest import unreplayed_orgs
+
+    if source is None and from_server:
+        print(
+            "stoker: warning: the server does not state its per-org overrides (no "
+            "org_overrides: a server from before them); give its config with -c to replay "
+            "its orgs:",
+            file=sys.stderr,
+        )
+    skipped = unreplayed_orgs(replay, orgs)
+    if skipped:
+        print(
+            "stoker: warning: per-org overrides not replayed (the simulator has no such "
+            f"setting): {_orgs_text(skipped)}; the log's holds already end where the live "
+            "fleet ended them",
+            file=sys.stderr,
+        )
+
+
+def _orgs_text(orgs: Mapping[str, Mapping[str, Any]], most: int = 10) -> str:
+    from stoker.sim.backtest import settings_text
+
+    shown = [f"{org} {settings_text(given)}" for org, given in list(orgs.items())[:most]]
+    more = len(orgs) - most
+    return "; ".join(shown) + (f"; and {more} more orgs" if more > 0 else "")
+
+
+def _orgs_json(
+    replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]], source: str | None
+) -> dict[str, Any]:
+    from stoker.sim.backtest import replayed_orgs, unreplayed_orgs
+
+    return {
+        "replayed": replayed_orgs(replay, orgs),
+        "not_replayed": unreplayed_orgs(replay, orgs),
+        "source": source,
+    }
+
+
+def _orgs_line(
+    replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]], source: str | None
+) -> str | None:
+    """The report's line on the per-org overrides the settings replayed (None: none)."""
+    from stoker.sim.backtest import replayed_orgs
+
+    replayed = replayed_orgs(replay, orgs)
+    if not replayed:
+        return None
+    return f"per-org overrides replayed ({source}): {_orgs_text(replayed)}"
+
+
 def _cap_line(cap: int, source: str) -> str:
     """The report's line on the pool cap the current settings replayed."""
     return f"pool cap: {cap or 'unbounded'} ({source})"
@@ -615,14 +721,15 @@ def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
 
 
 def _write_report(
-    result: Any, rows: Sequence[Figures], replay: ClaimReplay, out: Path, cap_line: str
+    result: Any, rows: Sequence[Figures], replay: ClaimReplay, out: Path, notes: Sequence[str]
 ) -> None:
     from stoker.sim.report import write_report
 
     try:
         write_report(result, out)
         (out / "backtest.md").write_text(
-            _markdown(replay, rows) + "\n" + cap_line + ".\n", encoding="utf-8"
+            _markdown(replay, rows) + "".join(f"\n{note}.\n" for note in notes),
+            encoding="utf-8",
         )
         (out / "backtest.json").write_text(
             json.dumps([f.as_dict() for f in rows], indent=2, sort_keys=True) + "\n",
@@ -636,7 +743,8 @@ def _print_recommendation(
     found: Recommendation,
     replay: ClaimReplay,
     known: Mapping[str, Any],
-    cap: Mapping[str, Any],
+    facts: Mapping[str, Any],
+    notes: Sequence[str],
     *,
     as_json: bool,
 ) -> None:
@@ -645,7 +753,7 @@ def _print_recommendation(
     goal = f"{found.target} <= {found.bound:g}"
     if found.settings is None or found.found is None:
         if as_json:
-            print_json({"target": goal, "found": None, "tried": len(found.tried), "cap": cap})
+            print_json({"target": goal, "found": None, "tried": len(found.tried), **facts})
         print(f"stoker: no setting tried ({len(found.tried)}) meets {goal}", file=sys.stderr)
         return
     changes = {k: v for k, v in found.settings.items() if known.get(k) != v}
@@ -662,7 +770,7 @@ def _print_recommendation(
                 "confirmed": None if found.confirmed is None else found.confirmed.as_dict(),
                 "confirmed_ok": found.confirmed_ok,
                 "tried": len(found.tried),
-                "cap": cap,
+                **facts,
             }
         )
         return
@@ -670,7 +778,7 @@ def _print_recommendation(
     make_console().print(_table(f"cheapest of {len(found.tried)} settings with {goal}", rows))
     print(_cost_note(rows))
     print(f"settings: {settings_text(found.settings) or '(the current ones)'}")
-    print(_cap_line(cap["max_workers"], cap["source"]))
+    print("\n".join(notes))
     if patch:
         print(line)
         print(f"PATCH /v1/pools/{replay.pool} {json.dumps(patch, sort_keys=True)}")

@@ -134,6 +134,11 @@ class Catalog:
         pool = self._pools.get(pool_name)
         return own if own is not None else pool.min_hot_idle if pool else 0
 
+    @property
+    def orgs(self) -> Mapping[str, OrgSpec]:
+        """The per-org overrides, by org (every pool's)."""
+        return self._orgs
+
     def _org(self, org: str) -> OrgSpec:
         """The org's overrides (none for an org the config does not name)."""
         return self._orgs.get(org, _NO_OVERRIDES)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -293,6 +293,14 @@ class OrgSpec:
     max_workers: Annotated[int, Ge(0)] | None = None
     #: The org's own `max_claim_s` (0: no limit for this org).
     max_claim_s: Seconds | None = None
+
+    def overrides(self) -> dict[str, int | float]:
+        """The settings this org sets itself, by name (the others are the pool's)."""
+        return {
+            f.name: value
+            for f in fields(self)
+            if f.name != "name" and (value := getattr(self, f.name)) is not None
+        }
 
 
 def revision_of(template: RuntimeTemplate) -> str:

@@ -58,6 +58,14 @@ PATCHABLE = (
     "lease_s",
     "claim_timeout_s",
 )
+#: The per-org overrides a replay runs (an org's setting, as the config's `orgs:` and a
+#: pool's `org_overrides` name it -> its scenario tenant's field). Others (`max_claim_s`:
+#: the simulator ends no session at a maximum) are reported as not replayed.
+ORG_SETTINGS: Mapping[str, str] = {
+    "max_workers": "max_workers",
+    "hot_idle_ttl": "hot_idle_ttl_s",
+    "min_hot_idle": "min_hot_idle",
+}
 #: The policy kind a setting runs under unless it names one.
 DEFAULT_POLICY = "stoker"
 #: Targets `--recommend` knows: the figure and whether lower is better (all are).
@@ -184,6 +192,9 @@ class Backtest:
     #: The live pool's (CPUs, GiB) per worker (`stoker.domain.ledger.resources_of` of its
     #: template), which per-resource prices apply to; None: the simulated workers'.
     resources: tuple[float, float] | None = None
+    #: The per-org overrides in force (org -> its settings, `OrgSpec.overrides`): every
+    #: setting replays them, those of `ORG_SETTINGS` (`replayed_orgs`).
+    orgs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.replay.lead_s = LEAD_S
@@ -196,6 +207,7 @@ class Backtest:
             spawn=self.spawn,
             seed=self.seed,
             control_plane=self.control_plane,
+            orgs=self.orgs,
         )
 
     def run(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> ScenarioResult:
@@ -210,7 +222,9 @@ class Backtest:
     def accepts(self, settings: Mapping[str, Any]) -> bool:
         """Whether the pool takes `settings` (e.g. no warm target above its cap)."""
         try:
-            backtest_scenario(self.replay, [("check", settings)], spawn=self.spawn, seed=self.seed)
+            backtest_scenario(
+                self.replay, [("check", settings)], spawn=self.spawn, seed=self.seed, orgs=self.orgs
+            )
         except ConfigError:
             return False
         return True
@@ -266,8 +280,10 @@ def backtest_scenario(
     spawn: SpawnToReady,
     seed: int,
     control_plane: Mapping[str, Any] | None = None,
+    orgs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Scenario:
-    """The backtest's scenario: one policy per (name, settings); ConfigError on settings
+    """The backtest's scenario: one policy per (name, settings), the per-org overrides
+    `orgs` of the log's orgs as its tenants' (`replayed_orgs`); ConfigError on settings
     the pool refuses (e.g. warm_target above max_workers)."""
     policies = []
     for name, settings in runs:
@@ -281,6 +297,12 @@ def backtest_scenario(
         "epoch_s": max(0, math.floor(replay.start - replay.lead_s)),
         "duration_s": replay.lead_s + replay.span_s + TAIL_S,
         "policies": policies,
+        # Tenants with no arrivals of their own (the log's claims are the load): each
+        # carries one org's overrides into every policy's control plane.
+        "tenants": [
+            {"name": org, **{ORG_SETTINGS[k]: v for k, v in given.items()}}
+            for org, given in replayed_orgs(replay, orgs or {}).items()
+        ],
         "control_plane": {**BASE["control_plane"], **(control_plane or {})},
         "pool": {**BASE["pool"], "name": replay.pool},
         "cluster": {
@@ -299,6 +321,32 @@ def backtest_scenario(
         return scenario_from_mapping(data, source="backtest")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def replayed_orgs(
+    replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The overrides a replay runs: those of `ORG_SETTINGS` of the orgs in the log."""
+    logged = set(replay.orgs)
+    out = {}
+    for org in sorted(orgs):
+        given = {k: v for k, v in orgs[org].items() if k in ORG_SETTINGS and v is not None}
+        if org in logged and given:
+            out[org] = given
+    return out
+
+
+def unreplayed_orgs(
+    replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The overrides of the log's orgs a replay cannot run (not in `ORG_SETTINGS`)."""
+    logged = set(replay.orgs)
+    out = {}
+    for org in sorted(orgs):
+        other = {k: v for k, v in orgs[org].items() if k not in ORG_SETTINGS and v is not None}
+        if org in logged and other:
+            out[org] = other
+    return out
 
 
 # -- figures -----------------------------------------------------------------------------------
