@@ -182,7 +182,7 @@ GOOD = json.dumps(next(synthetic_claims(1)))
             "claims.jsonl:1: at must be unix seconds from 1970 to 9999, not 1e+300",
         ),
         ([GOOD], ("--set", "warm_targt=8"), "unknown setting 'warm_targt'"),
-        ([GOOD], ("--set", "warm_target=eight"), "warm_target: 'eight' is not a int"),
+        ([GOOD], ("--set", "warm_target=eight"), "warm_target: 'eight' is not a whole number"),
         ([GOOD], ("--candidate", "demand.quantile=2"), "demand.quantile: '2': the pool refuses"),
         # Values the config file and the API refuse; the replay used to take them.
         ([GOOD], ("--set", "hot_idle_ttl=-5"), "hot_idle_ttl: '-5': the pool refuses it"),

@@ -87,6 +87,10 @@ def parse_settings(text: str) -> dict[str, Any]:
     return settings
 
 
+#: What a setting's value must be, in words.
+_KIND_NAMES: dict[type, str] = {int: "a whole number", float: "a number", bool: "true or false"}
+
+
 def parse_value(key: str, raw: str) -> Any:
     """One setting's value, typed; ConfigError naming the key."""
     if key == "policy":
@@ -104,7 +108,8 @@ def parse_value(key: str, raw: str) -> Any:
             return raw.lower() == "true"
         value = kind(raw)
     except ValueError:
-        raise ConfigError(f"setting {key}: {raw!r} is not a {kind.__name__}") from None
+        wanted = _KIND_NAMES.get(kind, kind.__name__)
+        raise ConfigError(f"setting {key}: {raw!r} is not {wanted}") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"setting {key}: {raw!r} is not a finite number")
     try:
