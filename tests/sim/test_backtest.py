@@ -551,3 +551,22 @@ def test_a_server_that_states_no_org_overrides_is_said(
     result = CliRunner().invoke(app, ["backtest", "--url", "http://old:1", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "the server does not state its per-org overrides" in result.stderr
+
+
+def test_a_report_that_cannot_be_written_is_refused_before_the_replay(
+    monkeypatch: pytest.MonkeyPatch, log: Path, tmp_path: Path
+) -> None:
+    """`--out` under a file: said at once, where it was said after the replays ran."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.sim.backtest import Backtest
+
+    ran: list[object] = []
+    monkeypatch.setattr(Backtest, "run", lambda *a, **k: ran.append(a))
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "report"
+    args = ["backtest", "--from", str(log), "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and not ran, result.output
+    assert f"cannot write the report to {out}" in result.output

@@ -269,6 +269,13 @@ def backtest(
         fail(str(exc).removeprefix("scenario backtest: "), code=2)
     if len(replay) == 0:
         fail("the claim log is empty")
+    if out is not None:
+        from stoker.sim.report import check_out
+
+        try:
+            check_out(out)
+        except OSError as exc:
+            fail(f"cannot write the report to {out}: {exc}")
     # Settings replay the same log, so their runs are of about one length: all at once
     # they end together (three on two cores take 1.5 runs' time, not 2). At most two
     # per CPU, since each holds the log and its simulated fleet in memory.
