@@ -168,6 +168,29 @@ def test_status_and_pools_say_why_a_pools_spawns_fail(tmp_path: Path) -> None:
         kill_fleet(fleet)
 
 
+def test_status_and_pools_say_when_no_replica_sizes_a_pool() -> None:
+    """A pool whose published sizing is stale (no replica led for three janitor
+    intervals) gets a line saying so under the table: its desired and demand are old."""
+    from stoker.cli.pools import _spawn_trouble
+    from stoker.sdk import PoolInfo
+
+    body = {
+        "name": "db", "revision": "r1", "warm_target": 2, "desired_warm": 5, "demand": 3,
+        "cap": 0, "max_workers_per_org": 0, "reuse": "same_org", "counts": {},
+        "sized_by": "cp-1", "sizing_age_s": 42.4, "sizing_stale": True,
+    }  # fmt: skip
+    [line] = _spawn_trouble([PoolInfo.from_json(body)])
+    assert line.plain == (
+        "pool db: no replica has sized it for 42 s (none leads?); "
+        "desired and demand are the last figures published"
+    )
+    fresh = {**body, "sizing_stale": False}
+    assert _spawn_trouble([PoolInfo.from_json(fresh)]) == []
+    # A server that does not say (older): nothing either.
+    older = {k: v for k, v in body.items() if not k.startswith("siz")}
+    assert _spawn_trouble([PoolInfo.from_json(older)]) == []
+
+
 def ctrl_c_as_in_a_terminal() -> None:
     """In the child before exec: SIGINT at its default. A shell runs a background job
     with SIGINT ignored, and Python then never raises KeyboardInterrupt: a test suite

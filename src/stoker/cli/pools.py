@@ -266,16 +266,29 @@ def _print_pools(url: str, found: Sequence[PoolInfo], *, as_json: bool, one: boo
 
 
 def _spawn_trouble(pools: Sequence[PoolInfo]) -> list[Text]:
-    """A line for each pool whose spawns fail: how many in a row, and how the last did."""
-    return [
-        Text(
-            f"pool {p.name}: spawns failing ({p.spawn_failures} in a row); "
-            f"last error: {p.last_spawn_error or '-'}",
-            style="yellow",
-        )
-        for p in pools
-        if p.spawn_failing
-    ]
+    """A line for each pool whose spawns fail (how many in a row, and how the last did),
+    and for each whose sizing is stale (no replica sizes it: its desired and demand are
+    the last ones published)."""
+    lines = []
+    for p in pools:
+        if p.spawn_failing:
+            lines.append(
+                Text(
+                    f"pool {p.name}: spawns failing ({p.spawn_failures} in a row); "
+                    f"last error: {p.last_spawn_error or '-'}",
+                    style="yellow",
+                )
+            )
+        if p.sizing_stale:
+            age = f"{p.sizing_age_s:.0f} s" if p.sizing_age_s is not None else "a while"
+            lines.append(
+                Text(
+                    f"pool {p.name}: no replica has sized it for {age} (none leads?); "
+                    "desired and demand are the last figures published",
+                    style="yellow",
+                )
+            )
+    return lines
 
 
 def _revisions_table(pool: PoolInfo) -> Table:

@@ -189,6 +189,13 @@ class PoolInfo(Answer):
     spawn_failures: int | None = None
     #: How the last of them failed (`... before ready: exited with code 3`).
     last_spawn_error: str | None = None
+    #: The replica whose janitor last sized the pool, and how many seconds ago (None
+    #: before any did, or from a server that does not say).
+    sized_by: str | None = None
+    sizing_age_s: float | None = None
+    #: True when no replica has sized the pool for three janitor intervals: `desired_warm`
+    #: and `demand` are the last figures published, not current ones.
+    sizing_stale: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
