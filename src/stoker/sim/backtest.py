@@ -332,25 +332,31 @@ def replayed_orgs(
     replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
     """The overrides a replay runs: those of `ORG_SETTINGS` of the orgs in the log."""
-    logged = set(replay.orgs)
-    out = {}
-    for org in sorted(orgs):
-        given = {k: v for k, v in orgs[org].items() if k in ORG_SETTINGS and v is not None}
-        if org in logged and given:
-            out[org] = given
-    return out
+    return _logged_overrides(replay, orgs, replayable=True)
 
 
 def unreplayed_orgs(
     replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
     """The overrides of the log's orgs a replay cannot run (not in `ORG_SETTINGS`)."""
+    return _logged_overrides(replay, orgs, replayable=False)
+
+
+def _logged_overrides(
+    replay: ClaimReplay, orgs: Mapping[str, Mapping[str, Any]], *, replayable: bool
+) -> dict[str, dict[str, Any]]:
+    """The overrides set of each org in the log, those of `ORG_SETTINGS` (`replayable`) or
+    the others, by org in order; orgs that set none are left out."""
     logged = set(replay.orgs)
     out = {}
     for org in sorted(orgs):
-        other = {k: v for k, v in orgs[org].items() if k not in ORG_SETTINGS and v is not None}
-        if org in logged and other:
-            out[org] = other
+        given = {
+            k: v
+            for k, v in orgs[org].items()
+            if (k in ORG_SETTINGS) == replayable and v is not None
+        }
+        if org in logged and given:
+            out[org] = given
     return out
 
 
