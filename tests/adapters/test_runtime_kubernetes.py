@@ -62,6 +62,7 @@ from stoker.ports.cluster import (
     PodSpec,
     PreferredNodes,
     Selector,
+    Terminated,
     Waiting,
     WatchEvent,
     WatchEventType,
@@ -128,12 +129,15 @@ class Events:
     ready: list[tuple[str, str]] = field(default_factory=list)
     lost: list[tuple[str, str]] = field(default_factory=list)
     stalled: list[tuple[str, str, str]] = field(default_factory=list)
+    #: How each lost worker ended, as the runtime said (None: it did not say).
+    details: dict[str, str | None] = field(default_factory=dict)
 
     def worker_ready(self, worker_id: str, endpoint: str) -> None:
         self.ready.append((worker_id, endpoint))
 
     def worker_lost(self, worker_id: str, reason: str, detail: str | None = None) -> None:
         self.lost.append((worker_id, reason))
+        self.details[worker_id] = detail
 
     def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
         self.stalled.append((worker_id, stage, error))
@@ -439,11 +443,18 @@ async def test_a_pod_that_ends_is_reported_lost_once(end: str, reason: str) -> N
         elif end == "deleted":
             await server.delete_pod("w-1", grace_s=0)
         elif end == "failed":
-            server.set_pod_status("w-1", phase=PodPhase.FAILED, ready=False, reason="Error")
+            ended = Terminated(3, "Error")
+            server.set_pod_status("w-1", phase=PodPhase.FAILED, ready=False, terminated=ended)
         else:
-            server.set_pod_status("w-1", phase=PodPhase.SUCCEEDED, ready=False)
+            ended = Terminated(0, "Completed")
+            server.set_pod_status("w-1", phase=PodPhase.SUCCEEDED, ready=False, terminated=ended)
         await asyncio.sleep(1)
         assert events.lost == [("w-1", reason)]
+        # How the container ended, when it did: the cause a failed spawn shows.
+        assert events.details["w-1"] == {
+            "failed": "pod w-1: its container exited with code 3 (Error)",
+            "succeeded": "pod w-1: its container exited with code 0 (Completed)",
+        }.get(end)
         await server.delete_pod("w-1", grace_s=0)
         await asyncio.sleep(60)  # past any grace period: the pod is gone for good
         assert await server.get_pod("w-1") is None

@@ -2,18 +2,20 @@
 pin lost after an outage (1), `--stop-workers` deleting every pod twice and leaving the
 placeholders (3), the HTTP client's request lines at INFO (4), and pod creates retried
 for 15.5 s during an outage (5). Defect 2 (unschedulable pods) is in test_scheduling.py.
+And a later one: a pod whose worker exits said nothing of how in its spawn error.
 
 Each fails without its fix (checked against the code before the fixes).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
-from e2e_support import StartStoker, pool, stoker_writes
+from e2e_support import StartStoker, pod_template, pool, stoker_writes
 from kube_control_plane import ControlPlane, until
 
 pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(180)]
@@ -133,3 +135,21 @@ def test_a_create_during_an_api_outage_fails_within_its_deadline(
     # The documented deadline (runtime.create_deadline_s, 5 s), a janitor pass and slack.
     assert elapsed <= 5 + 3, f"the create failed after {elapsed:.1f} s"
     assert status["last_spawn_error"]
+
+
+def test_a_pod_whose_worker_exits_says_so_in_the_spawn_error(
+    kube: ControlPlane, start_stoker: StartStoker
+) -> None:
+    """A worker that exits before it is ready (code 3) fails its pod; `last_spawn_error`
+    and the claim's 503 said only `... spawn_failure before ready`, now they say how the
+    container ended (the kubelet's exit code and reason), never what it printed."""
+    command = [sys.executable, "-c", "print('secret-ish output'); raise SystemExit(3)"]
+    spec = pool(kube, warm_target=1, pod=pod_template(kube, command=command, args=[]))
+    stoker = start_stoker([spec], election="none")
+    until(lambda: stoker.pool().get("spawn_failing"), 60, "the pool's spawns failing")
+    error = stoker.pool()["last_spawn_error"]
+    assert "its container exited with code 3 (Error)" in error, error
+    assert "secret-ish" not in error
+    refused = stoker.claim("org-a", timeout_s=1)
+    assert refused.status_code == 503
+    assert "exited with code 3" in refused.json()["detail"], refused.text

@@ -52,6 +52,7 @@ from stoker.ports.cluster import (
     PodSpec,
     PreferredNodes,
     Selector,
+    Terminated,
     Toleration,
     Waiting,
     WatchEvent,
@@ -260,17 +261,23 @@ def _scheduled_of(conditions: Sequence[k8s.PodCondition]) -> Condition | None:
     return None
 
 
-def _container_state(status: k8s.PodStatus) -> tuple[Waiting | None, float | None]:
-    """The first container's waiting reason, or the time it started running."""
+def _container_state(
+    status: k8s.PodStatus,
+) -> tuple[Waiting | None, float | None, Terminated | None]:
+    """The first container's waiting reason, the time it started running (while it
+    runs), or how it ended."""
     statuses = status.containerStatuses or ()
     state = statuses[0].state if statuses else None
     if state is None:
-        return None, None
+        return None, None, None
     if state.waiting is not None and state.waiting.reason:
-        return Waiting(state.waiting.reason, state.waiting.message), None
+        return Waiting(state.waiting.reason, state.waiting.message), None, None
     if state.running is not None:
-        return None, _seconds(state.running.startedAt)
-    return None, None
+        return None, _seconds(state.running.startedAt), None
+    if state.terminated is not None:
+        ended = state.terminated
+        return None, None, Terminated(ended.exitCode, ended.reason)
+    return None, None, None
 
 
 def _pod_from_k8s(obj: K8sPod) -> Pod:
@@ -278,7 +285,7 @@ def _pod_from_k8s(obj: K8sPod) -> Pod:
     spec = obj.spec
     status = obj.status or k8s.PodStatus()
     conditions = status.conditions or ()
-    waiting, started_at = _container_state(status)
+    waiting, started_at, terminated = _container_state(status)
     return Pod(
         name=meta.name or "",
         namespace=meta.namespace or "",
@@ -312,6 +319,7 @@ def _pod_from_k8s(obj: K8sPod) -> Pod:
         nominated_node=status.nominatedNodeName,
         waiting=waiting,
         started_at=started_at,
+        terminated=terminated,
         deletion_timestamp=_seconds(meta.deletionTimestamp),
         resource_version=meta.resourceVersion or "",
         created_at=_seconds(meta.creationTimestamp),

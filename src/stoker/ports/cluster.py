@@ -126,6 +126,15 @@ class Waiting:
     message: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Terminated:
+    """How the first container ended (`state.terminated`): its exit code, and the
+    kubelet's reason (`Error`, `Completed`, `OOMKilled`, `ContainerCannotRun`, ...)."""
+
+    exit_code: int
+    reason: str | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pod:
     """A pod as stoker sees it; the cluster fills in everything after `spec` on create."""
@@ -152,6 +161,8 @@ class Pod:
     waiting: Waiting | None = None
     #: Seconds since the epoch at which the first container started running, if it runs.
     started_at: float | None = None
+    #: How the first container ended, once it did (the worker pods never restart).
+    terminated: Terminated | None = None
     #: Seconds since the epoch at which a graceful deletion completes; None while not deleting.
     deletion_timestamp: float | None = None
     resource_version: str = ""

@@ -8,9 +8,10 @@ runtime events:
 - `worker_ready(id, "http://<podIP>:<port>")` once per pod, when it is Running, Ready and
   has an IP (also for ready pods found by the first list; the pool manager ignores workers
   it does not own);
-- `worker_lost(id, reason)` once per pod, when it is deleted (or starts terminating),
-  Failed or Succeeded: `"evicted"` for a pod the kubelet evicted, else `"lost"`. A pod
-  whose deletion the runtime requested (`expect_deletion`) is never reported;
+- `worker_lost(id, reason, detail)` once per pod, when it is deleted (or starts
+  terminating), Failed or Succeeded: `"evicted"` for a pod the kubelet evicted, else
+  `"lost"`, and how its container ended when it did (`PodView.loss_detail`). A pod whose
+  deletion the runtime requested (`expect_deletion`) is never reported;
 - `worker_stalled(id, stage, error)` once per pod and stage, while a pod that is not
   ready yet cannot start as it is: no node fits it (`unschedulable`), its image cannot be
   pulled, its container cannot be created (see `PodView.progress`).
@@ -348,7 +349,7 @@ class PodInformer:
             reason=reason,
         )
         if self.listener is not None:
-            self.listener.worker_lost(view.worker_id, reason)
+            self.listener.worker_lost(view.worker_id, reason, view.loss_detail)
 
     def _level(self, view: PodView, level: int) -> int:
         """`level` for this replica's own pods; every replica watches the whole fleet, so

@@ -28,6 +28,7 @@ from stoker.ports.cluster import (
     PodPhase,
     PodSpec,
     PreferredNodes,
+    Terminated,
     Toleration,
     Waiting,
 )
@@ -104,6 +105,7 @@ class PodView:
     nominated_node: str | None = None
     waiting: Waiting | None = None
     started_at: float | None = None
+    terminated: Terminated | None = None
 
     @classmethod
     def of(cls, pod: Pod) -> PodView:
@@ -131,6 +133,7 @@ class PodView:
             nominated_node=pod.nominated_node,
             waiting=pod.waiting,
             started_at=pod.started_at,
+            terminated=pod.terminated,
         )
 
     @property
@@ -222,6 +225,17 @@ class PodView:
     def loss_reason(self) -> str:
         """What `worker_lost` says: "evicted" for a kubelet eviction, else "lost"."""
         return "evicted" if self.reason == "Evicted" else "lost"
+
+    @property
+    def loss_detail(self) -> str | None:
+        """How the pod's worker ended, when its container did (`worker_lost`'s detail: the
+        cause a failed spawn shows): its exit code and the kubelet's reason. Never the
+        container's message, which may hold what the worker printed."""
+        ended = self.terminated
+        if ended is None:
+            return None
+        why = f" ({ended.reason})" if ended.reason else ""
+        return f"pod {self.name}: its container exited with code {ended.exit_code}{why}"
 
 
 def worker_pod(

@@ -45,6 +45,7 @@ from stoker.ports.cluster import (
     PodList,
     PodPhase,
     Selector,
+    Terminated,
     Waiting,
     WatchEvent,
     WatchEventType,
@@ -67,6 +68,7 @@ class PodStatus(TypedDict, total=False):
     nominated_node: str | None
     waiting: Waiting | None
     started_at: float
+    terminated: Terminated | None
 
 
 def _merge(current: Mapping[str, str], patch: MetadataPatch) -> dict[str, str]:
