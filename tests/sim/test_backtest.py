@@ -570,3 +570,25 @@ def test_a_report_that_cannot_be_written_is_refused_before_the_replay(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1 and not ran, result.output
     assert f"cannot write the report to {out}" in result.output
+
+
+def test_a_server_s_stored_settings_are_the_ones_replayed() -> None:
+    """`--url` replayed a pool's targets, cap and idle TTL, and the simulator's defaults for
+    the rest of what `GET /v1/pools/{name}` states in `settings` (its lease, claim timeout,
+    most time and scale-down delay)."""
+    from stoker.cli.backtest import _pool_settings
+
+    body = {
+        "warm_target": 3, "cap": 40, "max_workers_per_org": 2, "hot_idle_ttl": 30.0,
+        "settings": {
+            "warm_target": 3, "max_workers": 0, "max_workers_per_org": 2,
+            "hot_idle_ttl": 30.0, "max_ttl": None, "min_hot_idle": 1, "lease_s": 20.0,
+            "claim_timeout_s": 15.0, "scale_down_delay": 120.0, "max_claim_s": None,
+        },
+    }  # fmt: skip
+    assert _pool_settings(body) == {
+        "warm_target": 3, "max_workers": 40, "max_workers_per_org": 2, "hot_idle_ttl": 30.0,
+        "min_hot_idle": 1, "lease_s": 20.0, "claim_timeout_s": 15.0, "scale_down_delay": 120.0,
+    }  # fmt: skip
+    # An older server without `settings`: what it states at the top.
+    assert _pool_settings({"warm_target": 1, "cap": 0}) == {"warm_target": 1, "max_workers": 0}
