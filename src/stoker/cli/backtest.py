@@ -466,29 +466,19 @@ def _raise_for(answer: Any, path: str) -> None:
         raise ConfigError(f"GET {path} answered {answer.status_code}{detail}")
 
 
-#: The stored settings of `GET /v1/pools/{name}`'s `settings` a replay runs as they are
-#: (`max_workers` is the pool's `cap` instead: the cap in force, derived on the server's
-#: machine when the setting is 0).
-_STORED_SETTINGS = (
-    "max_workers_per_org",
-    "hot_idle_ttl",
-    "max_ttl",
-    "min_hot_idle",
-    "scale_down_delay",
-    "lease_s",
-    "claim_timeout_s",
-)
-
-
 def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
     """The settings a pool's `GET /v1/pools/{name}` states: its targets and cap, and its
-    stored settings (`settings`; the others keep the simulator's defaults)."""
+    stored settings (`settings`, those `PATCH` changes; the others keep the simulator's
+    defaults). `max_workers` is the pool's `cap`: the cap in force, derived on the server's
+    machine when the setting is 0."""
+    from stoker.sim.backtest import PATCHABLE
+
     names = {"warm_target": "warm_target", "cap": "max_workers"}
     names.update({k: k for k in ("max_workers_per_org", "hot_idle_ttl", "headroom_nodes")})
     out = {key: body[field] for field, key in names.items() if body.get(field) is not None}
     stored = body.get("settings")
     if isinstance(stored, Mapping):
-        for key in _STORED_SETTINGS:
+        for key in PATCHABLE:
             if stored.get(key) is not None:
                 out.setdefault(key, stored[key])
     return out
