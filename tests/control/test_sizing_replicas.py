@@ -219,3 +219,35 @@ def test_terms_of_another_version_show_what_this_one_reads() -> None:
     assert status_of({**terms, "a_later_field": 1}) == SizingStatus(**terms)
     assert status_of({}) is None
     assert status_of({"policy": "static"}) is None  # written by a version that lacks fields
+
+
+async def test_a_replica_that_stops_leading_drops_the_leaders_gauges(
+    stores: list[Store],
+) -> None:
+    """The janitor's gauges (workers by state, each pool's desired warm, demand, sizing and
+    cap) are set by the leader's passes only: a replica that lost the lease kept its last
+    values for good, and a rule's max over the replicas read an earlier leader's figures.
+    It drops them at its first pass without the lease, and sets them again once it leads."""
+    clock = VirtualClock()
+    async with replica(stores[0], clock, leads=False) as one:
+        await one.plane.store.record_demand("cp-elsewhere", {"p": (0, QUEUED, 0)}, now=clock.now())
+        leader_series = ("stoker_warm_desired{", "stoker_demand{", "stoker_workers{")
+
+        async def scraped() -> str:
+            answer = await one.http.get("/metrics")
+            assert answer.status_code == 200
+            return answer.text
+
+        one.plane.elector.is_leader = True  # type: ignore[misc]
+        await one.plane._janitor_pass()
+        text = await scraped()
+        assert 'stoker_warm_desired{pool="p"} 4.0' in text
+        assert all(series in text for series in leader_series)
+        one.plane.elector.is_leader = False  # type: ignore[misc]
+        await one.plane._janitor_pass()
+        text = await scraped()
+        assert not [line for line in text.splitlines() if line.startswith(leader_series)]
+        assert "stoker_janitor_is_leader 0.0" in text
+        one.plane.elector.is_leader = True  # type: ignore[misc]
+        await one.plane._janitor_pass()
+        assert 'stoker_warm_desired{pool="p"} 4.0' in await scraped()

@@ -73,6 +73,11 @@ class _Children:
         if self._children.pop(values, None) is not None:
             super().remove(*values)  # type: ignore[misc]
 
+    def clear(self) -> None:
+        """Drop every series."""
+        self._children.clear()
+        super().clear()  # type: ignore[misc]
+
 
 class Gauge(_Children, prometheus_client.Gauge):
     """A gauge whose labelled children are looked up once."""
@@ -235,6 +240,25 @@ class Metrics:
             "pool's mean spawn-to-ready time this replica measured, per claim).",
             "pool",
         )
+
+    def drop_leaders_gauges(self) -> None:
+        """Drop the series only the janitor's leader sets (workers by state, each pool's
+        sizing and cap, the rollouts' shares and states): a replica that led keeps them no
+        longer than it leads, so that a rule's or a dashboard's max (or sum) over the
+        replicas is the leader's figures, not an earlier leader's frozen ones."""
+        for gauge in (
+            self.workers,
+            self.warm_desired,
+            self.demand,
+            self.demand_rate,
+            self.forecast_sessions,
+            self.forecast_error,
+            self.org_forecasts,
+            self.pool_cap,
+            self.revision_share,
+            self.rollout_state,
+        ):
+            gauge.clear()
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry)

@@ -166,6 +166,8 @@ class ControlPlane:
         #: set, the replica is not ready and claims fail at once with 503
         #: `store_unavailable` instead of waiting out their timeout on a dead store.
         self.store_error: str | None = None
+        #: Whether this replica's last janitor pass led (the leader's gauges are its own).
+        self._led = False
 
     # -- lifecycle of the replica -------------------------------------------------------------
 
@@ -366,7 +368,12 @@ class ControlPlane:
     async def _janitor_pass(self) -> PassReport | None:
         self.refresh_gauges()
         if self.elector.is_leader:
+            self._led = True
             return await self.run_janitor_pass()
+        if self._led:
+            # The leader's gauges go with the lease: the new leader reports its own.
+            self.metrics.drop_leaders_gauges()
+            self._led = False
         # Every replica keeps its own workers' pins; the leader in its pass.
         await self.pins.reconcile()
         # Another replica runs the janitor now: its failures are no longer this one's.
