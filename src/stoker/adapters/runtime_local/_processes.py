@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 import psutil
@@ -163,41 +163,37 @@ def kill_quietly(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def scan_fleet(fleet: str, own_pid: int) -> list[tuple[int, float, dict[str, str]]]:
-    """(pid, create time, environment) of every live process labelled with `fleet`."""
-    found = []
+def _live_workers(own_pid: int) -> Iterator[tuple[psutil.Process, dict[str, str]]]:
+    """Each live process labelled as a worker (of any fleet) but this one, with its
+    environment."""
     for pid in psutil.pids():
         if pid == own_pid:
             continue
         try:
             process = psutil.Process(pid)
             env = process.environ()
-            if env.get(LABEL_FLEET) != fleet or LABEL_WORKER_ID not in env:
+            if LABEL_WORKER_ID not in env or process.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if process.status() == psutil.STATUS_ZOMBIE:
-                continue
-            found.append((pid, process.create_time(), env))
         except psutil.Error:
             # Gone meanwhile, or another user's process: not one of ours either way.
             continue
+        yield process, env
+
+
+def scan_fleet(fleet: str, own_pid: int) -> list[tuple[int, float, dict[str, str]]]:
+    """(pid, create time, environment) of every live process labelled with `fleet`."""
+    found = []
+    for process, env in _live_workers(own_pid):
+        if env.get(LABEL_FLEET) != fleet:
+            continue
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            found.append((process.pid, process.create_time(), env))
     return found
 
 
 def scan_workers(own_pid: int) -> set[str]:
     """The worker ids of every live process labelled as a worker, of any fleet."""
-    found = set()
-    for pid in psutil.pids():
-        if pid == own_pid:
-            continue
-        try:
-            process = psutil.Process(pid)
-            worker_id = process.environ().get(LABEL_WORKER_ID)
-            if worker_id is None or process.status() == psutil.STATUS_ZOMBIE:
-                continue
-            found.add(worker_id)
-        except psutil.Error:
-            continue
-    return found
+    return {env[LABEL_WORKER_ID] for _, env in _live_workers(own_pid)}
 
 
 def lower_priority(pid: int, steps: int) -> None:
