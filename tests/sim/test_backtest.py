@@ -277,7 +277,7 @@ def test_a_synthetic_week_replays_every_claim(tmp_path: Path) -> None:
 def test_a_config_that_gathers_sessions_replays_with_it(log: Path, tmp_path: Path) -> None:
     """The live runtime's `prefer_session_nodes` is part of what the replay runs (the
     simulated replicas' runtime prefers the same nodes), as the janitor's interval is."""
-    from stoker.cli.backtest import _config_settings
+    from stoker.cli.backtest import _config_settings, _ConfigFile
 
     text = (Path(__file__).parents[2] / "examples" / "kubernetes.yaml").read_text()
     shipped = tmp_path / "shipped.yaml"
@@ -288,8 +288,8 @@ def test_a_config_that_gathers_sessions_replays_with_it(log: Path, tmp_path: Pat
             "  kind: kubernetes\n", "  kind: kubernetes\n  prefer_session_nodes: true\n", 1
         )
     )
-    assert "prefer_session_nodes" not in _config_settings(shipped, "duck")[1]
-    intervals = _config_settings(gathered, "duck")[1]
+    assert "prefer_session_nodes" not in _config_settings(_ConfigFile.load(shipped), "duck")[1]
+    intervals = _config_settings(_ConfigFile.load(gathered), "duck")[1]
     assert intervals["prefer_session_nodes"] is True
     backtest = Backtest(replay=read_claim_log(log), control_plane=intervals)
     assert backtest.scenario([("current", {})]).control_plane.prefer_session_nodes
@@ -299,7 +299,7 @@ def test_per_resource_prices_apply_to_the_live_pools_workers(log: Path, tmp_path
     """The replay's workers are the simulator's pods (2 CPUs, 4 GiB); a pool of 1-CPU,
     1-GiB pods priced per CPU-hour used to cost twice what the same price per worker-hour
     did. The config's template (or the server's ledger) gives the live pool's size."""
-    from stoker.cli.backtest import _config_settings, _ledger_sizes
+    from stoker.cli.backtest import _config_settings, _ConfigFile, _ledger_sizes
 
     config = tmp_path / "stoker.yaml"
     config.write_text(
@@ -307,7 +307,7 @@ def test_per_resource_prices_apply_to_the_live_pools_workers(log: Path, tmp_path
         "    pod: {image: registry.example/w:1, cpu: '1', memory: 1Gi}\n"
         "    cost: {per_cpu_hour: 1.0, per_gib_hour: 0.0}\n"
     )
-    _, _, prices, sizes = _config_settings(config, "workers")
+    _, _, prices, sizes = _config_settings(_ConfigFile.load(config), "workers")
     assert sizes == (1.0, 1.0)
     result = Backtest(replay=read_claim_log(log), current={"warm_target": 2}, jobs=1).run(
         [("current", {})]

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -17,6 +18,8 @@ from rich.table import Table
 from stoker.cli.output import JsonFlag, fail, given_server, make_console, print_json
 
 if TYPE_CHECKING:
+    from stoker.config import StokerConfig
+    from stoker.config.convert import DomainConfig
     from stoker.domain.specs import CostSpec
     from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
     from stoker.sim.claimlog import ClaimReplay
@@ -212,8 +215,9 @@ def backtest(
                 cap_source = f"the server's cap, GET {url}/v1/pools/{replay.pool}"
         intervals: dict[str, Any] = {}
         if config is not None:
-            pool_settings, intervals, prices, sizes = _config_settings(config, replay.pool)
-            config_cap, config_source = _config_cap(config, replay.pool)
+            file = _ConfigFile.load(config)
+            pool_settings, intervals, prices, sizes = _config_settings(file, replay.pool)
+            config_cap, config_source = _config_cap(file, replay.pool)
             if "max_workers" in known and pool_settings["max_workers"] == 0:
                 # The live server's cap in force, derived on its own machine, over one
                 # derived here.
@@ -224,7 +228,7 @@ def backtest(
             if prices is not None:
                 cost, resources = prices, sizes
             # The file's `orgs:` over the server's, org by org (as its pool settings).
-            orgs.update(_config_orgs(config))
+            orgs.update(_config_orgs(file))
             orgs_source = f"orgs: in {config}" + (f" over {orgs_source}" if orgs_source else "")
         if current:
             given = parse_settings(current)
@@ -507,19 +511,35 @@ def _ledger_spawn(body: Any) -> SpawnToReady | None:
     return SpawnToReady(mean, max(mean, p99))
 
 
+@dataclass(frozen=True, slots=True)
+class _ConfigFile:
+    """A config file as `serve` reads it (no `STOKER_*` overrides) and its domain objects:
+    read once, whichever of its parts a backtest takes."""
+
+    path: Path
+    config: StokerConfig
+    domain: DomainConfig
+
+    @classmethod
+    def load(cls, path: Path) -> _ConfigFile:
+        from stoker.config.convert import to_domain
+        from stoker.config.loading import load_config
+
+        config = load_config(path, environ={}).config
+        return cls(path, config, to_domain(config))
+
+
 def _config_settings(
-    path: Path, pool: str
+    file: _ConfigFile, pool: str
 ) -> tuple[dict[str, Any], dict[str, Any], CostSpec | None, tuple[float, float]]:
     """The pool's settings in a stoker config file, the replicas' intervals it sets (and
     the Kubernetes runtime's `prefer_session_nodes`), the pool's prices (`cost`) and its
     (CPUs, GiB) per worker, which per-resource prices apply to."""
-    from stoker.config.convert import to_domain
-    from stoker.config.loading import load_config
     from stoker.config.sections import KubernetesRuntimeConfig
     from stoker.domain.errors import ConfigError
     from stoker.domain.ledger import resources_of
 
-    loaded = load_config(path, environ={}).config
+    loaded, path = file.config, file.path
     intervals: dict[str, Any] = {
         key: getattr(loaded.intervals, key)
         for key in ("janitor_interval_s", "reaper_interval_s")
@@ -527,7 +547,7 @@ def _config_settings(
     }
     if isinstance(loaded.runtime, KubernetesRuntimeConfig) and loaded.runtime.prefer_session_nodes:
         intervals["prefer_session_nodes"] = True
-    for spec in to_domain(loaded).pools:
+    for spec in file.domain.pools:
         if spec.name == pool:
             return (
                 {
@@ -551,43 +571,36 @@ def _config_settings(
     raise ConfigError(f"{path} has no pool {pool!r}")
 
 
-def _config_cap(path: Path, pool: str) -> tuple[int, str]:
+def _config_cap(file: _ConfigFile, pool: str) -> tuple[int, str]:
     """The pool cap the fleet of the config file at `path` runs `pool` with, and where it
     comes from: its `max_workers`, else (local processes) the memory budget over a worker's
     `memory_mb`, as the local runtime derives it, else none (0: unbounded)."""
-    from stoker.config.convert import to_domain
-    from stoker.config.loading import load_config
+    from stoker.adapters.runtime_local import default_memory_budget_mb, memory_cap
     from stoker.config.sections import LocalRuntimeConfig
     from stoker.domain.specs import ProcessTemplate
 
-    loaded = load_config(path, environ={}).config
-    spec = next(p for p in to_domain(loaded).pools if p.name == pool)
+    path = file.path
+    spec = next(p for p in file.domain.pools if p.name == pool)
     if spec.max_workers > 0:
         return spec.max_workers, f"max_workers in {path}"
-    runtime, template = loaded.runtime, spec.template
+    runtime, template = file.config.runtime, spec.template
     if not isinstance(runtime, LocalRuntimeConfig) or not isinstance(template, ProcessTemplate):
         return 0, f"max_workers 0 in {path}: unbounded"
     budget = runtime.memory_budget_mb
     if budget is None:
-        import psutil
-
         # The local runtime's default: half the machine (this one: give the live one's
         # with --current max_workers=N when it differs).
-        budget = psutil.virtual_memory().total // (2 * 1024 * 1024)
+        budget = default_memory_budget_mb()
         where = f"half of this machine's memory, {budget} MB"
     else:
         where = f"runtime.memory_budget_mb {budget}"
-    cap = max(1, budget // max(1, template.memory_mb))
+    cap = memory_cap(budget, template)
     return cap, f"derived in {path}: {where} / memory_mb {template.memory_mb}"
 
 
-def _config_orgs(path: Path) -> dict[str, dict[str, Any]]:
+def _config_orgs(file: _ConfigFile) -> dict[str, dict[str, Any]]:
     """The per-org overrides of the config file at `path` (its `orgs:`), by org."""
-    from stoker.config.convert import to_domain
-    from stoker.config.loading import load_config
-
-    loaded = load_config(path, environ={}).config
-    return {o.name: given for o in to_domain(loaded).orgs if (given := o.overrides())}
+    return {o.name: given for o in file.domain.orgs if (given := o.overrides())}
 
 
 def _warn_orgs(

@@ -21,7 +21,11 @@ from stoker.adapters.runtime_local._processes import (
     free_port,
 )
 from stoker.adapters.runtime_local._retention import LogRetention
-from stoker.adapters.runtime_local._runtime import LocalProcessRuntime
+from stoker.adapters.runtime_local._runtime import (
+    LocalProcessRuntime,
+    default_memory_budget_mb,
+    memory_cap,
+)
 
 __all__ = [
     "LABEL_ENDPOINT",
@@ -31,5 +35,7 @@ __all__ = [
     "LABEL_WORKER_ID",
     "LocalProcessRuntime",
     "LogRetention",
+    "default_memory_budget_mb",
     "free_port",
+    "memory_cap",
 ]

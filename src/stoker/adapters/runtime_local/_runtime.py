@@ -56,6 +56,17 @@ IDLE_SAMPLE_S = 0.25
 IDLE_SAMPLES = 4
 
 
+def default_memory_budget_mb() -> int:
+    """The workers' memory budget when none is set: half the machine (the rest is for the
+    control plane, the store and the OS)."""
+    return int(psutil.virtual_memory().total // (2 * 1024 * 1024))
+
+
+def memory_cap(memory_budget_mb: int, template: ProcessTemplate) -> int:
+    """A local pool's cap when its `max_workers` is 0: the budget over one worker's size."""
+    return max(1, memory_budget_mb // max(1, template.memory_mb))
+
+
 class LocalProcessRuntime:
     """Runs workers as local processes; implements the `Runtime` port.
 
@@ -100,8 +111,7 @@ class LocalProcessRuntime:
         self.instance_id = instance_id
         self._key = activation_key
         if memory_budget_mb is None:
-            # Half the machine: the rest is for the control plane, the store and the OS.
-            memory_budget_mb = psutil.virtual_memory().total // (2 * 1024 * 1024)
+            memory_budget_mb = default_memory_budget_mb()
         self.memory_budget_mb = memory_budget_mb
         self.log_dir = log_dir
         #: The ended workers' logs, and their deletion (None: no logs are written).
@@ -153,7 +163,7 @@ class LocalProcessRuntime:
         if not isinstance(template, ProcessTemplate):
             # This runtime cannot run the pool at all; spawn refuses it.
             return 1
-        return max(1, self.memory_budget_mb // max(1, template.memory_mb))
+        return memory_cap(self.memory_budget_mb, template)
 
     # -- spawn and readiness ----------------------------------------------------------------
 
