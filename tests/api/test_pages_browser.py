@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from servers import DEMO, Server, kill_fleet, start_server
+from servers import DEMO, Server, kill_fleet, start_server, wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -230,6 +231,60 @@ def test_dashboard_shows_what_the_pools_warmth_cost(
     assert int(bars or 0) >= 1
     keep_screenshot(browser, tmp_path, "dashboard-ledger.png")
     assert all(url.startswith(server.url) for url in requested(browser)), requested(browser)
+
+
+def test_dashboard_shades_a_sizing_no_replica_renews(browser: WebDriver, tmp_path: Path) -> None:
+    """A replica that does not lead shows the last sizing any replica published; once
+    nobody has renewed it for three janitor intervals it is stale, and the chart shades
+    that stretch instead of drawing old figures as if decided now. The standby is made by
+    giving the store's lease to a replica that is not there."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    pool = {"name": "demo", "command": DEMO, "warm_target": 1}
+    config = (
+        f"store: sqlite:///./stoker.db\nfleet: {fleet}\nleader_election: {{kind: store}}\n"
+        f"api: {{port: 0, admin_tokens: [{ADMIN}]}}\n"
+        "intervals: {janitor_interval_s: 0.2, reaper_interval_s: 1, pool_sample_s: 1, "
+        "shutdown_grace_s: 5}\n"
+        f"pools:\n  - {json.dumps(pool)}\n"
+    )
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    workdir = tmp_path / "stale"
+    try:
+        leader = start_server(workdir, config=config, args=["--stop-workers"])
+        try:
+
+            def sized() -> bool:
+                shown = httpx.get(leader.url + "/v1/pools", headers=headers, timeout=10).json()
+                return bool(shown["pools"][0]["sized_by"])
+
+            assert wait_until(sized, WAIT_S), "the leader never sized the pool"
+        finally:
+            leader.stop()
+        with sqlite3.connect(workdir / "stoker.db") as db:
+            held = db.execute(
+                "UPDATE leases SET holder = 'cp-gone', duration_s = 864000000"
+            ).rowcount
+        assert held >= 1
+        standby = start_server(workdir, config=config, args=["--stop-workers"])
+        try:
+            shown = httpx.get(standby.url + "/v1/pools", headers=headers, timeout=10).json()
+            assert shown["pools"][0]["sizing_stale"] is True, shown
+            browser.get(standby.url + "/ui")
+            browser.find_element(By.ID, "token").send_keys(ADMIN)
+            browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+            wait_for(
+                browser,
+                "the stale stretch shaded on the chart",
+                lambda d: (
+                    int(d.find_element(By.ID, "chart").get_attribute("data-shaded") or 0) >= 2
+                ),
+            )
+            assert "stale" in browser.find_element(By.ID, "chart-note").text
+            keep_screenshot(browser, tmp_path, "dashboard-stale.png")
+        finally:
+            standby.stop()
+    finally:
+        kill_fleet(fleet)
 
 
 def test_docs_render_the_operations_without_network(server: Server, browser: WebDriver) -> None:

@@ -182,6 +182,10 @@ async def test_a_sizing_nobody_renews_shows_as_stale_until_a_new_leader_sizes(
         assert stale["sized_by"] == leader.plane.instance_id
         # The figures are the last ones published, marked as such, not the static target.
         assert (stale["desired_warm"], stale["demand"]) == (1 + QUEUED, QUEUED)
+        # So is the dashboard's sample of that instant.
+        await standby.plane.sample_pools()
+        sample = standby.plane.history.samples()["p"][-1]
+        assert (sample.desired_warm, sample.sizing_stale) == (1 + QUEUED, True)
         # The standby takes the lease over: its pass publishes, and both show it, fresh.
         standby.plane.elector.is_leader = True  # type: ignore[misc]
         await standby.plane.run_janitor_pass()
@@ -189,6 +193,8 @@ async def test_a_sizing_nobody_renews_shows_as_stale_until_a_new_leader_sizes(
             now = await r.pool()
             assert now["sized_by"] == standby.plane.instance_id
             assert now["sizing_stale"] is False and now["sizing"] is not None
+        await standby.plane.sample_pools()
+        assert standby.plane.history.samples()["p"][-1].sizing_stale is False
 
 
 async def test_a_pool_nobody_has_sized_shows_its_static_target(

@@ -43,6 +43,9 @@ class PoolSample:
     spawning: int
     #: Each revision with live workers or a share, the stable one first.
     revisions: tuple[RevisionSample, ...] = ()
+    #: `desired_warm` and `demand` are the last published sizing, which no replica has
+    #: renewed for three janitor intervals (`GET /v1/pools`' `sizing_stale`).
+    sizing_stale: bool = False
 
 
 class History:

@@ -161,5 +161,6 @@ def add_samples(
                 hot_idle=counts.get("hot_idle", 0),
                 spawning=counts.get("spawning", 0),
                 revisions=(revisions or {}).get(status.name, ()),
+                sizing_stale=status.sizing_stale,
             ),
         )

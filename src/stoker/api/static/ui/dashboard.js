@@ -164,7 +164,8 @@
   }
 
   // A chart of the last hour on `canvas`: each series is [value of a sample, color,
-  // dashed]; `max` fixes the scale (else the largest value), `label` formats its ticks.
+  // dashed]; `max` fixes the scale (else the largest value), `label` formats its ticks,
+  // `shaded` marks the stretches from the samples it holds true of (to the next sample).
   function plot(canvas, points, series, opts) {
     const ratio = window.devicePixelRatio || 1;
     const width = canvas.clientWidth || 900;
@@ -201,6 +202,18 @@
       g.textAlign = m === 60 ? "left" : m === 0 ? "right" : "center";
       g.fillText(m === 0 ? "now" : "-" + m + "m", x(at), height - 6);
     }
+    let shadedN = 0;
+    if (opts.shaded) {
+      g.fillStyle = style.getPropertyValue("--line");
+      points.forEach((s, i) => {
+        if (!opts.shaded(s)) return;
+        const from = x(Math.max(s.at, end - HOUR_S));
+        const to = i + 1 < points.length ? x(points[i + 1].at) : width - right;
+        g.fillRect(from, top, Math.max(1, to - from), plotH);
+        shadedN += 1;
+      });
+    }
+    canvas.dataset.shaded = String(shadedN);
     for (const [value, color, dashed] of series) {
       g.strokeStyle = color.startsWith("--") ? style.getPropertyValue(color) : color;
       g.lineWidth = 2;
@@ -226,10 +239,15 @@
       const revisions = (live.revisions || []).map((r) => ({ revision: r.revision,
         share: r.share / 100, warm: (r.counts || {}).warm || 0, busy: busy(r.counts || {}) }));
       points.push({ at: nowS(), desired_warm: live.desired_warm, demand: live.demand,
-        warm: c.warm || 0, hot: c.hot || 0, revisions });
+        warm: c.warm || 0, hot: c.hot || 0, revisions, sizing_stale: !!live.sizing_stale });
     }
-    $("chart-note").textContent = points.length > 1 ? "" : "(collecting samples)";
-    plot($("chart"), points, SERIES.map(([key, color]) => [(s) => s[key] || 0, color]), {});
+    // A stale sizing (no replica has sized the pool lately) is shaded: its desired warm
+    // and demand are the last ones published, not decided now.
+    $("chart-note").textContent = points.length <= 1 ? "(collecting samples)"
+      : live && live.sizing_stale ? "(shaded: desired and demand stale, no replica sizes "
+        + "this pool)" : points.some((s) => s.sizing_stale) ? "(shaded: sizing was stale)" : "";
+    plot($("chart"), points, SERIES.map(([key, color]) => [(s) => s[key] || 0, color]),
+      { shaded: (s) => s.sizing_stale });
     drawRollout(pool, live, points);
   }
 
