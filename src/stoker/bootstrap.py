@@ -465,6 +465,7 @@ def build_plane(
     tracer: Tracer = NO_TRACER,
     planner: Planner | None = None,
     strategies: Mapping[str, Strategy] | None = None,
+    views: bool = True,
 ) -> ControlPlane:
     """One control-plane replica (not started) on `store`, and the one way to build one.
 
@@ -474,7 +475,8 @@ def build_plane(
     (`build_control_plane`); the simulator builds each of its replicas here too, on its
     own clock, cluster and store. `demand` replaces the janitor's demand source,
     `planner` the rollout plan (the simulator's baselines), and `strategies` are the
-    pools' default rollout strategies.
+    pools' default rollout strategies. `views` off (the simulator), the replica keeps no
+    dashboard samples and publishes no sizing (`ControlPlane`).
     """
     # One id for the replica's row, its runtime objects' labels and its lease holder.
     instance_id = ids.instance()
@@ -497,6 +499,7 @@ def build_plane(
         tracer=tracer,
         planner=planner,
         strategies=strategies,
+        views=views,
     )
 
 

@@ -107,7 +107,9 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 
 @asynccontextmanager
-async def replica(store: Store, clock: VirtualClock, *, leads: bool) -> AsyncIterator[Replica]:
+async def replica(
+    store: Store, clock: VirtualClock, *, leads: bool, views: bool = True
+) -> AsyncIterator[Replica]:
     """A started replica on `store` (loops off), the leader or a standby."""
     runtime = MemoryRuntime()
     plane = ControlPlane(
@@ -118,6 +120,7 @@ async def replica(store: Store, clock: VirtualClock, *, leads: bool) -> AsyncIte
         settings=SETTINGS,
         clock=clock,
         elector=SoleLeader() if leads else Standby(),
+        views=views,
     )
     app = create_app(plane, ApiConfig(), manage_plane=False)
     await plane.start(loops=False)
@@ -257,3 +260,42 @@ async def test_a_replica_that_stops_leading_drops_the_leaders_gauges(
         one.plane.elector.is_leader = True  # type: ignore[misc]
         await one.plane._janitor_pass()
         assert 'stoker_warm_desired{pool="p"} 4.0' in await scraped()
+
+
+async def test_a_leader_without_views_publishes_no_sizing(stores: list[Store]) -> None:
+    """The simulator's replicas keep no views (nobody reads them): the leader sizes the
+    pools as before but writes no sizing, so another replica shows the static target."""
+    clock = VirtualClock()
+    async with (
+        replica(stores[0], clock, leads=True, views=False) as leader,
+        replica(stores[1], clock, leads=False) as standby,
+    ):
+        await leader.plane.store.record_demand(
+            "cp-elsewhere", {"p": (0, QUEUED, 0)}, now=clock.now()
+        )
+        await leader.plane.run_janitor_pass()
+        assert leader.plane.janitor.desired["p"] == 1 + QUEUED
+        shown = await standby.pool()
+        assert (shown["desired_warm"], shown["sized_by"]) == (1, None)
+
+
+@pytest.mark.parametrize("views", [True, False])
+async def test_a_replica_without_views_keeps_no_dashboard_samples(views: bool) -> None:
+    """A started replica samples its pools for the dashboard at once, then every
+    `pool_sample_s`; without views it runs no sampler."""
+    runtime = MemoryRuntime()
+    plane = ControlPlane(
+        store=SqliteStore(":memory:"),
+        runtime=runtime,
+        activator=runtime,
+        pools=[pool(warm_target=0)],
+        settings=SETTINGS,
+        clock=VirtualClock(),
+        elector=Standby(),
+        views=views,
+    )
+    await plane.start(loops=True)
+    try:
+        assert bool(plane.history.samples()) is views
+    finally:
+        await plane.stop()

@@ -82,6 +82,7 @@ class Janitor:
         self._rollouts = shared.rollouts
         self._ledger = shared.ledger
         self._baseline = demand is not None
+        self._views = shared.views
         #: The pools whose step of this pass failed, pass after pass (`/readyz`).
         self.faults = PassFaults(
             "janitor" if self.reach is Reach.FLEET else "reaper", shared.metrics, shared.journal
@@ -153,7 +154,8 @@ class Janitor:
         if self.reach is Reach.FLEET:
             await self._adopt_orphans(world, report)
             await self._scaler.scale(world, report)
-            await self._publish_sizing(world.now)
+            if self._views:
+                await self._publish_sizing(world.now)
             await self._sweep_stuck(world, report)
             if self._pins is not None:
                 # Busy workers' pins are each replica's (`Pins.reconcile`); a neutral

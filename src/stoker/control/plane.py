@@ -88,12 +88,16 @@ class ControlPlane:
         closers: Sequence[Callable[[], Awaitable[None]]] = (),
         tracer: Tracer = NO_TRACER,
         strategies: Mapping[str, Strategy] | None = None,
+        views: bool = True,
     ) -> None:
         """`runtime` runs the workers and `activator` hands them their orgs. `closers` run
         at the end of `stop`, in order, after the runtime, the activator and the store are
         closed: they release what the plane's adapters use but do not own (a cluster client
         shared by a runtime and an elector, say). `tracer` records a span for each claim
-        and its steps (closed with the plane)."""
+        and its steps (closed with the plane). `views` off, the replica keeps nothing that
+        only a reader of its API would see: no dashboard samples (`history` stays empty)
+        and no published sizing (`GET /v1/pools` on another replica shows the static
+        target); the simulator, whose replicas nobody reads, turns it off."""
         self.settings = settings or PlaneSettings()
         self.clock = clock or LoopClock()
         self.ids = ids or Ids()
@@ -146,7 +150,9 @@ class ControlPlane:
             journal=self.journal,
             tracer=tracer,
             ledger=self.ledger,
+            views=views,
         )
+        self.views = views
         parts = assemble(shared, self.pools, store, runtime, activator, demand=demand)
         self.claims, self.sessions, self.retirer = parts.claims, parts.sessions, parts.retirer
         self.idempotent = parts.idempotent
@@ -193,14 +199,15 @@ class ControlPlane:
             await self._guarded("janitor", self.run_janitor_pass)
         self.reconciled = True
         if loops:
-            # The chart starts with the pools as they are at start.
-            await self._guarded("sample", self.sample_pools)
-            every = (
+            every = [
                 ("janitor", self.settings.janitor_interval_s, self._janitor_pass),
                 ("reaper", self.settings.reaper_interval_s, self._reaper_pass),
                 ("heartbeat", self.settings.instance_heartbeat_s, self._heartbeat),
-                ("sample", self.settings.pool_sample_s, self.sample_pools),
-            )
+            ]
+            if self.views:
+                # The chart starts with the pools as they are at start.
+                await self._guarded("sample", self.sample_pools)
+                every.append(("sample", self.settings.pool_sample_s, self.sample_pools))
             self._loops = [
                 asyncio.create_task(self._elect(), name="elector"),
                 *self._feed(),

@@ -39,3 +39,6 @@ class Shared:
     tracer: Tracer = NO_TRACER
     #: What warmth costs and buys, and the claim log (`control.ledger`); None: not kept.
     ledger: Ledger | None = None
+    #: Whether the replica keeps what only its readers see: the dashboard's samples and,
+    #: while it leads, each pool's sizing in the store (`ControlPlane`'s `views`).
+    views: bool = True

@@ -229,6 +229,9 @@ def build_replicas(
             elector=parts.elector,
             demand=demand,
             planner=planner_for(entry),
+            # Nobody reads a simulated replica's dashboard or pool listing; the runner
+            # samples the fleet itself (`runner._sample`).
+            views=False,
         )
         replicas.planes.append(plane)
     return replicas
