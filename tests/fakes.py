@@ -358,9 +358,9 @@ class FaultyStore:
         self._maybe_fail("read_outcomes")
         return await self.inner.read_outcomes(rollout_ids)
 
-    async def record_ledger(self, instance_id: str, cells: Any, *, now: float) -> None:
+    async def record_ledger(self, instance_id: str, cells: Any, *, now: float) -> bool:
         self._maybe_fail("record_ledger")
-        await self.inner.record_ledger(instance_id, cells, now=now)
+        return await self.inner.record_ledger(instance_id, cells, now=now)
 
     async def read_ledger(self, pool: str, **kw: Any) -> Any:
         return await self.inner.read_ledger(pool, **kw)

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoker.domain.errors import ClaimKeyTaken, IllegalTransition, StoreError
+from stoker.domain.ledger import LedgerCounts, LedgerKey, hour_of
 from stoker.domain.records import (
     Claim,
     DemandRecord,
@@ -1815,6 +1816,30 @@ class StoreContract(PoolContract):
         assert not await store.heartbeat_instance("cp-a", now=T0 + 4)
         assert await store.expire_instances(before=T0 + 100, now=T0 + 100) == []
         assert (await store.list_instances())[0].state == "stopped"
+
+    async def test_a_replica_whose_registration_ended_writes_no_more_ledger(
+        self, store: Store
+    ) -> None:
+        """An expired or stopped replica's ledger write is refused (its workers' time is
+        others' from its last write on); an active or unregistered one's is written."""
+        key = LedgerKey("p", "r1", "acme", hour_of(T0))
+        for instance in ("cp-a", "cp-b", "cp-c"):
+            await store.register_instance(instance, now=T0, meta={})
+            assert await store.record_ledger(instance, {key: LedgerCounts(hot_s=5.0)}, now=T0 + 1)
+        assert await store.heartbeat_instance("cp-a", now=T0 + 10)
+        assert await store.expire_instances(before=T0 + 5, now=T0 + 10, keep="cp-c") == ["cp-b"]
+        await store.stop_instance("cp-c", now=T0 + 10)
+        later = {key: LedgerCounts(hot_s=60.0)}
+        assert await store.record_ledger("cp-a", later, now=T0 + 61)
+        assert not await store.record_ledger("cp-b", later, now=T0 + 61)
+        assert not await store.record_ledger("cp-c", later, now=T0 + 61)
+        assert await store.record_ledger("cp-unregistered", later, now=T0 + 61)
+        assert await store.ledger_written_at("cp-b") == T0 + 1
+        assert await store.ledger_written_at("cp-c") == T0 + 1
+        assert await store.ledger_written_at("cp-a") == T0 + 61
+        rows = await store.read_ledger("p", since=T0, until=T0 + 1)
+        assert {k.hour for k, _ in rows} == {key.hour}
+        assert sum(c.hot_s for _, c in rows) == 60.0 + 5.0 + 5.0 + 60.0
 
     # -- leases ---------------------------------------------------------------------------
 

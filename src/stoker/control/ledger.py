@@ -14,7 +14,9 @@ between its passes, in worker slots.
 An adopted worker's time before its adoption is its previous owner's up to that owner's last
 ledger write (a clean stop writes one at its very end), and the adopter's from there: a
 graceful restart loses no second. A replica killed outright loses what it counted since its
-last write, unless the worker was not moved since: then the adopter counts it from there.
+last write, unless the worker was not moved since: then the adopter counts it from there. A
+replica that outlives its expiry writes no more (the store refuses the writes of a replica
+whose registration is not active): its adopters' counts from its last write are the only ones.
 
 A claim adds one to a count and appends one compact row in memory (no I/O); a flush
 writes the cells that changed (cumulative per replica, so a failed write loses nothing)
@@ -113,6 +115,8 @@ class Ledger:
         #: Metric increments gathered in memory and added at each flush (no metric call on
         #: the claim path): (series, labels) -> amount.
         self._metered: dict[tuple[str, str, str], float] = {}
+        #: Whether the store refused a write (this replica's registration is not active).
+        self._refused = False
 
     # -- what the other parts tell it (in memory only) --------------------------------------
 
@@ -300,10 +304,17 @@ class Ledger:
         if self._dirty:
             cells = {key: self._cells[key].copy() for key in self._dirty}
             try:
-                await store.record_ledger(self._instance_id, cells, now=now)
+                written = await store.record_ledger(self._instance_id, cells, now=now)
             except StoreError as exc:
                 logs.event("ledger_write_failed", error=str(exc), level=logs.WARNING)
             else:
+                if not written and not self._refused:
+                    # This replica's registration expired (or it stopped): the workers it
+                    # held are others' now, counted by them from its last write.
+                    logs.event(
+                        "ledger_write_refused", reason="registration_not_active", level=logs.WARNING
+                    )
+                self._refused = self._refused or not written
                 self._dirty.clear()
                 # A cell is kept two hours past its hour: a late span (a move another
                 # replica wrote, reconciled later) still adds to the whole of it.

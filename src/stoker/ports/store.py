@@ -502,9 +502,15 @@ class ReplicaStore(StoreReader, Protocol):
 
     async def record_ledger(
         self, instance_id: str, cells: Mapping[LedgerKey, LedgerCounts], *, now: float
-    ) -> None:
+    ) -> bool:
         """Publish this replica's cumulative counts of ledger cells, replacing its earlier
-        ones of the same cells: a failed write loses nothing, the next one writes them again."""
+        ones of the same cells: a failed write loses nothing, the next one writes them again.
+
+        False, and nothing written, when the replica's registration is no longer active
+        (expired or stopped; checked in the same transaction): its workers are adopted or
+        retired by others, who count them from its last write (`ledger_written_at`) on, so
+        a replica that outlives its expiry never counts their time a second time. A replica
+        the store has no registration of writes as an active one."""
         ...
 
     async def read_ledger(

@@ -48,13 +48,24 @@ class LedgerRows:
 
     async def record_ledger(
         self, instance_id: str, cells: Mapping[LedgerKey, LedgerCounts], *, now: float
-    ) -> None:
-        """Upsert this replica's cells in one transaction."""
+    ) -> bool:
+        """Upsert this replica's cells in one transaction, unless its registration is no
+        longer active. The registration is read `FOR SHARE`: an expiry waits for the write
+        to commit (and the adopter's later read of `ledger_written_at` sees it), or the
+        write sees the expiry."""
         rows = ledger_rows(instance_id, cells, now)
         if not rows:
-            return
+            return True
         async with self._db.tx() as conn, conn.cursor() as cur:
+            await cur.execute(
+                f"SELECT state FROM {self._names.instances} WHERE id = %s FOR SHARE",
+                (instance_id,),
+            )
+            row = await cur.fetchone()
+            if row is not None and row[0] != "active":
+                return False
             await cur.executemany(self._upsert(), rows)
+        return True
 
     async def read_ledger(
         self, pool: str, *, since: float, until: float

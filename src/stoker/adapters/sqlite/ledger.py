@@ -47,13 +47,19 @@ class LedgerRows:
 
     async def record_ledger(
         self, instance_id: str, cells: Mapping[LedgerKey, LedgerCounts], *, now: float
-    ) -> None:
-        """Upsert this replica's cells."""
+    ) -> bool:
+        """Upsert this replica's cells, unless its registration is no longer active (read
+        in the same write transaction: no expiry lands between the check and the write)."""
         rows = ledger_rows(instance_id, cells, now)
         if not rows:
-            return
+            return True
         async with self._writes.tx() as db:
-            db.executemany(_UPSERT, rows)
+            gone = db.execute(
+                "SELECT 1 FROM instances WHERE id = ? AND state <> 'active'", (instance_id,)
+            ).fetchone()
+            if gone is None:
+                db.executemany(_UPSERT, rows)
+        return gone is None
 
     async def read_ledger(
         self, pool: str, *, since: float, until: float
