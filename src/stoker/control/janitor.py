@@ -201,7 +201,11 @@ class Janitor:
             self._book.load([adopted])
             report.adopted += 1
             logs.worker_event("worker_adopted", adopted, previous_owner=worker.owner)
-        elif worker.state is WorkerState.DRAINING:
+            return
+        if self._ledger is not None:
+            # Its time since its owner's last ledger write is counted up to the retirement.
+            self._ledger.orphaned(worker)
+        if worker.state is WorkerState.DRAINING:
             await self._retirer.retire(worker, RetireReason.ORPHANED)
         elif await self._retirer.retire(worker, RetireReason.ORPHANED):
             report.count(RetireReason.ORPHANED)

@@ -15,6 +15,9 @@ An adopted worker's time before its adoption is its previous owner's up to that 
 ledger write (a clean stop writes one at its very end), and the adopter's from there: a
 graceful restart loses no second. A replica killed outright loses what it counted since its
 last write, unless the worker was not moved since: then the adopter counts it from there. A
+worker a gone replica left starting or draining is retired, not adopted: the replica that
+retires it counts it from the gone one's last ledger write (or the row's last write, if
+later) up to the retirement. A
 replica that outlives its expiry writes no more (the store refuses the writes of a replica
 whose registration is not active): its adopters' counts from its last write are the only ones.
 
@@ -109,9 +112,13 @@ class Ledger:
         self._idle_cost = metrics.ledger_idle_cost
         self._avoided = metrics.ledger_cold_start_avoided
         self._ready_mean: dict[str, tuple[int, float]] = {}
-        #: Adopted workers' rows as their previous owner left them, and the adoption's time:
+        #: Adopted workers' rows as their previous owner left them, and the adoption's time
+        #: (and orphans' rows before each move this replica wrote, and the move's time):
         #: the time between is counted at the next flush.
         self._gaps: list[tuple[Worker, float]] = []
+        #: Workers of replicas that are gone which this replica retires (`orphaned`), and
+        #: their owners.
+        self._orphans: dict[str, str] = {}
         #: Metric increments gathered in memory and added at each flush (no metric call on
         #: the claim path): (series, labels) -> amount.
         self._metered: dict[tuple[str, str, str], float] = {}
@@ -120,13 +127,38 @@ class Ledger:
 
     # -- what the other parts tell it (in memory only) --------------------------------------
 
-    def moved(self, before: WorkerState | None, worker: Worker) -> None:
-        """The lifecycle wrote `worker` (coming from `before`; None for a new spawn slot)."""
+    def moved(
+        self, before: WorkerState | None, worker: Worker, previous: Worker | None = None
+    ) -> None:
+        """The lifecycle wrote `worker` (coming from `before`; None for a new spawn slot),
+        fenced on the row `previous` (when it was a `move`)."""
         at = worker.updated_at
         if before is None:
             self._cell(worker.pool, worker.revision, worker.org or "", at).spawns += 1
+        orphan_of = self._orphans.get(worker.id)
+        if previous is not None and orphan_of is not None and orphan_of == worker.owner:
+            self._orphan_moved(previous, worker)
         self._close(worker.id, at)
         self._open_span(worker, at)
+
+    def orphaned(self, worker: Worker) -> None:
+        """This replica retires `worker`, which a replica that is gone left starting or
+        draining (not adopted: it keeps its owner).
+
+        Each move this replica writes of it counts the time since the row's previous write,
+        or since its owner's last ledger write if later (an adoption's rule), in the state
+        the row was in, up to its retirement. A move is fenced on the row's version, so of
+        two replicas retiring the same worker (a leader and the next), each piece of its
+        time is counted by the one whose write ended it, once.
+        """
+        if worker.owner != self._instance_id:
+            self._orphans[worker.id] = worker.owner
+
+    def _orphan_moved(self, previous: Worker, worker: Worker) -> None:
+        # Counted at the next flush, which reads the owner's last ledger write.
+        self._gaps.append((previous, worker.updated_at))
+        if worker.state not in LIVE:
+            del self._orphans[worker.id]
 
     def adopted(self, previous: Worker, worker: Worker) -> None:
         """This replica adopted `worker`; `previous` is its row as the previous owner left it.
@@ -137,6 +169,7 @@ class Ledger:
         (an adoption keeps the state: no move tells of it).
         """
         self._gaps.append((previous, worker.updated_at))
+        self._orphans.pop(worker.id, None)
         self._close(worker.id, worker.updated_at)
         self._open_span(worker, worker.updated_at)
 
@@ -237,6 +270,8 @@ class Ledger:
         now = self._clock.now()
         if self._gaps:
             await self._count_gaps(store)
+        if self._orphans:
+            await self._forget_orphans(store)
         try:
             mine = await store.list_workers(owner=self._instance_id, states=LIVE)
         except StoreError as exc:
@@ -274,6 +309,18 @@ class Ledger:
             org = previous.org or ""
             gap = _Span(previous.pool, previous.revision, org, state, start, 0, cpus, gib)
             self._carry_span(gap, adopted_at)
+
+    async def _forget_orphans(self, store: ReplicaStore) -> None:
+        """Forget the orphans retired meanwhile by another replica (a leader before or after
+        this one), whose write counted their last piece, or adopted since (by this replica
+        or another: then counted as adopted)."""
+        for worker_id, owner in list(self._orphans.items()):
+            try:
+                row = await store.get_worker(worker_id)
+            except StoreError:
+                return
+            if row is None or row.state not in LIVE or row.owner != owner:
+                del self._orphans[worker_id]
 
     def _reconcile(self, rows: list[Worker], now: float) -> None:
         for row in rows:

@@ -62,9 +62,10 @@ class Lifecycle:
         self._beats: dict[str, asyncio.Future[Worker | None]] = {}
         #: (monotonic time, error) of the last write the store failed, if any.
         self.last_store_failure: tuple[float, str] | None = None
-        #: Told of every state written (the state before; None for a new row) and of every
-        #: claim ended: the ledger's hooks (`control.ledger`), in memory only.
-        self.on_moved: Callable[[WorkerState | None, Worker], None] | None = None
+        #: Told of every state written (the state before, None for a new row; the row the
+        #: write was fenced on, when the write was a `move`) and of every claim ended: the
+        #: ledger's hooks (`control.ledger`), in memory only.
+        self.on_moved: Callable[[WorkerState | None, Worker, Worker | None], None] | None = None
         self.on_claim_ended: Callable[[Claim], None] | None = None
         #: Told of every adoption (the row as the previous owner left it, the row written).
         self.on_adopted: Callable[[Worker, Worker], None] | None = None
@@ -79,7 +80,13 @@ class Lifecycle:
         self.metrics.fence_misses.labels(label).inc()
 
     def _written(
-        self, old_state: WorkerState | None, new: Worker, reason: str | None, **fields: Any
+        self,
+        old_state: WorkerState | None,
+        new: Worker,
+        reason: str | None,
+        *,
+        previous: Worker | None = None,
+        **fields: Any,
     ) -> None:
         self.metrics.transitions.labels(new.pool, new.state.value).inc()
         logs.worker_event(
@@ -92,7 +99,7 @@ class Lifecycle:
         if old_state is None:
             self.journal.worker(EventKind.SPAWNED, new)
         if self.on_moved is not None:
-            self.on_moved(old_state, new)
+            self.on_moved(old_state, new, previous)
 
     async def move(
         self,
@@ -121,7 +128,7 @@ class Lifecycle:
         if to is not worker.state:
             if self._beats:
                 self._beats.pop(worker.id, None)  # its activation, if any, is over
-            self._written(worker.state, new, changes.get("reason"))
+            self._written(worker.state, new, changes.get("reason"), previous=worker)
         return new
 
     async def reserve_slots(self, req: SpawnRequest, ids: Sequence[str]) -> SpawnResult:
