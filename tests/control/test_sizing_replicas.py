@@ -108,10 +108,16 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 @asynccontextmanager
 async def replica(
-    store: Store, clock: VirtualClock, *, leads: bool, views: bool = True
+    store: Store,
+    clock: VirtualClock,
+    *,
+    leads: bool,
+    views: bool = True,
+    runtime: MemoryRuntime | None = None,
 ) -> AsyncIterator[Replica]:
-    """A started replica on `store` (loops off), the leader or a standby."""
-    runtime = MemoryRuntime()
+    """A started replica on `store` (loops off), the leader or a standby; `runtime`: a
+    fleet it shares with another replica (else one of its own)."""
+    runtime = runtime or MemoryRuntime()
     plane = ControlPlane(
         store=store,
         runtime=runtime,

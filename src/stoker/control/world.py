@@ -68,13 +68,17 @@ class WorldReader:
         # a dead replica's orphans while no leader runs the instance expiry.
         fresh_after = now - self._settings.instance_expiry_s
         instances = await store.list_instances()
-        if self.reach is Reach.FLEET and any(
-            i.state == "active" and i.heartbeat_at < fresh_after and i.id != mine for i in instances
-        ):
-            await store.expire_instances(before=fresh_after, now=now, keep=mine)
         world.live_instances = {
             i.id for i in instances if i.state == "active" and i.heartbeat_at >= fresh_after
         }
+        if self.reach is Reach.FLEET:
+            stale = {i.id for i in instances if i.state == "active"} - world.live_instances
+            stale.discard(mine)
+            if stale:
+                # A stale replica whose heartbeat lands after the listing is not expired:
+                # only those the expiry took are gone, the others keep their workers.
+                expired = await store.expire_instances(before=fresh_after, now=now, keep=mine)
+                world.live_instances |= stale - set(expired)
         world.live_instances.add(mine)
         world.known_instances = {i.id for i in instances} | {mine}
         # Every claim past its lease, whoever served it: the fallback reaper ends its own
