@@ -27,7 +27,7 @@ from stoker.control.plane import ControlPlane
 from stoker.domain.ledger import HOUR_S, LedgerCounts
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.specs import PlaneSettings, PoolSpec
-from stoker.domain.states import WorkerState
+from stoker.domain.states import ClaimState, WorkerState
 from stoker.ports.store import SpawnRequest, Store
 
 S = WorkerState
@@ -281,3 +281,85 @@ async def test_an_orphan_adopted_before_its_retirement_counts_as_adopted_once(
     assert total.warm_s == pytest.approx(20)
     assert total.draining_s == pytest.approx(10)
     assert total.starting_s == 0
+
+
+async def test_a_gone_replicas_parked_worker_reaped_by_a_fallback_reaper_counts_to_its_end(
+    stores: list[Store],
+) -> None:
+    """Replica A parks a worker (released at 20), writes its ledger at 30 and dies. No
+    replica leads: B's fallback reaper retires the parked worker once A is gone and the
+    worker's TTL has passed, at `reaped`. Hand-computed: warm 0-10, hot 10-20, parked
+    20-`reaped` (A's to 30, B's from 30), draining from `reaped` to its end (at once)."""
+    clock = ManualClock()
+    runtime = MemoryRuntime()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=1, hot_idle_ttl=60)
+    a_leads, b_leads = Lead(True), Lead(False)
+    a = plane(stores[0], clock, runtime, pool, lead=a_leads)
+    b = plane(stores[1], clock, runtime, pool, lead=b_leads)
+    await a.start(loops=False)
+    t0 = clock.now()
+    (warm,) = await until(a, lambda ws: [w.state for w in ws] == [S.WARM])
+    clock.advance(10)
+    claim = await a.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0, lease_s=HOUR_S))
+    clock.advance(10)
+    await a.release(claim.id)
+    a_leads.is_leader = False  # no replica leads from here on: no spawn, no adoption
+    clock.advance(10)
+    await a.check_store()  # A's last heartbeat
+    await a.run_reaper_pass()  # and its last ledger write, at t0 + 30
+    await b.start(loops=False)
+    try:
+        clock.advance(EXPIRY + 60)  # A is gone, the worker past its TTL
+        reaped = clock.now()
+        await b.run_reaper_pass()
+        await until(b, lambda ws: [w.state for w in ws if w.id == warm.id] == [S.RETIRED])
+        clock.advance(5)
+        await b.run_reaper_pass()
+        total = await totals(b.store, t0, clock.now())
+        assert total.warm_s == pytest.approx(10)
+        assert total.hot_s == pytest.approx(10)
+        assert total.hot_idle_s == pytest.approx(reaped - (t0 + 20))
+        assert total.starting_s == pytest.approx(0)
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def test_a_gone_replicas_session_ended_by_a_fallback_reaper_counts_to_its_end(
+    stores: list[Store],
+) -> None:
+    """Replica A serves a session of a 30 s lease from 10, writes its ledger at 20 and
+    dies. No replica leads: B's fallback reaper ends the session once A is gone, at
+    `ended`. Hand-computed: warm 0-10, hot 10-`ended` (A's to 20, B's from 20)."""
+    clock = ManualClock()
+    runtime = MemoryRuntime()
+    pool = PoolSpec(name="p", template=POOL.template, warm_target=1)
+    a_leads, b_leads = Lead(True), Lead(False)
+    a = plane(stores[0], clock, runtime, pool, lead=a_leads)
+    b = plane(stores[1], clock, runtime, pool, lead=b_leads)
+    await a.start(loops=False)
+    t0 = clock.now()
+    (warm,) = await until(a, lambda ws: [w.state for w in ws] == [S.WARM])
+    clock.advance(10)
+    claim = await a.claim(ClaimRequest(pool="p", org="acme", timeout_s=5.0, lease_s=30))
+    a_leads.is_leader = False
+    clock.advance(10)
+    await a.check_store()
+    await a.run_reaper_pass()  # A's last ledger write, at t0 + 20
+    await b.start(loops=False)
+    try:
+        clock.advance(EXPIRY + 30)  # A is gone, the lease long expired
+        ended = clock.now()
+        await b.run_reaper_pass()
+        await until(b, lambda ws: [w.state for w in ws if w.id == warm.id] == [S.RETIRED])
+        ended_claim = await b.store.get_claim(claim.id)
+        assert ended_claim is not None and ended_claim.state is ClaimState.EXPIRED
+        clock.advance(5)
+        await b.run_reaper_pass()
+        total = await totals(b.store, t0, clock.now())
+        assert total.warm_s == pytest.approx(10)
+        assert total.hot_s == pytest.approx(ended - (t0 + 10))
+        assert total.hot_idle_s + total.starting_s == pytest.approx(0)
+    finally:
+        await b.stop()
+        await a.stop()

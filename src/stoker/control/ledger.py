@@ -116,9 +116,10 @@ class Ledger:
         #: (and orphans' rows before each move this replica wrote, and the move's time):
         #: the time between is counted at the next flush.
         self._gaps: list[tuple[Worker, float]] = []
-        #: Workers of replicas that are gone which this replica retires (`orphaned`), and
+        #: Workers of replicas that are gone which this replica retires (`orphaned`), as
+        #: last written (the row a move without its fence, a claim's end, started from):
         #: their owners.
-        self._orphans: dict[str, str] = {}
+        self._orphans: dict[str, Worker] = {}
         #: Metric increments gathered in memory and added at each flush (no metric call on
         #: the claim path): (series, labels) -> amount.
         self._metered: dict[tuple[str, str, str], float] = {}
@@ -135,15 +136,16 @@ class Ledger:
         at = worker.updated_at
         if before is None:
             self._cell(worker.pool, worker.revision, worker.org or "", at).spawns += 1
-        orphan_of = self._orphans.get(worker.id)
-        if previous is not None and orphan_of is not None and orphan_of == worker.owner:
-            self._orphan_moved(previous, worker)
+        orphan = self._orphans.get(worker.id)
+        if orphan is not None and orphan.owner == worker.owner:
+            self._orphan_moved(previous or orphan, worker)
         self._close(worker.id, at)
         self._open_span(worker, at)
 
     def orphaned(self, worker: Worker) -> None:
-        """This replica retires `worker`, which a replica that is gone left starting or
-        draining (not adopted: it keeps its owner).
+        """This replica retires worker `worker_id`, which `owner`, a replica that is gone,
+        left starting or draining, or parked past its TTL or in a session past its lease
+        (a fallback reaper's): not adopted, it keeps its owner.
 
         Each move this replica writes of it counts the time since the row's previous write,
         or since its owner's last ledger write if later (an adoption's rule), in the state
@@ -152,12 +154,14 @@ class Ledger:
         time is counted by the one whose write ended it, once.
         """
         if worker.owner != self._instance_id:
-            self._orphans[worker.id] = worker.owner
+            self._orphans[worker.id] = worker
 
     def _orphan_moved(self, previous: Worker, worker: Worker) -> None:
         # Counted at the next flush, which reads the owner's last ledger write.
         self._gaps.append((previous, worker.updated_at))
-        if worker.state not in LIVE:
+        if worker.state in LIVE:
+            self._orphans[worker.id] = worker
+        else:
             del self._orphans[worker.id]
 
     def adopted(self, previous: Worker, worker: Worker) -> None:
@@ -314,12 +318,12 @@ class Ledger:
         """Forget the orphans retired meanwhile by another replica (a leader before or after
         this one), whose write counted their last piece, or adopted since (by this replica
         or another: then counted as adopted)."""
-        for worker_id, owner in list(self._orphans.items()):
+        for worker_id, orphan in list(self._orphans.items()):
             try:
                 row = await store.get_worker(worker_id)
             except StoreError:
                 return
-            if row is None or row.state not in LIVE or row.owner != owner:
+            if row is None or row.state not in LIVE or row.owner != orphan.owner:
                 del self._orphans[worker_id]
 
     def _reconcile(self, rows: list[Worker], now: float) -> None:
