@@ -15,6 +15,7 @@ real demo workers in tests/sdk/test_sdk.py, tests/test_cli.py and tests/test_qui
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable, MutableMapping
@@ -313,6 +314,30 @@ async def test_pools_show_targets_demand_and_counts(tmp_path: Path) -> None:
         assert pools["other"]["cap"] == 5
         one = await api.http.get("/v1/pools/other")
         assert one.status_code == 200 and one.json() == pools["other"]
+
+
+async def test_a_pools_counts_and_its_revisions_come_from_one_read(tmp_path: Path) -> None:
+    """The listing reads the counts once: a pool's counts are always its revisions' sum,
+    even when a worker moves between two reads (each read here sees one more worker hot)."""
+    async with running(tmp_path, [pool()]) as api:
+        store = api.plane.store
+        read = store.count_workers
+        reads = 0
+
+        async def counted() -> Any:
+            nonlocal reads
+            reads += 1
+            rows = await read()
+            # A later read would see a claim that landed meanwhile.
+            return [dataclasses.replace(c, count=c.count + reads - 1) for c in rows]
+
+        store.count_workers = counted  # type: ignore[method-assign]
+        (demo,) = (await api.http.get("/v1/pools")).json()["pools"]
+        assert reads == 1
+        summed = {
+            state: sum(r["counts"][state] for r in demo["revisions"]) for state in demo["counts"]
+        }
+        assert summed == demo["counts"]
 
 
 async def test_a_pool_shows_how_the_leader_sized_it(tmp_path: Path) -> None:

@@ -113,9 +113,11 @@ async def pool_details(
 ) -> list[PoolDetail]:
     """Every pool's status, stored generation and settings, rollout and revisions, and the
     per-org overrides: all of them for an admin, an org's own for an org's token."""
-    statuses = await plane.pool_status()
+    # One read of the counts: a pool's and its revisions' counts always agree.
+    counted = await plane.store.count_workers()
+    statuses = await plane.pool_status(counted)
     counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: {s.value: 0 for s in LIVE})
-    for c in await plane.store.count_workers():
+    for c in counted:
         counts[c.pool, c.revision][c.state.value] += c.count
     overrides = org_overrides(
         o for o in plane.catalog.orgs.values() if viewer.admin or o.name == viewer.org

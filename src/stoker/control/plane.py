@@ -58,7 +58,7 @@ from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector, SoleLeader
 from stoker.ports.runtime import Runtime
-from stoker.ports.store import Store, WorkerFeed
+from stoker.ports.store import StateCount, Store, WorkerFeed
 from stoker.ports.tracer import NO_TRACER, Tracer
 
 #: How many times a shutdown reads a worker again whose retirement missed its fence (the
@@ -423,8 +423,9 @@ class ControlPlane:
 
     async def sample_pools(self) -> None:
         """Add one sample of every pool to `history` (the dashboard's chart)."""
-        statuses = await self.pool_status()
-        revisions = await revision_samples(self.store, self.catalog)
+        counted = await self.store.count_workers()
+        statuses = await self.pool_status(counted)
+        revisions = revision_samples(counted, self.catalog)
         add_samples(self.history, statuses, self.clock.now(), revisions)
 
     async def run_reaper_pass(self) -> PassReport:
@@ -500,8 +501,9 @@ class ControlPlane:
                 )
         return problems
 
-    async def pool_status(self) -> list[PoolStatus]:
-        """Targets, demand and counts by state of every pool."""
+    async def pool_status(self, counted: Sequence[StateCount] | None = None) -> list[PoolStatus]:
+        """Targets, demand and counts by state of every pool (`counted`: the store's
+        `count_workers`, when the caller read it for more than this)."""
         self._check_running()
         return await pool_statuses(
             self.store,
@@ -509,4 +511,5 @@ class ControlPlane:
             self.spawner,
             now=self.clock.now(),
             janitor_interval_s=self.settings.janitor_interval_s,
+            counted=counted,
         )

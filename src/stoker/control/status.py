@@ -6,7 +6,7 @@ replica shows the same figures, whichever leads."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stoker.control.catalog import Catalog
@@ -17,7 +17,7 @@ from stoker.control.spawning import Spawner
 from stoker.control.stored_pools import revision_shares
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import LIVE, WorkerState
-from stoker.ports.store import StoreReader
+from stoker.ports.store import StateCount, StoreReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +67,13 @@ async def pool_statuses(
     *,
     now: float,
     janitor_interval_s: float,
+    counted: Sequence[StateCount] | None = None,
 ) -> list[PoolStatus]:
     """Targets, demand and counts by state of every pool at `now`, sized as the leader last
-    published it (stale after three `janitor_interval_s`)."""
+    published it (stale after three `janitor_interval_s`); `counted`: the store's
+    `count_workers` already read (one read for the pools and their revisions)."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for c in await store.count_workers():
+    for c in await store.count_workers() if counted is None else counted:
         counts[c.pool][c.state.value] += c.count
     sizings = await read_shown(store, catalog, now=now, janitor_interval_s=janitor_interval_s)
     out = []
@@ -113,13 +115,14 @@ def _cap(catalog: Catalog, pool: PoolSpec) -> int:
         return pool.max_workers
 
 
-async def revision_samples(
-    store: StoreReader, catalog: Catalog
+def revision_samples(
+    counted: Iterable[StateCount], catalog: Catalog
 ) -> dict[str, tuple[RevisionSample, ...]]:
-    """Each pool's revisions now: share by the stored rollout, warm and busy workers."""
+    """Each pool's revisions now (the store's `count_workers` as `counted`): share by the
+    stored rollout, warm and busy workers."""
     warm: dict[tuple[str, str], int] = defaultdict(int)
     busy: dict[tuple[str, str], int] = defaultdict(int)
-    for c in await store.count_workers():
+    for c in counted:
         if c.state is WorkerState.WARM:
             warm[c.pool, c.revision] += c.count
         elif c.state not in (WorkerState.SPAWNING, WorkerState.DRAINING):
