@@ -22,7 +22,7 @@ from typing import Any
 
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ActivationRejected, RuntimeFailure, StoreError
-from stoker.domain.pools import Rollout, StoredPool, StoredRevision
+from stoker.domain.pools import DeletedPool, Rollout, StoredPool, StoredRevision
 from stoker.domain.records import (
     Claim,
     DemandRecord,
@@ -446,6 +446,9 @@ class FaultyStore:
 
     async def update_rollout(self, rollout: Rollout, **kw: Any) -> StoredPool:
         return await self.inner.update_rollout(rollout, **kw)
+
+    async def delete_pool(self, name: str, *, generation: int | None = None) -> DeletedPool:
+        return await self.inner.delete_pool(name, generation=generation)
 
 
 def live_states() -> set[WorkerState]:

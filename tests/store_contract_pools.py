@@ -10,14 +10,16 @@ from typing import TYPE_CHECKING
 import pytest
 
 from stoker.domain.errors import NotFound
-from stoker.domain.pools import Rollout, StaleGeneration, StoredPool, seed_settings
+from stoker.domain.ledger import ClaimLogEntry, LedgerCounts, LedgerKey
+from stoker.domain.pools import PoolInUse, Rollout, StaleGeneration, StoredPool, seed_settings
+from stoker.domain.records import ForecastBucket, OrgForecastBucket, PoolSizingRecord
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState
 from stoker.domain.specs import PodTemplate, PoolSpec, ProcessTemplate, Timeouts, revision_of
 from stoker.domain.states import Reuse
 
 if TYPE_CHECKING:
     from stoker.ports.store import Store
-    from store_contract import MakeStore
+    from store_contract import Fleet, MakeStore
 
 T0 = 1_000.0
 V1 = ProcessTemplate(argv=("worker", "{port}"), env={"A": "1"}, memory_mb=32)
@@ -268,3 +270,129 @@ class PoolContract:
         assert await store.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 3}}  # not old yet
         assert await store.purge(before=T0 + 6) >= 1
         assert await store.read_outcomes(["ro-1"]) == {}
+
+    # -- deleting a pool --------------------------------------------------------------------
+
+    async def test_deleting_a_drained_pool_removes_what_is_its_alone(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        """The pool's rows in every table keyed by it go in one write; another pool's stay,
+        and so do the ledger, the claim log, retired workers and ended claims (history)."""
+        for name in ("p", "q"):
+            await store.create_pool(stored_pool(name), now=T0)
+        await store.start_rollout(rollout(), V2, generation=1, now=T0 + 1)
+        ended = rollout().evolve(state=RolloutState.ROLLED_BACK, share=0, ended_at=T0 + 2)
+        await store.update_rollout(ended, generation=2, now=T0 + 2)
+        await store.record_outcomes("cp-a", {"ro-1": {"spawn": 3}}, now=T0 + 2)
+        await store.record_forecast(
+            [ForecastBucket(n, "day", 9, 0.01, 0.0, 3, T0) for n in ("p", "q")]
+        )
+        await store.record_org_forecast(
+            [OrgForecastBucket(n, "acme", 9, 0.01, 0.0, 3, T0) for n in ("p", "q")]
+        )
+        await store.record_sizing([PoolSizingRecord(n, "cp-a", T0, 2, 1) for n in ("p", "q")])
+        await store.record_demand("cp-a", {"p": (4, 0), "q": (1, 0)}, now=T0)
+        await store.record_demand("cp-b", {"p": (2, 1)}, now=T0)
+        cell = LedgerKey("p", "r1", "acme", 0)
+        await store.record_ledger("cp-a", {cell: LedgerCounts(warm_s=5.0)}, now=T0)
+        logged = ClaimLogEntry("c-1", T0, "p", "acme", "cold", "cold", 0.1, 2.0, "released", "r1")
+        await store.record_claim_log([logged], [])
+        retired = await fleet.retired(pool="p")
+        pool = await store.get_pool("p")
+        assert pool is not None
+        await store.update_pool(pool.evolve(draining=True), now=T0 + 3)
+
+        deleted = await store.delete_pool("p", generation=4)
+
+        assert (deleted.name, deleted.generation) == ("p", 4)
+        assert deleted.removed == {
+            "rollout_outcomes": 1,
+            "rollouts": 1,
+            "revisions": 2,
+            "forecast": 1,
+            "org_forecast": 1,
+            "pool_sizing": 1,
+            "demand": 2,
+            "pools": 1,
+        }
+        assert await store.get_pool("p") is None
+        assert [p.name for p in await store.list_pools()] == ["q"]
+        assert await store.pool_generations() == {"q": 1}
+        assert await store.list_revisions("p") == []
+        assert await store.list_rollouts(pool="p") == []
+        assert await store.get_rollout("ro-1") is None
+        assert await store.read_outcomes(["ro-1"]) == {}
+        assert [b.pool for b in await store.read_forecast()] == ["q"]
+        assert [b.pool for b in await store.read_org_forecast()] == ["q"]
+        assert [s.pool for s in await store.read_sizing()] == ["q"]
+        assert [d.pool for d in await store.read_demand()] == ["q"]
+        # History keeps its own retention.
+        assert [k for k, _ in await store.read_ledger("p", since=0, until=T0 + 1e6)] == [cell]
+        assert await store.read_claim_log(since=0, until=T0 + 1) == [logged]
+        assert await store.get_worker(retired.id) == retired
+        # The name is free again: a seed creates the pool afresh, at generation 1.
+        again = await store.create_pool(stored_pool("p", V2), now=T0 + 9)
+        assert again is not None and again.generation == 1
+        assert [r.template for r in await store.list_revisions("p")] == [V2]
+
+    async def test_a_pool_that_is_not_drained_is_not_deleted(self, store: Store) -> None:
+        await store.create_pool(stored_pool(), now=T0)
+        with pytest.raises(PoolInUse, match="not drained") as refused:
+            await store.delete_pool("p")
+        assert refused.value.reason == "not_draining"
+        assert await store.pool_generations() == {"p": 1}
+        assert len(await store.list_revisions("p")) == 1
+
+    async def test_a_pool_with_live_workers_or_open_claims_is_not_deleted(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        pool = await store.create_pool(stored_pool(), now=T0)
+        assert pool is not None
+        await store.update_pool(pool.evolve(draining=True), now=T0 + 1)
+        await fleet.hot("acme")
+        await fleet.warm()
+        await fleet.retired()
+        await fleet.warm(pool="q")  # another pool's
+        with pytest.raises(PoolInUse, match="2 live workers and 1 open claim") as refused:
+            await store.delete_pool("p")
+        assert refused.value.reason == "in_use"
+        assert (refused.value.live_workers, refused.value.open_claims) == (2, 1)
+        assert await store.pool_generations() == {"p": 2}
+
+    async def test_a_pool_rolling_out_is_not_deleted(self, store: Store) -> None:
+        await store.create_pool(stored_pool(), now=T0)
+        await store.start_rollout(rollout(), V2, generation=1, now=T0 + 1)
+        pool = await store.get_pool("p")
+        assert pool is not None
+        await store.update_pool(pool.evolve(draining=True), now=T0 + 2)
+        with pytest.raises(PoolInUse, match="rollout 'ro-1'") as refused:
+            await store.delete_pool("p")
+        assert refused.value.reason == "rollout_active"
+        assert await store.get_rollout("ro-1") == rollout()
+
+    async def test_deleting_an_unknown_or_moved_on_pool_deletes_nothing(self, store: Store) -> None:
+        with pytest.raises(NotFound, match="unknown pool 'p'"):
+            await store.delete_pool("p")
+        pool = await store.create_pool(stored_pool(), now=T0)
+        assert pool is not None
+        await store.update_pool(pool.evolve(draining=True), now=T0 + 1)
+        with pytest.raises(StaleGeneration) as lost:
+            await store.delete_pool("p", generation=1)
+        assert (lost.value.expected, lost.value.current) == (1, 2)
+        assert await store.pool_generations() == {"p": 2}
+
+    async def test_racing_deletions_delete_once(self, store: Store, make_store: MakeStore) -> None:
+        replicas = [store, await make_store(), await make_store()]
+        pool = await store.create_pool(stored_pool(), now=T0)
+        assert pool is not None
+        await store.update_pool(pool.evolve(draining=True), now=T0 + 1)
+
+        async def delete(i: int) -> bool:
+            try:
+                await replicas[i % 3].delete_pool("p")
+            except NotFound:
+                return False
+            return True
+
+        assert sum(await asyncio.gather(*(delete(i) for i in range(6)))) == 1
+        assert await store.list_pools() == []

@@ -16,15 +16,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoker.adapters._rows import RecordRows, dump_json, load_json_object
-from stoker.adapters._schema import POOL_TABLES, ROLLOUTS
+from stoker.adapters._rows import LIVE_SQL, RecordRows, dump_json, load_json_object
+from stoker.adapters._schema import (
+    CLAIMS,
+    DEMAND,
+    FORECAST,
+    ORG_FORECAST,
+    POOL_SIZING,
+    POOL_TABLES,
+    POOLS,
+    REVISIONS,
+    ROLLOUT_OUTCOMES,
+    ROLLOUTS,
+    WORKERS,
+)
 from stoker.domain.errors import NotFound
 from stoker.domain.pools import (
     ACTIVE_ROLLOUT_STATES,
+    DeletedPool,
     Rollout,
     StaleGeneration,
     StoredPool,
     StoredRevision,
+    check_deletable,
     spec_from_json,
     spec_settings,
     template_from_json,
@@ -79,13 +93,15 @@ class PoolSql:
 
     def __init__(self, *, schema: str | None = None) -> None:
         """SQLite's statements, or PostgreSQL's on the tables of `schema` (quoted)."""
+        p: Callable[[str], str]
+        q: Callable[[str], str]
         if schema is None:
-            p: Callable[[str], str] = ":{}".format
-            j = p
-            pools, revisions, rollouts = (t.name for t in POOL_TABLES)
+            p = ":{}".format
+            j, q = p, "{}".format
         else:
             p, j = "%({})s".format, "%({})s::jsonb".format
-            pools, revisions, rollouts = (f"{schema}.{t.name}" for t in POOL_TABLES)
+            q = f"{schema}.{{}}".format
+        pools, revisions, rollouts = (q(t.name) for t in POOL_TABLES)
         pool_select = (
             "SELECT p.name, p.generation, p.revision, p.settings, p.strategy, p.draining, "
             f"p.created_at, p.updated_at, p.seed, r.template FROM {pools} p JOIN {revisions} r "
@@ -153,6 +169,32 @@ class PoolSql:
             f"WHERE id = {p('id')} AND pool = {p('pool')}"
         )
 
+        # A deletion: the pool's row (locked until the transaction ends on PostgreSQL),
+        # what still uses it, then its rows in every table keyed by it, the pool's last.
+        self.pool_to_delete = f"SELECT generation, draining FROM {pools} WHERE name = {p('pool')}"
+        if schema is not None:
+            self.pool_to_delete += " FOR UPDATE"
+        self.pool_in_use = (
+            f"SELECT (SELECT count(*) FROM {q(WORKERS.name)} WHERE pool = {p('pool')} "
+            f"AND state IN {LIVE_SQL}), "
+            f"(SELECT count(*) FROM {q(CLAIMS.name)} WHERE pool = {p('pool')} "
+            "AND state = 'bound'), "
+            f"(SELECT min(id) FROM {rollouts} {by_pool} AND state IN {_ACTIVE_SQL})"
+        )
+        #: (table, statement) in order: the rollouts' outcome counts before the rollouts.
+        self.pool_cascade: list[tuple[str, str]] = [
+            (
+                ROLLOUT_OUTCOMES.name,
+                f"DELETE FROM {q(ROLLOUT_OUTCOMES.name)} "
+                f"WHERE rollout IN (SELECT id FROM {rollouts} {by_pool})",
+            ),
+            *(
+                (t.name, f"DELETE FROM {q(t.name)} {by_pool}")
+                for t in (ROLLOUTS, REVISIONS, FORECAST, ORG_FORECAST, POOL_SIZING, DEMAND)
+            ),
+            (POOLS.name, f"DELETE FROM {pools} WHERE name = {p('pool')}"),
+        ]
+
     # -- writes --------------------------------------------------------------------------
 
     def create(self, pool: StoredPool, now: float) -> PoolWrite:
@@ -218,8 +260,33 @@ class WriteOutcome:
     current: int | None = None
 
 
+#: What a deletion's check is handed: the pool's row (`PoolSql.pool_to_delete`; None when
+#: there is none) and the row of `PoolSql.pool_in_use`; it raises to refuse.
+DeletionCheck = Callable[[Sequence[Any] | None, Sequence[Any]], None]
+
+
+def check_deletion(name: str, expected: int | None) -> DeletionCheck:
+    """The check of deleting pool `name` (read at generation `expected`, None: any)."""
+
+    def check(pool: Sequence[Any] | None, in_use: Sequence[Any]) -> None:
+        if pool is None:
+            raise NotFound(f"unknown pool {name!r}")
+        workers, claims, rollout = in_use
+        check_deletable(
+            name,
+            expected,
+            generation=int(pool[0]),
+            draining=bool(pool[1]),
+            live_workers=int(workers),
+            open_claims=int(claims),
+            active_rollout=None if rollout is None else str(rollout),
+        )
+
+    return check
+
+
 class PoolRows:
-    """The port's methods on stored pools, over a store's two hooks."""
+    """The port's methods on stored pools, over a store's three hooks."""
 
     _pool_sql: PoolSql
 
@@ -232,6 +299,13 @@ class PoolRows:
         """Run `write` in one transaction: its CAS, then (if that changed a row) the rest,
         raising `NotFound(write.required)` and undoing everything when the last statement
         changed no row though it had to; the pool's row is read in the same transaction."""
+
+    @abstractmethod
+    async def _pool_delete(self, name: str, check: DeletionCheck) -> tuple[int, dict[str, int]]:
+        """In one transaction: read the pool's row (`PoolSql.pool_to_delete`, locked) and,
+        in a later statement, what uses it (`pool_in_use`); hand both to `check`, whose
+        raise deletes nothing; then run `pool_cascade`. The pool's generation, and the rows
+        each statement deleted by table."""
 
     async def list_pools(self) -> list[StoredPool]:
         """Every stored pool, by name."""
@@ -284,6 +358,11 @@ class PoolRows:
     async def update_rollout(self, rollout: Rollout, *, generation: int, now: float) -> StoredPool:
         """CAS: the rollout's ramp (and the stable revision once promoted)."""
         return await self._written(self._pool_sql.change_rollout(rollout, generation, now))
+
+    async def delete_pool(self, name: str, *, generation: int | None = None) -> DeletedPool:
+        """Delete a drained, unused pool and what is its alone, in one transaction."""
+        had, removed = await self._pool_delete(name, check_deletion(name, generation))
+        return DeletedPool(name, had, removed)
 
     async def _written(self, write: PoolWrite) -> StoredPool:
         outcome = await self._pool_write(write)

@@ -55,6 +55,72 @@ class SameTemplate(StokerError, code="same-template"):
     it would ramp nothing."""
 
 
+class PoolInUse(StokerError, code="pool-in-use"):
+    """A pool that cannot be deleted now (HTTP 409): it is not drained, still has live
+    workers or open claims, rolls a template out, or this replica's config declares it.
+    `reason` names which (`not_draining`, `in_use`, `rollout_active`, `in_config`)."""
+
+    def __init__(
+        self, message: str, *, reason: str, live_workers: int = 0, open_claims: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.live_workers, self.open_claims = live_workers, open_claims
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedPool:
+    """What deleting a stored pool removed: the generation it had, and the rows deleted
+    from each table (`pools`, `revisions`, `rollouts`, ...), by table."""
+
+    name: str
+    generation: int
+    removed: Mapping[str, int]
+
+
+def check_deletable(
+    pool: str,
+    expected: int | None,
+    *,
+    generation: int,
+    draining: bool,
+    live_workers: int,
+    open_claims: int,
+    active_rollout: str | None,
+) -> None:
+    """Raise why the stored pool (at `generation`) cannot be deleted now, if it cannot:
+    `StaleGeneration` when the caller read another generation (`expected`; None: any),
+    `PoolInUse` when it is not drained, rolls a template out, or still has live workers or
+    open claims. The store calls it with what it read in the deleting transaction."""
+    if expected is not None and expected != generation:
+        raise StaleGeneration(pool, expected, generation)
+    if not draining:
+        raise PoolInUse(
+            f"pool {pool!r} is not drained: drain it first (stoker pools drain {pool}), "
+            "then delete it once its sessions have ended",
+            reason="not_draining",
+        )
+    if active_rollout is not None:
+        raise PoolInUse(
+            f"pool {pool!r} is rolling a template out (rollout {active_rollout!r}): "
+            "abort or promote the rollout first",
+            reason="rollout_active",
+        )
+    if live_workers or open_claims:
+        raise PoolInUse(
+            f"pool {pool!r} still has {_many(live_workers, 'live worker')} and "
+            f"{_many(open_claims, 'open claim')}: delete it once its sessions have ended "
+            "and its workers have retired",
+            reason="in_use",
+            live_workers=live_workers,
+            open_claims=open_claims,
+        )
+
+
+def _many(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 #: The largest generation a pool can reach: the store keeps it as a signed 64-bit integer.
 GENERATION_MAX = 2**63 - 1
 

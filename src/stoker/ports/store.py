@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
 from stoker.domain.ledger import ClaimEnding, ClaimLogEntry, LedgerCounts, LedgerKey
-from stoker.domain.pools import Rollout, StoredPool, StoredRevision
+from stoker.domain.pools import DeletedPool, Rollout, StoredPool, StoredRevision
 from stoker.domain.records import (
     Claim,
     DemandRecord,
@@ -485,6 +485,17 @@ class ReplicaStore(StoreReader, Protocol):
         """One write, by CAS on the pool's `generation`: the rollout's state, step, share,
         times and reason and, when it is `promoted`, its revision as the pool's stable one.
         `NotFound` when the pool is gone; `StaleGeneration` when it moved on."""
+        ...
+
+    async def delete_pool(self, name: str, *, generation: int | None = None) -> DeletedPool:
+        """Delete a pool in one transaction that checks, under the pool's lock, that it may
+        go (`stoker.domain.pools.check_deletable`): `NotFound` when there is no such pool,
+        `StaleGeneration` when it is not at `generation` (None: any), `PoolInUse` when it is
+        not draining, rolls out, or has live workers or bound claims; then nothing is
+        deleted. Else its row, revisions, rollouts and their outcome counts, forecast and
+        per-org forecast buckets, published sizing and every replica's demand rows go. The
+        ledger, the claim log, retired workers and ended claims stay: history, with its own
+        retention."""
         ...
 
     async def record_forecast(self, buckets: Sequence[ForecastBucket]) -> None:

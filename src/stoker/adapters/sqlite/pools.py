@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from stoker.adapters._pools import Params, PoolSql, PoolWrite, WriteOutcome
+from stoker.adapters._pools import DeletionCheck, Params, PoolSql, PoolWrite, WriteOutcome
 from stoker.adapters.sqlite.batching import GroupCommit
 from stoker.domain.errors import NotFound
 
@@ -13,7 +13,8 @@ SQL = PoolSql()
 
 
 class SqlitePoolHooks:
-    """Reads on the connection; a write in the group commit's transaction."""
+    """Reads on the connection; a write in the group commit's transaction (`BEGIN
+    IMMEDIATE`: no other process writes meanwhile)."""
 
     _writes: GroupCommit
     _pool_sql = SQL
@@ -32,3 +33,12 @@ class SqlitePoolHooks:
             if write.required is not None and changed != 1:
                 raise NotFound(write.required)  # the savepoint undoes the bump
             return WriteOutcome(db.execute(SQL.pool_by_name, {"name": write.pool}).fetchone())
+
+    async def _pool_delete(self, name: str, check: DeletionCheck) -> tuple[int, dict[str, int]]:
+        params = {"pool": name}
+        async with self._writes.tx() as db:
+            pool = db.execute(SQL.pool_to_delete, params).fetchone()
+            check(pool, db.execute(SQL.pool_in_use, params).fetchone())
+            assert pool is not None  # the check raises NotFound
+            removed = {table: db.execute(sql, params).rowcount for table, sql in SQL.pool_cascade}
+            return int(pool[0]), removed
