@@ -392,3 +392,20 @@ async def test_a_waiting_spawn_retired_elsewhere_never_starts(tmp_path: Path) ->
         assert not [w for w in rows if w.state is S.SPAWNING]
         assert {w.reason for w in rows} == {"spawn_failure", "stuck"}
         assert runtime.spawn_calls == 3  # at 0, 5 and 15 s; the next would be at 35 s
+
+
+async def test_a_deleted_pool_whose_spawns_failed_leaves_readiness(tmp_path: Path) -> None:
+    """Spawn trouble is kept per pool revision; once the pool is deleted from the store
+    (drained, its workers gone) the replica forgets it: `/readyz` no longer names it."""
+    runtime = CrashingRuntime("bad", ready_delay=0.2)
+    async with running(tmp_path, [pool("bad"), pool("good")], runtime=runtime) as p:
+        await p.passes(3)
+        assert "bad" in {x.pool for x in p.plane.degraded()}
+        await p.plane.pools.set_draining("bad", True)
+        await p.passes(3)
+        # Deleted through a replica whose file no longer declares it.
+        await p.store.delete_pool("bad")
+        await p.passes(1)
+        assert "bad" not in p.plane.catalog.pools
+        assert p.plane.degraded() == []
+        assert p.metric("stoker_spawn_failures_total", pool="bad", reason="crash") == 0

@@ -16,7 +16,7 @@ from stoker.control.catalog import Catalog
 from stoker.control.ids import Ids
 from stoker.control.stored_pools import StoredPools, revision_shares
 from stoker.domain.errors import InvalidRequest
-from stoker.domain.pools import Rollout, StaleGeneration
+from stoker.domain.pools import PoolInUse, Rollout, StaleGeneration
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
 from stoker.domain.specs import PoolSpec, ProcessTemplate
 from stoker.ports.clock import LoopClock
@@ -158,6 +158,43 @@ async def test_the_catalog_reloads_when_a_generation_changes(replica: Replica) -
     await b.refresh()
     assert b.catalog.draining("demo")
     assert b.catalog.pool("demo").warm_target == 0
+
+
+async def test_a_deleted_pool_leaves_every_replicas_catalog(
+    replica: Replica, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a replica whose file no longer declares the pool may delete it; another replica
+    forgets it at its next refresh, even when it was the last pool it served, and no start
+    warns of it again."""
+    a = await seeded(replica(spec()))
+    other = PoolSpec(name="other", template=V1)
+    b = await seeded(replica(other))
+    await b.set_draining("other", True)
+    await b.set_draining("demo", True)
+    with pytest.raises(PoolInUse, match="declared in this replica's config") as refused:
+        await a.delete("demo")
+    assert refused.value.reason == "in_config"
+    assert "demo" in (await a.store.pool_generations())
+    forgotten: list[str] = []
+    a.forgotten.append(forgotten.append)
+    caplog.set_level(logging.INFO, "stoker")
+
+    deleted = await b.delete("demo", generation=2)
+
+    assert deleted.name == "demo" and deleted.removed["pools"] == 1
+    assert set(b.catalog.pools) == {"other"}
+    assert "demo" in a.catalog.pools  # until its next pass
+    await a.refresh()
+    assert set(a.catalog.pools) == {"other"} and forgotten == ["demo"]
+    assert any("event=pool_deleted pool=demo" in r.getMessage() for r in caplog.records)
+    # The last pool goes too: the catalogs serve none, not the ones they were built with.
+    await a.delete("other")
+    assert dict(a.catalog.pools) == {}
+    await b.refresh()
+    assert dict(b.catalog.pools) == {}
+    caplog.clear()
+    await seeded(replica(PoolSpec(name="third", template=V1)))
+    assert not [r for r in caplog.records if "pool_not_in_config" in r.getMessage()]
 
 
 async def test_updates_check_values_and_generations(replica: Replica) -> None:

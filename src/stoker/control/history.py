@@ -63,6 +63,10 @@ class History:
             ring = self._pools[pool] = deque(maxlen=self._size)
         ring.append(sample)
 
+    def forget(self, pool: str) -> None:
+        """Drop the samples of `pool` (deleted from the store: the chart shows it no more)."""
+        self._pools.pop(pool, None)
+
     def samples(self, *, since: float = -math.inf) -> Mapping[str, list[PoolSample]]:
         """Every pool's samples taken after `since`, oldest first."""
         return {

@@ -68,6 +68,17 @@ class _Children:
             child = self._children[values] = super().labels(*values)  # type: ignore[misc]
         return child
 
+    def remove_where(self, label: str, value: str) -> None:
+        """Drop every series whose `label` is `value` (nothing when it has no such label)."""
+        names: tuple[str, ...] = self._labelnames  # type: ignore[attr-defined]
+        if label not in names:
+            return
+        at = names.index(label)
+        series: dict[tuple[str, ...], Any] = self._metrics  # type: ignore[attr-defined]
+        for values in [v for v in list(series) if v[at] == value]:
+            self._children.pop(values, None)
+            super().remove(*values)  # type: ignore[misc]
+
     def remove(self, *values: Any) -> None:
         """Drop the series of `values` (nothing when there is none)."""
         if self._children.pop(values, None) is not None:
@@ -259,6 +270,13 @@ class Metrics:
             self.rollout_state,
         ):
             gauge.clear()
+
+    def drop_pool(self, pool: str) -> None:
+        """Drop every series of `pool` (a pool deleted from the store): its gauges would
+        otherwise stay at their last values, and its counters be exported for ever."""
+        for metric in vars(self).values():
+            if isinstance(metric, _Children):
+                metric.remove_where("pool", pool)
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry)

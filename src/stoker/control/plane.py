@@ -159,6 +159,8 @@ class ControlPlane:
         self.spawner, self.events, self.demand = parts.spawner, parts.events, parts.demand
         self.janitor, self.reaper = parts.janitor, parts.reaper
         self.pins = parts.pins
+        # A pool deleted from the store: its series, chart and spawn trouble go with it.
+        self.pools.forgotten += [self.metrics.drop_pool, self.history.forget, self.spawner.forget]
         self.closers = tuple(closers)
         self._loops: list[asyncio.Task[None]] = []
         self.started = False

@@ -156,6 +156,14 @@ class Spawner:
         )
         self._journal.record(EventKind.SPAWN_FAILED, pool=pool, detail=f"{revision}: {error}")
 
+    def forget(self, pool: str) -> None:
+        """Drop what this replica learnt of a pool deleted from the store: its revisions'
+        spawn trouble (`/readyz` names it no more) and its spawn-to-ready time."""
+        for key in [k for k in self._trouble if k[0] == pool]:
+            del self._trouble[key]
+            self._changed(key)
+        self._ready.pop(pool, None)
+
     def spawn_ready(self, pool: str, revision: str) -> None:
         """A worker of the revision got ready: its spawns work (again)."""
         if self._trouble.pop((pool, revision), None) is not None:

@@ -11,15 +11,18 @@ holds. At start a replica *seeds* the store from its config file, one log line p
 
 Each janitor and fallback-reaper pass reads the pools' generations (one small query) and
 reloads the catalog when they changed, so an admin change is in force on every replica
-within a pass, without a restart. Every write compares the pool's generation. A pool whose
-stored row cannot be read (written before the API checked what it stores) keeps what the
-catalog served before, is named in `broken`, and never keeps the others from loading.
+within a pass, without a restart. A pool deleted from the store (`delete`: drained,
+unused, and named by no config file of this replica) leaves every replica's catalog at its
+next load, and each listener of `forgotten` drops what the replica kept of it. Every write
+compares the pool's generation. A pool whose stored row cannot be read (written before the
+API checked what it stores) keeps what the catalog served before, is named in `broken`,
+and never keeps the others from loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from stoker.control import logs
@@ -28,6 +31,8 @@ from stoker.control.faults import describe
 from stoker.control.ids import Ids
 from stoker.domain.errors import NotFound, StoreError
 from stoker.domain.pools import (
+    DeletedPool,
+    PoolInUse,
     Rollout,
     SameTemplate,
     StaleGeneration,
@@ -97,6 +102,8 @@ class StoredPools:
         #: Pools whose stored row or revisions could not be read at the last load, with
         #: why (they are read again at every refresh until they load).
         self.broken: dict[str, str] = {}
+        #: Called with the name of each pool a load finds deleted from the store.
+        self.forgotten: list[Callable[[str], None]] = []
 
     # -- seed and refresh -----------------------------------------------------------------
 
@@ -116,7 +123,8 @@ class StoredPools:
                     "pool_not_in_config",
                     pool=name,
                     served="yes",
-                    hint=f"stoker pools drain {name} stops its new claims",
+                    hint=f"stoker pools drain {name} stops its new claims, "
+                    f"stoker pools delete {name} then removes it",
                     level=logs.WARNING,
                 )
 
@@ -201,10 +209,19 @@ class StoredPools:
                 pools.append(before)
                 revisions += self.catalog.revisions_of(name)
         self.broken = broken
-        if pools:
+        if pools or self._loaded is not None:
+            # Once loaded, an empty store serves no pool (the last one was deleted).
+            served = set(self.catalog.pools)
             self.catalog.load(pools, rollouts, revisions)
+            for name in sorted(served - set(self.catalog.pools)):
+                self._forget(name)
         self._loaded = {p.name: p.generation for p in pools if p.name not in broken}
         return True
+
+    def _forget(self, name: str) -> None:
+        logs.event("pool_forgotten", pool=name, why="deleted from the store")
+        for listener in self.forgotten:
+            listener(name)
 
     async def _read_pools(
         self, generations: Mapping[str, int], broken: dict[str, str]
@@ -261,6 +278,25 @@ class StoredPools:
             return pool
         changed = pool.evolve(draining=draining)
         return await self._written(await self.store.update_pool(changed, now=self._clock.now()))
+
+    async def delete(self, name: str, *, generation: int | None = None) -> DeletedPool:
+        """Delete the pool from the store (`ReplicaStore.delete_pool`, which refuses a pool
+        that is not drained, rolls out, or has live workers or open claims), by CAS on
+        `generation` if given; this replica forgets it at once, the others at their next
+        pass. Refused while this replica's config file declares the pool: its next start
+        would seed it again."""
+        if name in self._seeds:
+            raise PoolInUse(
+                f"pool {name!r} is declared in this replica's config file: remove it from "
+                "the file (on every replica, then restart them) first, or the next start "
+                "seeds it again",
+                reason="in_config",
+            )
+        deleted = await self.store.delete_pool(name, generation=generation)
+        removed = ",".join(f"{table}:{n}" for table, n in deleted.removed.items() if n)
+        logs.event("pool_deleted", pool=name, generation=deleted.generation, removed=removed)
+        await self.refresh()
+        return deleted
 
     async def propose(
         self,
