@@ -1,14 +1,14 @@
 """Generated bad input on every admin write route (issue #25), from the OpenAPI document.
 
-Schemathesis sends requests that fit the document and requests that break it to each
-route that changes a pool: `PATCH /v1/pools/{name}`, drain and undrain, starting a rollout
-and every action on one. No answer may be a 5xx or show Python's internals or stoker's
-class names, and nothing accepted may fail later: after every write that was accepted a
-janitor pass runs through, every template in the store passes the template model as it
-is, and each stored template's command line, environment and directory are handed to exec
-(its program swapped for `true`: a fuzzer's programs are not run) and refused for no
-reason of their form. The server is the real app on uvicorn in a thread with
-`MemoryRuntime` workers, as in test_api_fuzz.py.
+Schemathesis sends requests that fit the document and requests that break it to each route
+that changes a pool: `PATCH /v1/pools/{name}`, drain and undrain, `DELETE
+/v1/pools/{name}`, starting a rollout and every action on one. No answer may be a 5xx or
+show Python's internals or stoker's class names, and nothing accepted may fail later:
+after every write that was accepted a janitor pass runs through, every template in the
+store passes the template model as it is, and each stored template's command line,
+environment and directory are handed to exec (its program swapped for `true`: a fuzzer's
+programs are not run) and refused for no reason of their form. The server is the real app
+on uvicorn in a thread with `MemoryRuntime` workers, as in test_api_fuzz.py.
 
 Its pools run processes, so the template model is also driven directly, with generated
 changes of a process's and a pod's template: every template it accepts is one exec takes,
@@ -117,7 +117,7 @@ def admin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdminServ
 
 
 schema = schemathesis.openapi.from_dict(openapi_document()).include(
-    method=["PATCH", "POST"], path_regex=r"^/v1/pools/"
+    method=["PATCH", "POST", "DELETE"], path_regex=r"^/v1/pools/"
 )
 schema.config.generation.update(
     modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
@@ -219,6 +219,7 @@ def test_the_sweep_reaches_every_admin_write_route() -> None:
     routes = {(op.method.upper(), op.path) for op in operations}
     assert routes == {
         ("PATCH", "/v1/pools/{name}"),
+        ("DELETE", "/v1/pools/{name}"),
         ("POST", "/v1/pools/{name}/drain"),
         ("POST", "/v1/pools/{name}/undrain"),
         ("POST", "/v1/pools/{name}/rollouts"),

@@ -11,7 +11,7 @@ import pytest
 from test_api import ACME, ADMIN, TOKENS, assert_problem, pool, running
 
 from stoker.domain.specs import ProcessTemplate, revision_of
-from stoker.domain.states import WorkerState
+from stoker.domain.states import LIVE, WorkerState
 
 pytestmark = pytest.mark.looptime
 
@@ -146,3 +146,51 @@ async def test_a_drained_pool_refuses_new_claims_until_undrained(tmp_path: Path)
         assert api.plane.catalog.pool("demo").warm_target == 2
         claimed = await api.claim(token=ACME)
         assert claimed.status_code == 201, claimed.text
+
+
+async def test_an_admin_deletes_a_drained_pool_gone_from_the_config(tmp_path: Path) -> None:
+    """The pool `old`, dropped from the file, is refused while it is not drained and while
+    a session holds a worker, then deleted: the replica serves it no more, its claims get
+    the unknown pool's 404 and its metrics go."""
+    async with running(tmp_path, [pool(), pool("old", warm_target=1)], api=TOKENS) as api:
+        await api.plane.run_janitor_pass()
+    async with running(tmp_path, api=TOKENS) as api:
+        assert "old" in api.plane.catalog.pools  # the store is the truth
+        claimed = await api.claim(pool="old", token=ACME)
+        assert claimed.status_code == 201, claimed.text
+        assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ACME), 403)
+        assert_problem(await api.http.delete("/v1/pools/nope", headers=AS_ADMIN), 404)
+        in_config = assert_problem(await api.http.delete("/v1/pools/demo", headers=AS_ADMIN), 409)
+        assert in_config["reason"] == "in_config" and "config file" in in_config["detail"]
+        undrained = assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ADMIN), 409)
+        assert undrained["reason"] == "not_draining" and "drain" in undrained["detail"]
+        await api.http.post("/v1/pools/old/drain", headers=AS_ADMIN)
+        busy = assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ADMIN), 409)
+        assert busy["reason"] == "in_use" and busy["open_claims"] == 1
+        assert busy["live_workers"] >= 1 and "1 open claim" in busy["detail"]
+        released = await api.http.delete(f"/v1/claims/{claimed.json()['id']}", headers=AS_ACME)
+        assert released.status_code == 200, released.text
+        for _ in range(4):
+            await api.plane.run_janitor_pass()
+            await asyncio.sleep(61)  # past the TTLs and scale_down_delay (virtual time)
+        await api.plane.run_janitor_pass()
+        assert await api.plane.store.list_workers(pool="old", states=LIVE) == []
+        stale = await api.http.delete("/v1/pools/old", headers={**AS_ADMIN, "If-Match": '"1"'})
+        assert_problem(stale, 412)
+        assert 'pool="old"' in (await api.http.get("/metrics")).text
+
+        deleted = await api.http.delete("/v1/pools/old", headers=AS_ADMIN)
+
+        assert deleted.status_code == 200, deleted.text
+        body = deleted.json()
+        assert body["name"] == "old" and body["generation"] >= 2
+        assert body["removed"]["pools"] == 1 and body["removed"]["revisions"] == 1
+        assert "old" not in api.plane.catalog.pools
+        assert_problem(await api.http.get("/v1/pools/old", headers=AS_ADMIN), 404)
+        listed = (await api.http.get("/v1/pools", headers=AS_ADMIN)).json()["pools"]
+        assert [p["name"] for p in listed] == ["demo"]
+        unknown = assert_problem(await api.claim(pool="old", token=ACME), 404)
+        assert "unknown pool 'old'" in unknown["detail"]
+        await api.plane.run_janitor_pass()
+        assert 'pool="old"' not in (await api.http.get("/metrics")).text
+        assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ADMIN), 404)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import prometheus_client
 import psycopg
 import pytest
 from test_plane_claims import pool
@@ -27,6 +28,7 @@ from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
 from stoker.control.published_sizing import STALE_PASSES, shown, status_of
 from stoker.control.sizing import SizingStatus
+from stoker.domain.pools import StoredPool
 from stoker.domain.records import PoolSizingRecord
 from stoker.domain.specs import PlaneSettings
 from stoker.ports.clock import VirtualClock
@@ -214,6 +216,48 @@ async def test_a_pool_nobody_has_sized_shows_its_static_target(
         assert (shown["desired_warm"], shown["demand"], shown["sizing"]) == (1, 0, None)
         assert shown["sized_by"] is None and shown["sizing_age_s"] is None
         assert shown["sizing_stale"] is False
+
+
+async def test_a_pool_deleted_through_one_replica_leaves_the_leader_at_its_next_pass(
+    stores: list[Store],
+) -> None:
+    """A pool neither replica's config declares is deleted through the standby: the leader
+    serves it until its next pass, which forgets it: no sizing published for it, no series
+    of it in its metrics, and a claim of it is the unknown pool's 404."""
+    clock = VirtualClock()
+    async with (
+        replica(stores[0], clock, leads=True) as leader,
+        replica(stores[1], clock, leads=False) as standby,
+    ):
+        old = pool(name="old", warm_target=0)
+        await leader.plane.store.create_pool(StoredPool(old, 0), now=clock.now())
+        await leader.plane.run_janitor_pass()
+        await standby.plane.pools.refresh()  # what a standby's pass does
+        listed = (await standby.http.get("/v1/pools")).json()["pools"]
+        assert {p["name"]: p["sized_by"] for p in listed}["old"] == leader.plane.instance_id
+        assert 'pool="old"' in metrics_of(leader.plane)
+
+        drained = await standby.http.post("/v1/pools/old/drain")
+        assert drained.status_code == 200, drained.text
+        deleted = await standby.http.delete("/v1/pools/old")
+
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json()["removed"]["pool_sizing"] == 1
+        assert (await standby.http.get("/v1/pools/old")).status_code == 404
+        assert "old" in leader.plane.catalog.pools  # until its next pass
+        clock.advance(SETTINGS.janitor_interval_s)
+        await leader.plane.run_janitor_pass()
+        assert "old" not in leader.plane.catalog.pools
+        assert [s.pool for s in await leader.plane.store.read_sizing()] == ["p"]
+        assert 'pool="old"' not in metrics_of(leader.plane)
+        assert (await leader.http.get("/v1/pools/old")).status_code == 404
+        claim = await leader.http.post("/v1/claims", json={"pool": "old", "org": "acme"})
+        assert claim.status_code == 404 and "unknown pool 'old'" in claim.json()["detail"]
+
+
+def metrics_of(plane: ControlPlane) -> str:
+    """The plane's metrics as a scrape reads them."""
+    return prometheus_client.generate_latest(plane.metrics.registry).decode()
 
 
 def test_a_sizing_turns_stale_after_three_janitor_intervals() -> None:

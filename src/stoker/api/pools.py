@@ -3,7 +3,8 @@
 `GET /v1/pools/{name}` shows the pool with its generation, its active rollout and each
 revision's share, state and workers by state. `PATCH /v1/pools/{name}` changes its tunable
 settings, `POST /v1/pools/{name}/drain` and `/undrain` stop and resume handing out its new
-claims (admin token only). Every write compares the pool's generation: the one the caller
+claims, `DELETE /v1/pools/{name}` deletes a drained pool nobody uses any more (admin token
+only). Every write compares the pool's generation: the one the caller
 read (`If-Match` or `generation`), else the one read now; a lost race is a 412. A write
 that changes nothing leaves the generation as it is.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Path, Request
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from starlette.responses import Response
 
@@ -84,6 +85,18 @@ class PoolDetail(PoolOut):
     #: each org sets (`max_workers`, `hot_idle_ttl`, `min_hot_idle`, `max_claim_s`). An
     #: org's token sees its own only.
     org_overrides: dict[str, dict[str, int | float]] = dataclasses.field(default_factory=dict)
+
+
+class PoolDeleted(BaseModel):
+    """`DELETE /v1/pools/{name}`: the pool deleted, the generation it had, and the rows
+    deleted from each table of the store (the ledger and the claim log keep theirs)."""
+
+    name: str = Field(description="The pool deleted.")
+    generation: int = Field(description="The generation the pool had when it was deleted.")
+    removed: dict[str, int] = Field(
+        description="Rows deleted, by table of the store (`pools`, `revisions`, `rollouts`, "
+        "`rollout_outcomes`, `forecast`, `org_forecast`, `pool_sizing`, `demand`)."
+    )
 
 
 #: `PATCH /v1/pools/{name}`: the config's settings model, strict (`true` is no count).
@@ -231,6 +244,35 @@ def add_pool_routes(app: FastAPI, plane: ControlPlane) -> None:
         generation = expected_generation(if_match, body.generation)
         await plane.pools.update(name, changes, generation=generation)
         return _answer(await pool_detail(plane, name))
+
+    @app.delete(
+        "/v1/pools/{name}",
+        **_doc(
+            "delete_pool",
+            "Delete a drained pool (admin)",
+            PoolDeleted,
+            400,
+            401,
+            403,
+            404,
+            409,
+            412,
+            422,
+            503,
+        ),
+    )
+    async def delete_pool(
+        request: Request, name: PoolName, if_match: Annotated[str | None, Header()] = None
+    ) -> PoolDeleted:
+        """Delete a pool and what is its alone (revisions, rollouts, forecast, published
+        sizing, demand rows); its ledger and claim log rows stay. 409 while it is not
+        drained, rolls out, has live workers or open claims, or this replica's config file
+        declares it; every replica forgets it within one janitor pass."""
+        principal_of(request.scope).check_admin()
+        deleted = await plane.pools.delete(name, generation=expected_generation(if_match))
+        return PoolDeleted(
+            name=deleted.name, generation=deleted.generation, removed=dict(deleted.removed)
+        )
 
     for path, draining, summary in (
         ("drain", True, "Stop handing out a pool's new claims (admin)"),

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from stoker.config.problems import ConfigProblems
 from stoker.domain import errors
-from stoker.domain.pools import InvalidSettings, SameTemplate, StaleGeneration
+from stoker.domain.pools import InvalidSettings, PoolInUse, SameTemplate, StaleGeneration
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -38,6 +38,8 @@ STATUS_OF: dict[type[errors.StokerError], int] = {
     errors.RolloutEnded: 409,
     # A rollout of the template the pool serves or rolls out already.
     SameTemplate: 409,
+    # A deletion of a pool that is not drained, still used, rolling out or in the config.
+    PoolInUse: 409,
     # A write of a pool from a generation it has moved past (`If-Match` is stale).
     StaleGeneration: 412,
     errors.OrgCapError: 429,
@@ -148,6 +150,10 @@ def from_domain(exc: errors.StokerError) -> Response:
         extra["reason"] = reason_of(exc)
     elif isinstance(exc, errors.Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
+    elif isinstance(exc, PoolInUse):
+        extra["reason"] = exc.reason
+        if exc.reason == "in_use":
+            extra.update(live_workers=exc.live_workers, open_claims=exc.open_claims)
     if status == 503:
         # A worker may free up any moment; a store, a runtime or a restart takes longer.
         headers["Retry-After"] = "1" if isinstance(exc, errors.CapacityError) else "5"
