@@ -7,6 +7,7 @@ gracefully, leaving workers for the next start to adopt (or stopping them when a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import shlex
@@ -35,6 +36,9 @@ from servers import (
     start_server,
     wait_until,
 )
+from stoker.adapters.sqlite import SqliteStore
+from stoker.domain.pools import StoredPool
+from stoker.domain.specs import PoolSpec, ProcessTemplate
 
 pytestmark = pytest.mark.processes
 
@@ -417,6 +421,34 @@ def test_pools_set_and_drain_change_the_stored_pool(server: Server) -> None:
         run(["pools", "set", "demo", "--lease-s", "60"], url=server.url)
     after = json.loads(run(["pools", "demo", "--json"], url=server.url).stdout)
     assert after["draining"] is False and after["settings"]["lease_s"] == 60
+
+
+async def store_pool_gone_from_the_config(server: Server, name: str) -> None:
+    """Store a drained pool the server's config file does not declare (as another
+    replica's older file would have)."""
+    spec = PoolSpec(name=name, template=ProcessTemplate(argv=tuple(DEMO)))
+    store = SqliteStore(str(server.workdir / "stoker.db"))
+    await store.open()
+    try:
+        await store.create_pool(StoredPool(spec, 0, draining=True), now=1.0)
+    finally:
+        await store.close()
+
+
+def test_pools_delete_asks_for_yes_and_prints_what_it_removed(server: Server) -> None:
+    asyncio.run(store_pool_gone_from_the_config(server, "gone"))
+    asked = run(["pools", "delete", "gone"], url=server.url)
+    assert "--yes" in one_line_error(asked, 2)
+    in_config = run(["pools", "delete", "demo", "--yes"], url=server.url)
+    assert "config file" in one_line_error(in_config, 1)
+    deleted = run(["pools", "delete", "gone", "--yes"], url=server.url)
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout.startswith("deleted pool gone (generation 1): removed ")
+    assert "pools: 1" in deleted.stdout and "revisions: 1" in deleted.stdout
+    listed = json.loads(run(["pools", "--json"], url=server.url).stdout)
+    assert "gone" not in [p["name"] for p in listed["pools"]]
+    again = run(["pools", "delete", "gone", "--yes", "--json"], url=server.url)
+    assert "unknown pool" in one_line_error(again, 1)
 
 
 def test_rollout_start_takes_command_and_refuses_an_empty_one(server: Server) -> None:

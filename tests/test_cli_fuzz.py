@@ -177,6 +177,7 @@ def test_every_command_is_driven() -> None:
         ("claims", "renew"),
         ("pools", "list"),
         ("pools", "set"),
+        ("pools", "delete"),
         ("rollout", "start"),
         ("config", "check"),
         ("scaletest",),
@@ -195,6 +196,8 @@ def test_every_command_is_driven() -> None:
         ["--url", "http://[::1]:99999", "pools", "list"],
         ["claims", "renew", "c-1", "--lease-s", "nan"],
         ["pools", "set", "demo", "--warm-target", "99999999999999999999"],
+        ["pools", "delete", "demo"],
+        ["pools", "delete", "demo", "--yes", "--generation", "0"],
     ],
 )
 def test_known_bad_inputs_are_clean(argv: list[str], tmp_path: Path) -> None:

@@ -26,10 +26,12 @@ from stoker.sdk import (
     ClaimConflict,
     ClaimInfo,
     Client,
+    DeletedPool,
     InvalidRequest,
     NotFound,
     OrgCapError,
     PoolInfo,
+    PoolInUse,
     Retries,
     ServerUnreachable,
     Session,
@@ -592,6 +594,50 @@ async def test_rollout_writes_send_the_template_and_if_match_from_both_clients()
         started, paused, unmatched = server.requests
         assert json.loads(started.content) == {"template": template}
         assert started.headers["if-match"] == '"3"' and paused.headers["if-match"] == '"4"'
+        assert "if-match" not in unmatched.headers
+
+
+async def test_both_clients_delete_a_pool_and_say_why_one_is_refused() -> None:
+    removed = {"pools": 1, "revisions": 2, "forecast": 0}
+    busy = {
+        "code": "pool-in-use",
+        "detail": "pool 'busy' still has 2 live workers and 1 open claim",
+        "reason": "in_use",
+        "live_workers": 2,
+        "open_claims": 1,
+    }
+
+    def pool_server() -> Server:
+        return Server(
+            {
+                ("DELETE", "/v1/pools/old"): ok(
+                    {"name": "old", "generation": 7, "removed": removed}
+                ),
+                ("DELETE", "/v1/pools/busy"): ok(busy, 409),
+            }
+        )
+
+    sync_server, async_server = pool_server(), pool_server()
+    once = Retries(enabled=False)
+    with Client("http://s", retries=once, transport=httpx.MockTransport(sync_server)) as client:
+        deleted = client.delete_pool("old", generation=7)
+        with pytest.raises(PoolInUse) as sync_refused:
+            client.delete_pool("busy")
+    async with AsyncClient(
+        "http://s", retries=once, transport=httpx.MockTransport(async_server)
+    ) as aclient:
+        assert await aclient.delete_pool("old", generation=7) == deleted
+        with pytest.raises(PoolInUse) as async_refused:
+            await aclient.delete_pool("busy")
+    assert isinstance(deleted, DeletedPool)
+    assert (deleted.name, deleted.generation, deleted.removed) == ("old", 7, removed)
+    for refused in (sync_refused.value, async_refused.value):
+        assert (refused.status, refused.reason) == (409, "in_use")
+        assert (refused.live_workers, refused.open_claims) == (2, 1)
+        assert "2 live workers" in str(refused)
+    for server in (sync_server, async_server):
+        old, unmatched = server.requests
+        assert old.method == "DELETE" and old.headers["if-match"] == '"7"'
         assert "if-match" not in unmatched.headers
 
 

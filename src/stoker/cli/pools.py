@@ -1,11 +1,13 @@
 """`pools` and `status`: the pools as tables, `status` fitted to the terminal and
-optionally refreshed in place; `pools show|set|drain` change a stored pool (admin token).
+optionally refreshed in place; `pools show|set|drain|delete` change a stored pool (admin
+token).
 
 `stoker pools list` (or `stoker pools`) lists the pools; `stoker pools NAME` shows one: a
 first argument that names no subcommand is a pool's name (`_PoolsGroup`)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -51,7 +53,8 @@ pools_app = typer.Typer(
     name="pools",
     cls=_PoolsGroup,
     invoke_without_command=True,
-    help="Pools: list (also `stoker pools`), show, set and drain (docs/guides/rollouts.md).",
+    help="Pools: list (also `stoker pools`), show, set, drain and delete "
+    "(docs/guides/rollouts.md).",
 )
 
 NameArgument = Annotated[str, typer.Argument(help="The pool's name", show_default=False)]
@@ -152,6 +155,38 @@ def pools_drain(
     """Stop handing out a pool's new claims: sessions end as usual, warm workers retire."""
     changed = client.drain_pool(name, draining=not undo)
     _print_pools(client.url, [changed], as_json=as_json, one=True)
+
+
+@server_command(pools_app, "delete")
+def pools_delete(
+    name: NameArgument,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Delete without asking (it cannot be undone)")
+    ] = False,
+    generation: Annotated[
+        int | None,
+        typer.Option(help="Delete only if the pool is still at this generation", min=1),
+    ] = None,
+    *,
+    client: Client,
+    as_json: bool,
+) -> None:
+    """Delete a drained pool gone from the config file, once its sessions have ended.
+
+    Its revisions, rollouts, forecast and published sizing go; its ledger and claim log
+    stay. Every replica stops serving it within one janitor pass.
+    """
+    if not yes:
+        if not sys.stdin.isatty():
+            fail(f"deleting pool {name!r} cannot be undone: add --yes to confirm", code=2)
+        if not typer.confirm(f"Delete pool {name!r}? It cannot be undone"):
+            fail("nothing deleted", code=1)
+    deleted = client.delete_pool(name, generation=generation)
+    if as_json:
+        print_json(deleted.raw)
+        return
+    removed = ", ".join(f"{table}: {n}" for table, n in deleted.removed.items() if n)
+    print(f"deleted pool {deleted.name} (generation {deleted.generation}): removed {removed}")
 
 
 @server_command(pools_app, "ledger")

@@ -19,6 +19,7 @@ from stoker.sdk._errors import (
     InvalidRequest,
     NotFound,
     OrgCapError,
+    PoolInUse,
     ServerError,
     ServerUnreachable,
     SessionLost,
@@ -28,7 +29,15 @@ from stoker.sdk._errors import (
     Unavailable,
     error_from_response,
 )
-from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo, WorkerRef
+from stoker.sdk._models import (
+    ClaimInfo,
+    DeletedPool,
+    Listing,
+    PoolInfo,
+    RolloutInfo,
+    WorkerInfo,
+    WorkerRef,
+)
 from stoker.sdk._retry import Retries
 
 __all__ = [
@@ -41,12 +50,14 @@ __all__ = [
     "ClaimInfo",
     "ClaimOptions",
     "Client",
+    "DeletedPool",
     "Forbidden",
     "InvalidRequest",
     "Listing",
     "NotFound",
     "OrgCapError",
     "PoolChanges",
+    "PoolInUse",
     "PoolInfo",
     "Retries",
     "RolloutInfo",

@@ -30,7 +30,14 @@ from stoker.sdk._calls import (
     WorkerFilters,
 )
 from stoker.sdk._errors import StokerError
-from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo
+from stoker.sdk._models import (
+    ClaimInfo,
+    DeletedPool,
+    Listing,
+    PoolInfo,
+    RolloutInfo,
+    WorkerInfo,
+)
 from stoker.sdk._session import OnLost, SessionState
 
 T = TypeVar("T")
@@ -179,6 +186,15 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         """Stop handing out the pool's new claims (admin token; `draining=False` resumes
         them): its sessions end as usual, its warm workers retire."""
         return await self._send(self._calls.drain_pool(name, draining=draining))
+
+    async def delete_pool(self, name: str, *, generation: int | None = None) -> DeletedPool:
+        """Delete a pool gone from the config file (admin token): it must be drained, with
+        no live workers, open claims or rollout under way, and declared by no config file
+        of the server that answers (else `PoolInUse`, saying why). Its revisions,
+        rollouts, forecast, published sizing and demand rows go; its ledger and claim log
+        rows stay. `generation`: the one it was read at; a pool changed since is
+        `StaleGeneration`."""
+        return await self._send(self._calls.delete_pool(name, generation))
 
     async def start_rollout(
         self,

@@ -19,7 +19,14 @@ from urllib.parse import quote
 import httpx
 
 from stoker.sdk._errors import InvalidRequest, ServerUnreachable, StokerError, error_from_response
-from stoker.sdk._models import ClaimInfo, Listing, PoolInfo, RolloutInfo, WorkerInfo
+from stoker.sdk._models import (
+    ClaimInfo,
+    DeletedPool,
+    Listing,
+    PoolInfo,
+    RolloutInfo,
+    WorkerInfo,
+)
 from stoker.sdk._retry import Retries
 
 T = TypeVar("T")
@@ -269,6 +276,16 @@ class Calls:
         """`POST /v1/pools/{name}/drain` (or `/undrain`)."""
         path = _pool_path(name) + ("/drain" if draining else "/undrain")
         return Call("POST", path, self._default_timeout, PoolInfo.from_json)
+
+    def delete_pool(self, name: str, generation: int | None = None) -> Call[DeletedPool]:
+        """`DELETE /v1/pools/{name}` (`If-Match: generation` when given)."""
+        return Call(
+            "DELETE",
+            _pool_path(name),
+            self._default_timeout,
+            DeletedPool.from_json,
+            headers=_if_match(generation),
+        )
 
     def start_rollout(
         self,

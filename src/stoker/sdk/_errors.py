@@ -50,6 +50,26 @@ class ClaimConflict(StokerError):
     """409: the claim is not in a state that allows this (e.g. renewing a released claim)."""
 
 
+class PoolInUse(StokerError):
+    """409 of `delete_pool`: the pool may not be deleted now; `reason` says why."""
+
+    @property
+    def reason(self) -> str:
+        """`not_draining`, `in_use` (see `live_workers`, `open_claims`), `rollout_active`,
+        or `in_config` (the server's config file declares the pool)."""
+        return str(self.problem.get("reason", ""))
+
+    @property
+    def live_workers(self) -> int:
+        """The pool's live workers when the deletion was refused (0 if not said)."""
+        return int(self.problem.get("live_workers") or 0)
+
+    @property
+    def open_claims(self) -> int:
+        """The pool's open claims when the deletion was refused (0 if not said)."""
+        return int(self.problem.get("open_claims") or 0)
+
+
 class StaleGeneration(StokerError):
     """412: the pool changed since the generation a change was made from; read it again."""
 
@@ -163,6 +183,8 @@ def error_from_response(response: httpx.Response) -> StokerError:
         return Unavailable(message, status=status, problem=problem, retry_after=retry_after)
     if status >= 500:
         return ServerError(message, status=status, problem=problem)
+    if status == 409 and problem.get("code") == "pool-in-use":
+        return PoolInUse(message, status=status, problem=problem)
     cls = _BY_STATUS.get(status, StokerError)
     return cls(message, status=status, problem=problem)
 

@@ -199,6 +199,17 @@ class PoolInfo(Answer):
 
 
 @dataclass(frozen=True, slots=True)
+class DeletedPool(Answer):
+    """A pool `delete_pool` deleted: the generation it had, and the rows deleted from each
+    table of the store (its ledger and claim log rows stay)."""
+
+    name: str
+    generation: int
+    #: Rows deleted by table: `pools`, `revisions`, `rollouts`, `forecast`, ...
+    removed: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutInfo(Answer):
     """A pool's rollout of a new revision (docs/guides/rollouts.md)."""
 
