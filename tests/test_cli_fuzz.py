@@ -131,7 +131,8 @@ def command_lines(draw: st.DrawFn) -> list[str]:
 
 def run_in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    env = {"STOKER_URL": NOWHERE, "STOKER_TOKEN": "", "COLUMNS": "100"}
+    # HOME in the test's folder: `--install-completion` writes a shell's start-up files.
+    env = {"STOKER_URL": NOWHERE, "STOKER_TOKEN": "", "COLUMNS": "100", "HOME": str(cwd)}
     with (
         mock.patch.dict(os.environ, env),
         contextlib.chdir(cwd),
