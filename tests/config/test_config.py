@@ -761,6 +761,27 @@ def test_kubernetes_lease_name_follows_the_fleet() -> None:
             ],
         ),
         (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: 'i:1 ', "
+            "tolerations: [{key: 'gpu type', operator: Exists}, {key: k, value: 'a b'}]}}\n",
+            [
+                "config error: pools[0].pod.image: 'i:1 ' must not begin or end with whitespace",
+                "config error: pools[0].pod.tolerations[0].key: 'gpu type' is not a valid "
+                "Kubernetes key: an optional DNS prefix and '/', then at most 63 letters, "
+                "digits, '-', '_' or '.', beginning and ending with a letter or digit",
+                "config error: pools[0].pod.tolerations[1].value: 'a b' is not a valid "
+                "Kubernetes label value: at most 63 letters, digits, '-', '_' or '.', "
+                "beginning and ending with a letter or digit",
+            ],
+        ),
+        (
+            "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: i, "
+            f"annotations: {{note: {'x' * 262_141}}}}}}}\n",
+            [
+                "config error: pools[0].pod.annotations: total 262,145 bytes (keys and "
+                "values), more than the API server's 262,144 (256 KiB)",
+            ],
+        ),
+        (
             "runtime: {kind: kubernetes}\npools:\n  - {name: p, pod: {image: i, labels: "
             "{stoker.dev/pool: x, team: data}, annotations: "
             "{karpenter.sh/do-not-disrupt: 'false'}}}\n",

@@ -127,5 +127,18 @@ def _worker_text(value: str) -> str:
 
 #: Text handed to a worker (an argument, an environment value, a path): what exec takes.
 WorkerText = Annotated[str, AfterValidator(_worker_text)]
+
+
+def _image(value: str) -> str:
+    # The API server refuses an image with leading or trailing whitespace.
+    if value != value.strip():
+        raise ValueError(f"{value!r} must not begin or end with whitespace")
+    return value
+
+
+#: A container image reference: `NonEmptyWorkerText` without surrounding whitespace.
+Image = Annotated[
+    str, StringConstraints(min_length=1), AfterValidator(_worker_text), AfterValidator(_image)
+]
 #: `WorkerText` that is not empty (a program, an argument that must name something).
 NonEmptyWorkerText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_worker_text)]

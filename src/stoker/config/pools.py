@@ -22,6 +22,7 @@ from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from stoker.config.names import (
     DnsSubdomain,
     EnvName,
+    Image,
     LabelValue,
     NonEmptyWorkerText,
     PoolName,
@@ -59,17 +60,19 @@ Command = Annotated[list[NonEmptyWorkerText], Field(min_length=1, max_length=409
 _RESERVED_LABEL_PREFIX = "stoker.dev/"
 _RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by"})
 _RESERVED_ANNOTATIONS = frozenset({"karpenter.sh/do-not-disrupt"})
+#: The API server's limit on an object's annotations, keys and values together.
+_ANNOTATIONS_MAX_BYTES = 256 * 1024
 
 
 class TolerationConfig(Section):
     """One toleration of a worker pod (Kubernetes' `tolerationSeconds` spelling accepted)."""
 
     #: The taint key the toleration matches; null with `Exists` matches every taint.
-    key: str | None = Field(None, min_length=1)
+    key: QualifiedName | None = None
     #: `Equal` matches the taint's value; `Exists` any value.
     operator: Literal["Equal", "Exists"] = "Equal"
     #: The taint value to match (with `Equal`).
-    value: str | None = None
+    value: LabelValue | None = None
     #: The taint effect to match; null: every effect.
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     #: With `NoExecute`: how long the pod stays on a tainted node.
@@ -104,7 +107,7 @@ class TolerationConfig(Section):
 #: every spawn is refused at start-up. A toleration is validated, then kept as the mapping
 #: the template holds.
 _POD_RULES: dict[str, Any] = {
-    "image": NonEmptyWorkerText,
+    "image": Image,
     "command": list[WorkerText],
     "args": list[WorkerText],
     "env": dict[EnvName, WorkerText],
@@ -133,6 +136,15 @@ class _PodBase(DerivedSection):
         for key in self.annotations:
             if key in _RESERVED_ANNOTATIONS:
                 problems.append((("annotations", key), "is set by stoker itself"))
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in self.annotations.items())
+        if size > _ANNOTATIONS_MAX_BYTES:
+            problems.append(
+                (
+                    ("annotations",),
+                    f"total {size:,} bytes (keys and values), more than the API server's "
+                    f"{_ANNOTATIONS_MAX_BYTES:,} (256 KiB)",
+                )
+            )
         raise_problems(problems)
         return self
 
