@@ -54,6 +54,7 @@ from stoker.ports.cluster import (
     ClusterUnavailable,
     Condition,
     Container,
+    Forbidden,
     Invalid,
     ObjectNotFound,
     Pod,
@@ -312,6 +313,31 @@ async def test_spawn_failures_are_runtime_failures() -> None:
     )
     with pytest.raises(RuntimeFailure, match="not this worker's"):
         await runtime.spawn(worker("w-2"), pool())
+    await server.close()
+
+
+async def test_a_refused_create_says_why_without_the_pods_secrets() -> None:
+    """The API server's words (a quota's, a field's) without the client's request prefix;
+    an env value of the template, or the activation secret, quoted by an admission
+    webhook is masked, and the cluster's error is not chained to the failure."""
+    server = server_for_test()
+    runtime, _ = make_runtime(server)
+    spec = pool(template=replace(TEMPLATE, env={"DB_PASSWORD": "hunter2-secret", "N": "1"}))
+    secret = TEST_ACTIVATION_KEY.worker_secret("w-1")
+    server.fail_next(
+        "create_pod",
+        Forbidden(
+            'create pod w-1: pods "w-1" is forbidden: webhook "policy" denied: '
+            f"env DB_PASSWORD=hunter2-secret, {SECRET_ENV}={secret}, N=1"
+        ),
+    )
+    with pytest.raises(RuntimeFailure) as caught:
+        await runtime.spawn(worker("w-1", spec), spec)
+    assert str(caught.value) == (
+        'cannot create pod w-1: pods "w-1" is forbidden: webhook "policy" denied: '
+        f"env DB_PASSWORD=***, {SECRET_ENV}=***, N=1"
+    )
+    assert caught.value.__cause__ is None
     await server.close()
 
 

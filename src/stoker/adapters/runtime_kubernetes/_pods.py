@@ -62,6 +62,8 @@ _PULL_FAILURES = frozenset(
 )
 #: Waiting reasons of a container that cannot be created as specified.
 _CREATE_FAILURES = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+#: The shortest environment value `refusal` masks.
+_MASKED_MIN_CHARS = 4
 _TOLERATION_KEYS = frozenset(
     {"key", "operator", "value", "effect", "tolerationSeconds", "toleration_seconds"}
 )
@@ -305,6 +307,24 @@ def worker_pod(
             termination_grace_period_s=math.ceil(grace_s),
         ),
     )
+
+
+def refusal(error: Exception, pod: Pod, template: PodTemplate) -> str:
+    """Why the API server refused to create `pod`, in its words (the field path and the
+    reason, a quota's name and figures), for the pool's status and the log: without the
+    request the cluster client prefixes ("create pod <name>: "), and with the values of
+    the pod's environment that may be secret (the template's, its activation secret)
+    masked, should an admission webhook quote them. Values shorter than
+    `_MASKED_MIN_CHARS` are left alone: masking "1" would garble every number.
+    """
+    text = str(error).removeprefix(f"create pod {pod.name}: ")
+    env = pod.spec.containers[0].env if pod.spec.containers else {}
+    secret_keys = {*template.env, SECRET_ENV}
+    secrets = {value for key, value in env.items() if key in secret_keys}
+    for value in sorted(secrets, key=len, reverse=True):
+        if len(value) >= _MASKED_MIN_CHARS:
+            text = text.replace(value, "***")
+    return text
 
 
 def preferred_nodes(beside: Sequence[tuple[str, int]]) -> tuple[PreferredNodes, ...]:

@@ -15,6 +15,7 @@ from stoker.adapters.runtime_kubernetes._pods import (
     LABEL_INSTANCE,
     LABEL_WORKER_ID,
     pod_name,
+    refusal,
     valid_label_value,
     worker_pod,
 )
@@ -127,8 +128,9 @@ class KubernetesRuntime:
         """Create the worker's pod; readiness is reported later by `worker_ready`.
 
         Returns the ref `{pod, namespace, port}`. Raises `RuntimeFailure` when the pool
-        has no pod template or the cluster refuses the pod. Creations are not serialised
-        here: a burst fans out in parallel, paced only by the cluster client's budget.
+        has no pod template or the cluster refuses the pod (with its reason, `refusal`).
+        Creations are not serialised here: a burst fans out in parallel, paced only by the
+        cluster client's budget.
         """
         template = pool.template
         if not isinstance(template, PodTemplate):
@@ -155,7 +157,10 @@ class KubernetesRuntime:
             if not await self._is_own_pod(pod.name, worker.id):
                 raise RuntimeFailure(f"pod {pod.name} exists and is not this worker's") from exc
         except ClusterError as exc:
-            raise RuntimeFailure(f"cannot create pod {pod.name}: {exc}") from exc
+            # Not chained: the cluster's error may quote the pod's secrets.
+            raise RuntimeFailure(
+                f"cannot create pod {pod.name}: {refusal(exc, pod, template)}"
+            ) from None
         _log("worker_spawned", worker=worker.id, pool=pool.name, pod=pod.name)
         return {"pod": pod.name, "namespace": self.cluster.namespace, "port": template.port}
 

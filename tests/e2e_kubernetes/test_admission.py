@@ -1,0 +1,151 @@
+"""What the API server refuses on its own, which stoker's config cannot know: a namespace
+ResourceQuota with no room for another worker, and a pod template that only the API
+server's validation or admission catches (a trailing space in the image, a LimitRange's
+maximum). A running pool says why in the API server's words and backs off.
+
+No controller-manager runs, so no quota controller: the `quota` fixture writes the quota's
+status itself (the admission plugin refuses a quota whose usage is unknown, and counts
+each admitted pod in it from there on).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from e2e_support import ADMIN, StartStoker, pod_template, pool, stoker_writes
+from kube_control_plane import NAMESPACE, ControlPlane, until
+
+pytestmark = [pytest.mark.e2e_kubernetes, pytest.mark.timeout(120)]
+
+QUOTAS = f"/api/v1/namespaces/{NAMESPACE}/resourcequotas"
+QUOTA = "worker-pods"
+#: An environment value of the template that must never show in an error or the log.
+SECRET = "s3cret-api-token-4f1d"
+
+
+@pytest.fixture
+def quota(kube: ControlPlane) -> Iterator[Callable[[int], None]]:
+    """Sets the namespace's ResourceQuota on pods (created at the first call, deleted at
+    the end of the test), its status as the quota controller would keep it."""
+    admin = kube.admin
+    assert admin is not None
+
+    def set_pods(hard: int) -> None:
+        found = admin.request("GET", f"{QUOTAS}/{QUOTA}")
+        if found.status_code == 404:
+            body = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": QUOTA}}
+            found = admin.request("POST", QUOTAS, json={**body, "spec": {}})
+        current = found.json()
+        current["spec"] = {"hard": {"pods": str(hard)}}
+        current = admin.request("PUT", f"{QUOTAS}/{QUOTA}", json=current).json()
+        used = (current.get("status") or {}).get("used") or {"pods": str(len(admin.pods()))}
+        current["status"] = {"hard": {"pods": str(hard)}, "used": used}
+        admin.request("PUT", f"{QUOTAS}/{QUOTA}/status", json=current)
+
+    yield set_pods
+    admin.request("DELETE", f"{QUOTAS}/{QUOTA}")
+
+
+@pytest.fixture
+def cpu_limit(kube: ControlPlane) -> Iterator[None]:
+    """A LimitRange of the namespace: at most 1 CPU per container (for the test)."""
+    admin = kube.admin
+    assert admin is not None
+    ranges = f"/api/v1/namespaces/{NAMESPACE}/limitranges"
+    limit = {"type": "Container", "max": {"cpu": "1"}}
+    body = {"apiVersion": "v1", "kind": "LimitRange", "metadata": {"name": "cpu-limit"}}
+    admin.request("POST", ranges, json={**body, "spec": {"limits": [limit]}})
+    yield
+    admin.request("DELETE", f"{ranges}/cpu-limit")
+
+
+def pod_creates(kube: ControlPlane, since: float) -> list[float]:
+    """When stoker asked for a pod since `since` (admitted or refused)."""
+    return [
+        e.at
+        for e in stoker_writes(kube, since)
+        if e.verb == "create" and e.resource == "pods" and not e.subresource
+    ]
+
+
+def test_a_namespace_quota_without_room_shows_why_and_backs_off(
+    kube: ControlPlane, start_stoker: StartStoker, quota: Callable[[int], None]
+) -> None:
+    quota(1)
+    started = time.time()
+    stoker = start_stoker(
+        [
+            pool(
+                kube,
+                warm_target=3,
+                claim_timeout_s=3,
+                spawn_backoff={"initial_s": 2, "max_s": 4},
+            )
+        ]
+    )
+    status = until(
+        lambda: (p := stoker.pool())["last_spawn_error"] and p,
+        15,
+        "the pool names why its pods are not created",
+    )
+    # The API server's words, once: "cannot create pod w-…: pods "w-…" is forbidden:
+    # exceeded quota: worker-pods, requested: pods=1, used: pods=1, limited: pods=1".
+    error = status["last_spawn_error"]
+    assert f"is forbidden: exceeded quota: {QUOTA}, requested: pods=1" in error
+    assert error.count("create pod") == 1, error
+    assert status["spawn_failing"] is True
+    shown = subprocess.run(
+        [sys.executable, "-m", "stoker", "status", "--url", stoker.server.url, "--token", ADMIN],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "spawns failing" in shown.stdout and f"exceeded quota: {QUOTA}" in shown.stdout
+
+    # The one pod the quota admits serves a claim; the next claim is told why it waits.
+    until(lambda: stoker.pool()["counts"]["warm"] == 1, 20, "the worker the quota admits")
+    assert stoker.claim("org-a").status_code == 201
+    refused = stoker.claim("org-b")
+    assert refused.status_code == 503, refused.text
+    assert f"exceeded quota: {QUOTA}" in refused.json()["detail"]
+
+    # Backing off: after the first burst, a probe every 2-4 s (2 in 6 s), where a pool
+    # that does not back off would create 2 pods per janitor tick (0.5 s): some 24.
+    first = min(pod_creates(kube, started))
+    until(lambda: time.time() > first + 7.5, 15, "6 s of back-off", interval=0.5)
+    probes = [t for t in pod_creates(kube, started) if first + 1 <= t < first + 7]
+    assert len(probes) <= 5, f"{len(probes)} creates in 6 s"
+
+    # Room in the quota: the pool fills without a restart.
+    quota(10)
+    until(lambda: stoker.pool()["counts"]["warm"] == 3, 30, "the pool filled")
+    assert stoker.pool()["spawn_failing"] is False
+
+
+def test_a_template_only_the_api_server_refuses_shows_its_reason(
+    kube: ControlPlane, start_stoker: StartStoker, cpu_limit: None
+) -> None:
+    """A trailing space in the image (validation's 422) and a worker larger than the
+    namespace's LimitRange allows (admission's 403): each pool says why, in the API
+    server's words, and keeps the template's secrets to itself."""
+    image = "registry.example/stoker-demo-worker:1 "  # the trailing space
+    stoker = start_stoker(
+        [
+            pool(kube, pod=pod_template(kube, image=image, env={"API_TOKEN": SECRET})),
+            pool(kube, name="goose", pod=pod_template(kube, cpu="2")),
+        ]
+    )
+    typo = until(lambda: stoker.pool()["last_spawn_error"], 15, "duck says why")
+    assert (
+        f'spec.containers[0].image: Invalid value: "{image}": '
+        "must not have leading or trailing whitespace"
+    ) in typo
+    too_big = until(lambda: stoker.pool("goose")["last_spawn_error"], 15, "goose says why")
+    assert "is forbidden: maximum cpu usage per Container is 1, but limit is 2" in too_big
+    assert SECRET not in str(stoker.pool()) + stoker.log()
