@@ -231,12 +231,13 @@ class ConnectError(ConfigError):
 async def check_connections(config: StokerConfig) -> list[str]:
     """Reach what `config` names with its credentials, changing nothing: the store, and
     on Kubernetes the API server, asked whether these credentials may do what stoker does
-    in its namespace. One line per part that answered; `ConnectError` naming the key of
-    the first part that did not (unreachable, refused credentials, missing access)."""
+    in its namespace, and whether it admits each pool's worker pod (a dry run). One line
+    per part that answered; `ConnectError` naming the key of the first part that did not
+    (unreachable, refused credentials, missing access, a pod the API server refuses)."""
     said = [await _check_postgres(config) if config.is_postgres else _check_sqlite(config)]
     runtime = config.runtime
     if isinstance(runtime, KubernetesRuntimeConfig):
-        said.append(await _check_kubernetes(config, runtime))
+        said.extend(await _check_kubernetes(config, runtime))
     return said
 
 
@@ -282,7 +283,7 @@ async def _check_postgres(config: StokerConfig) -> str:
     return f"store: PostgreSQL {version} as {user}; schema {schema!r} {where}"
 
 
-async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConfig) -> str:
+async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConfig) -> list[str]:
     from stoker.adapters.cluster_lightkube import LEASE_ACCESS, POD_ACCESS
     from stoker.ports.cluster import ClusterError
 
@@ -298,6 +299,18 @@ async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConf
     wanted = [*POD_ACCESS, *(LEASE_ACCESS if config.elector_kind() == "kubernetes" else ())]
     try:
         refused = await cluster.denied(wanted)
+        if refused:
+            named = ", ".join(f"{verb} {resource}" for _, resource, verb in refused)
+            raise ConnectError(
+                "runtime.namespace",
+                f"these credentials may not {named} in namespace {namespace!r}"
+                " (deploy/kubernetes/base/rbac.yaml's Role grants what stoker needs)",
+            )
+        granted = " and ".join(sorted({resource for _, resource, _ in wanted}))
+        said = [
+            f"runtime: Kubernetes namespace {namespace!r}: may do what stoker does to {granted}"
+        ]
+        said.extend(await _admit_worker_pods(config, cluster))
     except ClusterError as exc:
         cause = " ".join(str(exc).split())
         raise ConnectError(
@@ -305,15 +318,42 @@ async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConf
         ) from None
     finally:
         await cluster.close()
-    if refused:
-        named = ", ".join(f"{verb} {resource}" for _, resource, verb in refused)
-        raise ConnectError(
-            "runtime.namespace",
-            f"these credentials may not {named} in namespace {namespace!r}"
-            " (deploy/kubernetes/base/rbac.yaml's Role grants what stoker needs)",
-        )
-    granted = " and ".join(sorted({resource for _, resource, _ in wanted}))
-    return f"runtime: Kubernetes namespace {namespace!r}: may do what stoker does to {granted}"
+    return said
+
+
+async def _admit_worker_pods(config: StokerConfig, cluster: LightkubeCluster) -> list[str]:
+    """Ask the API server to admit each pool's worker pod in a dry run (it validates the
+    pod and runs its admission, and stores nothing): a template it refuses (a field it
+    finds invalid, a PriorityClass that does not exist, a LimitRange's maximum) is a
+    `ConnectError` naming the pool's `pod` with the API server's words. A ResourceQuota
+    that has no room now is said, not an error: the fleet's own workers may fill it."""
+    from stoker.adapters.runtime_kubernetes import probe_pod, refusal
+    from stoker.domain.specs import PodTemplate
+    from stoker.ports.cluster import Forbidden, Invalid
+
+    said = []
+    for i, pool in enumerate(to_domain(config).pools):
+        template = pool.template
+        if not isinstance(template, PodTemplate):
+            continue
+        pod = probe_pod(pool, template, fleet=config.fleet_name())
+        try:
+            await cluster.admit_pod(pod)
+        except (Invalid, Forbidden) as exc:
+            # As a spawn says it: the API server's words, the template's env values masked.
+            cause = " ".join(refusal(exc, pod, template).split())
+            if isinstance(exc, Forbidden) and "exceeded quota" in cause:
+                said.append(
+                    f"runtime: pool {pool.name!r}: the API server admits its worker pod, but "
+                    f"the namespace's quota has no room for one now ({cause})"
+                )
+                continue
+            raise ConnectError(
+                f"pools[{i}].pod",
+                f"the API server refuses the worker pod of pool {pool.name!r}: {cause}",
+            ) from None
+        said.append(f"runtime: pool {pool.name!r}: the API server admits its worker pod (dry run)")
+    return said
 
 
 def build_activation_key(config: StokerConfig) -> ActivationKey:

@@ -445,6 +445,45 @@ async def test_do_not_disrupt_toggle_is_a_merge_patch(
     assert unpinned.annotations == {"keep": "me"}
 
 
+async def test_admit_pod_is_a_dry_run_create(
+    kmock: ContractEmulator, make_cluster: MakeCluster
+) -> None:
+    """`config check --connect`'s question: the pod is POSTed with dryRun=All."""
+    cluster = await make_cluster()
+    await cluster.admit_pod(make_pod("w-1"))
+    [sent] = kmock["create", PODS]
+    assert sent.params["dryRun"] == "All"
+    assert json.loads(sent.body)["metadata"]["name"] == "w-1"
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "error"),
+    [
+        (422, 'Pod "w-1" is invalid: spec.containers[0].image: Invalid value', Invalid),
+        (403, 'pods "w-1" is forbidden: exceeded quota: q, requested: pods=1', Forbidden),
+        (409, 'pods "w-1" already exists', None),
+    ],
+)
+async def test_admit_pod_says_why_the_api_server_refuses_it(
+    kmock: ContractEmulator,
+    make_cluster: MakeCluster,
+    status: int,
+    message: str,
+    error: type[Exception] | None,
+) -> None:
+    """The refusal is the port's error with the API server's words, asked once; a name
+    taken already is no objection to the pod."""
+    cluster = await make_cluster()
+    kmock["create", PODS] << status << _status(status, "Refused", message)
+    if error is None:
+        await cluster.admit_pod(make_pod("w-1"))
+    else:
+        with pytest.raises(error) as caught:
+            await cluster.admit_pod(make_pod("w-1"))
+        assert message in str(caught.value)
+    assert len(kmock["create", PODS]) == 1
+
+
 async def test_delete_sends_the_grace_in_whole_seconds(
     kmock: ContractEmulator, make_cluster: MakeCluster
 ) -> None:

@@ -1,6 +1,7 @@
 """`stoker config check --connect`: the store reached with the config's credentials,
 changing nothing (a real PostgreSQL server; the Kubernetes half runs against a real API
-server in tests/e2e_kubernetes/test_defects.py)."""
+server in tests/e2e_kubernetes/test_credentials.py and test_admission.py; here its
+worker-pod dry run meets a fake API server)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,6 +19,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from stoker.bootstrap import ConnectError, check_connections
 from stoker.config import StokerConfig
+from stoker.domain.activation import ActivationKey
+from stoker.ports.cluster import Forbidden, Invalid
+from stoker.worker import SECRET_ENV
 
 
 def config(store: str, **kw: object) -> StokerConfig:
@@ -95,3 +100,79 @@ def test_the_command_says_what_answered_on_stderr_and_exits_1_on_what_did_not(
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr.startswith("connect error: store: the SQLite file's folder")
     assert "Traceback" not in refused.stderr
+
+
+class _AdmittingCluster:
+    """The API server as `--connect` asks it: every access granted; `refusals` maps a
+    pool to the error its worker pod's dry run meets."""
+
+    namespace = "workers"
+
+    def __init__(self, refusals: dict[str, Exception]) -> None:
+        self.refusals = refusals
+        self.admitted: list[Any] = []
+
+    async def denied(self, wanted: object) -> list[object]:
+        return []
+
+    async def admit_pod(self, pod: Any) -> None:
+        self.admitted.append(pod)
+        refusal = self.refusals.get(pod.labels["stoker.dev/pool"])
+        if refusal is not None:
+            raise refusal
+
+    async def close(self) -> None:
+        pass
+
+
+def kubernetes_config(tmp_path: Path, *pools: str) -> StokerConfig:
+    pod = {"image": "registry.example/worker:1", "env": {"API_PASSWORD": "hunter2-secret"}}
+    return config(
+        f"sqlite:///{tmp_path}/s.db",
+        runtime={"kind": "kubernetes", "namespace": "workers"},
+        pools=[{"name": name, "pod": pod} for name in pools],
+    )
+
+
+def test_each_pools_worker_pod_is_admitted_by_the_api_server_in_a_dry_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = _AdmittingCluster(
+        {"b": Forbidden('create pod stoker-config-check: pods "x" is forbidden: exceeded quota: q')}
+    )
+    monkeypatch.setattr("stoker.bootstrap.build_cluster", lambda *a, **kw: cluster)
+    lines = asyncio.run(check_connections(kubernetes_config(tmp_path, "a", "b")))
+    assert lines[2:] == [
+        "runtime: pool 'a': the API server admits its worker pod (dry run)",
+        "runtime: pool 'b': the API server admits its worker pod, but the namespace's quota "
+        """has no room for one now (pods "x" is forbidden: exceeded quota: q)""",
+    ]
+    # The pod the runtime would create, for a made-up worker with a made-up secret.
+    first = cluster.admitted[0]
+    env = first.spec.containers[0].env
+    assert env["API_PASSWORD"] == "hunter2-secret"
+    assert env["STOKER_WORKER_ID"] == first.name == "stoker-config-check"
+    assert env[SECRET_ENV] == ActivationKey(bytes(32)).worker_secret(first.name)
+
+
+def test_a_worker_pod_the_api_server_refuses_names_its_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusal = Invalid(
+        'create pod stoker-config-check: Pod "x" is invalid: spec.containers[0].image: '
+        'Invalid value: "w:1 ": must not have leading or trailing whitespace '
+        "(a webhook quoting API_PASSWORD=hunter2-secret)"
+    )
+    cluster = _AdmittingCluster({"b": refusal})
+    monkeypatch.setattr("stoker.bootstrap.build_cluster", lambda *a, **kw: cluster)
+    with pytest.raises(ConnectError) as caught:
+        asyncio.run(check_connections(kubernetes_config(tmp_path, "a", "b")))
+    assert str(caught.value) == (
+        "connect error: pools[1].pod: the API server refuses the worker pod of pool 'b': "
+        'Pod "x" is invalid: spec.containers[0].image: Invalid value: "w:1 ": '
+        "must not have leading or trailing whitespace (a webhook quoting API_PASSWORD=***)"
+    )
+    refused = Forbidden('create pod stoker-config-check: pods "x" is forbidden: no PriorityClass')
+    cluster.refusals = {"a": refused}
+    with pytest.raises(ConnectError, match=r"^connect error: pools\[0\]\.pod: .*no PriorityClass"):
+        asyncio.run(check_connections(kubernetes_config(tmp_path, "a", "b")))

@@ -1,7 +1,9 @@
 """What the API server refuses on its own, which stoker's config cannot know: a namespace
 ResourceQuota with no room for another worker, and a pod template that only the API
-server's validation or admission catches (a trailing space in the image, a LimitRange's
-maximum). A running pool says why in the API server's words and backs off.
+server's validation or admission catches (a trailing space in the image, a PriorityClass
+that does not exist, a LimitRange's maximum). A running pool says why in the API server's
+words and backs off; `config check --connect` has the API server admit each pool's worker
+pod in a dry run.
 
 No controller-manager runs, so no quota controller: the `quota` fixture writes the quota's
 status itself (the admission plugin refuses a quota whose usage is unknown, and counts
@@ -14,8 +16,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from e2e_support import ADMIN, StartStoker, pod_template, pool, stoker_writes
 from kube_control_plane import NAMESPACE, ControlPlane, until
 
@@ -149,3 +154,59 @@ def test_a_template_only_the_api_server_refuses_shows_its_reason(
     too_big = until(lambda: stoker.pool("goose")["last_spawn_error"], 15, "goose says why")
     assert "is forbidden: maximum cpu usage per Container is 1, but limit is 2" in too_big
     assert SECRET not in str(stoker.pool()) + stoker.log()
+
+
+def config_check(
+    kube: ControlPlane, tmp_path: Path, pools: list[dict[str, Any]]
+) -> subprocess.CompletedProcess[str]:
+    """`stoker config check --connect` of a config with `pools`, with stoker's
+    ServiceAccount."""
+    config = tmp_path / "stoker.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "store": f"sqlite:///{tmp_path / 'stoker.db'}",
+                "runtime": {
+                    "kind": "kubernetes",
+                    "namespace": NAMESPACE,
+                    "kubeconfig": str(kube.workdir / "kubeconfig-stoker"),
+                },
+                "activation": {"key_file": str(tmp_path / "activation.key")},
+                "pools": pools,
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "stoker", "config", "check", "-c", str(config), "--connect"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_config_check_connect_has_the_api_server_admit_each_worker_pod(
+    kube: ControlPlane, tmp_path: Path
+) -> None:
+    image = "registry.example/stoker-demo-worker:1 "
+    typo = pod_template(kube, image=image, env={"API_TOKEN": SECRET})
+    done = config_check(kube, tmp_path, [pool(kube), pool(kube, name="goose", pod=typo)])
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "connect error: pools[1].pod: the API server refuses the worker pod of pool 'goose': "
+        'Pod "stoker-config-check" is invalid: spec.containers[0].image: '
+        f'Invalid value: "{image}": must not have leading or trailing whitespace'
+    )
+    assert SECRET not in done.stderr and "Traceback" not in done.stderr
+
+    # Admission's refusals too: a PriorityClass the cluster does not have.
+    missing = pod_template(kube, priority_class="stoker-wroker")
+    done = config_check(kube, tmp_path, [pool(kube, pod=missing)])
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "connect error: pools[0].pod: the API server refuses the worker pod of pool 'duck': "
+        'pods "stoker-config-check" is forbidden: no PriorityClass with name stoker-wroker '
+        "was found"
+    )
+    assert kube.admin is not None
+    assert kube.admin.pod("stoker-config-check") is None  # a dry run stores nothing

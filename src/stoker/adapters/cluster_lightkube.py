@@ -41,6 +41,7 @@ from stoker.ports.cluster import (
     ClusterError,
     ClusterUnavailable,
     Condition,
+    Conflict,
     Container,
     Gone,
     Lease,
@@ -533,6 +534,21 @@ class LightkubeCluster:
             deadline_s=self._create_deadline_s,
         )
         return _pod_from_k8s(created)
+
+    async def admit_pod(self, pod: Pod) -> None:
+        """POST the pod as a server-side dry run (`dryRun=All`): the API server validates
+        it and runs its admission (PriorityClass, LimitRange, ResourceQuota, webhooks) and
+        stores nothing. `Invalid` or `Forbidden` with the API server's reason when it would
+        refuse the pod; a name that exists already is no objection (`Conflict` is not
+        raised)."""
+        body = _pod_to_k8s(pod, self._namespace)
+        try:
+            await self._request(
+                f"create pod {pod.name}",
+                lambda: self._client.create(body, field_manager=FIELD_MANAGER, dry_run=True),
+            )
+        except Conflict:
+            return
 
     async def delete_pod(self, name: str, grace_s: float | None = None) -> None:
         """DELETE the pod with `gracePeriodSeconds` (whole seconds, rounded up); 404 is fine."""

@@ -27,6 +27,8 @@ from stoker.adapters.runtime_kubernetes._pods import (
     LABEL_REVISION,
     LABEL_WORKER_ID,
     WORKER_CONTAINER,
+    probe_pod,
+    refusal,
 )
 from stoker.adapters.runtime_kubernetes._runtime import KubernetesRuntime
 
@@ -42,4 +44,6 @@ __all__ = [
     "LABEL_WORKER_ID",
     "WORKER_CONTAINER",
     "KubernetesRuntime",
+    "probe_pod",
+    "refusal",
 ]

@@ -17,10 +17,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.domain.activation import ActivationKey
+from stoker.domain.activation import MIN_KEY_BYTES, ActivationKey
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PodTemplate, PoolSpec
+from stoker.domain.states import WorkerState
 from stoker.ports.cluster import (
     Condition,
     Container,
@@ -50,6 +51,8 @@ DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
 
 #: The worker container's name in every worker pod.
 WORKER_CONTAINER = "worker"
+#: The made-up worker of `probe_pod`, and the replica it claims to come from.
+PROBE_WORKER = "stoker-config-check"
 
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
@@ -306,6 +309,32 @@ def worker_pod(
             restart_policy="Never",
             termination_grace_period_s=math.ceil(grace_s),
         ),
+    )
+
+
+def probe_pod(pool: PoolSpec, template: PodTemplate, *, fleet: str) -> Pod:
+    """A worker pod of `pool` as the runtime would create it, for a made-up worker
+    (`PROBE_WORKER`): what `config check --connect` asks the API server to admit in a
+    dry run. Its activation secret comes from a key of zeros: the fleet key stays home.
+    """
+    worker = Worker(
+        id=PROBE_WORKER,
+        pool=pool.name,
+        revision=pool.revision,
+        state=WorkerState.SPAWNING,
+        epoch=0,
+        owner=PROBE_WORKER,
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    return worker_pod(
+        worker,
+        pool,
+        template,
+        fleet=fleet,
+        instance_id=PROBE_WORKER,
+        grace_s=pool.timeouts.stop_grace_s,
+        activation_key=ActivationKey(bytes(MIN_KEY_BYTES)),
     )
 
 
