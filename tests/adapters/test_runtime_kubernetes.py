@@ -931,6 +931,41 @@ async def test_a_configured_node_size_and_preempted_placeholders() -> None:
     await server.close()
 
 
+async def test_a_placeholder_the_api_server_refuses_is_asked_for_again_after_a_pause() -> None:
+    """A quota without room answers every pass the same: the refused placeholder waits
+    5 s, then 10 s, before its next create (each refusal still raised, for the log); a
+    new spec (a new name) is tried at once."""
+    server = server_for_test()
+    runtime, _ = make_runtime(server)
+    quota = Forbidden('pods "headroom-x" is forbidden: exceeded quota: q')
+    async with started(runtime):
+        spec = pool(headroom_nodes=1)
+        server.fail_next("create_pod", quota, times=2)
+        with pytest.raises(RuntimeFailure, match="exceeded quota: q"):
+            await runtime.reconcile_headroom([spec])
+        await asyncio.sleep(4.5)
+        await runtime.reconcile_headroom([spec])  # paused: no create, nothing to say
+        assert server.calls["create_pod"] == 1
+        await asyncio.sleep(0.5)
+        with pytest.raises(RuntimeFailure, match="exceeded quota: q"):
+            await runtime.reconcile_headroom([spec])  # the probe, refused again
+        await asyncio.sleep(9.5)
+        await runtime.reconcile_headroom([spec])
+        assert server.calls["create_pod"] == 2
+
+        smaller = pool(headroom_nodes=1, template=replace(TEMPLATE, cpu="250m"))
+        server.fail_next("create_pod", quota)
+        with pytest.raises(RuntimeFailure):
+            await runtime.reconcile_headroom([smaller])  # a new name: asked at once
+        assert server.calls["create_pod"] == 3
+        await asyncio.sleep(0.5)
+        # Back to the first spec, forgotten while it was not wanted: asked at once.
+        await runtime.reconcile_headroom([spec])
+        assert server.calls["create_pod"] == 4
+        assert len(await placeholders(server)) == 1
+    await server.close()
+
+
 async def test_headroom_without_a_placeholder_priority_class_is_refused() -> None:
     """Placeholders at the workers' priority would never be preempted: a clear failure."""
     server = server_for_test()

@@ -138,12 +138,17 @@ def test_a_template_only_the_api_server_refuses_shows_its_reason(
 ) -> None:
     """A trailing space in the image (validation's 422) and a worker larger than the
     namespace's LimitRange allows (admission's 403): each pool says why, in the API
-    server's words, and keeps the template's secrets to itself."""
+    server's words, and keeps the template's secrets to itself. The headroom placeholder
+    (a worker's size) is refused too, and asked for again after a pause, not every pass."""
+    started = time.time()
     image = "registry.example/stoker-demo-worker:1 "  # the trailing space
+    too_big = pod_template(kube, cpu="2")
     stoker = start_stoker(
         [
             pool(kube, pod=pod_template(kube, image=image, env={"API_TOKEN": SECRET})),
-            pool(kube, name="goose", pod=pod_template(kube, cpu="2")),
+            pool(
+                kube, name="goose", pod=too_big, headroom_nodes=1, demand={"headroom": "constant"}
+            ),
         ]
     )
     typo = until(lambda: stoker.pool()["last_spawn_error"], 15, "duck says why")
@@ -151,9 +156,23 @@ def test_a_template_only_the_api_server_refuses_shows_its_reason(
         f'spec.containers[0].image: Invalid value: "{image}": '
         "must not have leading or trailing whitespace"
     ) in typo
-    too_big = until(lambda: stoker.pool("goose")["last_spawn_error"], 15, "goose says why")
-    assert "is forbidden: maximum cpu usage per Container is 1, but limit is 2" in too_big
+    refused = until(lambda: stoker.pool("goose")["last_spawn_error"], 15, "goose says why")
+    assert "is forbidden: maximum cpu usage per Container is 1, but limit is 2" in refused
     assert SECRET not in str(stoker.pool()) + stoker.log()
+
+    # The placeholder: the first create, then one after the 5 s pause, where a create
+    # every janitor pass (0.5 s) would be a dozen.
+    def placeholder_creates() -> list[float]:
+        return [
+            e.at
+            for e in stoker_writes(kube, started)
+            if e.verb == "create" and e.resource == "pods" and e.name.startswith("headroom-")
+        ]
+
+    first = min(until(placeholder_creates, 15, "a placeholder asked for"))
+    until(lambda: time.time() > first + 6.5, 15, "6 s of the placeholder's refusals")
+    assert len([t for t in placeholder_creates() if t < first + 6]) <= 3
+    assert "maximum cpu usage per Container is 1" in stoker.log()
 
 
 def config_check(

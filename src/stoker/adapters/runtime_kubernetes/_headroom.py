@@ -14,9 +14,17 @@ from stoker.adapters.runtime_kubernetes._pods import placeholder_pods, valid_lab
 from stoker.domain.errors import RuntimeFailure
 from stoker.domain.quantities import parse_quantity
 from stoker.domain.specs import PodTemplate, PoolSpec
-from stoker.ports.cluster import ClusterAPI, Conflict, Pod
+from stoker.ports.clock import Clock
+from stoker.ports.cluster import ClusterAPI, Conflict, Forbidden, Invalid, Pod
 
 _log = EventLog("stoker.runtime.kubernetes")
+
+#: After the API server refuses to create a placeholder (a ResourceQuota without room, a
+#: LimitRange's maximum, a spec it finds invalid: answers that do not change from one
+#: pass to the next), that placeholder is not asked for again for this long, doubled per
+#: refusal in a row up to `REFUSED_MAX_S`.
+REFUSED_FIRST_S = 5.0
+REFUSED_MAX_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -35,10 +43,17 @@ class Headroom:
     says, and never touches workers."""
 
     def __init__(
-        self, cluster: ClusterAPI, informer: PodInformer, *, fleet: str, placeholders: Placeholders
+        self,
+        cluster: ClusterAPI,
+        informer: PodInformer,
+        *,
+        clock: Clock,
+        fleet: str,
+        placeholders: Placeholders,
     ) -> None:
         self.cluster = cluster
         self.informer = informer
+        self.clock = clock
         self.fleet = fleet
         self.placeholders = placeholders
         #: Placeholder pods by pool name, with the (template, count) they were made from
@@ -47,11 +62,19 @@ class Headroom:
         #: `slots` by the placeholder's and a worker's (cpu, memory): exact fractions,
         #: asked for by the janitor and the sizing every pass.
         self._slots: dict[tuple[tuple[str, str], tuple[str, str]], int] = {}
+        #: Placeholders the API server refused, by name: when to ask again (monotonic
+        #: seconds) and the pause that led there.
+        self._refused: dict[str, tuple[float, float]] = {}
 
     async def reconcile(self, pools: Sequence[PoolSpec]) -> None:
         """Create the placeholders `pools` want and delete the others (see the runtime's
         `reconcile_headroom`); `RuntimeFailure` after the other pools when one cannot be
-        kept (no priority class, a pool name that is no label value, a refused call)."""
+        kept (no priority class, a pool name that is no label value, a refused call).
+
+        A placeholder whose create the API server refused is not asked for again until
+        its pause is over (`REFUSED_FIRST_S`, doubling): a quota without room is not sent
+        a create every pass, nor the log a warning. A new spec is a new name, tried at once.
+        """
         await self.informer.wait_synced()
         wanted: dict[str, Pod] = {}
         problems: list[str] = []
@@ -80,8 +103,18 @@ class Headroom:
                 # Not wanted any more, or finished (evicted): delete, so that a finished
                 # placeholder's name is free to be created again on the next pass.
                 doomed.append(view.name)
+        now = self.clock.monotonic()
+        self._refused = {
+            name: refused
+            for name, refused in self._refused.items()
+            if name in wanted and name not in present
+        }
         calls: list[Awaitable[Any]] = [self.cluster.delete_pod(name, 0.0) for name in doomed]
-        calls += [self._create(pod) for name, pod in wanted.items() if name not in present]
+        calls += [
+            self._create(pod)
+            for name, pod in wanted.items()
+            if name not in present and self._refused.get(name, (now, 0.0))[0] <= now
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for failure in failures:
@@ -138,4 +171,10 @@ class Headroom:
         try:
             await self.cluster.create_pod(pod)
         except Conflict:
-            return  # created by another leader, or by us before the cache saw it
+            pass  # created by another leader, or by us before the cache saw it
+        except (Forbidden, Invalid):
+            _, pause = self._refused.get(pod.name, (0.0, 0.0))
+            pause = min(REFUSED_MAX_S, 2 * pause or REFUSED_FIRST_S)
+            self._refused[pod.name] = (self.clock.monotonic() + pause, pause)
+            raise
+        self._refused.pop(pod.name, None)

@@ -98,7 +98,9 @@ class KubernetesRuntime:
             image=placeholder_image,
             size=placeholder_size,
         )
-        self.headroom = Headroom(cluster, self.informer, fleet=fleet, placeholders=placeholders)
+        self.headroom = Headroom(
+            cluster, self.informer, clock=clock, fleet=fleet, placeholders=placeholders
+        )
 
     # -- lifecycle of the runtime itself ----------------------------------------------------
 
