@@ -44,7 +44,7 @@ from stoker.control.scaler import DemandSource
 from stoker.domain.activation import ActivationKey
 from stoker.domain.errors import ConfigError
 from stoker.domain.rollouts import Strategy
-from stoker.domain.specs import OrgSpec, PlaneSettings, PoolSpec
+from stoker.domain.specs import OrgSpec, PlaneSettings, PodTemplate, PoolSpec
 from stoker.extras import missing_extra
 from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
@@ -55,6 +55,7 @@ from stoker.ports.tracer import NO_TRACER, Tracer
 
 if TYPE_CHECKING:
     from stoker.adapters.cluster_lightkube import LightkubeCluster
+    from stoker.ports.cluster import Pod
 
 #: Where a pod finds its own namespace (mounted with its service account token).
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -310,7 +311,7 @@ async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConf
         said = [
             f"runtime: Kubernetes namespace {namespace!r}: may do what stoker does to {granted}"
         ]
-        said.extend(await _admit_worker_pods(config, cluster))
+        said.extend(await _admit_worker_pods(config, runtime, cluster))
     except ClusterError as exc:
         cause = " ".join(str(exc).split())
         raise ConnectError(
@@ -321,39 +322,66 @@ async def _check_kubernetes(config: StokerConfig, runtime: KubernetesRuntimeConf
     return said
 
 
-async def _admit_worker_pods(config: StokerConfig, cluster: LightkubeCluster) -> list[str]:
-    """Ask the API server to admit each pool's worker pod in a dry run (it validates the
-    pod and runs its admission, and stores nothing): a template it refuses (a field it
-    finds invalid, a PriorityClass that does not exist, a LimitRange's maximum) is a
-    `ConnectError` naming the pool's `pod` with the API server's words. A ResourceQuota
-    that has no room now is said, not an error: the fleet's own workers may fill it."""
-    from stoker.adapters.runtime_kubernetes import probe_pod, refusal
-    from stoker.domain.specs import PodTemplate
-    from stoker.ports.cluster import Forbidden, Invalid
+async def _admit_worker_pods(
+    config: StokerConfig, runtime: KubernetesRuntimeConfig, cluster: LightkubeCluster
+) -> list[str]:
+    """Ask the API server to admit each pool's worker pod, and its headroom placeholder
+    when it has `headroom_nodes`, in a dry run (validated and admitted, never stored): a
+    pod it refuses (a field it finds invalid, a PriorityClass that does not exist, a
+    LimitRange's maximum) is a `ConnectError` naming the pool's `pod` (`headroom_nodes`)
+    with the API server's words. A ResourceQuota that has no room now is said, not an
+    error: the fleet's own workers may fill it."""
+    from stoker.adapters.runtime_kubernetes import placeholder_pods, probe_pod
 
+    size = runtime.placeholder_size
     said = []
     for i, pool in enumerate(to_domain(config).pools):
         template = pool.template
         if not isinstance(template, PodTemplate):
             continue
-        pod = probe_pod(pool, template, fleet=config.fleet_name())
-        try:
-            await cluster.admit_pod(pod)
-        except (Invalid, Forbidden) as exc:
-            # As a spawn says it: the API server's words, the template's env values masked.
-            cause = " ".join(refusal(exc, pod, template).split())
-            if isinstance(exc, Forbidden) and "exceeded quota" in cause:
-                said.append(
-                    f"runtime: pool {pool.name!r}: the API server admits its worker pod, but "
-                    f"the namespace's quota has no room for one now ({cause})"
+        pods = [("pod", "worker pod", probe_pod(pool, template, fleet=config.fleet_name()))]
+        if pool.headroom_nodes and runtime.placeholder_priority_class is not None:
+            placeholder = next(
+                placeholder_pods(
+                    pool,
+                    template,
+                    fleet=config.fleet_name(),
+                    image=runtime.placeholder_image,
+                    priority_class=runtime.placeholder_priority_class,
+                    size=(size.cpu, size.memory) if size is not None else None,
                 )
-                continue
-            raise ConnectError(
-                f"pools[{i}].pod",
-                f"the API server refuses the worker pod of pool {pool.name!r}: {cause}",
-            ) from None
-        said.append(f"runtime: pool {pool.name!r}: the API server admits its worker pod (dry run)")
+            )
+            pods.append(("headroom_nodes", "headroom placeholder", placeholder))
+        for key, what, pod in pods:
+            full = await _admitted(cluster, pod, template, f"pools[{i}].{key}", pool.name, what)
+            admits = f"runtime: pool {pool.name!r}: the API server admits its {what}"
+            if full is None:
+                said.append(f"{admits} (dry run)")
+            else:
+                said.append(f"{admits}, but the namespace's quota has no room for one now ({full})")
     return said
+
+
+async def _admitted(
+    cluster: LightkubeCluster, pod: Pod, template: PodTemplate, key: str, pool: str, what: str
+) -> str | None:
+    """Have the API server admit `pod` in a dry run: None when it does, the quota's words
+    when only a ResourceQuota without room refuses it; `ConnectError` naming `key` when it
+    refuses the pod itself."""
+    from stoker.adapters.runtime_kubernetes import refusal
+    from stoker.ports.cluster import Forbidden, Invalid
+
+    try:
+        await cluster.admit_pod(pod)
+    except (Invalid, Forbidden) as exc:
+        # As a spawn says it: the API server's words, the template's env values masked.
+        cause = " ".join(refusal(exc, pod, template).split())
+        if isinstance(exc, Forbidden) and "exceeded quota" in cause:
+            return cause
+        raise ConnectError(
+            key, f"the API server refuses the {what} of pool {pool!r}: {cause}"
+        ) from None
+    return None
 
 
 def build_activation_key(config: StokerConfig) -> ActivationKey:

@@ -104,7 +104,7 @@ def test_the_command_says_what_answered_on_stderr_and_exits_1_on_what_did_not(
 
 class _AdmittingCluster:
     """The API server as `--connect` asks it: every access granted; `refusals` maps a
-    pool to the error its worker pod's dry run meets."""
+    pool (or "<pool> placeholder") to the error its pod's dry run meets."""
 
     namespace = "workers"
 
@@ -117,7 +117,10 @@ class _AdmittingCluster:
 
     async def admit_pod(self, pod: Any) -> None:
         self.admitted.append(pod)
-        refusal = self.refusals.get(pod.labels["stoker.dev/pool"])
+        placeholder = pod.labels.get("stoker.dev/placeholder")
+        refusal = self.refusals.get(
+            f"{placeholder} placeholder" if placeholder else pod.labels["stoker.dev/pool"]
+        )
         if refusal is not None:
             raise refusal
 
@@ -125,12 +128,17 @@ class _AdmittingCluster:
         pass
 
 
-def kubernetes_config(tmp_path: Path, *pools: str) -> StokerConfig:
+def kubernetes_config(tmp_path: Path, *pools: str, headroom: int = 0) -> StokerConfig:
     pod = {"image": "registry.example/worker:1", "env": {"API_PASSWORD": "hunter2-secret"}}
     return config(
         f"sqlite:///{tmp_path}/s.db",
-        runtime={"kind": "kubernetes", "namespace": "workers"},
-        pools=[{"name": name, "pod": pod} for name in pools],
+        runtime={
+            "kind": "kubernetes",
+            "namespace": "workers",
+            "placeholder_priority_class": "stoker-placeholder",
+            "placeholder_size": {"cpu": "3", "memory": "4Gi"},
+        },
+        pools=[{"name": name, "pod": pod, "headroom_nodes": headroom} for name in pools],
     )
 
 
@@ -176,3 +184,32 @@ def test_a_worker_pod_the_api_server_refuses_names_its_pool(
     cluster.refusals = {"a": refused}
     with pytest.raises(ConnectError, match=r"^connect error: pools\[0\]\.pod: .*no PriorityClass"):
         asyncio.run(check_connections(kubernetes_config(tmp_path, "a", "b")))
+
+
+def test_a_pools_headroom_placeholder_is_admitted_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = _AdmittingCluster({})
+    monkeypatch.setattr("stoker.bootstrap.build_cluster", lambda *a, **kw: cluster)
+    lines = asyncio.run(check_connections(kubernetes_config(tmp_path, "a", headroom=2)))
+    assert lines[2:] == [
+        "runtime: pool 'a': the API server admits its worker pod (dry run)",
+        "runtime: pool 'a': the API server admits its headroom placeholder (dry run)",
+    ]
+    # One placeholder, as the runtime makes them.
+    _worker, placeholder = cluster.admitted
+    assert placeholder.name.startswith("headroom-a-")
+    assert placeholder.spec.priority_class_name == "stoker-placeholder"
+    assert placeholder.spec.containers[0].cpu == "3"
+
+    refused = Forbidden(
+        'pods "headroom-a" is forbidden: no PriorityClass with name stoker-placeholder was found'
+    )
+    cluster.refusals = {"a placeholder": refused}
+    with pytest.raises(ConnectError) as caught:
+        asyncio.run(check_connections(kubernetes_config(tmp_path, "a", headroom=2)))
+    assert str(caught.value) == (
+        "connect error: pools[0].headroom_nodes: the API server refuses the headroom "
+        "placeholder of pool 'a': pods \"headroom-a\" is forbidden: no PriorityClass with "
+        "name stoker-placeholder was found"
+    )

@@ -1,9 +1,9 @@
 """What the API server refuses on its own, which stoker's config cannot know: a namespace
 ResourceQuota with no room for another worker, and a pod template that only the API
-server's validation or admission catches (a trailing space in the image, a PriorityClass
-that does not exist, a LimitRange's maximum). A running pool says why in the API server's
-words and backs off; `config check --connect` has the API server admit each pool's worker
-pod in a dry run.
+server's validation or admission catches (a trailing space in the image, a LimitRange's
+maximum, a placeholder's PriorityClass that does not exist). A running pool says why in
+the API server's words and backs off; `config check --connect` has the API server admit
+each pool's worker pod and headroom placeholder in a dry run.
 
 No controller-manager runs, so no quota controller: the `quota` fixture writes the quota's
 status itself (the admission plugin refuses a quota whose usage is unknown, and counts
@@ -176,10 +176,10 @@ def test_a_template_only_the_api_server_refuses_shows_its_reason(
 
 
 def config_check(
-    kube: ControlPlane, tmp_path: Path, pools: list[dict[str, Any]]
+    kube: ControlPlane, tmp_path: Path, pools: list[dict[str, Any]], **runtime: Any
 ) -> subprocess.CompletedProcess[str]:
-    """`stoker config check --connect` of a config with `pools`, with stoker's
-    ServiceAccount."""
+    """`stoker config check --connect` of a config with `pools` (and `runtime`'s keys),
+    with stoker's ServiceAccount."""
     config = tmp_path / "stoker.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -189,6 +189,7 @@ def config_check(
                     "kind": "kubernetes",
                     "namespace": NAMESPACE,
                     "kubeconfig": str(kube.workdir / "kubeconfig-stoker"),
+                    **runtime,
                 },
                 "activation": {"key_file": str(tmp_path / "activation.key")},
                 "pools": pools,
@@ -218,14 +219,20 @@ def test_config_check_connect_has_the_api_server_admit_each_worker_pod(
     )
     assert SECRET not in done.stderr and "Traceback" not in done.stderr
 
-    # Admission's refusals too: a PriorityClass the cluster does not have.
-    missing = pod_template(kube, priority_class="stoker-wroker")
-    done = config_check(kube, tmp_path, [pool(kube, pod=missing)])
-    assert done.returncode == 1
-    assert done.stderr.splitlines()[-1] == (
-        "connect error: pools[0].pod: the API server refuses the worker pod of pool 'duck': "
-        'pods "stoker-config-check" is forbidden: no PriorityClass with name stoker-wroker '
-        "was found"
+    # Admission's refusals too, and of the headroom placeholder: a PriorityClass the
+    # cluster does not have.
+    done = config_check(
+        kube,
+        tmp_path,
+        [pool(kube, headroom_nodes=1)],
+        placeholder_priority_class="stoker-placehodler",
     )
+    assert done.returncode == 1
+    line = done.stderr.splitlines()[-1]
+    assert line.startswith(
+        "connect error: pools[0].headroom_nodes: the API server refuses the headroom "
+        "placeholder of pool 'duck': pods \"headroom-duck-"
+    ), line
+    assert line.endswith("is forbidden: no PriorityClass with name stoker-placehodler was found")
     assert kube.admin is not None
     assert kube.admin.pod("stoker-config-check") is None  # a dry run stores nothing

@@ -27,6 +27,7 @@ from stoker.adapters.runtime_kubernetes._pods import (
     LABEL_REVISION,
     LABEL_WORKER_ID,
     WORKER_CONTAINER,
+    placeholder_pods,
     probe_pod,
     refusal,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "LABEL_WORKER_ID",
     "WORKER_CONTAINER",
     "KubernetesRuntime",
+    "placeholder_pods",
     "probe_pod",
     "refusal",
 ]
