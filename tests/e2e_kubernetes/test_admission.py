@@ -1,9 +1,9 @@
 """What the API server refuses on its own, which stoker's config cannot know: a namespace
 ResourceQuota with no room for another worker, and a pod template that only the API
-server's validation or admission catches (a trailing space in the image, a LimitRange's
-maximum, a placeholder's PriorityClass that does not exist). A running pool says why in
-the API server's words and backs off; `config check --connect` has the API server admit
-each pool's worker pod and headroom placeholder in a dry run.
+server's admission catches (a PriorityClass that does not exist, a LimitRange's maximum).
+The typos the config can see (a trailing space in the image) it refuses itself. A running
+pool says why in the API server's words and backs off; `config check --connect` has the
+API server admit each pool's worker pod and headroom placeholder in a dry run.
 
 No controller-manager runs, so no quota controller: the `quota` fixture writes the quota's
 status itself (the admission plugin refuses a quota whose usage is unknown, and counts
@@ -136,26 +136,23 @@ def test_a_namespace_quota_without_room_shows_why_and_backs_off(
 def test_a_template_only_the_api_server_refuses_shows_its_reason(
     kube: ControlPlane, start_stoker: StartStoker, cpu_limit: None
 ) -> None:
-    """A trailing space in the image (validation's 422) and a worker larger than the
-    namespace's LimitRange allows (admission's 403): each pool says why, in the API
+    """A PriorityClass the cluster does not have (a typo) and a worker larger than the
+    namespace's LimitRange allows (admission's 403s): each pool says why, in the API
     server's words, and keeps the template's secrets to itself. The headroom placeholder
     (a worker's size) is refused too, and asked for again after a pause, not every pass."""
     started = time.time()
-    image = "registry.example/stoker-demo-worker:1 "  # the trailing space
     too_big = pod_template(kube, cpu="2")
+    typo = pod_template(kube, priority_class="stoker-wroker", env={"API_TOKEN": SECRET})
     stoker = start_stoker(
         [
-            pool(kube, pod=pod_template(kube, image=image, env={"API_TOKEN": SECRET})),
+            pool(kube, pod=typo),
             pool(
                 kube, name="goose", pod=too_big, headroom_nodes=1, demand={"headroom": "constant"}
             ),
         ]
     )
-    typo = until(lambda: stoker.pool()["last_spawn_error"], 15, "duck says why")
-    assert (
-        f'spec.containers[0].image: Invalid value: "{image}": '
-        "must not have leading or trailing whitespace"
-    ) in typo
+    said = until(lambda: stoker.pool()["last_spawn_error"], 15, "duck says why")
+    assert "is forbidden: no PriorityClass with name stoker-wroker was found" in said
     refused = until(lambda: stoker.pool("goose")["last_spawn_error"], 15, "goose says why")
     assert "is forbidden: maximum cpu usage per Container is 1, but limit is 2" in refused
     assert SECRET not in str(stoker.pool()) + stoker.log()
@@ -208,14 +205,13 @@ def config_check(
 def test_config_check_connect_has_the_api_server_admit_each_worker_pod(
     kube: ControlPlane, tmp_path: Path
 ) -> None:
-    image = "registry.example/stoker-demo-worker:1 "
-    typo = pod_template(kube, image=image, env={"API_TOKEN": SECRET})
+    typo = pod_template(kube, priority_class="stoker-wroker", env={"API_TOKEN": SECRET})
     done = config_check(kube, tmp_path, [pool(kube), pool(kube, name="goose", pod=typo)])
     assert done.returncode == 1 and done.stdout == "", done.stderr
     assert done.stderr.splitlines()[-1] == (
         "connect error: pools[1].pod: the API server refuses the worker pod of pool 'goose': "
-        'Pod "stoker-config-check" is invalid: spec.containers[0].image: '
-        f'Invalid value: "{image}": must not have leading or trailing whitespace'
+        'pods "stoker-config-check" is forbidden: no PriorityClass with name stoker-wroker '
+        "was found"
     )
     assert SECRET not in done.stderr and "Traceback" not in done.stderr
 
