@@ -5,6 +5,7 @@ for line, in the fixed format, with no token in it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import uuid
@@ -133,3 +134,26 @@ def test_a_bad_window_is_one_line(server: tuple[Server, list[str]]) -> None:
     bad = run(["pools", "ledger", "demo", "--since", "yesterday"], srv.url)
     assert bad.returncode != 0
     assert bad.stderr.startswith("stoker: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_refused_export_leaves_the_earlier_file_as_it_was(
+    server: tuple[Server, list[str]], tmp_path: Path
+) -> None:
+    """The server refuses the window after `--out` was named: the file an earlier export
+    wrote is neither emptied nor left with a partial file beside it."""
+    srv, _ = server
+    out = tmp_path / "claims.jsonl"
+    out.write_text('{"earlier": "export"}\n')
+    bad = run(["claims", "export", "--since", "yesterday", "--out", str(out)], srv.url)
+    assert bad.returncode == 1, bad.stderr
+    assert bad.stderr.startswith("stoker: ") and len(bad.stderr.strip().splitlines()) == 1
+    assert out.read_text() == '{"earlier": "export"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["claims.jsonl"]
+    done = run(["claims", "export", "--since", "1h", "--out", str(out)], srv.url)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line) for line in out.read_text().splitlines()] == log(srv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["claims.jsonl"]
+    # The mode a plain `open` gives, not the private one of a temporary file.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask

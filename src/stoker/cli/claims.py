@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -275,12 +278,51 @@ def claims_export(
         for entry in entries:
             print(json.dumps(entry, separators=(",", ":")))
         return
+    target = Path(out)
+    if target.exists() and not target.is_file():
+        # A device or a pipe (`/dev/stdout`, a FIFO): written as it is.
+        count = _write_log(entries, target, out)
+    else:
+        count = _replace_with_log(entries, target, out)
+    print(f"wrote {count} claims to {out}", file=sys.stderr)
+
+
+def _write_log(entries: Iterable[dict[str, Any]], path: Path, out: str) -> int:
+    """Write `entries` as JSON lines to `path`; the count written."""
     count = 0
     try:
-        with open(out, "w", encoding="utf-8") as file:
+        with path.open("w", encoding="utf-8") as file:
             for entry in entries:
                 file.write(json.dumps(entry, separators=(",", ":")) + "\n")
                 count += 1
     except OSError as exc:
         fail(f"cannot write {out}: {exc.strerror or exc}")
-    print(f"wrote {count} claims to {out}", file=sys.stderr)
+    return count
+
+
+def _replace_with_log(entries: Iterable[dict[str, Any]], target: Path, out: str) -> int:
+    """Write `entries` into a file beside `target`, renamed over it once the whole log is
+    in: a refused window or a failure part-way leaves an earlier export as it was."""
+    try:
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}")
+    os.close(fd)
+    partial = Path(name)
+    try:
+        count = _write_log(entries, partial, out)
+        # mkstemp's file is private (0600); the export gets the mode `open` would give.
+        partial.chmod(0o666 & ~_umask())
+        partial.replace(target)
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}")
+    finally:
+        partial.unlink(missing_ok=True)
+    return count
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and back): the mode `open` would give."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
