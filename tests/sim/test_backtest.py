@@ -155,6 +155,16 @@ def test_never_bound_claims_hold_for_their_orgs_median(tmp_path: Path) -> None:
     assert replay.recorded_cold_share() == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_an_empty_log_says_so(tmp_path: Path, text: str) -> None:
+    """A log without claims is named as such (it used to be refused as holding no claim
+    of pool 'workers', a pool nobody named)."""
+    path = tmp_path / "claims.jsonl"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"^the claim log holds no claims$"):
+        read_claim_log(path)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [STOKER, "backtest", *args],
@@ -174,6 +184,7 @@ GOOD = json.dumps(next(synthetic_claims(1)))
     ("lines", "args", "says"),
     [
         ([GOOD, "{not json"], (), "claims.jsonl:2: not JSON"),
+        ([], (), "stoker: the claim log holds no claims"),
         ([GOOD, GOOD.replace('"org"', '"tenant"')], (), "claims.jsonl:2: missing ['org']"),
         ([GOOD.replace('"prefer_warm"', '"eager"')], (), "mode 'eager' is not one of"),
         (

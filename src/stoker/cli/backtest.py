@@ -271,8 +271,6 @@ def backtest(
                 raise ConfigError(f"--search: cannot search {key!r}; one of {', '.join(SEARCHED)}")
     except ConfigError as exc:
         fail(str(exc).removeprefix("scenario backtest: "), code=2)
-    if len(replay) == 0:
-        fail("the claim log is empty")
     if out is not None:
         from stoker.sim.report import check_out
 

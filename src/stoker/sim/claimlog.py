@@ -171,13 +171,15 @@ class ClaimReplay:
 
 def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> ClaimReplay:
     """The replay of one pool's claims (`pool`, or the log's only pool); ConfigError when
-    the log holds several pools and none is named, or none of the named one."""
+    the log holds no claims, several pools and none is named, or none of the named one."""
     chosen = list(claims)
+    if not chosen:
+        raise ConfigError("the claim log holds no claims")
     pools = sorted({c.pool for c in chosen})
     if pool is None:
         if len(pools) > 1:
             raise ConfigError(f"the log holds several pools ({', '.join(pools)}): name one")
-        pool = pools[0] if pools else "workers"
+        pool = pools[0]
     chosen = [c for c in chosen if c.pool == pool]
     if not chosen:
         raise ConfigError(f"the log holds no claim of pool {pool!r}")
