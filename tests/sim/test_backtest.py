@@ -603,3 +603,18 @@ def test_a_server_s_stored_settings_are_the_ones_replayed() -> None:
     }  # fmt: skip
     # An older server without `settings`: what it states at the top.
     assert _pool_settings({"warm_target": 1, "cap": 0}) == {"warm_target": 1, "max_workers": 0}
+
+
+def test_a_drained_pool_replays_the_warm_target_it_ran_with() -> None:
+    """A drained pool states a warm target of 0 at the top of `GET /v1/pools/{name}` (the
+    one in force while it drains); its log ran with the stored one, which is replayed."""
+    from stoker.cli.backtest import _pool_settings
+
+    body = {
+        "warm_target": 0, "draining": True, "cap": 12, "max_workers_per_org": 3,
+        "hot_idle_ttl": 20.0,
+        "settings": {"warm_target": 2, "max_workers": 12, "max_workers_per_org": 3},
+    }  # fmt: skip
+    assert _pool_settings(body) == {
+        "warm_target": 2, "max_workers": 12, "max_workers_per_org": 3, "hot_idle_ttl": 20.0,
+    }  # fmt: skip

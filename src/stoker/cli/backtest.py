@@ -472,7 +472,8 @@ def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
     """The settings a pool's `GET /v1/pools/{name}` states: its targets and cap, and its
     stored settings (`settings`, those `PATCH` changes; the others keep the simulator's
     defaults). `max_workers` is the pool's `cap`: the cap in force, derived on the server's
-    machine when the setting is 0."""
+    machine when the setting is 0. `warm_target` is the stored one: a drained pool states
+    0 at the top (the target in force while it drains), not the one its log ran with."""
     from stoker.sim.backtest import PATCHABLE
 
     names = {"warm_target": "warm_target", "cap": "max_workers"}
@@ -480,6 +481,8 @@ def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
     out = {key: body[field] for field, key in names.items() if body.get(field) is not None}
     stored = body.get("settings")
     if isinstance(stored, Mapping):
+        if stored.get("warm_target") is not None:
+            out["warm_target"] = stored["warm_target"]
         for key in PATCHABLE:
             if stored.get(key) is not None:
                 out.setdefault(key, stored[key])
