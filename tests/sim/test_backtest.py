@@ -19,7 +19,7 @@ import pytest
 from servers import STOKER, environment
 from stoker.domain.errors import ConfigError
 from stoker.domain.specs import CostSpec
-from stoker.sim.backtest import Backtest, SpawnToReady, all_figures, recommend
+from stoker.sim.backtest import Backtest, Figures, SpawnToReady, all_figures, recommend
 from stoker.sim.claimlog import read_claim_log, synthetic_claims
 
 #: Every claim cold without a warm pool: the static target's policy has no demand signal.
@@ -618,3 +618,26 @@ def test_a_drained_pool_replays_the_warm_target_it_ran_with() -> None:
     assert _pool_settings(body) == {
         "warm_target": 2, "max_workers": 12, "max_workers_per_org": 3, "hot_idle_ttl": 20.0,
     }  # fmt: skip
+
+
+def test_recommends_confirming_run_replays_the_org_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The winner's re-run at another seed runs under the per-org overrides the search
+    ran under (it used to drop them, confirming settings the search never replayed)."""
+    path = write_log(tmp_path / "log.jsonl", list(synthetic_claims(4, span_s=60, orgs=1)))
+    orgs = {"org-000": {"max_workers": 1}}
+    run = Backtest(replay=read_claim_log(path), current={"warm_target": 1}, jobs=1, orgs=orgs)
+    seen: list[tuple[int, list[str]]] = []
+
+    def figures(self: Backtest, candidates: Any) -> list[Any]:
+        tenants = [t.name for t in self.scenario(candidates).tenants]
+        seen.append((self.seed, tenants))
+        return [Figures(name, 0.0, 10.0, 10.0, 10.0, 10.0, 0, 0.1, 1.0) for name, _ in candidates]
+
+    monkeypatch.setattr(Backtest, "figures", figures)
+    found = recommend(run, "cold_share", 0.1, keys=("headroom_nodes",))
+    assert found.confirmed_ok
+    # Every run, the confirming one (the next seed) included, replays org-000's cap.
+    assert seen[-1][0] == 2
+    assert all(tenants == ["org-000"] for _, tenants in seen), seen

@@ -13,6 +13,7 @@ words of its config file, plus `policy` (a simulator policy kind, e.g. `percent-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -559,17 +560,9 @@ def recommend(
         best, best_figures = batch[index], found[index]
     if best_figures is None:
         return Recommendation(target, bound, None, None, None, tried)
-    again = Backtest(
-        replay=backtest.replay,
-        current=best,
-        spawn=backtest.spawn,
-        control_plane=backtest.control_plane,
-        seed=backtest.seed + 1,
-        jobs=1,
-        progress=backtest.progress,
-        cost=backtest.cost,
-        resources=backtest.resources,
-    )
+    # The same backtest (log, spawn times, intervals, prices, per-org overrides) from the
+    # winner, at the next seed.
+    again = dataclasses.replace(backtest, current=best, seed=backtest.seed + 1, jobs=1)
     confirmed = again.figures([("confirm", {})])[0]
     return Recommendation(target, bound, best, best_figures, confirmed, tried)
 
