@@ -184,6 +184,13 @@ GOOD = json.dumps(next(synthetic_claims(1)))
     ("lines", "args", "says"),
     [
         ([GOOD, "{not json"], (), "claims.jsonl:2: not JSON"),
+        # A cut-off last line (an export that was stopped): where it breaks off.
+        (
+            [GOOD, GOOD[:38]],
+            (),
+            "claims.jsonl:2: not JSON (Unterminated string starting at column 32)",
+        ),
+        ([GOOD, GOOD[:48] + "\r"], (), "claims.jsonl:2: not JSON (Expecting value at column 49)"),
         ([], (), "stoker: the claim log holds no claims"),
         ([GOOD, GOOD.replace('"org"', '"tenant"')], (), "claims.jsonl:2: missing ['org']"),
         ([GOOD.replace('"prefer_warm"', '"eager"')], (), "mode 'eager' is not one of"),

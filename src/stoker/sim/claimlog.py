@@ -49,9 +49,13 @@ _MODES = tuple(mode.value for mode in ClaimMode)
 def parse_line(text: str, where: str) -> ClaimLogEntry:
     """One line of the log; ConfigError naming `where` (file:line) and the problem."""
     try:
-        data = json.loads(text)
+        # Without its line break: a cut-off last line reads as the cut, not as a string
+        # holding a control character.
+        data = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+        # "Unterminated string starting at column 51", "Expecting value at column 1".
+        problem = f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+        raise ConfigError(f"{where}: not JSON ({problem})") from None
     return parse_entry(data, where)
 
 
