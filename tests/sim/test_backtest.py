@@ -163,6 +163,9 @@ def test_an_empty_log_says_so(tmp_path: Path, text: str) -> None:
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"^the claim log holds no claims$"):
         read_claim_log(path)
+    # With a pool named (`--pool`; a server's log read for that pool alone), that pool.
+    with pytest.raises(ConfigError, match=r"^the log holds no claim of pool 'demo'$"):
+        read_claim_log(path, "demo")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -177,7 +177,7 @@ def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> Cl
     """The replay of one pool's claims (`pool`, or the log's only pool); ConfigError when
     the log holds no claims, several pools and none is named, or none of the named one."""
     chosen = list(claims)
-    if not chosen:
+    if not chosen and pool is None:
         raise ConfigError("the claim log holds no claims")
     pools = sorted({c.pool for c in chosen})
     if pool is None:
