@@ -157,3 +157,53 @@ def test_a_refused_export_leaves_the_earlier_file_as_it_was(
     umask = os.umask(0o022)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+#: Org names a client may send that read as rich markup: a closing tag, a style.
+MARKUP_ORGS = ("[/x]", "a[b]")
+
+
+def _rendered(table: Any) -> str:
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    console.print(table)
+    return console.export_text()
+
+
+def test_the_ledger_by_org_shows_orgs_that_read_as_markup_as_they_are() -> None:
+    """`--by org` of a pool an org named `[/x]` claimed from ended in `unexpected error:
+    MarkupError`; `a[b]` showed as a bold `a`."""
+    from stoker.cli.pools import _ledger_table
+
+    counts = {
+        "warm_s": 0.0, "hot_s": 7.0, "hot_idle_s": 0.0, "starting_s": 0.0,
+        "placeholder_s": 0.0, "spawns": 0, "mean_ready_s": None, "claims_reuse": 0,
+        "claims_warm": 1, "claims_cold": 0, "failed": 0, "idle_warm_cost": None,
+        "idle_parked_cost": None, "headroom_cost": None, "total_cost": None,
+        "cold_start_s_avoided": None,
+    }  # fmt: skip
+    rows = [{**counts, "hour": 1796623200, "group": org} for org in MARKUP_ORGS]
+    body = {"pool": "demo", "by": "org", "rows": rows, "total": {**counts, "group": ""}}
+    text = _rendered(_ledger_table(body))
+    assert all(f" {org} " in text for org in MARKUP_ORGS), text
+
+
+def test_claims_list_shows_orgs_that_read_as_markup_as_they_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from stoker.cli.claims import _CLAIM_COLUMNS, _claim_row
+    from stoker.cli.output import print_listing
+    from stoker.sdk import ClaimInfo
+
+    claim = {
+        "id": "c-1", "pool": "demo", "state": "bound", "source": "warm", "mode": "prefer_warm",
+        "worker": {"id": "w-1", "endpoint": "http://127.0.0.1:1", "token": None, "epoch": 1},
+        "lease_s": 600.0, "expires_at": "2026-12-07T07:06:16.965Z",
+        "created_at": "2026-12-07T06:56:16.965Z", "ended_at": None, "reason": None,
+        "ttl_s": None,
+    }  # fmt: skip
+    claims = [ClaimInfo.from_json({**claim, "org": org}) for org in MARKUP_ORGS]
+    print_listing("claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=False)
+    printed = capsys.readouterr().out
+    assert all(f" {org} " in printed for org in MARKUP_ORGS), printed

@@ -17,6 +17,7 @@ import typer
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -250,7 +251,7 @@ def _price(value: float | None) -> str:
 
 def _ledger_table(body: dict[str, Any]) -> Table:
     """The ledger's rows (hour, group) and its total as a table."""
-    table = Table(title=f"ledger of pool {body['pool']}", title_justify="left")
+    table = Table(title=f"ledger of pool {escape(body['pool'])}", title_justify="left")
     table.add_column("hour (UTC)")
     if body.get("by"):
         table.add_column(str(body["by"]), overflow="fold")
@@ -258,7 +259,8 @@ def _ledger_table(body: dict[str, Any]) -> Table:
         table.add_column(header, justify="right")
 
     def add(label: str, row: dict[str, Any]) -> None:
-        group = [row["group"] or "-"] if body.get("by") else []
+        # An org is any text a client sent (`[/x]`): shown as it is, never as markup.
+        group = [escape(row["group"]) or "-"] if body.get("by") else []
         table.add_row(label, *group, *(show(row) for _, show in _LEDGER_COLUMNS))
 
     for row in body["rows"]:
