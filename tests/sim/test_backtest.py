@@ -651,3 +651,17 @@ def test_recommends_confirming_run_replays_the_org_overrides(
     # Every run, the confirming one (the next seed) included, replays org-000's cap.
     assert seen[-1][0] == 2
     assert all(tenants == ["org-000"] for _, tenants in seen), seen
+
+
+def test_a_pool_that_reads_as_markup_is_shown_as_it_is(tmp_path: Path) -> None:
+    """A log's pool named `[/x]` ended the backtest, after its replay, in `unexpected
+    error: MarkupError` where it printed the table."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    claims = [dict(c, pool="[/x]") for c in synthetic_claims(3, span_s=60)]
+    path = write_log(tmp_path / "log.jsonl", claims)
+    result = CliRunner().invoke(app, ["backtest", "--from", str(path), "--no-progress", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    assert "backtest [/x] (recorded cold share" in result.stdout

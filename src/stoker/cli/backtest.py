@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from stoker.cli.output import JsonFlag, fail, given_server, make_console, print_json
@@ -724,13 +725,14 @@ def _table(title: str, rows: Sequence[Figures]) -> Table:
     for header in _HEADERS:
         table.add_column(header, justify="right")
     for f in rows:
-        table.add_row(f.name, *_cells(f))
+        table.add_row(escape(f.name), *_cells(f))
     return table
 
 
 def _print_table(replay: ClaimReplay, rows: Sequence[Figures]) -> None:
     recorded = replay.recorded_cold_share()
-    title = f"backtest {replay.pool}" + (
+    # A log's pool is any text (`[/x]`): shown as it is, never as markup.
+    title = f"backtest {escape(replay.pool)}" + (
         "" if recorded is None else f" (recorded cold share {recorded:.2%})"
     )
     make_console().print(_table(title, rows))
