@@ -665,3 +665,39 @@ def test_a_pool_that_reads_as_markup_is_shown_as_it_is(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["backtest", "--from", str(path), "--no-progress", "-j", "1"])
     assert result.exit_code == 0, result.output
     assert "backtest [/x] (recorded cold share" in result.stdout
+
+
+def test_a_pool_that_never_reuses_replays_so(tmp_path: Path) -> None:
+    """A `reuse: never` pool was replayed as `same_org`: released workers parked for their
+    orgs and filled the cap, so a live run with 2 % cold claims replayed at 87 %. The
+    server's `reuse` (and the config file's) is replayed, and `reuse` is a setting."""
+    from stoker.cli.backtest import _config_settings, _ConfigFile, _pool_settings
+    from stoker.sim.backtest import parse_settings
+
+    assert _pool_settings({"warm_target": 1, "cap": 4, "reuse": "never"}) == {
+        "warm_target": 1, "max_workers": 4, "reuse": "never",
+    }  # fmt: skip
+    config = tmp_path / "stoker.yaml"
+    config.write_text(LOCAL_POOL + "    reuse: never\n")
+    settings, *_ = _config_settings(_ConfigFile.load(config), "workers")
+    assert settings["reuse"] == "never"
+    assert parse_settings("reuse=never") == {"reuse": "never"}
+    with pytest.raises(ConfigError, match="reuse: 'sometimes': the pool refuses it"):
+        parse_settings("reuse=sometimes")
+
+
+def test_a_never_reusing_pools_releases_do_not_park(tmp_path: Path) -> None:
+    """Four orgs take turns, a session of 2 s every 10 s, in a pool capped at 2 with one
+    warm worker: parked for their orgs (same_org) the released workers fill the cap and
+    every new org's claim is cold; retired (never) they leave room for the warm one."""
+    claims = [
+        dict(c, at=1_700_000_000.0 + 10 * i, org=f"org-{i % 4}", held_s=2.0)
+        for i, c in enumerate(synthetic_claims(12, span_s=60, orgs=1))
+    ]
+    replay = read_claim_log(write_log(tmp_path / "log.jsonl", claims))
+    current = {"warm_target": 1, "max_workers": 2, "hot_idle_ttl": 300.0}
+    run = Backtest(replay=replay, current=current, spawn=SpawnToReady(1, 2), jobs=1)
+    result = run.run([("current", {}), ("never", {"reuse": "never"})])
+    parked, never = (p.summary["claims"]["by_source"] for p in result.policies)
+    assert never.get("reuse", 0) == 0 and never.get("warm", 0) >= 10, never
+    assert parked.get("cold", 0) > never.get("cold", 0), (parked, never)

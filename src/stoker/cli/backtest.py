@@ -159,8 +159,8 @@ def backtest(
 
     Settings are KEY=VALUE: warm_target, max_workers, max_workers_per_org, hot_idle_ttl,
     max_ttl, min_hot_idle, scale_down_delay, lease_s, claim_timeout_s, headroom_nodes,
-    demand.quantile, demand.org_forecast, demand.headroom, and policy (a simulator policy
-    kind). The current settings always run (named "current"); all --set options together
+    demand.quantile, demand.org_forecast, demand.headroom, reuse, and policy (a simulator
+    policy kind). The current settings always run (named "current"); all --set options together
     make one candidate, each --candidate another, each --policy another.
     """
     from stoker.extras import missing_extra
@@ -478,7 +478,7 @@ def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
     from stoker.sim.backtest import PATCHABLE
 
     names = {"warm_target": "warm_target", "cap": "max_workers"}
-    names.update({k: k for k in ("max_workers_per_org", "hot_idle_ttl", "headroom_nodes")})
+    names.update({k: k for k in ("max_workers_per_org", "hot_idle_ttl", "headroom_nodes", "reuse")})
     out = {key: body[field] for field, key in names.items() if body.get(field) is not None}
     stored = body.get("settings")
     if isinstance(stored, Mapping):
@@ -565,6 +565,7 @@ def _config_settings(
                     "headroom_nodes": spec.headroom_nodes,
                     "demand.quantile": spec.demand.quantile,
                     "demand.headroom": spec.demand.headroom,
+                    "reuse": spec.reuse.value,
                 },
                 intervals,
                 spec.cost,

@@ -45,6 +45,7 @@ SETTINGS: Mapping[str, tuple[str, type]] = {
     "demand.quantile": ("demand_quantile", float),
     "demand.org_forecast": ("org_forecast", bool),
     "demand.headroom": ("headroom", str),
+    "reuse": ("reuse", str),
 }
 #: Settings `PATCH /v1/pools/{name}` (`stoker pools set`) changes; the others are the
 #: config file's (or the pool's stored spec).
