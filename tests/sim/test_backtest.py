@@ -155,6 +155,22 @@ def test_never_bound_claims_hold_for_their_orgs_median(tmp_path: Path) -> None:
     assert replay.recorded_cold_share() == pytest.approx(1 / 3)
 
 
+def test_a_gzip_compressed_log_is_read_as_the_log(tmp_path: Path) -> None:
+    """`gzip claims.jsonl` (a week's export is large) replays as the log itself; one cut
+    short is one line. It used to be refused as not UTF-8 text."""
+    import gzip
+
+    claims = list(synthetic_claims(5, span_s=60))
+    plain = read_claim_log(write_log(tmp_path / "claims.jsonl", claims))
+    packed = gzip.compress((tmp_path / "claims.jsonl").read_bytes())
+    (tmp_path / "claims.jsonl.gz").write_bytes(packed)
+    replay = read_claim_log(tmp_path / "claims.jsonl.gz")
+    assert (list(replay.at_s), list(replay.hold_s)) == (list(plain.at_s), list(plain.hold_s))
+    (tmp_path / "cut.gz").write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(ConfigError, match=r"cut.gz: a gzip file cut short or damaged$"):
+        read_claim_log(tmp_path / "cut.gz")
+
+
 @pytest.mark.parametrize("text", ["", "\n  \n"])
 def test_an_empty_log_says_so(tmp_path: Path, text: str) -> None:
     """A log without claims is named as such (it used to be refused as holding no claim

@@ -23,14 +23,16 @@ every candidate's process.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
+import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from stoker.domain.errors import ConfigError
 from stoker.domain.ledger import EXPORT_KEYS, OUTCOMES, SOURCES, ClaimLogEntry
@@ -226,15 +228,32 @@ def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> Cl
     return replay
 
 
+#: The first bytes of a gzip file.
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def read_claim_log(path: Path, pool: str | None = None) -> ClaimReplay:
-    """The replay of a JSON-lines claim log file; ConfigError (one line) on bad input."""
+    """The replay of a JSON-lines claim log file, or of one compressed with gzip (`gzip
+    claims.jsonl`, whatever its name); ConfigError (one line) on bad input."""
     try:
-        with path.open(encoding="utf-8") as lines:
+        with _open_text(path) as lines:
             return build_replay(parse_lines(lines, str(path)), pool)
     except OSError as exc:
+        # gzip's BadGzipFile is one: no strerror, its own message.
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (EOFError, zlib.error):
+        raise ConfigError(f"{path}: a gzip file cut short or damaged") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
+
+
+def _open_text(path: Path) -> IO[str]:
+    """`path` opened as UTF-8 text, through gzip when it starts as a gzip file does."""
+    with path.open("rb") as head:
+        compressed = head.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    if compressed:
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
 
 
 def synthetic_claims(
