@@ -226,6 +226,14 @@ GOOD = json.dumps(next(synthetic_claims(1)))
         ([GOOD], ("--candidate", "claim_timeout_s=7200"), "less than or equal to 3600"),
         ([GOOD], ("--current", "headroom_nodes=1001"), "headroom_nodes: '1001'"),
         ([GOOD], ("--policy", "magic"), "unknown policy 'magic'"),
+        # Two values of one key in one candidate: the last one used to win, silently.
+        (
+            [GOOD],
+            ("--set", "warm_target=1", "--set", "warm_target=2"),
+            "--set warm_target given twice",
+        ),
+        ([GOOD], ("--candidate", "warm_target=1,warm_target=2"), "setting warm_target given twice"),
+        ([GOOD], ("--current", "lease_s=9,lease_s=10"), "setting lease_s given twice"),
         ([GOOD], ("--recommend", "--target", "cost=1"), "--target 'cost=1'"),
         ([GOOD], ("--recommend", "--out", "report"), "--out writes the report of the settings"),
         ([GOOD], ("--spawn-s", "9:3"), "need 0 < p50 <= p99"),

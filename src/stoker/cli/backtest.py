@@ -245,6 +245,9 @@ def backtest(
                 key, sep, raw = item.partition("=")
                 if not sep:
                     raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+                if key.strip() in changes:
+                    # All --set make one candidate: two values of a key cannot both be it.
+                    raise ConfigError(f"--set {key.strip()} given twice")
                 changes[key.strip()] = parse_value(key.strip(), raw.strip())
             runs.append((settings_text(changes), changes))
         for text in candidate or []:

@@ -76,7 +76,7 @@ TARGETS = ("cold_share", "session_p99_ms", "claim_p99_ms")
 
 def parse_settings(text: str) -> dict[str, Any]:
     """`'warm_target=8,demand.quantile=0.99'` as {key: typed value}; ConfigError on an
-    unknown key or a bad value. `policy=NAME` picks the policy kind."""
+    unknown key, a bad value or a key given twice. `policy=NAME` picks the policy kind."""
     settings: dict[str, Any] = {}
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -85,6 +85,9 @@ def parse_settings(text: str) -> dict[str, Any]:
         key, raw = key.strip(), raw.strip()
         if not sep or not raw:
             raise ConfigError(f"setting {part!r}: expected KEY=VALUE")
+        if key in settings:
+            # `warm_target=1,warm_target=2` is no setting: which one was meant?
+            raise ConfigError(f"setting {key} given twice in {text!r}")
         settings[key] = parse_value(key, raw)
     return settings
 
