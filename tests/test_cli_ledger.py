@@ -157,6 +157,13 @@ def test_a_refused_export_leaves_the_earlier_file_as_it_was(
     umask = os.umask(0o022)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    # Through a symlink, the file it names is written; the link stays a link.
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(out.name)
+    out.write_text("")
+    done = run(["claims", "export", "--since", "1h", "--out", str(link)], srv.url)
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and out.read_text() == link.read_text() != ""
 
 
 #: Org names a client may send that read as rich markup: a closing tag, a style.

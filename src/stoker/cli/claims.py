@@ -280,7 +280,8 @@ def claims_export(
         for entry in entries:
             print(json.dumps(entry, separators=(",", ":")))
         return
-    target = Path(out)
+    # Through a symlink (`claims-latest.jsonl`) to the file it names, as `open` writes.
+    target = Path(os.path.realpath(out))
     if target.exists() and not target.is_file():
         # A device or a pipe (`/dev/stdout`, a FIFO): written as it is.
         count = _write_log(entries, target, out)
