@@ -214,3 +214,26 @@ def test_claims_list_shows_orgs_that_read_as_markup_as_they_are(
     print_listing("claims", claims, _CLAIM_COLUMNS, _claim_row, as_json=False)
     printed = capsys.readouterr().out
     assert all(f" {org} " in printed for org in MARKUP_ORGS), printed
+
+
+def test_workers_list_shows_orgs_that_read_as_markup_as_they_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`stoker workers list` while an org named `[/x]` held a worker ended in
+    `unexpected error: MarkupError`: every listing's cells are shown as they are."""
+    from stoker.cli.output import print_listing
+    from stoker.cli.workers import _WORKER_COLUMNS, _worker_row
+    from stoker.sdk import WorkerInfo
+
+    worker = {
+        "id": "w-1", "pool": "demo", "revision": "r-1", "state": "hot", "epoch": 1,
+        "claim_id": "c-1", "endpoint": "http://127.0.0.1:1", "owner": "cp-1",
+        "activated": True, "created_at": "2026-12-07T06:56:16.965Z",
+        "updated_at": "2026-12-07T06:56:16.965Z", "idle_since": None, "ttl_s": None,
+        "reason": "[bold]",
+    }  # fmt: skip
+    workers = [WorkerInfo.from_json({**worker, "org": org}) for org in MARKUP_ORGS]
+    print_listing("workers", workers, _WORKER_COLUMNS, _worker_row, as_json=False)
+    printed = capsys.readouterr().out
+    assert all(f" {org} " in printed for org in MARKUP_ORGS), printed
+    assert " [bold] " in printed

@@ -172,9 +172,7 @@ _CLAIM_COLUMNS = ("id", "pool", "org", "state", "source", "worker", "created", "
 
 def _claim_row(c: ClaimInfo) -> tuple[str, ...]:
     expires = when(c.expires_at) if c.bound else "-"
-    cells = (c.id, c.pool, c.org, c.state, c.source, c.worker.id, when(c.created_at), expires)
-    # An org is any text a client sent (`[/x]`): shown as it is, never as markup.
-    return tuple(escape(cell) for cell in cells)
+    return (c.id, c.pool, c.org, c.state, c.source, c.worker.id, when(c.created_at), expires)
 
 
 def _claim_details(c: ClaimInfo) -> Table:

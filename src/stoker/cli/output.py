@@ -16,6 +16,7 @@ from typing import Annotated, Any, NoReturn, Protocol, TypeVar
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stoker.sdk import Client, Retries, StokerError
@@ -234,7 +235,9 @@ def print_listing(
     for column in columns:
         table.add_column(column, overflow="fold")
     for answer in answers:
-        table.add_row(*row(answer))
+        # A cell is text a client or a worker chose (an org `[/x]`, a reason): shown as it
+        # is, never read as markup.
+        table.add_row(*(escape(cell) for cell in row(answer)))
     make_console().print(table)
 
 

@@ -6,7 +6,6 @@ from enum import StrEnum
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from stoker.cli.output import (
     AfterOption,
@@ -66,7 +65,6 @@ _WORKER_COLUMNS = ("id", "pool", "state", "org", "claim", "revision", "created",
 
 
 def _worker_row(w: WorkerInfo) -> tuple[str, ...]:
-    reason = escape(w.reason or "-")
     return (
         w.id,
         w.pool,
@@ -75,5 +73,5 @@ def _worker_row(w: WorkerInfo) -> tuple[str, ...]:
         w.claim_id or "-",
         w.revision,
         when(w.created_at),
-        reason,
+        w.reason or "-",
     )
