@@ -29,7 +29,22 @@ def test_durations_and_unix_seconds() -> None:
             "yesterday",
             "until: expected unix seconds or a duration such as 24h or 7d, got 'yesterday'",
         ),
-        ("nan", None, "since: not a time: 'nan'"),
+        (
+            "nan",
+            None,
+            "since: expected unix seconds or a duration such as 24h or 7d, got 'nan'",
+        ),
+        # Python's float reads `1_000` as 1000; a time given so is a typo, not 1970.
+        (
+            "1_000",
+            None,
+            "since: expected unix seconds or a duration such as 24h or 7d, got '1_000'",
+        ),
+        (
+            "1_5h",
+            None,
+            "since: expected unix seconds or a duration such as 24h or 7d, got '1_5h'",
+        ),
         ("-1h", None, "since: not a duration: '-1h'"),
         ("1h", "2h", "since must be before until"),
     ],

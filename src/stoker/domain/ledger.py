@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
@@ -318,6 +319,10 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": HOUR_S, "d": 86400.0, "w": 7 * 86400.0}
 MAX_WINDOW_S = 366 * 86400.0
 
 
+#: A decimal number as `parse_time` reads it: digits, an optional fraction and exponent.
+_DECIMAL = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
 def parse_time(text: str, now: float) -> float:
     """A point in time: unix seconds (`1733400000`), or a duration before `now` (`24h`,
     `7d`, `90m`). ValueError for anything else."""
@@ -340,14 +345,12 @@ def parse_time(text: str, now: float) -> float:
 
 
 def _number(value: str, text: str) -> float:
-    """`value` as a float; ValueError naming the whole `text` (float's own message would
-    name a part of it, `'bogu'` of `'bogus'`)."""
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(
-            f"expected unix seconds or a duration such as 24h or 7d, got {text!r}"
-        ) from None
+    """`value` as a decimal number (not Python's other spellings: `1_000`, `inf`);
+    ValueError naming the whole `text` (float's own message would name a part of it,
+    `'bogu'` of `'bogus'`)."""
+    if _DECIMAL.fullmatch(value) is None:
+        raise ValueError(f"expected unix seconds or a duration such as 24h or 7d, got {text!r}")
+    return float(value)
 
 
 def _named(name: str, text: str, now: float) -> float:
