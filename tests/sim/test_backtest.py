@@ -725,3 +725,28 @@ def test_a_never_reusing_pools_releases_do_not_park(tmp_path: Path) -> None:
     parked, never = (p.summary["claims"]["by_source"] for p in result.policies)
     assert never.get("reuse", 0) == 0 and never.get("warm", 0) >= 10, never
     assert parked.get("cold", 0) > never.get("cold", 0), (parked, never)
+
+
+def test_a_local_pools_cold_spawns_wait_for_no_node(tmp_path: Path) -> None:
+    """A local pool keeps no worker warm (`warm_target: 0`) and its claims come ten
+    minutes apart, each a cold spawn. Its processes start on a machine that is always
+    there; the replay used to start them on simulated nodes consolidated away between the
+    claims, so each waited for a node's launch (about a minute): past a 30 s claim timeout
+    most failed, where the live pool served them all in a spawn's time."""
+    claims = [
+        dict(c, at=1_700_000_000.0 + 600.0 * i, org=f"org-{i}", held_s=20.0)
+        for i, c in enumerate(synthetic_claims(6, span_s=60, orgs=6))
+    ]
+    config = tmp_path / "stoker.yaml"
+    config.write_text(
+        "runtime: {kind: local, memory_budget_mb: 4096}\n"
+        "pools:\n  - name: workers\n    command: [worker, '{port}']\n    memory_mb: 512\n"
+        "    warm_target: 0\n    claim_timeout_s: 30\n    reuse: never\n"
+    )
+    log = write_log(tmp_path / "cold.jsonl", claims)
+    body = _backtest_json(["--from", str(log), "-c", str(config), "--spawn-s", "0.5"])
+    assert body["local"] is True
+    (run,) = body["runs"]
+    assert run["failed"] == 0
+    # A spawn's half second, the claim's own steps, and no node's launch.
+    assert run["session_p99_ms"] < 2_000

@@ -215,6 +215,9 @@ def backtest(
             if "max_workers" in known:
                 cap_source = f"the server's cap, GET {url}/v1/pools/{replay.pool}"
         intervals: dict[str, Any] = {}
+        # The live pool's (CPUs, GiB) per worker, as its ledger counted them or its
+        # template says: a local process has no CPU share (`resources_of`).
+        sized = resources
         if config is not None:
             file = _ConfigFile.load(config)
             pool_settings, intervals, prices, sizes = _config_settings(file, replay.pool)
@@ -226,6 +229,7 @@ def backtest(
             else:
                 pool_settings["max_workers"], cap_source = config_cap, config_source
             known.update(pool_settings)
+            sized = sizes
             if prices is not None:
                 cost, resources = prices, sizes
             # The file's `orgs:` over the server's, org by org (as its pool settings).
@@ -291,11 +295,16 @@ def backtest(
     bar = _ScaletestProgress(enabled=not no_progress and not as_json)
     _warn_orgs(replay, orgs, orgs_source, from_server=url is not None)
     # What the current settings replayed beyond their KEY=VALUEs, for every output.
-    facts = {
+    facts: dict[str, Any] = {
         "cap": {"max_workers": known.get("max_workers", 0), "source": cap_source},
         "org_overrides": _orgs_json(replay, orgs, orgs_source),
     }
+    # Local processes: a spawn never waits for a node.
+    machine = sized is not None and sized[0] == 0
+    facts["local"] = machine
     notes = [_cap_line(known.get("max_workers", 0), cap_source)]
+    if machine:
+        notes.append("local processes: no spawn waits for a node (its nodes are there at once)")
     notes += [line for line in [_orgs_line(replay, orgs, orgs_source)] if line]
     run = Backtest(
         replay=replay,
@@ -308,6 +317,7 @@ def backtest(
         progress=bar.update,
         cost=cost,
         resources=resources,
+        machine=machine,
     )
     try:
         if goal is not None:

@@ -205,6 +205,8 @@ class Backtest:
     #: The per-org overrides in force (org -> its settings, `OrgSpec.overrides`): every
     #: setting replays them, those of `ORG_SETTINGS` (`replayed_orgs`).
     orgs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: The live pool runs local processes: no spawn waits for a node (`backtest_scenario`).
+    machine: bool = False
 
     def __post_init__(self) -> None:
         self.replay.lead_s = LEAD_S
@@ -218,6 +220,7 @@ class Backtest:
             seed=self.seed,
             control_plane=self.control_plane,
             orgs=self.orgs,
+            machine=self.machine,
         )
 
     def run(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> ScenarioResult:
@@ -283,6 +286,19 @@ TAIL_S = 120.0
 LEAD_S = 300.0
 
 
+#: The cluster of a local pool's replay (`machine`): nodes launched at once, as soon as a
+#: spawn needs one, for a machine that is always there.
+MACHINE_CLUSTER: Mapping[str, Any] = {
+    "node_pools": [
+        {
+            **BASE["cluster"]["node_pools"][0],
+            "provisioning": {"kind": "constant", "value": 0.0},
+        }
+    ],
+    "autoscaler": {"batch_idle_s": 0.0, "batch_max_s": 0.0},
+}
+
+
 def backtest_scenario(
     replay: ClaimReplay,
     runs: Sequence[tuple[str, Mapping[str, Any]]],
@@ -291,10 +307,13 @@ def backtest_scenario(
     seed: int,
     control_plane: Mapping[str, Any] | None = None,
     orgs: Mapping[str, Mapping[str, Any]] | None = None,
+    machine: bool = False,
 ) -> Scenario:
     """The backtest's scenario: one policy per (name, settings), the per-org overrides
     `orgs` of the log's orgs as its tenants' (`replayed_orgs`); ConfigError on settings
-    the pool refuses (e.g. warm_target above max_workers)."""
+    the pool refuses (e.g. warm_target above max_workers). `machine`: the live pool runs
+    local processes, so no spawn waits for a node: a node the replay needs is there at
+    once (the simulated nodes still come and go with the workers, for their cost)."""
     policies = []
     for name, settings in runs:
         pool = {SETTINGS[k][0]: v for k, v in settings.items() if k != "policy"}
@@ -317,6 +336,7 @@ def backtest_scenario(
         "pool": {**BASE["pool"], "name": replay.pool},
         "cluster": {
             **BASE["cluster"],
+            **(MACHINE_CLUSTER if machine else {}),
             # The measured spawn-to-ready time is all of it: images are on the nodes
             # and the process answers its readiness probe as it starts.
             "kubelet": {
