@@ -165,6 +165,10 @@ async def test_an_admin_deletes_a_drained_pool_gone_from_the_config(tmp_path: Pa
         undrained = assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ADMIN), 409)
         assert undrained["reason"] == "not_draining" and "drain" in undrained["detail"]
         await api.http.post("/v1/pools/old/drain", headers=AS_ADMIN)
+        # Another replica reads the drain at its next pass: not deleted before two.
+        just = assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ADMIN), 409)
+        assert just["reason"] == "just_drained" and "drained" in just["detail"]
+        await asyncio.sleep(2 * api.plane.settings.janitor_interval_s)  # virtual time
         busy = assert_problem(await api.http.delete("/v1/pools/old", headers=AS_ADMIN), 409)
         assert busy["reason"] == "in_use" and busy["open_claims"] == 1
         assert busy["live_workers"] >= 1 and "1 open claim" in busy["detail"]

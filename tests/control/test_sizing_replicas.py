@@ -239,6 +239,7 @@ async def test_a_pool_deleted_through_one_replica_leaves_the_leader_at_its_next_
 
         drained = await standby.http.post("/v1/pools/old/drain")
         assert drained.status_code == 200, drained.text
+        clock.advance(2 * SETTINGS.janitor_interval_s)  # every replica has read the drain
         deleted = await standby.http.delete("/v1/pools/old")
 
         assert deleted.status_code == 200, deleted.text

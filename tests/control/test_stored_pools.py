@@ -19,7 +19,7 @@ from stoker.domain.errors import InvalidRequest
 from stoker.domain.pools import PoolInUse, Rollout, StaleGeneration
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
 from stoker.domain.specs import PoolSpec, ProcessTemplate
-from stoker.ports.clock import LoopClock
+from stoker.ports.clock import LoopClock, VirtualClock
 
 V1 = ProcessTemplate(argv=("worker", "{port}"))
 V2 = ProcessTemplate(argv=("worker", "--v2", "{port}"))
@@ -214,3 +214,35 @@ def test_revision_shares_split_new_claims_between_stable_and_rollout() -> None:
     assert revision_shares("r1", ramp) == {"r1": ("stable", 90), "r2": ("ramping", 10)}
     ended = replace(ramp, state=RolloutState.ROLLED_BACK, share=0)
     assert revision_shares("r1", ended) == {"r1": ("stable", 100)}
+
+
+async def test_a_pool_drained_a_moment_ago_is_not_deleted_yet(tmp_path: Path) -> None:
+    """Another replica reads a drain at its next pass and may serve the pool's claims (and
+    spawn for it) until then: the pool may be deleted `settle_s` after its drain, not
+    before (a spawn landing after the deletion would leave a worker of no pool)."""
+    pool = spec()
+    clock = VirtualClock()
+    store = SqliteStore(str(tmp_path / "stoker.db"))
+    gone = PoolSpec(name="gone", template=V1)
+    pools = StoredPools(
+        Catalog({"gone": gone}, {}, derived_cap=lambda _: 0),
+        store,
+        clock,
+        Ids(),
+        {pool.name: pool},
+        settle_s=12.0,
+    )
+    await store.open()
+    try:
+        await pools.seed()
+        # A pool another replica's file made, which this one may delete.
+        await StoredPools(pools.catalog, store, clock, Ids(), {"gone": gone}).seed()
+        await pools.set_draining("gone", True)
+        clock.advance(11.0)
+        with pytest.raises(PoolInUse, match=r"drained 11\.0s ago") as refused:
+            await pools.delete("gone")
+        assert refused.value.reason == "just_drained"
+        clock.advance(1.0)
+        assert (await pools.delete("gone")).name == "gone"
+    finally:
+        await store.close()

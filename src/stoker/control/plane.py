@@ -110,7 +110,17 @@ class ControlPlane:
         self.tracer = tracer
         seeds = {p.name: p for p in pools}
         self.catalog = Catalog(seeds, {o.name: o for o in orgs}, derived_cap=runtime.derived_cap)
-        self.pools = StoredPools(self.catalog, store, self.clock, self.ids, seeds, strategies)
+        # Every replica reads a pool's drain at its next pass: two passes after it, no
+        # replica serves the pool's claims any more, and it may be deleted.
+        self.pools = StoredPools(
+            self.catalog,
+            store,
+            self.clock,
+            self.ids,
+            seeds,
+            strategies,
+            settle_s=2 * self.settings.janitor_interval_s,
+        )
         self.book = Book(
             reader=store,
             instance_id=self.instance_id,

@@ -91,10 +91,15 @@ class StoredPools:
         ids: Ids,
         seeds: Mapping[str, PoolSpec],
         strategies: Mapping[str, Strategy] | None = None,
+        *,
+        settle_s: float = 0.0,
     ) -> None:
         """`seeds`: the pools of the config file; `strategies`: their default rollout
-        strategies (a canary of 10, 50 and 100 % when a pool names none)."""
+        strategies (a canary of 10, 50 and 100 % when a pool names none); `settle_s`: how
+        long after its last change (its drain) a pool may be deleted, so that every
+        replica has read the drain (and serves no claim that would spawn for it)."""
         self.catalog, self.store, self._clock, self._ids = catalog, store, clock, ids
+        self._settle_s = settle_s
         self._seeds = dict(seeds)
         self._strategies = dict(strategies or {})
         #: The generations the catalog was loaded at (None: never loaded).
@@ -291,6 +296,15 @@ class StoredPools:
                 "the file (on every replica, then restart them) first, or the next start "
                 "seeds it again",
                 reason="in_config",
+            )
+        stored = await self.get(name)
+        since = self._clock.now() - stored.updated_at
+        if stored.draining and since < self._settle_s:
+            raise PoolInUse(
+                f"pool {name!r} was drained {since:.1f}s ago: another replica may not have "
+                f"read the drain yet and still serve its claims; delete it in "
+                f"{self._settle_s - since:.1f}s",
+                reason="just_drained",
             )
         deleted = await self.store.delete_pool(name, generation=generation)
         removed = ",".join(f"{table}:{n}" for table, n in deleted.removed.items() if n)

@@ -56,9 +56,10 @@ class SameTemplate(StokerError, code="same-template"):
 
 
 class PoolInUse(StokerError, code="pool-in-use"):
-    """A pool that cannot be deleted now (HTTP 409): it is not drained, still has live
-    workers or open claims, rolls a template out, or this replica's config declares it.
-    `reason` names which (`not_draining`, `in_use`, `rollout_active`, `in_config`)."""
+    """A pool that cannot be deleted now (HTTP 409): it is not drained, or was drained a
+    moment ago (another replica may not have read it), still has live workers or open
+    claims, rolls a template out, or this replica's config declares it. `reason` names
+    which (`not_draining`, `just_drained`, `in_use`, `rollout_active`, `in_config`)."""
 
     def __init__(
         self, message: str, *, reason: str, live_workers: int = 0, open_claims: int = 0
