@@ -6,12 +6,18 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-from collections.abc import Generator
+import uuid
+from collections.abc import AsyncIterator, Generator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
+
+from stoker.adapters.postgres import PostgresStore
+from stoker.adapters.sqlite import SqliteStore
+from stoker.ports.store import Store
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -65,3 +71,28 @@ def postgres_url() -> str:
             pytest.fail(f"{reason}; with CI=true the PostgreSQL tests must run", pytrace=False)
         pytest.skip(reason)
     return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[Store]]:
+    """Two stores on one database, as two replicas hold them (the control plane's tests): a
+    SQLite file or a fresh PostgreSQL schema (dropped after), both opened before either
+    replica starts (a replica's writes in flight never meet the other store's migration)."""
+    schema = f"stoker_test_{uuid.uuid4().hex[:12]}"
+    url = ""
+    made: list[Store]
+    if request.param == "sqlite":
+        made = [SqliteStore(str(tmp_path / "stoker.db")) for _ in range(2)]
+    else:
+        url = request.getfixturevalue("postgres_url")
+        made = [PostgresStore(url, schema=schema) for _ in range(2)]
+    try:
+        for store in made:
+            await store.open()
+        yield made
+    finally:
+        for store in made:
+            await store.close()
+        if url:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

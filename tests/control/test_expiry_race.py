@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_sizing_replicas import replica, stores  # noqa: F401 - the fixture
+from test_sizing_replicas import replica
 
 from fakes import MemoryRuntime
 from stoker.domain.records import ClaimRequest
@@ -39,7 +39,7 @@ class HeartbeatFirst:
 
 @pytest.mark.parametrize("heartbeat_between", [True, False])
 async def test_a_replica_that_heartbeats_before_its_expiry_keeps_its_workers(
-    stores: list[Store],  # noqa: F811 - the fixture
+    stores: list[Store],
     heartbeat_between: bool,
 ) -> None:
     clock = VirtualClock()

@@ -11,17 +11,12 @@ state are computed by hand.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 
-import psycopg
 import pytest
 from test_ledger import ME, POOL, ManualClock, wire
 
 from fakes import MemoryRuntime
-from stoker.adapters.postgres import PostgresStore
-from stoker.adapters.sqlite import SqliteStore
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.plane import ControlPlane
 from stoker.domain.ledger import HOUR_S, LedgerCounts
@@ -47,30 +42,6 @@ class Lead:
 
     async def resign(self) -> None:
         """Nothing to give up."""
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[Store]]:
-    """Two stores on one database (a SQLite file, or a fresh PostgreSQL schema dropped
-    after), both opened before either replica starts."""
-    schema = f"stoker_test_{uuid.uuid4().hex[:12]}"
-    url = ""
-    made: list[Store]
-    if request.param == "sqlite":
-        made = [SqliteStore(str(tmp_path / "stoker.db")) for _ in range(2)]
-    else:
-        url = request.getfixturevalue("postgres_url")
-        made = [PostgresStore(url, schema=schema) for _ in range(2)]
-    try:
-        for store in made:
-            await store.open()
-        yield made
-    finally:
-        for store in made:
-            await store.close()
-        if url:
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def plane(

@@ -8,20 +8,16 @@ virtual clock with `advance` (no sleeping; PostgreSQL's I/O is real).
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 import prometheus_client
-import psycopg
 import pytest
 from test_plane_claims import pool
 
 from fakes import MemoryRuntime
-from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.sqlite import SqliteStore
 from stoker.api import create_app
 from stoker.config import ApiConfig
@@ -81,31 +77,6 @@ class Replica:
         body: dict[str, Any] = one.json()
         assert sized(item) == sized(body)
         return body
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[Store]]:
-    """Two stores on one database, a SQLite file or a fresh PostgreSQL schema (dropped
-    after), both opened before either replica starts (a replica's writes in flight never
-    meet the other store's migration)."""
-    schema = f"stoker_test_{uuid.uuid4().hex[:12]}"
-    url = ""
-    made: list[Store]
-    if request.param == "sqlite":
-        made = [SqliteStore(str(tmp_path / "stoker.db")) for _ in range(2)]
-    else:
-        url = request.getfixturevalue("postgres_url")
-        made = [PostgresStore(url, schema=schema) for _ in range(2)]
-    try:
-        for store in made:
-            await store.open()
-        yield made
-    finally:
-        for store in made:
-            await store.close()
-        if url:
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @asynccontextmanager
