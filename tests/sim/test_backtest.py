@@ -750,3 +750,24 @@ def test_a_local_pools_cold_spawns_wait_for_no_node(tmp_path: Path) -> None:
     assert run["failed"] == 0
     # A spawn's half second, the claim's own steps, and no node's launch.
     assert run["session_p99_ms"] < 2_000
+
+
+def test_a_log_with_repeated_lines_says_so(tmp_path: Path, log: Path) -> None:
+    """A window exported twice and joined holds each claim twice: every one would be
+    replayed, twice the load. The backtest says how many claims repeat an earlier one
+    exactly (and replays them: two claims of one instant may well be alike)."""
+    lines = log.read_text().splitlines(keepends=True)
+    doubled = sorted(lines + lines[:40], key=lambda line: json.loads(line)["at"])
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(doubled))
+    assert read_claim_log(twice).repeated == 40
+    assert read_claim_log(log).repeated == 0
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    args = ["backtest", "--from", str(twice), "--json", "--no-progress", "-j", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["repeated_claims"] == 40
+    assert "warning: 40 claims of the log repeat an earlier one" in result.stderr

@@ -294,6 +294,13 @@ def backtest(
 
     bar = _ScaletestProgress(enabled=not no_progress and not as_json)
     _warn_orgs(replay, orgs, orgs_source, from_server=url is not None)
+    if replay.repeated:
+        print(
+            f"stoker: warning: {replay.repeated:,} claims of the log repeat an earlier one of "
+            "the same instant in every field (a window exported twice and joined?); they are "
+            "replayed as claims of their own",
+            file=sys.stderr,
+        )
     # What the current settings replayed beyond their KEY=VALUEs, for every output.
     facts: dict[str, Any] = {
         "cap": {"max_workers": known.get("max_workers", 0), "source": cap_source},
@@ -302,6 +309,7 @@ def backtest(
     # Local processes: a spawn never waits for a node.
     machine = sized is not None and sized[0] == 0
     facts["local"] = machine
+    facts["repeated_claims"] = replay.repeated
     notes = [_cap_line(known.get("max_workers", 0), cap_source)]
     if machine:
         notes.append("local processes: no spawn waits for a node (its nodes are there at once)")

@@ -156,6 +156,9 @@ class ClaimReplay:
     #: Seconds the replay waits before the first arrival (the pool fills meanwhile, as
     #: the live pool was full when the log began).
     lead_s: float = 0.0
+    #: Claims exactly like an earlier one of the same instant (every field): a window
+    #: exported twice and joined, most likely. Replayed as claims of their own.
+    repeated: int = 0
 
     def __len__(self) -> int:
         return len(self.at_s)
@@ -207,7 +210,15 @@ def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> Cl
     replay = ClaimReplay(pool=pool, start=chosen[0].at)
     orgs: dict[str, int] = {}
     sources: dict[str, int] = {}
+    # The claims of the instant at hand (the log is sorted by `at`): a repeat is among them.
+    instant: tuple[float, set[tuple[Any, ...]]] = (-1.0, set())
     for c in chosen:
+        fields = (c.org, c.mode, c.source, c.wait_s, c.held_s, c.outcome, c.revision)
+        if c.at != instant[0]:
+            instant = (c.at, set())
+        if fields in instant[1]:
+            replay.repeated += 1
+        instant[1].add(fields)
         if c.source is not None:
             sources[c.source] = sources.get(c.source, 0) + 1
         else:
