@@ -119,6 +119,7 @@ def test_pools_ledger_prints_a_table_and_json(server: tuple[Server, list[str]]) 
     table = run(["pools", "ledger", "demo", "--since", "1h", "--by", "org"], srv.url)
     assert table.returncode == 0, table.stderr
     assert "total" in table.stdout and "acme" in table.stdout
+    assert "draining h" in table.stdout  # every state of the worker time, draining too
     as_json = run(["pools", "ledger", "demo", "--since", "1h", "--json"], srv.url)
     assert as_json.returncode == 0, as_json.stderr
     body = json.loads(as_json.stdout)

@@ -223,6 +223,7 @@ _LEDGER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("hot h", lambda r: _hours(r["hot_s"])),
     ("parked h", lambda r: _hours(r["hot_idle_s"])),
     ("starting h", lambda r: _hours(r["starting_s"])),
+    ("draining h", lambda r: _hours(r.get("draining_s", 0.0))),
     ("headroom h", lambda r: _hours(r["placeholder_s"])),
     ("spawns", lambda r: str(r["spawns"])),
     ("ready s", lambda r: _num(r["mean_ready_s"])),

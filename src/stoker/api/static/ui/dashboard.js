@@ -256,7 +256,7 @@
   const LEDGER_MS = 15000;
   const LEDGER_STATES = [
     ["warm_s", "--warm"], ["hot_s", "--hot"], ["hot_idle_s", "#d97706"],
-    ["starting_s", "#9ca3af"], ["placeholder_s", "#9333ea"],
+    ["starting_s", "#9ca3af"], ["draining_s", "#4b5563"], ["placeholder_s", "#9333ea"],
   ];
   let ledger = null;       // the last GET /v1/pools/{name}/ledger
   let ledgerAt = 0;        // when it was read (this browser's ms)
@@ -302,7 +302,9 @@
     const start = ledger.until - 24 * HOUR_S;
     const barW = (width - left - 8) / 24;
     let max = 1;
-    for (const r of rows) max = Math.max(max, LEDGER_STATES.reduce((n, [k]) => n + r[k], 0) / HOUR_S);
+    for (const r of rows) {
+      max = Math.max(max, LEDGER_STATES.reduce((n, [k]) => n + (r[k] || 0), 0) / HOUR_S);
+    }
     g.font = "11px system-ui, sans-serif";
     g.fillStyle = style.getPropertyValue("--muted");
     g.fillText(max.toFixed(1) + " h", 2, top + 10);
@@ -312,7 +314,7 @@
       const i = Math.floor((r.hour - start) / HOUR_S);
       let y = top + plotH;
       for (const [key, c] of LEDGER_STATES) {
-        const h = (r[key] / HOUR_S / max) * plotH;
+        const h = ((r[key] || 0) / HOUR_S / max) * plotH;
         g.fillStyle = color(c);
         g.fillRect(left + Math.max(0, i) * barW + 1, y - h, barW - 2, h);
         y -= h;
