@@ -9,6 +9,7 @@ replays an afternoon's hours compressed into minutes. A week of a million claims
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import subprocess
 from pathlib import Path
@@ -771,3 +772,22 @@ def test_a_log_with_repeated_lines_says_so(tmp_path: Path, log: Path) -> None:
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["repeated_claims"] == 40
     assert "warning: 40 claims of the log repeat an earlier one" in result.stderr
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_log_piped_on_stdin_is_replayed(tmp_path: Path, log: Path, compressed: bool) -> None:
+    """`stoker claims export | stoker backtest --from -`: the log read from standard
+    input (gzip-compressed or not) replays as the file does."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    text = log.read_bytes()
+    piped = gzip.compress(text) if compressed else text
+    args = ["backtest", "--from", "-", "--json", "--no-progress", "-j", "1"]
+    result = CliRunner().invoke(app, args, input=piped)
+    assert result.exit_code == 0, result.output
+    from_file = _backtest_json(["--from", str(log)])
+    assert json.loads(result.stdout)["runs"] == from_file["runs"]
+    bad = CliRunner().invoke(app, args, input=b"{not json\n")
+    assert bad.exit_code == 2 and "<stdin>:1: not JSON" in bad.stderr

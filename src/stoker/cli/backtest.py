@@ -36,7 +36,7 @@ def backtest(
         Path | None,
         typer.Option(
             "--from",
-            help="A claim log (JSON lines, as `stoker claims export` writes)",
+            help="A claim log (JSON lines, as `stoker claims export` writes; - reads stdin)",
             dir_okay=False,
             show_default=False,
         ),
@@ -201,9 +201,13 @@ def backtest(
         #: Where the pool cap replayed (`max_workers`) comes from, for the report.
         cap_source = "no server, --config or --current max_workers gives one"
         if from_file is not None:
-            from stoker.sim.claimlog import read_claim_log
+            from stoker.sim.claimlog import read_claim_log, read_claim_stream
 
-            replay = read_claim_log(from_file, pool)
+            replay = (
+                read_claim_stream(sys.stdin.buffer, pool)
+                if str(from_file) == "-"
+                else read_claim_log(from_file, pool)
+            )
         else:
             assert url is not None
             replay, known, spawn, cost, resources, stated = _from_server(url, token, since, pool)

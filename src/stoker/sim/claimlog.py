@@ -24,12 +24,13 @@ every candidate's process.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import statistics
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -246,9 +247,27 @@ GZIP_MAGIC = b"\x1f\x8b"
 def read_claim_log(path: Path, pool: str | None = None) -> ClaimReplay:
     """The replay of a JSON-lines claim log file, or of one compressed with gzip (`gzip
     claims.jsonl`, whatever its name); ConfigError (one line) on bad input."""
+    return _read(lambda: _open_text(path), str(path), pool)
+
+
+def read_claim_stream(stream: IO[bytes], pool: str | None = None) -> ClaimReplay:
+    """`read_claim_log` of a stream (standard input: `stoker claims export | stoker
+    backtest --from -`), gzip-compressed or not; read whole before it is parsed."""
+    raw = stream.read()
+    data = io.BytesIO(raw)
+
+    def text() -> IO[str]:
+        if raw[: len(GZIP_MAGIC)] == GZIP_MAGIC:
+            return io.TextIOWrapper(gzip.GzipFile(fileobj=data), encoding="utf-8")
+        return io.TextIOWrapper(data, encoding="utf-8")
+
+    return _read(text, "<stdin>", pool)
+
+
+def _read(opened: Callable[[], IO[str]], path: str, pool: str | None) -> ClaimReplay:
     try:
-        with _open_text(path) as lines:
-            return build_replay(parse_lines(lines, str(path)), pool)
+        with opened() as lines:
+            return build_replay(parse_lines(lines, path), pool)
     except OSError as exc:
         # gzip's BadGzipFile is one: no strerror, its own message.
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
