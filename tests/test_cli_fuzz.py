@@ -198,6 +198,7 @@ def test_every_command_is_driven() -> None:
         ["claims", "renew", "c-1", "--lease-s", "nan"],
         ["pools", "set", "demo", "--warm-target", "99999999999999999999"],
         ["pools", "delete", "demo"],
+        ["backtest", "--from", "-"],
         ["pools", "delete", "demo", "--yes", "--generation", "0"],
     ],
 )

@@ -253,10 +253,10 @@ def read_claim_log(path: Path, pool: str | None = None) -> ClaimReplay:
 def read_claim_stream(stream: IO[bytes], pool: str | None = None) -> ClaimReplay:
     """`read_claim_log` of a stream (standard input: `stoker claims export | stoker
     backtest --from -`), gzip-compressed or not; read whole before it is parsed."""
-    raw = stream.read()
-    data = io.BytesIO(raw)
 
     def text() -> IO[str]:
+        raw = stream.read()  # an OSError of the stream is the read's, as a file's is
+        data = io.BytesIO(raw)
         if raw[: len(GZIP_MAGIC)] == GZIP_MAGIC:
             return io.TextIOWrapper(gzip.GzipFile(fileobj=data), encoding="utf-8")
         return io.TextIOWrapper(data, encoding="utf-8")
