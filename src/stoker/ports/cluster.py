@@ -238,7 +238,9 @@ class Invalid(ClusterError, code="cluster-invalid"):
 
 
 class Forbidden(ClusterError, code="cluster-forbidden"):
-    """The API server refused stoker's own credentials or RBAC (401, 403).
+    """The API server refused the request (401, 403): stoker's credentials or RBAC, or an
+    admission plugin's refusal of the object (a ResourceQuota without room, a
+    LimitRange's maximum, a PriorityClass that does not exist); its message says which.
 
     Not to be confused with `stoker.domain.errors.Forbidden`, an org acting for another org.
     """
