@@ -791,3 +791,17 @@ def test_a_log_piped_on_stdin_is_replayed(tmp_path: Path, log: Path, compressed:
     assert json.loads(result.stdout)["runs"] == from_file["runs"]
     bad = CliRunner().invoke(app, args, input=b"{not json\n")
     assert bad.exit_code == 2 and "<stdin>:1: not JSON" in bad.stderr
+
+
+def test_recommend_allows_the_failures_the_cap_makes_anyway(tmp_path: Path) -> None:
+    """Six claims at once on a local pool capped at 4 (a 2,048 MB budget, 512 MB workers),
+    each held the whole replay: two fail whatever the warmth, and the search leaves the
+    cap. Every setting failed them, so `--recommend` found nothing; it now allows the
+    current settings' failures and finds the cheapest setting that fails no more."""
+    config = tmp_path / "stoker.yaml"
+    config.write_text("runtime: {kind: local, memory_budget_mb: 2048}\n" + LOCAL_POOL)
+    burst = str(_burst(tmp_path, 6))
+    args = ["--from", burst, "-c", str(config), "--recommend", "--target", "cold_share=1"]
+    body = _backtest_json([*args, "--search", "warm_target"])
+    assert body["failed_allowed"] == 2
+    assert body["found"]["failed"] <= 2 and body["confirmed_ok"] is True

@@ -811,10 +811,20 @@ def _print_recommendation(
     from stoker.sim.backtest import patch_line, settings_text
 
     goal = f"{found.target} <= {found.bound:g}"
+    # The claims the current settings fail (at the pool cap, which the search leaves) may
+    # fail: every setting would.
+    said = goal + (
+        f", failing at most {found.failed_allowed} claims as the current settings do"
+        if found.failed_allowed
+        else ""
+    )
+    allowed = {"failed_allowed": found.failed_allowed}
     if found.settings is None or found.found is None:
         if as_json:
-            print_json({"target": goal, "found": None, "tried": len(found.tried), **facts})
-        print(f"stoker: no setting tried ({len(found.tried)}) meets {goal}", file=sys.stderr)
+            print_json(
+                {"target": goal, **allowed, "found": None, "tried": len(found.tried), **facts}
+            )
+        print(f"stoker: no setting tried ({len(found.tried)}) meets {said}", file=sys.stderr)
         return
     changes = {k: v for k, v in found.settings.items() if known.get(k) != v}
     line, patch, rest = patch_line(replay.pool, changes)
@@ -822,6 +832,7 @@ def _print_recommendation(
         print_json(
             {
                 "target": goal,
+                **allowed,
                 "settings": found.settings,
                 "changes": changes,
                 "patch": patch,
@@ -835,7 +846,7 @@ def _print_recommendation(
         )
         return
     rows = [found.found] + ([found.confirmed] if found.confirmed is not None else [])
-    make_console().print(_table(f"cheapest of {len(found.tried)} settings with {goal}", rows))
+    make_console().print(_table(f"cheapest of {len(found.tried)} settings with {said}", rows))
     print(_cost_note(rows))
     print(f"settings: {settings_text(found.settings) or '(the current ones)'}")
     print("\n".join(notes))
