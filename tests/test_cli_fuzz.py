@@ -199,6 +199,9 @@ def test_every_command_is_driven() -> None:
         ["pools", "set", "demo", "--warm-target", "99999999999999999999"],
         ["pools", "delete", "demo"],
         ["backtest", "--from", "-"],
+        # A control character in a path split the message over two lines.
+        ["config", "check", "--config", "\x1e"],
+        ["backtest", "--from", "\x1e"],
         ["pools", "delete", "demo", "--yes", "--generation", "0"],
     ],
 )

@@ -125,8 +125,9 @@ def _read_key(path: Path) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as exc:
+        shown = str(path) if str(path).isprintable() else repr(str(path))
         raise ConfigKeyError(
-            ("activation", "key_file"), f"cannot read {path}: {exc.strerror or exc}"
+            ("activation", "key_file"), f"cannot read {shown}: {exc.strerror or exc}"
         ) from None
     if len(key) < MIN_KEY_BYTES:
         raise ConfigKeyError(

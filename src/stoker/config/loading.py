@@ -103,7 +103,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config error: cannot read {path}: {_reason(exc)}") from None
+        shown = _printable(str(path))
+        raise ConfigError(f"config error: cannot read {shown}: {_reason(exc)}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

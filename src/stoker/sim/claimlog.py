@@ -247,7 +247,9 @@ GZIP_MAGIC = b"\x1f\x8b"
 def read_claim_log(path: Path, pool: str | None = None) -> ClaimReplay:
     """The replay of a JSON-lines claim log file, or of one compressed with gzip (`gzip
     claims.jsonl`, whatever its name); ConfigError (one line) on bad input."""
-    return _read(lambda: _open_text(path), str(path), pool)
+    # A control character in the name would split a message's one line.
+    name = str(path) if str(path).isprintable() else repr(str(path))
+    return _read(lambda: _open_text(path), name, pool)
 
 
 def read_claim_stream(stream: IO[bytes], pool: str | None = None) -> ClaimReplay:
