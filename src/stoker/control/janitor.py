@@ -83,6 +83,9 @@ class Janitor:
         self._ledger = shared.ledger
         self._baseline = demand is not None
         self._views = shared.views
+        # A fallback reaper retires a gone replica's parked workers and ends its sessions
+        # without adopting them; the fleet's janitor adopts those first (`_adopt_orphans`).
+        self._orphans_ledger = self._ledger if self.reach is Reach.OWN else None
         #: The pools whose step of this pass failed, pass after pass (`/readyz`).
         self.faults = PassFaults(
             "janitor" if self.reach is Reach.FLEET else "reaper", shared.metrics, shared.journal
@@ -221,11 +224,11 @@ class Janitor:
     async def _reap_hot_idle(self, world: World, report: PassReport) -> None:
         """hot_idle past its TTL (keeping the org floor), and stale revisions."""
         candidates = [w for w in world.hot_idle if self._acts_for(w.owner, world)]
-        if self._ledger is not None:
+        if (ledger := self._orphans_ledger) is not None:
             for w in candidates:
                 if w.owner not in world.live_instances:
                     # Reaped here, not adopted: counted from its owner's last ledger write.
-                    self._ledger.orphaned(w)
+                    ledger.orphaned(w)
         gone: set[str] = set()
         if self.reach is Reach.FLEET:
             # A parked worker of a failed revision is never reused (older ones expire).
@@ -255,14 +258,14 @@ class Janitor:
 
     async def _expire_leases(self, world: World, report: PassReport) -> None:
         claims = [c for c in world.expired if self._acts_for(c.owner, world)]
-        if self._ledger is not None:
+        if (ledger := self._orphans_ledger) is not None:
             for c in claims:
                 if c.owner not in world.live_instances and c.worker_id:
                     # Its worker is ended here, not adopted: counted from its owner's last
                     # ledger write (the row as last written: the claim's end is its move).
                     worker = await self._store.get_worker(c.worker_id)
                     if worker is not None:
-                        self._ledger.orphaned(worker)
+                        ledger.orphaned(worker)
         for claim in expired_claims(claims, world.now):
             with self.faults.step(claim.pool, "expire lease"):
                 left = session_left(
