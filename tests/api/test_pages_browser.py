@@ -50,17 +50,22 @@ def _browser_missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    fleet = f"test-{uuid.uuid4().hex[:8]}"
-    pool = {"name": "demo", "command": DEMO, "warm_target": 2}
-    config = (
+def ui_config(fleet: str, *, warm_target: int) -> str:
+    """A config of one demo pool on SQLite, the admin token, and short intervals."""
+    pool = {"name": "demo", "command": DEMO, "warm_target": warm_target}
+    return (
         f"store: sqlite:///./stoker.db\nfleet: {fleet}\n"
         f"api: {{port: 0, admin_tokens: [{ADMIN}]}}\n"
         "intervals: {janitor_interval_s: 0.2, reaper_interval_s: 1, pool_sample_s: 1, "
         "shutdown_grace_s: 5}\n"
         f"pools:\n  - {json.dumps(pool)}\n"
     )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    config = ui_config(fleet, warm_target=2)
     srv = start_server(tmp_path_factory.mktemp("ui"), config=config, args=["--stop-workers"])
     try:
         yield srv
@@ -239,14 +244,7 @@ def test_dashboard_shades_a_sizing_no_replica_renews(browser: WebDriver, tmp_pat
     that stretch instead of drawing old figures as if decided now. The standby is made by
     giving the store's lease to a replica that is not there."""
     fleet = f"test-{uuid.uuid4().hex[:8]}"
-    pool = {"name": "demo", "command": DEMO, "warm_target": 1}
-    config = (
-        f"store: sqlite:///./stoker.db\nfleet: {fleet}\nleader_election: {{kind: store}}\n"
-        f"api: {{port: 0, admin_tokens: [{ADMIN}]}}\n"
-        "intervals: {janitor_interval_s: 0.2, reaper_interval_s: 1, pool_sample_s: 1, "
-        "shutdown_grace_s: 5}\n"
-        f"pools:\n  - {json.dumps(pool)}\n"
-    )
+    config = ui_config(fleet, warm_target=1) + "leader_election: {kind: store}\n"
     headers = {"Authorization": f"Bearer {ADMIN}"}
     workdir = tmp_path / "stale"
     try:
