@@ -157,6 +157,7 @@ class Janitor:
         if self.reach is Reach.FLEET:
             await self._adopt_orphans(world, report)
             await self._scaler.scale(world, report)
+            await self._retire_poolless(world, report)
             if self._views:
                 await self._publish_sizing(world.now)
             await self._sweep_stuck(world, report)
@@ -275,6 +276,27 @@ class Janitor:
                 if await self._sessions.expire(claim, why):
                     report.expired_claims += 1
                     report.count(why)
+
+    async def _retire_poolless(self, world: World, report: PassReport) -> None:
+        """Warm workers of a pool the store no longer holds: a replica that had not read
+        the pool's drain yet may spawn for it until a moment after its deletion, and no
+        pool's scale-down would ever retire what it spawned."""
+        if self._pools is None:
+            return
+        unknown = {w.pool for w in world.warm} - set(self._catalog.pools)
+        gone = set()
+        for pool in sorted(unknown - set(self._pools.broken)):
+            with self.faults.step(pool, "retire workers of a deleted pool"):
+                # Read again: a pool created since this pass loaded the catalog is kept.
+                if await self._store.get_pool(pool) is None:
+                    gone.add(pool)
+        busy = self._book.in_flight()
+        for w in world.warm:
+            if w.pool in gone and w.id not in busy:
+                with self.faults.step(w.pool, "retire workers of a deleted pool"):
+                    if await self._retirer.retire(w, RetireReason.POOL_REMOVED):
+                        report.count(RetireReason.POOL_REMOVED)
+                        logs.worker_event("worker_of_deleted_pool", w, level=logs.WARNING)
 
     async def _sweep_stuck(self, world: World, report: PassReport) -> None:
         """In-flight rows past their timeout are retired (I4); draining rows retried."""

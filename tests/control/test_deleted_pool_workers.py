@@ -1,0 +1,96 @@
+"""Workers spawned for a pool after its deletion: two replicas on one store (SQLite, and
+PostgreSQL), one leading, sharing one in-memory fleet (`fakes.MemoryRuntime`, a fake: the
+test needs a worker that a replica spawns without the leader's knowledge).
+
+A replica that has not read a pool's drain yet (its passes stalled longer than the two
+janitor intervals a deletion waits for) still serves the pool from its catalog and may
+spawn for it after the deletion. No pool's scale-down retires such a worker: before the
+leader looked for them, it stayed warm for good. Loops off: the test runs the passes
+itself on one virtual clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from test_ledger_restart import until
+from test_plane_claims import pool
+from test_sizing_replicas import SETTINGS, replica
+
+from fakes import MemoryRuntime
+from stoker.control.scaler import PassReport
+from stoker.domain.pools import StoredPool
+from stoker.domain.records import Worker
+from stoker.domain.states import WorkerState
+from stoker.ports.clock import VirtualClock
+from stoker.ports.store import Store
+
+
+def warm_of(pool: str) -> Callable[[list[Worker]], bool]:
+    """Whether a worker of `pool` is warm."""
+    return lambda workers: any(w.pool == pool and w.state is WorkerState.WARM for w in workers)
+
+
+async def test_a_worker_spawned_for_a_deleted_pool_is_retired_by_the_leader(
+    stores: list[Store],
+) -> None:
+    clock = VirtualClock()
+    fleet = MemoryRuntime()
+    old = pool(name="old", warm_target=0)
+    async with (
+        replica(stores[0], clock, leads=True, runtime=fleet) as leader,
+        replica(stores[1], clock, leads=False, runtime=fleet) as stalled,
+    ):
+        store = leader.plane.store
+        await store.create_pool(StoredPool(old, 0), now=clock.now())
+        await stalled.plane.pools.refresh()  # its last pass: it serves "old" from here on
+        drained = await leader.http.post("/v1/pools/old/drain")
+        assert drained.status_code == 200, drained.text
+        clock.advance(2 * SETTINGS.janitor_interval_s)
+        deleted = await leader.http.delete("/v1/pools/old")
+        assert deleted.status_code == 200, deleted.text
+
+        assert "old" in stalled.plane.catalog.pools  # it has not read the drain
+        assert await stalled.plane.spawner.spawn_warm(old, 1, target=1) == 1
+        await until(stalled.plane, warm_of("old"))
+        (spawned,) = await store.list_workers(pool="old", states=(WorkerState.WARM,))
+
+        clock.advance(SETTINGS.janitor_interval_s)
+        report = await leader.plane.run_janitor_pass()
+        await until(
+            leader.plane,
+            lambda ws: all(w.state is WorkerState.RETIRED for w in ws if w.id == spawned.id),
+        )
+
+        assert report.retired.get("pool_removed") == 1
+        assert await store.list_workers(pool="old", states=(WorkerState.WARM,)) == []
+        row = await store.get_worker(spawned.id)
+        assert row is not None and row.state is WorkerState.RETIRED
+        assert row.reason == "pool_removed" and spawned.id in fleet.stop_calls
+
+
+async def test_a_worker_of_a_pool_created_since_the_catalog_loaded_is_kept(
+    stores: list[Store],
+) -> None:
+    """The leader's catalog may lag the store by a pass: a pool created meanwhile, and
+    its worker, are not taken for a deleted pool's."""
+    clock = VirtualClock()
+    fleet = MemoryRuntime()
+    new = pool(name="new", warm_target=1)
+    async with (
+        replica(stores[0], clock, leads=True, runtime=fleet) as leader,
+        replica(stores[1], clock, leads=False, runtime=fleet) as other,
+    ):
+        await other.plane.store.create_pool(StoredPool(new, 0), now=clock.now())
+        await other.plane.pools.refresh()
+        assert await other.plane.spawner.spawn_warm(new, 1, target=1) == 1
+        await until(other.plane, warm_of("new"))
+        janitor = leader.plane.janitor
+        assert "new" not in leader.plane.catalog.pools
+        world = await janitor.sync()  # read without the catalog's reload of a pass
+        report = PassReport()
+        await janitor.step(world, report)
+
+        assert "pool_removed" not in report.retired
+        (kept,) = await leader.plane.store.list_workers(pool="new")
+        assert kept.state is WorkerState.WARM
