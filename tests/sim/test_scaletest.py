@@ -315,3 +315,19 @@ def test_the_gathered_benchmark_scenarios_are_the_shipped_ones_with_the_preferen
         }
     )
     assert same == shipped
+
+
+def test_the_progress_shows_a_run_that_ends_mid_step_as_done_to_a_tenth() -> None:
+    """A backtest's run ends at the log's last arrival plus a tail (538.1 s here), its
+    last step past it: the bar read "9.0/8.96828 min virtual"."""
+    from stoker.cli.scaletest import _ScaletestProgress
+
+    shown = _ScaletestProgress(enabled=True)
+    shown.update("current", 540.0, 538.097)
+    assert shown._progress is not None
+    (task,) = shown._progress.tasks
+    assert task.completed == task.total == 538.097
+    assert task.fields["virtual"] == "9.0/9.0 min virtual"
+    shown.update("weekly", 7200.0, 10800.0)
+    assert shown._progress.tasks[1].fields["virtual"] == "2.0/3.0 h virtual"
+    shown.stop()

@@ -195,6 +195,7 @@ class _ScaletestProgress:
         task = self._tasks.get(policy)
         if task is None:
             task = self._tasks[policy] = self._progress.add_task(policy, total=total, virtual="")
+        done = min(done, total)  # the last step may end past a run that ends mid-step
         self._progress.update(task, completed=done, virtual=_virtual(done, total))
 
     def stop(self) -> None:
@@ -205,6 +206,7 @@ class _ScaletestProgress:
 
 
 def _virtual(done: float, total: float) -> str:
+    """`done` of `total` virtual seconds, both to a tenth of the unit."""
     if total >= 3 * 3600:
-        return f"{done / 3600:.1f}/{total / 3600:g} h virtual"
-    return f"{done / 60:.1f}/{total / 60:g} min virtual"
+        return f"{done / 3600:.1f}/{total / 3600:.1f} h virtual"
+    return f"{done / 60:.1f}/{total / 60:.1f} min virtual"
