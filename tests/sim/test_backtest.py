@@ -805,3 +805,53 @@ def test_recommend_allows_the_failures_the_cap_makes_anyway(tmp_path: Path) -> N
     body = _backtest_json([*args, "--search", "warm_target"])
     assert body["failed_allowed"] == 2
     assert body["found"]["failed"] <= 2 and body["confirmed_ok"] is True
+
+
+def _waited(tmp_path: Path, cold_waits: list[float]) -> Path:
+    """A log of a minute: warm claims, and cold ones that waited `cold_waits`."""
+    claims = list(synthetic_claims(20, span_s=60, orgs=4, seed=5))
+    for claim, wait in zip(claims, cold_waits, strict=False):
+        claim.update(source="cold", wait_s=wait)
+    for claim in claims[len(cold_waits) :]:
+        claim.update(source="warm", wait_s=0.01)
+    return write_log(tmp_path / "waited.jsonl", claims)
+
+
+def test_a_log_without_a_server_replays_its_cold_claims_waits(tmp_path: Path) -> None:
+    """A log read from a file (no server's ledger) replayed every spawn at 5 s median,
+    12 s p99, whatever the pool: a local pool whose processes start in a tenth of a
+    second was replayed 40 times slower. The waits of the log's cold claims are the
+    spawn-to-ready time its users saw: their median, and p99 (the largest, of so few)."""
+    waits = [0.12, 0.1, 0.3, 0.15, 0.11, 0.9]
+    body = _backtest_json(["--from", str(_waited(tmp_path, waits))])
+    assert body["spawn_s"] == {
+        "p50": 0.135,
+        "p99": 0.9,
+        "source": "the waits of the log's 6 cold claims",
+    }
+    given = _backtest_json(["--from", str(_waited(tmp_path, waits)), "--spawn-s", "2:3"])
+    assert given["spawn_s"] == {"p50": 2.0, "p99": 3.0, "source": "--spawn-s"}
+    # Too few cold claims to say: the default, and the output says it is assumed.
+    few = _backtest_json(["--from", str(_waited(tmp_path, waits[:4]))])
+    assert (few["spawn_s"]["p50"], few["spawn_s"]["p99"]) == (5.0, 12.0)
+    assert few["spawn_s"]["source"].startswith("assumed: no server ledger, --spawn-s or 5 ")
+
+
+def test_what_a_replay_from_a_file_assumes_is_said(tmp_path: Path) -> None:
+    """From a file alone the backtest knows neither the pool's settings nor what its
+    workers run on: it said only the cap it assumed. It says each assumption, and none
+    that a config file answers."""
+    log = _waited(tmp_path, [0.2] * 5)
+    alone = _cli("--from", str(log), "--no-progress")
+    assert alone.returncode == 0, alone.stderr
+    assert "current settings: a pool's defaults (no server, --config or" in alone.stdout
+    assert "spawn-to-ready: 0.2 s median, 0.2 s p99 (the waits of the log's 5 cold" in (
+        alone.stdout
+    )
+    assert "nodes: simulated, as a Kubernetes pool's" in alone.stdout
+    config = tmp_path / "stoker.yaml"
+    config.write_text("runtime: {kind: local, memory_budget_mb: 2048}\n" + LOCAL_POOL)
+    told = _cli("--from", str(log), "-c", str(config), "--pool", "workers", "--no-progress")
+    assert told.returncode == 0, told.stderr
+    assert "current settings:" not in told.stdout and "nodes:" not in told.stdout
+    assert "local processes: no spawn waits for a node" in told.stdout

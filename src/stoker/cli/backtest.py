@@ -118,7 +118,8 @@ def backtest(
         typer.Option(
             "--spawn-s",
             metavar="P50[:P99]",
-            help="Spawn-to-ready seconds (default: the server's ledger, else 5:12)",
+            help="Spawn-to-ready seconds (default: the server's ledger, else the waits of "
+            "the log's cold claims, else 5:12)",
             show_default=False,
         ),
     ] = None,
@@ -173,7 +174,6 @@ def backtest(
     from stoker.sim.backtest import (
         SEARCHED,
         Backtest,
-        SpawnToReady,
         all_figures,
         parse_settings,
         parse_target,
@@ -244,8 +244,7 @@ def backtest(
             if "max_workers" in given:
                 cap_source = "--current"
             known.update(given)
-        if spawn_s is not None:
-            spawn = SpawnToReady.parse(spawn_s)
+        spawn, spawn_source = _spawn_of(spawn_s, spawn, replay)
         runs: list[tuple[str, dict[str, Any]]] = [("current", {})]
         if set_:
             changes: dict[str, Any] = {}
@@ -314,15 +313,29 @@ def backtest(
     machine = sized is not None and sized[0] == 0
     facts["local"] = machine
     facts["repeated_claims"] = replay.repeated
+    facts["spawn_s"] = {"p50": spawn.p50_s, "p99": spawn.p99_s, "source": spawn_source}
     notes = [_cap_line(known.get("max_workers", 0), cap_source)]
+    if not known:
+        notes.append(
+            "current settings: a pool's defaults (no server, --config or --current states "
+            "the pool's)"
+        )
+    notes.append(
+        f"spawn-to-ready: {spawn.p50_s:.3g} s median, {spawn.p99_s:.3g} s p99 ({spawn_source})"
+    )
     if machine:
         notes.append("local processes: no spawn waits for a node (its nodes are there at once)")
+    elif sized is None:
+        notes.append(
+            "nodes: simulated, as a Kubernetes pool's (no server ledger or --config says "
+            "what its workers run on; a local pool's spawns never wait for a node: give -c)"
+        )
     notes += [line for line in [_orgs_line(replay, orgs, orgs_source)] if line]
     run = Backtest(
         replay=replay,
         orgs=orgs,
         current=known,
-        spawn=spawn or SpawnToReady(),
+        spawn=spawn,
         control_plane=intervals,
         seed=seed,
         jobs=workers,
@@ -365,7 +378,6 @@ def backtest(
                 "recorded_cold_share": replay.recorded_cold_share(),
                 "current": known,
                 **facts,
-                "spawn_s": {"p50": run.spawn.p50_s, "p99": run.spawn.p99_s},
                 "runs": [
                     {**f.as_dict(), "settings": s} for f, (_, s) in zip(rows, runs, strict=True)
                 ],
@@ -390,7 +402,7 @@ def _from_server(
 ) -> tuple[
     ClaimReplay,
     dict[str, Any],
-    SpawnToReady,
+    SpawnToReady | None,
     CostSpec | None,
     tuple[float, float] | None,
     dict[str, dict[str, Any]] | None,
@@ -398,11 +410,10 @@ def _from_server(
     """The log (`GET /v1/claims/log`, page after page), the pool's current settings and
     per-org overrides (`GET /v1/pools/{name}`; None: the server states none), and its
     spawn-to-ready time, prices and resources per worker (`GET /v1/pools/{name}/ledger`
-    when the server has it, else the default and none)."""
+    when the server has it, else None)."""
     import httpx
 
     from stoker.domain.errors import ConfigError
-    from stoker.sim.backtest import SpawnToReady
     from stoker.sim.claimlog import build_replay, in_order, parse_entry
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -438,7 +449,7 @@ def _from_server(
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
-    return replay, settings, spawn or SpawnToReady(), cost, resources, stated
+    return replay, settings, spawn, cost, resources, stated
 
 
 def _ledger_cost(body: Any) -> CostSpec | None:
@@ -513,6 +524,25 @@ def _pool_settings(body: Mapping[str, Any]) -> dict[str, Any]:
             if stored.get(key) is not None:
                 out.setdefault(key, stored[key])
     return out
+
+
+def _spawn_of(
+    given: str | None, measured: SpawnToReady | None, replay: ClaimReplay
+) -> tuple[SpawnToReady, str]:
+    """The spawn-to-ready time replayed, and where it comes from: `--spawn-s`, the
+    server's ledger (`measured`), the waits of the log's cold claims, else the default."""
+    from stoker.sim.backtest import MIN_COLD_WAITS, SpawnToReady
+
+    if given is not None:
+        return SpawnToReady.parse(given), "--spawn-s"
+    if measured is not None:
+        return measured, "the server's ledger"
+    waits = SpawnToReady.of_waits(replay.cold_waits)
+    if waits is not None:
+        return waits, f"the waits of the log's {len(replay.cold_waits):,} cold claims"
+    return SpawnToReady(), (
+        f"assumed: no server ledger, --spawn-s or {MIN_COLD_WAITS} cold claims of the log state it"
+    )
 
 
 def _ledger_spawn(body: Any) -> SpawnToReady | None:

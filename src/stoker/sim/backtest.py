@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -149,6 +150,10 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+#: Cold claims a log needs for its waits to stand for the pool's spawn-to-ready time.
+MIN_COLD_WAITS = 5
+
+
 @dataclass(frozen=True)
 class SpawnToReady:
     """The pool's spawn-to-ready time, as a log-normal with this median and p99 (seconds):
@@ -173,6 +178,19 @@ class SpawnToReady:
         except ValueError:
             raise ConfigError(f"--spawn-s {text!r}: expected P50 or P50:P99 seconds") from None
         return cls(p50, p99)
+
+    @classmethod
+    def of_waits(cls, waits: Sequence[float]) -> SpawnToReady | None:
+        """The median and p99 (nearest rank) of the waits of a log's cold claims: the
+        spawn-to-ready time their users saw. None for fewer than `MIN_COLD_WAITS` waits,
+        or a median of 0 (no spawn is that fast)."""
+        if len(waits) < MIN_COLD_WAITS:
+            return None
+        ordered = sorted(waits)
+        p50 = statistics.median(ordered)
+        if p50 <= 0:
+            return None
+        return cls(p50, ordered[math.ceil(0.99 * len(ordered)) - 1])
 
     def distribution(self) -> dict[str, Any]:
         """The scenario's form: log-normal, sigma from the p99 (z = 2.326)."""

@@ -160,6 +160,9 @@ class ClaimReplay:
     #: Claims exactly like an earlier one of the same instant (every field): a window
     #: exported twice and joined, most likely. Replayed as claims of their own.
     repeated: int = 0
+    #: How long each claim served cold waited, in arrival order: the spawn-to-ready time
+    #: its users saw (`stoker.sim.backtest.SpawnToReady.of_waits`).
+    cold_waits: array[float] = field(default_factory=lambda: array("d"))
 
     def __len__(self) -> int:
         return len(self.at_s)
@@ -222,6 +225,8 @@ def build_replay(claims: Iterable[ClaimLogEntry], pool: str | None = None) -> Cl
         instant[1].add(fields)
         if c.source is not None:
             sources[c.source] = sources.get(c.source, 0) + 1
+            if c.source == "cold":
+                replay.cold_waits.append(c.wait_s)
         else:
             replay.recorded_unbound += 1
         if c.held_s is not None:
