@@ -20,7 +20,7 @@ from test_sizing_replicas import SETTINGS, replica
 from fakes import MemoryRuntime
 from stoker.control.scaler import PassReport
 from stoker.domain.pools import StoredPool
-from stoker.domain.records import Worker
+from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import VirtualClock
 from stoker.ports.store import Store
@@ -51,22 +51,29 @@ async def test_a_worker_spawned_for_a_deleted_pool_is_retired_by_the_leader(
         assert deleted.status_code == 200, deleted.text
 
         assert "old" in stalled.plane.catalog.pools  # it has not read the drain
+        # It serves a session of the pool (its worker parks at the release), and keeps
+        # another worker warm for it.
         assert await stalled.plane.spawner.spawn_warm(old, 1, target=1) == 1
         await until(stalled.plane, warm_of("old"))
-        (spawned,) = await store.list_workers(pool="old", states=(WorkerState.WARM,))
+        claim = await stalled.plane.claim(ClaimRequest(pool="old", org="acme", timeout_s=5))
+        await stalled.plane.release(claim.id)
+        assert await stalled.plane.spawner.spawn_warm(old, 1, target=1) == 1
+        await until(stalled.plane, warm_of("old"))
+        spawned = await store.list_workers(pool="old")
+        assert sorted(w.state.value for w in spawned) == ["hot_idle", "warm"]
 
         clock.advance(SETTINGS.janitor_interval_s)
         report = await leader.plane.run_janitor_pass()
         await until(
             leader.plane,
-            lambda ws: all(w.state is WorkerState.RETIRED for w in ws if w.id == spawned.id),
+            lambda ws: all(w.state is WorkerState.RETIRED for w in ws if w.pool == "old"),
         )
 
-        assert report.retired.get("pool_removed") == 1
-        assert await store.list_workers(pool="old", states=(WorkerState.WARM,)) == []
-        row = await store.get_worker(spawned.id)
-        assert row is not None and row.state is WorkerState.RETIRED
-        assert row.reason == "pool_removed" and spawned.id in fleet.stop_calls
+        assert report.retired.get("pool_removed") == 2
+        for worker in spawned:
+            row = await store.get_worker(worker.id)
+            assert row is not None and row.state is WorkerState.RETIRED
+            assert row.reason == "pool_removed" and worker.id in fleet.stop_calls
 
 
 async def test_a_worker_of_a_pool_created_since_the_catalog_loaded_is_kept(

@@ -278,12 +278,14 @@ class Janitor:
                     report.count(why)
 
     async def _retire_poolless(self, world: World, report: PassReport) -> None:
-        """Warm workers of a pool the store no longer holds: a replica that had not read
-        the pool's drain yet may spawn for it until a moment after its deletion, and no
-        pool's scale-down would ever retire what it spawned."""
+        """Warm and parked workers of a pool the store no longer holds: a replica that had
+        not read the pool's drain yet may spawn and serve for it until a moment after its
+        deletion, and no pool's scale-down (nor, under an org's `min_hot_idle`, its TTL)
+        would ever retire them; no claim can take them any more."""
         if self._pools is None:
             return
-        unknown = {w.pool for w in world.warm} - set(self._catalog.pools)
+        idle = [*world.warm, *world.hot_idle]
+        unknown = {w.pool for w in idle} - set(self._catalog.pools)
         gone = set()
         for pool in sorted(unknown - set(self._pools.broken)):
             with self.faults.step(pool, "retire workers of a deleted pool"):
@@ -291,7 +293,7 @@ class Janitor:
                 if await self._store.get_pool(pool) is None:
                     gone.add(pool)
         busy = self._book.in_flight()
-        for w in world.warm:
+        for w in idle:
             if w.pool in gone and w.id not in busy:
                 with self.faults.step(w.pool, "retire workers of a deleted pool"):
                     if await self._retirer.retire(w, RetireReason.POOL_REMOVED):
