@@ -464,3 +464,28 @@ def test_a_loop_clock_bound_to_a_loop_reads_that_loop() -> None:
         assert loop.run_until_complete(later()) == (50.0, 1_008.0)
     finally:
         loop.close()
+
+
+def test_the_violation_log_keeps_the_histories_of_recent_subjects_only() -> None:
+    """Every worker and claim of a run is a subject of its own history: a week's replay
+    held millions (about a kilobyte each). The log keeps those noted lately; an older
+    subject's trace has the recent events overall, and a subject noted again starts
+    over."""
+    from stoker.sim.invariants import ViolationLog
+
+    t = [0.0]
+    log = ViolationLog(lambda: t[0], subjects=100)
+    for i in range(1_000):
+        t[0] = float(i)
+        log.note(f"event {i}", f"w-{i}", "org-a")
+        assert log.histories() <= 200
+    log.violation("I1", "w-999", "recent")
+    log.violation("I2", "w-3", "long ago")
+    recent, old = log.violations
+    assert "t=999.0s event 999" in recent.trace
+    # w-3's own events are forgotten; the recent ones overall are its trace.
+    assert "t=3.0s event 3" not in old.trace and "t=999.0s event 999" in old.trace
+    # A subject noted all along keeps its history.
+    log.violation("I3", "org-a", "busy")
+    assert log.violations[-1].trace[-1] == "t=999.0s event 999"
+    assert len([line for line in log.violations[-1].trace if "event" in line]) >= 10

@@ -59,6 +59,9 @@ WORKER_LABEL = "stoker.dev/worker-id"
 #: Events kept: overall, and per subject (worker, claim, org).
 _GLOBAL_EVENTS = 400
 _SUBJECT_EVENTS = 12
+#: Subjects whose events are kept: those of about the last this many subjects noted (a
+#: week's replay notes millions of workers and claims, each history about a kilobyte).
+SUBJECTS_KEPT = 20_000
 #: Events of a trace: about the subject, then overall.
 _TRACE_SUBJECT = 10
 _TRACE_GLOBAL = 8
@@ -92,12 +95,17 @@ class ViolationLog:
     """The recent events (overall and per subject) and the violations, each recorded once
     per invariant and subject with a trace of the events before it."""
 
-    def __init__(self, now: Callable[[], float]) -> None:
+    def __init__(self, now: Callable[[], float], *, subjects: int = SUBJECTS_KEPT) -> None:
         self._now = now
         self.violations: list[Violation] = []
         self._reported: set[tuple[str, str]] = set()
         self._events: deque[tuple[float, str]] = deque(maxlen=_GLOBAL_EVENTS)
+        #: The histories of the subjects noted since the last turn, and of those noted in
+        #: the turn before (a turn ends when `subjects` are new): a subject noted in
+        #: neither is forgotten, so at most twice `subjects` histories are held.
+        self._subjects = subjects
         self._by_subject: dict[str, deque[tuple[float, str]]] = {}
+        self._older: dict[str, deque[tuple[float, str]]] = {}
 
     def note(self, text: str, *subjects: str) -> None:
         """Record an event for traces (about `subjects`)."""
@@ -106,8 +114,17 @@ class ViolationLog:
         for subject in subjects:
             history = self._by_subject.get(subject)
             if history is None:
-                history = self._by_subject[subject] = deque(maxlen=_SUBJECT_EVENTS)
+                history = self._older.pop(subject, None)
+                if history is None:
+                    history = deque(maxlen=_SUBJECT_EVENTS)
+                self._by_subject[subject] = history
+                if len(self._by_subject) >= self._subjects:
+                    self._older, self._by_subject = self._by_subject, {}
             history.append(entry)
+
+    def histories(self) -> int:
+        """How many subjects' histories are held."""
+        return len(self._by_subject) + len(self._older)
 
     def violation(self, invariant: str, subject: str, detail: str) -> None:
         """Record a violation (once per invariant and subject) with its trace."""
@@ -126,7 +143,10 @@ class ViolationLog:
         )
 
     def _trace(self, subject: str) -> tuple[str, ...]:
-        about = list(self._by_subject.get(subject, ()))[-_TRACE_SUBJECT:]
+        history = self._by_subject.get(subject)
+        if history is None:
+            history = self._older.get(subject, deque())
+        about = list(history)[-_TRACE_SUBJECT:]
         recent = list(self._events)[-_TRACE_GLOBAL:]
         merged = sorted(set(about) | set(recent))
         return tuple(f"t={t:.1f}s {text}" for t, text in merged)
