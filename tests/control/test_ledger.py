@@ -7,6 +7,7 @@ back, against a hand-computed table. Then bounded purges and the claim log's rou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -446,6 +447,55 @@ async def test_moves_another_replica_wrote_are_placed_at_their_write(store: Stor
     assert total.warm_s == pytest.approx(45 + 45)
     # x drains from the leader's write on; y's time ends at its retirement.
     assert total.draining_s == pytest.approx(50)
+
+
+async def test_a_worker_another_replica_takes_is_counted_once(stores: list[Store]) -> None:
+    """Replica 2 takes replica 1's warm worker for a claim, and the session ends before
+    replica 1's next flush: replica 1 counts the worker warm up to the take, not up to the
+    row's later writes (replica 2 counts it from the take on), so its whole life is counted
+    once."""
+    clock = ManualClock()
+    mine, life, _ = wire(stores[0], clock)
+    metrics = Metrics(CollectorRegistry())
+    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
+    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
+    other = Lifecycle(stores[1], clock, metrics)
+    other.on_moved = theirs.moved
+    other.on_claim_ended = theirs.claim_ended
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-t"]
+    )
+    clock.advance(5)
+    warm = await life.move(slots.workers[0], S.WARM, endpoint="http://t")
+    assert warm is not None
+    clock.advance(5)
+    await mine.flush(stores[0])
+    clock.advance(10)  # t0 + 20: the take
+    reserved = await other.reserve(warm, org="acme", org_cap=0, owner="replica-2", activate=True)
+    taken = reserved.worker or pytest.fail("not taken")
+    if taken.state is S.RESERVED:
+        taken = await other.move(taken, S.ACTIVATING, activated=True) or pytest.fail("no")
+    clock.advance(1)
+    claim = dataclasses.replace(claim_for(taken, clock.now()), owner="replica-2")
+    taken = await other.bind(taken, claim) or pytest.fail("not hot")
+    clock.advance(2)
+    ended = await other.end_claim(
+        claim, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, idle_since=clock.now()
+    )
+    assert ended is not None
+    clock.advance(7)  # t0 + 30
+    await mine.flush(stores[0])
+    await theirs.flush(stores[1])
+    total = LedgerCounts()
+    for _, cell in await stores[1].read_ledger("p", since=t0 - 1, until=t0 + 31):
+        total.merge(cell)
+    assert total.starting_s == pytest.approx(5 + 1)
+    assert total.warm_s == pytest.approx(15)
+    assert total.hot_s == pytest.approx(2)
+    assert total.hot_idle_s == pytest.approx(7)
+    worker_s = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
+    assert worker_s == pytest.approx(30)
 
 
 async def test_a_graceful_restart_loses_no_second_of_an_adopted_workers_time(

@@ -7,7 +7,9 @@ replica's lifecycle writes closes the worker's span in its old state at the row'
 counted to the second in each state, however short. A flush (every fallback-reaper pass)
 carries open spans up to now, then reconciles with the store's rows of this replica: a
 worker another replica moved (the leader retiring it, a release through another replica)
-or this replica adopted is placed by the row's `updated_at`, its last write. Spans are
+or this replica adopted is placed by the row's `updated_at`, its last write; one another
+replica took for a claim, by its reservation (`heartbeat_at`), from which the taker counts
+it. Spans are
 split at hour boundaries exactly. Placeholder time is the leader's: the headroom it keeps
 between its passes, in worker slots.
 
@@ -339,7 +341,8 @@ class Ledger:
 
     async def _close_gone(self, store: ReplicaStore, live: set[str], now: float) -> None:
         """Close the spans of workers no longer live and ours: retired or taken over by
-        another replica's write, at that write's time (now, when the row cannot be read)."""
+        another replica's write, at that write's time, or taken by another replica for a
+        claim, at the reservation (`_left_at`; now, when the row cannot be read)."""
         for worker_id in [w for w in self._open if w not in live]:
             try:
                 row = await store.get_worker(worker_id)
@@ -348,8 +351,8 @@ class Ledger:
             span = self._open.get(worker_id)
             if span is None:
                 continue
-            at = now if row is None else max(span.since, min(row.updated_at, now))
-            self._close(worker_id, at)
+            left = now if row is None else min(_left_at(row, span, self._instance_id), now)
+            self._close(worker_id, max(span.since, left))
 
     async def _write(self, store: ReplicaStore, now: float) -> None:
         if self._dirty:
@@ -481,3 +484,14 @@ class Ledger:
         self._arrivals.append(entry)
         if len(self._arrivals) > MAX_PENDING_ROWS:
             del self._arrivals[: len(self._arrivals) - MAX_PENDING_ROWS]
+
+
+def _left_at(row: Worker, span: _Span, me: str) -> float:
+    """When the worker of `span` left this replica's time, as its row now reads. Taken by
+    another replica (a claim there): at the reservation, which stamps `heartbeat_at`; the
+    row's later writes (the session, its end) are the taker's, which counts the worker
+    from the reservation on. Otherwise (a move another replica wrote, a retirement): at the
+    row's last write."""
+    if row.owner != me and row.heartbeat_at > span.since:
+        return min(row.heartbeat_at, row.updated_at)
+    return row.updated_at
