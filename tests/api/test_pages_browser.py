@@ -33,10 +33,13 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from servers import DEMO, Server, kill_fleet, start_server, wait_until
+from stoker.adapters._ledger import LEDGER_COLUMNS, ledger_rows
+from stoker.domain.ledger import HOUR_S, LedgerCounts, LedgerKey, hour_of
 
 pytestmark = pytest.mark.processes
 
 ADMIN = "dashboard-admin-token-0123456789"
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 #: Bound for each wait on the page (a condition, polled; never a fixed sleep).
@@ -236,6 +239,64 @@ def test_dashboard_shows_what_the_pools_warmth_cost(
     assert int(bars or 0) >= 1
     keep_screenshot(browser, tmp_path, "dashboard-ledger.png")
     assert all(url.startswith(server.url) for url in requested(browser)), requested(browser)
+
+
+def test_the_ledger_chart_gives_each_hour_of_the_window_its_own_bar(
+    browser: WebDriver, tmp_path: Path
+) -> None:
+    """The last 24 hours touch 25 hours of the ledger (the first and the last in part):
+    each is drawn as a bar of its own, none on top of another."""
+    fleet = f"test-{uuid.uuid4().hex[:8]}"
+    workdir = tmp_path / "hours"
+    server = start_server(workdir, config=ui_config(fleet, warm_target=0), args=["--stop-workers"])
+    try:
+        answer = httpx.get(
+            f"{server.url}/v1/pools/demo/ledger", params={"since": "24h"}, headers=HEADERS
+        ).json()
+        revision = httpx.get(f"{server.url}/v1/pools/demo", headers=HEADERS).json()["revision"]
+        now = answer["until"]
+        cells = {
+            LedgerKey("demo", revision, "", hour_of(now - n * HOUR_S)): LedgerCounts(warm_s=1800.0)
+            for n in range(25)
+        }
+        with sqlite3.connect(workdir / "stoker.db") as db:
+            marks = ", ".join("?" * len(LEDGER_COLUMNS))
+            db.executemany(
+                f"INSERT INTO ledger ({', '.join(LEDGER_COLUMNS)}) VALUES ({marks})",
+                ledger_rows("cp-elsewhere", cells, now),
+            )
+        browser.get(server.url + "/ui")
+        browser.find_element(By.ID, "token").send_keys(ADMIN)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+        rows = wait_for(
+            browser,
+            "the ledger's hours in the table",
+            lambda d: (
+                len(found := d.find_elements(By.CSS_SELECTOR, "#ledger tbody tr")) >= 24 and found
+            ),
+        )
+        hours = len(rows) - 1  # and the total
+        # The bars along the plot's bottom line: runs of drawn pixels, one per bar.
+        bars = browser.execute_script(
+            """
+            const canvas = document.getElementById("ledger-chart");
+            const g = canvas.getContext("2d");
+            const y = Math.floor(canvas.height - 20 * (window.devicePixelRatio || 1));
+            const line = g.getImageData(0, y, canvas.width, 1).data;
+            let runs = 0, inside = false;
+            for (let x = 0; x < canvas.width; x++) {
+              const drawn = line[4 * x + 3] > 0;
+              if (drawn && !inside) runs++;
+              inside = drawn;
+            }
+            return runs;
+            """
+        )
+        assert bars == hours, (bars, hours)
+        keep_screenshot(browser, tmp_path, "dashboard-ledger-hours.png")
+    finally:
+        server.stop()
+        kill_fleet(fleet)
 
 
 def test_dashboard_shades_a_sizing_no_replica_renews(browser: WebDriver, tmp_path: Path) -> None:

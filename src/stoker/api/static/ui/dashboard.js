@@ -299,8 +299,11 @@
     const style = getComputedStyle(document.documentElement);
     const color = (c) => c.startsWith("--") ? style.getPropertyValue(c) : c;
     const left = 36, bottom = 18, top = 6, plotH = height - top - bottom;
-    const start = ledger.until - 24 * HOUR_S;
-    const barW = (width - left - 8) / 24;
+    // The window touches 25 hours (24 when it ends on the hour): the first and the last in
+    // part, each a bar of its own.
+    const first = Math.floor(ledger.since / HOUR_S) * HOUR_S;
+    const slots = Math.max(1, Math.ceil(ledger.until / HOUR_S) - first / HOUR_S);
+    const barW = (width - left - 8) / slots;
     let max = 1;
     for (const r of rows) {
       max = Math.max(max, LEDGER_STATES.reduce((n, [k]) => n + (r[k] || 0), 0) / HOUR_S);
@@ -311,7 +314,7 @@
     g.fillText("-24h", left, height - 4);
     g.textAlign = "right"; g.fillText("now", width - 8, height - 4); g.textAlign = "left";
     for (const r of rows) {
-      const i = Math.floor((r.hour - start) / HOUR_S);
+      const i = Math.round((r.hour - first) / HOUR_S);
       let y = top + plotH;
       for (const [key, c] of LEDGER_STATES) {
         const h = ((r[key] || 0) / HOUR_S / max) * plotH;
