@@ -137,6 +137,21 @@ def test_a_bad_window_is_one_line(server: tuple[Server, list[str]]) -> None:
     assert bad.stderr.startswith("stoker: ") and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_an_empty_window_or_pool_is_refused_not_widened(server: tuple[Server, list[str]]) -> None:
+    """`--since ""` (an unset shell variable) is no window: refused, not the server's
+    default day; `--pool ""` no pool, not every pool."""
+    srv, _ = server
+    for args in (
+        ["claims", "export", "--since", ""],
+        ["claims", "export", "--pool", ""],
+        ["pools", "ledger", "demo", "--until", ""],
+    ):
+        bad = run(args, srv.url)
+        assert bad.returncode != 0, args
+        assert bad.stderr.startswith("stoker: ") and len(bad.stderr.strip().splitlines()) == 1
+        assert bad.stdout == "", args
+
+
 def test_a_refused_export_leaves_the_earlier_file_as_it_was(
     server: tuple[Server, list[str]], tmp_path: Path
 ) -> None:

@@ -118,6 +118,11 @@ def test_the_claim_log_pages_in_the_export_form_without_tokens(server: LedgerSer
         ("/v1/pools/demo/ledger", {"by": "tenant"}, 422),
         ("/v1/pools/nope/ledger", {}, 404),
         ("/v1/claims/log", {"since": "nan"}, 400),
+        # An empty value is no time (nor the default window), and no pool (nor every one).
+        ("/v1/pools/demo/ledger", {"since": ""}, 400),
+        ("/v1/pools/demo/ledger", {"until": ""}, 400),
+        ("/v1/claims/log", {"since": ""}, 400),
+        ("/v1/claims/log", {"pool": ""}, 422),
         ("/v1/claims/log", {"after": "not-a-cursor"}, 422),
         ("/v1/claims/log", {"limit": 0}, 422),
     ],

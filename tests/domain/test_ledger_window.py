@@ -46,6 +46,8 @@ def test_durations_and_unix_seconds() -> None:
             "since: expected unix seconds or a duration such as 24h or 7d, got '1_5h'",
         ),
         ("-1h", None, "since: not a duration: '-1h'"),
+        ("", None, "since: expected unix seconds or a duration such as 24h or 7d, got ''"),
+        ("1h", "", "until: expected unix seconds or a duration such as 24h or 7d, got ''"),
         ("1h", "2h", "since must be before until"),
     ],
 )

@@ -197,7 +197,7 @@ def add_ledger_routes(app: FastAPI, plane: ControlPlane) -> None:
         request: Request,
         since: TimeText = None,
         until: TimeText = None,
-        pool: Annotated[str | None, Query(max_length=128)] = None,
+        pool: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
         after: Annotated[str | None, Query(max_length=512)] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> Response:

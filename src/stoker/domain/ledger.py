@@ -365,10 +365,11 @@ def window(
     since: str | None, until: str | None, now: float, default_s: float
 ) -> tuple[float, float]:
     """[since, until) from their texts (`parse_time`): until defaults to now, since to
-    `default_s` before until. ValueError when since is not before until or the window is
-    longer than `MAX_WINDOW_S`."""
-    end = _named("until", until, now) if until else now
-    start = _named("since", since, now) if since else end - default_s
+    `default_s` before until, when not given (an empty text is given, and no time).
+    ValueError when since is not before until or the window is longer than
+    `MAX_WINDOW_S`."""
+    end = _named("until", until, now) if until is not None else now
+    start = _named("since", since, now) if since is not None else end - default_s
     if start >= end:
         raise ValueError("since must be before until")
     if end - start > MAX_WINDOW_S:

@@ -334,7 +334,9 @@ class Calls:
         self, name: str, *, since: str | None, until: str | None, by: str | None
     ) -> Call[dict[str, Any]]:
         """`GET /v1/pools/{name}/ledger` (docs/warmth.md): the answer's JSON as it is."""
-        params = {k: v for k, v in (("since", since), ("until", until), ("by", by)) if v}
+        params = {
+            k: v for k, v in (("since", since), ("until", until), ("by", by)) if v is not None
+        }
         path = _pool_path(name) + "/ledger"
         return Call("GET", path, self._default_timeout, _as_dict, params=params)
 
@@ -344,7 +346,7 @@ class Calls:
         """For each `after`, `GET /v1/claims/log` (docs/claim-log.md), read as a `Listing` of
         entries in the export form."""
         given = (("since", since), ("until", until), ("pool", pool))
-        params: dict[str, Any] = {k: v for k, v in given if v}
+        params: dict[str, Any] = {k: v for k, v in given if v is not None}
         params["limit"] = limit
         return lambda after: Call(
             "GET", "/v1/claims/log", self._default_timeout, _log_page, params=_after(params, after)
