@@ -253,3 +253,27 @@ def test_workers_list_shows_orgs_that_read_as_markup_as_they_are(
     printed = capsys.readouterr().out
     assert all(f" {org} " in printed for org in MARKUP_ORGS), printed
     assert " [bold] " in printed
+
+
+def test_a_piped_ledger_by_org_prints_each_row_on_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`stoker pools ledger --by org > file` is wider than 200 columns: piped, its rows
+    broke in two (the hour on two lines, "reuse/warm/…"), which no grep or awk reads."""
+    from stoker.cli.output import make_console
+    from stoker.cli.pools import _ledger_table
+
+    counts = {
+        "warm_s": 900.0, "hot_s": 36.0, "hot_idle_s": 180.0, "starting_s": 1.0,
+        "draining_s": 0.5, "placeholder_s": 0.0, "spawns": 2, "mean_ready_s": 0.46,
+        "claims_reuse": 11, "claims_warm": 1, "claims_cold": 2, "failed": 0,
+        "idle_warm_cost": 0.0125, "idle_parked_cost": 0.0025, "headroom_cost": 0.0,
+        "total_cost": 0.0156, "cold_start_s_avoided": 6.82,
+    }  # fmt: skip
+    rows = [{**counts, "hour": 1796637600, "group": org} for org in ("acme", "initech-europe")]
+    body = {"pool": "demo", "by": "org", "rows": rows, "total": {**counts, "group": ""}}
+    make_console().print(_ledger_table(body))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8, "\n".join(lines)  # title, top, header, rule, 3 rows, bottom
+    assert any("│ 2026-12-07 10:00 │ initech-europe │" in line for line in lines)
+    assert any("reuse/warm/cold" in line for line in lines)

@@ -187,14 +187,18 @@ def server_command(
     return register
 
 
+#: The width of a console with no terminal: wider than any table, so each row is one line.
+PIPED_WIDTH = 4096
+
+
 def make_console(*, fit: bool = False) -> Console:
     """A console for tables; piped or captured there is no terminal width to fit, so the
-    columns are never squeezed — unless `fit` (`status`, which splits its table to fit)
-    and `$COLUMNS` gives a width."""
+    columns are never squeezed and each row is one line (for grep, awk and files) —
+    unless `fit` (`status`, which splits its table to fit) and `$COLUMNS` gives a width."""
     found = Console()
     if found.is_terminal or (fit and os.environ.get("COLUMNS", "").isdigit()):
         return found
-    return Console(width=200)
+    return Console(width=PIPED_WIDTH)
 
 
 def print_json(body: Any, *, indent: int | None = 2) -> None:
