@@ -780,7 +780,7 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 14
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
@@ -798,7 +798,7 @@ async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
     await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 14
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
     await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
     assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
 
@@ -815,7 +815,7 @@ async def test_a_schema_of_version_13_gains_the_published_sizing(
     await sql(postgres_url, f"DROP TABLE {s}.pool_sizing")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 14
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
     sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
     await upgraded.record_sizing([sized])
     assert await upgraded.read_sizing() == [sized]
@@ -847,3 +847,29 @@ async def test_a_schema_of_version_4_keeps_its_session_tokens_as_digests(
     assert await upgraded.schema_version() == upgrades(s)[-1][0]
     assert must(await upgraded.get_claim("c1")).token == token_digest("secret-token")
     assert must(await upgraded.get_claim("c2")).token == ""
+
+
+async def test_a_schema_of_version_14_finds_a_replicas_last_ledger_write_by_index(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    """`ledger_written_at` (an adopter's read, for each replica whose workers it adopts)
+    scanned every cell of the ledger: its key leads with the pool and the hour."""
+    store = make_pg()
+    await store.open()
+    await store.close()
+    s = f'"{schema}"'
+    # What version 14 left behind: no index of the ledger by replica, version 15 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 15")
+    await sql(postgres_url, f"DROP INDEX {s}.ledger_written")
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
+    await upgraded.close()
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        # An empty table is read whole anyway: ask for the plan a large one gets.
+        await conn.execute("SET enable_seqscan = off")
+        cur = await conn.execute(
+            f"EXPLAIN SELECT max(updated_at) FROM {s}.ledger WHERE instance = 'cp-a'"
+        )
+        plan = str(await cur.fetchall())
+    assert "ledger_written" in plan, plan

@@ -179,7 +179,7 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 14
+        assert await upgraded.schema_version() == LATEST == 15
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
@@ -201,7 +201,7 @@ async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 14
+        assert await upgraded.schema_version() == LATEST == 15
         await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
         assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
     finally:
@@ -221,9 +221,37 @@ async def test_a_database_of_version_13_gains_the_published_sizing(tmp_path: Pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 14
+        assert await upgraded.schema_version() == LATEST == 15
         sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
         await upgraded.record_sizing([sized])
         assert await upgraded.read_sizing() == [sized]
     finally:
         await upgraded.close()
+
+
+async def test_a_database_of_version_14_finds_a_replicas_last_ledger_write_by_index(
+    tmp_path: Path,
+) -> None:
+    """An adopter reads the last ledger write of each replica whose workers it adopts:
+    without an index on the replica, a scan of every cell the retention keeps (35 days
+    of every pool, revision and org)."""
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 14 left behind: no index of the ledger by replica, version 15 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 15")
+    db.execute("DROP INDEX ledger_written")
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 15
+    finally:
+        await upgraded.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    query = "EXPLAIN QUERY PLAN SELECT max(updated_at) FROM ledger WHERE instance = 'cp-a'"
+    plan = str(db.execute(query).fetchall())
+    db.close()
+    assert "USING COVERING INDEX ledger_written" in plan, plan

@@ -73,6 +73,12 @@ def ledger_indexes(s: str) -> list[str]:
     ]
 
 
+def ledger_written_index(s: str) -> str:
+    """A replica's last ledger write (`ledger_written_at`, read for each replica whose
+    workers are adopted): without it, a scan of every cell the retention keeps."""
+    return f"CREATE INDEX ledger_written ON {s}.ledger (instance, updated_at)"
+
+
 def feed_statements(s: str, channel: str) -> list[str]:
     """The trigger that announces, on `channel`, every worker row entering `warm` (the
     row as a JSON array in `WORKER_COLUMNS` order), sent when the writing transaction
@@ -141,6 +147,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (12, tables.rollout_outcomes),
         (13, [*tables.ledger, *ledger_indexes(s)]),
         (14, tables.pool_sizing),
+        (15, [ledger_written_index(s)]),
     ]
 
 
@@ -163,6 +170,7 @@ async def migrate(conn: Connection, names: Names, lock_idle_ms: str) -> None:
         cur = await conn.execute(f"SELECT version FROM {names.versions}")
         applied = {r[0] for r in await cur.fetchall()}
         current = TableChanges(POSTGRES, s).current + indexes(s) + ledger_indexes(s)
+        current.append(ledger_written_index(s))
         current += feed_statements(s, names.channel)
         for version, statements in pending(applied, current, upgrades(s, names.channel)):
             for sql in statements:

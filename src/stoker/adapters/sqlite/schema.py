@@ -19,6 +19,10 @@ LEDGER_INDEXES = (
     "CREATE INDEX claim_log_at ON claim_log (at, id)",
 )
 
+#: A replica's last ledger write (`ledger_written_at`, read for each replica whose workers
+#: are adopted): without it, a scan of every cell the retention keeps.
+LEDGER_WRITTEN_INDEX = "CREATE INDEX ledger_written ON ledger (instance, updated_at)"
+
 #: The indexes of the current version. Each index is one page more written by every write
 #: that touches its columns, and a claim + release cycle makes four: only what a query
 #: needs. `workers_live` finds rows by state (the live ones, a pool's warm or hot_idle ones
@@ -30,6 +34,7 @@ INDEXES = (
     # An org's Idempotency-Key names one claim (NULLs, claims without a key, never clash).
     "CREATE UNIQUE INDEX claims_idempotency ON claims (org, idempotency_key)",
     *LEDGER_INDEXES,
+    LEDGER_WRITTEN_INDEX,
 )
 
 _TABLES = TableChanges(SQLITE)
@@ -86,6 +91,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (12, _TABLES.rollout_outcomes),
     (13, [*_TABLES.ledger, *LEDGER_INDEXES]),
     (14, _TABLES.pool_sizing),
+    (15, [LEDGER_WRITTEN_INDEX]),
 ]
 
 
