@@ -16,6 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from stoker.cli.claims import LOG_PAGE
 from stoker.cli.output import JsonFlag, fail, given_server, make_console, print_json
 
 if TYPE_CHECKING:
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
     from stoker.sim.claimlog import ClaimReplay
 
-#: Claim-log entries asked for per page from a server (`GET /v1/claims/log`'s most).
-LOG_PAGE = 10_000
 #: The settings of the pool's current run when nothing says otherwise.
 _GRAMMAR = "KEY=VALUE[,KEY=VALUE...]"
 
