@@ -855,3 +855,31 @@ def test_what_a_replay_from_a_file_assumes_is_said(tmp_path: Path) -> None:
     assert told.returncode == 0, told.stderr
     assert "current settings:" not in told.stdout and "nodes:" not in told.stdout
     assert "local processes: no spawn waits for a node" in told.stdout
+
+
+def test_a_deleted_pools_log_on_a_server_says_how_to_replay_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deleted pool's claim log stays on the server (its own retention) while the pool
+    answers 404: `--url` said only "GET /v1/pools/old answered 404: unknown pool 'old'"."""
+    import httpx
+
+    entry = {**next(synthetic_claims(1, pool="old")), "pool": "old"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/claims/log":
+            return httpx.Response(200, json={"entries": [entry], "next": None})
+        return httpx.Response(404, json={"detail": "unknown pool 'old'"})
+
+    real = httpx.Client
+    monkeypatch.setattr(
+        httpx, "Client", lambda **kw: real(**kw, transport=httpx.MockTransport(answer))
+    )
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    result = CliRunner().invoke(app, ["backtest", "--url", "http://live:8080", "--no-progress"])
+    assert result.exit_code == 2
+    assert "http://live:8080 serves no pool 'old' any more (deleted?)" in result.stderr
+    assert "stoker claims export --pool old --since 7d --out FILE" in result.stderr

@@ -437,6 +437,14 @@ def _from_server(
             )
             replay = build_replay(claims, pool)
             info = client.get(f"/v1/pools/{replay.pool}")
+            if info.status_code == 404:
+                # Deleted: its claim log stays (its own retention), its settings are gone.
+                raise ConfigError(
+                    f"{url} serves no pool {replay.pool!r} any more (deleted?), though its "
+                    f"claim log is there: export it (stoker claims export --pool "
+                    f"{replay.pool} --since {since} --out FILE) and replay it with --from FILE "
+                    "and -c (a config with the settings it ran with)"
+                )
             _raise_for(info, f"/v1/pools/{replay.pool}")
             settings = _pool_settings(info.json())
             stated = _org_overrides(info.json())
