@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -22,6 +22,7 @@ from stoker.cli.output import JsonFlag, fail, given_server, make_console, print_
 if TYPE_CHECKING:
     from stoker.config import StokerConfig
     from stoker.config.convert import DomainConfig
+    from stoker.domain.ledger import ClaimLogEntry
     from stoker.domain.specs import CostSpec
     from stoker.sim.backtest import Figures, Recommendation, SpawnToReady
     from stoker.sim.claimlog import ClaimReplay
@@ -418,24 +419,28 @@ def _from_server(
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=url, headers=headers, timeout=60.0) as client:
-            entries: list[Any] = []
-            params: dict[str, Any] = {"since": since, "limit": page_size}
-            if pool:
-                params["pool"] = pool
-            while True:
-                answer = client.get("/v1/claims/log", params=params)
-                _raise_for(answer, "/v1/claims/log")
-                page = answer.json()
-                entries += page.get("entries", [])
-                if not page.get("next"):
-                    break
-                params["after"] = page["next"]
             where = f"{url}/v1/claims/log"
-            claims = in_order(
-                (parse_entry(e, f"{where} entry {i}"), f"{where} entry {i}")
-                for i, e in enumerate(entries, start=1)
-            )
-            replay = build_replay(claims, pool)
+
+            def entries() -> Iterator[tuple[ClaimLogEntry, str]]:
+                """The log's entries, parsed page by page as they come (a week of a
+                million is never held as JSON)."""
+                params: dict[str, Any] = {"since": since, "limit": page_size}
+                if pool:
+                    params["pool"] = pool
+                number = 0
+                while True:
+                    answer = client.get("/v1/claims/log", params=params)
+                    _raise_for(answer, "/v1/claims/log")
+                    page = answer.json()
+                    for entry in page.get("entries", []):
+                        number += 1
+                        at = f"{where} entry {number}"
+                        yield parse_entry(entry, at), at
+                    if not page.get("next"):
+                        return
+                    params["after"] = page["next"]
+
+            replay = build_replay(in_order(entries()), pool)
             info = client.get(f"/v1/pools/{replay.pool}")
             if info.status_code == 404:
                 # Deleted: its claim log stays (its own retention), its settings are gone.
