@@ -347,3 +347,21 @@ def test_a_forecast_error_asked_twice_in_a_pass_answers_alike_and_sees_a_new_pas
     errors.add(10.0, 4, 1.0)  # another pass at the same time still counts
     assert errors.relative(10.0, 900) == (2.0, 6.0, 2.0)
     assert errors.relative(1000.0, 900) == (0.0, 0.0, 0.0)
+
+
+def test_a_forecast_read_again_after_an_hour_is_learned_is_the_new_buckets() -> None:
+    forecaster = Forecaster("p")
+    forecaster.observe(MONDAY + 10 * HOUR_S, 0)
+    forecaster.observe(MONDAY + 11 * HOUR_S - 1, 36)  # 10:00-11:00: 0.01 a second
+    forecaster.observe(MONDAY + 11 * HOUR_S + 5, 0)
+    at = MONDAY + 10.5 * HOUR_S + DAY_S  # Tuesday: Monday's weekday bucket
+    before = forecaster.at(at, 0.99)
+    assert before is not None and forecaster.at(at, 0.99) == before
+    assert before.mean == pytest.approx(0.01)
+    # Tuesday's 10:00 is learned at twice the rate: the same time now reads its bucket.
+    forecaster.observe(MONDAY + DAY_S + 10 * HOUR_S, 0)
+    forecaster.observe(MONDAY + DAY_S + 11 * HOUR_S - 1, 72)
+    forecaster.observe(MONDAY + DAY_S + 11 * HOUR_S + 5, 0)
+    after = forecaster.at(at, 0.99)
+    assert after is not None and after.mean == pytest.approx(0.02)
+    assert forecaster.at(at, 0.5) != after  # another quantile, another upper bound

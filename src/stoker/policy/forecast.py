@@ -16,10 +16,12 @@ and the pool is sized by the reactive rate alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from statistics import NormalDist
 from typing import Protocol
 
@@ -35,6 +37,8 @@ WEEK, DAY = "week", "day"
 LEARNING_WEIGHT = 0.3
 #: An hour is learned only when at least this share of it was observed.
 MIN_COVERED = 0.5
+#: Forecasts a forecaster keeps of the times it was asked (forgotten all at once beyond).
+_MAX_READ = 256
 
 
 def hour_of_week(t: float) -> int:
@@ -83,8 +87,15 @@ def interpolate(
     total = sum(w for w, _ in points)
     mean = sum(w * b.mean for w, b in points) / total
     var = sum(w * b.var for w, b in points) / total
-    z = NormalDist().inv_cdf(quantile)
+    z = normal_quantile(quantile)
     return Outlook(mean=mean, upper=mean + z * math.sqrt(max(0.0, var)))
+
+
+@functools.lru_cache(maxsize=64)
+def normal_quantile(quantile: float) -> float:
+    """The standard normal distribution's `quantile` (a pool's is one setting: worked out
+    once, not at every interpolation)."""
+    return NormalDist().inv_cdf(quantile)
 
 
 def folded(mean: float, var: float, rate: float) -> tuple[float, float]:
@@ -107,6 +118,9 @@ class Forecaster:
         #: The hour being counted: its index, claims so far, seconds covered.
         self._hour: tuple[int, int, float] | None = None
         self._last: float | None = None
+        #: Forecasts read since the buckets last changed, by (time, quantile): a pass reads
+        #: the same times several times over (now, and each hour centre ahead).
+        self._read: dict[tuple[float, float], Outlook | None] = {}
 
     @property
     def buckets(self) -> list[ForecastBucket]:
@@ -148,6 +162,7 @@ class Forecaster:
                 new = replace(old, mean=mean, var=var, seen=old.seen + 1, updated_at=now)
             self._buckets[(level, bucket)] = new
             changed.append(new)
+        self._read.clear()
         return changed
 
     def _bucket(self, t: float) -> ForecastBucket | None:
@@ -156,7 +171,14 @@ class Forecaster:
 
     def at(self, t: float, quantile: float) -> Outlook | None:
         """The forecast rate at `t`, interpolated between hour centres; None without history."""
-        return interpolate(t, self._bucket, quantile)
+        key = (t, quantile)
+        read = self._read
+        if key in read:
+            return read[key]
+        if len(read) >= _MAX_READ:
+            read.clear()
+        outlook = read[key] = interpolate(t, self._bucket, quantile)
+        return outlook
 
     def peak(self, start: float, end: float, quantile: float) -> Outlook | None:
         """The highest forecast over [start, end], read at both ends and each hour centre
@@ -170,6 +192,9 @@ class Forecaster:
         if not outlooks:
             return None
         return max(outlooks, key=lambda o: (o.upper, o.mean))
+
+
+_CLAIMS, _EXPECTED = itemgetter(1), itemgetter(2)
 
 
 class ForecastError:
@@ -192,8 +217,9 @@ class ForecastError:
             return self._last[2]
         while self._passes and self._passes[0][0] <= now - window_s:
             self._passes.popleft()
-        seen = float(sum(n for _, n, _ in self._passes))
-        expected = sum(e for _, _, e in self._passes)
+        # An hour of passes, summed in C (the same additions, in the same order).
+        seen = float(sum(map(_CLAIMS, self._passes)))
+        expected = sum(map(_EXPECTED, self._passes))
         answer = (seen - expected) / max(expected, 1.0), seen, expected
         self._last = (now, window_s, answer)
         return answer
