@@ -10,7 +10,6 @@ from typing import Any
 from stoker.adapters._rows import dump_json
 from stoker.adapters._schema import CLAIM_LOG, LEDGER
 from stoker.domain.ledger import (
-    SCALAR_FIELDS,
     ClaimEnding,
     ClaimLogEntry,
     LedgerCounts,
@@ -31,7 +30,7 @@ def ledger_rows(
     """One row per cell, in `LEDGER_COLUMNS` order (hists as JSON text)."""
     rows = []
     for key in sorted(cells, key=lambda k: (k.pool, k.revision, k.org, k.hour)):
-        scalars = cells[key].scalars()
+        counts = cells[key]
         rows.append(
             (
                 key.pool,
@@ -39,8 +38,8 @@ def ledger_rows(
                 key.org,
                 key.hour,
                 instance_id,
-                *(scalars[name] for name in SCALAR_FIELDS),
-                dump_json(cells[key].hists()),
+                *counts.scalar_values(),
+                dump_json(counts.hists()),
                 now,
             )
         )

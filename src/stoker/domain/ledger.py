@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
+from operator import attrgetter
 from typing import Any
 
 from stoker.domain.specs import CostSpec, PodTemplate, ProcessTemplate, RuntimeTemplate
@@ -160,24 +161,28 @@ class LedgerCounts:
 
     def merge(self, other: LedgerCounts) -> None:
         """Add `other`'s counts to these."""
-        for name in _FIELDS:
+        for name in SCALAR_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in _HISTS:
             mine = getattr(self, name)
-            if isinstance(mine, list):
-                theirs = getattr(other, name)
-                for i, n in enumerate(theirs[: len(mine)]):
-                    mine[i] += n
-            else:
-                setattr(self, name, mine + getattr(other, name))
+            for i, n in enumerate(getattr(other, name)[: len(mine)]):
+                mine[i] += n
 
     def copy(self) -> LedgerCounts:
-        """An independent copy."""
-        out = LedgerCounts()
-        out.merge(self)
+        """An independent copy (a flush copies every cell it writes)."""
+        out = LedgerCounts(ready_hist=list(self.ready_hist), wait_hist=list(self.wait_hist))
+        for name, value in zip(SCALAR_FIELDS, self.scalar_values(), strict=True):
+            setattr(out, name, value)
         return out
 
     def scalars(self) -> dict[str, float]:
         """Every count but the histograms, by name."""
-        return {name: getattr(self, name) for name in SCALAR_FIELDS}
+        return dict(zip(SCALAR_FIELDS, self.scalar_values(), strict=True))
+
+    def scalar_values(self) -> tuple[float, ...]:
+        """Every count but the histograms, in `SCALAR_FIELDS` order (a store's columns)."""
+        values: tuple[float, ...] = _SCALAR_VALUES(self)
+        return values
 
     def hists(self) -> dict[str, list[int]]:
         """The histograms, by name."""
@@ -204,8 +209,9 @@ _HISTS = ("ready_hist", "wait_hist")
 _TIME_FIELD = {state: f"{state}_s" for state in TIME_STATES}
 #: The scalar counts, in the store's column order.
 SCALAR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts) if f.name not in _HISTS)
-#: Every field, in order (looked up once: the janitor copies and merges cells every pass).
-_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerCounts))
+#: The scalar counts of a cell, in `SCALAR_FIELDS` order, in one call (a flush writes
+#: every cell that changed, each replica every minute).
+_SCALAR_VALUES = attrgetter(*SCALAR_FIELDS)
 #: The scalar counts that are whole numbers.
 INT_FIELDS = frozenset({"spawns", "ready", "claims_reuse", "claims_warm", "claims_cold", "failed"})
 
