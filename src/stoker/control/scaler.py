@@ -129,8 +129,9 @@ class Scaler:
         for c in world.counts:
             live[c.pool] += c.count
         warm: dict[tuple[str, str], list[Worker]] = defaultdict(list)
+        busy = self._book.in_flight()
         for w in world.warm:
-            if w.id not in self._book.in_flight():
+            if w.id not in busy:
                 warm[(w.pool, w.revision)].append(w)
         if self._sizer is not None:
             await self._sizer.read(world.now)
@@ -277,6 +278,8 @@ class Scaler:
             now=now,
             scale_down_delay=pool.scale_down_delay,
         )
+        if not due:
+            return  # most passes: nothing to rank
         # Those on the nodes with the fewest sessions first, so that the cluster can give
         # back nodes that hold no session; then oldest first. Deterministic for a view of
         # the cluster, so two janitors acting on the same snapshot mostly pick the same
