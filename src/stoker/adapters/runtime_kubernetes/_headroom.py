@@ -115,7 +115,8 @@ class Headroom:
             for name, pod in wanted.items()
             if name not in present and self._refused.get(name, (now, 0.0))[0] <= now
         ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        # Most passes find every placeholder in place: nothing to gather.
+        results = await asyncio.gather(*calls, return_exceptions=True) if calls else []
         failures = [r for r in results if isinstance(r, BaseException)]
         for failure in failures:
             if not isinstance(failure, Exception):
