@@ -76,17 +76,21 @@ def interpolate(
     """The rate at `t` from the buckets of the hours around it (`bucket_at(time)`),
     interpolated linearly between hour centres; None when neither hour has one."""
     left = math.floor((t - HOUR_S / 2) / HOUR_S)
-    points = []
+    # The weighted sums of the hours with a bucket (added as `sum` would add them).
+    total = mean = var = 0.0
+    found = False
     for index in (left, left + 1):
         bucket = bucket_at(index * HOUR_S)
         weight = 1 - abs(t - (index * HOUR_S + HOUR_S / 2)) / HOUR_S
         if bucket is not None and weight > 0:
-            points.append((weight, bucket))
-    if not points:
+            found = True
+            total += weight
+            mean += weight * bucket.mean
+            var += weight * bucket.var
+    if not found:
         return None
-    total = sum(w for w, _ in points)
-    mean = sum(w * b.mean for w, b in points) / total
-    var = sum(w * b.var for w, b in points) / total
+    mean /= total
+    var /= total
     z = normal_quantile(quantile)
     return Outlook(mean=mean, upper=mean + z * math.sqrt(max(0.0, var)))
 
@@ -194,7 +198,7 @@ class Forecaster:
         return max(outlooks, key=lambda o: (o.upper, o.mean))
 
 
-_CLAIMS, _EXPECTED = itemgetter(1), itemgetter(2)
+_EXPECTED = itemgetter(2)
 
 
 class ForecastError:
@@ -202,6 +206,8 @@ class ForecastError:
 
     def __init__(self) -> None:
         self._passes: deque[tuple[float, int, float]] = deque()
+        #: The claims of those passes, summed as they come and go (whole numbers: exact).
+        self._claims = 0
         #: The last answer of `relative` and what it was asked: a pass asks twice (the
         #: error, then `beyond`), and the sums cover an hour of passes.
         self._last: tuple[float, float, tuple[float, float, float]] | None = None
@@ -209,6 +215,7 @@ class ForecastError:
     def add(self, now: float, claims: int, expected: float) -> None:
         """One pass: the claims counted and what the forecast expected over the same time."""
         self._passes.append((now, claims, expected))
+        self._claims += claims
         self._last = None
 
     def relative(self, now: float, window_s: float) -> tuple[float, float, float]:
@@ -216,9 +223,9 @@ class ForecastError:
         if self._last is not None and self._last[:2] == (now, window_s):
             return self._last[2]
         while self._passes and self._passes[0][0] <= now - window_s:
-            self._passes.popleft()
+            self._claims -= self._passes.popleft()[1]
+        seen = float(self._claims)
         # An hour of passes, summed in C (the same additions, in the same order).
-        seen = float(sum(map(_CLAIMS, self._passes)))
         expected = sum(map(_EXPECTED, self._passes))
         answer = (seen - expected) / max(expected, 1.0), seen, expected
         self._last = (now, window_s, answer)
