@@ -22,7 +22,7 @@ import pytest
 from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import CapacityError, RuntimeFailure
+from stoker.domain.errors import CapacityError
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff, Timeouts
@@ -409,41 +409,3 @@ async def test_a_deleted_pool_whose_spawns_failed_leaves_readiness(tmp_path: Pat
         assert "bad" not in p.plane.catalog.pools
         assert p.plane.degraded() == []
         assert p.metric("stoker_spawn_failures_total", pool="bad", reason="crash") == 0
-
-
-class QuotaRuntime(MemoryRuntime):
-    """A runtime that refuses spawns beyond `room` live workers, as a namespace's
-    ResourceQuota of pods does (the workers it admitted keep their room)."""
-
-    def __init__(self, room: int, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.room = room
-
-    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
-        if sum(proc.alive for proc in self.procs.values()) >= self.room:
-            self.spawn_calls += 1
-            raise RuntimeFailure(f"cannot create pod {worker.id}: exceeded quota: pods=1")
-        return await super().spawn(worker, pool)
-
-
-async def test_a_spawn_asked_before_the_refusals_getting_ready_is_no_recovery(
-    tmp_path: Path,
-) -> None:
-    """A quota with room for one of the three workers a pool wants: the first pod is
-    created, the two after it refused. The first one got ready a moment later and cleared
-    the pool's trouble: `spawns failing` went from the status until the next refused
-    probe, seconds later (a test of the real API server's quota caught it between). A
-    spawn asked of the runtime after the refusals, and ready, still clears it."""
-    runtime = QuotaRuntime(room=1, ready_delay=2.0)
-    async with running(tmp_path, [pool("q", warm_target=3)], runtime=runtime) as p:
-        spec = p.plane.catalog.pool("q")
-        await p.passes(1, every=3.0)  # refused twice, then the first worker got ready
-        assert len(await p.warm("q")) == 1
-        trouble = p.plane.spawner.trouble(spec)
-        assert trouble is not None and "exceeded quota" in trouble.last_error
-        (shown,) = [s for s in await p.plane.pool_status() if s.name == "q"]
-        assert shown.spawn_failing
-        runtime.room = 3
-        await p.passes(8)  # the back-off ends, a probe is created and gets ready
-        assert p.plane.spawner.trouble(spec) is None
-        assert len(await p.warm("q")) == 3

@@ -111,9 +111,7 @@ def test_a_namespace_quota_without_room_shows_why_and_backs_off(
         check=False,
     )
     assert shown.returncode == 0, shown.stderr
-    assert "spawns failing" in shown.stdout and f"exceeded quota: {QUOTA}" in shown.stdout, (
-        shown.stdout
-    )
+    assert "spawns failing" in shown.stdout and f"exceeded quota: {QUOTA}" in shown.stdout
 
     # The one pod the quota admits serves a claim; the next claim is told why it waits.
     until(lambda: stoker.pool()["counts"]["warm"] == 1, 20, "the worker the quota admits")

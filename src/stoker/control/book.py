@@ -127,8 +127,6 @@ class Book(WaitingClaims):
         #: its pod created): its spawn-to-ready time counts from there, not from the time
         #: it queued behind other spawns (docs/scaling.md).
         self._started: dict[str, float] = {}
-        #: When the runtime was asked to start each spawning worker (before `_started`).
-        self._attempted: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: True once the replica stopped taking claims (`start_closing`); read on every
         #: claim and release, so a plain attribute rather than a property.
@@ -162,12 +160,10 @@ class Book(WaitingClaims):
             self._known[worker.id] = worker
             if worker.state is not WorkerState.SPAWNING:
                 self._started.pop(worker.id, None)
-                self._attempted.pop(worker.id, None)
         return worker
 
     def _forget(self, worker_id: str) -> None:
         self._started.pop(worker_id, None)
-        self._attempted.pop(worker_id, None)
         before = self._known.pop(worker_id, None)
         if before is not None:
             self._unqueue(before)
@@ -379,17 +375,6 @@ class Book(WaitingClaims):
         """When the runtime took the worker's spawn (None: not noted, or no longer starting)."""
         return self._started.get(worker_id)
 
-    def note_attempt(self, worker_id: str, at: float) -> None:
-        """This replica asks the runtime, at `at`, to start a worker it knows as spawning."""
-        known = self._known.get(worker_id)
-        if known is not None and known.state is WorkerState.SPAWNING:
-            self._attempted[worker_id] = at
-
-    def attempted_at(self, worker_id: str) -> float | None:
-        """When the runtime was asked to start the worker (None: not noted, or no longer
-        starting)."""
-        return self._attempted.get(worker_id)
-
     # -- sizes ------------------------------------------------------------------------------
 
     def sizes(self) -> dict[str, int]:
@@ -413,7 +398,6 @@ class Book(WaitingClaims):
             "pending_retire": len(self.retirements.copy()),
             "unsaved_refs": len(self._unsaved_refs),
             "spawn_starts": len(self._started),
-            "spawn_attempts": len(self._attempted),
             "warm_waiters": sum(map(len, self._warm_waiters.values())),
             "warm_waiter_pools": len(self._warm_waiters),
             "cap_waiters": sum(

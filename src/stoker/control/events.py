@@ -34,10 +34,7 @@ class RuntimeEvents:
         known = self._book.known(worker_id)
         pool = ""
         if known is not None:
-            attempted = self._book.attempted_at(worker_id)
-            self._spawner.spawn_ready(
-                known.pool, known.revision, known.created_at if attempted is None else attempted
-            )
+            self._spawner.spawn_ready(known.pool, known.revision)
             pool = known.pool
             if known.state is WorkerState.SPAWNING:
                 started = self._book.started_at(worker_id)

@@ -48,14 +48,12 @@ class Turn(Enum):
 @dataclass(frozen=True, slots=True)
 class SpawnTrouble:
     """Spawns of one pool revision failing in a row: how many, the last error, when
-    (monotonic) the next one may start, the spawn that probes now (its worker id), and
-    when (the clock's time) the last one failed."""
+    (monotonic) the next one may start, and the spawn that probes now (its worker id)."""
 
     failures: int
     last_error: str
     retry_at: float
     probe: str | None = None
-    failed_at: float = 0.0
 
 
 def crash_error(worker: Worker, exc: Exception) -> str:
@@ -142,7 +140,7 @@ class Spawner:
         failures = 1 + (before.failures if before else 0)
         delay = spawn_backoff_s(failures, spec.spawn_backoff)
         self._trouble[(pool, revision)] = SpawnTrouble(
-            failures, error, self._clock.monotonic() + delay, failed_at=self._clock.now()
+            failures, error, self._clock.monotonic() + delay
         )
         self._changed((pool, revision))
         if revision == spec.revision:
@@ -166,13 +164,8 @@ class Spawner:
             self._changed(key)
         self._ready.pop(pool, None)
 
-    def spawn_ready(self, pool: str, revision: str, attempted_at: float) -> None:
-        """A worker of the revision, asked of the runtime at `attempted_at`, got ready: its
-        spawns work (again), unless one asked for since failed (a pod created just before
-        a quota ran out gets ready while the spawns after it are refused: still failing)."""
-        trouble = self._trouble.get((pool, revision))
-        if trouble is not None and attempted_at < trouble.failed_at:
-            return
+    def spawn_ready(self, pool: str, revision: str) -> None:
+        """A worker of the revision got ready: its spawns work (again)."""
         if self._trouble.pop((pool, revision), None) is not None:
             self._changed((pool, revision))
             self._metrics.spawn_failing.labels(pool).set(0)
@@ -346,7 +339,6 @@ class Spawner:
         # While the runtime holds the spawn (queued behind other start-ups, or starting the
         # process) the stuck sweep leaves the row alone: its spawn timeout has not begun.
         self._book.mark_in_flight(worker.id)
-        self._book.note_attempt(worker.id, self._clock.now())
         try:
             ref = await self._runtime.spawn(worker, pool)
         except SpawnWithdrawn:
