@@ -103,6 +103,14 @@ def test_a_namespace_quota_without_room_shows_why_and_backs_off(
     assert f"is forbidden: exceeded quota: {QUOTA}, requested: pods=1" in error
     assert error.count("create pod") == 1, error
     assert status["spawn_failing"] is True
+    # The pod the quota admits gets ready a moment after the refusals (its readiness counts
+    # as a recovery, until the next refused probe): the steady state is the pool at one
+    # warm worker whose spawns are refused, which `stoker status` says.
+    until(
+        lambda: (p := stoker.pool())["counts"]["warm"] == 1 and p["spawn_failing"],
+        20,
+        "the worker the quota admits, and the refusals after it",
+    )
     shown = subprocess.run(
         [sys.executable, "-m", "stoker", "status", "--url", stoker.server.url, "--token", ADMIN],
         capture_output=True,
@@ -111,10 +119,11 @@ def test_a_namespace_quota_without_room_shows_why_and_backs_off(
         check=False,
     )
     assert shown.returncode == 0, shown.stderr
-    assert "spawns failing" in shown.stdout and f"exceeded quota: {QUOTA}" in shown.stdout
+    assert "spawns failing" in shown.stdout and f"exceeded quota: {QUOTA}" in shown.stdout, (
+        shown.stdout
+    )
 
     # The one pod the quota admits serves a claim; the next claim is told why it waits.
-    until(lambda: stoker.pool()["counts"]["warm"] == 1, 20, "the worker the quota admits")
     assert stoker.claim("org-a").status_code == 201
     refused = stoker.claim("org-b")
     assert refused.status_code == 503, refused.text
