@@ -20,7 +20,7 @@ from pydantic import Field, SecretStr, field_validator
 from stoker.config.problems import ConfigKeyError
 from stoker.config.schema import Section
 from stoker.domain.activation import MIN_KEY_BYTES, ActivationKey
-from stoker.domain.errors import ConfigError
+from stoker.domain.errors import ConfigError, one_line
 
 #: The default key file is the SQLite file's name plus this suffix.
 KEY_FILE_SUFFIX = ".activation-key"
@@ -125,9 +125,8 @@ def _read_key(path: Path) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        shown = str(path) if str(path).isprintable() else repr(str(path))
         raise ConfigKeyError(
-            ("activation", "key_file"), f"cannot read {shown}: {exc.strerror or exc}"
+            ("activation", "key_file"), f"cannot read {one_line(str(path))}: {exc.strerror or exc}"
         ) from None
     if len(key) < MIN_KEY_BYTES:
         raise ConfigKeyError(

@@ -27,7 +27,7 @@ from stoker.config.models import StokerConfig
 from stoker.config.pools import default_pools
 from stoker.config.problems import ConfigKeyError, ConfigProblems, dotted
 from stoker.config.sections import RUNTIME_KINDS
-from stoker.domain.errors import ConfigError
+from stoker.domain.errors import ConfigError, one_line
 
 #: Prefix of the environment variables that override configuration keys.
 ENV_PREFIX = "STOKER_"
@@ -55,7 +55,7 @@ class LoadedConfig:
             source = self.sources.of(exc.loc)
             if source is None:
                 raise
-            raise ConfigError(f"{exc} (from {_printable(source)})") from None
+            raise ConfigError(f"{exc} (from {one_line(source)})") from None
 
 
 def load_config(
@@ -103,7 +103,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        shown = _printable(str(path))
+        shown = one_line(str(path))
         raise ConfigError(f"config error: cannot read {shown}: {_reason(exc)}") from None
     try:
         data = yaml.safe_load(text)
@@ -186,7 +186,7 @@ def _apply_env(
             continue
         raw = environ[name]
         # A control character in the name would break the message's one line.
-        name = _printable(name)
+        name = one_line(name)
         value: Any = raw
         if raw.strip().startswith(("[", "{")):
             try:
@@ -200,12 +200,6 @@ def _apply_env(
             made.setdefault(key, name)
         applied[path] = name
     return applied, made
-
-
-def _printable(text: str) -> str:
-    """`text`, quoted when it holds a control character: a line break in it would split
-    the message's one line per problem."""
-    return text if text.isprintable() else repr(text)
 
 
 #: Keys that accept a string shorthand for a mapping: the key the string stands for.
@@ -227,15 +221,15 @@ def _set_path(
         if isinstance(target, list):
             if not key.isdecimal() or int(key) >= len(target):
                 raise ConfigError(
-                    f"config error: {name}: {_printable('.'.join(path[:i]))} has no item "
-                    f"{_printable(key)} "
+                    f"config error: {name}: {one_line('.'.join(path[:i]))} has no item "
+                    f"{one_line(key)} "
                     f"(it has {len(target)})"
                 )
             target = target[int(key)]
             continue
         if not isinstance(target, dict):
             raise ConfigError(
-                f"config error: {name}: {_printable('.'.join(path[:i]))} is not a mapping"
+                f"config error: {name}: {one_line('.'.join(path[:i]))} is not a mapping"
             )
         if key not in target or target[key] is None:
             target[key] = [] if nxt.isdecimal() else {}
@@ -244,14 +238,12 @@ def _set_path(
     last = path[-1]
     if isinstance(target, list):
         if not last.isdecimal() or int(last) >= len(target):
-            raise ConfigError(f"config error: {name}: no item {_printable(last)} to override")
+            raise ConfigError(f"config error: {name}: no item {one_line(last)} to override")
         target[int(last)] = value
     elif isinstance(target, dict):
         target[last] = value
     else:
-        raise ConfigError(
-            f"config error: {name}: {_printable('.'.join(path[:-1]))} is not a mapping"
-        )
+        raise ConfigError(f"config error: {name}: {one_line('.'.join(path[:-1]))} is not a mapping")
     return made
 
 
@@ -384,7 +376,7 @@ def _line(
     source = sources.of(at)
     if because is not None and sources.set_by(at) is None:
         source = sources.of(_key_path(because)) or source
-    suffix = f" (from {_printable(source)})" if source else ""
+    suffix = f" (from {one_line(source)})" if source else ""
     return f"config error: {dotted(_redact(at)) or '(top level)'}: {message}{suffix}"
 
 
@@ -405,7 +397,7 @@ def _redact(loc: tuple[Any, ...]) -> tuple[Any, ...]:
         if i > 0 and loc[i - 1] == "org_tokens" and isinstance(part, str):
             out.append("<token>")
         elif isinstance(part, str):
-            out.append(_printable(part))
+            out.append(one_line(part))
         else:
             out.append(part)
     return tuple(out)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """`text` as a one-line message shows it: quoted when it holds a control character (a
+    path with a line break in it would split the message's one line)."""
+    return text if text.isprintable() else repr(text)
+
+
 class StokerError(Exception):
     """Base of every error stoker raises on purpose."""
 

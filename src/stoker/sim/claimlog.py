@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from stoker.domain.errors import ConfigError
+from stoker.domain.errors import ConfigError, one_line
 from stoker.domain.ledger import EXPORT_KEYS, OUTCOMES, SOURCES, ClaimLogEntry
 from stoker.domain.states import ClaimMode
 from stoker.sim.scenario import LATEST_S, MAX_RUN_S
@@ -272,9 +272,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 def read_claim_log(path: Path, pool: str | None = None) -> ClaimReplay:
     """The replay of a JSON-lines claim log file, or of one compressed with gzip (`gzip
     claims.jsonl`, whatever its name); ConfigError (one line) on bad input."""
-    # A control character in the name would split a message's one line.
-    name = str(path) if str(path).isprintable() else repr(str(path))
-    return _read(lambda: _open_text(path), name, pool)
+    return _read(lambda: _open_text(path), one_line(str(path)), pool)
 
 
 def read_claim_stream(stream: IO[bytes], pool: str | None = None) -> ClaimReplay:
