@@ -284,8 +284,11 @@ class Janitor:
         would ever retire them; no claim can take them any more."""
         if self._pools is None:
             return
-        idle = [*world.warm, *world.hot_idle]
-        unknown = {w.pool for w in idle} - set(self._catalog.pools)
+        served = self._catalog.pools
+        unknown = {w.pool for w in world.warm if w.pool not in served}
+        unknown.update(w.pool for w in world.hot_idle if w.pool not in served)
+        if not unknown:
+            return  # every pass but the rare one
         gone = set()
         for pool in sorted(unknown - set(self._pools.broken)):
             with self.faults.step(pool, "retire workers of a deleted pool"):
@@ -293,7 +296,7 @@ class Janitor:
                 if await self._store.get_pool(pool) is None:
                     gone.add(pool)
         busy = self._book.in_flight()
-        for w in idle:
+        for w in [*world.warm, *world.hot_idle]:
             if w.pool in gone and w.id not in busy:
                 with self.faults.step(w.pool, "retire workers of a deleted pool"):
                     if await self._retirer.retire(w, RetireReason.POOL_REMOVED):
