@@ -11,16 +11,19 @@ itself on one virtual clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from test_ledger_restart import until
 from test_plane_claims import pool
-from test_sizing_replicas import SETTINGS, replica
+from test_sizing_replicas import SETTINGS, Replica, replica
 
 from fakes import MemoryRuntime
 from stoker.control.scaler import PassReport
 from stoker.domain.pools import StoredPool
 from stoker.domain.records import ClaimRequest, Worker
+from stoker.domain.specs import PoolSpec
 from stoker.domain.states import WorkerState
 from stoker.ports.clock import VirtualClock
 from stoker.ports.store import Store
@@ -31,16 +34,37 @@ def warm_of(pool: str) -> Callable[[list[Worker]], bool]:
     return lambda workers: any(w.pool == pool and w.state is WorkerState.WARM for w in workers)
 
 
+@dataclass
+class Two:
+    """The leader and another replica, on one clock and one fleet."""
+
+    clock: VirtualClock
+    fleet: MemoryRuntime
+    leader: Replica
+    other: Replica
+
+    async def spawn_warm(self, spec: PoolSpec) -> None:
+        """One warm worker of `spec`, spawned by the other replica (the leader unaware)."""
+        assert await self.other.plane.spawner.spawn_warm(spec, 1, target=1) == 1
+        await until(self.other.plane, warm_of(spec.name))
+
+
+@asynccontextmanager
+async def two(stores: list[Store]) -> AsyncIterator[Two]:
+    clock, fleet = VirtualClock(), MemoryRuntime()
+    async with (
+        replica(stores[0], clock, leads=True, runtime=fleet) as leader,
+        replica(stores[1], clock, leads=False, runtime=fleet) as other,
+    ):
+        yield Two(clock, fleet, leader, other)
+
+
 async def test_a_worker_spawned_for_a_deleted_pool_is_retired_by_the_leader(
     stores: list[Store],
 ) -> None:
-    clock = VirtualClock()
-    fleet = MemoryRuntime()
     old = pool(name="old", warm_target=0)
-    async with (
-        replica(stores[0], clock, leads=True, runtime=fleet) as leader,
-        replica(stores[1], clock, leads=False, runtime=fleet) as stalled,
-    ):
+    async with two(stores) as both:
+        clock, fleet, leader, stalled = both.clock, both.fleet, both.leader, both.other
         store = leader.plane.store
         await store.create_pool(StoredPool(old, 0), now=clock.now())
         await stalled.plane.pools.refresh()  # its last pass: it serves "old" from here on
@@ -53,12 +77,10 @@ async def test_a_worker_spawned_for_a_deleted_pool_is_retired_by_the_leader(
         assert "old" in stalled.plane.catalog.pools  # it has not read the drain
         # It serves a session of the pool (its worker parks at the release), and keeps
         # another worker warm for it.
-        assert await stalled.plane.spawner.spawn_warm(old, 1, target=1) == 1
-        await until(stalled.plane, warm_of("old"))
+        await both.spawn_warm(old)
         claim = await stalled.plane.claim(ClaimRequest(pool="old", org="acme", timeout_s=5))
         await stalled.plane.release(claim.id)
-        assert await stalled.plane.spawner.spawn_warm(old, 1, target=1) == 1
-        await until(stalled.plane, warm_of("old"))
+        await both.spawn_warm(old)
         spawned = await store.list_workers(pool="old")
         assert sorted(w.state.value for w in spawned) == ["hot_idle", "warm"]
 
@@ -81,17 +103,12 @@ async def test_a_worker_of_a_pool_created_since_the_catalog_loaded_is_kept(
 ) -> None:
     """The leader's catalog may lag the store by a pass: a pool created meanwhile, and
     its worker, are not taken for a deleted pool's."""
-    clock = VirtualClock()
-    fleet = MemoryRuntime()
     new = pool(name="new", warm_target=1)
-    async with (
-        replica(stores[0], clock, leads=True, runtime=fleet) as leader,
-        replica(stores[1], clock, leads=False, runtime=fleet) as other,
-    ):
-        await other.plane.store.create_pool(StoredPool(new, 0), now=clock.now())
+    async with two(stores) as both:
+        leader, other = both.leader, both.other
+        await other.plane.store.create_pool(StoredPool(new, 0), now=both.clock.now())
         await other.plane.pools.refresh()
-        assert await other.plane.spawner.spawn_warm(new, 1, target=1) == 1
-        await until(other.plane, warm_of("new"))
+        await both.spawn_warm(new)
         janitor = leader.plane.janitor
         assert "new" not in leader.plane.catalog.pools
         world = await janitor.sync()  # read without the catalog's reload of a pass
