@@ -343,6 +343,31 @@ async def test_a_failure_is_logged_by_what_its_requester_was_told(store: Store) 
     assert [e.outcome for e in log] == ["pool_cap", "no_capacity", "failed"]
 
 
+async def test_a_claim_across_an_hour_is_counted_in_the_hour_it_arrived(store: Store) -> None:
+    """The ledger's claims of an hour are the claim log's arrivals of that hour: a claim
+    that arrived before the hour turned and was bound or refused after it counts in the
+    hour before, in both."""
+    clock = ManualClock(start=10 * HOUR_S - 0.5)
+    ledger, life, _ = wire(store, clock)
+    (worker,) = (await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-a"]
+    )).workers  # fmt: skip
+    clock.advance(1.0)  # bound 0.5 s into hour 10, after waiting a second
+    ledger.claimed(claim_for(worker, clock.now()), revision=POOL.revision, wait_s=1.0)
+    clock.advance(1.0)  # refused 1.5 s into hour 10, after waiting 3 s
+    ledger.failed(
+        pool="p", revision=POOL.revision, org="acme", mode=ClaimMode.COLD, wait_s=3.0,
+        error=CapacityError("full", reason="pool_cap"),
+    )  # fmt: skip
+    await ledger.flush(store)
+    hours = summed(await store.read_ledger("p", since=0, until=20 * HOUR_S), by=None)
+    claims = {key: (c.claims_warm, c.failed) for key, c in hours.items()}
+    assert claims[f"{int(9 * HOUR_S)}|"] == (1, 1)
+    assert claims.get(f"{int(10 * HOUR_S)}|", (0, 0)) == (0, 0)
+    log = await store.read_claim_log(since=9 * HOUR_S, until=10 * HOUR_S)
+    assert sorted(e.outcome for e in log) == ["open", "pool_cap"]
+
+
 async def test_a_requester_that_left_is_logged_failed_not_refused(tmp_path: Path) -> None:
     """A claim whose requester was cancelled while it waited (it disconnected, or the
     server's shutdown grace ended: the API then answers 503 shutting_down) was told no

@@ -188,10 +188,13 @@ class Ledger:
         self._ready_mean[worker.pool] = (n + 1, total + seconds)
 
     def claimed(self, claim: Claim, *, revision: str, wait_s: float) -> None:
-        """A claim was bound after waiting `wait_s` since it arrived."""
+        """A claim was bound after waiting `wait_s` since it arrived. It is counted in the
+        hour it arrived, as the claim log files it, so that an hour's claims read the same
+        in the ledger and in an export of that hour (a wait is at most an hour, and a cell
+        is kept two hours past its own)."""
         now = self._clock.now()
         source = claim.source.value
-        self._cell(claim.pool, revision, claim.org, now).add_claim(source, wait_s)
+        self._cell(claim.pool, revision, claim.org, now - wait_s).add_claim(source, wait_s)
         if source != "cold":
             n, total = self._ready_mean.get(claim.pool, (0, 0.0))
             if n:
@@ -221,9 +224,10 @@ class Ledger:
         wait_s: float,
         error: BaseException,
     ) -> None:
-        """A claim got no worker: `error` is what its requester was told."""
+        """A claim got no worker: `error` is what its requester was told. Counted in the
+        hour it arrived, as `claimed`."""
         now = self._clock.now()
-        self._cell(pool, revision, org, now).add_failure(wait_s)
+        self._cell(pool, revision, org, now - wait_s).add_failure(wait_s)
         outcome = "failed"
         if isinstance(error, OrgCapError):
             outcome = "org_cap"
