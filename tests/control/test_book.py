@@ -283,6 +283,7 @@ EMPTY = {
     "pending_retire": 0,
     "unsaved_refs": 0,
     "spawn_starts": 0,
+    "spawn_asks": 0,
     "warm_waiters": 0,
     "warm_waiter_pools": 0,
     "cap_waiters": 0,

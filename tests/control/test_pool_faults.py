@@ -22,7 +22,8 @@ import pytest
 from fakes import MemoryRuntime
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.plane import ControlPlane
-from stoker.domain.errors import CapacityError
+from stoker.control.status import PoolStatus
+from stoker.domain.errors import CapacityError, RuntimeFailure
 from stoker.domain.records import ClaimRequest, Worker
 from stoker.domain.rollouts import CanaryStrategy, ReplaceStrategy, RolloutState, Strategy
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, SpawnBackoff, Timeouts
@@ -392,6 +393,103 @@ async def test_a_waiting_spawn_retired_elsewhere_never_starts(tmp_path: Path) ->
         assert not [w for w in rows if w.state is S.SPAWNING]
         assert {w.reason for w in rows} == {"spawn_failure", "stuck"}
         assert runtime.spawn_calls == 3  # at 0, 5 and 15 s; the next would be at 35 s
+
+
+# -- what a pool whose spawns fail shows ------------------------------------------------------
+
+
+class QuotaRuntime(MemoryRuntime):
+    """A memory runtime in a namespace whose quota has room for `room` workers: a spawn
+    beyond them is refused at once, as the API server refuses a pod (403)."""
+
+    def __init__(self, room: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.room = room
+
+    async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
+        if sum(proc.alive for proc in self.procs.values()) >= self.room:
+            self.spawn_calls += 1
+            raise RuntimeFailure(f'pods "{worker.id}" is forbidden: exceeded quota: pods=1')
+        return await super().spawn(worker, pool)
+
+
+async def status_of(p: Plane, name: str = "p") -> PoolStatus:
+    [status] = [s for s in await p.plane.pool_status() if s.name == name]
+    return status
+
+
+async def test_a_quota_full_after_one_worker_shows_the_spawns_failing_all_along(
+    tmp_path: Path,
+) -> None:
+    """A quota has room for one of the three workers the pool wants: the first is created,
+    the next two refused, then the first gets ready. Its readiness ends the back-off (what
+    gates spawns is as it was) but not what the pool shows: the quota is as full as
+    before, and `spawn_failing`, the metric and `/readyz` keep saying so with the error,
+    where they said all was well until the next refusal (seconds, up to a back-off)."""
+    runtime = QuotaRuntime(room=1, ready_delay=2.5)
+    pools = [pool("p", warm_target=3)]
+    async with running(tmp_path, pools, runtime=runtime) as p:
+        await asyncio.sleep(2)  # the first gets ready after the two refusals (0 and 1 s)
+        spec = p.plane.catalog.pool("p")
+        assert len(await p.warm("p")) == 1 and runtime.spawn_calls == 3
+        assert p.plane.spawner.trouble(spec) is None  # the back-off ended, as before
+        status = await status_of(p)
+        assert (status.spawn_failing, status.spawn_failures) == (True, 2)
+        assert "exceeded quota" in (status.last_spawn_error or "")
+        assert p.metric("stoker_spawn_failing", pool="p") == 2
+
+        # The next pass asks again (no back-off): refused twice more, 4 since spawns worked.
+        await p.passes(1)
+        status = await status_of(p)
+        assert (status.spawn_failing, status.spawn_failures) == (True, 4)
+        assert p.metric("stoker_spawn_failing", pool="p") == 4
+        [problem] = p.plane.degraded()
+        assert (problem.pool, problem.problem, problem.in_a_row) == ("p", "spawn_failing", 4)
+        assert "exceeded quota" in problem.detail
+
+
+async def test_a_worker_asked_for_after_the_failures_ends_them(tmp_path: Path) -> None:
+    """A real recovery clears what the pool shows: room in the quota, the next spawn (asked
+    for after the last refusal) gets ready, and the pool fills."""
+    runtime = QuotaRuntime(room=1, ready_delay=2.5)
+    async with running(tmp_path, [pool("p", warm_target=3)], runtime=runtime) as p:
+        await asyncio.sleep(2)
+        assert (await status_of(p)).spawn_failing
+        runtime.room = 3
+        await p.passes(10)
+        assert len(await p.warm("p")) == 3
+        status = await status_of(p)
+        assert (status.spawn_failing, status.spawn_failures, status.last_spawn_error) == (
+            False,
+            0,
+            None,
+        )
+        assert p.metric("stoker_spawn_failing", pool="p") == 0
+        assert p.plane.degraded() == []
+
+
+async def test_pods_kept_waiting_for_a_node_end_the_failures_when_all_got_ready(
+    tmp_path: Path,
+) -> None:
+    """Pods no node fits are failed spawns that are kept (a node may be on its way): once
+    the node came and every one of them got ready, the trouble is over, though all were
+    asked for before the failures; while one still waits, it is not."""
+    runtime = MemoryRuntime(auto_ready=False)
+    async with running(tmp_path, [pool("p", warm_target=2)], runtime=runtime) as p:
+        first, second = sorted(runtime.procs)
+        assert runtime.listener is not None
+        for worker_id in (first, second):
+            runtime.listener.worker_stalled(worker_id, "unschedulable", "0/3 nodes fit")
+        assert (await status_of(p)).spawn_failures == 2
+        runtime.make_ready(first)
+        await asyncio.sleep(1)
+        status = await status_of(p)
+        assert (status.spawn_failing, status.last_spawn_error) == (True, "0/3 nodes fit")
+        runtime.make_ready(second)
+        await asyncio.sleep(1)
+        assert len(await p.warm("p")) == 2
+        assert not (await status_of(p)).spawn_failing
+        assert p.metric("stoker_spawn_failing", pool="p") == 0
 
 
 async def test_a_deleted_pool_whose_spawns_failed_leaves_readiness(tmp_path: Path) -> None:

@@ -127,6 +127,12 @@ class Book(WaitingClaims):
         #: its pod created): its spawn-to-ready time counts from there, not from the time
         #: it queued behind other spawns (docs/scaling.md).
         self._started: dict[str, float] = {}
+        #: The order in which this replica asked the runtime for each spawn still starting,
+        #: and how many it asked for: whether a worker that gets ready was asked for after a
+        #: spawn failed (`Spawner.spawn_ready`). A count, not a time: two asks in one instant
+        #: of the clock are still ordered.
+        self._asked: dict[str, int] = {}
+        self._asks = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         #: True once the replica stopped taking claims (`start_closing`); read on every
         #: claim and release, so a plain attribute rather than a property.
@@ -160,10 +166,12 @@ class Book(WaitingClaims):
             self._known[worker.id] = worker
             if worker.state is not WorkerState.SPAWNING:
                 self._started.pop(worker.id, None)
+                self._asked.pop(worker.id, None)
         return worker
 
     def _forget(self, worker_id: str) -> None:
         self._started.pop(worker_id, None)
+        self._asked.pop(worker_id, None)
         before = self._known.pop(worker_id, None)
         if before is not None:
             self._unqueue(before)
@@ -375,6 +383,22 @@ class Book(WaitingClaims):
         """When the runtime took the worker's spawn (None: not noted, or no longer starting)."""
         return self._started.get(worker_id)
 
+    def note_asked(self, worker_id: str) -> None:
+        """This replica asks the runtime for the spawn of a worker it knows as spawning."""
+        self._asks += 1
+        known = self._known.get(worker_id)
+        if known is not None and known.state is WorkerState.SPAWNING:
+            self._asked[worker_id] = self._asks
+
+    def asked(self, worker_id: str) -> int | None:
+        """Which of this replica's asks the worker's spawn was (1 the first; None: not asked
+        here, or no longer starting): a later ask has a larger number."""
+        return self._asked.get(worker_id)
+
+    def asks(self) -> int:
+        """How many spawns this replica asked the runtime for (the number of the last)."""
+        return self._asks
+
     # -- sizes ------------------------------------------------------------------------------
 
     def sizes(self) -> dict[str, int]:
@@ -398,6 +422,7 @@ class Book(WaitingClaims):
             "pending_retire": len(self.retirements.copy()),
             "unsaved_refs": len(self._unsaved_refs),
             "spawn_starts": len(self._started),
+            "spawn_asks": len(self._asked),
             "warm_waiters": sum(map(len, self._warm_waiters.values())),
             "warm_waiter_pools": len(self._warm_waiters),
             "cap_waiters": sum(

@@ -34,7 +34,7 @@ class RuntimeEvents:
         known = self._book.known(worker_id)
         pool = ""
         if known is not None:
-            self._spawner.spawn_ready(known.pool, known.revision)
+            self._spawner.spawn_ready(known)
             pool = known.pool
             if known.state is WorkerState.SPAWNING:
                 started = self._book.started_at(worker_id)
@@ -70,7 +70,7 @@ class RuntimeEvents:
         if known is None or known.state is not WorkerState.SPAWNING:
             return
         self._metrics.spawn_failures.labels(known.pool, stage).inc()
-        self._spawner.spawn_failed(known.pool, known.revision, error)
+        self._spawner.spawn_failed(known.pool, known.revision, error, waiting=worker_id)
 
     async def settle_pending(self) -> None:
         """Retry the facts whose write failed earlier: losses first, then readiness."""

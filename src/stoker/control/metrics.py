@@ -174,8 +174,8 @@ class Metrics:
         )
         self.spawn_failing = self._gauge(
             "stoker_spawn_failing",
-            "Spawns of the pool's revision that failed in a row (0: spawning works); while "
-            "above 0 the pool backs off.",
+            "Spawns of the pool's revision that failed since its spawns last worked (0: "
+            "they work), as GET /v1/pools shows spawn_failing.",
             "pool",
         )
         self.pins_out_of_date = self._gauge(

@@ -502,9 +502,9 @@ class ControlPlane:
     def degraded(self) -> list[PoolProblem]:
         """The pools this replica sees in trouble (`/readyz`): those whose janitor or reaper
         passes failed `FAILING_AFTER` times in a row here, and the pool revisions whose
-        spawns failed as often in a row."""
+        spawns failed as often since they last worked (as their status shows them)."""
         problems = self.janitor.faults.problems() + self.reaper.faults.problems()
-        for (pool, revision), trouble in sorted(self.spawner.troubled().items()):
+        for (pool, revision), trouble in sorted(self.spawner.failing_revisions().items()):
             if trouble.failures >= FAILING_AFTER:
                 problems.append(
                     PoolProblem(

@@ -7,14 +7,20 @@ use) — that is a spawn failure too, never a slot left `spawning` until its tim
 that keep failing (a worker command that cannot start, a crash loop) back off per pool and
 revision, exponentially and capped (`PoolSpec.spawn_backoff`): no spawn starts until the
 back-off ends, then one probes, and while it is in flight no other starts; the first
-worker that gets ready ends the trouble. Spawns reserved before the trouble began wait for
+worker that gets ready ends the back-off. Spawns reserved before the trouble began wait for
 their turn in `create` rather than try (and fail) one after the other.
+
+What the pool shows (`spawn_failing` in its status, `/readyz`, `stoker_spawn_failing`) is
+kept apart from the back-off (`SpawnsFailing`): it ends only when the trouble is over, not
+when a worker asked for before the failures gets ready (a pod a namespace quota admitted
+before it filled), so a pool stuck below its target says why all along.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -56,6 +62,26 @@ class SpawnTrouble:
     probe: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SpawnsFailing:
+    """What a pool revision whose spawns fail shows: the failures since its spawns last
+    worked, the last error, the last of this replica's spawn asks when that failure was
+    seen (`Book.asks`), and the failed spawns kept waiting (pods no node fits yet).
+
+    It ends when a worker gets ready that was asked for after the last failure (the
+    runtime takes spawns again), or that was one of those kept waiting, the last of them
+    (the cluster made room for them) — not when one asked for before the failures does:
+    a namespace quota admits a pod, refuses the next two, and the first gets ready a moment
+    later, its quota as full as before. The back-off (`SpawnTrouble`) ends at any
+    readiness, as it always did: what gates spawns is not what the status says.
+    """
+
+    failures: int
+    last_error: str
+    asked_before: int
+    waiting: frozenset[str] = frozenset()
+
+
 def crash_error(worker: Worker, exc: Exception) -> str:
     """What a spawn that raised something other than a `RuntimeFailure` failed with."""
     return (
@@ -79,8 +105,11 @@ class Spawner:
         self._bucket = TokenBucket(
             shared.clock, rate=settings.spawn_rate, burst=settings.spawn_burst
         )
-        #: Pool revisions whose spawns fail, by (pool, revision).
+        #: Pool revisions whose spawns fail, by (pool, revision): what gates their spawns.
         self._trouble: dict[tuple[str, str], SpawnTrouble] = {}
+        #: What those revisions show (a revision is here whenever it is in `_trouble`, and
+        #: stays until its trouble is over: see `SpawnsFailing`).
+        self._failing: dict[tuple[str, str], SpawnsFailing] = {}
         #: Set (and replaced) when a revision's trouble changes: its queued spawns wake.
         self._changes: dict[tuple[str, str], asyncio.Event] = {}
         #: Set at shutdown: spawns that wait for their turn give up (nothing started).
@@ -110,12 +139,18 @@ class Spawner:
     # -- crash-loop back-off ------------------------------------------------------------------
 
     def trouble(self, pool: PoolSpec) -> SpawnTrouble | None:
-        """The failing spawns of the pool's current revision, if its spawns fail."""
+        """The back-off of the pool's current revision, if its spawns fail and no worker
+        got ready since (what gates its spawns; `failing` says what the pool shows)."""
         return self._trouble.get((pool.name, pool.revision))
 
-    def troubled(self) -> dict[tuple[str, str], SpawnTrouble]:
-        """Every pool revision whose spawns fail now, by (pool, revision)."""
-        return dict(self._trouble)
+    def failing(self, pool: PoolSpec) -> SpawnsFailing | None:
+        """The spawn trouble of the pool's current revision as its status shows it, until
+        the trouble is over (see `SpawnsFailing`)."""
+        return self._failing.get((pool.name, pool.revision))
+
+    def failing_revisions(self) -> dict[tuple[str, str], SpawnsFailing]:
+        """Every pool revision whose spawns fail, as shown, by (pool, revision)."""
+        return dict(self._failing)
 
     def backoff_left(self, pool: PoolSpec) -> float:
         """Seconds before the pool may start a spawn again (0: it may now). While the
@@ -129,8 +164,11 @@ class Spawner:
             return max(left, pool.spawn_backoff.initial_s)
         return left
 
-    def spawn_failed(self, pool: str, revision: str, error: str) -> None:
-        """A spawn of the revision failed (not created, or lost before ready): back off."""
+    def spawn_failed(
+        self, pool: str, revision: str, error: str, *, waiting: str | None = None
+    ) -> None:
+        """A spawn of the revision failed (not created, or lost before ready): back off.
+        `waiting`: the worker whose spawn failed, when it is kept (a pod no node fits)."""
         spec = self._catalog.get(pool)
         if spec is None:
             return
@@ -142,9 +180,17 @@ class Spawner:
         self._trouble[(pool, revision)] = SpawnTrouble(
             failures, error, self._clock.monotonic() + delay
         )
+        shown = self._failing.get((pool, revision))
+        kept = self._still_waiting(shown.waiting if shown else ())
+        shown = self._failing[(pool, revision)] = SpawnsFailing(
+            1 + (shown.failures if shown else 0),
+            error,
+            self._book.asks(),
+            kept | {waiting} if waiting is not None else kept,
+        )
         self._changed((pool, revision))
         if revision == spec.revision:
-            self._metrics.spawn_failing.labels(pool).set(failures)
+            self._metrics.spawn_failing.labels(pool).set(shown.failures)
         logs.event(
             "spawn_backoff",
             pool=pool,
@@ -162,14 +208,40 @@ class Spawner:
         for key in [k for k in self._trouble if k[0] == pool]:
             del self._trouble[key]
             self._changed(key)
+        for key in [k for k in self._failing if k[0] == pool]:
+            del self._failing[key]
         self._ready.pop(pool, None)
 
-    def spawn_ready(self, pool: str, revision: str) -> None:
-        """A worker of the revision got ready: its spawns work (again)."""
-        if self._trouble.pop((pool, revision), None) is not None:
-            self._changed((pool, revision))
-            self._metrics.spawn_failing.labels(pool).set(0)
-            logs.event("spawn_recovered", pool=pool, revision=revision)
+    def spawn_ready(self, worker: Worker) -> None:
+        """A worker got ready: its revision's spawns work (again) and its back-off ends;
+        what the pool shows ends only if the trouble is over (see `SpawnsFailing`)."""
+        key = (worker.pool, worker.revision)
+        if self._trouble.pop(key, None) is not None:
+            self._changed(key)
+        shown = self._failing.get(key)
+        if shown is None:
+            return
+        waiting = self._still_waiting(shown.waiting - {worker.id})
+        asked = self._book.asked(worker.id)
+        after = asked is not None and asked > shown.asked_before
+        if waiting or not (after or worker.id in shown.waiting):
+            self._failing[key] = replace(shown, waiting=waiting)
+            return
+        del self._failing[key]
+        spec = self._catalog.get(worker.pool)
+        if spec is not None and spec.revision == worker.revision:
+            self._metrics.spawn_failing.labels(worker.pool).set(0)
+        logs.event("spawn_recovered", pool=worker.pool, revision=worker.revision)
+
+    def _still_waiting(self, worker_ids: Iterable[str]) -> frozenset[str]:
+        """Those of the failed spawns kept waiting that this replica still knows as
+        spawning (a pod retired meanwhile waits no more)."""
+        return frozenset(
+            worker_id
+            for worker_id in worker_ids
+            if (known := self._book.known(worker_id)) is not None
+            and known.state is WorkerState.SPAWNING
+        )
 
     def _allowed(self, pool: PoolSpec, count: int) -> int:
         """How many of `count` spawns may start now: none while backing off, one probe
@@ -339,6 +411,7 @@ class Spawner:
         # While the runtime holds the spawn (queued behind other start-ups, or starting the
         # process) the stuck sweep leaves the row alone: its spawn timeout has not begun.
         self._book.mark_in_flight(worker.id)
+        self._book.note_asked(worker.id)
         try:
             ref = await self._runtime.spawn(worker, pool)
         except SpawnWithdrawn:

@@ -36,9 +36,11 @@ class PoolStatus:
     max_workers_per_org: int
     reuse: str
     counts: Mapping[str, int]
-    #: True while spawns of the current revision fail in a row and the pool backs off.
+    #: True while spawns of the current revision fail: from a failure until a worker
+    #: asked for after the last one gets ready (or the failed pods kept waiting for a node
+    #: do), not when one asked for before the failures does (`SpawnsFailing`).
     spawn_failing: bool = False
-    #: Spawns of the current revision that failed in a row.
+    #: Spawns of the current revision that failed since its spawns last worked.
     spawn_failures: int = 0
     #: The last of those failures, as the runtime reported it.
     last_spawn_error: str | None = None
@@ -79,7 +81,7 @@ async def pool_statuses(
     out = []
     for name, pool in catalog.pools.items():
         sized = sizings[name]
-        trouble = spawner.trouble(pool)
+        trouble = spawner.failing(pool)
         out.append(
             PoolStatus(
                 name=name,

@@ -182,10 +182,10 @@ class PoolInfo(Answer):
     draining: bool | None = None
     #: Each revision's `revision`, `state`, `share` (percent of new claims) and `counts`.
     revisions: tuple[Mapping[str, Any], ...] = ()
-    #: True while the spawns of its revision fail and back off (None from a server that
-    #: does not say).
+    #: True while the spawns of its revision fail: until a worker asked for after the last
+    #: failure gets ready (None from a server that does not say).
     spawn_failing: bool | None = None
-    #: How many of its spawns failed in a row.
+    #: How many of its spawns failed since they last worked.
     spawn_failures: int | None = None
     #: How the last of them failed (`... before ready: exited with code 3`).
     last_spawn_error: str | None = None
