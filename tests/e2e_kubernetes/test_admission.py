@@ -96,6 +96,7 @@ def test_a_namespace_quota_without_room_shows_why_and_backs_off(
         lambda: (p := stoker.pool())["last_spawn_error"] and p,
         15,
         "the pool names why its pods are not created",
+        interval=0.05,
     )
     # The API server's words, once: "cannot create pod w-…: pods "w-…" is forbidden:
     # exceeded quota: worker-pods, requested: pods=1, used: pods=1, limited: pods=1".
@@ -103,14 +104,26 @@ def test_a_namespace_quota_without_room_shows_why_and_backs_off(
     assert f"is forbidden: exceeded quota: {QUOTA}, requested: pods=1" in error
     assert error.count("create pod") == 1, error
     assert status["spawn_failing"] is True
-    # The pod the quota admits gets ready a moment after the refusals (its readiness counts
-    # as a recovery, until the next refused probe): the steady state is the pool at one
-    # warm worker whose spawns are refused, which `stoker status` says.
+    # The pod the quota admits gets ready a moment (some 80 ms) after the refusals: its
+    # readiness ends the back-off, not the trouble (the quota is as full as before). Every
+    # read from the first refusal on says the spawns fail, through that readiness, up to
+    # the refusals after it: the steady state, one warm worker whose spawns are refused.
+    # (It said all was well from the readiness to the next refusal.)
+    seen = [status]
+
+    def refused_after_the_admitted_one() -> bool:
+        seen.append(p := stoker.pool())
+        return bool(p["counts"]["warm"] == 1 and p["spawn_failures"] > 2)
+
     until(
-        lambda: (p := stoker.pool())["counts"]["warm"] == 1 and p["spawn_failing"],
+        refused_after_the_admitted_one,
         20,
         "the worker the quota admits, and the refusals after it",
+        interval=0.05,
     )
+    reads = [(p["spawn_failing"], p["spawn_failures"], p["counts"]["warm"]) for p in seen]
+    assert all(failing for failing, _, _ in reads), reads
+    assert all(f"exceeded quota: {QUOTA}" in p["last_spawn_error"] for p in seen)
     shown = subprocess.run(
         [sys.executable, "-m", "stoker", "status", "--url", stoker.server.url, "--token", ADMIN],
         capture_output=True,
