@@ -468,6 +468,26 @@ async def test_a_worker_asked_for_after_the_failures_ends_them(tmp_path: Path) -
         assert p.plane.degraded() == []
 
 
+async def test_a_pool_that_holds_its_target_after_failures_shows_them_no_more(
+    tmp_path: Path,
+) -> None:
+    """Failures that no longer keep the pool from its target end what it shows, though no
+    worker asked for after them got ready: here the quota still has room for one, and the
+    pool's target is lowered to that one. Else an idle pool would show them (and page
+    through `StokerPoolBackingOff`) until its next spawn."""
+    runtime = QuotaRuntime(room=1, ready_delay=2.5)
+    async with running(tmp_path, [pool("p", warm_target=3)], runtime=runtime) as p:
+        await asyncio.sleep(2)
+        assert (await status_of(p)).spawn_failing
+        await p.plane.pools.update("p", {"warm_target": 1})
+        await p.passes(3)
+        assert len(await p.warm("p")) == 1
+        status = await status_of(p)
+        assert (status.spawn_failing, status.spawn_failures) == (False, 0)
+        assert p.metric("stoker_spawn_failing", pool="p") == 0
+        assert p.plane.degraded() == []
+
+
 async def test_pods_kept_waiting_for_a_node_end_the_failures_when_all_got_ready(
     tmp_path: Path,
 ) -> None:

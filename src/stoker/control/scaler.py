@@ -177,6 +177,8 @@ class Scaler:
                 workers = warm[(name, part.revision)]
                 if part.role in SERVING:
                     target = part.warm_target
+                    if mine.warm >= target and not mine.spawning:
+                        self._spawner.settled(name, part.revision)
                     live[name] += await self._spawn(name, part.revision, target, held, cap, report)
                     short = spawns_needed(target, held, 0) - spawns_needed(target, held, cap)
                     await self._free_parked(pool, short, world, report)

@@ -72,8 +72,10 @@ class SpawnsFailing:
     runtime takes spawns again), or that was one of those kept waiting, the last of them
     (the cluster made room for them) — not when one asked for before the failures does:
     a namespace quota admits a pod, refuses the next two, and the first gets ready a moment
-    later, its quota as full as before. The back-off (`SpawnTrouble`) ends at any
-    readiness, as it always did: what gates spawns is not what the status says.
+    later, its quota as full as before. It also ends when the leader finds the revision
+    at its warm target with ready workers and nothing spawning (`settled`). The back-off
+    (`SpawnTrouble`) ends at any readiness, as it always did: what gates spawns is not
+    what the status says.
     """
 
     failures: int
@@ -232,6 +234,21 @@ class Spawner:
         if spec is not None and spec.revision == worker.revision:
             self._metrics.spawn_failing.labels(worker.pool).set(0)
         logs.event("spawn_recovered", pool=worker.pool, revision=worker.revision)
+
+    def settled(self, pool: str, revision: str) -> None:
+        """The revision holds its warm target with ready workers and wants no spawn (the
+        leader's pass): nothing is stuck, so what it shows of earlier failures ends, though
+        no worker asked for after them got ready (a pool whose target was lowered, or one
+        whose failed spawn was not needed after all; else it would show them until its next
+        spawn, for hours in an idle pool)."""
+        if self._trouble.get((pool, revision)) is not None:
+            return  # still backing off: the next readiness or probe decides
+        if self._failing.pop((pool, revision), None) is None:
+            return
+        spec = self._catalog.get(pool)
+        if spec is not None and spec.revision == revision:
+            self._metrics.spawn_failing.labels(pool).set(0)
+        logs.event("spawn_recovered", pool=pool, revision=revision)
 
     def _still_waiting(self, worker_ids: Iterable[str]) -> frozenset[str]:
         """Those of the failed spawns kept waiting that this replica still knows as
