@@ -274,6 +274,21 @@ def test_every_metric_the_alerts_and_the_dashboard_name_is_exported(exposition: 
 
 
 @pytest.mark.processes
+def test_the_dashboard_shows_every_ledger_series(exposition: str) -> None:
+    """What warmth costs and buys (docs/warmth.md) is on the dashboard: every ledger
+    counter a real server exports is read by a panel."""
+    ledger = {name for name in exported_names(exposition) if name.startswith("stoker_ledger_")}
+    ledger = {name for name in ledger if name.endswith("_total")}
+    assert len(ledger) == 3, ledger
+    shown = {
+        name
+        for _, expression in dashboard_expressions(dashboard())
+        for name in metric_names(grafana_to_promql(expression))
+    }
+    assert ledger <= shown, sorted(ledger - shown)
+
+
+@pytest.mark.processes
 def test_a_metric_the_server_does_not_export_is_caught(exposition: str) -> None:
     """The check compares names, not prefixes (a test that can fail)."""
     exported = exported_names(exposition)
