@@ -320,9 +320,9 @@ class DegradedPool(BaseModel):
 
     pool: str
     #: `pass_failing`: the janitor's (or reaper's) step for the pool failed pass after
-    #: pass; `spawn_failing`: the spawns of one of its revisions failed in a row.
+    #: pass; `spawn_failing`: the spawns of one of its revisions keep failing.
     problem: Literal["pass_failing", "spawn_failing"]
-    #: Passes, or spawns, failed in a row.
+    #: Passes failed in a row, or spawns failed since the revision's spawns last worked.
     in_a_row: int
     #: The last error.
     detail: str

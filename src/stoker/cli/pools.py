@@ -304,16 +304,16 @@ def _print_pools(url: str, found: Sequence[PoolInfo], *, as_json: bool, one: boo
 
 
 def _spawn_trouble(pools: Sequence[PoolInfo]) -> list[Text]:
-    """A line for each pool whose spawns fail (how many in a row, and how the last did),
-    and for each whose sizing is stale (no replica sizes it: its desired and demand are
-    the last ones published)."""
+    """A line for each pool whose spawns fail (how many since they last worked, and how
+    the last did), and for each whose sizing is stale (no replica sizes it: its desired
+    and demand are the last ones published)."""
     lines = []
     for p in pools:
         if p.spawn_failing:
             lines.append(
                 Text(
-                    f"pool {p.name}: spawns failing ({p.spawn_failures} in a row); "
-                    f"last error: {p.last_spawn_error or '-'}",
+                    f"pool {p.name}: spawns failing ({p.spawn_failures} since they last "
+                    f"worked); last error: {p.last_spawn_error or '-'}",
                     style="yellow",
                 )
             )
