@@ -212,6 +212,9 @@ class MemoryRuntime:
     def placeholder_slots(self, pool: PoolSpec) -> int:
         return 1
 
+    def placeholder_requests(self, pool: PoolSpec) -> tuple[float, float]:
+        return 0.0, 0.0
+
     def alive(self) -> set[str]:
         return {wid for wid, p in self.procs.items() if p.alive}
 

@@ -706,6 +706,16 @@ def test_placeholder_slots_fit_workers_by_cpu_and_memory_and_follow_the_template
     assert plain.placeholder_slots(pool()) == 1
 
 
+def test_placeholder_requests_are_its_size_else_a_workers() -> None:
+    """What one placeholder requests, which the ledger prices headroom by: its size, not
+    the workers it holds room for (2.2 CPUs hold 4 workers of 500m, and 2.2 CPUs)."""
+    sized, _ = make_runtime(server_for_test(), placeholder_size=("2200m", "1Gi"))
+    assert sized.placeholder_slots(pool()) == 4
+    assert sized.placeholder_requests(pool()) == (2.2, 1.0)
+    plain, _ = make_runtime(server_for_test())
+    assert plain.placeholder_requests(pool()) == (0.5, 0.25)  # a worker's 500m, 256Mi
+
+
 # -- the informer ----------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
 from stoker.domain.errors import ClaimKeyTaken, StoreError
+from stoker.domain.ledger import LedgerCounts, LedgerKey
 from stoker.domain.records import (
     Claim,
     OrgForecastBucket,
@@ -780,7 +781,7 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
@@ -798,7 +799,7 @@ async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
     await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
     await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
     assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
 
@@ -815,7 +816,7 @@ async def test_a_schema_of_version_13_gains_the_published_sizing(
     await sql(postgres_url, f"DROP TABLE {s}.pool_sizing")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
     sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
     await upgraded.record_sizing([sized])
     assert await upgraded.read_sizing() == [sized]
@@ -863,7 +864,7 @@ async def test_a_schema_of_version_14_finds_a_replicas_last_ledger_write_by_inde
     await sql(postgres_url, f"DROP INDEX {s}.ledger_written")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 15
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
     await upgraded.close()
     async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
         # An empty table is read whole anyway: ask for the plan a large one gets.
@@ -873,3 +874,29 @@ async def test_a_schema_of_version_14_finds_a_replicas_last_ledger_write_by_inde
         )
         plan = str(await cur.fetchall())
     assert "ledger_written" in plan, plan
+
+
+async def test_a_schema_of_version_15_keeps_the_placeholders_requests(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    """From version 16 the ledger keeps the placeholders' own requests; a cell written
+    before reads 0 of them."""
+    store = make_pg()
+    await store.open()
+    old = LedgerCounts(placeholder_s=40.0)
+    assert await store.record_ledger("cp-a", {LedgerKey("p", "r1", "", 0): old}, now=1)
+    await store.close()
+    s = f'"{schema}"'
+    # What version 15 left behind: the cell without the columns, version 16 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 16")
+    for name in ("placeholder_cpu_s", "placeholder_gib_s"):
+        await sql(postgres_url, f"ALTER TABLE {s}.ledger DROP COLUMN {name}")
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
+    [(_, read)] = await upgraded.read_ledger("p", since=0, until=3600)
+    assert (read.placeholder_s, read.placeholder_cpu_s, read.placeholder_gib_s) == (40, 0, 0)
+    new = LedgerCounts(placeholder_s=40.0, placeholder_cpu_s=11.0, placeholder_gib_s=2.5)
+    assert await upgraded.record_ledger("cp-b", {LedgerKey("p", "r1", "", 0): new}, now=2)
+    rows = await upgraded.read_ledger("p", since=0, until=3600)
+    assert sorted(c.placeholder_cpu_s for _, c in rows) == [0.0, 11.0]

@@ -24,6 +24,7 @@ from stoker.adapters._schema import (
 )
 from stoker.adapters.sqlite import SqliteStore
 from stoker.adapters.sqlite.schema import UPGRADES
+from stoker.domain.ledger import LedgerCounts, LedgerKey
 from stoker.domain.records import (
     Claim,
     ForecastBucket,
@@ -179,7 +180,7 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 15
+        assert await upgraded.schema_version() == LATEST == 16
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
@@ -201,7 +202,7 @@ async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 15
+        assert await upgraded.schema_version() == LATEST == 16
         await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
         assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
     finally:
@@ -221,7 +222,7 @@ async def test_a_database_of_version_13_gains_the_published_sizing(tmp_path: Pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 15
+        assert await upgraded.schema_version() == LATEST == 16
         sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
         await upgraded.record_sizing([sized])
         assert await upgraded.read_sizing() == [sized]
@@ -247,7 +248,7 @@ async def test_a_database_of_version_14_finds_a_replicas_last_ledger_write_by_in
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 15
+        assert await upgraded.schema_version() == LATEST == 16
     finally:
         await upgraded.close()
     db = sqlite3.connect(path, isolation_level=None)
@@ -255,3 +256,38 @@ async def test_a_database_of_version_14_finds_a_replicas_last_ledger_write_by_in
     plan = str(db.execute(query).fetchall())
     db.close()
     assert "USING COVERING INDEX ledger_written" in plan, plan
+
+
+async def test_a_database_of_version_15_keeps_the_placeholders_requests(tmp_path: Path) -> None:
+    """The ledger's headroom is priced by the placeholders' own requests, which it keeps
+    from version 16 on; a cell written before reads 0 of them."""
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 15 left behind: a cell without the columns, version 16 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 16")
+    for name in ("placeholder_cpu_s", "placeholder_gib_s"):
+        db.execute(f"ALTER TABLE ledger DROP COLUMN {name}")
+    db.execute(
+        "INSERT INTO ledger (pool, revision, org, hour, instance, warm_s, hot_s, hot_idle_s, "
+        "starting_s, draining_s, placeholder_s, cpu_s, gib_s, spawns, ready, ready_sum_s, "
+        "claims_reuse, claims_warm, claims_cold, wait_reuse_s, wait_warm_s, wait_cold_s, "
+        "failed, failed_wait_s, updated_at) "
+        "VALUES ('p', 'r1', '', 0, 'cp-a', 0, 0, 0, 0, 0, 40, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "
+        "0, 0, 1)"
+    )
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 16
+        [(_, old)] = await upgraded.read_ledger("p", since=0, until=3600)
+        assert (old.placeholder_s, old.placeholder_cpu_s, old.placeholder_gib_s) == (40, 0, 0)
+        new = LedgerCounts(placeholder_s=40.0, placeholder_cpu_s=11.0, placeholder_gib_s=2.5)
+        assert await upgraded.record_ledger("cp-b", {LedgerKey("p", "r1", "", 0): new}, now=2)
+        rows = await upgraded.read_ledger("p", since=0, until=3600)
+        assert sorted(c.placeholder_cpu_s for _, c in rows) == [0.0, 11.0]
+    finally:
+        await upgraded.close()

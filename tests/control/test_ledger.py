@@ -228,6 +228,36 @@ async def test_every_worker_second_is_counted_in_its_state_on_both_stores(store:
     ) == pytest.approx(4.085)
 
 
+async def test_headroom_is_counted_in_slots_and_priced_by_the_placeholders_requests(
+    store: Store,
+) -> None:
+    """One placeholder of 1.1 CPUs and 0.25 GiB, room for 4 workers, kept for 60 s (two
+    leader passes) by a pool with no worker time: 240 slot-seconds, priced at what the
+    placeholder holds on its node (66 cpu-seconds, 15 GiB-seconds), in the ledger and in
+    the idle cost metric. (Headroom was priced at the cell's workers' mix: here nothing.)"""
+    clock = ManualClock()
+    metrics = Metrics(CollectorRegistry())
+    cost = CostSpec(per_cpu_hour=1.0, per_gib_hour=0.1)
+    catalog = Catalog({"p": dataclasses.replace(POOL, cost=cost)}, {}, derived_cap=lambda _: 0)
+    ledger = Ledger(clock=clock, catalog=catalog, instance_id=ME, metrics=metrics)
+    t0 = clock.now()
+    for _ in range(2):
+        ledger.placeholders("p", POOL.revision, 4.0, requests=(1.1, 0.25))
+        clock.advance(30)
+    await ledger.flush(store)
+    total = LedgerCounts()
+    for _, counts in await store.read_ledger("p", since=t0 - 1, until=t0 + 61):
+        total.merge(counts)
+    assert total.placeholder_s == pytest.approx(4 * 60)
+    assert (total.placeholder_cpu_s, total.placeholder_gib_s) == pytest.approx((66, 15))
+    assert (total.cpu_s, total.gib_s, total.warm_s) == (0, 0, 0)
+    priced = (1.1 * 1.0 + 0.25 * 0.1) * 60 / 3600
+    assert money(total, cost)["headroom_cost"] == pytest.approx(priced)
+    assert metrics.registry.get_sample_value(
+        "stoker_ledger_idle_cost_total", {"pool": "p", "kind": "headroom"}
+    ) == pytest.approx(priced)
+
+
 async def test_the_claim_log_keeps_arrival_hold_and_outcome_and_no_token(store: Store) -> None:
     clock = ManualClock()
     _, _, t0 = await run_fleet(store, clock)

@@ -201,6 +201,8 @@ ROLLOUT_OUTCOMES = Table(
     ),
     key=("rollout", "instance", "outcome"),
 )
+#: The ledger's counts added after its table: rows written before hold 0.
+LEDGER_LATER = frozenset({"placeholder_cpu_s", "placeholder_gib_s"})
 #: Each replica's cumulative counts of one ledger cell (`control.ledger`, docs/warmth.md):
 #: pool, revision, org and hour; readers sum every replica's rows.
 LEDGER = Table(
@@ -209,7 +211,10 @@ LEDGER = Table(
         *_text("pool", "revision", "org"),
         Column("hour", Kind.INT),
         *_text("instance"),
-        *(Column(n, Kind.INT if n in INT_FIELDS else Kind.REAL) for n in SCALAR_FIELDS),
+        *(
+            Column(n, Kind.INT if n in INT_FIELDS else Kind.REAL, has_default=n in LEDGER_LATER)
+            for n in SCALAR_FIELDS
+        ),
         Column("hists", Kind.JSON, has_default=True),
         *_real("updated_at"),
     ),
@@ -309,7 +314,7 @@ _SPELLINGS: dict[Kind, tuple[tuple[str, str], tuple[str, str] | None]] = {
     Kind.TEXT: (("TEXT", "text"), None),
     Kind.INT: (("INTEGER", "bigint"), ("0", "0")),
     Kind.INT32: (("INTEGER", "integer"), ("0", "0")),
-    Kind.REAL: (("REAL", "double precision"), None),
+    Kind.REAL: (("REAL", "double precision"), ("0", "0")),
     Kind.FLAG: (("INTEGER", "boolean"), ("0", "false")),
     Kind.JSON: (("TEXT", "jsonb"), ("'{}'", "'{}'")),
 }

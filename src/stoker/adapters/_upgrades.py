@@ -16,6 +16,7 @@ from stoker.adapters._schema import (
     FIRST_POOL_TABLES,
     FORECAST,
     LEDGER,
+    LEDGER_LATER,
     ORG_FORECAST,
     POOL_SIZING,
     POOLS,
@@ -88,7 +89,13 @@ class TableChanges:
     @property
     def ledger(self) -> list[str]:
         """The ledger and the claim log (docs/warmth.md, docs/claim-log.md)."""
-        return self.create(LEDGER, CLAIM_LOG)
+        return self.create(LEDGER.without(*LEDGER_LATER), CLAIM_LOG)
+
+    @property
+    def placeholder_requests(self) -> list[str]:
+        """The ledger keeps the resource-seconds of headroom placeholders (their own
+        requests, by which headroom is priced)."""
+        return self.add(LEDGER, *sorted(LEDGER_LATER))
 
     @property
     def pool_sizing(self) -> list[str]:

@@ -53,6 +53,9 @@ class LedgerRow(BaseModel):
     placeholder_s: float
     cpu_s: float
     gib_s: float
+    #: The placeholders' resource-seconds (their own requests); headroom is priced by them.
+    placeholder_cpu_s: float
+    placeholder_gib_s: float
     spawns: int
     ready: int
     ready_sum_s: float

@@ -456,7 +456,13 @@ class Janitor:
         if self._ledger is not None:
             for pool in pools:
                 slots = pool.headroom_nodes * self._runtime.placeholder_slots(pool)
-                self._ledger.placeholders(pool.name, pool.revision, float(slots))
+                cpus, gib = self._runtime.placeholder_requests(pool)
+                self._ledger.placeholders(
+                    pool.name,
+                    pool.revision,
+                    float(slots),
+                    requests=(pool.headroom_nodes * cpus, pool.headroom_nodes * gib),
+                )
         try:
             await self._runtime.reconcile_headroom(pools)
         except RuntimeFailure as exc:

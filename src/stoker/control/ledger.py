@@ -11,7 +11,7 @@ or this replica adopted is placed by the row's `updated_at`, its last write; one
 replica took for a claim, by its reservation (`heartbeat_at`), from which the taker counts
 it. Spans are
 split at hour boundaries exactly. Placeholder time is the leader's: the headroom it keeps
-between its passes, in worker slots.
+between its passes, in worker slots, with the placeholders' own requests.
 
 An adopted worker's time before its adoption is its previous owner's up to that owner's last
 ledger write (a clean stop writes one at its very end), and the adopter's from there: a
@@ -68,6 +68,18 @@ MAX_PENDING_ROWS = 100_000
 
 
 @dataclass(slots=True)
+class _Headroom:
+    """A pool's placeholders as the leader keeps them: `slots` worker slots requesting
+    `cpus` and `gib` in all, counted up to `since` already."""
+
+    revision: str
+    slots: float
+    cpus: float
+    gib: float
+    since: float
+
+
+@dataclass(slots=True)
 class _Span:
     """A worker's time in one state since `since`, counted up to there already."""
 
@@ -102,8 +114,8 @@ class Ledger:
         self._cells: dict[LedgerKey, LedgerCounts] = {}
         self._dirty: set[LedgerKey] = set()
         self._open: dict[str, _Span] = {}
-        #: Per pool: (revision, worker slots of its placeholders, since).
-        self._placeholders: dict[str, tuple[str, float, float]] = {}
+        #: Per pool: the headroom it keeps since when (`_Headroom`).
+        self._placeholders: dict[str, _Headroom] = {}
         self._arrivals: list[ClaimLogEntry] = []
         self._endings: list[ClaimEnding] = []
         self._failures = itertools.count(1)
@@ -266,11 +278,14 @@ class Ledger:
         if len(self._endings) > MAX_PENDING_ROWS:
             del self._endings[: len(self._endings) - MAX_PENDING_ROWS]
 
-    def placeholders(self, pool: str, revision: str, slots: float) -> None:
-        """The leader keeps `slots` worker slots of placeholders for `pool` from now on."""
+    def placeholders(
+        self, pool: str, revision: str, slots: float, *, requests: tuple[float, float]
+    ) -> None:
+        """The leader keeps `slots` worker slots of placeholders for `pool` from now on,
+        which request `requests` (CPUs, GiB) in all."""
         now = self._clock.now()
         self._accrue_placeholders(pool, now)
-        self._placeholders[pool] = (revision, slots, now)
+        self._placeholders[pool] = _Headroom(revision, slots, *requests, since=now)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -418,15 +433,21 @@ class Ledger:
         held = self._placeholders.get(pool)
         if held is None:
             return
-        revision, slots, since = held
+        since, slots = held.since, held.slots
         until = min(now, since + self.placeholder_stale_s)
         if slots > 0 and until > since:
+            # Per slot-second: a share of what the placeholders hold on their nodes.
+            cpus, gib = held.cpus / slots, held.gib / slots
             for hour, seconds in split_hours(since, until):
-                cell = self._cell_at(LedgerKey(pool, revision, "", hour))
-                cell.add_time("placeholder", seconds * slots, 0.0, 0.0)
+                cell = self._cell_at(LedgerKey(pool, held.revision, "", hour))
+                cell.add_time("placeholder", seconds * slots, cpus, gib)
             self._meter("seconds", pool, "placeholder", (until - since) * slots)
-            self._idle_cost_of(pool, "headroom", (until - since) * slots, pool, revision)
-        self._placeholders[pool] = (revision, slots, now)
+            spec = self._catalog.get(pool)
+            if spec is not None and spec.cost is not None:
+                slot_s = (until - since) * slots
+                worth = spec.cost.of(slot_s, slot_s * cpus, slot_s * gib)
+                self._meter("cost", pool, "headroom", worth)
+        held.since = now
 
     def _add_time(
         self, pool: str, revision: str, org: str, state: str, start: float, end: float, span: _Span

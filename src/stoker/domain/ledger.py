@@ -110,7 +110,9 @@ def _zeros(n: int) -> list[int]:
 @dataclass(slots=True)
 class LedgerCounts:
     """What one cell counts. Seconds are worker-seconds in each state; `cpu_s` and `gib_s`
-    the resource-seconds of every state but `placeholder`."""
+    the resource-seconds of every state but `placeholder`; `placeholder_cpu_s` and
+    `placeholder_gib_s` those of the placeholders (their own requests, which need not be
+    a whole number of workers')."""
 
     warm_s: float = 0.0
     hot_s: float = 0.0
@@ -120,6 +122,8 @@ class LedgerCounts:
     placeholder_s: float = 0.0
     cpu_s: float = 0.0
     gib_s: float = 0.0
+    placeholder_cpu_s: float = 0.0
+    placeholder_gib_s: float = 0.0
     spawns: int = 0
     ready: int = 0
     ready_sum_s: float = 0.0
@@ -135,12 +139,16 @@ class LedgerCounts:
     failed_wait_s: float = 0.0
 
     def add_time(self, state: str, seconds: float, cpus: float, gib: float) -> None:
-        """`seconds` of one worker in `state` (one of `TIME_STATES`)."""
+        """`seconds` of one worker in `state` (one of `TIME_STATES`) holding `cpus` and
+        `gib`; of a placeholder, worker-slot seconds and the resources per slot."""
         name = _TIME_FIELD[state]
         setattr(self, name, getattr(self, name) + seconds)
         if state != "placeholder":
             self.cpu_s += seconds * cpus
             self.gib_s += seconds * gib
+        else:
+            self.placeholder_cpu_s += seconds * cpus
+            self.placeholder_gib_s += seconds * gib
 
     def add_ready(self, seconds: float) -> None:
         """One spawn that got ready `seconds` after it started."""
@@ -308,7 +316,12 @@ def money(
     def price(seconds: float) -> float:
         return cost.of(seconds, seconds * cpus, seconds * gib)
 
-    headroom = price(counts.placeholder_s)
+    if counts.placeholder_cpu_s > 0 or counts.placeholder_gib_s > 0:
+        # What the placeholders hold on their nodes: their own requests.
+        headroom = cost.of(counts.placeholder_s, counts.placeholder_cpu_s, counts.placeholder_gib_s)
+    else:
+        # Rows written before the placeholders' requests were kept: as a worker's.
+        headroom = price(counts.placeholder_s)
     total = cost.of(worker_s, counts.cpu_s, counts.gib_s) + headroom
     out.update(
         idle_warm_cost=price(counts.warm_s),

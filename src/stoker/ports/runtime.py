@@ -135,3 +135,8 @@ class Runtime(Protocol):
     def placeholder_slots(self, pool: PoolSpec) -> int:
         """How many of the pool's workers one headroom placeholder makes room for (>= 1)."""
         ...
+
+    def placeholder_requests(self, pool: PoolSpec) -> tuple[float, float]:
+        """What one headroom placeholder of the pool requests: (CPUs, GiB); (0, 0) on a
+        runtime without placeholders. The ledger prices headroom by it."""
+        ...

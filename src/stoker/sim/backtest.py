@@ -479,12 +479,15 @@ def figures(
 def _resized(counts: LedgerCounts, resources: tuple[float, float]) -> LedgerCounts:
     """`counts` with the resource-seconds of workers of `resources` (CPUs, GiB): the
     replay's workers are the simulator's pods (`PoolConfig`'s 2 CPUs and 4 GiB), whose
-    resource-seconds would price another pool's."""
+    resource-seconds would price another pool's. Its placeholders (node-sized for the
+    simulator's nodes) are priced as the worker slots they hold room for."""
     cpus, gib = resources
     worker_s = counts.warm_s + counts.hot_s + counts.hot_idle_s + counts.starting_s
     worker_s += counts.draining_s
     out = counts.copy()
     out.cpu_s, out.gib_s = worker_s * cpus, worker_s * gib
+    out.placeholder_cpu_s = counts.placeholder_s * cpus
+    out.placeholder_gib_s = counts.placeholder_s * gib
     return out
 
 

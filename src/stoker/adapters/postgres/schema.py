@@ -148,6 +148,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (13, [*tables.ledger, *ledger_indexes(s)]),
         (14, tables.pool_sizing),
         (15, [ledger_written_index(s)]),
+        (16, tables.placeholder_requests),
     ]
 
 

@@ -150,6 +150,15 @@ class Headroom:
             slots = self._slots[size, asked] = max(1, min(fits, default=1))
         return slots
 
+    def requests(self, pool: PoolSpec) -> tuple[float, float]:
+        """(CPUs, GiB) one placeholder of `pool` requests: its size, else a worker's;
+        (0, 0) for a pool without a pod template (it has no placeholders)."""
+        template = pool.template
+        if not isinstance(template, PodTemplate):
+            return 0.0, 0.0
+        cpu, memory = self.placeholders.size or (template.cpu, template.memory)
+        return float(parse_quantity(cpu)), float(parse_quantity(memory) / 2**30)
+
     def _placeholders(self, pool: PoolSpec, template: PodTemplate) -> list[Pod]:
         made_from = (template, pool.headroom_nodes)
         cached = self._pods.get(pool.name)

@@ -124,6 +124,10 @@ class KubernetesRuntime:
         """Workers of `pool` that fit in one placeholder (by CPU and memory; at least 1)."""
         return self.headroom.slots(pool)
 
+    def placeholder_requests(self, pool: PoolSpec) -> tuple[float, float]:
+        """(CPUs, GiB) one placeholder of `pool` requests."""
+        return self.headroom.requests(pool)
+
     # -- spawn, stop, adopt, busy -----------------------------------------------------------
 
     async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:

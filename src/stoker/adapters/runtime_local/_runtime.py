@@ -472,6 +472,10 @@ class LocalProcessRuntime:
         """1: there are no placeholders on one machine."""
         return 1
 
+    def placeholder_requests(self, pool: PoolSpec) -> tuple[float, float]:
+        """(0, 0): there are no placeholders on one machine."""
+        return 0.0, 0.0
+
 
 def _listed(
     worker_id: str,

@@ -92,6 +92,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (13, [*_TABLES.ledger, *LEDGER_INDEXES]),
     (14, _TABLES.pool_sizing),
     (15, [LEDGER_WRITTEN_INDEX]),
+    (16, _TABLES.placeholder_requests),
 ]
 
 
