@@ -6,9 +6,10 @@ a token file holding one admin token (for the tests and the fake kubelet only), 
 service-account issuer and key (so that stoker gets a TokenRequest token of the
 ServiceAccount `stoker`, bound by the manifests' Role and nothing else), and an audit log
 of every request of stoker's ServiceAccount and every pod and Lease write in stoker's
-namespace (`audit_events` reads it back, to count
-creates and deletes). No controller-manager runs: nothing garbage-collects, nothing
-marks nodes NotReady; the admission plugins that would wait for one are off.
+namespace, the kubelet's pod status writes included (`audit_events` reads it back, to
+count creates and deletes and to time them). No controller-manager runs: nothing
+garbage-collects, nothing marks nodes NotReady; the admission plugins that would wait for
+one are off.
 
 `Admin` is a small synchronous client with the admin token for what the tests do from
 outside, as an operator would: read pods, delete one, apply manifests.
@@ -106,7 +107,8 @@ AUDIT_POLICY = {
             "level": "Metadata",
             "verbs": ["create", "delete", "deletecollection", "patch", "update"],
             "resources": [
-                {"group": "", "resources": ["pods"]},
+                # Status too: when the kubelet reported a pod Ready, to the microsecond.
+                {"group": "", "resources": ["pods", "pods/status"]},
                 {"group": "coordination.k8s.io", "resources": ["leases"]},
             ],
             "namespaces": [NAMESPACE],
@@ -118,7 +120,8 @@ AUDIT_POLICY = {
 
 @dataclass(frozen=True)
 class AuditEvent:
-    """One audited write: who, what, when (seconds since the epoch), and its status."""
+    """One audited write: who, what, when (seconds since the epoch: received, and
+    answered), and its status."""
 
     verb: str
     resource: str
@@ -127,6 +130,7 @@ class AuditEvent:
     status: int
     at: float
     subresource: str = ""
+    answered: float = 0.0
 
 
 def _rfc3339(text: str) -> float:
@@ -537,6 +541,7 @@ class ControlPlane:
                             user=raw.get("user", {}).get("username", ""),
                             status=int(raw.get("responseStatus", {}).get("code", 0)),
                             at=_rfc3339(raw["requestReceivedTimestamp"]),
+                            answered=_rfc3339(raw.get("stageTimestamp") or "1970-01-01T00:00:00Z"),
                         )
                     )
         return events
