@@ -355,6 +355,24 @@ async def test_constant_headroom_is_kept_whatever_it_buys(tmp_path: Path) -> Non
         assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "constant")
 
 
+async def test_a_draining_pool_keeps_no_headroom(tmp_path: Path) -> None:
+    """A draining pool hands out no claims: a spare node held for its spawns buys nothing,
+    whatever `demand.headroom` says (it kept its constant headroom, and a cold one for
+    the hold, until it was deleted: the ledger's headroom cost of a pool being retired).
+    Undrained, it keeps it again."""
+    spec = replace(pool(forecast=False, headroom="constant"), headroom_nodes=2)
+    async with plane(tmp_path, spec) as cp:
+        await cp.run_janitor_pass()
+        await cp.pools.set_draining("p", True)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (0, "draining")
+        await cp.pools.set_draining("p", False)
+        await cp.run_janitor_pass()
+        sizing = cp.janitor.sizing("p")
+        assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "constant")
+
+
 async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path) -> None:
     # A learned forecast of 0.2 claims a second with a wide spread, every hour of the week.
     clock = VirtualClock()

@@ -34,6 +34,7 @@ from stoker.policy.forecast import Forecaster, ForecastError
 from stoker.policy.held import HeldMax
 from stoker.policy.scaling import (
     HEADROOM_CONSTANT,
+    HEADROOM_DRAINING,
     Headroom,
     PoolCounts,
     claims_waiting_for_nodes,
@@ -334,9 +335,12 @@ class PoolSizer:
         within the node lead beyond the warm pool (`warm` wanted now; its upper quantile
         while `guarded`), or for the `stranded` claims that waited for a node, beyond the
         room already coming; the largest of the last `headroom_hold_s`. None: the pool
-        keeps no headroom."""
+        keeps no headroom. A draining pool keeps none, constant or held: it hands out no
+        claims, so no spawn of its will wait for a node."""
         if pool.headroom_nodes <= 0:
             return None
+        if self._catalog.draining(pool.name):
+            return Headroom(0, HEADROOM_DRAINING, None)
         spec = pool.demand
         if spec.headroom == "constant":
             return Headroom(pool.headroom_nodes, HEADROOM_CONSTANT, None)

@@ -86,6 +86,8 @@ def retirements_due(
 HEADROOM_NONE, HEADROOM_FORECAST, HEADROOM_COLD = "none", "forecast", "cold"
 #: `demand.headroom: constant`: the pool's `headroom_nodes`, whatever they buy.
 HEADROOM_CONSTANT = "constant"
+#: A draining pool hands out no claims: its headroom buys nothing.
+HEADROOM_DRAINING = "draining"
 
 
 @dataclass(frozen=True, slots=True)
