@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from e2e_support import ADMIN, INTERVALS, StartStoker, Stoker, pool
 from kube_control_plane import AuditEvent, ControlPlane, stoker_user, until
+from prometheus_client.parser import text_string_to_metric_families
 
 from servers import STOKER, environment
 
@@ -354,6 +355,20 @@ def test_the_ledger_and_the_claim_log_match_the_api_server(
     assert total["total_cost"] == pytest.approx(
         counted * per_worker_s + total["headroom_cost"], rel=1e-9
     )
+    # The metrics count the same (one replica, from its start), at the same prices.
+    metered = {
+        (sample.name, sample.labels.get("state") or sample.labels.get("kind")): sample.value
+        for family in text_string_to_metric_families(stoker.http.get("/metrics").text)
+        for sample in family.samples
+        if sample.labels.get("pool") == "duck"
+    }
+    for state in ("warm", "hot", "hot_idle", "starting", "draining", "placeholder"):
+        seconds = metered[("stoker_ledger_worker_seconds_total", state)]
+        assert seconds == pytest.approx(total[f"{state}_s"], rel=1e-6), state
+    for kind, field in (("warm", "idle_warm_cost"), ("parked", "idle_parked_cost")):
+        assert metered[("stoker_ledger_idle_cost_total", kind)] == pytest.approx(total[field])
+    headroom = metered[("stoker_ledger_idle_cost_total", "headroom")]
+    assert headroom == pytest.approx(total["headroom_cost"], rel=1e-6)
 
     # -- spawns, readiness, claims ------------------------------------------------------------
     assert total["spawns"] == len(workers)
