@@ -883,3 +883,52 @@ def test_a_deleted_pools_log_on_a_server_says_how_to_replay_it(
     assert result.exit_code == 2
     assert "http://live:8080 serves no pool 'old' any more (deleted?)" in result.stderr
     assert "stoker claims export --pool old --since 7d --out FILE" in result.stderr
+
+
+def test_the_settings_recommended_from_a_server_apply_to_it_as_printed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--recommend --url URL` prints a `stoker pools set` line that, run as printed,
+    changes the pool on URL. It named no server, so it changed the default one's
+    (http://127.0.0.1:8080), not the server whose log was replayed."""
+    import shlex
+
+    import httpx
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    replay = read_claim_log(_burst(tmp_path, 3))
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        settings = {"warm_target": 0, "max_workers": 8}
+        return replay, settings, SpawnToReady(1.0, 2.0), None, (0.0, 0.5), {}
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    for name in ("STOKER_URL", "STOKER_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    args = ["--url", "http://live:8080", "--recommend", "--target", "cold_share=0"]
+    args += ["--search", "warm_target"]
+    shown = CliRunner().invoke(app, ["backtest", *args, "--no-progress", "-j", "1"])
+    assert shown.exit_code == 0, shown.output
+    line = next(x for x in shown.stdout.splitlines() if x.startswith("stoker pools set"))
+    sent: list[tuple[str, str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, str(request.url), json.loads(request.content)))
+        return httpx.Response(404, json={"detail": "stop here"})
+
+    real = httpx.Client
+    monkeypatch.setattr(
+        httpx,
+        "Client",
+        lambda **kw: real(**{**kw, "transport": httpx.MockTransport(answer)}),
+    )
+    words = shlex.split(line)
+    assert words[0] == "stoker"
+    CliRunner().invoke(app, words[1:])
+    assert sent == [("PATCH", "http://live:8080/v1/pools/workers", {"warm_target": 4})]
+    assert 'PATCH http://live:8080/v1/pools/workers {"warm_target": 4}' in shown.stdout
+    monkeypatch.setattr(httpx, "Client", real)
+    body = _backtest_json(args)
+    assert body["command"] == line and body["patch"] == {"warm_target": 4}

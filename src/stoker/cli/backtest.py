@@ -355,7 +355,7 @@ def backtest(
                 fail(str(exc).removeprefix("scenario backtest: "), code=2)
             finally:
                 bar.stop()
-            _print_recommendation(found, replay, known, facts, notes, as_json=as_json)
+            _print_recommendation(found, replay, known, facts, notes, url=url, as_json=as_json)
             if found.settings is None or not found.confirmed_ok:
                 raise typer.Exit(1)
             return
@@ -848,8 +848,11 @@ def _print_recommendation(
     facts: Mapping[str, Any],
     notes: Sequence[str],
     *,
+    url: str | None,
     as_json: bool,
 ) -> None:
+    """The settings found, as the lines that apply them: to the server `url` whose log
+    was replayed, when it was one."""
     from stoker.sim.backtest import patch_line, settings_text
 
     goal = f"{found.target} <= {found.bound:g}"
@@ -869,7 +872,7 @@ def _print_recommendation(
         print(f"stoker: no setting tried ({len(found.tried)}) meets {said}", file=sys.stderr)
         return
     changes = {k: v for k, v in found.settings.items() if known.get(k) != v}
-    line, patch, rest = patch_line(replay.pool, changes)
+    line, patch, rest = patch_line(replay.pool, changes, url)
     if as_json:
         print_json(
             {
@@ -878,6 +881,7 @@ def _print_recommendation(
                 "settings": found.settings,
                 "changes": changes,
                 "patch": patch,
+                "command": line if patch else None,
                 "config_only": rest,
                 "found": found.found.as_dict(),
                 "confirmed": None if found.confirmed is None else found.confirmed.as_dict(),
@@ -894,7 +898,8 @@ def _print_recommendation(
     print("\n".join(notes))
     if patch:
         print(line)
-        print(f"PATCH /v1/pools/{replay.pool} {json.dumps(patch, sort_keys=True)}")
+        where = "" if url is None else url.rstrip("/")
+        print(f"PATCH {where}/v1/pools/{replay.pool} {json.dumps(patch, sort_keys=True)}")
     if rest:
         print(f"in the config file: {settings_text(rest)}")
     if not changes:

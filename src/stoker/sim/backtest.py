@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -645,11 +646,21 @@ def parse_target(text: str) -> tuple[str, float]:
 
 
 def patch_line(
-    pool: str, settings: Mapping[str, Any]
+    pool: str, settings: Mapping[str, Any], url: str | None = None
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(`stoker pools set ...` line, PATCH JSON body, the settings only the config file
-    sets) for `settings`."""
+    sets) for `settings`. The line names `url`, the server whose log was replayed, when
+    there is one: run as printed, it changes that server's pool, not the default one's
+    (the token stays out of it, as out of every line printed)."""
     patch = {k: v for k, v in settings.items() if k in PATCHABLE}
     rest = {k: v for k, v in settings.items() if k not in PATCHABLE}
-    flags = " ".join(f"--{k.replace('_', '-')} {_fmt(v)}" for k, v in sorted(patch.items()))
-    return f"stoker pools set {pool} {flags}".rstrip(), patch, rest
+    words = [
+        "stoker",
+        "pools",
+        "set",
+        shlex.quote(pool),
+        *(f"--{k.replace('_', '-')} {_fmt(v)}" for k, v in sorted(patch.items())),
+    ]
+    if url is not None and patch:
+        words += ["--url", shlex.quote(url)]
+    return " ".join(words), patch, rest
