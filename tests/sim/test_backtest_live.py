@@ -287,9 +287,11 @@ def test_the_recommended_settings_applied_live_bring_the_promised_cold_share(
         # quiet machine's workers can outrun its bursts: its replay goes cold all the same,
         # within TOLERANCE, and the search still raises the warm target). A weak check at
         # this size: at a warm target of 1 this traffic goes cold 0-2 times in 45, so the
-        # promise, within TOLERANCE, is the check that counts.
+        # promise is the check that counts: the target met live, with at most one cold
+        # claim more than the replay promised (a spawn this machine happened to be slow
+        # at), far tighter than TOLERANCE, the replay's agreement with a live run.
         assert after < before or after == before == 0, (before, after)
-        assert abs(after - promised) <= TOLERANCE, (after, promised)
+        assert after <= promised + 1 / CLAIMS, (after, promised)
     finally:
         httpx.patch(
             f"{server.url}/v1/pools/demo", json={"warm_target": original}, timeout=30
