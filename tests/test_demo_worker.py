@@ -46,7 +46,7 @@ class DemoWorker:
         return int(self.endpoint.rsplit(":", 1)[1])
 
 
-StartWorker = Callable[[str], Awaitable[DemoWorker]]
+StartWorker = Callable[..., Awaitable[DemoWorker]]
 
 
 @pytest.fixture
@@ -54,9 +54,10 @@ async def start_worker() -> AsyncIterator[StartWorker]:
     """Start demo workers on a free port; every one is killed and reaped afterwards."""
     started: list[asyncio.subprocess.Process] = []
 
-    async def start(worker_id: str) -> DemoWorker:
+    async def start(worker_id: str, *options: str) -> DemoWorker:
         process = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "stoker.demo_worker", "--port", "0", "--worker-id", worker_id),
+            *options,
             stdout=asyncio.subprocess.PIPE,
             stdin=asyncio.subprocess.DEVNULL,
             env={**os.environ, SECRET_ENV: TEST_ACTIVATION_KEY.worker_secret(worker_id)},
@@ -377,6 +378,22 @@ async def test_signal_exits_zero_promptly_with_an_open_connection(
     code = await asyncio.wait_for(worker.process.wait(), 5)
     assert code == 0
     assert loop.time() - started < 2.0
+
+
+async def test_a_stop_delay_keeps_serving_that_long_after_sigterm(
+    start_worker: StartWorker, client: httpx.AsyncClient
+) -> None:
+    """`--stop-delay` stands in for an engine slow to shut down: the process answers on
+    for that long after SIGTERM, then exits 0."""
+    worker = await start_worker("w-1", "--stop-delay", "1.5")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    worker.process.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.5)
+    assert worker.process.returncode is None
+    assert (await client.get(f"{worker.endpoint}/healthz")).status_code == 200
+    assert await asyncio.wait_for(worker.process.wait(), 5) == 0
+    assert loop.time() - started >= 1.5
 
 
 async def test_idle_memory(start_worker: StartWorker, client: httpx.AsyncClient) -> None:

@@ -239,8 +239,15 @@ class Server:
                 await asyncio.wait(pending)
 
 
-async def serve(host: str, port: int, protocol: WorkerProtocol, start_delay: float = 0.0) -> None:
-    """Listen on `host:port` until SIGTERM or SIGINT; ready after `start_delay` seconds."""
+async def serve(
+    host: str,
+    port: int,
+    protocol: WorkerProtocol,
+    start_delay: float = 0.0,
+    stop_delay: float = 0.0,
+) -> None:
+    """Listen on `host:port` until SIGTERM or SIGINT; ready after `start_delay` seconds,
+    gone `stop_delay` seconds after the signal."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -257,6 +264,10 @@ async def serve(host: str, port: int, protocol: WorkerProtocol, start_delay: flo
     print(f"demo_worker listening worker_id={worker_id} endpoint=http://{authority}", flush=True)
     async with listener:
         await stop.wait()
+        if stop_delay > 0:
+            # Stands in for an engine that takes a while to shut down: a pod terminates
+            # (and holds its node share) until the process exits.
+            await asyncio.sleep(stop_delay)
         listener.close()
         await server.close()
 
@@ -275,6 +286,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="seconds before /healthz answers 200 (simulates a slow engine start)",
     )
+    parser.add_argument(
+        "--stop-delay",
+        type=float,
+        default=0.0,
+        help="seconds from SIGTERM or SIGINT to the exit (simulates a slow engine shutdown)",
+    )
     return parser.parse_args(argv)
 
 
@@ -287,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo_worker cannot start: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(args.host, args.port, protocol, args.start_delay))
+        asyncio.run(serve(args.host, args.port, protocol, args.start_delay, args.stop_delay))
     except OSError as exc:
         print(f"demo_worker cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
