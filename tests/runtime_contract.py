@@ -36,6 +36,8 @@ class Recorder:
         self.events: list[tuple[str, str, str]] = []
         #: How each lost worker ended, as the runtime said (`worker_lost`'s detail).
         self.details: dict[str, str | None] = {}
+        #: Workers whose stopped object the runtime reported gone, and when.
+        self.gone: list[tuple[str, float]] = []
         self._ready: dict[str, asyncio.Future[str]] = defaultdict(self._future)
         self._lost: dict[str, asyncio.Future[str]] = defaultdict(self._future)
 
@@ -56,6 +58,9 @@ class Recorder:
 
     def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
         self.events.append(("stalled", worker_id, stage))
+
+    def worker_gone(self, worker_id: str, at: float) -> None:
+        self.gone.append((worker_id, at))
 
     async def ready(self, worker_id: str) -> str:
         """The endpoint of `worker_id`'s readiness event, once it comes."""

@@ -130,6 +130,8 @@ class Events:
     ready: list[tuple[str, str]] = field(default_factory=list)
     lost: list[tuple[str, str]] = field(default_factory=list)
     stalled: list[tuple[str, str, str]] = field(default_factory=list)
+    #: Workers whose stopped pod left the cluster, and when.
+    gone: list[tuple[str, float]] = field(default_factory=list)
     #: How each lost worker ended, as the runtime said (None: it did not say).
     details: dict[str, str | None] = field(default_factory=dict)
 
@@ -142,6 +144,9 @@ class Events:
 
     def worker_stalled(self, worker_id: str, stage: str, error: str) -> None:
         self.stalled.append((worker_id, stage, error))
+
+    def worker_gone(self, worker_id: str, at: float) -> None:
+        self.gone.append((worker_id, at))
 
 
 class Kubelet:
@@ -561,7 +566,8 @@ async def test_a_stopped_pod_is_deleted_with_its_grace_and_not_reported(
     looptime: LoopTimeProxy,
 ) -> None:
     """stop() deletes with the pool's grace (capped by stop_grace_s); the pod's end is the
-    control plane's own doing, never a loss."""
+    control plane's own doing, never a loss: it is reported gone once it leaves the
+    cluster (the ledger counts its terminating time up to there), once."""
     server = server_for_test()
     runtime, events = make_runtime(server, stop_grace_s=5)
     async with started(runtime):
@@ -571,14 +577,50 @@ async def test_a_stopped_pod_is_deleted_with_its_grace_and_not_reported(
         run(server, "w-1")
         await asyncio.sleep(1)
         assert (await pod_of(server, "w-1")).spec.termination_grace_period_s == 5
-        before = float(looptime)
+        before, asked = float(looptime), runtime.informer.clock.now()
         await runtime.stop(one, 10)
         terminating = await pod_of(server, "w-1")
         assert terminating.deletion_timestamp == pytest.approx(EPOCH + before + 5)
         await asyncio.sleep(10)
         assert await server.get_pod("w-1") is None
         await runtime.stop(one, 10)  # already gone: fine
+        await asyncio.sleep(1)
     assert events.lost == []
+    ((gone, at),) = events.gone
+    assert gone == "w-1" and at == pytest.approx(asked + 5, abs=0.5)
+    await server.close()
+
+
+async def test_a_stopped_pod_is_gone_once_it_ends_and_one_ended_before_never() -> None:
+    """A stopped pod the kubelet reports Succeeded (its worker exited on SIGTERM) holds its
+    node share no more: reported gone then, once, not again at its removal. A pod that had
+    failed before its stop (a spawn failure's) held none: never reported gone."""
+    server = server_for_test()
+    runtime, events = make_runtime(server, stop_grace_s=30)
+    async with started(runtime):
+        spec = pool()
+        one, two = worker("w-1", spec), worker("w-2", spec)
+        for each in (one, two):
+            await runtime.spawn(each, spec)
+            run(server, each.id)
+        await asyncio.sleep(1)
+        ended = Terminated(3, "Error")
+        server.set_pod_status("w-2", phase=PodPhase.FAILED, ready=False, terminated=ended)
+        await asyncio.sleep(1)
+        await runtime.stop(one, 30)
+        await runtime.stop(two, 30)
+        await asyncio.sleep(3)
+        exited = runtime.informer.clock.now()
+        done = Terminated(0, "Completed")
+        server.set_pod_status("w-1", phase=PodPhase.SUCCEEDED, ready=False, terminated=done)
+        await asyncio.sleep(1)
+        for name in ("w-1", "w-2"):
+            await server.delete_pod(name, grace_s=0)
+        await asyncio.sleep(1)
+        assert await server.get_pod("w-1") is None and await server.get_pod("w-2") is None
+    ((gone, at),) = events.gone
+    assert gone == "w-1" and at == pytest.approx(exited, abs=0.5)
+    assert events.lost == [("w-2", "lost")]
     await server.close()
 
 

@@ -21,7 +21,7 @@ from fakes import MemoryRuntime
 from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.sqlite import SqliteStore
 from stoker.control.catalog import Catalog
-from stoker.control.ledger import Ledger
+from stoker.control.ledger import TERMINATING_KEEP_S, Ledger
 from stoker.control.lifecycle import Lifecycle
 from stoker.control.metrics import Metrics
 from stoker.control.plane import ControlPlane
@@ -38,7 +38,7 @@ from stoker.domain.ledger import (
     summed,
 )
 from stoker.domain.records import Claim, ClaimRequest, Worker
-from stoker.domain.specs import CostSpec, PlaneSettings, PoolSpec, ProcessTemplate
+from stoker.domain.specs import CostSpec, PlaneSettings, PodTemplate, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimMode, ClaimSource, ClaimState, WorkerState
 from stoker.ports.clock import VirtualClock
 from stoker.ports.store import SpawnRequest, Store
@@ -98,9 +98,11 @@ class ManualClock:
         self.t += seconds
 
 
-def wire(store: Store, clock: ManualClock) -> tuple[Ledger, Lifecycle, Metrics]:
+def wire(
+    store: Store, clock: ManualClock, catalog: Catalog | None = None
+) -> tuple[Ledger, Lifecycle, Metrics]:
     metrics = Metrics(CollectorRegistry())
-    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
+    catalog = catalog or Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
     ledger = Ledger(clock=clock, catalog=catalog, instance_id=ME, metrics=metrics)
     lifecycle = Lifecycle(store, clock, metrics)
     lifecycle.on_moved = ledger.moved
@@ -502,6 +504,63 @@ async def test_moves_another_replica_wrote_are_placed_at_their_write(store: Stor
     assert total.warm_s == pytest.approx(45 + 45)
     # x drains from the leader's write on; y's time ends at its retirement.
     assert total.draining_s == pytest.approx(50)
+
+
+async def test_a_retired_pods_terminating_time_is_counted_by_its_retirer_up_to_a_bound(
+    store: Store,
+) -> None:
+    """Three pods of 250m and 1 GiB retired 5 s before an hour's end, after 1 s draining:
+    w-a's pod is gone 12 s after its delete (12 s more of draining, split 5 + 7 across the
+    hours), w-b's goes only once its kubelet is back, 200 s later (counted up to
+    `stop_grace_s` + the margin: 40 s), w-c's never (nothing more, forgotten). Another
+    replica, told of w-a's end too (its informer sees the deletion), counts nothing."""
+    pods = dataclasses.replace(
+        POOL, template=PodTemplate(image="worker", cpu="250m", memory="1Gi"), cost=None
+    )
+    catalog = Catalog({"p": pods}, {}, derived_cap=lambda _: 0)
+    boundary = hour_of(472_223 * HOUR_S)  # an hour's start
+    clock = ManualClock(start=boundary - 106)
+    ledger, life, _ = wire(store, clock, catalog)
+    other = Ledger(
+        clock=clock, catalog=catalog, instance_id="replica-2", metrics=Metrics(CollectorRegistry())
+    )
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=pods.revision, count=3, owner=ME), ["w-a", "w-b", "w-c"]
+    )
+    clock.advance(100)
+    drained = [await life.move(w, S.DRAINING, reason="excess") for w in slots.workers]
+    clock.advance(1)
+    for draining in drained:
+        assert draining is not None and await life.move(draining, S.RETIRED) is not None
+    retired = clock.now()
+    assert retired == boundary - 5
+    ledger.terminated("w-a", retired + 12)
+    other.terminated("w-a", retired + 12)
+    clock.advance(30)
+    await ledger.flush(store)
+    await other.flush(store)
+    clock.advance(170)
+    ledger.terminated("w-b", retired + 200)
+    clock.advance(TERMINATING_KEEP_S + 60)
+    await ledger.flush(store)
+    ledger.terminated("w-c", clock.now())  # forgotten by now: ignored
+    await ledger.flush(store)
+
+    rows = await store.read_ledger("p", since=t0 - 1, until=clock.now() + 1)
+    assert {key.org for key, _ in rows} == {""}
+    by_hour = {key.hour: counts for key, counts in rows}
+    assert set(by_hour) == {boundary - HOUR_S, boundary}
+    total = LedgerCounts()
+    for _, counts in rows:
+        total.merge(counts)
+    assert total.starting_s == pytest.approx(3 * 100)
+    # 1 s of draining each before the retirement; then w-a's 12 s and w-b's 10 + 30 s.
+    assert total.draining_s == pytest.approx(3 * 1 + 12 + 40)
+    assert by_hour[boundary].draining_s == pytest.approx(7 + 35)
+    assert (total.cpu_s, total.gib_s) == pytest.approx((0.25 * (300 + 55), 1.0 * (300 + 55)))
+    # The other replica retired none of them: it wrote no cell.
+    assert await store.ledger_written_at("replica-2") is None
 
 
 async def test_a_worker_another_replica_takes_is_counted_once(stores: list[Store]) -> None:

@@ -72,6 +72,13 @@ class RuntimeEvents:
         self._metrics.spawn_failures.labels(known.pool, stage).inc()
         self._spawner.spawn_failed(known.pool, known.revision, error, waiting=worker_id)
 
+    def worker_gone(self, worker_id: str, at: float) -> None:
+        """Runtime event: the object of a worker this replica stopped holds its node share
+        no more (a pod ended or left the cluster after its delete). The worker was retired
+        already; the ledger counts its terminating time up to here."""
+        if self._ledger is not None:
+            self._ledger.terminated(worker_id, at)
+
     async def settle_pending(self) -> None:
         """Retry the facts whose write failed earlier: losses first, then readiness."""
         for worker_id in self._book.lost.copy():

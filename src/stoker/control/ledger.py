@@ -23,6 +23,12 @@ later) up to the retirement. A
 replica that outlives its expiry writes no more (the store refuses the writes of a replica
 whose registration is not active): its adopters' counts from its last write are the only ones.
 
+A retired worker's object may outlive its retirement: a pod terminates after its delete
+is accepted, holding its requests on its node until the runtime reports it gone
+(`terminated`). The replica that wrote the retirement (it requested the delete) remembers
+the worker for a while and counts the time in between as draining; another replica never
+hears of it, and a report of a worker not remembered is ignored.
+
 A claim adds one to a count and appends one compact row in memory (no I/O); a flush
 writes the cells that changed (cumulative per replica, so a failed write loses nothing)
 and the log rows gathered since the last one.
@@ -65,6 +71,18 @@ _TIME_STATE = {
 }
 #: Log rows kept in memory while the store fails, at most (the oldest go first).
 MAX_PENDING_ROWS = 100_000
+#: A retired worker's terminating time is counted up to its pool's `stop_grace_s` plus
+#: this (the kubelet's own latency, the watch's delivery): a pod that lingers (its
+#: kubelet is gone) is never counted for longer.
+TERMINATING_MARGIN_S = 30.0
+#: ... and never longer than this, whatever the grace: a cell is kept two hours past its
+#: hour, so a late addition still finds it whole.
+MAX_TERMINATING_S = float(HOUR_S)
+#: How long after that bound a late report (a watch outage, a kubelet that came back)
+#: still counts it; a worker not reported gone by then is forgotten, not counted further.
+TERMINATING_KEEP_S = 300.0
+#: Retired workers remembered at most (the oldest are forgotten first).
+MAX_TERMINATING = 10_000
 
 
 @dataclass(slots=True)
@@ -103,6 +121,17 @@ class _Span:
         return key
 
 
+@dataclass(slots=True)
+class _Terminating:
+    """A worker this replica retired, whose object may still hold its node share: its
+    `span` (draining, from the retirement) is counted up to the report of its end, at most
+    up to `until`; it is forgotten at `forget_at`."""
+
+    span: _Span
+    until: float
+    forget_at: float
+
+
 class Ledger:
     """This replica's ledger cells and claim log rows until they are written."""
 
@@ -139,6 +168,9 @@ class Ledger:
         self._metered: dict[tuple[str, str, str], float] = {}
         #: Whether the store refused a write (this replica's registration is not active).
         self._refused = False
+        #: Workers this replica retired, until their runtime object is reported gone (or
+        #: forgotten), in the order retired.
+        self._terminating: dict[str, _Terminating] = {}
 
     # -- what the other parts tell it (in memory only) --------------------------------------
 
@@ -153,8 +185,39 @@ class Ledger:
         orphan = self._orphans.get(worker.id)
         if orphan is not None and orphan.owner == worker.owner:
             self._orphan_moved(previous or orphan, worker)
+        span = self._open.get(worker.id)
         self._close(worker.id, at)
-        self._open_span(worker, at)
+        if worker.state is WorkerState.RETIRED:
+            self._retired(worker, span, at)
+        else:
+            self._open_span(worker, at)
+
+    def terminated(self, worker_id: str, at: float) -> None:
+        """The runtime object of worker `worker_id` holds its node share no more at `at`
+        (a pod this replica deleted ended or left the cluster): if this replica retired it,
+        its time from the retirement up to then is counted as draining, up to its bound. A
+        worker not remembered (retired by another replica, or long ago) is ignored."""
+        held = self._terminating.pop(worker_id, None)
+        if held is not None:
+            self._carry_span(held.span, min(at, held.until))
+
+    def _retired(self, worker: Worker, span: _Span | None, at: float) -> None:
+        """Remember a worker this replica just retired, in its span's pool, revision and
+        org (without a span here, an orphan's: its row's), until its runtime object is
+        reported gone."""
+        if span is None:
+            cpus, gib = self._resources_of(worker.pool, worker.revision)
+            span = _Span(worker.pool, worker.revision, worker.org or "", "", at, 0, cpus, gib)
+        spec = self._catalog.get(worker.pool)
+        # The grace the retirement's stop was given (`Retirer`'s default without a spec).
+        grace = spec.timeouts.stop_grace_s if spec is not None else 10.0
+        until = at + min(grace + TERMINATING_MARGIN_S, MAX_TERMINATING_S)
+        draining = _Span(
+            span.pool, span.revision, span.org, "draining", at, worker.version, span.cpus, span.gib
+        )
+        self._terminating[worker.id] = _Terminating(draining, until, until + TERMINATING_KEEP_S)
+        if len(self._terminating) > MAX_TERMINATING:
+            del self._terminating[next(iter(self._terminating))]
 
     def orphaned(self, worker: Worker) -> None:
         """This replica retires worker `worker_id`, which `owner`, a replica that is gone,
@@ -309,8 +372,16 @@ class Ledger:
             self._carry_span(span, now)
         for pool in list(self._placeholders):
             self._accrue_placeholders(pool, now)
+        self._forget_terminating(now)
         self._publish_metrics()
         await self._write(store, now)
+
+    def _forget_terminating(self, now: float) -> None:
+        """Forget the retired workers not reported gone in time: their object never went
+        (or was gone before the retirement: a lost worker's), so nothing more is counted."""
+        if self._terminating:
+            for worker_id in [w for w, h in self._terminating.items() if h.forget_at <= now]:
+                del self._terminating[worker_id]
 
     async def _count_gaps(self, store: ReplicaStore) -> None:
         """Count adopted workers' time from their previous owner's last ledger write (or the

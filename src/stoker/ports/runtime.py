@@ -55,6 +55,13 @@ class RuntimeListener(Protocol):
         once the cluster changes (a node comes, the registry answers)."""
         ...
 
+    def worker_gone(self, worker_id: str, at: float) -> None:
+        """The object of a worker this runtime stopped holds its node share no more at
+        `at` (wall-clock seconds): a pod whose deletion it requested ended or left the
+        cluster. Only the replica that stopped it hears of it; a runtime whose stop waits
+        for the object's end (local processes) never says it."""
+        ...
+
 
 class Runtime(Protocol):
     """Creates and stops workers; reports readiness and loss as events."""

@@ -210,6 +210,11 @@ class ObservedRuntime:
         if self._listener is not None:
             self._listener.worker_stalled(worker_id, stage, error)
 
+    def worker_gone(self, worker_id: str, at: float) -> None:
+        """Tell the pool manager."""
+        if self._listener is not None:
+            self._listener.worker_gone(worker_id, at)
+
     def _settled(self, worker_id: str) -> None:
         """Hook: the worker's spawn is over (ready, gone or stopped)."""
 

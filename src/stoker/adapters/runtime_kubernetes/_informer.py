@@ -14,7 +14,13 @@ runtime events:
   deletion the runtime requested (`expect_deletion`) is never reported;
 - `worker_stalled(id, stage, error)` once per pod and stage, while a pod that is not
   ready yet cannot start as it is: no node fits it (`unschedulable`), its image cannot be
-  pulled, its container cannot be created (see `PodView.progress`).
+  pulled, its container cannot be created (see `PodView.progress`);
+- `worker_gone(id, at)` once per pod whose deletion the runtime requested, when it stops
+  holding its node share: when the kubelet reports it Succeeded or Failed, or else when
+  it leaves the cluster (its DELETED event, or a relist without it). A terminating pod's
+  requests stay counted on its node (by the scheduler, the kubelet's admission, an
+  autoscaler) until then, whether or not its containers have exited: the ledger counts
+  its time up to there. A pod that had ended before its deletion is not reported.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class PodEntry:
     listed: tuple[PodView, RuntimeObject] | None = None
     #: The stages of trouble reported as worker_stalled (each once per pod).
     stalled: frozenset[str] = frozenset()
+    #: Its deletion was requested and it holds its node share no more (worker_gone was
+    #: emitted, or it had ended already): nothing more to say of its end.
+    gone: bool = False
 
 
 class PodInformer:
@@ -148,6 +157,7 @@ class PodInformer:
         entry = self._cache.get(name)
         if entry is not None:
             entry.settled = True
+            entry.gone = entry.view.finished
         return entry
 
     def deletion_requested(self, name: str) -> bool:
@@ -158,7 +168,7 @@ class PodInformer:
         """Undo `expect_deletion` after the cluster refused it: the pod lives on."""
         self._stopping.pop(name, None)
         if entry is not None and self._cache.get(name) is entry:
-            entry.settled = False
+            entry.settled = entry.gone = False
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -275,6 +285,8 @@ class PodInformer:
             self.unpinned.changed(entry.view, view)
             self.pinned_by_node.changed(entry.view, view)
             entry.view = view
+        if view.finished and view.name in self._stopping:
+            self._report_gone(entry, view)
         if not view.is_worker or entry.settled:
             return
         if view.name in self._stopping:
@@ -325,12 +337,24 @@ class PodInformer:
             self.unpinned.changed(entry.view, None)
             self.pinned_by_node.changed(entry.view, None)
         stopped = self._stopping.pop(view.name, None) is not None
-        if not view.is_worker or stopped:
+        if not view.is_worker:
+            return
+        if stopped:
+            self._report_gone(entry, view)
             return
         if entry is not None and entry.settled:
             return
         # `view` is the pod's last state: it tells an eviction from any other end.
         self._report_lost(view)
+
+    def _report_gone(self, entry: PodEntry | None, view: PodView) -> None:
+        """A pod whose deletion the runtime requested holds its node share no more."""
+        if entry is not None:
+            if entry.gone:
+                return
+            entry.gone = True
+        if self.listener is not None and view.is_worker and view.worker_id is not None:
+            self.listener.worker_gone(view.worker_id, self.clock.now())
 
     def _report_lost(self, view: PodView) -> None:
         if view.worker_id is None:
