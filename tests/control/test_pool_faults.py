@@ -8,6 +8,7 @@ hand-edited database would have left it: the API rejects it today.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import sqlite3
@@ -466,6 +467,31 @@ async def test_a_worker_asked_for_after_the_failures_ends_them(tmp_path: Path) -
         )
         assert p.metric("stoker_spawn_failing", pool="p") == 0
         assert p.plane.degraded() == []
+
+
+async def test_another_replicas_worker_ends_the_failures_only_if_asked_for_after_them(
+    tmp_path: Path,
+) -> None:
+    """On Kubernetes every replica hears every pod get ready. A worker another replica
+    asked for proves the spawns work again if its row was created after the last failure
+    (this replica's own are ordered by its asks): else a follower whose one cold spawn
+    failed would show it, and page, until it spawned again itself."""
+    runtime = QuotaRuntime(room=1, ready_delay=2.5)
+    async with running(tmp_path, [pool("p", warm_target=3)], runtime=runtime) as p:
+        await asyncio.sleep(2)
+        [ready] = await p.warm("p")
+        spawner, now = p.plane.spawner, p.plane.clock.now()
+        assert (await status_of(p)).spawn_failing
+        # Another replica's worker, created before the failures: proves nothing.
+        earlier = dataclasses.replace(ready, id="w-other-1", created_at=ready.created_at - 1)
+        spawner.spawn_ready(earlier)
+        assert (await status_of(p)).spawn_failing
+        # One created after them: the runtime takes spawns again.
+        later = dataclasses.replace(ready, id="w-other-2", created_at=now + 0.5)
+        spawner.spawn_ready(later)
+        status = await status_of(p)
+        assert (status.spawn_failing, status.spawn_failures) == (False, 0)
+        assert p.metric("stoker_spawn_failing", pool="p") == 0
 
 
 async def test_a_pool_that_holds_its_target_after_failures_shows_them_no_more(

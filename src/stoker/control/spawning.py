@@ -68,9 +68,10 @@ class SpawnsFailing:
     worked, the last error, the last of this replica's spawn asks when that failure was
     seen (`Book.asks`), and the failed spawns kept waiting (pods no node fits yet).
 
-    It ends when a worker gets ready that was asked for after the last failure (the
-    runtime takes spawns again), or that was one of those kept waiting, the last of them
-    (the cluster made room for them) — not when one asked for before the failures does:
+    It ends when a worker gets ready that was asked for after the last failure, by this
+    replica or another (the runtime takes spawns again), or that was one of those kept
+    waiting, the last of them (the cluster made room for them) — not when one asked for
+    before the failures does:
     a namespace quota admits a pod, refuses the next two, and the first gets ready a moment
     later, its quota as full as before. It also ends when the leader finds the revision
     at its warm target with ready workers and nothing spawning (`settled`). The back-off
@@ -82,6 +83,10 @@ class SpawnsFailing:
     last_error: str
     asked_before: int
     waiting: frozenset[str] = frozenset()
+    #: When the last failure was seen (the clock's `now`): a worker another replica asked
+    #: for (no ask of this one's to compare) proves the trouble over if its row was
+    #: created after it.
+    failed_at: float = 0.0
 
 
 def crash_error(worker: Worker, exc: Exception) -> str:
@@ -189,6 +194,7 @@ class Spawner:
             error,
             self._book.asks(),
             kept | {waiting} if waiting is not None else kept,
+            self._clock.now(),
         )
         self._changed((pool, revision))
         if revision == spec.revision:
@@ -225,7 +231,13 @@ class Spawner:
             return
         waiting = self._still_waiting(shown.waiting - {worker.id})
         asked = self._book.asked(worker.id)
-        after = asked is not None and asked > shown.asked_before
+        # This replica's own spawn: by the order of its asks (times may tie on a virtual
+        # clock). Another replica's (on Kubernetes every replica hears every pod get
+        # ready): by its row's creation, after the last failure or not.
+        if asked is not None:
+            after = asked > shown.asked_before
+        else:
+            after = worker.created_at > shown.failed_at
         if waiting or not (after or worker.id in shown.waiting):
             self._failing[key] = replace(shown, waiting=waiting)
             return
