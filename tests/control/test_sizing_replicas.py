@@ -7,8 +7,9 @@ virtual clock with `advance` (no sleeping; PostgreSQL's I/O is real).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,8 +23,17 @@ from stoker.adapters.sqlite import SqliteStore
 from stoker.api import create_app
 from stoker.config import ApiConfig
 from stoker.control.plane import ControlPlane
-from stoker.control.published_sizing import STALE_PASSES, shown, status_of
+from stoker.control.published_sizing import (
+    STALE_PASSES,
+    TROUBLE_KEY,
+    PublishedTrouble,
+    ShownSizing,
+    shown,
+    status_of,
+)
 from stoker.control.sizing import SizingStatus
+from stoker.control.spawning import SpawnsFailing
+from stoker.control.status import shown_trouble
 from stoker.domain.pools import StoredPool
 from stoker.domain.records import PoolSizingRecord
 from stoker.domain.specs import PlaneSettings
@@ -234,13 +244,14 @@ def metrics_of(plane: ControlPlane) -> str:
 
 def test_a_sizing_turns_stale_after_three_janitor_intervals() -> None:
     record = PoolSizingRecord("p", "cp-a", 100.0, 4, 3, {}, "waits")
-    fresh = shown(record, now=106.0, janitor_interval_s=2.0, rollout_active=True)
+    fresh = shown(record, now=106.0, janitor_interval_s=2.0, rollout_active=True, revision="r")
     assert (fresh.age_s, fresh.stale, fresh.rollout_waits) == (6.0, False, "waits")
-    late = shown(record, now=106.5, janitor_interval_s=2.0, rollout_active=False)
+    late = shown(record, now=106.5, janitor_interval_s=2.0, rollout_active=False, revision="r")
     assert (late.age_s, late.stale, late.rollout_waits) == (6.5, True, None)
     assert (late.desired_warm, late.demand, late.sized_by) == (4, 3, "cp-a")
     # A clock behind the leader's shows no negative age.
-    assert shown(record, now=99.0, janitor_interval_s=2.0, rollout_active=False).age_s == 0
+    behind = shown(record, now=99.0, janitor_interval_s=2.0, rollout_active=False, revision="r")
+    assert behind.age_s == 0
 
 
 def test_terms_of_another_version_show_what_this_one_reads() -> None:
@@ -321,3 +332,117 @@ async def test_a_replica_without_views_keeps_no_dashboard_samples(views: bool) -
         assert bool(plane.history.samples()) is views
     finally:
         await plane.stop()
+
+
+async def until_true(ok: Callable[[], bool]) -> None:
+    """Once `ok()` holds: the replicas' background work (a spawn's create, a readiness)
+    goes on at this instant of the test's clock; a bounded poll."""
+    for _ in range(500):
+        if ok():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never came true")
+
+
+def trouble_of(body: dict[str, Any]) -> tuple[bool, int, str | None]:
+    """What a pool's body says of its spawn trouble."""
+    return body["spawn_failing"], body["spawn_failures"], body["last_spawn_error"]
+
+
+async def test_every_replica_shows_the_leaders_warm_spawns_failing(
+    stores: list[Store],
+) -> None:
+    """Spawn trouble is each replica's own, and the warm spawns are the leader's: a replica
+    that does not lead, asked behind a load balancer, said all was well of a pool whose
+    warm spawns fail. The leader publishes its trouble with its sizing; every replica shows
+    it, until the leader's next publication after the trouble is over."""
+    clock, failing_fleet = VirtualClock(), MemoryRuntime()
+    failing_fleet.fail_spawns = 1000  # a quota, a command that cannot start
+    async with (
+        replica(stores[0], clock, leads=True, runtime=failing_fleet) as leader,
+        replica(stores[1], clock, leads=False) as standby,
+    ):
+        spec = leader.plane.catalog.pool("p")
+        spawner = leader.plane.spawner
+        await leader.plane.run_janitor_pass()  # spawns the warm worker: it fails
+        await until_true(lambda: spawner.failing(spec) is not None)
+        clock.advance(spec.spawn_backoff.initial_s)
+        await leader.plane.run_janitor_pass()  # probes: fails again; publishes the first
+        await until_true(lambda: getattr(spawner.failing(spec), "failures", 0) == 2)
+        await leader.plane.run_janitor_pass()  # backing off: publishes both failures
+        assert standby.plane.spawner.failing(spec) is None  # none of the standby's own
+        failing = (True, 2, "injected spawn failure")
+        assert trouble_of(await leader.pool()) == failing
+        assert trouble_of(await standby.pool()) == failing
+        [status] = [s for s in await standby.plane.pool_status() if s.name == "p"]
+        assert (status.spawn_failing, status.spawn_failures) == (True, 2)
+        # What stays each replica's own: the standby's metric and readiness.
+        assert metric_of(standby.plane, "stoker_spawn_failing", pool="p") == 0
+        assert standby.plane.degraded() == []
+
+        # The trouble is over: the next probe gets ready on the leader, which shows so at
+        # once; the standby shows what the leader last published until its next pass.
+        failing_fleet.fail_spawns = 0
+        clock.advance(spec.spawn_backoff.max_s)
+        await leader.plane.run_janitor_pass()
+        await until_true(lambda: spawner.failing(spec) is None)
+        assert trouble_of(await leader.pool()) == (False, 0, None)
+        assert trouble_of(await standby.pool()) == failing
+        clock.advance(SETTINGS.janitor_interval_s)
+        await leader.plane.run_janitor_pass()
+        assert trouble_of(await standby.pool()) == (False, 0, None)
+
+
+async def test_a_stale_sizing_vouches_for_no_spawn_trouble(stores: list[Store]) -> None:
+    """The leader's published trouble shows only while its sizing is fresh: a leader gone
+    for three janitor intervals says nothing of spawns now."""
+    clock, failing_fleet = VirtualClock(), MemoryRuntime()
+    failing_fleet.fail_spawns = 1000
+    async with (
+        replica(stores[0], clock, leads=True, runtime=failing_fleet) as leader,
+        replica(stores[1], clock, leads=False) as standby,
+    ):
+        spec = leader.plane.catalog.pool("p")
+        await leader.plane.run_janitor_pass()
+        await until_true(lambda: leader.plane.spawner.failing(spec) is not None)
+        await leader.plane.run_janitor_pass()
+        assert trouble_of(await standby.pool())[0] is True
+        clock.advance(STALE_PASSES * SETTINGS.janitor_interval_s + 1)
+        body = await standby.pool()
+        assert body["sizing_stale"] is True and trouble_of(body) == (False, 0, None)
+
+
+def metric_of(plane: ControlPlane, name: str, **labels: str) -> float:
+    """One sample of the plane's metrics (0 when absent)."""
+    return plane.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def own_failing(failures: int, error: str = "own") -> SpawnsFailing:
+    return SpawnsFailing(failures=failures, last_error=error, asked_before=0)
+
+
+def test_a_status_shows_the_spawn_trouble_that_counts_more_failures() -> None:
+    """The replica's own trouble or the leader's published one, whichever counts more
+    failures (its own on a tie); what it published itself is never read back; a published
+    trouble of another revision, or in a stale row, is not shown."""
+    terms = {TROUBLE_KEY: PublishedTrouble("r1", 3, "quota").terms()}
+    record = PoolSizingRecord("p", "cp-leader", 100.0, 2, 0, terms, None)
+
+    def sized(now: float = 101.0, revision: str = "r1") -> ShownSizing:
+        return shown(
+            record, now=now, janitor_interval_s=2.0, rollout_active=False, revision=revision
+        )
+
+    leaders = PublishedTrouble("r1", 3, "quota")
+    assert sized().trouble == leaders
+    assert shown_trouble(None, sized(), instance="cp-other") == leaders
+    assert shown_trouble(own_failing(1), sized(), instance="cp-other") == leaders
+    assert shown_trouble(own_failing(3), sized(), instance="cp-other") == own_failing(3)
+    assert shown_trouble(own_failing(5), sized(), instance="cp-other") == own_failing(5)
+    assert shown_trouble(None, sized(), instance="cp-leader") is None
+    assert shown_trouble(None, sized(revision="r2"), instance="cp-other") is None
+    assert shown_trouble(None, sized(now=107.0), instance="cp-other") is None
+    # Terms of a shape this version cannot read show no trouble, and no sizing either.
+    assert PublishedTrouble.of_terms({TROUBLE_KEY: {"revision": "r1"}}) is None
+    assert PublishedTrouble.of_terms({TROUBLE_KEY: "failing"}) is None
+    assert status_of(terms) is None

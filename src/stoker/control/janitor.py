@@ -388,8 +388,10 @@ class Janitor:
 
     async def _publish_sizing(self, now: float) -> None:
         """What this pass decided of each pool, in one write, for every replica's pool
-        listing (`control.published_sizing`); a pool whose step failed before it was sized
-        keeps its older row, which ages."""
+        listing (`control.published_sizing`), with the spawn trouble of its current
+        revision as this replica shows it (the warm spawns are the leader's: another
+        replica's spawner hears nothing of their failures); a pool whose step failed before
+        it was sized keeps its older row, which ages."""
         scaler = self._scaler
         records = [
             sizing_record(
@@ -400,8 +402,10 @@ class Janitor:
                 demand=scaler.demand.get(name, 0),
                 sized=self.sizing(name),
                 rollout_waits=self._rollout_waits(name),
+                revision=spec.revision,
+                failing=self._spawner.failing(spec),
             )
-            for name in self._catalog.pools
+            for name, spec in self._catalog.pools.items()
             if scaler.decided_at.get(name) == now
         ]
         if records:

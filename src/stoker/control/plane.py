@@ -524,4 +524,5 @@ class ControlPlane:
             now=self.clock.now(),
             janitor_interval_s=self.settings.janitor_interval_s,
             counted=counted,
+            instance=self.instance_id,
         )

@@ -10,6 +10,13 @@ A sizing older than `STALE_PASSES` janitor intervals is stale: no replica has si
 since (no replica leads, or the leader's passes fail for that pool). The listing keeps its
 figures, the last ones any replica decided, flagged `sizing_stale` with their age
 (docs/scaling.md, "Where the figures come from").
+
+The same row carries the leader's spawn trouble of the pool's current revision (its
+`SpawnsFailing`, under `TROUBLE_KEY` of the terms, absent when its spawns work): spawn
+trouble is each replica's own, and the leader makes the warm spawns, so a replica that does
+not lead would otherwise show a pool all well whose warm spawns fail (`control.status`).
+In the terms' JSON, not a column: a replica of an older version ignores a key it does not
+know, and no migration is needed.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 from stoker.control import logs
 from stoker.control.catalog import Catalog
 from stoker.control.sizing import Sizing, SizingStatus
+from stoker.control.spawning import SpawnsFailing
 from stoker.domain.errors import StoreError
 from stoker.domain.records import PoolSizingRecord
 from stoker.domain.specs import PoolSpec
@@ -34,6 +42,45 @@ STALE_PASSES = 3
 #: The fields of a `SizingStatus`, the keys of a record's `sizing`.
 _STATUS_NAMES = tuple(f.name for f in dataclasses.fields(SizingStatus))
 _STATUS_FIELDS = frozenset(_STATUS_NAMES)
+#: The key of a record's `sizing` that holds the leader's spawn trouble (`PublishedTrouble`).
+TROUBLE_KEY = "spawn_trouble"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedTrouble:
+    """The spawn trouble of a pool revision as the leader published it with its sizing:
+    the failures since its spawns last worked and the last error (the runtime's message,
+    which the leader's own status shows too)."""
+
+    revision: str
+    failures: int
+    last_error: str
+
+    def terms(self) -> dict[str, Any]:
+        """How a record's `sizing` carries it (JSON)."""
+        return {
+            "revision": self.revision,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+    @classmethod
+    def of_terms(cls, terms: Mapping[str, Any]) -> PublishedTrouble | None:
+        """The trouble a record's terms carry; None when they carry none, or carry it in a
+        shape this version cannot read (a replica of another version wrote it)."""
+        raw = terms.get(TROUBLE_KEY)
+        if not isinstance(raw, Mapping):
+            return None
+        revision, failures, error = raw.get("revision"), raw.get("failures"), raw.get("last_error")
+        if not (
+            isinstance(revision, str)
+            and isinstance(failures, int)
+            and not isinstance(failures, bool)
+            and failures > 0
+            and isinstance(error, str)
+        ):
+            return None
+        return cls(revision, failures, error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +98,10 @@ class ShownSizing:
     age_s: float | None = None
     #: True when older than `STALE_PASSES` janitor intervals: nobody sizes the pool now.
     stale: bool = False
+    #: The spawn trouble of the pool's current revision the leader published with the
+    #: sizing; None when it published none, when the row is stale (nobody vouches for it
+    #: now), or when it was of another revision (the leader had not read a rollout yet).
+    trouble: PublishedTrouble | None = None
 
     @classmethod
     def unsized(cls, pool: PoolSpec) -> ShownSizing:
@@ -67,14 +118,21 @@ def sizing_record(
     demand: int,
     sized: Sizing | None,
     rollout_waits: str | None,
+    revision: str,
+    failing: SpawnsFailing | None,
 ) -> PoolSizingRecord:
-    """The row the leader publishes of one pool's sizing."""
+    """The row the leader publishes of one pool's sizing, and of the spawn trouble of its
+    current `revision` as the leader's spawner shows it (`failing`; None: none)."""
     # Every field is a number, a string, a bool or None: a shallow copy is the whole
     # record (`dataclasses.asdict` copies recursively, a tenth of a pass's cost here).
-    terms = {}
+    terms: dict[str, Any] = {}
     if sized is not None:
         status = SizingStatus.of(sized)
         terms = {name: getattr(status, name) for name in _STATUS_NAMES}
+    if failing is not None:
+        terms[TROUBLE_KEY] = PublishedTrouble(
+            revision, failing.failures, failing.last_error
+        ).terms()
     return PoolSizingRecord(
         pool=pool,
         instance=instance,
@@ -88,21 +146,31 @@ def sizing_record(
 
 def status_of(terms: Mapping[str, Any]) -> SizingStatus | None:
     """The `SizingStatus` of a published row's terms; None when there are none, or when a
-    replica of another version wrote fields this one cannot read."""
-    if not terms:
+    replica of another version wrote fields this one cannot read (or only the spawn
+    trouble: a pool sized without its terms)."""
+    known = {k: v for k, v in terms.items() if k in _STATUS_FIELDS}
+    if not known:
         return None
     try:
-        return SizingStatus(**{k: v for k, v in terms.items() if k in _STATUS_FIELDS})
+        return SizingStatus(**known)
     except TypeError:
         return None
 
 
 def shown(
-    record: PoolSizingRecord, *, now: float, janitor_interval_s: float, rollout_active: bool
+    record: PoolSizingRecord,
+    *,
+    now: float,
+    janitor_interval_s: float,
+    rollout_active: bool,
+    revision: str,
 ) -> ShownSizing:
     """How a replica shows `record` at `now`: its figures, their age, whether stale;
-    `rollout_waits` only while the pool's rollout is still active."""
+    `rollout_waits` only while the pool's rollout is still active; the spawn trouble only
+    while fresh and of the pool's current `revision`."""
     age = max(0.0, now - record.sized_at)
+    stale = age > STALE_PASSES * janitor_interval_s
+    trouble = None if stale else PublishedTrouble.of_terms(record.sizing)
     return ShownSizing(
         desired_warm=record.desired_warm,
         demand=record.demand,
@@ -111,7 +179,8 @@ def shown(
         sized_by=record.instance,
         sized_at=record.sized_at,
         age_s=round(age, 3),
-        stale=age > STALE_PASSES * janitor_interval_s,
+        stale=stale,
+        trouble=trouble if trouble is not None and trouble.revision == revision else None,
     )
 
 
@@ -133,6 +202,7 @@ async def read_shown(
             now=now,
             janitor_interval_s=janitor_interval_s,
             rollout_active=ramp is not None and ramp.active,
+            revision=pool.revision,
         )
     return out
 

@@ -1,7 +1,8 @@
 """What a replica shows of its pools: `GET /v1/pools`, `stoker status` and the samples of
 the dashboard's charts, read off the catalog, the store's counts, the spawner's trouble and
 the leader's last sizing as published in the store (`control.published_sizing`): every
-replica shows the same figures, whichever leads."""
+replica shows the same figures, whichever leads, and the spawn trouble of the leader's warm
+spawns as well as of its own (`shown_trouble`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 
 from stoker.control.catalog import Catalog
 from stoker.control.history import History, PoolSample, RevisionSample
-from stoker.control.published_sizing import read_shown
+from stoker.control.published_sizing import PublishedTrouble, ShownSizing, read_shown
 from stoker.control.sizing import SizingStatus
-from stoker.control.spawning import Spawner
+from stoker.control.spawning import Spawner, SpawnsFailing
 from stoker.control.stored_pools import revision_shares
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import LIVE, WorkerState
@@ -38,7 +39,9 @@ class PoolStatus:
     counts: Mapping[str, int]
     #: True while spawns of the current revision fail: from a failure until a worker
     #: asked for after the last one gets ready (or the failed pods kept waiting for a node
-    #: do), not when one asked for before the failures does (`SpawnsFailing`).
+    #: do), not when one asked for before the failures does (`SpawnsFailing`). This
+    #: replica's spawns, or the leader's as it published them with its fresh sizing
+    #: (`shown_trouble`): every replica shows the leader's warm spawns failing.
     spawn_failing: bool = False
     #: Spawns of the current revision that failed since its spawns last worked.
     spawn_failures: int = 0
@@ -70,10 +73,12 @@ async def pool_statuses(
     now: float,
     janitor_interval_s: float,
     counted: Sequence[StateCount] | None = None,
+    instance: str | None = None,
 ) -> list[PoolStatus]:
     """Targets, demand and counts by state of every pool at `now`, sized as the leader last
     published it (stale after three `janitor_interval_s`); `counted`: the store's
-    `count_workers` already read (one read for the pools and their revisions)."""
+    `count_workers` already read (one read for the pools and their revisions);
+    `instance`: this replica's id (what it published itself it knows fresher)."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for c in await store.count_workers() if counted is None else counted:
         counts[c.pool][c.state.value] += c.count
@@ -81,7 +86,7 @@ async def pool_statuses(
     out = []
     for name, pool in catalog.pools.items():
         sized = sizings[name]
-        trouble = spawner.failing(pool)
+        trouble = shown_trouble(spawner.failing(pool), sized, instance=instance)
         out.append(
             PoolStatus(
                 name=name,
@@ -105,6 +110,24 @@ async def pool_statuses(
             )
         )
     return out
+
+
+def shown_trouble(
+    own: SpawnsFailing | None, sized: ShownSizing, *, instance: str | None
+) -> SpawnsFailing | PublishedTrouble | None:
+    """The spawn trouble a pool's status shows: this replica's own (`own`), or the one the
+    leader published with its sizing (`sized.trouble`, fresh and of the current revision
+    only), whichever counts more failures; this replica's own on a tie, being current where
+    the published one is up to a pass old. More failures is the longer view of the same
+    trouble: the leader makes the warm spawns, most of the attempts, while another replica
+    tries only a cold spawn now and then; a replica whose own cold spawns fail while the
+    leader's warm ones work (or that spawns nothing) still shows its own. What this replica
+    published itself (it leads, or led a moment ago) is never read back: its spawner knows
+    it fresher, and an older row would show trouble that is over already."""
+    published = sized.trouble if sized.sized_by != instance else None
+    if published is None or (own is not None and own.failures >= published.failures):
+        return own
+    return published
 
 
 def _cap(catalog: Catalog, pool: PoolSpec) -> int:
