@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from stoker.control import logs
@@ -82,7 +81,9 @@ class SpawnsFailing:
     failures: int
     last_error: str
     asked_before: int
-    waiting: frozenset[str] = frozenset()
+    #: Kept from failure to failure (the same set), and pruned as it is read
+    #: (`Spawner._any_waiting`): a readiness costs no scan of every pod that waits.
+    waiting: set[str] = field(default_factory=set)
     #: When the last failure was seen (the clock's `now`): a worker another replica asked
     #: for (no ask of this one's to compare) proves the trouble over if its row was
     #: created after it.
@@ -188,12 +189,14 @@ class Spawner:
             failures, error, self._clock.monotonic() + delay
         )
         shown = self._failing.get((pool, revision))
-        kept = self._still_waiting(shown.waiting if shown else ())
+        kept = shown.waiting if shown else set()
+        if waiting is not None:
+            kept.add(waiting)
         shown = self._failing[(pool, revision)] = SpawnsFailing(
             1 + (shown.failures if shown else 0),
             error,
             self._book.asks(),
-            kept | {waiting} if waiting is not None else kept,
+            kept,
             self._clock.now(),
         )
         self._changed((pool, revision))
@@ -229,7 +232,8 @@ class Spawner:
         shown = self._failing.get(key)
         if shown is None:
             return
-        waiting = self._still_waiting(shown.waiting - {worker.id})
+        was_waiting = worker.id in shown.waiting
+        shown.waiting.discard(worker.id)
         asked = self._book.asked(worker.id)
         # This replica's own spawn: by the order of its asks (times may tie on a virtual
         # clock). Another replica's (on Kubernetes every replica hears every pod get
@@ -238,8 +242,7 @@ class Spawner:
             after = asked > shown.asked_before
         else:
             after = worker.created_at > shown.failed_at
-        if waiting or not (after or worker.id in shown.waiting):
-            self._failing[key] = replace(shown, waiting=waiting)
+        if not (after or was_waiting) or self._any_waiting(shown.waiting):
             return
         del self._failing[key]
         spec = self._catalog.get(worker.pool)
@@ -262,15 +265,18 @@ class Spawner:
             self._metrics.spawn_failing.labels(pool).set(0)
         logs.event("spawn_recovered", pool=pool, revision=revision)
 
-    def _still_waiting(self, worker_ids: Iterable[str]) -> frozenset[str]:
-        """Those of the failed spawns kept waiting that this replica still knows as
-        spawning (a pod retired meanwhile waits no more)."""
-        return frozenset(
-            worker_id
-            for worker_id in worker_ids
-            if (known := self._book.known(worker_id)) is not None
-            and known.state is WorkerState.SPAWNING
-        )
+    def _any_waiting(self, worker_ids: set[str]) -> bool:
+        """Whether one of the failed spawns kept waiting still does (this replica knows it
+        as spawning); those that no longer do (retired meanwhile) are dropped from
+        `worker_ids` on the way, so each is looked at until it goes, not at every
+        readiness."""
+        while worker_ids:
+            worker_id = next(iter(worker_ids))
+            known = self._book.known(worker_id)
+            if known is not None and known.state is WorkerState.SPAWNING:
+                return True
+            worker_ids.discard(worker_id)
+        return False
 
     def _allowed(self, pool: PoolSpec, count: int) -> int:
         """How many of `count` spawns may start now: none while backing off, one probe
