@@ -12,9 +12,12 @@ from collections.abc import Callable, Iterable, Mapping
 
 from stoker.domain.errors import NotFound
 from stoker.domain.pools import Rollout, StoredPool, StoredRevision
-from stoker.domain.specs import OrgSpec, PoolSpec
+from stoker.domain.specs import OrgSpec, PoolSpec, Timeouts
 from stoker.policy.reaping import resolve_ttl
 from stoker.policy.scaling import effective_cap
+
+#: A stopped worker's grace where no pool says otherwise.
+_DEFAULT_STOP_GRACE_S = Timeouts().stop_grace_s
 
 #: The overrides of an org the config does not name: none.
 _NO_OVERRIDES = OrgSpec("-")
@@ -121,6 +124,12 @@ class Catalog:
         """The org's cap in the pool (0 = unbounded)."""
         own = self._org(org).max_workers
         return pool.max_workers_per_org if own is None else own
+
+    def stop_grace_s(self, pool_name: str) -> float:
+        """The seconds a worker of the pool has to exit once asked to stop (the default
+        of `Timeouts` for a pool this replica does not serve)."""
+        pool = self._pools.get(pool_name)
+        return pool.timeouts.stop_grace_s if pool is not None else _DEFAULT_STOP_GRACE_S
 
     def max_claim_s(self, pool_name: str, org: str) -> float:
         """The longest a session of `org` in the pool may last (org -> pool; 0 = no limit)."""

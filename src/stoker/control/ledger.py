@@ -208,9 +208,8 @@ class Ledger:
         if span is None:
             cpus, gib = self._resources_of(worker.pool, worker.revision)
             span = _Span(worker.pool, worker.revision, worker.org or "", "", at, 0, cpus, gib)
-        spec = self._catalog.get(worker.pool)
-        # The grace the retirement's stop was given (`Retirer`'s default without a spec).
-        grace = spec.timeouts.stop_grace_s if spec is not None else 10.0
+        # The grace the retirement's stop was given.
+        grace = self._catalog.stop_grace_s(worker.pool)
         until = at + min(grace + TERMINATING_MARGIN_S, MAX_TERMINATING_S)
         draining = _Span(
             span.pool, span.revision, span.org, "draining", at, worker.version, span.cpus, span.gib
@@ -513,11 +512,7 @@ class Ledger:
                 cell = self._cell_at(LedgerKey(pool, held.revision, "", hour))
                 cell.add_time("placeholder", seconds * slots, cpus, gib)
             self._meter("seconds", pool, "placeholder", (until - since) * slots)
-            spec = self._catalog.get(pool)
-            if spec is not None and spec.cost is not None:
-                slot_s = (until - since) * slots
-                worth = spec.cost.of(slot_s, slot_s * cpus, slot_s * gib)
-                self._meter("cost", pool, "headroom", worth)
+            self._idle_cost_of(pool, "headroom", (until - since) * slots, cpus, gib)
         held.since = now
 
     def _add_time(
@@ -533,14 +528,15 @@ class Ledger:
         self._meter("seconds", pool, state, end - start)
         if state in ("warm", "hot_idle"):
             kind = "warm" if state == "warm" else "parked"
-            self._idle_cost_of(pool, kind, end - start, pool, revision)
+            self._idle_cost_of(pool, kind, end - start, span.cpus, span.gib)
 
-    def _idle_cost_of(self, pool: str, kind: str, seconds: float, name: str, revision: str) -> None:
-        spec = self._catalog.get(name)
+    def _idle_cost_of(self, pool: str, kind: str, seconds: float, cpus: float, gib: float) -> None:
+        """Meter `seconds` of idle `kind` time, each holding `cpus` and `gib`, at the pool's
+        prices (nothing without them)."""
+        spec = self._catalog.get(pool)
         cost: CostSpec | None = spec.cost if spec is not None else None
         if cost is None:
             return
-        cpus, gib = self._resources_of(name, revision)
         self._meter("cost", pool, kind, cost.of(seconds, seconds * cpus, seconds * gib))
 
     def _meter(self, series: str, pool: str, label: str, amount: float) -> None:

@@ -177,8 +177,7 @@ class Retirer:
         )
 
     async def _stop_and_retire(self, worker: Worker, *, stop: bool) -> None:
-        pool = self._catalog.get(worker.pool)
-        grace = pool.timeouts.stop_grace_s if pool else 10.0
+        grace = self._catalog.stop_grace_s(worker.pool)
         if stop:
             try:
                 await self._runtime.stop(worker, grace)
@@ -217,8 +216,7 @@ class Retirer:
         return known is not None and known.owner == instance
 
     async def _stop_leftover(self, obj: RuntimeObject) -> bool:
-        pool = self._catalog.get(obj.pool)
-        grace = pool.timeouts.stop_grace_s if pool else 10.0
+        grace = self._catalog.stop_grace_s(obj.pool)
         try:
             await self._runtime.stop(ghost(obj), grace)
         except RuntimeFailure as exc:

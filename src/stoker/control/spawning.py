@@ -244,11 +244,7 @@ class Spawner:
             after = worker.created_at > shown.failed_at
         if not (after or was_waiting) or self._any_waiting(shown.waiting):
             return
-        del self._failing[key]
-        spec = self._catalog.get(worker.pool)
-        if spec is not None and spec.revision == worker.revision:
-            self._metrics.spawn_failing.labels(worker.pool).set(0)
-        logs.event("spawn_recovered", pool=worker.pool, revision=worker.revision)
+        self._recovered(key)
 
     def settled(self, pool: str, revision: str) -> None:
         """The revision holds its warm target with ready workers and wants no spawn (the
@@ -256,10 +252,16 @@ class Spawner:
         no worker asked for after them got ready (a pool whose target was lowered, or one
         whose failed spawn was not needed after all; else it would show them until its next
         spawn, for hours in an idle pool)."""
-        if self._trouble.get((pool, revision)) is not None:
-            return  # still backing off: the next readiness or probe decides
-        if self._failing.pop((pool, revision), None) is None:
-            return
+        key = (pool, revision)
+        if key in self._failing and key not in self._trouble:
+            # (Still backing off: the next readiness or probe decides.)
+            self._recovered(key)
+
+    def _recovered(self, key: tuple[str, str]) -> None:
+        """The spawn trouble of the (pool, revision) `key` is over: the pool shows it no
+        more."""
+        del self._failing[key]
+        pool, revision = key
         spec = self._catalog.get(pool)
         if spec is not None and spec.revision == revision:
             self._metrics.spawn_failing.labels(pool).set(0)
