@@ -8,6 +8,8 @@ pinned below, and end to end through `stoker serve` in `tests/test_activation_hi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import signal
@@ -19,8 +21,11 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fakes import TEST_ACTIVATION_KEY
+from stoker.demo_worker import parse_args
 from stoker.worker import SECRET_ENV, SIGNATURE_HEADER, signature
 
 pytestmark = pytest.mark.processes
@@ -408,3 +413,29 @@ async def test_idle_memory(start_worker: StartWorker, client: httpx.AsyncClient)
         f"\ndemo worker idle memory: rss={memory.rss / 2**20:.1f} MiB "
         f"uss={memory.uss / 2**20:.1f} MiB pss={memory.pss / 2**20:.1f} MiB"
     )
+
+
+@pytest.mark.parametrize("option", ["--start-delay", "--stop-delay"])
+@given(
+    value=st.one_of(
+        st.floats(max_value=-1e-9),
+        st.sampled_from(["nan", "inf", "-inf", "1e309", "", "x", "1s", "--"]),
+        st.text(st.characters(blacklist_categories=("Nd",)), min_size=1, max_size=8),
+    )
+)
+def test_a_delay_that_is_not_a_finite_number_of_seconds_is_refused(
+    option: str, value: float | str
+) -> None:
+    """Generated bad delays end with argparse's usage error (exit 2), never a worker that
+    never gets ready or never exits (`inf`), and never a traceback."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(err):
+        parse_args(["--port", "0", "--worker-id", "w-1", option, str(value)])
+    assert exit_.value.code == 2
+    assert f"argument {option}" in err.getvalue()
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "12"])
+def test_a_finite_delay_is_taken(value: str) -> None:
+    args = parse_args(["--port", "0", "--worker-id", "w-1", "--stop-delay", value])
+    assert args.stop_delay == float(value) and args.start_delay == 0.0

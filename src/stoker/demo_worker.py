@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import signal
 import sys
 from collections.abc import Sequence
@@ -272,6 +273,18 @@ async def serve(
         await server.close()
 
 
+def _seconds(text: str) -> float:
+    """A delay option's value: a finite number of seconds, 0 or more (`inf` would keep a
+    worker from ever getting ready, or from ever exiting)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a finite number of seconds >= 0: {text!r}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
@@ -282,13 +295,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument(
         "--start-delay",
-        type=float,
+        type=_seconds,
         default=0.0,
         help="seconds before /healthz answers 200 (simulates a slow engine start)",
     )
     parser.add_argument(
         "--stop-delay",
-        type=float,
+        type=_seconds,
         default=0.0,
         help="seconds from SIGTERM or SIGINT to the exit (simulates a slow engine shutdown)",
     )
