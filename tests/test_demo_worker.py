@@ -420,7 +420,7 @@ async def test_idle_memory(start_worker: StartWorker, client: httpx.AsyncClient)
     value=st.one_of(
         st.floats(max_value=-1e-9),
         st.sampled_from(["nan", "inf", "-inf", "1e309", "", "x", "1s", "--"]),
-        st.text(st.characters(blacklist_categories=("Nd",)), min_size=1, max_size=8),
+        st.text("abcxyz-_ .,:", min_size=1, max_size=8),
     )
 )
 def test_a_delay_that_is_not_a_finite_number_of_seconds_is_refused(
