@@ -205,7 +205,8 @@ async def test_a_warm_worker_spawned_by_one_replica_wakes_a_claim_waiting_on_ano
         await until(lambda: b.book.waiting_for_warm("p") == 1)
         await a.run_janitor_pass()  # A spawns the replacement
         claim = await waiting
-        assert claim.source is ClaimSource.WARM
+        # It waited for A's replacement to start: cold.
+        assert claim.source is ClaimSource.COLD
         worker = await b_store.get_worker(claim.worker_id)
         assert worker is not None and worker.owner == b.instance_id
         assert worker.id in procs and procs[worker.id].org == "globex"

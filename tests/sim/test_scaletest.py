@@ -130,11 +130,12 @@ def test_diurnal_headroom_is_kept_only_while_spawns_wait_for_nodes() -> None:
     on = _policy("diurnal", "stoker")
     off = _policy("diurnal", "stoker-headroom-off")
 
-    # No forecast in two hours, and two claims wait for a worker near the peak (5 and 15
-    # s); but their spawns found room on the nodes there were: a spare node would have
-    # bought nothing, and stoker holds none.
+    # No forecast in two hours, and a claim waits for a worker to start near the peak
+    # (2.3 s); but its spawn found room on the nodes there were (a node takes about a
+    # minute to launch here): a spare node would have bought nothing, and stoker holds none.
     assert off["vcpu_hours"]["placeholder"] == on["vcpu_hours"]["placeholder"] == 0
-    assert on["claims"]["cold_share"] <= off["claims"]["cold_share"]
+    assert on["claims"]["cold_share"] <= 0.005
+    assert on["claims"]["latency_s"]["all"]["max"] < 10
     assert sum(on["claims"]["failures"].values()) <= sum(off["claims"]["failures"].values())
 
 

@@ -31,6 +31,9 @@ class Attempt:
     #: Why the last try found nothing, reported if the deadline passes.
     blocked_by: MissReason | None = None
     missed: bool = False
+    #: It found no ready worker and waited for one to start: whatever worker it gets
+    #: next (its own spawn, or a warm one that got ready first) served it cold.
+    waited_for_start: bool = False
     #: Counted once as a claim that wanted a neutral worker (the demand rate).
     counted: bool = False
     #: The last spawn error of the pool, when its failing spawns held this claim back.

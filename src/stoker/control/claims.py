@@ -264,7 +264,10 @@ class Claims:
                 warm = await self._reservations.take(pool, org, WorkerState.WARM, a.org_cap)
             if warm.worker is not None:
                 book.hand_on_spawn(a, pool.name)
-                return warm.worker, ClaimSource.WARM
+                # A warm worker that got ready while the claim waited for a start is the
+                # start it waited for: the claim was served cold, not from the warm pool.
+                source = ClaimSource.COLD if a.waited_for_start else ClaimSource.WARM
+                return warm.worker, source
             if warm.at_org_cap and not spawning:
                 self._miss(a, MissReason.ORG_CAP)
                 await self._wait(a, lambda: book.wait_for_slot(pool.name, org, a))
@@ -323,6 +326,8 @@ class Claims:
     def _miss(self, a: Attempt, reason: MissReason) -> None:
         """Record one miss per claim; a miss caused by the org's own cap is not demand."""
         a.blocked_by = reason
+        if reason is MissReason.NO_WARM:
+            a.waited_for_start = True
         if a.missed:
             return
         a.missed = True

@@ -101,7 +101,9 @@ class ClaimMode(StrEnum):
 
 
 class ClaimSource(StrEnum):
-    """Where the worker of a bound claim came from."""
+    """Where the worker of a bound claim came from: `reuse` (parked for its org), `warm`
+    (ready when the claim looked), `cold` (the claim waited for a worker to start: its own
+    spawn, or any other that got ready first)."""
 
     REUSE = "reuse"
     WARM = "warm"
