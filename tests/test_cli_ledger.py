@@ -110,8 +110,17 @@ def test_claims_export_round_trips_the_log(
     printed = run(["claims", "export", "--since", "1h"], srv.url)
     assert printed.returncode == 0, printed.stderr
     assert printed.stdout == text
-    other = run(["claims", "export", "--since", "1h", "--pool", "nope"], srv.url)
-    assert other.returncode == 0 and other.stdout == ""
+    # A pool that is not there and has no claims (a typo) is an error, not an empty log;
+    # an earlier export under that name is left as it was.
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text(text)
+    other = run(["claims", "export", "--since", "1h", "--pool", "dmeo", "-o", str(kept)], srv.url)
+    assert other.returncode == 1 and other.stdout == ""
+    assert other.stderr.strip() == "stoker: 404 Not Found: unknown pool 'dmeo'"
+    assert kept.read_text() == text
+    # A known pool with no claims in the window exports nothing, successfully.
+    none = run(["claims", "export", "--since", "1h", "--until", "59m", "--pool", "demo"], srv.url)
+    assert none.returncode == 0 and none.stdout == "", none.stderr
 
 
 def test_pools_ledger_prints_a_table_and_json(server: tuple[Server, list[str]]) -> None:

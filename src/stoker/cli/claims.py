@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -277,7 +278,16 @@ def claims_export(
 ) -> None:
     """The claim log as JSON lines, by arrival (docs/claim-log.md): what a backtest replays.
     Its output is JSON lines with or without `--json`."""
-    entries = client.iter_claim_log(since=since, until=until, pool=pool, page_size=LOG_PAGE)
+    entries: Iterator[dict[str, Any]] = iter(
+        client.iter_claim_log(since=since, until=until, pool=pool, page_size=LOG_PAGE)
+    )
+    first = next(entries, None)
+    if first is None and pool is not None:
+        # Nothing of that name: a pool that is not there (a typo) is a 404, before an
+        # empty export replaces a file. A deleted pool's claims still export.
+        client.pool(pool)
+    if first is not None:
+        entries = itertools.chain([first], entries)
     if out is None:
         for entry in entries:
             print(json.dumps(entry, separators=(",", ":")))

@@ -496,7 +496,7 @@ class Ledger:
     def _carry_span(self, span: _Span, until: float) -> None:
         if until <= span.since:
             return
-        self._add_time(span.pool, span.revision, span.org, span.state, span.since, until, span)
+        self._add_time(span.pool, span.state, span.since, until, span)
         span.since = until
 
     def _accrue_placeholders(self, pool: str, now: float) -> None:
@@ -515,9 +515,9 @@ class Ledger:
             self._idle_cost_of(pool, "headroom", (until - since) * slots, cpus, gib)
         held.since = now
 
-    def _add_time(
-        self, pool: str, revision: str, org: str, state: str, start: float, end: float, span: _Span
-    ) -> None:
+    def _add_time(self, pool: str, state: str, start: float, end: float, span: _Span) -> None:
+        """Add `span`'s time from `start` to `end` in `state` to its cells, hour by hour,
+        and to the pool's meters."""
         hour = hour_of(start)
         if end <= hour + HOUR_S:
             # Within one hour (nearly every flush's carry): `split_hours`' one piece.
