@@ -712,3 +712,48 @@ async def test_a_replicas_last_ledger_write_is_read_back(store: Store) -> None:
     await store.record_ledger(ME, cells, now=1_700_000_020.0)
     await store.record_ledger("replica-2", cells, now=1_700_000_030.0)
     assert await store.ledger_written_at(ME) == pytest.approx(1_700_000_020.0)
+
+
+@pytest.mark.parametrize("ends_reported", [True, False])
+async def test_a_stopping_replica_counts_its_terminating_pods_up_to_its_stop(
+    store: Store, ends_reported: bool
+) -> None:
+    """The replica stops 7 s after retiring w-a, whose pod still terminates: no report of
+    its end will reach it, so its final flush counts those 7 s as draining (none before).
+    w-b's spawn failed: it has no pod, and nothing is counted after its retirement. With a
+    runtime that reports no ends (local processes: a stop waits for the exit) there is
+    nothing to count after a retirement."""
+    pods = dataclasses.replace(
+        POOL, template=PodTemplate(image="worker", cpu="250m", memory="1Gi"), cost=None
+    )
+    catalog = Catalog({"p": pods}, {}, derived_cap=lambda _: 0)
+    clock = ManualClock(start=hour_of(472_223 * HOUR_S) + 60)
+    ledger = Ledger(
+        clock=clock,
+        catalog=catalog,
+        instance_id=ME,
+        metrics=Metrics(CollectorRegistry()),
+        ends_reported=ends_reported,
+    )
+    life = Lifecycle(store, clock, Metrics(CollectorRegistry()))
+    life.on_moved = ledger.moved
+    t0 = clock.now()
+    a, b = (
+        await life.reserve_slots(
+            SpawnRequest(pool="p", revision=pods.revision, count=2, owner=ME), ["w-a", "w-b"]
+        )
+    ).workers
+    clock.advance(100)
+    draining = await life.move(a, S.DRAINING, reason="excess")
+    assert draining is not None
+    clock.advance(1)
+    assert await life.move(draining, S.RETIRED) is not None
+    assert await life.move(b, S.RETIRED, reason="spawn_failure") is not None
+    clock.advance(7)
+    await ledger.flush(store, final=True)
+
+    total = LedgerCounts()
+    for _, counts in await store.read_ledger("p", since=t0 - 1, until=clock.now() + 1):
+        total.merge(counts)
+    assert total.starting_s == pytest.approx(100 + 101)
+    assert total.draining_s == pytest.approx(1 + 7 if ends_reported else 1)

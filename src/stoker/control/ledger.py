@@ -55,7 +55,7 @@ from stoker.domain.ledger import (
 )
 from stoker.domain.records import Claim, Worker
 from stoker.domain.specs import CostSpec
-from stoker.domain.states import LIVE, ClaimMode, WorkerState
+from stoker.domain.states import LIVE, ClaimMode, RetireReason, WorkerState
 from stoker.ports.clock import Clock
 from stoker.ports.store import ReplicaStore
 
@@ -71,6 +71,9 @@ _TIME_STATE = {
 }
 #: Log rows kept in memory while the store fails, at most (the oldest go first).
 MAX_PENDING_ROWS = 100_000
+#: Retirement reasons of workers that may have no runtime object left to terminate (a
+#: spawn the runtime refused, a pod that vanished): a stopping replica does not guess.
+_NO_OBJECT = frozenset({RetireReason.SPAWN_FAILURE.value, RetireReason.LOST.value})
 #: A retired worker's terminating time is counted up to its pool's `stop_grace_s` plus
 #: this (the kubelet's own latency, the watch's delivery): a pod that lingers (its
 #: kubelet is gone) is never counted for longer.
@@ -125,20 +128,32 @@ class _Span:
 class _Terminating:
     """A worker this replica retired, whose object may still hold its node share: its
     `span` (draining, from the retirement) is counted up to the report of its end, at most
-    up to `until`; it is forgotten at `forget_at`."""
+    up to `until`; it is forgotten at `forget_at`. `stopped`: its retirement stopped an
+    object known to be there (not a failed spawn's or a lost worker's, which may have
+    none), so a stopping replica counts it up to its stop."""
 
     span: _Span
     until: float
     forget_at: float
+    stopped: bool
 
 
 class Ledger:
     """This replica's ledger cells and claim log rows until they are written."""
 
     def __init__(
-        self, *, clock: Clock, catalog: Catalog, instance_id: str, metrics: Metrics
+        self,
+        *,
+        clock: Clock,
+        catalog: Catalog,
+        instance_id: str,
+        metrics: Metrics,
+        ends_reported: bool = True,
     ) -> None:
         self._clock, self._catalog, self._instance_id = clock, catalog, instance_id
+        #: Whether the runtime reports the end of an object it stopped (`terminated`; a
+        #: pod's): a local process's stop waits for its exit, and nothing is left to count.
+        self._ends_reported = ends_reported
         #: Cumulative counts of the cells of hours not yet over and written.
         self._cells: dict[LedgerKey, LedgerCounts] = {}
         self._dirty: set[LedgerKey] = set()
@@ -204,7 +219,9 @@ class Ledger:
     def _retired(self, worker: Worker, span: _Span | None, at: float) -> None:
         """Remember a worker this replica just retired, in its span's pool, revision and
         org (without a span here, an orphan's: its row's), until its runtime object is
-        reported gone."""
+        reported gone (with a runtime that reports it)."""
+        if not self._ends_reported:
+            return
         if span is None:
             cpus, gib = self._resources_of(worker.pool, worker.revision)
             span = _Span(worker.pool, worker.revision, worker.org or "", "", at, 0, cpus, gib)
@@ -214,7 +231,10 @@ class Ledger:
         draining = _Span(
             span.pool, span.revision, span.org, "draining", at, worker.version, span.cpus, span.gib
         )
-        self._terminating[worker.id] = _Terminating(draining, until, until + TERMINATING_KEEP_S)
+        stopped = worker.reason not in _NO_OBJECT
+        self._terminating[worker.id] = _Terminating(
+            draining, until, until + TERMINATING_KEEP_S, stopped
+        )
         if len(self._terminating) > MAX_TERMINATING:
             del self._terminating[next(iter(self._terminating))]
 
@@ -351,10 +371,19 @@ class Ledger:
 
     # -- writing ----------------------------------------------------------------------------
 
-    async def flush(self, store: ReplicaStore) -> None:
+    async def flush(self, store: ReplicaStore, *, final: bool = False) -> None:
         """Carry open spans up to now, reconcile with the store's rows of this replica, and
-        write the cells that changed and the log rows gathered (a failure keeps them)."""
+        write the cells that changed and the log rows gathered (a failure keeps them).
+
+        `final`: the replica stops. The workers it retired whose objects still terminate
+        are counted as draining up to now (within their bound), since no report of their
+        end will reach it: their time after the stop is not counted by anyone."""
         now = self._clock.now()
+        if final:
+            for held in self._terminating.values():
+                if held.stopped:
+                    self._carry_span(held.span, min(now, held.until))
+            self._terminating.clear()
         if self._gaps:
             await self._count_gaps(store)
         if self._orphans:

@@ -144,6 +144,7 @@ class ControlPlane:
             catalog=self.catalog,
             instance_id=self.instance_id,
             metrics=self.metrics,
+            ends_reported=runtime.kind == "kubernetes",
         )
         self.lifecycle.on_moved = self.ledger.moved
         self.lifecycle.on_claim_ended = self.ledger.claim_ended
@@ -281,7 +282,7 @@ class ControlPlane:
                 await self._remove_headroom()
         await self.book.wait_background(self.settings.shutdown_grace_s)
         # The ledger's last counts and log rows: a clean stop loses none of them.
-        await self.ledger.flush(self.store)
+        await self.ledger.flush(self.store, final=True)
         with contextlib.suppress(StokerError):
             await self.elector.resign()
         with contextlib.suppress(StokerError):
