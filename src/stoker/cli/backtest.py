@@ -388,7 +388,7 @@ def backtest(
     _print_table(replay, rows)
     print("\n".join(notes))
     print(
-        f"{len(replay):,} claims over {_span(replay.span_s)}, {len(rows)} settings in "
+        f"{_claims(len(replay))} over {_span(replay.span_s)}, {_claims(len(rows), 'settings')} in "
         f"{result.wall_s:.1f} s" + (f"; report in {out}" if out is not None else ""),
         flush=True,
     )
@@ -758,7 +758,14 @@ def _cells(f: Figures) -> list[str]:
 
 
 def _span(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+
+def _claims(count: int, what: str = "claims") -> str:
+    """`1 claim`, `2,000 claims` (`what` in the plural)."""
+    return f"{count:,} {what[:-1] if count == 1 else what}"
 
 
 def _money(value: float) -> str:
@@ -811,7 +818,7 @@ def _markdown(replay: ClaimReplay, rows: Sequence[Figures]) -> str:
     lines = [
         f"# Backtest of pool {replay.pool}",
         "",
-        f"{len(replay):,} recorded claims over {_span(replay.span_s)} "
+        f"{_claims(len(replay), 'recorded claims')} over {_span(replay.span_s)} "
         f"({replay.filled_holds} never bound, replayed with their org's median hold).",
         "",
         "| settings | " + " | ".join(_HEADERS) + " |",
