@@ -323,6 +323,7 @@ def backtest(
     notes.append(
         f"spawn-to-ready: {spawn.p50_s:.3g} s median, {spawn.p99_s:.3g} s p99 ({spawn_source})"
     )
+    notes.append(_passes_line(intervals, facts))
     if machine:
         notes.append("local processes: no spawn waits for a node (its nodes are there at once)")
     elif sized is None:
@@ -755,6 +756,23 @@ def _cells(f: Figures) -> list[str]:
         "-" if f.idle_warm_cost is None else _money(f.idle_warm_cost),
         _money(f.cost),
     ]
+
+
+def _passes_line(intervals: Mapping[str, Any], facts: dict[str, Any]) -> str:
+    """What the replay's passes run at, and whose those intervals are (into `facts`)."""
+    from stoker.domain.specs import PlaneSettings
+
+    defaults = PlaneSettings()
+    janitor = intervals.get("janitor_interval_s", defaults.janitor_interval_s)
+    reaper = intervals.get("reaper_interval_s", defaults.reaper_interval_s)
+    given = {"janitor_interval_s", "reaper_interval_s"} & set(intervals)
+    source = (
+        "the config file's" + ("" if len(given) == 2 else ", else stoker serve's defaults")
+        if given
+        else "stoker serve's defaults; -c gives a config file's"
+    )
+    facts["intervals"] = {"janitor_s": janitor, "reaper_s": reaper, "source": source}
+    return f"passes: janitor every {janitor:g} s, reaper every {reaper:g} s ({source})"
 
 
 def _span(seconds: float) -> str:

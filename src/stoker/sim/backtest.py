@@ -26,7 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from stoker.domain.errors import ConfigError
 from stoker.domain.ledger import LedgerCounts, money
-from stoker.domain.specs import CostSpec, DemandSpec, PoolSpec
+from stoker.domain.specs import CostSpec, DemandSpec, PlaneSettings, PoolSpec
 from stoker.sim.claimlog import ClaimReplay
 from stoker.sim.policies import POLICY_KINDS
 from stoker.sim.runner import PolicyResult, ProgressCallback, ScenarioResult, run_scenario
@@ -274,6 +274,10 @@ BASE: Mapping[str, Any] = {
     "check_interval_s": 30,
     "control_plane": {
         "replicas": 1,
+        # `stoker serve`'s own passes (`PlaneSettings`), not the simulator's duckgres-like
+        # defaults (5 s and 60 s): a replay of stoker's log runs stoker as it ran.
+        "janitor_interval_s": PlaneSettings().janitor_interval_s,
+        "reaper_interval_s": PlaneSettings().reaper_interval_s,
         "lease_duration_s": 20,
         "renew_deadline_s": 15,
         "retry_period_s": 5,
