@@ -757,3 +757,47 @@ async def test_a_stopping_replica_counts_its_terminating_pods_up_to_its_stop(
         total.merge(counts)
     assert total.starting_s == pytest.approx(100 + 101)
     assert total.draining_s == pytest.approx(1 + 7 if ends_reported else 1)
+
+
+async def test_a_move_written_later_than_this_replicas_clock_counts_from_its_write(
+    store: Store,
+) -> None:
+    """The leader's clock runs 3 s ahead: its drain of this replica's worker w-x is
+    written at a time this replica's flushes have not reached. w-x drains from that write
+    on, not before (the flush in between counts nothing of it), until this replica
+    retires it with w-y, which it drained itself. Open spans are carried by group at a
+    flush: w-x's waits in w-y's group until its own start."""
+    clock = ManualClock()
+    ledger, life, _ = wire(store, clock)
+    leader_clock = ManualClock(start=clock.now() + 3)
+    leader = Lifecycle(store, leader_clock, Metrics(CollectorRegistry()))
+    t0 = clock.now()
+    slots = (
+        await life.reserve_slots(
+            SpawnRequest(pool="p", revision=POOL.revision, count=2, owner=ME), ["w-x", "w-y"]
+        )
+    ).workers
+    clock.advance(5)
+    leader_clock.advance(5)
+    x, y = [await life.move(w, S.WARM, endpoint="http://w") for w in slots]
+    assert x is not None and y is not None
+    clock.advance(45)
+    leader_clock.advance(45)
+    y_draining = await life.move(y, S.DRAINING, reason="excess")
+    x_draining = await leader.move(x, S.DRAINING, reason="excess")
+    assert y_draining is not None and x_draining is not None
+    assert x_draining.updated_at == clock.now() + 3
+    await ledger.flush(store)  # w-x's warm time ends now; its drain starts 3 s on
+    clock.advance(1)
+    await ledger.flush(store)
+    clock.advance(9)
+    assert await life.move(x_draining, S.RETIRED) is not None
+    assert await life.move(y_draining, S.RETIRED) is not None
+    await ledger.flush(store)
+
+    total = LedgerCounts()
+    for _, counts in await store.read_ledger("p", since=t0 - 1, until=clock.now() + 1):
+        total.merge(counts)
+    assert total.starting_s == pytest.approx(2 * 5)
+    assert total.warm_s == pytest.approx(2 * 45)
+    assert total.draining_s == pytest.approx(10 + (10 - 3))

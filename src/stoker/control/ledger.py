@@ -37,7 +37,7 @@ and the log rows gathered since the last one.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stoker.control import logs
 from stoker.control.catalog import Catalog
@@ -100,7 +100,7 @@ class _Headroom:
     since: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Span:
     """A worker's time in one state since `since`, counted up to there already."""
 
@@ -116,8 +116,40 @@ class _Span:
     #: every flush: one key made per hour, not per flush).
     key: LedgerKey | None = None
 
+    #: The open spans it is carried with (`_Group`); None for a span carried alone (a
+    #: terminating worker's, an adopted worker's gap).
+    group: _Group | None = None
+
     def key_at(self, hour: int) -> LedgerKey:
         """The span's cell key of `hour`."""
+        key = self.key
+        if key is None or key.hour != hour:
+            key = self.key = LedgerKey(self.pool, self.revision, self.org, hour)
+        return key
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """The open spans that add alike to the same cells (one pool, revision, org and state,
+    with the same resources), carried in one step at a flush instead of one by one: a
+    fleet of a thousand workers is a few groups. `settled` members are counted up to
+    `carried`; the `fresh` ones, opened since (or placed at a row's write later than the
+    last flush), from their own `since`."""
+
+    pool: str
+    revision: str
+    org: str
+    state: str
+    cpus: float
+    gib: float
+    carried: float
+    settled: int = 0
+    #: By `id` (in the order they opened: a deterministic sum).
+    fresh: dict[int, _Span] = field(default_factory=dict)
+    key: LedgerKey | None = None
+
+    def key_at(self, hour: int) -> LedgerKey:
+        """The group's cell key of `hour`."""
         key = self.key
         if key is None or key.hour != hour:
             key = self.key = LedgerKey(self.pool, self.revision, self.org, hour)
@@ -158,6 +190,8 @@ class Ledger:
         self._cells: dict[LedgerKey, LedgerCounts] = {}
         self._dirty: set[LedgerKey] = set()
         self._open: dict[str, _Span] = {}
+        #: The open spans by what they add to (`_Group`).
+        self._groups: dict[tuple[str, str, str, str, float, float], _Group] = {}
         #: Per pool: the headroom it keeps since when (`_Headroom`).
         self._placeholders: dict[str, _Headroom] = {}
         self._arrivals: list[ClaimLogEntry] = []
@@ -396,8 +430,7 @@ class Ledger:
         if mine is not None:
             self._reconcile(mine, now)
             await self._close_gone(store, {w.id for w in mine}, now)
-        for span in list(self._open.values()):
-            self._carry_span(span, now)
+        self._carry_groups(now)
         for pool in list(self._placeholders):
             self._accrue_placeholders(pool, now)
         self._forget_terminating(now)
@@ -454,7 +487,7 @@ class Ledger:
                 self._open_span(row, min(row.updated_at, now))
             elif row.version > span.version and _TIME_STATE.get(row.state) != span.state:
                 # Moved by another replica: the change is its row's last write.
-                self._close(row.id, max(span.since, min(row.updated_at, now)))
+                self._close(row.id, max(_since(span), min(row.updated_at, now)))
                 self._open_span(row, max(row.updated_at, 0.0))
 
     async def _close_gone(self, store: ReplicaStore, live: set[str], now: float) -> None:
@@ -470,7 +503,7 @@ class Ledger:
             if span is None:
                 continue
             left = now if row is None else min(_left_at(row, span, self._instance_id), now)
-            self._close(worker_id, max(span.since, left))
+            self._close(worker_id, max(_since(span), left))
 
     async def _write(self, store: ReplicaStore, now: float) -> None:
         if self._dirty:
@@ -510,17 +543,55 @@ class Ledger:
         if state is None or worker.owner != self._instance_id:
             return
         cpus, gib = self._resources_of(worker.pool, worker.revision)
-        self._open[worker.id] = _Span(
-            worker.pool, worker.revision, worker.org or "", state, at, worker.version, cpus, gib
-        )
+        org = worker.org or ""
+        span = _Span(worker.pool, worker.revision, org, state, at, worker.version, cpus, gib)
+        ident = (worker.pool, worker.revision, org, state, cpus, gib)
+        group = self._groups.get(ident)
+        if group is None:
+            # Carried up to now at the latest: a span placed at a later write stays fresh.
+            group = self._groups[ident] = _Group(*ident, carried=min(at, self._clock.now()))
+        if at > group.carried:
+            group.fresh[id(span)] = span
+        else:
+            # Opened before the group's last carry (a move placed at its row's write):
+            # its own time up to there first, then it is carried with the others.
+            self._carry_span(span, group.carried)
+            group.settled += 1
+        span.group = group
+        self._open[worker.id] = span
 
     def _close(self, worker_id: str, at: float) -> None:
-        if worker_id in self._open:
-            self._carry(worker_id, at)
-            del self._open[worker_id]
+        """End the open span of `worker_id` at `at` (not before its counted part ends)."""
+        span = self._open.pop(worker_id, None)
+        if span is None:
+            return
+        group = span.group
+        assert group is not None
+        if group.fresh.pop(id(span), None) is None:
+            group.settled -= 1
+            span.since = group.carried
+        span.group = None
+        self._carry_span(span, at)
 
-    def _carry(self, worker_id: str, until: float) -> None:
-        self._carry_span(self._open[worker_id], until)
+    def _carry_groups(self, now: float) -> None:
+        """Carry every open span up to `now`, a group at a time."""
+        for ident, group in list(self._groups.items()):
+            if group.settled and now > group.carried:
+                self._add_time(group.pool, group.state, group.carried, now, group, group.settled)
+            if group.fresh:
+                # Each from its own start; one that starts later (a row written after now)
+                # stays fresh until then.
+                later = {}
+                for key, span in group.fresh.items():
+                    if span.since <= now:
+                        self._carry_span(span, now)
+                        group.settled += 1
+                    else:
+                        later[key] = span
+                group.fresh = later
+            group.carried = max(group.carried, now)
+            if not group.settled and not group.fresh:
+                del self._groups[ident]
 
     def _carry_span(self, span: _Span, until: float) -> None:
         if until <= span.since:
@@ -544,20 +615,22 @@ class Ledger:
             self._idle_cost_of(pool, "headroom", (until - since) * slots, cpus, gib)
         held.since = now
 
-    def _add_time(self, pool: str, state: str, start: float, end: float, span: _Span) -> None:
-        """Add `span`'s time from `start` to `end` in `state` to its cells, hour by hour,
-        and to the pool's meters."""
+    def _add_time(
+        self, pool: str, state: str, start: float, end: float, span: _Span | _Group, n: int = 1
+    ) -> None:
+        """Add the time from `start` to `end` in `state` of `n` workers alike (`span`'s, or
+        a group's) to their cells, hour by hour, and to the pool's meters."""
         hour = hour_of(start)
         if end <= hour + HOUR_S:
             # Within one hour (nearly every flush's carry): `split_hours`' one piece.
-            self._cell_at(span.key_at(hour)).add_time(state, end - start, span.cpus, span.gib)
+            self._cell_at(span.key_at(hour)).add_time(state, (end - start) * n, span.cpus, span.gib)
         else:
             for hour, seconds in split_hours(start, end):
-                self._cell_at(span.key_at(hour)).add_time(state, seconds, span.cpus, span.gib)
-        self._meter("seconds", pool, state, end - start)
+                self._cell_at(span.key_at(hour)).add_time(state, seconds * n, span.cpus, span.gib)
+        self._meter("seconds", pool, state, (end - start) * n)
         if state in ("warm", "hot_idle"):
             kind = "warm" if state == "warm" else "parked"
-            self._idle_cost_of(pool, kind, end - start, span.cpus, span.gib)
+            self._idle_cost_of(pool, kind, (end - start) * n, span.cpus, span.gib)
 
     def _idle_cost_of(self, pool: str, kind: str, seconds: float, cpus: float, gib: float) -> None:
         """Meter `seconds` of idle `kind` time, each holding `cpus` and `gib`, at the pool's
@@ -607,12 +680,18 @@ class Ledger:
             del self._arrivals[: len(self._arrivals) - MAX_PENDING_ROWS]
 
 
+def _since(span: _Span) -> float:
+    """Up to when the open `span` is counted: its own start, or its group's last carry."""
+    group = span.group
+    return span.since if group is None else max(span.since, group.carried)
+
+
 def _left_at(row: Worker, span: _Span, me: str) -> float:
     """When the worker of `span` left this replica's time, as its row now reads. Taken by
     another replica (a claim there): at the reservation, which stamps `heartbeat_at`; the
     row's later writes (the session, its end) are the taker's, which counts the worker
     from the reservation on. Otherwise (a move another replica wrote, a retirement): at the
     row's last write."""
-    if row.owner != me and row.heartbeat_at > span.since:
+    if row.owner != me and row.heartbeat_at > _since(span):
         return min(row.heartbeat_at, row.updated_at)
     return row.updated_at
