@@ -500,7 +500,7 @@ def test_the_servers_cap_stands_over_a_config_that_derives_one(
     replay = read_claim_log(_burst(tmp_path, 3))
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1, "max_workers": 3}, SpawnToReady(), None, None, {}
+        return replay, {"warm_target": 1, "max_workers": 3}, SpawnToReady(), None, None, {}, {}
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     config = tmp_path / "stoker.yaml"
@@ -579,7 +579,7 @@ def test_the_configs_and_the_servers_org_overrides_reach_the_replay(
     stated = {"org-2": {"min_hot_idle": 1}, "org-0": {"max_workers": 3}}
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1, "max_workers": 4}, SpawnToReady(), None, None, stated
+        return replay, {"warm_target": 1, "max_workers": 4}, SpawnToReady(), None, None, stated, {}
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     body = _backtest_json(["--url", "http://live:8080"])
@@ -605,12 +605,46 @@ def test_a_server_that_states_no_org_overrides_is_said(
     replay = read_claim_log(_burst(tmp_path, 2))
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1}, SpawnToReady(), None, None, None
+        return replay, {"warm_target": 1}, SpawnToReady(), None, None, None, {}
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     result = CliRunner().invoke(app, ["backtest", "--url", "http://old:1", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "the server does not state its per-org overrides" in result.stderr
+
+
+def test_a_replay_passes_at_the_servers_intervals_and_a_configs_over_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--url`: the replicas replay at the intervals the server's pool states (the reaper's
+    is stoker serve's default where it states none); `-c`'s over them."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    replay = read_claim_log(_burst(tmp_path, 2))
+    served = {"janitor_interval_s": 0.5}
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        return replay, {"warm_target": 1}, SpawnToReady(), None, None, {}, served
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    args = ["backtest", "--url", "http://live:1", "--no-progress", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    passes = json.loads(result.stdout)["intervals"]
+    assert (passes["janitor_s"], passes["reaper_s"]) == (0.5, 10.0)
+    assert passes["source"].startswith("the server's, GET http://live:1/v1/pools/")
+    assert passes["source"].endswith(", else stoker serve's defaults")
+    config = tmp_path / "stoker.yaml"
+    config.write_text(
+        "intervals: {janitor_interval_s: 3}\npools:\n"
+        f"  - {{name: {replay.pool}, command: [worker], warm_target: 1}}\n"
+    )
+    result = CliRunner().invoke(app, [*args, "-c", str(config)])
+    assert result.exit_code == 0, result.output
+    passes = json.loads(result.stdout)["intervals"]
+    assert passes["janitor_s"] == 3 and passes["source"].startswith("the config file's")
 
 
 def test_a_report_that_cannot_be_written_is_refused_before_the_replay(
@@ -916,7 +950,7 @@ def test_the_settings_recommended_from_a_server_apply_to_it_as_printed(
 
     def from_server(*_: Any, **__: Any) -> Any:
         settings = {"warm_target": 0, "max_workers": 8}
-        return replay, settings, SpawnToReady(1.0, 2.0), None, (0.0, 0.5), {}
+        return replay, settings, SpawnToReady(1.0, 2.0), None, (0.0, 0.5), {}, {}
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     for name in ("STOKER_URL", "STOKER_TOKEN"):

@@ -196,7 +196,7 @@ def test_the_backtest_reads_a_servers_log_page_after_page(
     server, _ = live
     exported = _export(server.url, tmp_path / "claims.jsonl")
     assert len(exported) >= CLAIMS  # the run of the test before, or its own claims
-    replay, settings, _spawn, _cost, _sizes, _orgs = _from_server(
+    replay, settings, _spawn, _cost, _sizes, _orgs, intervals = _from_server(
         server.url, None, "1h", "demo", page_size=7
     )
     assert len(exported) > 7 * 3, "the log must span several pages"
@@ -205,6 +205,9 @@ def test_the_backtest_reads_a_servers_log_page_after_page(
     assert arrivals == pytest.approx(sorted(e["at"] for e in exported), abs=1e-3)
     assert sorted(replay.orgs) == sorted({e["org"] for e in exported})
     assert settings["warm_target"] == 1
+    # The replicas replay at the server's own passes (its config's 0.5 s janitor), which
+    # `GET /v1/pools/{name}` states; the reaper's is the default (10 s).
+    assert intervals == {"janitor_interval_s": 0.5, "reaper_interval_s": 10.0}
 
 
 def _restart(server: Server) -> None:

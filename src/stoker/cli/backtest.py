@@ -200,6 +200,9 @@ def backtest(
         orgs_source: str | None = None
         #: Where the pool cap replayed (`max_workers`) comes from, for the report.
         cap_source = "no server, --config or --current max_workers gives one"
+        #: The replicas' intervals (`ControlPlaneConfig` keys), and whose they are.
+        intervals: dict[str, Any] = {}
+        passes_source: str | None = None
         if from_file is not None:
             from stoker.sim.claimlog import read_claim_log, read_claim_stream
 
@@ -210,7 +213,11 @@ def backtest(
             )
         else:
             assert url is not None
-            replay, known, spawn, cost, resources, stated = _from_server(url, token, since, pool)
+            replay, known, spawn, cost, resources, stated, served = _from_server(
+                url, token, since, pool
+            )
+            if served:
+                intervals, passes_source = served, f"the server's, GET {url}/v1/pools/{replay.pool}"
             if stated is not None:
                 orgs, orgs_source = (
                     stated,
@@ -218,13 +225,15 @@ def backtest(
                 )
             if "max_workers" in known:
                 cap_source = f"the server's cap, GET {url}/v1/pools/{replay.pool}"
-        intervals: dict[str, Any] = {}
         # The live pool's (CPUs, GiB) per worker, as its ledger counted them or its
         # template says: a local process has no CPU share (`resources_of`).
         sized = resources
         if config is not None:
             file = _ConfigFile.load(config)
-            pool_settings, intervals, prices, sizes = _config_settings(file, replay.pool)
+            pool_settings, given, prices, sizes = _config_settings(file, replay.pool)
+            if {"janitor_interval_s", "reaper_interval_s"} & set(given):
+                passes_source = "the config file's"
+            intervals = {**intervals, **given}
             config_cap, config_source = _config_cap(file, replay.pool)
             if "max_workers" in known and pool_settings["max_workers"] == 0:
                 # The live server's cap in force, derived on its own machine, over one
@@ -323,7 +332,7 @@ def backtest(
     notes.append(
         f"spawn-to-ready: {spawn.p50_s:.3g} s median, {spawn.p99_s:.3g} s p99 ({spawn_source})"
     )
-    notes.append(_passes_line(intervals, facts))
+    notes.append(_passes_line(intervals, passes_source, facts))
     if machine:
         notes.append("local processes: no spawn waits for a node (its nodes are there at once)")
     elif sized is None:
@@ -407,9 +416,11 @@ def _from_server(
     CostSpec | None,
     tuple[float, float] | None,
     dict[str, dict[str, Any]] | None,
+    dict[str, float],
 ]:
-    """The log (`GET /v1/claims/log`, page after page), the pool's current settings and
-    per-org overrides (`GET /v1/pools/{name}`; None: the server states none), and its
+    """The log (`GET /v1/claims/log`, page after page), the pool's current settings,
+    per-org overrides (`GET /v1/pools/{name}`; None: the server states none) and the
+    replicas' intervals (empty: the server states none), and its
     spawn-to-ready time, prices and resources per worker (`GET /v1/pools/{name}/ledger`
     when the server has it, else None)."""
     import httpx
@@ -454,6 +465,7 @@ def _from_server(
             _raise_for(info, f"/v1/pools/{replay.pool}")
             settings = _pool_settings(info.json())
             stated = _org_overrides(info.json())
+            served = _served_intervals(info.json())
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
             body = ledger.json() if ledger.status_code == 200 else None
             spawn, cost, resources = _ledger_spawn(body), _ledger_cost(body), _ledger_sizes(body)
@@ -462,7 +474,18 @@ def _from_server(
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
-    return replay, settings, spawn, cost, resources, stated
+    return replay, settings, spawn, cost, resources, stated, served
+
+
+def _served_intervals(body: Any) -> dict[str, float]:
+    """The replicas' intervals a pool's `GET /v1/pools/{name}` states (the answering
+    replica's config's); none from a server that does not say."""
+    out = {}
+    for key in ("janitor_interval_s", "reaper_interval_s"):
+        value = body.get(key) if isinstance(body, Mapping) else None
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            out[key] = float(value)
+    return out
 
 
 def _ledger_cost(body: Any) -> CostSpec | None:
@@ -758,19 +781,19 @@ def _cells(f: Figures) -> list[str]:
     ]
 
 
-def _passes_line(intervals: Mapping[str, Any], facts: dict[str, Any]) -> str:
-    """What the replay's passes run at, and whose those intervals are (into `facts`)."""
+def _passes_line(intervals: Mapping[str, Any], source: str | None, facts: dict[str, Any]) -> str:
+    """What the replay's passes run at, and whose those intervals are (`source`: who gave
+    them; None: nobody did), into `facts` too."""
     from stoker.domain.specs import PlaneSettings
 
     defaults = PlaneSettings()
     janitor = intervals.get("janitor_interval_s", defaults.janitor_interval_s)
     reaper = intervals.get("reaper_interval_s", defaults.reaper_interval_s)
     given = {"janitor_interval_s", "reaper_interval_s"} & set(intervals)
-    source = (
-        "the config file's" + ("" if len(given) == 2 else ", else stoker serve's defaults")
-        if given
-        else "stoker serve's defaults; -c gives a config file's"
-    )
+    if source is None or not given:
+        source = "stoker serve's defaults; -c gives a config file's"
+    elif len(given) == 1:
+        source += ", else stoker serve's defaults"
     facts["intervals"] = {"janitor_s": janitor, "reaper_s": reaper, "source": source}
     return f"passes: janitor every {janitor:g} s, reaper every {reaper:g} s ({source})"
 

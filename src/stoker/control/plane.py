@@ -524,6 +524,7 @@ class ControlPlane:
             self.spawner,
             now=self.clock.now(),
             janitor_interval_s=self.settings.janitor_interval_s,
+            reaper_interval_s=self.settings.reaper_interval_s,
             counted=counted,
             instance=self.instance_id,
         )

@@ -63,6 +63,10 @@ class PoolStatus:
     #: now (none leads, or the leader's passes fail), and `desired_warm`, `demand`,
     #: `sizing` and `rollout_waits` are the last figures published, not current ones.
     sizing_stale: bool = False
+    #: This replica's janitor and fallback-reaper intervals (its config's `intervals`), the
+    #: passes a backtest of the pool replays its replicas at (`stoker backtest --url`).
+    janitor_interval_s: float | None = None
+    reaper_interval_s: float | None = None
 
 
 async def pool_statuses(
@@ -72,6 +76,7 @@ async def pool_statuses(
     *,
     now: float,
     janitor_interval_s: float,
+    reaper_interval_s: float | None = None,
     counted: Sequence[StateCount] | None = None,
     instance: str | None = None,
 ) -> list[PoolStatus]:
@@ -107,6 +112,8 @@ async def pool_statuses(
                 sized_at=sized.sized_at,
                 sizing_age_s=sized.age_s,
                 sizing_stale=sized.stale,
+                janitor_interval_s=janitor_interval_s,
+                reaper_interval_s=reaper_interval_s,
             )
         )
     return out

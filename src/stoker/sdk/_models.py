@@ -196,6 +196,10 @@ class PoolInfo(Answer):
     #: True when no replica has sized the pool for three janitor intervals: `desired_warm`
     #: and `demand` are the last figures published, not current ones.
     sizing_stale: bool | None = None
+    #: The answering replica's janitor and fallback-reaper intervals (None from a server
+    #: that does not say).
+    janitor_interval_s: float | None = None
+    reaper_interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
