@@ -115,17 +115,9 @@ class _Span:
     #: The cell key of the hour last added to (a span adds to the same hour's cell at
     #: every flush: one key made per hour, not per flush).
     key: LedgerKey | None = None
-
     #: The open spans it is carried with (`_Group`); None for a span carried alone (a
     #: terminating worker's, an adopted worker's gap).
     group: _Group | None = None
-
-    def key_at(self, hour: int) -> LedgerKey:
-        """The span's cell key of `hour`."""
-        key = self.key
-        if key is None or key.hour != hour:
-            key = self.key = LedgerKey(self.pool, self.revision, self.org, hour)
-        return key
 
 
 @dataclass(slots=True, eq=False)
@@ -146,14 +138,8 @@ class _Group:
     settled: int = 0
     #: By `id` (in the order they opened: a deterministic sum).
     fresh: dict[int, _Span] = field(default_factory=dict)
+    #: As a span's: the cell key of the hour last added to.
     key: LedgerKey | None = None
-
-    def key_at(self, hour: int) -> LedgerKey:
-        """The group's cell key of `hour`."""
-        key = self.key
-        if key is None or key.hour != hour:
-            key = self.key = LedgerKey(self.pool, self.revision, self.org, hour)
-        return key
 
 
 @dataclass(slots=True)
@@ -623,10 +609,12 @@ class Ledger:
         hour = hour_of(start)
         if end <= hour + HOUR_S:
             # Within one hour (nearly every flush's carry): `split_hours`' one piece.
-            self._cell_at(span.key_at(hour)).add_time(state, (end - start) * n, span.cpus, span.gib)
+            self._cell_at(_key_at(span, hour)).add_time(
+                state, (end - start) * n, span.cpus, span.gib
+            )
         else:
             for hour, seconds in split_hours(start, end):
-                self._cell_at(span.key_at(hour)).add_time(state, seconds * n, span.cpus, span.gib)
+                self._cell_at(_key_at(span, hour)).add_time(state, seconds * n, span.cpus, span.gib)
         self._meter("seconds", pool, state, (end - start) * n)
         if state in ("warm", "hot_idle"):
             kind = "warm" if state == "warm" else "parked"
@@ -678,6 +666,14 @@ class Ledger:
         self._arrivals.append(entry)
         if len(self._arrivals) > MAX_PENDING_ROWS:
             del self._arrivals[: len(self._arrivals) - MAX_PENDING_ROWS]
+
+
+def _key_at(owner: _Span | _Group, hour: int) -> LedgerKey:
+    """The key of `owner`'s cell of `hour`, kept on it: made once per hour, not per flush."""
+    key = owner.key
+    if key is None or key.hour != hour:
+        key = owner.key = LedgerKey(owner.pool, owner.revision, owner.org, hour)
+    return key
 
 
 def _since(span: _Span) -> float:
