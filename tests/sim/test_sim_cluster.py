@@ -362,6 +362,52 @@ async def test_deletion_waits_for_the_container_or_the_grace_period(
     assert await until(cluster, lambda: phase_of(cluster, "slow") is None) == 25
 
 
+async def test_start_slots_bound_the_starts_of_the_whole_cluster(
+    make_cluster: MakeCluster,
+) -> None:
+    """A machine's start-up slots (a backtest of local processes): two starts at once
+    across both nodes, the others in arrival order; a start that holds its slot for its
+    whole 2 s, or for 1 s only (a start-up that waits gives its slot on)."""
+    for hold, expected in ((None, [2, 2, 4, 4, 6]), (1.0, [2, 2, 3, 3, 4])):
+        cluster = await make_cluster(
+            node_pools=(pool(initial_nodes={"m5.2xlarge": 2}),),
+            kubelet=dataclasses.replace(
+                KUBELET, image_pull=Constant(0.0), start_limit=2, start_hold_s=hold
+            ),
+        )
+        one, two = names(cluster)
+        start = cluster.now()
+        for i in range(5):
+            await cluster.api.create_pod(pod(f"p{i}", node=one if i % 2 else two))
+        times = [await until(cluster, _running(cluster, f"p{i}")) - start for i in range(5)]
+        assert times == expected, (hold, times)
+
+
+def _running(cluster: SimCluster, name: str) -> Callable[[], bool]:
+    return lambda: phase_of(cluster, name) == PodPhase.RUNNING
+
+
+async def test_a_start_stopped_gives_its_slot_on_at_once(make_cluster: MakeCluster) -> None:
+    """One slot: the second pod waits for the first's 2 s start, unless the first is
+    deleted meanwhile (at 1 s: the second then starts at 1 s and runs at 3 s)."""
+    cluster = await make_cluster(
+        node_pools=(pool(initial_nodes={"m5.2xlarge": 1}),),
+        kubelet=dataclasses.replace(KUBELET, image_pull=Constant(0.0), start_limit=1),
+    )
+    await cluster.api.create_pod(pod("first"))
+    await cluster.api.create_pod(pod("second"))
+    await at(cluster, 1)
+    await cluster.client("replica-a").delete_pod("first", grace_s=30)
+    assert await until(cluster, lambda: phase_of(cluster, "second") == PodPhase.RUNNING) == 3
+
+
+def test_start_slots_refuse_a_bound_below_one() -> None:
+    with pytest.raises(ValueError, match="start_limit"):
+        KubeletConfig(start_limit=0)
+    with pytest.raises(ValueError, match="start_hold_s"):
+        KubeletConfig(start_limit=1, start_hold_s=-1.0)
+
+
 # -- preemption ------------------------------------------------------------------------------
 
 
