@@ -99,3 +99,44 @@ async def test_closing_withdraws_a_granted_spawn_too() -> None:
     with pytest.raises(SpawnWithdrawn):
         await granted
     assert (gate.starting, gate.queued) == (0, 0)
+
+
+class _Clock:
+    """A clock that stands still until a test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+async def test_the_gate_measures_how_long_a_start_up_holds_its_slot() -> None:
+    """The mean hold (weight 0.2) of the start-ups that gave their slot on; a grant
+    withdrawn before its start-up began is no start-up and is not counted."""
+    clock = _Clock()
+    gate = StartGate(1, clock)
+    assert gate.hold_s is None
+    await gate.enter("a")
+    clock.t += 2.0
+    gate.leave("a")
+    assert gate.hold_s == pytest.approx(2.0)
+    await gate.enter("b")
+    clock.t += 7.0
+    gate.leave("b")
+    assert gate.hold_s == pytest.approx(2.0 + 0.2 * (7.0 - 2.0))
+    await gate.enter("c")
+    withdrawn = asyncio.create_task(gate.enter("d"))
+    await settle()
+    gate.leave("c")  # held no time: 3.0 + 0.2 * (0 - 3.0)
+    assert gate.withdraw("d", "was stopped")  # granted, withdrawn before it resumed
+    with pytest.raises(SpawnWithdrawn):
+        await withdrawn
+    assert gate.hold_s == pytest.approx(2.4)
+    assert gate.starting == 0

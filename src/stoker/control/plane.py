@@ -57,7 +57,7 @@ from stoker.policy.rollout import rollout_plan
 from stoker.ports.activator import Activator
 from stoker.ports.clock import Clock, LoopClock
 from stoker.ports.elector import Elector, SoleLeader
-from stoker.ports.runtime import Runtime
+from stoker.ports.runtime import Runtime, StartGated
 from stoker.ports.store import StateCount, Store, WorkerFeed
 from stoker.ports.tracer import NO_TRACER, Tracer
 
@@ -527,4 +527,5 @@ class ControlPlane:
             reaper_interval_s=self.settings.reaper_interval_s,
             counted=counted,
             instance=self.instance_id,
+            slots=self.runtime.start_slots() if isinstance(self.runtime, StartGated) else None,
         )

@@ -18,6 +18,7 @@ from stoker.control.spawning import Spawner, SpawnsFailing
 from stoker.control.stored_pools import revision_shares
 from stoker.domain.specs import PoolSpec
 from stoker.domain.states import LIVE, WorkerState
+from stoker.ports.runtime import StartSlots
 from stoker.ports.store import StateCount, StoreReader
 
 
@@ -67,6 +68,11 @@ class PoolStatus:
     #: passes a backtest of the pool replays its replicas at (`stoker backtest --url`).
     janitor_interval_s: float | None = None
     reaper_interval_s: float | None = None
+    #: This replica's start-up slots, when its runtime bounds start-ups (local processes:
+    #: `runtime.start_limit`), and the mean seconds a start-up held one (null before one
+    #: ended): spawns beyond them queue, which a backtest of the pool replays.
+    start_limit: int | None = None
+    start_slot_s: float | None = None
 
 
 async def pool_statuses(
@@ -79,11 +85,13 @@ async def pool_statuses(
     reaper_interval_s: float | None = None,
     counted: Sequence[StateCount] | None = None,
     instance: str | None = None,
+    slots: StartSlots | None = None,
 ) -> list[PoolStatus]:
     """Targets, demand and counts by state of every pool at `now`, sized as the leader last
     published it (stale after three `janitor_interval_s`); `counted`: the store's
     `count_workers` already read (one read for the pools and their revisions);
-    `instance`: this replica's id (what it published itself it knows fresher)."""
+    `instance`: this replica's id (what it published itself it knows fresher); `slots`:
+    its runtime's start-up slots, if it bounds start-ups."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for c in await store.count_workers() if counted is None else counted:
         counts[c.pool][c.state.value] += c.count
@@ -114,6 +122,8 @@ async def pool_statuses(
                 sizing_stale=sized.stale,
                 janitor_interval_s=janitor_interval_s,
                 reaper_interval_s=reaper_interval_s,
+                start_limit=slots.limit if slots else None,
+                start_slot_s=slots.hold_s if slots else None,
             )
         )
     return out

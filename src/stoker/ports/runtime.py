@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from stoker.domain.records import SpawnProgress, Worker
 from stoker.domain.specs import PoolSpec
@@ -60,6 +60,24 @@ class RuntimeListener(Protocol):
         `at` (wall-clock seconds): a pod whose deletion it requested ended or left the
         cluster. Only the replica that stopped it hears of it; a runtime whose stop waits
         for the object's end (local processes) never says it."""
+        ...
+
+
+@dataclass(frozen=True)
+class StartSlots:
+    """A runtime's bound on start-ups at once (the local runtime's `runtime.start_limit`):
+    `limit` slots, each held `hold_s` on average by a start-up (None before one ended)."""
+
+    limit: int
+    hold_s: float | None
+
+
+@runtime_checkable
+class StartGated(Protocol):
+    """A runtime that starts at most so many workers at once, queueing the rest."""
+
+    def start_slots(self) -> StartSlots:
+        """Its slots now."""
         ...
 
 

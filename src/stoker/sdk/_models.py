@@ -200,6 +200,10 @@ class PoolInfo(Answer):
     #: that does not say).
     janitor_interval_s: float | None = None
     reaper_interval_s: float | None = None
+    #: The answering replica's start-up slots and the mean seconds a start-up held one
+    #: (local processes; None on Kubernetes or from a server that does not say).
+    start_limit: int | None = None
+    start_slot_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from stoker.adapters.runtime_local._runtime import (
     default_memory_budget_mb,
     memory_cap,
 )
+from stoker.adapters.runtime_local._startups import default_start_limit
 
 __all__ = [
     "LABEL_ENDPOINT",
@@ -36,6 +37,7 @@ __all__ = [
     "LocalProcessRuntime",
     "LogRetention",
     "default_memory_budget_mb",
+    "default_start_limit",
     "free_port",
     "memory_cap",
 ]

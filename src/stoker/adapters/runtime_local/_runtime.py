@@ -43,7 +43,12 @@ from stoker.domain.errors import RuntimeFailure
 from stoker.domain.records import Worker
 from stoker.domain.specs import PoolSpec, ProcessTemplate
 from stoker.ports.clock import Clock
-from stoker.ports.runtime import RuntimeListener, RuntimeObject, SpawnProgress
+from stoker.ports.runtime import (
+    RuntimeListener,
+    RuntimeObject,
+    SpawnProgress,
+    StartSlots,
+)
 from stoker.worker import SECRET_ENV
 
 _log = EventLog("stoker.runtime.local")
@@ -124,10 +129,14 @@ class LocalProcessRuntime:
         self._owns_session = probe_session is None
         self._client: aiohttp.ClientSession | None = None
         self._watches = ProcessWatches(clock, self._on_exit)
-        self.startups = StartGate(start_limit or default_start_limit())
+        self.startups = StartGate(start_limit or default_start_limit(), clock)
         self.start_nice = start_nice
         #: Set once a ready worker could not get its priority back (logged once).
         self._nice_kept = False
+
+    def start_slots(self) -> StartSlots:
+        """The start-up slots (`StartGated`): how many, and how long a start-up holds one."""
+        return StartSlots(self.startups.limit, self.startups.hold_s)
 
     # -- lifecycle of the runtime itself ----------------------------------------------------
 

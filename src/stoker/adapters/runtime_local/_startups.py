@@ -7,7 +7,8 @@ with few cores starves everything else, the control plane included, and pushes e
 start-up past its spawn timeout. Beyond the bound, spawns wait in a queue, the ones
 a claim waits for (cold spawns, bound to an org) ahead of neutral refills, first come
 first served within each; a queued spawn has not started, so its spawn timeout has not
-begun either.
+begun either. The gate measures how long a start-up holds its slot (an exponentially
+weighted mean, `hold_s`): with `limit`, what a backtest of the pool replays its queue with.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import os
 
 from stoker.domain.errors import RuntimeFailure, SpawnWithdrawn
+from stoker.ports.clock import Clock
 
 
 def default_start_limit() -> int:
@@ -29,11 +31,17 @@ def default_start_limit() -> int:
     return max(1, cores)
 
 
+#: The weight of each new start-up in the mean hold (as the spawn-to-ready estimate's).
+HOLD_WEIGHT = 0.2
+
+
 class StartGate:
     """Counts the start-ups in progress and queues the ones beyond `limit`."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, clock: Clock | None = None) -> None:
         self.limit = _at_least_one(limit)
+        #: What measures how long a start-up holds its slot (none: nothing is measured).
+        self._clock = clock
         #: Workers starting now (holding a slot).
         self._starting: set[str] = set()
         #: (rank, order, worker id): rank 0 for urgent starts, then first come.
@@ -47,6 +55,11 @@ class StartGate:
         self._order = itertools.count()
         #: The most start-ups ever in progress at once (for tests and the status page).
         self.peak = 0
+        #: When each start-up in progress took its slot (monotonic seconds).
+        self._taken_at: dict[str, float] = {}
+        #: The mean time a start-up held its slot (weight `HOLD_WEIGHT`); None before one
+        #: gave it on.
+        self.hold_s: float | None = None
 
     @property
     def starting(self) -> int:
@@ -77,13 +90,16 @@ class StartGate:
             self._granted.discard(worker_id)
             self._revoked.discard(worker_id)
             if self._waiting.pop(worker_id, None) is None and worker_id in self._starting:
-                # Granted just as the caller was cancelled: hand the slot on.
+                # Granted just as the caller was cancelled: hand the slot on (no start-up
+                # held it).
+                self._taken_at.pop(worker_id, None)
                 self.leave(worker_id)
             raise
         self._granted.discard(worker_id)
         if worker_id in self._revoked:
             # Withdrawn after the grant, before this spawn resumed: it must not start.
             self._revoked.discard(worker_id)
+            self._taken_at.pop(worker_id, None)
             self.leave(worker_id)
             raise SpawnWithdrawn(f"worker {worker_id} was withdrawn before it started")
 
@@ -92,6 +108,11 @@ class StartGate:
         if worker_id not in self._starting:
             return
         self._starting.discard(worker_id)
+        taken = self._taken_at.pop(worker_id, None)
+        if taken is not None and self._clock is not None:
+            held = max(0.0, self._clock.monotonic() - taken)
+            last = self.hold_s
+            self.hold_s = held if last is None else last + HOLD_WEIGHT * (held - last)
         self._grant()
 
     def withdraw(self, worker_id: str, why: str) -> bool:
@@ -115,6 +136,8 @@ class StartGate:
 
     def _take(self, worker_id: str) -> None:
         self._starting.add(worker_id)
+        if self._clock is not None:
+            self._taken_at[worker_id] = self._clock.monotonic()
         self.peak = max(self.peak, len(self._starting))
 
     def _grant(self) -> None:
