@@ -500,7 +500,8 @@ def test_the_servers_cap_stands_over_a_config_that_derives_one(
     replay = read_claim_log(_burst(tmp_path, 3))
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1, "max_workers": 3}, SpawnToReady(), None, None, {}, {}
+        settings = {"warm_target": 1, "max_workers": 3}
+        return replay, settings, SpawnToReady(), None, None, {}, {}, None
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     config = tmp_path / "stoker.yaml"
@@ -579,7 +580,8 @@ def test_the_configs_and_the_servers_org_overrides_reach_the_replay(
     stated = {"org-2": {"min_hot_idle": 1}, "org-0": {"max_workers": 3}}
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1, "max_workers": 4}, SpawnToReady(), None, None, stated, {}
+        settings = {"warm_target": 1, "max_workers": 4}
+        return replay, settings, SpawnToReady(), None, None, stated, {}, None
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     body = _backtest_json(["--url", "http://live:8080"])
@@ -605,7 +607,7 @@ def test_a_server_that_states_no_org_overrides_is_said(
     replay = read_claim_log(_burst(tmp_path, 2))
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1}, SpawnToReady(), None, None, None, {}
+        return replay, {"warm_target": 1}, SpawnToReady(), None, None, None, {}, None
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     result = CliRunner().invoke(app, ["backtest", "--url", "http://old:1", "--no-progress"])
@@ -626,7 +628,7 @@ def test_a_replay_passes_at_the_servers_intervals_and_a_configs_over_them(
     served = {"janitor_interval_s": 0.5}
 
     def from_server(*_: Any, **__: Any) -> Any:
-        return replay, {"warm_target": 1}, SpawnToReady(), None, None, {}, served
+        return replay, {"warm_target": 1}, SpawnToReady(), None, None, {}, served, None
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     args = ["backtest", "--url", "http://live:1", "--no-progress", "--json"]
@@ -950,7 +952,7 @@ def test_the_settings_recommended_from_a_server_apply_to_it_as_printed(
 
     def from_server(*_: Any, **__: Any) -> Any:
         settings = {"warm_target": 0, "max_workers": 8}
-        return replay, settings, SpawnToReady(1.0, 2.0), None, (0.0, 0.5), {}, {}
+        return replay, settings, SpawnToReady(1.0, 2.0), None, (0.0, 0.5), {}, {}, (2, 0.25)
 
     monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
     for name in ("STOKER_URL", "STOKER_TOKEN"):
@@ -980,3 +982,100 @@ def test_the_settings_recommended_from_a_server_apply_to_it_as_printed(
     monkeypatch.setattr(httpx, "Client", real)
     body = _backtest_json(args)
     assert body["command"] == line and body["patch"] == {"warm_target": 4}
+
+
+def test_a_local_pools_spawns_queue_for_the_machines_start_up_slots(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Eight claims at once on a local pool that keeps none warm: live, its machine starts
+    `runtime.start_limit` workers at once and queues the rest, so the last claims wait
+    for the start-ups before them. The replay queues them alike: with one slot, each
+    held its whole half-second start, the eighth claim waits about eight starts; with
+    eight, one start. From a server, the slots and the mean hold it measured."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    claims = [
+        dict(c, at=1_700_000_000.0 + 0.01 * i, org=f"org-{i}", held_s=20.0)
+        for i, c in enumerate(synthetic_claims(8, span_s=60, orgs=8))
+    ]
+    log = write_log(tmp_path / "burst.jsonl", claims)
+    p99 = {}
+    for limit in (1, 8):
+        config = tmp_path / f"stoker-{limit}.yaml"
+        config.write_text(
+            f"runtime: {{kind: local, memory_budget_mb: 8192, start_limit: {limit}}}\n"
+            "pools:\n  - name: workers\n    command: [worker, '{port}']\n    memory_mb: 512\n"
+            "    warm_target: 0\n    reuse: never\n"
+        )
+        body = _backtest_json(["--from", str(log), "-c", str(config), "--spawn-s", "0.5:0.5"])
+        assert body["start_slots"] == {
+            "limit": limit,
+            "hold_s": None,
+            "source": f"runtime.start_limit in {config}",
+        }
+        (run,) = body["runs"]
+        assert run["failed"] == 0
+        p99[limit] = run["claim_p99_ms"]
+    assert p99[8] < 1_500 and p99[1] > 3_500, p99
+
+    replay = read_claim_log(log)
+
+    def from_server(*_: Any, **__: Any) -> Any:
+        settings = {"warm_target": 0, "max_workers": 16, "reuse": "never"}
+        return replay, settings, SpawnToReady(0.5, 0.5), None, (0.0, 0.5), {}, {}, (1, 0.1)
+
+    monkeypatch.setattr("stoker.cli.backtest._from_server", from_server)
+    result = CliRunner().invoke(
+        app, ["backtest", "--url", "http://live:1", "--json", "--no-progress", "-j", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["start_slots"]["limit"] == 1 and body["start_slots"]["hold_s"] == 0.1
+    assert body["start_slots"]["source"] == "the server's, GET http://live:1/v1/pools/workers"
+    # Each start held its slot a tenth of a second only: the eighth starts within one
+    # second, where a slot held for all of each start took four.
+    assert body["runs"][0]["claim_p99_ms"] < 3_000 < p99[1]
+
+
+def test_the_slots_a_server_states_are_read_as_given_or_not_at_all() -> None:
+    from stoker.cli.backtest import _served_slots
+
+    assert _served_slots({"start_limit": 2, "start_slot_s": 0.4}) == (2, 0.4)
+    assert _served_slots({"start_limit": 2, "start_slot_s": None}) == (2, None)
+    assert _served_slots({"start_limit": 2, "start_slot_s": "x"}) == (2, None)
+    assert _served_slots({"start_limit": 2, "start_slot_s": -1}) == (2, None)
+    for limit in (None, 0, True, "2", 1.5):
+        assert _served_slots({"start_limit": limit, "start_slot_s": 0.4}) is None
+    assert _served_slots(["not", "a", "pool"]) is None
+
+
+def test_start_slots_given_on_the_command_line_stand_over_the_configs(
+    tmp_path: Path,
+) -> None:
+    """`--start-slots N:HOLD` states the live machine's slots where no server can (a file
+    replayed elsewhere, another machine's cores); a bad value is one line and exit 2."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    claims = [
+        dict(c, at=1_700_000_000.0 + 0.01 * i, org=f"org-{i}", held_s=20.0)
+        for i, c in enumerate(synthetic_claims(8, span_s=60, orgs=8))
+    ]
+    log = write_log(tmp_path / "burst.jsonl", claims)
+    config = tmp_path / "stoker.yaml"
+    config.write_text(
+        "runtime: {kind: local, memory_budget_mb: 8192, start_limit: 1}\n"
+        "pools:\n  - name: workers\n    command: [worker, '{port}']\n    memory_mb: 512\n"
+        "    warm_target: 0\n    reuse: never\n"
+    )
+    args = ["--from", str(log), "-c", str(config), "--spawn-s", "0.5:0.5"]
+    body = _backtest_json([*args, "--start-slots", "1:0.1"])
+    assert body["start_slots"] == {"limit": 1, "hold_s": 0.1, "source": "--start-slots"}
+    assert body["runs"][0]["claim_p99_ms"] < 3_000
+    for bad in ("0", "x", "2:-1", "2:nan", "1.5", ""):
+        result = CliRunner().invoke(app, ["backtest", *args, "--start-slots", bad])
+        assert result.exit_code == 2, (bad, result.output)
+        assert "--start-slots" in result.stderr and "Traceback" not in result.output

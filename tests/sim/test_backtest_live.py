@@ -196,7 +196,7 @@ def test_the_backtest_reads_a_servers_log_page_after_page(
     server, _ = live
     exported = _export(server.url, tmp_path / "claims.jsonl")
     assert len(exported) >= CLAIMS  # the run of the test before, or its own claims
-    replay, settings, _spawn, _cost, _sizes, _orgs, intervals = _from_server(
+    replay, settings, _spawn, _cost, _sizes, _orgs, intervals, slots = _from_server(
         server.url, None, "1h", "demo", page_size=7
     )
     assert len(exported) > 7 * 3, "the log must span several pages"
@@ -208,6 +208,14 @@ def test_the_backtest_reads_a_servers_log_page_after_page(
     # The replicas replay at the server's own passes (its config's 0.5 s janitor), which
     # `GET /v1/pools/{name}` states; the reaper's is the default (10 s).
     assert intervals == {"janitor_interval_s": 0.5, "reaper_interval_s": 10.0}
+    # And at its machine's start-up slots (one per core, the config sets none), each held
+    # as long as the server measured its workers' start-ups holding one.
+    from stoker.adapters.runtime_local import default_start_limit
+
+    assert slots is not None
+    limit, hold = slots
+    assert limit == default_start_limit()
+    assert hold is not None and 0 < hold < 30
 
 
 def _restart(server: Server) -> None:

@@ -5,6 +5,7 @@ meet a target."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -123,6 +124,17 @@ def backtest(
             show_default=False,
         ),
     ] = None,
+    start_slots: Annotated[
+        str | None,
+        typer.Option(
+            "--start-slots",
+            metavar="N[:HOLD]",
+            help="A local pool's machine starts at most N workers at once, each holding its "
+            "slot HOLD seconds (default: the server's, else -c's runtime.start_limit or one "
+            "per core, each for its whole spawn)",
+            show_default=False,
+        ),
+    ] = None,
     recommend: Annotated[
         bool,
         typer.Option("--recommend", help="Search for the cheapest settings that meet --target"),
@@ -203,6 +215,9 @@ def backtest(
         #: The replicas' intervals (`ControlPlaneConfig` keys), and whose they are.
         intervals: dict[str, Any] = {}
         passes_source: str | None = None
+        #: The live machine's start-up slots (local processes), and whose they are.
+        slots: tuple[int, float | None] | None = None
+        slots_source = ""
         if from_file is not None:
             from stoker.sim.claimlog import read_claim_log, read_claim_stream
 
@@ -213,9 +228,11 @@ def backtest(
             )
         else:
             assert url is not None
-            replay, known, spawn, cost, resources, stated, served = _from_server(
+            replay, known, spawn, cost, resources, stated, served, slots = _from_server(
                 url, token, since, pool
             )
+            if slots is not None:
+                slots_source = f"the server's, GET {url}/v1/pools/{replay.pool}"
             if served:
                 intervals, passes_source = served, f"the server's, GET {url}/v1/pools/{replay.pool}"
             if stated is not None:
@@ -235,6 +252,8 @@ def backtest(
                 passes_source = "the config file's"
             intervals = {**intervals, **given}
             config_cap, config_source = _config_cap(file, replay.pool)
+            if slots is None:
+                slots, slots_source = _config_slots(file)
             if "max_workers" in known and pool_settings["max_workers"] == 0:
                 # The live server's cap in force, derived on its own machine, over one
                 # derived here.
@@ -254,6 +273,8 @@ def backtest(
                 cap_source = "--current"
             known.update(given)
         spawn, spawn_source = _spawn_of(spawn_s, spawn, replay)
+        if start_slots is not None:
+            slots, slots_source = _parse_slots(start_slots), "--start-slots"
         runs: list[tuple[str, dict[str, Any]]] = [("current", {})]
         if set_:
             changes: dict[str, Any] = {}
@@ -335,11 +356,14 @@ def backtest(
     notes.append(_passes_line(intervals, passes_source, facts))
     if machine:
         notes.append("local processes: no spawn waits for a node (its nodes are there at once)")
-    elif sized is None:
-        notes.append(
-            "nodes: simulated, as a Kubernetes pool's (no server ledger or --config says "
-            "what its workers run on; a local pool's spawns never wait for a node: give -c)"
-        )
+        notes.append(_slots_line(slots, slots_source, facts))
+    else:
+        slots = None  # a Kubernetes pool's start-ups are the kubelets' own
+        if sized is None:
+            notes.append(
+                "nodes: simulated, as a Kubernetes pool's (no server ledger or --config says "
+                "what its workers run on; a local pool's spawns never wait for a node: give -c)"
+            )
     notes += [line for line in [_orgs_line(replay, orgs, orgs_source)] if line]
     run = Backtest(
         replay=replay,
@@ -353,6 +377,7 @@ def backtest(
         cost=cost,
         resources=resources,
         machine=machine,
+        start_slots=slots,
     )
     try:
         if goal is not None:
@@ -417,10 +442,12 @@ def _from_server(
     tuple[float, float] | None,
     dict[str, dict[str, Any]] | None,
     dict[str, float],
+    tuple[int, float | None] | None,
 ]:
     """The log (`GET /v1/claims/log`, page after page), the pool's current settings,
-    per-org overrides (`GET /v1/pools/{name}`; None: the server states none) and the
-    replicas' intervals (empty: the server states none), and its
+    per-org overrides (`GET /v1/pools/{name}`; None: the server states none), the
+    replicas' intervals (empty: the server states none) and start-up slots (None: it
+    bounds none, or does not say), and its
     spawn-to-ready time, prices and resources per worker (`GET /v1/pools/{name}/ledger`
     when the server has it, else None)."""
     import httpx
@@ -466,6 +493,7 @@ def _from_server(
             settings = _pool_settings(info.json())
             stated = _org_overrides(info.json())
             served = _served_intervals(info.json())
+            slots = _served_slots(info.json())
             ledger = client.get(f"/v1/pools/{replay.pool}/ledger", params={"since": since})
             body = ledger.json() if ledger.status_code == 200 else None
             spawn, cost, resources = _ledger_spawn(body), _ledger_cost(body), _ledger_sizes(body)
@@ -474,7 +502,36 @@ def _from_server(
         raise ConfigError(f"cannot read from {url}: {exc}") from None
     except (ValueError, AttributeError):
         raise ConfigError(f"{url}: an answer that is not the API's JSON") from None
-    return replay, settings, spawn, cost, resources, stated, served
+    return replay, settings, spawn, cost, resources, stated, served, slots
+
+
+def _parse_slots(text: str) -> tuple[int, float | None]:
+    """`N` or `N:HOLD` (start-ups at once, seconds each holds its slot)."""
+    from stoker.domain.errors import ConfigError
+
+    head, sep, tail = text.partition(":")
+    try:
+        limit, hold = int(head), float(tail) if sep else None
+    except ValueError:
+        raise ConfigError(f"--start-slots {text!r}: expected N or N:HOLD") from None
+    if limit < 1 or (hold is not None and not (math.isfinite(hold) and hold >= 0)):
+        raise ConfigError(
+            f"--start-slots {text!r}: N must be at least 1 and HOLD a number of seconds >= 0"
+        )
+    return limit, hold
+
+
+def _served_slots(body: Any) -> tuple[int, float | None] | None:
+    """The answering replica's start-up slots and the mean seconds a start-up held one,
+    as `GET /v1/pools/{name}` states them (local processes); None when it states none."""
+    if not isinstance(body, Mapping):
+        return None
+    limit, hold = body.get("start_limit"), body.get("start_slot_s")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return None
+    if isinstance(hold, bool) or not isinstance(hold, int | float):
+        return limit, None
+    return limit, float(hold) if math.isfinite(hold) and hold >= 0 else None
 
 
 def _served_intervals(body: Any) -> dict[str, float]:
@@ -663,6 +720,40 @@ def _config_settings(
                 resources_of(spec.template),
             )
     raise ConfigError(f"{path} has no pool {pool!r}")
+
+
+def _config_slots(file: _ConfigFile) -> tuple[tuple[int, float | None] | None, str]:
+    """The start-up slots of the config file's local runtime (`runtime.start_limit`, else
+    one per core of this machine, as the runtime derives it), and where they come from;
+    none for a Kubernetes runtime. How long a start-up holds its slot no file says."""
+    from stoker.adapters.runtime_local import default_start_limit
+    from stoker.config.sections import LocalRuntimeConfig
+
+    runtime = file.config.runtime
+    if not isinstance(runtime, LocalRuntimeConfig):
+        return None, ""
+    if runtime.start_limit is not None:
+        return (runtime.start_limit, None), f"runtime.start_limit in {file.path}"
+    return (default_start_limit(), None), f"one per core of this machine, as {file.path} leaves it"
+
+
+def _slots_line(slots: tuple[int, float | None] | None, source: str, facts: dict[str, Any]) -> str:
+    """What the replay's start-ups queue for (a local pool's slots), into `facts` too."""
+    if slots is None:
+        facts["start_slots"] = None
+        return (
+            "start-ups: not bounded (no server or -c states the machine's start-up slots; a "
+            "pool that outruns them live has more cold claims than this replay)"
+        )
+    limit, hold = slots
+    facts["start_slots"] = {"limit": limit, "hold_s": hold, "source": source}
+    held = (
+        "each for its whole spawn-to-ready (how long a start-up holds its slot is measured "
+        "by a running server only)"
+        if hold is None
+        else f"each held {hold:.2g} s on average"
+    )
+    return f"start-ups: at most {limit} at once, {held} ({source}); more wait in turn"
 
 
 def _config_cap(file: _ConfigFile, pool: str) -> tuple[int, str]:

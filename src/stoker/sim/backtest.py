@@ -226,6 +226,9 @@ class Backtest:
     orgs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: The live pool runs local processes: no spawn waits for a node (`backtest_scenario`).
     machine: bool = False
+    #: The live machine's start-up slots (a local pool's `runtime.start_limit`) and the
+    #: seconds a start-up holds one (None: all of its start); None: no bound replayed.
+    start_slots: tuple[int, float | None] | None = None
 
     def __post_init__(self) -> None:
         self.replay.lead_s = LEAD_S
@@ -240,6 +243,7 @@ class Backtest:
             control_plane=self.control_plane,
             orgs=self.orgs,
             machine=self.machine,
+            start_slots=self.start_slots,
         )
 
     def run(self, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> ScenarioResult:
@@ -331,12 +335,15 @@ def backtest_scenario(
     control_plane: Mapping[str, Any] | None = None,
     orgs: Mapping[str, Mapping[str, Any]] | None = None,
     machine: bool = False,
+    start_slots: tuple[int, float | None] | None = None,
 ) -> Scenario:
     """The backtest's scenario: one policy per (name, settings), the per-org overrides
     `orgs` of the log's orgs as its tenants' (`replayed_orgs`); ConfigError on settings
     the pool refuses (e.g. warm_target above max_workers). `machine`: the live pool runs
     local processes, so no spawn waits for a node: a node the replay needs is there at
-    once (the simulated nodes still come and go with the workers, for their cost)."""
+    once (the simulated nodes still come and go with the workers, for their cost), and
+    `start_slots` (limit, hold seconds or None) bound how many start at once, as the live
+    machine's start-up slots did (`KubeletConfig.start_limit`)."""
     policies = []
     for name, settings in runs:
         pool = {SETTINGS[k][0]: v for k, v in settings.items() if k != "policy"}
@@ -367,6 +374,11 @@ def backtest_scenario(
                 "image_pull_by_image": {},
                 "container_start": spawn.distribution(),
                 "ready_delay": 0.0,
+                **(
+                    {"start_limit": start_slots[0], "start_hold_s": start_slots[1]}
+                    if start_slots is not None
+                    else {}
+                ),
             },
         },
     }
