@@ -23,6 +23,7 @@ from stoker.domain.records import ClaimRequest, ForecastBucket, SpawnProgress, W
 from stoker.domain.specs import DemandSpec, PlaneSettings, PoolSpec, ProcessTemplate
 from stoker.domain.states import ClaimSource, WorkerState
 from stoker.policy.demand import warm_for_rate
+from stoker.policy.forecast import DAY, WEEK, buckets_of
 from stoker.ports.clock import VirtualClock
 
 pytestmark = pytest.mark.looptime
@@ -371,6 +372,52 @@ async def test_a_draining_pool_keeps_no_headroom(tmp_path: Path) -> None:
         await cp.run_janitor_pass()
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and (sizing.headroom, sizing.headroom_reason) == (2, "constant")
+
+
+async def test_a_forecast_that_expects_a_ramp_counts_the_reactive_rate_too(
+    tmp_path: Path,
+) -> None:
+    """Led by its mean, a forecast alone sizes the pool between surges; while it expects
+    a ramp (its rate rises over the replacement time), the reactive rate counts too: a
+    ramp that comes early, with claims faster than the forecast's mean, finds the pool as
+    warm as those claims want. Claims come at 0.1 a second, evenly (no panic), against a
+    learned 0.05 an hour that stays (flat) or rises to 0.1 the next hour (a ramp)."""
+    for ramp in (False, True):
+        clock = VirtualClock()
+        now_hour = buckets_of(clock.now())
+        later = buckets_of(clock.now() + 3600.0)
+        learned = [
+            ForecastBucket("p", level, bucket, 0.05, 0.0001, 4, clock.now())
+            for level, count in ((WEEK, 168), (DAY, 48))
+            for bucket in range(count)
+            if (level, bucket) not in now_hour + later
+        ]
+        for level, bucket in now_hour:
+            learned.append(ForecastBucket("p", level, bucket, 0.05, 0.0001, 4, clock.now()))
+        for level, bucket in later:
+            rate = 0.1 if ramp else 0.05
+            learned.append(ForecastBucket("p", level, bucket, rate, 0.0001, 4, clock.now()))
+        path = tmp_path / str(ramp)
+        path.mkdir()
+        store = SqliteStore(str(path / "stoker.db"))
+        await store.open()
+        await store.record_forecast(learned)
+        await store.close()
+        # Past the hour's centre, where the forecast turns towards the next hour's.
+        clock.advance(3600.0 - clock.now() % 3600.0 - 1500.0)
+        spec = pool(forecast_error_bound=100.0)
+        async with plane(path, spec, clock=clock) as cp:
+            for _ in range(31):
+                cp.demand.record_claim("p")
+                await cp.run_janitor_pass()
+                clock.advance(10.0)
+            sizing = cp.janitor.sizing("p")
+            assert sizing is not None and not sizing.rate.panicking
+            assert sizing.forecast_warm is not None and sizing.reactive > sizing.forecast_warm
+            if ramp:
+                assert (sizing.policy, sizing.base) == ("reactive", sizing.reactive)
+            else:
+                assert (sizing.policy, sizing.base) == ("forecast", sizing.forecast_warm)
 
 
 async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path) -> None:

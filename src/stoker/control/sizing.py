@@ -247,6 +247,7 @@ class PoolSizer:
         outlook = None
         error: float | None = None
         off = False
+        now_rate = None
         missed = seen.misses > 0 or seen.waiting > 0
         if missed:
             self._missed_at[pool.name] = now
@@ -264,14 +265,19 @@ class PoolSizer:
             if not off:
                 outlook = forecaster.peak(now, now + replace_s, spec.quantile)
         forecast_warm = forecast_rate = None
+        rising = False
         if outlook is not None:
+            # A ramp the forecast expects: its mean leads it, and the reactive rate, which
+            # follows what comes, keeps the pool from falling behind a ramp that runs early.
+            rising = now_rate is not None and outlook.mean > now_rate.mean
             forecast_rate = outlook.upper if guarded else outlook.mean
             forecast_warm = warm_for_rate(forecast_rate, replace_s, spec.quantile)
         leads = forecast_warm is not None and not guarded
         if leads:
             # The reactive rate still counts while its panic window wins: a surge the
             # forecast did not see.
-            base = max(pool.warm_target, forecast_warm or 0, reactive if rate.panicking else 0)
+            follow = rate.panicking or rising
+            base = max(pool.warm_target, forecast_warm or 0, reactive if follow else 0)
         else:
             base = max(pool.warm_target, reactive, forecast_warm or 0)
         if self._catalog.draining(pool.name):
