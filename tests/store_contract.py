@@ -1068,6 +1068,64 @@ class StoreContract(PoolContract):
         assert (r.heartbeat_at, r.updated_at, r.endpoint) == (T0 + 50, T0 + 50, w.endpoint)
         assert await store.get_worker(w.id) == r
 
+    async def test_a_write_that_changes_the_owner_stamps_when_and_keeps_the_time_before(
+        self, store: Store, fleet: Fleet
+    ) -> None:
+        """`taken_at` says when the row's owner last changed and `prior_taken_at` the
+        `taken_at` before (the ledger places a worker another replica took by them): a
+        reservation or a move to another owner stamps them, the same owner's keeps them."""
+        w = await fleet.warm()
+        assert (w.taken_at, w.prior_taken_at) == (None, None)
+        reserved = await store.reserve(
+            w.id,
+            expect=S.WARM,
+            epoch=w.epoch,
+            version=w.version,
+            org="org-a",
+            org_cap=0,
+            owner="cp-b",
+            now=T0 + 50,
+        )
+        taken = must(reserved.worker)
+        assert (taken.taken_at, taken.prior_taken_at) == (T0 + 50, None)
+        hot_idle = await fleet.hot_idle("org-a")
+        # The same owner reserving its own parked worker keeps both.
+        again = must(
+            (
+                await store.reserve_any(
+                    "p", "r1", expect=S.HOT_IDLE, org="org-a", org_cap=0, owner="cp-a", now=T0 + 60
+                )
+            ).worker
+        )
+        assert again.id == hot_idle.id
+        assert (again.taken_at, again.prior_taken_at) == (None, None)
+        # Another owner's move (an adoption) stamps it; taking it back keeps the time before.
+        adopted = must(
+            await store.transition(
+                taken.id,
+                expect=taken.state,
+                epoch=taken.epoch,
+                version=taken.version,
+                to=taken.state,
+                now=T0 + 70,
+                changes={"owner": "cp-c"},
+            )
+        )
+        assert (adopted.taken_at, adopted.prior_taken_at) == (T0 + 70, T0 + 50)
+        kept = must(
+            await store.transition(
+                adopted.id,
+                expect=adopted.state,
+                epoch=adopted.epoch,
+                version=adopted.version,
+                to=adopted.state,
+                now=T0 + 80,
+                changes={"owner": "cp-c", "heartbeat_at": T0 + 80},
+            )
+        )
+        assert (kept.taken_at, kept.prior_taken_at) == (T0 + 70, T0 + 50)
+        assert await store.get_worker(w.id) == kept
+
     async def test_reserve_may_move_on_to_activating_in_the_same_write(
         self, store: Store, fleet: Fleet
     ) -> None:

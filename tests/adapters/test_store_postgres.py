@@ -27,6 +27,7 @@ from stoker.adapters._schema import (
     CLAIMS,
     POOL_TABLES,
     POSTGRES,
+    WORKER_TAKEN_COLUMNS,
     WORKERS,
     Table,
     before_rate,
@@ -459,6 +460,34 @@ def parked_or_warm(
     )
 
 
+async def test_the_one_statement_reservations_stamp_an_owner_change(
+    make_pg: Callable[..., PostgresStore],
+) -> None:
+    """The parked-or-warm statements (alone, and batched per loop iteration) stamp
+    `taken_at` and keep `prior_taken_at` as every other write that changes the owner."""
+    store = make_pg()
+    await store.open()
+    fleet = Fleet(store)
+    warm = await fleet.warm()
+    parked = await fleet.hot_idle("org-a")
+    got = must((await parked_or_warm(store, warm, "org-a")).worker)
+    assert got.id == parked.id
+    assert (got.owner, got.taken_at, got.prior_taken_at) == ("cp-b", T0 + 100, None)
+    others = [await fleet.warm() for _ in range(2)]
+    batched = await asyncio.gather(
+        parked_or_warm(store, others[0], "org-b"), parked_or_warm(store, others[1], "org-c")
+    )
+    for result, w in zip(batched, others, strict=True):
+        taken = must(result.worker)
+        assert (taken.id, taken.owner, taken.taken_at, taken.prior_taken_at) == (
+            w.id,
+            "cp-b",
+            T0 + 100,
+            None,
+        )
+        assert await store.get_worker(w.id) == taken
+
+
 async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
     make_pg: Callable[..., PostgresStore],
 ) -> None:
@@ -722,7 +751,8 @@ async def test_a_schema_of_version_3_gains_the_row_version_and_idempotency_keys(
     make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
 ) -> None:
     s = f'"{schema}"'
-    before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name != "version"))
+    later = {"version", *WORKER_TAKEN_COLUMNS}
+    before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name not in later))
     claims = Table(
         CLAIMS.name, tuple(c for c in CLAIMS.columns if c.name not in CLAIM_IDEMPOTENCY_COLUMNS)
     )
@@ -781,7 +811,7 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
@@ -799,7 +829,7 @@ async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
     await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
     await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
     assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
 
@@ -816,7 +846,7 @@ async def test_a_schema_of_version_13_gains_the_published_sizing(
     await sql(postgres_url, f"DROP TABLE {s}.pool_sizing")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
     sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
     await upgraded.record_sizing([sized])
     assert await upgraded.read_sizing() == [sized]
@@ -864,7 +894,7 @@ async def test_a_schema_of_version_14_finds_a_replicas_last_ledger_write_by_inde
     await sql(postgres_url, f"DROP INDEX {s}.ledger_written")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
     await upgraded.close()
     async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
         # An empty table is read whole anyway: ask for the plan a large one gets.
@@ -893,7 +923,7 @@ async def test_a_schema_of_version_15_keeps_the_placeholders_requests(
         await sql(postgres_url, f"ALTER TABLE {s}.ledger DROP COLUMN {name}")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 16
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
     [(_, read)] = await upgraded.read_ledger("p", since=0, until=3600)
     assert (read.placeholder_s, read.placeholder_cpu_s, read.placeholder_gib_s) == (40, 0, 0)
     new = LedgerCounts(placeholder_s=40.0, placeholder_cpu_s=11.0, placeholder_gib_s=2.5)

@@ -9,6 +9,8 @@ import sqlite3
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 from stoker.adapters._rows import CLAIM_COLUMNS, WORKER_COLUMNS
 from stoker.adapters._schema import (
     CLAIM_IDEMPOTENCY_COLUMNS,
@@ -17,6 +19,7 @@ from stoker.adapters._schema import (
     POSTGRES,
     SQLITE,
     TABLES,
+    WORKER_TAKEN_COLUMNS,
     WORKERS,
     Table,
     before_rate,
@@ -91,7 +94,8 @@ async def test_a_database_of_version_4_gains_the_row_version_and_idempotency_key
 ) -> None:
     old = tmp_path / "old.db"
     db = sqlite3.connect(old, isolation_level=None)
-    before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name != "version"))
+    later = {"version", *WORKER_TAKEN_COLUMNS}
+    before = Table(WORKERS.name, tuple(c for c in WORKERS.columns if c.name not in later))
     claims = Table(
         CLAIMS.name, tuple(c for c in CLAIMS.columns if c.name not in CLAIM_IDEMPOTENCY_COLUMNS)
     )
@@ -180,7 +184,7 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 16
+        assert await upgraded.schema_version() == LATEST == 17
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
@@ -202,7 +206,7 @@ async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 16
+        assert await upgraded.schema_version() == LATEST == 17
         await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
         assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
     finally:
@@ -222,7 +226,7 @@ async def test_a_database_of_version_13_gains_the_published_sizing(tmp_path: Pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 16
+        assert await upgraded.schema_version() == LATEST == 17
         sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
         await upgraded.record_sizing([sized])
         assert await upgraded.read_sizing() == [sized]
@@ -248,7 +252,7 @@ async def test_a_database_of_version_14_finds_a_replicas_last_ledger_write_by_in
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 16
+        assert await upgraded.schema_version() == LATEST == 17
     finally:
         await upgraded.close()
     db = sqlite3.connect(path, isolation_level=None)
@@ -282,12 +286,53 @@ async def test_a_database_of_version_15_keeps_the_placeholders_requests(tmp_path
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 16
+        assert await upgraded.schema_version() == LATEST == 17
         [(_, old)] = await upgraded.read_ledger("p", since=0, until=3600)
         assert (old.placeholder_s, old.placeholder_cpu_s, old.placeholder_gib_s) == (40, 0, 0)
         new = LedgerCounts(placeholder_s=40.0, placeholder_cpu_s=11.0, placeholder_gib_s=2.5)
         assert await upgraded.record_ledger("cp-b", {LedgerKey("p", "r1", "", 0): new}, now=2)
         rows = await upgraded.read_ledger("p", since=0, until=3600)
         assert sorted(c.placeholder_cpu_s for _, c in rows) == [0.0, 11.0]
+    finally:
+        await upgraded.close()
+
+
+async def test_a_database_of_version_16_keeps_its_workers_and_stamps_the_next_take(
+    tmp_path: Path,
+) -> None:
+    """From version 17 a worker row says when its owner last changed (`taken_at`): a row
+    written before reads None, and the next reservation by another replica stamps it."""
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 16 left behind: a warm worker without the columns, 17 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 17")
+    for name in ("taken_at", "prior_taken_at"):
+        db.execute(f"ALTER TABLE workers DROP COLUMN {name}")
+    db.execute(
+        "INSERT INTO workers (id, pool, revision, state, owner, created_at, updated_at, "
+        "heartbeat_at, endpoint) VALUES ('w1', 'p', 'r1', 'warm', 'cp-a', 1, 1, 1, 'http://w')"
+    )
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 17
+        old = await upgraded.get_worker("w1") or pytest.fail("w1 lost")
+        assert (old.owner, old.taken_at, old.prior_taken_at) == ("cp-a", None, None)
+        result = await upgraded.reserve(
+            "w1",
+            expect=WorkerState.WARM,
+            epoch=old.epoch,
+            version=old.version,
+            org="acme",
+            org_cap=0,
+            owner="cp-b",
+            now=T0,
+        )
+        taken = result.worker or pytest.fail("not reserved")
+        assert (taken.owner, taken.taken_at, taken.prior_taken_at) == ("cp-b", T0, None)
     finally:
         await upgraded.close()

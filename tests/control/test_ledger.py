@@ -612,6 +612,76 @@ async def test_a_worker_another_replica_takes_is_counted_once(stores: list[Store
     assert worker_s == pytest.approx(30)
 
 
+@pytest.mark.parametrize("again", ["back by its owner", "by the taker", "by a third replica"])
+async def test_a_worker_taken_twice_between_flushes_is_counted_once(
+    stores: list[Store], again: str
+) -> None:
+    """Replica 2 takes replica 1's warm worker for a session that ends within the pass, and
+    the worker is taken again before replica 1's next flush: back by replica 1, by
+    replica 2 once more, or by replica 3. Replica 1 counts it warm up to the first take
+    only (replica 2 counts it from there), so its whole life is counted once."""
+    clock = ManualClock()
+    mine, life, _ = wire(stores[0], clock)
+    metrics = Metrics(CollectorRegistry())
+    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
+    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
+    other = Lifecycle(stores[1], clock, metrics)
+    other.on_moved = theirs.moved
+    other.on_claim_ended = theirs.claim_ended
+    third = Ledger(clock=clock, catalog=catalog, instance_id="replica-3", metrics=metrics)
+    third_life = Lifecycle(stores[1], clock, metrics)
+    third_life.on_moved = third.moved
+    third_life.on_claim_ended = third.claim_ended
+    t0 = clock.now()
+
+    async def session(by: Lifecycle, owner: str, worker: Worker, claim_id: str) -> Worker:
+        """A session of acme through `by`: reserved now, hot 1 s later for 2 s, then parked."""
+        reserved = await by.reserve(worker, org="acme", org_cap=0, owner=owner, activate=True)
+        taken = reserved.worker or pytest.fail("not taken")
+        if taken.state is S.RESERVED:
+            taken = await by.move(taken, S.ACTIVATING, activated=True) or pytest.fail("no")
+        clock.advance(1)
+        claim = dataclasses.replace(claim_for(taken, clock.now()), id=claim_id, owner=owner)
+        taken = await by.bind(taken, claim) or pytest.fail("not hot")
+        clock.advance(2)
+        ended = await by.end_claim(
+            claim, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, idle_since=clock.now()
+        )
+        assert ended is not None
+        return await stores[0].get_worker(worker.id) or pytest.fail("gone")
+
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-t"]
+    )
+    clock.advance(5)
+    warm = await life.move(slots.workers[0], S.WARM, endpoint="http://t")
+    assert warm is not None
+    clock.advance(5)
+    await mine.flush(stores[0])
+    clock.advance(10)  # t0 + 20: the first take, by replica 2
+    parked = await session(other, "replica-2", warm, "c-1")
+    clock.advance(2)  # t0 + 25: the second take
+    if again == "back by its owner":
+        await session(life, ME, parked, "c-2")
+    elif again == "by the taker":
+        await session(other, "replica-2", parked, "c-2")
+    else:
+        await session(third_life, "replica-3", parked, "c-2")
+    clock.advance(2)  # t0 + 30
+    await mine.flush(stores[0])
+    await theirs.flush(stores[1])
+    await third.flush(stores[1])
+    total = LedgerCounts()
+    for _, cell in await stores[1].read_ledger("p", since=t0 - 1, until=t0 + 31):
+        total.merge(cell)
+    assert total.starting_s == pytest.approx(5 + 1 + 1)
+    assert total.warm_s == pytest.approx(15)
+    assert total.hot_s == pytest.approx(2 + 2)
+    assert total.hot_idle_s == pytest.approx(2 + 2)
+    worker_s = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
+    assert worker_s == pytest.approx(30)
+
+
 async def test_a_graceful_restart_loses_no_second_of_an_adopted_workers_time(
     tmp_path: Path,
 ) -> None:

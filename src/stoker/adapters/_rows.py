@@ -360,6 +360,19 @@ def checked_changes(current: Worker, to: WorkerState, changes: Mapping[str, Any]
     return out
 
 
+def stamp_taken(current: Worker, fields: dict[str, Any], now: float) -> dict[str, Any]:
+    """`fields` (the checked changes of a move of `current`), with `taken_at` stamped `now`
+    when the move gives the row another owner (a replica took the worker, for a claim or
+    by adoption), and `prior_taken_at` keeping the `taken_at` before. The replica the
+    worker left counts it up to there, however often it is taken again (or back) before
+    that replica's next ledger flush (`stoker.control.ledger`)."""
+    owner = fields.get("owner")
+    if owner is not None and owner != current.owner:
+        fields["prior_taken_at"] = current.taken_at
+        fields["taken_at"] = now
+    return fields
+
+
 def checked_ending_changes(worker_to: WorkerState, changes: Mapping[str, Any]) -> dict[str, Any]:
     """The checked field changes of moving a bound claim's hot worker to `worker_to`,
     without reading the row: a hot worker was activated for the claim's org, and ending the

@@ -84,6 +84,8 @@ WORKERS = Table(
         *_real("heartbeat_at"),
         *_real("idle_since", "ttl_s", nullable=True),
         *_text("reason", nullable=True),
+        # When the row's owner last changed, and the time before (`_rows.stamp_taken`).
+        *_real("taken_at", "prior_taken_at", nullable=True),
     ),
 )
 CLAIMS = Table(
@@ -100,6 +102,8 @@ CLAIMS = Table(
         *_text("idempotency_key", "request_digest", "sealed_token", nullable=True),
     ),
 )
+#: The columns a later version added to `WORKERS`, for the upgrades of older databases.
+WORKER_TAKEN_COLUMNS = ("taken_at", "prior_taken_at")
 #: The columns each version added to `CLAIMS`, for the upgrades of older databases.
 CLAIM_IDEMPOTENCY_COLUMNS = ("idempotency_key", "request_digest", "sealed_token")
 INSTANCES = Table(

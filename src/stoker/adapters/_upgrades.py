@@ -22,6 +22,7 @@ from stoker.adapters._schema import (
     POOLS,
     ROLLOUT_OUTCOMES,
     TABLES,
+    WORKER_TAKEN_COLUMNS,
     WORKERS,
     Dialect,
     Table,
@@ -96,6 +97,12 @@ class TableChanges:
         """The ledger keeps the resource-seconds of headroom placeholders (their own
         requests, by which headroom is priced)."""
         return self.add(LEDGER, *sorted(LEDGER_LATER))
+
+    @property
+    def worker_taken_at(self) -> list[str]:
+        """A worker row says when its owner last changed (and the time before): the ledger
+        of the replica it left counts it up to there (docs/warmth.md)."""
+        return self.add(WORKERS, *WORKER_TAKEN_COLUMNS)
 
     @property
     def pool_sizing(self) -> list[str]:

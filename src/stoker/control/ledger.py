@@ -8,8 +8,8 @@ counted to the second in each state, however short. A flush (every fallback-reap
 carries open spans up to now, then reconciles with the store's rows of this replica: a
 worker another replica moved (the leader retiring it, a release through another replica)
 or this replica adopted is placed by the row's `updated_at`, its last write; one another
-replica took for a claim, by its reservation (`heartbeat_at`), from which the taker counts
-it. Spans are
+replica took for a claim, by the change of its owner (`taken_at`, or the one before when
+it changed hands again), from which the taker counts it. Spans are
 split at hour boundaries exactly. Placeholder time is the leader's: the headroom it keeps
 between its passes, in worker slots, with the placeholders' own requests.
 
@@ -221,11 +221,30 @@ class Ledger:
         if orphan is not None and orphan.owner == worker.owner:
             self._orphan_moved(previous or orphan, worker)
         span = self._open.get(worker.id)
-        self._close(worker.id, at)
+        self._close(worker.id, at if span is None else self._left_by(span, worker, previous, at))
         if worker.state is WorkerState.RETIRED:
             self._retired(worker, span, at)
         else:
             self._open_span(worker, at)
+
+    def _left_by(self, span: _Span, worker: Worker, previous: Worker | None, at: float) -> float:
+        """When this replica's time of the worker of the open `span` ends, for its write
+        `worker` at `at`: at the write, unless another replica took the worker since this
+        replica's last flush. Then at that take: the write takes it back (the row's
+        `prior_taken_at`), or moves a row another replica holds (as `_left_at` reads it)."""
+        me, since = self._instance_id, _since(span)
+        prior = worker.prior_taken_at
+        if (
+            worker.owner == me
+            and worker.taken_at is not None
+            and worker.taken_at >= at
+            and prior is not None
+            and prior > since
+        ):
+            return max(since, min(prior, at))
+        if previous is not None and previous.owner != me:
+            return max(since, min(_left_at(previous, span, me), at))
+        return at
 
     def terminated(self, worker_id: str, at: float) -> None:
         """The runtime object of worker `worker_id` holds its node share no more at `at`
@@ -684,10 +703,17 @@ def _since(span: _Span) -> float:
 
 def _left_at(row: Worker, span: _Span, me: str) -> float:
     """When the worker of `span` left this replica's time, as its row now reads. Taken by
-    another replica (a claim there): at the reservation, which stamps `heartbeat_at`; the
-    row's later writes (the session, its end) are the taker's, which counts the worker
-    from the reservation on. Otherwise (a move another replica wrote, a retirement): at the
-    row's last write."""
-    if row.owner != me and row.heartbeat_at > _since(span):
-        return min(row.heartbeat_at, row.updated_at)
+    another replica (a claim there, an adoption): at the first change of its owner since
+    the span was counted, of the last two the row keeps (`prior_taken_at`, `taken_at`),
+    however often the taker reserved it again since; the row's later writes (the
+    sessions, their ends) are the taker's, which counts the worker from the take on. A row
+    written before `taken_at` existed: at its last reservation (`heartbeat_at`).
+    Otherwise (a move another replica wrote, a retirement): at the row's last write."""
+    if row.owner != me:
+        since = _since(span)
+        takes = [t for t in (row.prior_taken_at, row.taken_at) if t is not None and t > since]
+        if takes:
+            return min(takes[0], row.updated_at)
+        if row.heartbeat_at > since:
+            return min(row.heartbeat_at, row.updated_at)
     return row.updated_at

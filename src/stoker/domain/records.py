@@ -37,6 +37,12 @@ class Worker:
     idle_since: float | None = None
     ttl_s: float | None = None
     reason: str | None = None
+    #: When `owner` last changed (a reservation by another replica, an adoption); None
+    #: while the spawning replica holds it, and for rows written before the field existed.
+    taken_at: float | None = None
+    #: `taken_at` before that change: when the owner before took it. A replica taking back
+    #: a worker another replica took from it lost it then.
+    prior_taken_at: float | None = None
 
     def evolve(self, **changes: Any) -> Worker:
         """A copy with `changes` applied."""

@@ -149,6 +149,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (14, tables.pool_sizing),
         (15, [ledger_written_index(s)]),
         (16, tables.placeholder_requests),
+        (17, tables.worker_taken_at),
     ]
 
 

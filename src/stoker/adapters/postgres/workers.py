@@ -43,6 +43,7 @@ from stoker.adapters._rows import (
     fenced,
     spawn_room,
     spawning_workers,
+    stamp_taken,
     worker_from_row,
     worker_to_row,
 )
@@ -456,7 +457,10 @@ def _reserve_sql(names: Names, pick: str, *, before: str = "") -> str:
         "state = CASE WHEN %(activate)s THEN 'activating' ELSE 'reserved' END, "
         "activated = w.activated OR %(activate)s, epoch = w.epoch + 1, "
         "version = w.version + 1, org = %(org)s, "
-        "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s "
+        "owner = %(owner)s, heartbeat_at = %(now)s, updated_at = %(now)s, "
+        "taken_at = CASE WHEN w.owner = %(owner)s THEN w.taken_at ELSE %(now)s END, "
+        "prior_taken_at = CASE WHEN w.owner = %(owner)s THEN w.prior_taken_at "
+        "ELSE w.taken_at END "
         "FROM picked WHERE w.id = picked.id AND w.state = picked.state "
         "AND (%(cap)s = 0 OR picked.state = 'hot_idle' OR (SELECT n FROM live) < %(cap)s) "
         f"RETURNING {moved}) "
@@ -491,7 +495,7 @@ async def _cas(
     The compare is on the version, which every write bumps: the checks read `org` and
     `activated` too, and those cannot have changed either.
     """
-    fields = checked_changes(current, to, changes)
+    fields = stamp_taken(current, checked_changes(current, to, changes), now)
     field_sets, values = _sets(fields)
     sets = ["state = %s", "epoch = %s", "version = %s", "updated_at = %s", *field_sets]
     params: list[Any] = [
@@ -516,7 +520,8 @@ def _sets(fields: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
     """`name = %s` for each checked field change, and the values in column form."""
     sets, values = [], []
     for name, value in fields.items():
-        # `name` is one of MUTABLE_WORKER_FIELDS (checked by the caller): safe to interpolate.
+        # `name` is one of MUTABLE_WORKER_FIELDS (checked by the caller) or `taken_at`: safe
+        # to interpolate.
         sets.append(f"{name} = %s::jsonb" if name in _JSON_COLUMNS else f"{name} = %s")
         values.append(column_value(name, value))
     return sets, values

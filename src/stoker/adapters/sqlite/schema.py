@@ -93,6 +93,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (14, _TABLES.pool_sizing),
     (15, [LEDGER_WRITTEN_INDEX]),
     (16, _TABLES.placeholder_requests),
+    (17, _TABLES.worker_taken_at),
 ]
 
 

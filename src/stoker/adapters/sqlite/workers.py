@@ -33,6 +33,7 @@ from stoker.adapters._rows import (
     may_bind,
     spawn_room,
     spawning_workers,
+    stamp_taken,
     worker_to_row,
 )
 from stoker.adapters.sqlite.batching import GroupCommit
@@ -89,7 +90,7 @@ def _moved(
 ) -> tuple[Worker, dict[str, Any]]:
     """`current` moved to `to` at `now` with its version bumped, and the checked field
     changes of the move (no I/O: `WorkerRows._write_move` writes it)."""
-    checked = checked_changes(current, to, changes)
+    checked = stamp_taken(current, checked_changes(current, to, changes), now)
     new = current.evolve(
         state=to,
         epoch=current.epoch + 1 if bump_epoch else current.epoch,
