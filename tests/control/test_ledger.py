@@ -682,6 +682,105 @@ async def test_a_worker_taken_twice_between_flushes_is_counted_once(
     assert worker_s == pytest.approx(30)
 
 
+async def test_a_release_through_another_replica_is_placed_when_the_owner_takes_it_again(
+    stores: list[Store],
+) -> None:
+    """Replica 1's session is released through replica 2 (the worker stays replica 1's,
+    parked), and replica 1 takes the parked worker for the next session before its next
+    flush. Replica 1 counts the session hot up to the release and the worker parked from
+    there (its `idle_since`), not hot up to its own next write."""
+    clock = ManualClock()
+    mine, life, _ = wire(stores[0], clock)
+    metrics = Metrics(CollectorRegistry())
+    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
+    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
+    other = Lifecycle(stores[1], clock, metrics)
+    other.on_moved = theirs.moved
+    other.on_claim_ended = theirs.claim_ended
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-r"]
+    )
+    clock.advance(5)
+    worker = await life.move(slots.workers[0], S.WARM, endpoint="http://r") or pytest.fail("")
+    clock.advance(5)
+    await mine.flush(stores[0])
+    for number, releaser in ((1, other), (2, life)):
+        # t0 + 10 (and t0 + 17): reserved by replica 1, hot 1 s later for 2 s.
+        reserved = await life.reserve(worker, org="acme", org_cap=0, owner=ME, activate=True)
+        worker = reserved.worker or pytest.fail("not reserved")
+        if worker.state is S.RESERVED:
+            worker = await life.move(worker, S.ACTIVATING, activated=True) or pytest.fail("")
+        clock.advance(1)
+        claim = dataclasses.replace(claim_for(worker, clock.now()), id=f"c-{number}")
+        worker = await life.bind(worker, claim) or pytest.fail("not hot")
+        clock.advance(2)
+        ended = await releaser.end_claim(
+            claim, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, idle_since=clock.now()
+        )
+        worker = (ended or pytest.fail("not ended"))[1]
+        clock.advance(4)
+    await mine.flush(stores[0])  # t0 + 24
+    await theirs.flush(stores[1])
+    total = LedgerCounts()
+    for _, cell in await stores[1].read_ledger("p", since=t0 - 1, until=t0 + 25):
+        total.merge(cell)
+    assert total.starting_s == pytest.approx(5 + 1 + 1)
+    assert total.warm_s == pytest.approx(5)
+    assert total.hot_s == pytest.approx(2 + 2)
+    assert total.hot_idle_s == pytest.approx(4 + 4)
+    assert total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s == pytest.approx(24)
+
+
+async def test_a_replica_that_lost_a_worker_counts_it_once_when_it_writes_its_row(
+    stores: list[Store],
+) -> None:
+    """Replica 2 took replica 1's warm worker for a session, and replica 1 took it back
+    for one of its own before replica 2's next flush; that session is released through
+    replica 2. Replica 2's write of replica 1's row ends replica 2's time at replica 1's
+    take, not at the write: each second is counted once."""
+    clock = ManualClock()
+    mine, life, _ = wire(stores[0], clock)
+    metrics = Metrics(CollectorRegistry())
+    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
+    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
+    other = Lifecycle(stores[1], clock, metrics)
+    other.on_moved = theirs.moved
+    other.on_claim_ended = theirs.claim_ended
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-l"]
+    )
+    clock.advance(5)
+    worker = await life.move(slots.workers[0], S.WARM, endpoint="http://l") or pytest.fail("")
+    clock.advance(5)
+    for number, (taker, owner) in enumerate(((other, "replica-2"), (life, ME)), start=1):
+        # t0 + 10 (and t0 + 17): reserved, hot 1 s later for 2 s, released via replica 2.
+        reserved = await taker.reserve(worker, org="acme", org_cap=0, owner=owner, activate=True)
+        worker = reserved.worker or pytest.fail("not reserved")
+        if worker.state is S.RESERVED:
+            worker = await taker.move(worker, S.ACTIVATING, activated=True) or pytest.fail("")
+        clock.advance(1)
+        claim = dataclasses.replace(claim_for(worker, clock.now()), id=f"c-{number}", owner=owner)
+        worker = await taker.bind(worker, claim) or pytest.fail("not hot")
+        clock.advance(2)
+        ended = await other.end_claim(
+            claim, state=ClaimState.RELEASED, worker_to=S.HOT_IDLE, idle_since=clock.now()
+        )
+        worker = (ended or pytest.fail("not ended"))[1]
+        clock.advance(4)
+    await mine.flush(stores[0])  # t0 + 24
+    await theirs.flush(stores[1])
+    total = LedgerCounts()
+    for _, cell in await stores[1].read_ledger("p", since=t0 - 1, until=t0 + 25):
+        total.merge(cell)
+    assert total.starting_s == pytest.approx(5 + 1 + 1)
+    assert total.warm_s == pytest.approx(5)
+    assert total.hot_s == pytest.approx(2 + 2)
+    assert total.hot_idle_s == pytest.approx(4 + 4)
+    assert total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s == pytest.approx(24)
+
+
 async def test_a_graceful_restart_loses_no_second_of_an_adopted_workers_time(
     tmp_path: Path,
 ) -> None:

@@ -221,18 +221,55 @@ class Ledger:
         if orphan is not None and orphan.owner == worker.owner:
             self._orphan_moved(previous or orphan, worker)
         span = self._open.get(worker.id)
-        self._close(worker.id, at if span is None else self._left_by(span, worker, previous, at))
+        if span is not None:
+            self._end_span(span, before, worker, previous, at)
         if worker.state is WorkerState.RETIRED:
             self._retired(worker, span, at)
         else:
             self._open_span(worker, at)
 
+    def _end_span(
+        self,
+        span: _Span,
+        before: WorkerState | None,
+        worker: Worker,
+        previous: Worker | None,
+        at: float,
+    ) -> None:
+        """Close the open `span` for this replica's write `worker` at `at` (coming from
+        `before`). Since this replica last counted the worker, another replica may have
+        taken it (its owner changed: this replica's time ends at that take, `_left_by`), or
+        moved it while it stayed this replica's (a release through another replica): then
+        the span's state ends at that move, and the time from there to this write is
+        counted in the state the move left (`before`), from the move's time as the row
+        tells it (the row this write was fenced on, or a parked worker's `idle_since`);
+        when it does not, at this write, as before."""
+        since = _since(span)
+        left = self._left_by(span, worker, previous, at)
+        state = _TIME_STATE.get(before) if before is not None else None
+        if left < at or state is None or state == span.state:
+            self._close(worker.id, left)
+            return
+        changed = previous.updated_at if previous is not None else None
+        if changed is None and before is WorkerState.HOT_IDLE:
+            changed = worker.idle_since
+        if changed is None or not since < changed < at:
+            self._close(worker.id, at)
+            return
+        self._close(worker.id, changed)
+        org = (previous or worker).org or ""
+        between = _Span(span.pool, span.revision, org, state, changed, 0, span.cpus, span.gib)
+        self._carry_span(between, at)
+
     def _left_by(self, span: _Span, worker: Worker, previous: Worker | None, at: float) -> float:
         """When this replica's time of the worker of the open `span` ends, for its write
         `worker` at `at`: at the write, unless another replica took the worker since this
-        replica's last flush. Then at that take: the write takes it back (the row's
-        `prior_taken_at`), or moves a row another replica holds (as `_left_at` reads it)."""
+        replica's last flush. Then at that take: the write is of a row another replica
+        holds, or takes the worker back (the row's `prior_taken_at`), or moves a row
+        another replica held (as `_left_at` reads them)."""
         me, since = self._instance_id, _since(span)
+        if worker.owner != me:
+            return max(since, min(_left_at(worker, span, me), at))
         prior = worker.prior_taken_at
         if (
             worker.owner == me
