@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import random
 import signal
 import uuid
 from collections import defaultdict
@@ -31,6 +32,7 @@ from stoker.adapters.runtime_local import LocalProcessRuntime
 from stoker.control.ids import Ids
 from stoker.control.plane import ControlPlane
 from stoker.domain.errors import CapacityError, ClaimConflict, OrgCapError, StoreError
+from stoker.domain.ledger import LedgerCounts
 from stoker.domain.records import Claim, ClaimRequest, Worker
 from stoker.domain.specs import PlaneSettings, PoolSpec, ProcessTemplate, Timeouts
 from stoker.domain.states import LIVE, ClaimSource, ClaimState, WorkerState
@@ -468,3 +470,53 @@ async def test_replicas_started_with_different_files_serve_one_stored_revision(
     retired = await rows(a, S.RETIRED)
     assert [w for w in retired if w.reason == "rollout"] == []
     assert {w.revision for w in await rows(a, S.WARM)} <= {stable, proposed.revision}
+
+
+@bounded(120)
+async def test_claims_and_releases_on_any_replica_count_each_worker_second_once(
+    cluster: Cluster,
+) -> None:
+    """Five orgs claim and release through replicas picked at random, with sessions
+    shorter than a ledger pass, so that workers change hands, and come back, between
+    flushes. After a clean stop the ledger holds each worker's whole life once: the time
+    in every state, summed over the replicas, is the time the workers lived (from their
+    rows) up to their owners' last ledger writes."""
+    a, b = [await cluster.add(pool(warm_target=2)) for _ in range(2)]
+
+    async def two_warm() -> bool:
+        return len(await rows(a, S.WARM)) >= 2
+
+    await until(two_warm)
+    rng = random.Random(5)
+
+    async def sessions(org: str) -> None:
+        for _ in range(12):
+            taker, releaser = rng.choice((a, b)), rng.choice((a, b))
+            claim = await taker.plane.claim(ClaimRequest(pool="demo", org=org, timeout_s=20))
+            await asyncio.sleep(rng.uniform(0.02, 0.2))
+            await releaser.plane.release(claim.id)
+            await asyncio.sleep(rng.uniform(0.02, 0.3))
+
+    await asyncio.gather(*(sessions(f"org{i}") for i in range(5)))
+    for replica in (a, b):
+        await replica.plane.stop(stop_workers=False)
+    store = PostgresStore(POSTGRES_URL, schema=cluster.schema, max_size=2)
+    await store.open()
+    try:
+        written = {r.id: await store.ledger_written_at(r.id) for r in (a, b)}
+        lived = 0.0
+        for w in await store.list_workers():
+            end = w.updated_at if w.state is S.RETIRED else written[w.owner]
+            assert end is not None
+            lived += end - w.created_at
+        total = LedgerCounts()
+        for _, cell in await store.read_ledger("demo", since=0, until=max(written.values()) + 1):
+            total.merge(cell)
+        taken = await store.list_claims()
+    finally:
+        await store.close()
+    assert len(taken) == 60
+    counted = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s + total.draining_s
+    # Beyond the rows: a retired worker's process ends a few ms after its retirement,
+    # which its retirer counts as draining.
+    assert counted == pytest.approx(lived, abs=0.05)
