@@ -480,7 +480,7 @@ async def test_claims_and_releases_on_any_replica_count_each_worker_second_once(
     shorter than a ledger pass, so that workers change hands, and come back, between
     flushes. After a clean stop the ledger holds each worker's whole life once: the time
     in every state, summed over the replicas, is the time the workers lived (from their
-    rows) up to their owners' last ledger writes."""
+    rows) up to their owners' last ledger writes, and the hot time is the sessions'."""
     a, b = [await cluster.add(pool(warm_target=2)) for _ in range(2)]
 
     async def two_warm() -> bool:
@@ -503,11 +503,12 @@ async def test_claims_and_releases_on_any_replica_count_each_worker_second_once(
     store = PostgresStore(POSTGRES_URL, schema=cluster.schema, max_size=2)
     await store.open()
     try:
-        written = {r.id: await store.ledger_written_at(r.id) for r in (a, b)}
+        written: dict[str, float] = {}
+        for r in (a, b):
+            written[r.id] = await store.ledger_written_at(r.id) or pytest.fail("no ledger")
         lived = 0.0
         for w in await store.list_workers():
             end = w.updated_at if w.state is S.RETIRED else written[w.owner]
-            assert end is not None
             lived += end - w.created_at
         total = LedgerCounts()
         for _, cell in await store.read_ledger("demo", since=0, until=max(written.values()) + 1):
@@ -520,3 +521,6 @@ async def test_claims_and_releases_on_any_replica_count_each_worker_second_once(
     # Beyond the rows: a retired worker's process ends a few ms after its retirement,
     # which its retirer counts as draining.
     assert counted == pytest.approx(lived, abs=0.05)
+    # Each session's time is hot, whichever replica released it and took the worker next.
+    held = sum((c.ended_at or 0.0) - c.created_at for c in taken)
+    assert total.hot_s == pytest.approx(held, rel=0.05)

@@ -118,6 +118,9 @@ class _Span:
     #: The open spans it is carried with (`_Group`); None for a span carried alone (a
     #: terminating worker's, an adopted worker's gap).
     group: _Group | None = None
+    #: A hot span's claim: if another replica releases it and a replica takes the parked
+    #: worker before this one's flush, the claim's end says when the session ended.
+    claim: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -206,6 +209,9 @@ class Ledger:
         #: Workers this replica retired, until their runtime object is reported gone (or
         #: forgotten), in the order retired.
         self._terminating: dict[str, _Terminating] = {}
+        #: Hot spans ended at another replica's take, with the take's time: placed at their
+        #: claim's end at the next flush (`_place_releases`).
+        self._released: list[tuple[_Span, float]] = []
 
     # -- what the other parts tell it (in memory only) --------------------------------------
 
@@ -221,12 +227,13 @@ class Ledger:
         if orphan is not None and orphan.owner == worker.owner:
             self._orphan_moved(previous or orphan, worker)
         span = self._open.get(worker.id)
-        if span is not None:
-            self._end_span(span, before, worker, previous, at)
+        # A flush that ran while the write was in flight may have counted the old state a
+        # little past the write's time: the new one starts after it, never both at once.
+        opened = at if span is None else max(at, self._end_span(span, before, worker, previous, at))
         if worker.state is WorkerState.RETIRED:
             self._retired(worker, span, at)
         else:
-            self._open_span(worker, at)
+            self._open_span(worker, opened)
 
     def _end_span(
         self,
@@ -235,7 +242,7 @@ class Ledger:
         worker: Worker,
         previous: Worker | None,
         at: float,
-    ) -> None:
+    ) -> float:
         """Close the open `span` for this replica's write `worker` at `at` (coming from
         `before`). Since this replica last counted the worker, another replica may have
         taken it (its owner changed: this replica's time ends at that take, `_left_by`), or
@@ -243,23 +250,25 @@ class Ledger:
         the span's state ends at that move, and the time from there to this write is
         counted in the state the move left (`before`), from the move's time as the row
         tells it (the row this write was fenced on, or a parked worker's `idle_since`);
-        when it does not, at this write, as before."""
+        when it does not, at this write, as before. Returns up to when the worker's time
+        is counted now."""
         since = _since(span)
         left = self._left_by(span, worker, previous, at)
         state = _TIME_STATE.get(before) if before is not None else None
         if left < at or state is None or state == span.state:
-            self._close(worker.id, left)
-            return
+            self._close(worker.id, left, taken=left < at)
+            return max(since, left)
         changed = previous.updated_at if previous is not None else None
         if changed is None and before is WorkerState.HOT_IDLE:
             changed = worker.idle_since
         if changed is None or not since < changed < at:
             self._close(worker.id, at)
-            return
+            return max(since, at)
         self._close(worker.id, changed)
         org = (previous or worker).org or ""
         between = _Span(span.pool, span.revision, org, state, changed, 0, span.cpus, span.gib)
         self._carry_span(between, at)
+        return at
 
     def _left_by(self, span: _Span, worker: Worker, previous: Worker | None, at: float) -> float:
         """When this replica's time of the worker of the open `span` ends, for its write
@@ -472,12 +481,35 @@ class Ledger:
         if mine is not None:
             self._reconcile(mine, now)
             await self._close_gone(store, {w.id for w in mine}, now)
+        if self._released:
+            await self._place_releases(store)
         self._carry_groups(now)
         for pool in list(self._placeholders):
             self._accrue_placeholders(pool, now)
         self._forget_terminating(now)
         self._publish_metrics()
         await self._write(store, now)
+
+    async def _place_releases(self, store: ReplicaStore) -> None:
+        """Count the sessions another replica released, of workers taken before this
+        replica saw the release: hot up to the claim's end, parked from there to the take.
+        A claim that cannot be read leaves its span hot up to the take."""
+        released, self._released = self._released, []
+        for span, taken_at in released:
+            try:
+                claim = await store.get_claim(span.claim or "")
+            except StoreError as exc:
+                logs.event("ledger_read_failed", error=str(exc), level=logs.WARNING)
+                claim = None
+            ended = claim.ended_at if claim is not None else None
+            if ended is None or not span.since < ended < taken_at:
+                self._carry_span(span, taken_at)
+                continue
+            self._carry_span(span, ended)
+            parked = _Span(
+                span.pool, span.revision, span.org, "hot_idle", ended, 0, span.cpus, span.gib
+            )
+            self._carry_span(parked, taken_at)
 
     def _forget_terminating(self, now: float) -> None:
         """Forget the retired workers not reported gone in time: their object never went
@@ -537,15 +569,20 @@ class Ledger:
         another replica's write, at that write's time, or taken by another replica for a
         claim, at the reservation (`_left_at`; now, when the row cannot be read)."""
         for worker_id in [w for w in self._open if w not in live]:
+            span = self._open.get(worker_id)
             try:
                 row = await store.get_worker(worker_id)
             except StoreError:
                 row = None
-            span = self._open.get(worker_id)
-            if span is None:
+            if span is None or self._open.get(worker_id) is not span:
+                # This replica wrote it meanwhile (the move closed the span it knew).
+                continue
+            if row is not None and row.owner == self._instance_id and row.state in LIVE:
+                # Taken back by this replica while the flush read its rows: still counting.
                 continue
             left = now if row is None else min(_left_at(row, span, self._instance_id), now)
-            self._close(worker_id, max(_since(span), left))
+            taken = row is not None and row.owner != self._instance_id and row.state in LIVE
+            self._close(worker_id, max(_since(span), left), taken=taken)
 
     async def _write(self, store: ReplicaStore, now: float) -> None:
         if self._dirty:
@@ -600,10 +637,17 @@ class Ledger:
             self._carry_span(span, group.carried)
             group.settled += 1
         span.group = group
+        if state == "hot":
+            span.claim = worker.claim_id
         self._open[worker.id] = span
 
-    def _close(self, worker_id: str, at: float) -> None:
-        """End the open span of `worker_id` at `at` (not before its counted part ends)."""
+    def _close(self, worker_id: str, at: float, *, taken: bool = False) -> None:
+        """End the open span of `worker_id` at `at` (not before its counted part ends).
+
+        `taken`: at another replica's take. A worker is taken warm or parked, so a hot
+        span ending there had its session released through another replica meanwhile:
+        it is counted at the next flush, hot up to its claim's end and parked from there
+        (`_place_releases`)."""
         span = self._open.pop(worker_id, None)
         if span is None:
             return
@@ -613,7 +657,10 @@ class Ledger:
             group.settled -= 1
             span.since = group.carried
         span.group = None
-        self._carry_span(span, at)
+        if taken and span.claim is not None and at > span.since:
+            self._released.append((span, at))
+        else:
+            self._carry_span(span, at)
 
     def _carry_groups(self, now: float) -> None:
         """Carry every open span up to `now`, a group at a time."""
@@ -742,15 +789,18 @@ def _left_at(row: Worker, span: _Span, me: str) -> float:
     """When the worker of `span` left this replica's time, as its row now reads. Taken by
     another replica (a claim there, an adoption): at the first change of its owner since
     the span was counted, of the last two the row keeps (`prior_taken_at`, `taken_at`),
-    however often the taker reserved it again since; the row's later writes (the
-    sessions, their ends) are the taker's, which counts the worker from the take on. A row
-    written before `taken_at` existed: at its last reservation (`heartbeat_at`).
+    however often the taker reserved it again since, and not after what is counted
+    already; the row's later writes (the sessions, their ends) are the taker's, which
+    counts the worker from the take on. A row written before `taken_at` existed: at its
+    last reservation (`heartbeat_at`).
     Otherwise (a move another replica wrote, a retirement): at the row's last write."""
     if row.owner != me:
         since = _since(span)
-        takes = [t for t in (row.prior_taken_at, row.taken_at) if t is not None and t > since]
-        if takes:
-            return min(takes[0], row.updated_at)
+        if row.taken_at is not None:
+            takes = [t for t in (row.prior_taken_at, row.taken_at) if t is not None and t > since]
+            # Taken before what is counted already (a flush that read the row just before
+            # the take): count no more.
+            return min(takes[0], row.updated_at) if takes else since
         if row.heartbeat_at > since:
             return min(row.heartbeat_at, row.updated_at)
     return row.updated_at
