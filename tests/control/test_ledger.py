@@ -702,7 +702,9 @@ async def test_a_release_through_another_replica_is_placed_when_the_owner_takes_
         SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-r"]
     )
     clock.advance(5)
-    worker = await life.move(slots.workers[0], S.WARM, endpoint="http://r") or pytest.fail("")
+    worker = await life.move(slots.workers[0], S.WARM, endpoint="http://r") or pytest.fail(
+        "not warm"
+    )
     clock.advance(5)
     await mine.flush(stores[0])
     for number, releaser in ((1, other), (2, life)):
@@ -710,7 +712,9 @@ async def test_a_release_through_another_replica_is_placed_when_the_owner_takes_
         reserved = await life.reserve(worker, org="acme", org_cap=0, owner=ME, activate=True)
         worker = reserved.worker or pytest.fail("not reserved")
         if worker.state is S.RESERVED:
-            worker = await life.move(worker, S.ACTIVATING, activated=True) or pytest.fail("")
+            worker = await life.move(worker, S.ACTIVATING, activated=True) or pytest.fail(
+                "not activating"
+            )
         clock.advance(1)
         claim = dataclasses.replace(claim_for(worker, clock.now()), id=f"c-{number}")
         worker = await life.bind(worker, claim) or pytest.fail("not hot")
@@ -752,14 +756,18 @@ async def test_a_replica_that_lost_a_worker_counts_it_once_when_it_writes_its_ro
         SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-l"]
     )
     clock.advance(5)
-    worker = await life.move(slots.workers[0], S.WARM, endpoint="http://l") or pytest.fail("")
+    worker = await life.move(slots.workers[0], S.WARM, endpoint="http://l") or pytest.fail(
+        "not warm"
+    )
     clock.advance(5)
     for number, (taker, owner) in enumerate(((other, "replica-2"), (life, ME)), start=1):
         # t0 + 10 (and t0 + 17): reserved, hot 1 s later for 2 s, released via replica 2.
         reserved = await taker.reserve(worker, org="acme", org_cap=0, owner=owner, activate=True)
         worker = reserved.worker or pytest.fail("not reserved")
         if worker.state is S.RESERVED:
-            worker = await taker.move(worker, S.ACTIVATING, activated=True) or pytest.fail("")
+            worker = await taker.move(worker, S.ACTIVATING, activated=True) or pytest.fail(
+                "not activating"
+            )
         clock.advance(1)
         claim = dataclasses.replace(claim_for(worker, clock.now()), id=f"c-{number}", owner=owner)
         worker = await taker.bind(worker, claim) or pytest.fail("not hot")
