@@ -99,11 +99,12 @@ class ManualClock:
 
 
 def wire(
-    store: Store, clock: ManualClock, catalog: Catalog | None = None
+    store: Store, clock: ManualClock, catalog: Catalog | None = None, instance_id: str = ME
 ) -> tuple[Ledger, Lifecycle, Metrics]:
+    """Replica `instance_id`'s ledger, told of every write its lifecycle makes."""
     metrics = Metrics(CollectorRegistry())
     catalog = catalog or Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
-    ledger = Ledger(clock=clock, catalog=catalog, instance_id=ME, metrics=metrics)
+    ledger = Ledger(clock=clock, catalog=catalog, instance_id=instance_id, metrics=metrics)
     lifecycle = Lifecycle(store, clock, metrics)
     lifecycle.on_moved = ledger.moved
     lifecycle.on_claim_ended = ledger.claim_ended
@@ -570,12 +571,7 @@ async def test_a_worker_another_replica_takes_is_counted_once(stores: list[Store
     once."""
     clock = ManualClock()
     mine, life, _ = wire(stores[0], clock)
-    metrics = Metrics(CollectorRegistry())
-    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
-    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
-    other = Lifecycle(stores[1], clock, metrics)
-    other.on_moved = theirs.moved
-    other.on_claim_ended = theirs.claim_ended
+    theirs, other, _ = wire(stores[1], clock, instance_id="replica-2")
     t0 = clock.now()
     slots = await life.reserve_slots(
         SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-t"]
@@ -622,16 +618,8 @@ async def test_a_worker_taken_twice_between_flushes_is_counted_once(
     only (replica 2 counts it from there), so its whole life is counted once."""
     clock = ManualClock()
     mine, life, _ = wire(stores[0], clock)
-    metrics = Metrics(CollectorRegistry())
-    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
-    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
-    other = Lifecycle(stores[1], clock, metrics)
-    other.on_moved = theirs.moved
-    other.on_claim_ended = theirs.claim_ended
-    third = Ledger(clock=clock, catalog=catalog, instance_id="replica-3", metrics=metrics)
-    third_life = Lifecycle(stores[1], clock, metrics)
-    third_life.on_moved = third.moved
-    third_life.on_claim_ended = third.claim_ended
+    theirs, other, _ = wire(stores[1], clock, instance_id="replica-2")
+    third, third_life, _ = wire(stores[1], clock, instance_id="replica-3")
     t0 = clock.now()
 
     async def session(by: Lifecycle, owner: str, worker: Worker, claim_id: str) -> Worker:
@@ -691,12 +679,7 @@ async def test_a_release_through_another_replica_is_placed_when_the_owner_takes_
     there (its `idle_since`), not hot up to its own next write."""
     clock = ManualClock()
     mine, life, _ = wire(stores[0], clock)
-    metrics = Metrics(CollectorRegistry())
-    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
-    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
-    other = Lifecycle(stores[1], clock, metrics)
-    other.on_moved = theirs.moved
-    other.on_claim_ended = theirs.claim_ended
+    theirs, other, _ = wire(stores[1], clock, instance_id="replica-2")
     t0 = clock.now()
     slots = await life.reserve_slots(
         SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-r"]
@@ -745,12 +728,7 @@ async def test_a_replica_that_lost_a_worker_counts_it_once_when_it_writes_its_ro
     take, not at the write: each second is counted once."""
     clock = ManualClock()
     mine, life, _ = wire(stores[0], clock)
-    metrics = Metrics(CollectorRegistry())
-    catalog = Catalog({"p": POOL}, {}, derived_cap=lambda _: 0)
-    theirs = Ledger(clock=clock, catalog=catalog, instance_id="replica-2", metrics=metrics)
-    other = Lifecycle(stores[1], clock, metrics)
-    other.on_moved = theirs.moved
-    other.on_claim_ended = theirs.claim_ended
+    theirs, other, _ = wire(stores[1], clock, instance_id="replica-2")
     t0 = clock.now()
     slots = await life.reserve_slots(
         SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-l"]

@@ -253,7 +253,7 @@ class Ledger:
         when it does not, at this write, as before. Returns up to when the worker's time
         is counted now."""
         since = _since(span)
-        left = self._left_by(span, worker, previous, at)
+        left = self._left_by(span, since, worker, previous, at)
         state = _TIME_STATE.get(before) if before is not None else None
         if left < at or state is None or state == span.state:
             self._close(worker.id, left, taken=left < at)
@@ -265,24 +265,41 @@ class Ledger:
             self._close(worker.id, at)
             return max(since, at)
         self._close(worker.id, changed)
-        org = (previous or worker).org or ""
-        between = _Span(span.pool, span.revision, org, state, changed, 0, span.cpus, span.gib)
-        self._carry_span(between, at)
+        self._carry_after(span, state, changed, at, org=(previous or worker).org or "")
         return at
 
-    def _left_by(self, span: _Span, worker: Worker, previous: Worker | None, at: float) -> float:
+    def _carry_after(
+        self, span: _Span, state: str, start: float, end: float, *, org: str | None = None
+    ) -> None:
+        """Count the worker of the ended `span` (its pool, revision and resources) in
+        `state` from `start` to `end`: the time after a move this replica did not write."""
+        after = _Span(
+            span.pool,
+            span.revision,
+            span.org if org is None else org,
+            state,
+            start,
+            0,
+            span.cpus,
+            span.gib,
+        )
+        self._carry_span(after, end)
+
+    def _left_by(
+        self, span: _Span, since: float, worker: Worker, previous: Worker | None, at: float
+    ) -> float:
         """When this replica's time of the worker of the open `span` ends, for its write
         `worker` at `at`: at the write, unless another replica took the worker since this
         replica's last flush. Then at that take: the write is of a row another replica
         holds, or takes the worker back (the row's `prior_taken_at`), or moves a row
-        another replica held (as `_left_at` reads them)."""
-        me, since = self._instance_id, _since(span)
+        another replica held (as `_left_at` reads them). `since`: up to when the span is
+        counted."""
+        me = self._instance_id
         if worker.owner != me:
             return max(since, min(_left_at(worker, span, me), at))
         prior = worker.prior_taken_at
         if (
-            worker.owner == me
-            and worker.taken_at is not None
+            worker.taken_at is not None
             and worker.taken_at >= at
             and prior is not None
             and prior > since
@@ -506,10 +523,7 @@ class Ledger:
                 self._carry_span(span, taken_at)
                 continue
             self._carry_span(span, ended)
-            parked = _Span(
-                span.pool, span.revision, span.org, "hot_idle", ended, 0, span.cpus, span.gib
-            )
-            self._carry_span(parked, taken_at)
+            self._carry_after(span, "hot_idle", ended, taken_at)
 
     def _forget_terminating(self, now: float) -> None:
         """Forget the retired workers not reported gone in time: their object never went

@@ -520,8 +520,8 @@ def _sets(fields: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
     """`name = %s` for each checked field change, and the values in column form."""
     sets, values = [], []
     for name, value in fields.items():
-        # `name` is one of MUTABLE_WORKER_FIELDS (checked by the caller) or `taken_at`: safe
-        # to interpolate.
+        # `name` is one of MUTABLE_WORKER_FIELDS (checked by the caller), or `taken_at` or
+        # `prior_taken_at` (`stamp_taken`): safe to interpolate.
         sets.append(f"{name} = %s::jsonb" if name in _JSON_COLUMNS else f"{name} = %s")
         values.append(column_value(name, value))
     return sets, values
