@@ -25,6 +25,19 @@ from kube_control_plane import ControlPlane, binaries, build, until
 
 from servers import environment, start_server
 
+#: The lines of each server's log a failed test prints (its report shows them).
+FAILURE_LOG_LINES = 120
+_CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each test's call report, so that its fixtures know at teardown whether it failed."""
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_REPORT] = report
+    return report
+
 
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
@@ -57,9 +70,12 @@ def fleet() -> str:
 
 
 @pytest.fixture
-def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[StartStoker]:
+def start_stoker(
+    kube: ControlPlane, fleet: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[StartStoker]:
     """Starts `stoker serve` processes of `fleet` (all stopped, and the fleet's pods
-    deleted, at the end of the test)."""
+    deleted, at the end of the test). After a failed test each server's last log lines are
+    printed, so that the failure's report shows what stoker did."""
     started: list[Stoker] = []
     sqlite = f"sqlite:///{tmp_path / 'stoker.db'}"
     schemas: list[tuple[str, str]] = []
@@ -113,9 +129,14 @@ def start_stoker(kube: ControlPlane, fleet: str, tmp_path: Path) -> Iterator[Sta
         return stoker
 
     yield start
+    report = request.node.stash.get(_CALL_REPORT, None)
+    failed = report is not None and report.failed
     for stoker in started:
         if stoker.server.proc.poll() is None:
             stoker.stop(timeout=30)
+        if failed:
+            tail = "\n".join(stoker.log().splitlines()[-FAILURE_LOG_LINES:])
+            print(f"--- stoker {stoker.server.workdir.name}: its last log lines\n{tail}")
         stoker.http.close()
         if stoker.server.proc.stdout is not None:
             stoker.server.proc.stdout.close()  # a killed server's pipe

@@ -413,9 +413,11 @@ def test_the_ledger_and_the_claim_log_match_the_api_server(
     # the kubelet's Ready patch: at least the answer to the patch's arrival, at most the
     # create's arrival to the patch's plus the watch's delivery.
     for life in workers.values():
-        # The last status patch is the Ready one: its condition's stamp is its second.
+        # The last status patch is the Ready one: its condition's stamp is the second in
+        # which the kubelet wrote it, and the API server receives it a little later (past
+        # that second's end on a loaded machine).
         assert life.ready_at is not None
-        assert life.ready_at <= life.readied < life.ready_at + 1, life
+        assert life.ready_at <= life.readied < life.ready_at + 1 + WRITE_SLACK_S, life
     low = [life.readied - life.create_answered for life in workers.values()]
     high = [life.readied - life.created + WRITE_SLACK_S for life in workers.values()]
     assert sum(low) - clock <= total["ready_sum_s"] <= sum(high), (total["ready_sum_s"], low)
