@@ -371,6 +371,10 @@ class FaultyStore:
     async def ledger_written_at(self, instance_id: str) -> float | None:
         return await self.inner.ledger_written_at(instance_id)
 
+    async def first_takes(self, since: Any) -> dict[str, float]:
+        self._maybe_fail("first_takes")
+        return await self.inner.first_takes(since)
+
     async def record_claim_log(self, arrivals: Any, endings: Any) -> None:
         self._maybe_fail("record_claim_log")
         await self.inner.record_claim_log(arrivals, endings)

@@ -1073,7 +1073,8 @@ class StoreContract(PoolContract):
     ) -> None:
         """`taken_at` says when the row's owner last changed and `prior_taken_at` the
         `taken_at` before (the ledger places a worker another replica took by them): a
-        reservation or a move to another owner stamps them, the same owner's keeps them."""
+        reservation or a move to another owner stamps them, the same owner's keeps them;
+        the store keeps every change (`first_takes`)."""
         w = await fleet.warm()
         assert (w.taken_at, w.prior_taken_at) == (None, None)
         reserved = await store.reserve(
@@ -1125,6 +1126,29 @@ class StoreContract(PoolContract):
         )
         assert (kept.taken_at, kept.prior_taken_at) == (T0 + 70, T0 + 50)
         assert await store.get_worker(w.id) == kept
+        # Every change is kept, however many the row's two stamps no longer show: the
+        # first after a time, for the ledger of the replica the worker left by then.
+        back = must(
+            await store.transition(
+                kept.id,
+                expect=kept.state,
+                epoch=kept.epoch,
+                version=kept.version,
+                to=kept.state,
+                now=T0 + 90,
+                changes={"owner": "cp-b"},
+            )
+        )
+        assert (back.taken_at, back.prior_taken_at) == (T0 + 90, T0 + 70)
+        since = {w.id: T0, hot_idle.id: T0, "w-none": T0}
+        assert await store.first_takes(since) == {w.id: T0 + 50}
+        assert await store.first_takes({w.id: T0 + 50}) == {w.id: T0 + 70}
+        assert await store.first_takes({w.id: T0 + 89.5}) == {w.id: T0 + 90}
+        assert await store.first_takes({w.id: T0 + 90}) == {}
+        assert await store.first_takes({}) == {}
+        # They are history: purged with it.
+        await store.purge(before=T0 + 80)
+        assert await store.first_takes({w.id: T0}) == {w.id: T0 + 90}
 
     async def test_reserve_may_move_on_to_activating_in_the_same_write(
         self, store: Store, fleet: Fleet

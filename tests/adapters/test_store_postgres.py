@@ -464,7 +464,8 @@ async def test_the_one_statement_reservations_stamp_an_owner_change(
     make_pg: Callable[..., PostgresStore],
 ) -> None:
     """The parked-or-warm statements (alone, and batched per loop iteration) stamp
-    `taken_at` and keep `prior_taken_at` as every other write that changes the owner."""
+    `taken_at`, keep `prior_taken_at` and keep the change (`first_takes`) as every other
+    write that changes the owner."""
     store = make_pg()
     await store.open()
     fleet = Fleet(store)
@@ -486,6 +487,10 @@ async def test_the_one_statement_reservations_stamp_an_owner_change(
             None,
         )
         assert await store.get_worker(w.id) == taken
+    # Each change of owner is kept for the ledger of the replica the worker left.
+    since = {w.id: T0 for w in (parked, *others)}
+    assert await store.first_takes(since) == dict.fromkeys(since, T0 + 100)
+    assert await store.first_takes({parked.id: T0 + 100, warm.id: T0}) == {}
 
 
 async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
@@ -811,7 +816,7 @@ async def test_a_schema_of_version_10_gains_the_org_forecast(
     await sql(postgres_url, f"DROP TABLE {s}.org_forecast")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 18
     bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
     await upgraded.record_org_forecast([bucket])
     assert await upgraded.read_org_forecast() == [bucket]
@@ -829,7 +834,7 @@ async def test_a_schema_of_version_11_gains_the_rollout_outcome_counts(
     await sql(postgres_url, f"DROP TABLE {s}.rollout_outcomes")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 18
     await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
     assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
 
@@ -846,7 +851,7 @@ async def test_a_schema_of_version_13_gains_the_published_sizing(
     await sql(postgres_url, f"DROP TABLE {s}.pool_sizing")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 18
     sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
     await upgraded.record_sizing([sized])
     assert await upgraded.read_sizing() == [sized]
@@ -894,7 +899,7 @@ async def test_a_schema_of_version_14_finds_a_replicas_last_ledger_write_by_inde
     await sql(postgres_url, f"DROP INDEX {s}.ledger_written")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 18
     await upgraded.close()
     async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
         # An empty table is read whole anyway: ask for the plan a large one gets.
@@ -923,10 +928,32 @@ async def test_a_schema_of_version_15_keeps_the_placeholders_requests(
         await sql(postgres_url, f"ALTER TABLE {s}.ledger DROP COLUMN {name}")
     upgraded = make_pg()
     await upgraded.open()
-    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 17
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 18
     [(_, read)] = await upgraded.read_ledger("p", since=0, until=3600)
     assert (read.placeholder_s, read.placeholder_cpu_s, read.placeholder_gib_s) == (40, 0, 0)
     new = LedgerCounts(placeholder_s=40.0, placeholder_cpu_s=11.0, placeholder_gib_s=2.5)
     assert await upgraded.record_ledger("cp-b", {LedgerKey("p", "r1", "", 0): new}, now=2)
     rows = await upgraded.read_ledger("p", since=0, until=3600)
     assert sorted(c.placeholder_cpu_s for _, c in rows) == [0.0, 11.0]
+
+
+async def test_a_schema_of_version_17_keeps_the_changes_of_owner_from_its_upgrade_on(
+    make_pg: Callable[..., PostgresStore], postgres_url: str, schema: str
+) -> None:
+    """From version 18 every change of a worker's owner is kept (`first_takes`): a schema
+    without the table gets it, and the next take is kept, by every reserving statement."""
+    store = make_pg()
+    await store.open()
+    await store.close()
+    s = f'"{schema}"'
+    # What version 17 left behind: no table of changes, 18 not applied.
+    await sql(postgres_url, f"DELETE FROM {s}.schema_migrations WHERE version = 18")
+    await sql(postgres_url, f"DROP TABLE {s}.worker_takes")
+    upgraded = make_pg()
+    await upgraded.open()
+    assert await upgraded.schema_version() == upgrades(s)[-1][0] == 18
+    fleet = Fleet(upgraded)
+    warm = await fleet.warm()
+    got = must((await parked_or_warm(upgraded, warm, "org-a")).worker)
+    assert (got.id, got.owner, got.taken_at) == (warm.id, "cp-b", T0 + 100)
+    assert await upgraded.first_takes({warm.id: T0}) == {warm.id: T0 + 100}

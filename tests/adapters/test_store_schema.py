@@ -184,7 +184,7 @@ async def test_a_database_of_version_10_gains_the_org_forecast_and_keeps_its_for
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 17
+        assert await upgraded.schema_version() == LATEST == 18
         assert await upgraded.read_forecast() == [ForecastBucket("p", "day", 9, 0.01, 0.0, 3, T0)]
         bucket = OrgForecastBucket("p", "acme", 9, 0.002, 0.0, 1, T0)
         await upgraded.record_org_forecast([bucket])
@@ -206,7 +206,7 @@ async def test_a_database_of_version_11_gains_the_rollout_outcome_counts(tmp_pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 17
+        assert await upgraded.schema_version() == LATEST == 18
         await upgraded.record_outcomes("cp-a", {"ro-1": {"spawn": 2}}, now=T0)
         assert await upgraded.read_outcomes(["ro-1"]) == {"ro-1": {"spawn": 2}}
     finally:
@@ -226,7 +226,7 @@ async def test_a_database_of_version_13_gains_the_published_sizing(tmp_path: Pat
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 17
+        assert await upgraded.schema_version() == LATEST == 18
         sized = PoolSizingRecord("p", "cp-a", T0, 4, 2, {"policy": "reactive"})
         await upgraded.record_sizing([sized])
         assert await upgraded.read_sizing() == [sized]
@@ -252,7 +252,7 @@ async def test_a_database_of_version_14_finds_a_replicas_last_ledger_write_by_in
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 17
+        assert await upgraded.schema_version() == LATEST == 18
     finally:
         await upgraded.close()
     db = sqlite3.connect(path, isolation_level=None)
@@ -286,7 +286,7 @@ async def test_a_database_of_version_15_keeps_the_placeholders_requests(tmp_path
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 17
+        assert await upgraded.schema_version() == LATEST == 18
         [(_, old)] = await upgraded.read_ledger("p", since=0, until=3600)
         assert (old.placeholder_s, old.placeholder_cpu_s, old.placeholder_gib_s) == (40, 0, 0)
         new = LedgerCounts(placeholder_s=40.0, placeholder_cpu_s=11.0, placeholder_gib_s=2.5)
@@ -319,7 +319,7 @@ async def test_a_database_of_version_16_keeps_its_workers_and_stamps_the_next_ta
     upgraded = SqliteStore(str(path))
     await upgraded.open()
     try:
-        assert await upgraded.schema_version() == LATEST == 17
+        assert await upgraded.schema_version() == LATEST == 18
         old = await upgraded.get_worker("w1") or pytest.fail("w1 lost")
         assert (old.owner, old.taken_at, old.prior_taken_at) == ("cp-a", None, None)
         result = await upgraded.reserve(
@@ -334,5 +334,48 @@ async def test_a_database_of_version_16_keeps_its_workers_and_stamps_the_next_ta
         )
         taken = result.worker or pytest.fail("not reserved")
         assert (taken.owner, taken.taken_at, taken.prior_taken_at) == ("cp-b", T0, None)
+    finally:
+        await upgraded.close()
+
+
+async def test_a_database_of_version_17_keeps_the_changes_of_owner_from_its_upgrade_on(
+    tmp_path: Path,
+) -> None:
+    """From version 18 every change of a worker's owner is kept (`first_takes`): a
+    database without the table gets it, and the next take is kept."""
+    path = tmp_path / "old.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    # What version 17 left behind: no table of changes, 18 not applied.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DELETE FROM schema_migrations WHERE version = 18")
+    db.execute("DROP TABLE worker_takes")
+    db.execute(
+        "INSERT INTO workers (id, pool, revision, state, owner, created_at, updated_at, "
+        "heartbeat_at, endpoint, taken_at) "
+        "VALUES ('w1', 'p', 'r1', 'warm', 'cp-a', 1, 1, 1, 'http://w', 1)"
+    )
+    db.close()
+    upgraded = SqliteStore(str(path))
+    await upgraded.open()
+    try:
+        assert await upgraded.schema_version() == LATEST == 18
+        old = await upgraded.get_worker("w1") or pytest.fail("w1 lost")
+        # The take before the upgrade is the row's own stamp only.
+        assert await upgraded.first_takes({"w1": 0}) == {}
+        result = await upgraded.reserve(
+            "w1",
+            expect=WorkerState.WARM,
+            epoch=old.epoch,
+            version=old.version,
+            org="acme",
+            org_cap=0,
+            owner="cp-b",
+            now=T0,
+        )
+        taken = result.worker or pytest.fail("not reserved")
+        assert (taken.taken_at, taken.prior_taken_at) == (T0, 1)
+        assert await upgraded.first_takes({"w1": 0}) == {"w1": T0}
     finally:
         await upgraded.close()

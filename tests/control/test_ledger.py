@@ -608,14 +608,27 @@ async def test_a_worker_another_replica_takes_is_counted_once(stores: list[Store
     assert worker_s == pytest.approx(30)
 
 
-@pytest.mark.parametrize("again", ["back by its owner", "by the taker", "by a third replica"])
-async def test_a_worker_taken_twice_between_flushes_is_counted_once(
-    stores: list[Store], again: str
+@pytest.mark.parametrize(
+    "again",
+    [
+        ["back by its owner"],
+        ["by the taker"],
+        ["by a third replica"],
+        ["by a third replica", "back by its owner"],
+        ["by a third replica", "by the taker"],
+        ["by a third replica", "by the taker", "by a third replica", "back by its owner"],
+    ],
+    ids=lambda again: ", then ".join(again),
+)
+async def test_a_worker_taken_again_between_flushes_is_counted_once(
+    stores: list[Store], again: list[str]
 ) -> None:
     """Replica 2 takes replica 1's warm worker for a session that ends within the pass, and
-    the worker is taken again before replica 1's next flush: back by replica 1, by
-    replica 2 once more, or by replica 3. Replica 1 counts it warm up to the first take
-    only (replica 2 counts it from there), so its whole life is counted once."""
+    the worker is taken again, once or more, before replica 1's next flush: back by
+    replica 1, by replica 2 once more, or by replica 3. Replica 1 counts it warm up to the
+    first take only (replica 2 counts it from there), however often it changed hands
+    since (the row keeps the last two changes, the store every one), so its whole life
+    is counted once."""
     clock = ManualClock()
     mine, life, _ = wire(stores[0], clock)
     theirs, other, _ = wire(stores[1], clock, instance_id="replica-2")
@@ -648,26 +661,72 @@ async def test_a_worker_taken_twice_between_flushes_is_counted_once(
     await mine.flush(stores[0])
     clock.advance(10)  # t0 + 20: the first take, by replica 2
     parked = await session(other, "replica-2", warm, "c-1")
-    clock.advance(2)  # t0 + 25: the second take
-    if again == "back by its owner":
-        await session(life, ME, parked, "c-2")
-    elif again == "by the taker":
-        await session(other, "replica-2", parked, "c-2")
-    else:
-        await session(third_life, "replica-3", parked, "c-2")
-    clock.advance(2)  # t0 + 30
+    takers = {
+        "back by its owner": (life, ME),
+        "by the taker": (other, "replica-2"),
+        "by a third replica": (third_life, "replica-3"),
+    }
+    for number, who in enumerate(again, start=2):
+        clock.advance(2)  # t0 + 25, t0 + 30, ...: the next take
+        by, owner = takers[who]
+        parked = await session(by, owner, parked, f"c-{number}")
+    clock.advance(2)  # t0 + 30 after one more take, 5 s later for each further one
+    end = 25 + 5 * len(again)
     await mine.flush(stores[0])
     await theirs.flush(stores[1])
     await third.flush(stores[1])
     total = LedgerCounts()
+    for _, cell in await stores[1].read_ledger("p", since=t0 - 1, until=t0 + end + 1):
+        total.merge(cell)
+    sessions = 1 + len(again)
+    assert total.starting_s == pytest.approx(5 + sessions)
+    assert total.warm_s == pytest.approx(15)
+    assert total.hot_s == pytest.approx(2 * sessions)
+    assert total.hot_idle_s == pytest.approx(2 * sessions)
+    worker_s = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
+    assert worker_s == pytest.approx(end)
+
+
+async def test_a_take_that_commits_after_the_owners_flush_read_the_row_ends_its_count_there(
+    stores: list[Store],
+) -> None:
+    """Replica 2's take of replica 1's warm worker is stamped when it is sent (t0 + 20) and
+    commits after replica 1's flush read the row as its own (at t0 + 22): that flush
+    counted the worker warm up to t0 + 22. Replica 3 takes it next (t0 + 25). Replica 1
+    counts no more at its next flush: the first take since its span opened is before what
+    it counted, so only those 2 s are counted twice, not the time up to the later take."""
+    clock = ManualClock()
+    mine, life, _ = wire(stores[0], clock)
+    theirs, other, _ = wire(stores[1], clock, instance_id="replica-2")
+    third, third_life, _ = wire(stores[1], clock, instance_id="replica-3")
+    t0 = clock.now()
+    slots = await life.reserve_slots(
+        SpawnRequest(pool="p", revision=POOL.revision, count=1, owner=ME), ["w-c"]
+    )
+    clock.advance(5)
+    warm = await life.move(slots.workers[0], S.WARM, endpoint="http://c") or pytest.fail("no")
+    clock.advance(17)  # t0 + 22: replica 1 flushes before the take commits
+    await mine.flush(stores[0])
+    clock.t -= 2  # the take, as sent at t0 + 20
+    taken = (
+        await other.reserve(warm, org="acme", org_cap=0, owner="replica-2")
+    ).worker or pytest.fail("not taken")
+    assert taken.taken_at == t0 + 20
+    clock.advance(5)  # t0 + 25: replica 3 takes it from replica 2
+    moved = await other.move(taken, S.WARM, org=None) or pytest.fail("not released")
+    again = (
+        await third_life.reserve(moved, org="acme", org_cap=0, owner="replica-3")
+    ).worker or pytest.fail("not taken again")
+    clock.advance(5)  # t0 + 30
+    for ledger, store in ((mine, stores[0]), (theirs, stores[1]), (third, stores[1])):
+        await ledger.flush(store)
+    total = LedgerCounts()
     for _, cell in await stores[1].read_ledger("p", since=t0 - 1, until=t0 + 31):
         total.merge(cell)
-    assert total.starting_s == pytest.approx(5 + 1 + 1)
-    assert total.warm_s == pytest.approx(15)
-    assert total.hot_s == pytest.approx(2 + 2)
-    assert total.hot_idle_s == pytest.approx(2 + 2)
-    worker_s = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s
-    assert worker_s == pytest.approx(30)
+    assert again.owner == "replica-3"
+    # Starting 0-5; warm 5-22 (replica 1) and, from the take, 20-25 (replica 2: reserved,
+    # then warm again); starting 25-30 (replica 3's reservation).
+    assert total.warm_s + total.starting_s == pytest.approx(30 + 2)
 
 
 async def test_a_release_through_another_replica_is_placed_when_the_owner_takes_it_again(

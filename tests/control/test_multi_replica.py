@@ -472,39 +472,48 @@ async def test_replicas_started_with_different_files_serve_one_stored_revision(
     assert {w.revision for w in await rows(a, S.WARM)} <= {stable, proposed.revision}
 
 
+@pytest.mark.parametrize(
+    ("replicas", "sessions_per_org", "longest_s"),
+    [(2, 12, 0.2), (4, 30, 0.05)],
+    ids=["two-replicas", "four-replicas-short-sessions"],
+)
 @bounded(120)
 async def test_claims_and_releases_on_any_replica_count_each_worker_second_once(
-    cluster: Cluster,
+    cluster: Cluster, replicas: int, sessions_per_org: int, longest_s: float
 ) -> None:
     """Five orgs claim and release through replicas picked at random, with sessions
     shorter than a ledger pass, so that workers change hands, and come back, between
-    flushes. After a clean stop the ledger holds each worker's whole life once: the time
-    in every state, summed over the replicas, is the time the workers lived (from their
-    rows) up to their owners' last ledger writes, and the hot time is the sessions'."""
-    a, b = [await cluster.add(pool(warm_target=2)) for _ in range(2)]
+    flushes: with four replicas and sessions of 5 to 50 ms, a worker is taken by three
+    or more replicas, one after the other, between two flushes of the one it left. After a
+    clean stop the ledger holds each worker's whole life once: the time in every state,
+    summed over the replicas, is the time the workers lived (from their rows) up to their
+    owners' last ledger writes, and the hot time is the sessions'."""
+    planes = [await cluster.add(pool(warm_target=2)) for _ in range(replicas)]
+    a = planes[0]
 
     async def two_warm() -> bool:
         return len(await rows(a, S.WARM)) >= 2
 
     await until(two_warm)
     rng = random.Random(5)
+    shortest_s = longest_s / 10
 
     async def sessions(org: str) -> None:
-        for _ in range(12):
-            taker, releaser = rng.choice((a, b)), rng.choice((a, b))
+        for _ in range(sessions_per_org):
+            taker, releaser = rng.choice(planes), rng.choice(planes)
             claim = await taker.plane.claim(ClaimRequest(pool="demo", org=org, timeout_s=20))
-            await asyncio.sleep(rng.uniform(0.02, 0.2))
+            await asyncio.sleep(rng.uniform(shortest_s, longest_s))
             await releaser.plane.release(claim.id)
-            await asyncio.sleep(rng.uniform(0.02, 0.3))
+            await asyncio.sleep(rng.uniform(shortest_s, longest_s * 1.5))
 
     await asyncio.gather(*(sessions(f"org{i}") for i in range(5)))
-    for replica in (a, b):
+    for replica in planes:
         await replica.plane.stop(stop_workers=False)
     store = PostgresStore(POSTGRES_URL, schema=cluster.schema, max_size=2)
     await store.open()
     try:
         written: dict[str, float] = {}
-        for r in (a, b):
+        for r in planes:
             written[r.id] = await store.ledger_written_at(r.id) or pytest.fail("no ledger")
         lived = 0.0
         for w in await store.list_workers():
@@ -516,7 +525,7 @@ async def test_claims_and_releases_on_any_replica_count_each_worker_second_once(
         taken = await store.list_claims()
     finally:
         await store.close()
-    assert len(taken) == 60
+    assert len(taken) == 5 * sessions_per_org
     counted = total.starting_s + total.warm_s + total.hot_s + total.hot_idle_s + total.draining_s
     # Beyond the rows: a retired worker's process ends a few ms after its retirement,
     # which its retirer counts as draining.

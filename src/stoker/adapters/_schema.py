@@ -252,6 +252,13 @@ POOL_SIZING = Table(
     ),
     key=("pool",),
 )
+#: Every change of a worker's owner (a replica took it for a claim, or adopted it), at the
+#: row's `taken_at` (`_rows.stamp_taken`): the ledger of a replica a worker left between
+#: two of its flushes, however often it changed hands since, reads when it left
+#: (`ReplicaStore.first_takes`). Purged with the history.
+WORKER_TAKES = Table(
+    "worker_takes", (*_text("worker_id"), *_real("taken_at")), key=("worker_id", "taken_at")
+)
 #: The stored pools' tables as the version that added them made them.
 FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
 #: Every table, in the order a new database creates them.
@@ -268,13 +275,22 @@ TABLES = (
     LEDGER,
     CLAIM_LOG,
     POOL_SIZING,
+    WORKER_TAKES,
 )
 
 
 def before_rate(table: Table) -> Table | None:
     """A table as it was before demand became a rate: the demand table without its claim
     counter, no forecast tables (None); the others unchanged (for the upgrade tests)."""
-    if table in (FORECAST, ORG_FORECAST, ROLLOUT_OUTCOMES, LEDGER, CLAIM_LOG, POOL_SIZING):
+    if table in (
+        FORECAST,
+        ORG_FORECAST,
+        ROLLOUT_OUTCOMES,
+        LEDGER,
+        CLAIM_LOG,
+        POOL_SIZING,
+        WORKER_TAKES,
+    ):
         return None
     if table is DEMAND:
         return Table(

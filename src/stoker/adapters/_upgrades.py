@@ -23,6 +23,7 @@ from stoker.adapters._schema import (
     ROLLOUT_OUTCOMES,
     TABLES,
     WORKER_TAKEN_COLUMNS,
+    WORKER_TAKES,
     WORKERS,
     Dialect,
     Table,
@@ -103,6 +104,12 @@ class TableChanges:
         """A worker row says when its owner last changed (and the time before): the ledger
         of the replica it left counts it up to there (docs/warmth.md)."""
         return self.add(WORKERS, *WORKER_TAKEN_COLUMNS)
+
+    @property
+    def worker_takes(self) -> list[str]:
+        """Every change of a worker's owner: the ledger of a replica the worker left reads
+        when, however often it changed hands before that replica's next flush."""
+        return self.create(WORKER_TAKES)
 
     @property
     def pool_sizing(self) -> list[str]:

@@ -9,7 +9,9 @@ carries open spans up to now, then reconciles with the store's rows of this repl
 worker another replica moved (the leader retiring it, a release through another replica)
 or this replica adopted is placed by the row's `updated_at`, its last write; one another
 replica took for a claim, by the change of its owner (`taken_at`, or the one before when
-it changed hands again), from which the taker counts it. Spans are
+it changed hands again), from which the taker counts it. A worker that changed hands more
+than once since this replica counted it is placed at the flush, by the first of the
+changes the store keeps (`ReplicaStore.first_takes`). Spans are
 split at hour boundaries exactly. Placeholder time is the leader's: the headroom it keeps
 between its passes, in worker slots, with the placeholders' own requests.
 
@@ -37,6 +39,7 @@ and the log rows gathered since the last one.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from stoker.control import logs
@@ -121,6 +124,15 @@ class _Span:
     #: A hot span's claim: if another replica releases it and a replica takes the parked
     #: worker before this one's flush, the claim's end says when the session ended.
     claim: str | None = None
+    #: When it opened (`since` moves on as it is counted): another replica's first take of
+    #: the worker after this ends this replica's time, even a take that committed after a
+    #: flush here counted past it (a flush reads the row before the take commits, and
+    #: carries the span up to its own time, past the take's).
+    opened: float = math.nan
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.opened):
+            self.opened = self.since
 
 
 @dataclass(slots=True, eq=False)
@@ -212,6 +224,11 @@ class Ledger:
         #: Hot spans ended at another replica's take, with the take's time: placed at their
         #: claim's end at the next flush (`_place_releases`).
         self._released: list[tuple[_Span, float]] = []
+        #: Spans ended by a worker that changed hands more than once since this replica
+        #: counted it, with the last of those changes before the first one the row keeps,
+        #: and whether it was taken: placed at the first change at the next flush
+        #: (`_place_unsure`), by worker id.
+        self._unsure: list[tuple[str, _Span, float, bool]] = []
 
     # -- what the other parts tell it (in memory only) --------------------------------------
 
@@ -253,10 +270,10 @@ class Ledger:
         when it does not, at this write, as before. Returns up to when the worker's time
         is counted now."""
         since = _since(span)
-        left = self._left_by(span, since, worker, previous, at)
+        left, unsure = self._left_by(span, since, worker, previous, at)
         state = _TIME_STATE.get(before) if before is not None else None
         if left < at or state is None or state == span.state:
-            self._close(worker.id, left, taken=left < at)
+            self._close(worker.id, left, taken=left < at, unsure=unsure)
             return max(since, left)
         changed = previous.updated_at if previous is not None else None
         if changed is None and before is WorkerState.HOT_IDLE:
@@ -287,27 +304,30 @@ class Ledger:
 
     def _left_by(
         self, span: _Span, since: float, worker: Worker, previous: Worker | None, at: float
-    ) -> float:
+    ) -> tuple[float, bool]:
         """When this replica's time of the worker of the open `span` ends, for its write
         `worker` at `at`: at the write, unless another replica took the worker since this
         replica's last flush. Then at that take: the write is of a row another replica
-        holds, or takes the worker back (the row's `prior_taken_at`), or moves a row
-        another replica held (as `_left_at` reads them). `since`: up to when the span is
-        counted."""
+        holds, or takes the worker back (the row's `prior_taken_at`, the take before), or
+        moves a row another replica held (as `_left_at` reads them). `since`: up to when the
+        span is counted. And whether earlier takes may precede it (see `_left_at`): a take
+        back follows another replica's take, which may have followed others."""
         me = self._instance_id
         if worker.owner != me:
-            return max(since, min(_left_at(worker, span, me), at))
+            left, unsure = _left_at(worker, span, me)
+            return max(since, min(left, at)), unsure
         prior = worker.prior_taken_at
         if (
             worker.taken_at is not None
             and worker.taken_at >= at
             and prior is not None
-            and prior > since
+            and prior > span.opened
         ):
-            return max(since, min(prior, at))
+            return max(since, min(prior, at)), True
         if previous is not None and previous.owner != me:
-            return max(since, min(_left_at(previous, span, me), at))
-        return at
+            left, unsure = _left_at(previous, span, me)
+            return max(since, min(left, at)), unsure
+        return at, False
 
     def terminated(self, worker_id: str, at: float) -> None:
         """The runtime object of worker `worker_id` holds its node share no more at `at`
@@ -498,6 +518,8 @@ class Ledger:
         if mine is not None:
             self._reconcile(mine, now)
             await self._close_gone(store, {w.id for w in mine}, now)
+        if self._unsure:
+            await self._place_unsure(store)
         if self._released:
             await self._place_releases(store)
         self._carry_groups(now)
@@ -506,6 +528,34 @@ class Ledger:
         self._forget_terminating(now)
         self._publish_metrics()
         await self._write(store, now)
+
+    async def _place_unsure(self, store: ReplicaStore) -> None:
+        """End the spans of workers that changed hands more than once since this replica
+        counted them at the first change, as the store kept it; at the earliest change
+        their rows kept when it cannot be read."""
+        pending, self._unsure = self._unsure, []
+        while pending:
+            # One read per round, of one span per worker (a worker taken back and taken
+            # again before the flush has two).
+            batch: dict[str, tuple[_Span, float, bool]] = {}
+            later = []
+            for worker_id, span, at, taken in pending:
+                if worker_id in batch:
+                    later.append((worker_id, span, at, taken))
+                else:
+                    batch[worker_id] = (span, at, taken)
+            pending = later
+            try:
+                first = await store.first_takes({w: s.opened for w, (s, _, _) in batch.items()})
+            except StoreError as exc:
+                logs.event("ledger_read_failed", error=str(exc), level=logs.WARNING)
+                first = {}
+            for worker_id, (span, at, taken) in batch.items():
+                left = max(span.since, min(first.get(worker_id, at), at))
+                if taken and span.claim is not None and left > span.since:
+                    self._released.append((span, left))
+                else:
+                    self._carry_span(span, left)
 
     async def _place_releases(self, store: ReplicaStore) -> None:
         """Count the sessions another replica released, of workers taken before this
@@ -594,9 +644,9 @@ class Ledger:
             if row is not None and row.owner == self._instance_id and row.state in LIVE:
                 # Taken back by this replica while the flush read its rows: still counting.
                 continue
-            left = now if row is None else min(_left_at(row, span, self._instance_id), now)
+            left, unsure = (now, False) if row is None else _left_at(row, span, self._instance_id)
             taken = row is not None and row.owner != self._instance_id and row.state in LIVE
-            self._close(worker_id, max(_since(span), left), taken=taken)
+            self._close(worker_id, max(_since(span), min(left, now)), taken=taken, unsure=unsure)
 
     async def _write(self, store: ReplicaStore, now: float) -> None:
         if self._dirty:
@@ -655,13 +705,16 @@ class Ledger:
             span.claim = worker.claim_id
         self._open[worker.id] = span
 
-    def _close(self, worker_id: str, at: float, *, taken: bool = False) -> None:
+    def _close(
+        self, worker_id: str, at: float, *, taken: bool = False, unsure: bool = False
+    ) -> None:
         """End the open span of `worker_id` at `at` (not before its counted part ends).
 
         `taken`: at another replica's take. A worker is taken warm or parked, so a hot
         span ending there had its session released through another replica meanwhile:
         it is counted at the next flush, hot up to its claim's end and parked from there
-        (`_place_releases`)."""
+        (`_place_releases`). `unsure`: `at` is a take that other takes may have preceded;
+        the next flush ends the span at the first (`_place_unsure`)."""
         span = self._open.pop(worker_id, None)
         if span is None:
             return
@@ -671,7 +724,9 @@ class Ledger:
             group.settled -= 1
             span.since = group.carried
         span.group = None
-        if taken and span.claim is not None and at > span.since:
+        if unsure:
+            self._unsure.append((worker_id, span, at, taken))
+        elif taken and span.claim is not None and at > span.since:
             self._released.append((span, at))
         else:
             self._carry_span(span, at)
@@ -799,22 +854,26 @@ def _since(span: _Span) -> float:
     return span.since if group is None else max(span.since, group.carried)
 
 
-def _left_at(row: Worker, span: _Span, me: str) -> float:
-    """When the worker of `span` left this replica's time, as its row now reads. Taken by
-    another replica (a claim there, an adoption): at the first change of its owner since
-    the span was counted, of the last two the row keeps (`prior_taken_at`, `taken_at`),
-    however often the taker reserved it again since, and not after what is counted
-    already; the row's later writes (the sessions, their ends) are the taker's, which
-    counts the worker from the take on. A row written before `taken_at` existed: at its
-    last reservation (`heartbeat_at`).
+def _left_at(row: Worker, span: _Span, me: str) -> tuple[float, bool]:
+    """When the worker of `span` left this replica's time, as its row now reads, and
+    whether earlier takes may precede that time. Taken by another replica (a claim there,
+    an adoption): at the first change of its owner since the span was counted, of the last
+    two the row keeps (`prior_taken_at`, `taken_at`), however often the taker reserved it
+    again since, and not after what is counted already; the row's later writes (the
+    sessions, their ends) are the taker's, which counts the worker from the take on. When
+    both are since then, it may have changed hands before them too: unsure. A row written
+    before `taken_at` existed: at its last reservation (`heartbeat_at`).
     Otherwise (a move another replica wrote, a retirement): at the row's last write."""
     if row.owner != me:
         since = _since(span)
         if row.taken_at is not None:
-            takes = [t for t in (row.prior_taken_at, row.taken_at) if t is not None and t > since]
+            opened = span.opened
+            takes = [t for t in (row.prior_taken_at, row.taken_at) if t is not None and t > opened]
             # Taken before what is counted already (a flush that read the row just before
-            # the take): count no more.
-            return min(takes[0], row.updated_at) if takes else since
+            # the take committed): count no more.
+            if not takes:
+                return since, False
+            return max(since, min(takes[0], row.updated_at)), len(takes) > 1
         if row.heartbeat_at > since:
-            return min(row.heartbeat_at, row.updated_at)
-    return row.updated_at
+            return min(row.heartbeat_at, row.updated_at), False
+    return row.updated_at, False

@@ -536,6 +536,13 @@ class ReplicaStore(StoreReader, Protocol):
         every span it had open is counted up to there), or None if it never did."""
         ...
 
+    async def first_takes(self, since: Mapping[str, float]) -> dict[str, float]:
+        """For each worker id of `since`, the first change of its owner (a replica took it
+        for a claim, or adopted it: the `taken_at` that move stamped) after its time there;
+        workers whose owner did not change since are left out. Changes older than the
+        history's retention (`purge`) are forgotten."""
+        ...
+
     async def record_claim_log(
         self, arrivals: Sequence[ClaimLogEntry], endings: Sequence[ClaimEnding]
     ) -> None:
@@ -565,7 +572,8 @@ class ReplicaStore(StoreReader, Protocol):
     async def purge(self, *, before: float) -> int:
         """Delete history older than `before`: retired workers, ended claims, the rows of
         stopped or expired replicas and their demand, the outcome counts of rollouts that
-        ended, pools' sizings published before it. Returns the rows deleted."""
+        ended, pools' sizings published before it, workers' changes of owner. Returns the
+        rows deleted."""
         ...
 
 

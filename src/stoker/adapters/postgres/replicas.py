@@ -299,6 +299,7 @@ class ReplicaRows:
                 f"DELETE FROM {n.rollout_outcomes} WHERE rollout IN (SELECT id FROM "
                 f"{n.rollouts} WHERE ended_at IS NOT NULL AND ended_at < %s)",
                 f"DELETE FROM {n.pool_sizing} WHERE sized_at < %s",
+                f"DELETE FROM {n.worker_takes} WHERE taken_at < %s",
             ):
                 cur = await conn.execute(sql, (before,))
                 deleted += cur.rowcount

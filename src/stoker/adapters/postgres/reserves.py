@@ -23,6 +23,16 @@ from stoker.ports.store import ReserveResult
 Params = dict[str, Any]
 
 
+def took_statement(names: Names) -> str:
+    """The common table expression that keeps the changes of owner of the rows a reserving
+    statement `moved` (`worker_takes`): a row whose `taken_at` is its write's time was
+    taken by this write (or, at that very instant, before: a row that is there already)."""
+    return (
+        f"took AS (INSERT INTO {names.worker_takes} (worker_id, taken_at) "
+        "SELECT id, taken_at FROM moved WHERE taken_at = updated_at ON CONFLICT DO NOTHING)"
+    )
+
+
 def batch_statement(names: Names) -> str:
     """The reservations of a batch in one statement: each claim's values are one element
     of the arrays; each answer row carries its claim's position and whether the worker
@@ -64,7 +74,8 @@ def batch_statement(names: Names) -> str:
         "ELSE w.taken_at END "
         "FROM picked JOIN input AS i ON i.n = picked.n "
         "WHERE w.id = picked.id AND w.state = picked.state "
-        f"RETURNING picked.n, picked.state = 'hot_idle', {moved}) "
+        f"RETURNING picked.n, picked.state = 'hot_idle', {moved}), "
+        f"{took_statement(names)} "
         "SELECT * FROM moved"
     )
 

@@ -37,6 +37,7 @@ class Names:
         self.ledger = f"{s}.ledger"
         self.claim_log = f"{s}.claim_log"
         self.pool_sizing = f"{s}.pool_sizing"
+        self.worker_takes = f"{s}.worker_takes"
         self.versions = f"{s}.schema_migrations"
         #: The channel of the workers' change feed (`feed`), one per schema.
         self.channel = f"stoker_workers_{schema}"[:63]
@@ -150,6 +151,7 @@ def upgrades(s: str, channel: str = "") -> list[tuple[int, list[str]]]:
         (15, [ledger_written_index(s)]),
         (16, tables.placeholder_requests),
         (17, tables.worker_taken_at),
+        (18, tables.worker_takes),
     ]
 
 

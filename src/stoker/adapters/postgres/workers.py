@@ -51,7 +51,7 @@ from stoker.adapters._schema import CLAIMS, POSTGRES
 from stoker.adapters.postgres.binds import BindBatches
 from stoker.adapters.postgres.connections import Connection, Connections, PooledConnection
 from stoker.adapters.postgres.locks import LOCK, lock_key
-from stoker.adapters.postgres.reserves import ParkedOrWarmBatches
+from stoker.adapters.postgres.reserves import ParkedOrWarmBatches, took_statement
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, Names
 from stoker.domain.errors import ClaimKeyTaken, StoreError
 from stoker.domain.records import Claim, Worker
@@ -463,7 +463,8 @@ def _reserve_sql(names: Names, pick: str, *, before: str = "") -> str:
         "ELSE w.taken_at END "
         "FROM picked WHERE w.id = picked.id AND w.state = picked.state "
         "AND (%(cap)s = 0 OR picked.state = 'hot_idle' OR (SELECT n FROM live) < %(cap)s) "
-        f"RETURNING {moved}) "
+        f"RETURNING {moved}), "
+        f"{took_statement(names)} "
         "SELECT EXISTS (SELECT 1 FROM picked), "
         "EXISTS (SELECT 1 FROM picked WHERE state = 'hot_idle'), moved.* "
         "FROM (VALUES (1)) AS one LEFT JOIN moved ON true"
@@ -513,7 +514,15 @@ async def _cas(
         params,
     )
     row = await cur.fetchone()
-    return worker_from_row(row) if row else None
+    if row is None:
+        return None
+    if "taken_at" in fields:
+        await conn.execute(
+            f"INSERT INTO {names.worker_takes} (worker_id, taken_at) VALUES (%s, %s) "
+            "ON CONFLICT DO NOTHING",
+            (current.id, now),
+        )
+    return worker_from_row(row)
 
 
 def _sets(fields: Mapping[str, Any]) -> tuple[list[str], list[Any]]:

@@ -274,4 +274,5 @@ class ReplicaRows:
                 (before,),
             ).rowcount
             deleted += db.execute("DELETE FROM pool_sizing WHERE sized_at < ?", (before,)).rowcount
+            deleted += db.execute("DELETE FROM worker_takes WHERE taken_at < ?", (before,)).rowcount
             return int(deleted)

@@ -94,6 +94,7 @@ UPGRADES: list[tuple[int, list[str]]] = [
     (15, [LEDGER_WRITTEN_INDEX]),
     (16, _TABLES.placeholder_requests),
     (17, _TABLES.worker_taken_at),
+    (18, _TABLES.worker_takes),
 ]
 
 

@@ -60,6 +60,8 @@ _WORKER_BY_ID = f"SELECT {WORKER_SELECT} FROM workers WHERE id = ?"
 _CLAIM_BY_ID = f"SELECT {CLAIM_SELECT} FROM claims WHERE id = ?"
 _CLAIM_BY_KEY = f"SELECT {CLAIM_SELECT} FROM claims WHERE org = ? AND idempotency_key = ?"
 _ACTIVATED = {"activated": True}
+#: A change of a worker's owner (`stamp_taken`), for the ledger of the replica it left.
+_TAKEN = "INSERT OR IGNORE INTO worker_takes (worker_id, taken_at) VALUES (?, ?)"
 _PICK = f"SELECT {WORKER_SELECT} FROM workers WHERE pool = ? AND revision = ? AND state = ?"
 #: The oldest warm worker of a pool revision, or the oldest hot_idle one of an org.
 _PICK_WARM = _PICK + " ORDER BY updated_at, id LIMIT 1"
@@ -151,6 +153,8 @@ class WorkerRows:
         )
         if cur.rowcount != 1:
             return None
+        if "taken_at" in changes:
+            db.execute(_TAKEN, (new.id, new.taken_at))
         row = self._live.held(new.id)
         if row is not None:
             self._decoded.written(row, new, changes)
