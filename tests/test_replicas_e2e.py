@@ -1,5 +1,6 @@
 """Three real `stoker serve` processes on one PostgreSQL schema: a killed leader, a lease
-blip and a stalled leader, and failing store writes under a claim workload.
+blip and a stalled leader, failing store writes under a claim workload, and the ledger of
+a fleet whose every call goes to any replica.
 
 Every replica is the `stoker` command with its own port, configured through `STOKER_*`
 environment overrides (short intervals and lease timings), running local demo workers.
@@ -16,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -852,3 +854,65 @@ def test_failed_writes_under_a_claim_workload_break_no_invariant(
         list(LIVE),
     ):
         assert n <= org_cap, (org, n)
+
+
+def test_a_shared_fleet_is_counted_once_whichever_replica_serves_each_call(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Five orgs' clients send every claim and every release to one of the three replicas
+    picked at random, with sessions of 10-100 ms and a ledger flush every 2 s: a worker
+    changes hands between replicas, often several times, between two flushes of the one
+    it left. After a clean stop of every replica (their workers left running), the
+    ledger's worker-seconds in all states are the workers' lives from their rows (up to
+    retirement, or to the owner's last ledger write), and its hot time the sessions'."""
+    fleet = make_fleet(
+        pools=[pool("demo", warm_target=3, hot_idle_ttl=30)],
+        intervals={"reaper_interval_s": 2.0},
+    )
+    fleet.start()
+    first = fleet.replicas[0]
+    assert wait_until(lambda: len(fleet.workers(first, state="warm")) >= 3, 30)
+    rng = random.Random(27)
+    plans = {
+        f"org-{n}": [
+            (rng.choice(fleet.replicas), rng.choice(fleet.replicas), rng.uniform(0.01, 0.1))
+            for _ in range(15)
+        ]
+        for n in range(5)
+    }
+
+    def sessions(org: str) -> int:
+        with httpx.Client(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=20) as http:
+            for taker, releaser, hold_s in plans[org]:
+                answer = http.post(taker.url + "/v1/claims", json={"pool": "demo", "org": org})
+                assert answer.status_code == 201, answer.text
+                time.sleep(hold_s)
+                ended = http.delete(f"{releaser.url}/v1/claims/{answer.json()['id']}")
+                assert ended.status_code == 200, ended.text
+                time.sleep(hold_s)
+        return len(plans[org])
+
+    with ThreadPoolExecutor(len(plans)) as pool_:
+        assert sum(pool_.map(sessions, plans)) == 75
+    for replica in fleet.replicas:
+        replica.signal(signal.SIGTERM)
+    for replica in fleet.replicas:
+        assert replica.proc is not None
+        assert replica.proc.wait(30) == 0, replica.log()[-3000:]
+
+    written = dict(fleet.sql("SELECT instance, max(updated_at) FROM {s}.ledger GROUP BY instance"))
+    lived = 0.0
+    for state, owner, created, updated in fleet.sql(
+        "SELECT state, owner, created_at, updated_at FROM {s}.workers"
+    ):
+        lived += (updated if state == "retired" else written[owner]) - created
+    states = ("starting_s", "warm_s", "hot_s", "hot_idle_s", "draining_s")
+    ((*counted_by_state, hot),) = fleet.sql(
+        f"SELECT {', '.join(f'sum({c})' for c in states)}, sum(hot_s) FROM {{s}}.ledger"
+    )
+    ((held,),) = fleet.sql("SELECT sum(ended_at - created_at) FROM {s}.claims")
+    counted = sum(counted_by_state)
+    # The replicas' clocks are this machine's one clock; what may differ is a flush that
+    # counted a few milliseconds past a take that committed after it read the row.
+    assert counted == pytest.approx(lived, abs=0.1), (counted, lived)
+    assert hot == pytest.approx(held, rel=0.05), (hot, held)
