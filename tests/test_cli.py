@@ -264,6 +264,30 @@ def test_help_shows_the_defaults(args: list[str], shown: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "command",
+    [["backtest"], ["scaletest"], ["pools", "set"], ["pools", "delete"], ["config", "check"]],
+)
+def test_help_paragraphs_wrap_once_in_80_columns(command: list[str]) -> None:
+    """A command's description fills each line of a paragraph: its docstring's own line
+    breaks (at about 88 characters) do not break an 80-column terminal's lines again."""
+    result = run([*command, "--help"], COLUMNS="80")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout.split("Usage:", 1)[1].split("╭", 1)[0]
+    paragraphs: list[list[str]] = [[]]
+    for line in text.splitlines()[1:]:  # after the usage line
+        if line.strip():
+            paragraphs[-1].append(line)
+        elif paragraphs[-1]:
+            paragraphs.append([])
+    paragraphs = [p for p in paragraphs if p]
+    assert len(paragraphs) >= 2, text
+    for lines in paragraphs:
+        # Every line but a paragraph's last is filled (within a word of 80 columns).
+        short = [line for line in lines[:-1] if len(line.rstrip()) < 60]
+        assert not short, text
+
+
+@pytest.mark.parametrize(
     "args",
     [["release", ""], ["claims", "show", ""], ["claims", "renew", ".."], ["release", "."]],
 )

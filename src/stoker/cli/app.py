@@ -7,6 +7,7 @@ function, a group as a `typer.Typer` of its own; both are registered here, in th
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
 from typing import Annotated, NoReturn
@@ -89,6 +90,22 @@ app.add_typer(pools_app)
 app.add_typer(rollout_app)
 app.add_typer(workers_app)
 app.add_typer(config_app)
+
+
+def _paragraphs_on_one_line(typer_app: typer.Typer) -> None:
+    """Each command's help is its docstring with every paragraph on one line, so that the
+    terminal wraps it once: the help keeps a docstring's line breaks after its first
+    paragraph, and a terminal narrower than them (80 columns) broke each line twice."""
+    for info in typer_app.registered_commands:
+        doc = inspect.getdoc(info.callback) if info.callback is not None else None
+        if info.help is None and doc:
+            info.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _paragraphs_on_one_line(group.typer_instance)
+
+
+_paragraphs_on_one_line(app)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
