@@ -261,14 +261,9 @@ WORKER_TAKES = Table(
 )
 #: The stored pools' tables as the version that added them made them.
 FIRST_POOL_TABLES = (POOLS.without("seed"), REVISIONS, ROLLOUTS)
-#: Every table, in the order a new database creates them.
-TABLES = (
-    WORKERS,
-    CLAIMS,
-    INSTANCES,
-    LEASES,
-    DEMAND,
-    *POOL_TABLES,
+#: The tables added since demand became a rate (with it: the forecast), in the order a new
+#: database creates them.
+_SINCE_RATE = (
     FORECAST,
     ORG_FORECAST,
     ROLLOUT_OUTCOMES,
@@ -277,20 +272,15 @@ TABLES = (
     POOL_SIZING,
     WORKER_TAKES,
 )
+#: Every table, in the order a new database creates them.
+TABLES = (WORKERS, CLAIMS, INSTANCES, LEASES, DEMAND, *POOL_TABLES, *_SINCE_RATE)
 
 
 def before_rate(table: Table) -> Table | None:
     """A table as it was before demand became a rate: the demand table without its claim
-    counter, no forecast tables (None); the others unchanged (for the upgrade tests)."""
-    if table in (
-        FORECAST,
-        ORG_FORECAST,
-        ROLLOUT_OUTCOMES,
-        LEDGER,
-        CLAIM_LOG,
-        POOL_SIZING,
-        WORKER_TAKES,
-    ):
+    counter, none of the tables added since (None); the others unchanged (for the upgrade
+    tests)."""
+    if table in _SINCE_RATE:
         return None
     if table is DEMAND:
         return Table(
