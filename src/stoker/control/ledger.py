@@ -224,10 +224,10 @@ class Ledger:
         #: Hot spans ended at another replica's take, with the take's time: placed at their
         #: claim's end at the next flush (`_place_releases`).
         self._released: list[tuple[_Span, float]] = []
-        #: Spans ended by a worker that changed hands more than once since this replica
-        #: counted it, with the last of those changes before the first one the row keeps,
-        #: and whether it was taken: placed at the first change at the next flush
-        #: (`_place_unsure`), by worker id.
+        #: Spans of workers that changed hands more than once since they opened, by worker
+        #: id, with the earliest change their row shows (the first one is no later) and
+        #: whether they were taken: ended at the first change at the next flush
+        #: (`_place_unsure`).
         self._unsure: list[tuple[str, _Span, float, bool]] = []
 
     # -- what the other parts tell it (in memory only) --------------------------------------
@@ -857,12 +857,12 @@ def _since(span: _Span) -> float:
 def _left_at(row: Worker, span: _Span, me: str) -> tuple[float, bool]:
     """When the worker of `span` left this replica's time, as its row now reads, and
     whether earlier takes may precede that time. Taken by another replica (a claim there,
-    an adoption): at the first change of its owner since the span was counted, of the last
-    two the row keeps (`prior_taken_at`, `taken_at`), however often the taker reserved it
-    again since, and not after what is counted already; the row's later writes (the
+    an adoption): at the first change of its owner since the span opened, of the last two
+    the row keeps (`prior_taken_at`, `taken_at`), however often the taker reserved it
+    again since, and never before what is counted already; the row's later writes (the
     sessions, their ends) are the taker's, which counts the worker from the take on. When
-    both are since then, it may have changed hands before them too: unsure. A row written
-    before `taken_at` existed: at its last reservation (`heartbeat_at`).
+    both are since the span opened, it may have changed hands before them too: unsure. A
+    row written before `taken_at` existed: at its last reservation (`heartbeat_at`).
     Otherwise (a move another replica wrote, a retirement): at the row's last write."""
     if row.owner != me:
         since = _since(span)
