@@ -371,7 +371,7 @@ class FaultyStore:
     async def ledger_written_at(self, instance_id: str) -> float | None:
         return await self.inner.ledger_written_at(instance_id)
 
-    async def first_takes(self, since: Any) -> dict[str, float]:
+    async def first_takes(self, since: Any) -> list[float | None]:
         self._maybe_fail("first_takes")
         return await self.inner.first_takes(since)
 

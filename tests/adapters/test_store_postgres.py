@@ -488,9 +488,9 @@ async def test_the_one_statement_reservations_stamp_an_owner_change(
         )
         assert await store.get_worker(w.id) == taken
     # Each change of owner is kept for the ledger of the replica the worker left.
-    since = {w.id: T0 for w in (parked, *others)}
-    assert await store.first_takes(since) == dict.fromkeys(since, T0 + 100)
-    assert await store.first_takes({parked.id: T0 + 100, warm.id: T0}) == {}
+    since = [(w.id, T0) for w in (parked, *others)]
+    assert await store.first_takes(since) == [T0 + 100] * 3
+    assert await store.first_takes([(parked.id, T0 + 100), (warm.id, T0)]) == [None, None]
 
 
 async def test_a_parked_worker_first_else_the_warm_one_in_one_statement(
@@ -956,4 +956,4 @@ async def test_a_schema_of_version_17_keeps_the_changes_of_owner_from_its_upgrad
     warm = await fleet.warm()
     got = must((await parked_or_warm(upgraded, warm, "org-a")).worker)
     assert (got.id, got.owner, got.taken_at) == (warm.id, "cp-b", T0 + 100)
-    assert await upgraded.first_takes({warm.id: T0}) == {warm.id: T0 + 100}
+    assert await upgraded.first_takes([(warm.id, T0)]) == [T0 + 100]

@@ -363,7 +363,7 @@ async def test_a_database_of_version_17_keeps_the_changes_of_owner_from_its_upgr
         assert await upgraded.schema_version() == LATEST == 18
         old = await upgraded.get_worker("w1") or pytest.fail("w1 lost")
         # The take before the upgrade is the row's own stamp only.
-        assert await upgraded.first_takes({"w1": 0}) == {}
+        assert await upgraded.first_takes([("w1", 0)]) == [None]
         result = await upgraded.reserve(
             "w1",
             expect=WorkerState.WARM,
@@ -376,6 +376,6 @@ async def test_a_database_of_version_17_keeps_the_changes_of_owner_from_its_upgr
         )
         taken = result.worker or pytest.fail("not reserved")
         assert (taken.taken_at, taken.prior_taken_at) == (T0, 1)
-        assert await upgraded.first_takes({"w1": 0}) == {"w1": T0}
+        assert await upgraded.first_takes([("w1", 0)]) == [T0]
     finally:
         await upgraded.close()

@@ -39,7 +39,6 @@ and the log rows gathered since the last one.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from stoker.control import logs
@@ -128,11 +127,10 @@ class _Span:
     #: the worker after this ends this replica's time, even a take that committed after a
     #: flush here counted past it (a flush reads the row before the take commits, and
     #: carries the span up to its own time, past the take's).
-    opened: float = math.nan
+    opened: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if math.isnan(self.opened):
-            self.opened = self.since
+        self.opened = self.since
 
 
 @dataclass(slots=True, eq=False)
@@ -224,10 +222,10 @@ class Ledger:
         #: Hot spans ended at another replica's take, with the take's time: placed at their
         #: claim's end at the next flush (`_place_releases`).
         self._released: list[tuple[_Span, float]] = []
-        #: Spans of workers that changed hands more than once since they opened, by worker
-        #: id, with the earliest change their row shows (the first one is no later) and
-        #: whether they were taken: ended at the first change at the next flush
-        #: (`_place_unsure`).
+        #: Spans of workers that changed hands more than once since they opened: the
+        #: worker's id, the span, the earliest change its row shows (the first one is no
+        #: later) and whether it was taken; ended at the first change at the next flush
+        #: (`_place_unsure`, one read for them all).
         self._unsure: list[tuple[str, _Span, float, bool]] = []
 
     # -- what the other parts tell it (in memory only) --------------------------------------
@@ -534,28 +532,18 @@ class Ledger:
         counted them at the first change, as the store kept it; at the earliest change
         their rows kept when it cannot be read."""
         pending, self._unsure = self._unsure, []
-        while pending:
-            # One read per round, of one span per worker (a worker taken back and taken
-            # again before the flush has two).
-            batch: dict[str, tuple[_Span, float, bool]] = {}
-            later = []
-            for worker_id, span, at, taken in pending:
-                if worker_id in batch:
-                    later.append((worker_id, span, at, taken))
-                else:
-                    batch[worker_id] = (span, at, taken)
-            pending = later
-            try:
-                first = await store.first_takes({w: s.opened for w, (s, _, _) in batch.items()})
-            except StoreError as exc:
-                logs.event("ledger_read_failed", error=str(exc), level=logs.WARNING)
-                first = {}
-            for worker_id, (span, at, taken) in batch.items():
-                left = max(span.since, min(first.get(worker_id, at), at))
-                if taken and span.claim is not None and left > span.since:
-                    self._released.append((span, left))
-                else:
-                    self._carry_span(span, left)
+        firsts: list[float | None]
+        try:
+            firsts = await store.first_takes([(w, span.opened) for w, span, _, _ in pending])
+        except StoreError as exc:
+            logs.event("ledger_read_failed", error=str(exc), level=logs.WARNING)
+            firsts = [None] * len(pending)
+        for (_, span, at, taken), first in zip(pending, firsts, strict=True):
+            left = max(span.since, at if first is None else min(first, at))
+            if taken and span.claim is not None and left > span.since:
+                self._released.append((span, left))
+            else:
+                self._carry_span(span, left)
 
     async def _place_releases(self, store: ReplicaStore) -> None:
         """Count the sessions another replica released, of workers taken before this

@@ -536,11 +536,11 @@ class ReplicaStore(StoreReader, Protocol):
         every span it had open is counted up to there), or None if it never did."""
         ...
 
-    async def first_takes(self, since: Mapping[str, float]) -> dict[str, float]:
-        """For each worker id of `since`, the first change of its owner (a replica took it
-        for a claim, or adopted it: the `taken_at` that move stamped) after its time there;
-        workers whose owner did not change since are left out. Changes older than the
-        history's retention (`purge`) are forgotten."""
+    async def first_takes(self, since: Sequence[tuple[str, float]]) -> list[float | None]:
+        """For each (worker id, time) of `since`, in order, the first change of the worker's
+        owner after that time (a replica took it for a claim, or adopted it: the `taken_at`
+        that move stamped), or None if its owner did not change since. Changes older than
+        the history's retention (`purge`) are forgotten."""
         ...
 
     async def record_claim_log(

@@ -86,17 +86,18 @@ class LedgerRows:
         )
         return None if row is None or row[0] is None else float(row[0])
 
-    async def first_takes(self, since: Mapping[str, float]) -> dict[str, float]:
-        """Each worker's first change of owner after its time in `since`, in one query."""
+    async def first_takes(self, since: Sequence[tuple[str, float]]) -> list[float | None]:
+        """Each worker's first change of owner after its time, in one query."""
         if not since:
-            return {}
+            return []
         rows = await self._db.all(
-            f"SELECT t.worker_id, min(t.taken_at) FROM {self._names.worker_takes} AS t "
-            "JOIN unnest(%s::text[], %s::double precision[]) AS q(id, since) "
-            "ON t.worker_id = q.id AND t.taken_at > q.since GROUP BY t.worker_id",
-            (list(since), list(since.values())),
+            f"SELECT (SELECT min(t.taken_at) FROM {self._names.worker_takes} AS t "
+            "WHERE t.worker_id = q.id AND t.taken_at > q.since) "
+            "FROM unnest(%s::text[], %s::double precision[]) WITH ORDINALITY AS q(id, since, n) "
+            "ORDER BY q.n",
+            ([w for w, _ in since], [t for _, t in since]),
         )
-        return {str(worker_id): float(at) for worker_id, at in rows}
+        return [None if first is None else float(first) for (first,) in rows]
 
     async def record_claim_log(
         self, arrivals: Sequence[ClaimLogEntry], endings: Sequence[ClaimEnding]

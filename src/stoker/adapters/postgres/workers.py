@@ -508,21 +508,16 @@ async def _cas(
         current.id,
         current.version,
     ]
-    cur = await conn.execute(
+    update = (
         f"UPDATE {names.workers} SET {', '.join(sets)} WHERE id = %s AND version = %s "
-        f"RETURNING {WORKER_SELECT}",
-        params,
+        f"RETURNING {WORKER_SELECT}"
     )
-    row = await cur.fetchone()
-    if row is None:
-        return None
     if "taken_at" in fields:
-        await conn.execute(
-            f"INSERT INTO {names.worker_takes} (worker_id, taken_at) VALUES (%s, %s) "
-            "ON CONFLICT DO NOTHING",
-            (current.id, now),
-        )
-    return worker_from_row(row)
+        # A change of owner is kept in the same statement, as the reservations keep theirs.
+        update = f"WITH moved AS ({update}), {took_statement(names)} SELECT * FROM moved"
+    cur = await conn.execute(update, params)
+    row = await cur.fetchone()
+    return worker_from_row(row) if row else None
 
 
 def _sets(fields: Mapping[str, Any]) -> tuple[list[str], list[Any]]:

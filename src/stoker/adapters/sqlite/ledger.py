@@ -79,16 +79,15 @@ class LedgerRows:
         )
         return None if not rows or rows[0][0] is None else float(rows[0][0])
 
-    async def first_takes(self, since: Mapping[str, float]) -> dict[str, float]:
-        """Each worker's first change of owner after its time in `since`."""
-        found: dict[str, float] = {}
-        for worker_id, after in since.items():
-            rows = self._writes.read(
+    async def first_takes(self, since: Sequence[tuple[str, float]]) -> list[float | None]:
+        """Each worker's first change of owner after its time, one indexed look-up each."""
+        found: list[float | None] = []
+        for worker_id, after in since:
+            ((first,),) = self._writes.read(
                 "SELECT min(taken_at) FROM worker_takes WHERE worker_id = ? AND taken_at > ?",
                 (worker_id, after),
             )
-            if rows and rows[0][0] is not None:
-                found[worker_id] = float(rows[0][0])
+            found.append(None if first is None else float(first))
         return found
 
     async def record_claim_log(
