@@ -90,6 +90,8 @@ class MemoryRuntime:
         #: Activations a real worker would refuse; a correct control plane never sends one.
         self.fencing_violations: list[str] = []
         self.headroom_calls = 0
+        #: What the sizing last said of each pool's gathering (`Runtime.gather`).
+        self.gathering: dict[str, bool] = {}
         #: Worker id -> node, for tests of packing; a worker with none set is on no node
         #: (as a local runtime's are).
         self.nodes: dict[str, str] = {}
@@ -205,6 +207,9 @@ class MemoryRuntime:
         return sum(
             1 for wid, p in self.procs.items() if p.alive and p.busy and self.nodes.get(wid) == node
         )
+
+    def gather(self, pool: str, on: bool) -> None:
+        self.gathering[pool] = on
 
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         self.headroom_calls += 1

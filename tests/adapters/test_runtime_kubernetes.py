@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from looptime import LoopTimeProxy
@@ -1077,7 +1077,7 @@ async def plane(
     *,
     instance_id: str = "cp-one",
     spec: PoolSpec | None = None,
-    prefer_session_nodes: bool = False,
+    prefer_session_nodes: bool | Literal["forecast"] = False,
 ) -> AsyncIterator[Plane]:
     """A control plane on the Kubernetes runtime and the fake cluster (SQLite store)."""
     clock = LoopClock(epoch=EPOCH)
@@ -1239,6 +1239,54 @@ async def test_a_new_worker_prefers_the_nodes_that_hold_sessions(tmp_path: Path)
         assert len(new) == 3  # the claimed worker's refill, and two more
         for pod in new:
             assert pod.spec.preferred_nodes == (PreferredNodes(100, (node,)),)
+    await server.close()
+
+
+async def test_with_forecast_a_new_worker_prefers_session_nodes_only_while_told_to_gather(
+    tmp_path: Path,
+) -> None:
+    """`prefer_session_nodes="forecast"`: a spawn asks for the nodes that hold sessions
+    only while the leader's sizing says the pool may gather (`gather`); claims that find
+    no warm worker spawn their own, so each spawn here follows the last word."""
+    server = server_for_test()
+    spec = pool(warm_target=1)
+    async with (
+        Kubelet(server),
+        plane(tmp_path, server, spec=spec, prefer_session_nodes="forecast") as p,
+    ):
+        await asyncio.sleep(3)
+        first = await p.claim("a")
+        await asyncio.sleep(1)  # the pin reaches the informer
+        node = (await pod_of(server, first.worker_id)).node_name
+        assert node is not None
+        spread = await p.claim("b")  # no warm worker left: its own spawn
+        first_pod = await pod_of(server, spread.worker_id)
+        assert not first_pod.spec.preferred_nodes
+        await asyncio.sleep(1)
+        p.runtime.gather(spec.name, True)
+        gathered = await p.claim("c")
+        pod = await pod_of(server, gathered.worker_id)
+        # The two nodes that hold a session each, equally preferred.
+        sessions = {node, first_pod.node_name}
+        assert len(pod.spec.preferred_nodes) == 1
+        assert set(pod.spec.preferred_nodes[0].hostnames) == sessions
+        p.runtime.gather(spec.name, False)
+        again = await p.claim("d")
+        assert not (await pod_of(server, again.worker_id)).spec.preferred_nodes
+    await server.close()
+
+
+async def test_without_forecast_a_word_to_gather_changes_nothing(tmp_path: Path) -> None:
+    """`prefer_session_nodes=False` never prefers session nodes, whatever the sizing says."""
+    server = server_for_test()
+    spec = pool(warm_target=1)
+    async with Kubelet(server), plane(tmp_path, server, spec=spec) as p:
+        await asyncio.sleep(3)
+        await p.claim("a")
+        await asyncio.sleep(1)
+        p.runtime.gather(spec.name, True)
+        cold = await p.claim("b")
+        assert not (await pod_of(server, cold.worker_id)).spec.preferred_nodes
     await server.close()
 
 

@@ -487,9 +487,34 @@ def test_kubernetes_defaults(tmp_path: Path) -> None:
     assert runtime.placeholder_priority_class is None
     assert runtime.placeholder_image == "registry.k8s.io/pause:3.10"
     assert runtime.placeholder_size is None
+    assert runtime.prefer_session_nodes == "forecast"
     assert config.pools[0].headroom_nodes == 0
     # SQLite: one replica, no elector.
     assert (config.elector_kind(), config.janitor_lease_name()) == ("none", None)
+
+
+@pytest.mark.parametrize(
+    ("given", "taken"),
+    [("true", True), ("false", False), ("forecast", "forecast"), ('"false"', False)],
+)
+def test_sessions_gather_always_never_or_as_the_forecast_says(
+    tmp_path: Path, given: str, taken: bool | str
+) -> None:
+    text = f"runtime: {{kind: kubernetes, prefer_session_nodes: {given}}}\n" + K8S_POOL
+    runtime = load_config(write(tmp_path, text), {}).config.runtime
+    assert isinstance(runtime, KubernetesRuntimeConfig)
+    assert runtime.prefer_session_nodes == taken
+
+
+@pytest.mark.parametrize("given", ["forcast", "sometimes", "2", "[forecast]", "null"])
+def test_a_mistyped_way_of_gathering_sessions_is_named_once(tmp_path: Path, given: str) -> None:
+    """One line for the key, in the words of its three values: not one per kind of the
+    union (`bool` and the literal) that it accepts."""
+    text = f"runtime: {{kind: kubernetes, prefer_session_nodes: {given}}}\n" + K8S_POOL
+    assert errors_of(tmp_path, text) == [
+        "config error: runtime.prefer_session_nodes: must be true, false or forecast"
+        " (from stoker.yaml)"
+    ]
 
 
 def test_a_pod_maps_onto_the_domain_pod_template(tmp_path: Path) -> None:

@@ -446,6 +446,9 @@ async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path)
         assert sizing is not None and sizing.policy == "forecast"
         assert sizing.forecast_rate == pytest.approx(0.2)
         assert sizing.desired == sizing.forecast_warm == mean_warm(sizing)
+        # A flat forecast wants no room beyond the warm pool: new workers may gather.
+        assert sizing.headroom_short is not None and sizing.headroom_short <= 0
+        assert sizing.gather and runtime.gathering == {"p": True}
         # None of the warm pool is ready yet: a claim waits through a pass.
         claim = asyncio.create_task(cp.claim(ClaimRequest(pool="p", org="acme", timeout_s=30)))
         await asyncio.sleep(0.05)
@@ -455,9 +458,11 @@ async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path)
             runtime.make_ready(worker_id)
         await cp.release((await claim).id)
         sizing = cp.janitor.sizing("p")
-        # Guarded after the miss: the upper quantile, more warm workers.
+        # Guarded after the miss: the upper quantile, more warm workers, and no gathering
+        # (the miss says the room was short).
         assert sizing is not None and sizing.policy == "forecast"
         assert sizing.forecast_rate is not None and sizing.forecast_rate > 0.2
+        assert not sizing.gather and runtime.gathering == {"p": False}
         # (The claim waiting then adds one to the target: `desired` = `base` + 1.)
         assert sizing.forecast_warm is not None and sizing.waiting == 1
         assert sizing.base == sizing.forecast_warm > mean_warm(sizing)
@@ -471,3 +476,4 @@ async def test_a_forecast_leads_by_its_mean_until_a_claim_misses(tmp_path: Path)
         sizing = cp.janitor.sizing("p")
         assert sizing is not None and sizing.forecast_rate == pytest.approx(0.2)
         assert sizing.desired == mean_warm(sizing)
+        assert sizing.gather and runtime.gathering == {"p": True}

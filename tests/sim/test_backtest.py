@@ -335,11 +335,15 @@ def test_a_config_that_gathers_sessions_replays_with_it(log: Path, tmp_path: Pat
             "  kind: kubernetes\n", "  kind: kubernetes\n  prefer_session_nodes: true\n", 1
         )
     )
-    assert "prefer_session_nodes" not in _config_settings(_ConfigFile.load(shipped), "duck")[1]
+    shipped_intervals = _config_settings(_ConfigFile.load(shipped), "duck")[1]
+    assert shipped_intervals["prefer_session_nodes"] == "forecast"  # the default
     intervals = _config_settings(_ConfigFile.load(gathered), "duck")[1]
     assert intervals["prefer_session_nodes"] is True
     backtest = Backtest(replay=read_claim_log(log), control_plane=intervals)
-    assert backtest.scenario([("current", {})]).control_plane.prefer_session_nodes
+    assert backtest.scenario([("current", {})]).control_plane.prefer_session_nodes is True
+    never = {**intervals, "prefer_session_nodes": False}
+    backtest = Backtest(replay=read_claim_log(log), control_plane=never)
+    assert backtest.scenario([("current", {})]).control_plane.prefer_session_nodes is False
 
 
 def test_a_replay_passes_as_stoker_serve_does(log: Path) -> None:

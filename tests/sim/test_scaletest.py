@@ -302,16 +302,17 @@ def test_the_gathered_benchmark_scenarios_are_the_shipped_ones_with_the_preferen
     name: str,
 ) -> None:
     """benchmarks/scenarios/NAME-gathered.yaml is the shipped scenario with only the
-    runtime's `prefer_session_nodes` turned on (and its own name)."""
+    runtime's `prefer_session_nodes` turned on always (and its own name); the shipped one
+    gathers as `stoker serve` does by default, while the forecast says so."""
     path = Path(__file__).parents[2] / "benchmarks" / "scenarios" / f"{name}-gathered.yaml"
     gathered, shipped = load_scenario(str(path)), load_scenario(name)
-    assert gathered.control_plane.prefer_session_nodes
-    assert not shipped.control_plane.prefer_session_nodes
+    assert gathered.control_plane.prefer_session_nodes is True
+    assert shipped.control_plane.prefer_session_nodes == "forecast"
     same = gathered.model_copy(
         update={
             "name": shipped.name,
             "control_plane": gathered.control_plane.model_copy(
-                update={"prefer_session_nodes": False}
+                update={"prefer_session_nodes": "forecast"}
             ),
         }
     )

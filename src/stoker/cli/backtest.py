@@ -695,8 +695,8 @@ def _config_settings(
         for key in ("janitor_interval_s", "reaper_interval_s")
         if key in loaded.intervals_given()
     }
-    if isinstance(loaded.runtime, KubernetesRuntimeConfig) and loaded.runtime.prefer_session_nodes:
-        intervals["prefer_session_nodes"] = True
+    if isinstance(loaded.runtime, KubernetesRuntimeConfig):
+        intervals["prefer_session_nodes"] = loaded.runtime.prefer_session_nodes
     for spec in file.domain.pools:
         if spec.name == pool:
             return (

@@ -3,9 +3,9 @@ leader election and the HTTP API."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from stoker.config.names import DnsLabel, DnsSubdomain, OrgName, Quantity, Token
 from stoker.config.problems import Problem, raise_problems
@@ -78,6 +78,21 @@ class PlaceholderSize(Section):
     memory: Quantity
 
 
+def _session_nodes(value: Any) -> Any:
+    """`prefer_session_nodes` as the runtime takes it: true, false or `forecast` (one
+    message for any other value, not one per kind of the union)."""
+    if isinstance(value, bool) or value == "forecast":
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError("must be true, false or forecast")
+
+
+#: When new worker pods prefer the nodes that hold the most sessions: always (true), never
+#: (false), or while the pool's forecast says it may gather (`forecast`).
+SessionNodes = Annotated[bool | Literal["forecast"], BeforeValidator(_session_nodes)]
+
+
 class KubernetesRuntimeConfig(Section):
     """Workers run as pods; every pool needs a `pod` template."""
 
@@ -108,9 +123,12 @@ class KubernetesRuntimeConfig(Section):
     placeholder_size: PlaceholderSize | None = None
     #: New worker pods prefer the nodes that hold the most sessions (preferred node
     #: affinity on `kubernetes.io/hostname`, which must be the node's name), so sessions
-    #: gather and the node autoscaler can take the other nodes back. Fewer nodes mean
-    #: less spare room: keep `headroom_nodes` for the spawns that then wait for a node.
-    prefer_session_nodes: bool = False
+    #: gather and the node autoscaler can take the other nodes back: `true` always,
+    #: `forecast` while the pool's forecast expects no growth beyond its warm pool within
+    #: the node lead and no claim of it missed lately (`sizing.gather`), `false` never.
+    #: Fewer nodes mean less spare room: with `true`, keep `headroom_nodes` for the
+    #: spawns that then wait for a node.
+    prefer_session_nodes: SessionNodes = "forecast"
 
 
 RuntimeConfig = LocalRuntimeConfig | KubernetesRuntimeConfig

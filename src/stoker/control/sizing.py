@@ -88,6 +88,10 @@ class Sizing:
     headroom: int | None = None
     headroom_reason: str | None = None
     headroom_short: float | None = None
+    #: Whether new workers may gather beside sessions now: the forecast expects no growth
+    #: beyond the live workers and the warm pool within the node lead (`headroom_short` at
+    #: most 0), and no claim missed within `miss_hold_s` nor surged (`Runtime.gather`).
+    gather: bool = False
     #: Orgs whose learned rate is in use (enough history), and orgs tracked.
     org_forecasts: int = 0
     orgs_tracked: int = 0
@@ -129,6 +133,12 @@ class SizingStatus:
     #: Workers the forecast adds within the node lead beyond the live workers and the
     #: warm pool wanted now (negative: the warm pool absorbs it); null without a forecast.
     headroom_short: float | None = None
+    #: True while the pool's new workers may gather beside sessions: the forecast expects
+    #: no growth beyond the live workers and the warm pool within `demand.node_lead_s`, and
+    #: no claim missed within `demand.miss_hold_s` nor surged. A Kubernetes runtime with
+    #: `prefer_session_nodes: forecast` (the default) then has new worker pods prefer the
+    #: nodes that hold the most sessions.
+    gather: bool = False
     #: Orgs of the pool whose learned new-session rate is in use (a day of history), and
     #: orgs whose rate is being learned (at most `demand.org_forecast_orgs`).
     org_forecasts: int = 0
@@ -153,6 +163,7 @@ class SizingStatus:
             headroom=s.headroom,
             headroom_reason=s.headroom_reason,
             headroom_short=s.headroom_short,
+            gather=s.gather,
             org_forecasts=s.org_forecasts,
             orgs_tracked=s.orgs_tracked,
         )
@@ -290,17 +301,28 @@ class PoolSizer:
             policy = REACTIVE
         org_forecasts, orgs_tracked = self._org_counts(pool.name)
         desired = desired_warm(base, seen.waiting, cap)
+        short = self._short(
+            pool, counts, forecaster if not off else None, warm=desired, guarded=guarded, now=now
+        )
         headroom = self._headroom(
             pool,
             counts,
-            forecaster if not off else None,
-            warm=desired,
-            guarded=guarded,
+            short,
             stranded=claims_waiting_for_nodes(
                 misses=seen.misses, waiting=seen.waiting, counts=counts
             ),
             now=now,
         )
+        # New workers may gather beside sessions while the forecast expects no growth the
+        # room already there does not cover, and no claim missed lately nor surged.
+        gather = (
+            short is not None
+            and short <= 0
+            and not guarded
+            and not rate.panicking
+            and not self._catalog.draining(pool.name)
+        )
+        self._runtime.gather(pool.name, gather)
         sizing = Sizing(
             desired=desired,
             waiting=seen.waiting,
@@ -317,7 +339,8 @@ class PoolSizer:
             demand=seen.waiting + base - pool.warm_target,
             headroom=headroom.placeholders if headroom is not None else None,
             headroom_reason=headroom.reason if headroom is not None else None,
-            headroom_short=headroom.short if headroom is not None else None,
+            headroom_short=short,
+            gather=gather,
             org_forecasts=org_forecasts,
             orgs_tracked=orgs_tracked,
         )
@@ -325,7 +348,7 @@ class PoolSizer:
         self._gauges(pool.name, sizing)
         return sizing
 
-    def _headroom(
+    def _short(
         self,
         pool: PoolSpec,
         counts: PoolCounts,
@@ -333,16 +356,39 @@ class PoolSizer:
         *,
         warm: int,
         guarded: bool,
-        stranded: int,
         now: float,
+    ) -> float | None:
+        """The workers the forecast adds within the node lead beyond the workers live now
+        and the warm pool (`warm` wanted now; the warm pool then at its upper quantile
+        while `guarded`): `forecast_short`. None without a forecast in use."""
+        if forecaster is None:
+            return None
+        spec = pool.demand
+        current = forecaster.at(now, spec.quantile)
+        later = forecaster.peak(now, now + spec.node_lead_s, spec.quantile)
+        if current is None or later is None:
+            return None
+        replace_s = self._spawner.ready_s(pool) + self._settings.janitor_interval_s
+        return forecast_short(
+            busy=counts.live - counts.warm - counts.spawning_neutral - counts.warm_stale,
+            live=counts.live,
+            warm=warm,
+            growth=later.mean / current.mean if current.mean > 0 else None,
+            warm_later=warm_for_rate(
+                later.upper if guarded else later.mean, replace_s, spec.quantile
+            ),
+        )
+
+    def _headroom(
+        self, pool: PoolSpec, counts: PoolCounts, short: float | None, *, stranded: int, now: float
     ) -> Headroom | None:
         """The placeholders that buy something (docs/scaling.md, "Node headroom"), while
         a spawn of the pool waits for a node: room for the growth the forecast expects
-        within the node lead beyond the warm pool (`warm` wanted now; its upper quantile
-        while `guarded`), or for the `stranded` claims that waited for a node, beyond the
-        room already coming; the largest of the last `headroom_hold_s`. None: the pool
-        keeps no headroom. A draining pool keeps none, constant or held: it hands out no
-        claims, so no spawn of its will wait for a node."""
+        within the node lead beyond the warm pool (`short`, `_short`), or for the
+        `stranded` claims that waited for a node, beyond the room already coming; the
+        largest of the last `headroom_hold_s`. None: the pool keeps no headroom. A
+        draining pool keeps none, constant or held: it hands out no claims, so no spawn
+        of its will wait for a node."""
         if pool.headroom_nodes <= 0:
             return None
         if self._catalog.draining(pool.name):
@@ -350,21 +396,6 @@ class PoolSizer:
         spec = pool.demand
         if spec.headroom == "constant":
             return Headroom(pool.headroom_nodes, HEADROOM_CONSTANT, None)
-        short = None
-        if forecaster is not None:
-            current = forecaster.at(now, spec.quantile)
-            later = forecaster.peak(now, now + spec.node_lead_s, spec.quantile)
-            if current is not None and later is not None:
-                replace_s = self._spawner.ready_s(pool) + self._settings.janitor_interval_s
-                short = forecast_short(
-                    busy=counts.live - counts.warm - counts.spawning_neutral - counts.warm_stale,
-                    live=counts.live,
-                    warm=warm,
-                    growth=later.mean / current.mean if current.mean > 0 else None,
-                    warm_later=warm_for_rate(
-                        later.upper if guarded else later.mean, replace_s, spec.quantile
-                    ),
-                )
         wanted = paying_headroom(
             short=short,
             stranded=stranded,

@@ -153,6 +153,14 @@ class Runtime(Protocol):
         gather on fewer nodes and the cluster can give back the nodes that hold none."""
         ...
 
+    def gather(self, pool: str, on: bool) -> None:
+        """The leader's sizing says, each pass, whether `pool`'s new workers may gather
+        beside sessions now (`Sizing.gather`: its forecast expects no growth beyond the warm
+        pool within the node lead). A runtime whose new workers prefer the nodes that hold
+        the most sessions while that holds (Kubernetes, `prefer_session_nodes: forecast`)
+        follows it; others ignore it."""
+        ...
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Keep each pool's `headroom_nodes` placeholders (cluster runtimes; leader only)."""
         ...

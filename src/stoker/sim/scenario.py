@@ -49,6 +49,7 @@ from pydantic import (
 )
 
 from stoker.adapters._election import check_timings
+from stoker.config.sections import SessionNodes
 from stoker.domain.errors import ConfigError
 from stoker.domain.states import ClaimMode, Reuse
 from stoker.sim.cluster.config import SimClusterConfig
@@ -409,8 +410,8 @@ class ControlPlaneConfig(_Model):
     retry_period_s: float = Field(2.0, gt=0)
     #: The Kubernetes runtime's informer resync: 5 minutes (its default).
     resync_s: float = Field(300.0, gt=0)
-    #: The runtime's `prefer_session_nodes` (off, its default).
-    prefer_session_nodes: bool = False
+    #: The runtime's `prefer_session_nodes` (`forecast`, its default).
+    prefer_session_nodes: SessionNodes = "forecast"
     #: duckgres: stranded pods older than 2 minutes are cleaned up.
     stranded_grace_s: float = Field(120.0, ge=0)
     #: The label value every worker pod carries (`stoker.dev/fleet`).

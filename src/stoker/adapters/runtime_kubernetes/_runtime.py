@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from stoker.adapters._logs import EventLog
 from stoker.adapters.runtime_kubernetes._headroom import Headroom, Placeholders
@@ -65,10 +65,11 @@ class KubernetesRuntime:
         placeholder_size: tuple[str, str] | None = None,
         stop_grace_s: float | None = None,
         sync_timeout_s: float = SYNC_TIMEOUT_S,
-        prefer_session_nodes: bool = False,
+        prefer_session_nodes: bool | Literal["forecast"] = False,
     ) -> None:
         """With `prefer_session_nodes`, a new worker pod prefers the nodes that hold the
-        most sessions (`preferred_nodes`)."""
+        most sessions (`preferred_nodes`): always (`True`), or while the leader's sizing
+        says its pool may gather (`"forecast"`, `gather`)."""
         if not valid_label_value(fleet) or not fleet:
             raise ValueError(f"fleet {fleet!r} is not a valid Kubernetes label value")
         if not valid_label_value(instance_id) or not instance_id:
@@ -80,7 +81,10 @@ class KubernetesRuntime:
         self.cluster = cluster
         self.clock = clock
         self.fleet = fleet
-        self._preferred_nodes = PREFERRED_NODES if prefer_session_nodes else 0
+        self._preferred_nodes = PREFERRED_NODES if prefer_session_nodes is True else 0
+        self._follows_sizing = prefer_session_nodes == "forecast"
+        #: The pools whose new workers gather beside sessions now (`gather`).
+        self._gathering: set[str] = set()
         self.instance_id = instance_id
         self.stop_grace_s = stop_grace_s
         self._key = activation_key
@@ -128,6 +132,16 @@ class KubernetesRuntime:
         """(CPUs, GiB) one placeholder of `pool` requests."""
         return self.headroom.requests(pool)
 
+    def gather(self, pool: str, on: bool) -> None:
+        """With `prefer_session_nodes="forecast"`: while `on`, `pool`'s new worker pods
+        prefer the nodes that hold the most sessions, as with `True`."""
+        if not self._follows_sizing:
+            return
+        if on:
+            self._gathering.add(pool)
+        else:
+            self._gathering.discard(pool)
+
     # -- spawn, stop, adopt, busy -----------------------------------------------------------
 
     async def spawn(self, worker: Worker, pool: PoolSpec) -> Mapping[str, Any]:
@@ -154,7 +168,9 @@ class KubernetesRuntime:
             instance_id=self.instance_id,
             grace_s=self._grace(pool.timeouts.stop_grace_s),
             activation_key=self._key,
-            beside=self.informer.pinned_by_node.most(self._preferred_nodes),
+            beside=self.informer.pinned_by_node.most(
+                PREFERRED_NODES if pool.name in self._gathering else self._preferred_nodes
+            ),
         )
         try:
             await self.cluster.create_pod(pod)

@@ -473,6 +473,9 @@ class LocalProcessRuntime:
         """None: local processes share one machine, with no nodes to give back."""
         return None
 
+    def gather(self, pool: str, on: bool) -> None:
+        """Nothing to do: one machine has no nodes to gather sessions on."""
+
     async def reconcile_headroom(self, pools: Sequence[PoolSpec]) -> None:
         """Nothing to do: one machine has no node autoscaler to hold spare nodes for."""
         return None
