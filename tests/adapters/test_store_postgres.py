@@ -36,7 +36,7 @@ from stoker.adapters.postgres import PostgresStore
 from stoker.adapters.postgres.locks import LOCK, lock_key
 from stoker.adapters.postgres.schema import IDEMPOTENCY_INDEX, indexes, upgrades
 from stoker.domain.errors import ClaimKeyTaken, StoreError
-from stoker.domain.ledger import LedgerCounts, LedgerKey
+from stoker.domain.ledger import ClaimEnding, ClaimLogEntry, LedgerCounts, LedgerKey
 from stoker.domain.records import (
     Claim,
     OrgForecastBucket,
@@ -957,3 +957,35 @@ async def test_a_schema_of_version_17_keeps_the_changes_of_owner_from_its_upgrad
     got = must((await parked_or_warm(upgraded, warm, "org-a")).worker)
     assert (got.id, got.owner, got.taken_at) == (warm.id, "cp-b", T0 + 100)
     assert await upgraded.first_takes([(warm.id, T0)]) == [T0 + 100]
+
+
+async def test_two_replicas_writing_each_others_claim_log_rows_do_not_deadlock(
+    make_pg: Callable[..., PostgresStore],
+) -> None:
+    """One replica writes a claim's arrival and another its ending (whichever released
+    it): two flushes at once, each with arrivals of its own claims and endings of the
+    other's, lock the same rows. Written in the order of their ids, they cannot wait on
+    each other in a cycle; in the order arrivals-then-endings they deadlocked
+    (PostgreSQL aborts one: `claim_log_write_failed`). Every row ends whole."""
+    a, b = make_pg(), make_pg()
+    await a.open()
+    await b.open()
+    ids = [f"c-{i:04d}" for i in range(400)]
+    mine = {store: ids[k::2] for k, store in enumerate((a, b))}
+
+    def arrival(claim: str) -> ClaimLogEntry:
+        return ClaimLogEntry(claim, T0, "p", "acme", "take", "warm", 0.01, None, "bound", "r1")
+
+    def ending(claim: str) -> ClaimEnding:
+        return ClaimEnding(claim, "p", "acme", "take", "warm", T0, 2.0, "released")
+
+    for _ in range(5):
+        # a logs the arrivals of the even claims and the endings of the odd ones; b the
+        # other way round.
+        await asyncio.gather(
+            a.record_claim_log([arrival(c) for c in mine[a]], [ending(c) for c in mine[b]]),
+            b.record_claim_log([arrival(c) for c in mine[b]], [ending(c) for c in mine[a]]),
+        )
+    logged = await a.read_claim_log(since=0, until=T0 + 10, limit=1000)
+    assert sorted(e.id for e in logged) == ids
+    assert {(e.held_s, e.outcome, e.source) for e in logged} == {(2.0, "released", "warm")}

@@ -4,6 +4,7 @@ docs/claim-log.md)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 
 from stoker.adapters._ledger import (
     ARRIVAL_SETS,
@@ -112,11 +113,18 @@ class LedgerRows:
             ]
         )
         ending = self._log_insert() + ", ".join(f"{c} = EXCLUDED.{c}" for c in ENDING_SETS)
+        # Every row in the order of its id, arrivals and endings alike: one replica writes
+        # a claim's arrival and another its ending, and two transactions that lock the same
+        # rows in different orders deadlock (one replica's arrival of X then ending of W,
+        # the other's arrival of W then ending of X).
+        rows = sorted(
+            [(a.id, 0, arrival, arrival_row(a)) for a in arrivals]
+            + [(e.id, 1, ending, ending_row(e)) for e in endings],
+            key=lambda row: (row[0], row[1]),
+        )
         async with self._db.tx() as conn, conn.cursor() as cur:
-            if arrivals:
-                await cur.executemany(arrival, [arrival_row(a) for a in arrivals])
-            if endings:
-                await cur.executemany(ending, [ending_row(e) for e in endings])
+            for statement, run in groupby(rows, key=lambda row: row[2]):
+                await cur.executemany(statement, [params for *_, params in run])
 
     async def read_claim_log(
         self,
