@@ -15,7 +15,6 @@ when an hour closes, so a new leader keeps what the last one learned.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -406,8 +405,9 @@ class PoolSizer:
         held = self._headroom_held.setdefault(
             pool.name, HeldMax(key=lambda headroom: headroom.placeholders)
         )
-        kept = held.add(now, wanted, spec.headroom_hold_s)
-        return dataclasses.replace(kept, short=short) if kept is not wanted else wanted
+        # The headroom in force, as the pass that wanted it decided it (the pool's
+        # `headroom_short` now is `Sizing`'s own).
+        return held.add(now, wanted, spec.headroom_hold_s)
 
     def node_waits(self, pool: PoolSpec, workers: Iterable[Worker]) -> int:
         """How many of `pool`'s spawning `workers` wait for a node, as the runtime sees

@@ -99,8 +99,9 @@ class Headroom:
     #: `forecast` (growth within the node lead beyond the warm pool), `cold` (claims went
     #: cold or queued this pass) or `none` (neither: a placeholder would buy nothing).
     reason: str
-    #: Workers the forecast adds within the node lead beyond the workers live now and the
-    #: warm pool (negative: the warm pool absorbs the growth); None without a forecast.
+    #: Workers the forecast added within the node lead beyond the workers live now and the
+    #: warm pool when these were wanted (negative: the warm pool absorbed the growth);
+    #: None without a forecast.
     short: float | None
 
 
